@@ -1,0 +1,2 @@
+"""RoundPipe runtime."""
+__version__ = "0.1.0"
