@@ -1,0 +1,256 @@
+"""IPC micro-benchmarks of the runtime's foundation (issue: runtime foundation).
+
+Measures, between real processes on this machine:
+  1. message round trip over ZeroMQ with the runtime's codec (a StageTask out, a TaskDone
+     back, each encoded and decoded by roundpipe.protocol), median of many;
+  2. event-table signal-to-wake latency across processes: the waiter is already asleep in
+     the kernel (futex) when the producer signals, the realistic case for a pipeline
+     stage waiting on its input; plus the spinning case for reference;
+  3. copying 256 MiB into an arena view vs into a plain tensor (ratio of throughputs).
+
+Prints a table and, last, `RESULT roundtrip_us=<median> event_wake_us=<median>
+arena_copy_ratio=<x>`. Targets on a 2-core machine: <= 150 us, <= 50 us, >= 0.9.
+
+Usage: python benchmarks/ipc.py [--roundtrips N] [--wakes N] [--copy-mib M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from roundpipe.protocol import (
+    EventSignal,
+    EventWait,
+    StageTask,
+    TaskDone,
+    TensorRef,
+    decode,
+    decode_as,
+    encode,
+)
+from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir
+from roundpipe.shared.events import EventTable
+
+TABLE_OFFSET = DATA_START
+STAMPS_OFFSET = DATA_START + 4096
+
+
+def sample_task(i: int) -> StageTask:
+    refs = [
+        TensorRef(
+            arena="acts0",
+            offset=DATA_START + 64 * k,
+            dtype="bfloat16",
+            shape=(4, 2048, 2048),
+            stride=(2048 * 2048, 2048, 1),
+        )
+        for k in range(8)
+    ]
+    return StageTask(
+        job_id="job-1",
+        task_id=i,
+        attempt=0,
+        iteration=i // 16,
+        kind="backward",
+        layer_start=3,
+        layer_stop=7,
+        num_microbatches=8,
+        inputs=refs,
+        outputs=refs,
+        saved=refs[:2],
+        grads=[],
+        waits=[EventWait(counter=k, at_least=i, label=f"act[{k}]") for k in range(8)],
+        signals=[EventSignal(counter=100 + k, value=i, label=f"dact[{k}]") for k in range(8)],
+        options={},
+    )
+
+
+# -- child roles ---------------------------------------------------------------------
+
+
+def serve_echo(address: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    while True:
+        frames = sock.recv_multipart()
+        if frames == [b"stop"]:
+            break
+        task = decode_as(frames, StageTask)
+        done = TaskDone(
+            job_id=task.job_id,
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker_id=1,
+            seconds=0.0,
+            layer_times={},
+        )
+        sock.send_multipart(encode(done))
+    sock.close()
+    ctx.term()
+
+
+def serve_waker(path: str, n: int, delay_s: float) -> None:
+    arena = Arena.attach(path)
+    table = EventTable(arena, TABLE_OFFSET)
+    stamps = arena.view(arena.ref(STAMPS_OFFSET, torch.float64, (n,)))
+    for i in range(1, n + 1):
+        table.wait_at_least(1, i, timeout_s=60)  # the parent is about to wait for round i
+        if delay_s:
+            time.sleep(delay_s)  # long enough for the parent to be asleep in its wait
+        stamps[i - 1] = time.perf_counter()
+        table.signal(0, i)
+
+
+# -- measurements --------------------------------------------------------------------
+
+
+def measure_roundtrip(n: int) -> list[float]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    address = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+    sock.bind(address)
+    child = subprocess.Popen([sys.executable, __file__, "--serve-echo", address])
+    times = []
+    try:
+        for i in range(n + 200):
+            start = time.perf_counter()
+            sock.send_multipart(encode(sample_task(i)))
+            reply = decode(sock.recv_multipart())
+            elapsed = time.perf_counter() - start
+            assert isinstance(reply, TaskDone) and reply.task_id == i
+            if i >= 200:  # warm-up
+                times.append(elapsed)
+        sock.send_multipart([b"stop"])
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+        sock.close()
+        ctx.term()
+    return times
+
+
+def measure_wake(n: int, delay_s: float) -> list[float]:
+    arena = Arena.create("bench-events", 4096 + 8 * n, directory=default_arena_dir())
+    try:
+        table = EventTable.create(arena, TABLE_OFFSET, 4)
+        stamps = arena.view(arena.ref(STAMPS_OFFSET, torch.float64, (n,)))
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--serve-waker", str(arena.path), str(n), str(delay_s)]
+        )
+        latencies = []
+        try:
+            for i in range(1, n + 1):
+                table.signal(1, i)
+                table.wait_at_least(0, i, timeout_s=60)
+                latencies.append(time.perf_counter() - float(stamps[i - 1]))
+            child.wait(timeout=30)
+        finally:
+            child.kill()
+        return latencies
+    finally:
+        arena.destroy()
+
+
+def measure_copy(mib: int, reps: int) -> tuple[float, float]:
+    nbytes = mib << 20
+    source = torch.randn(nbytes // 4)
+    plain = torch.empty_like(source)
+    plain.zero_()  # fault the pages in before timing
+    arena = Arena.create("bench-copy", nbytes, directory=default_arena_dir())
+    try:
+        view = arena.view(arena.ref(DATA_START, torch.float32, (nbytes // 4,)))
+        view.zero_()
+
+        def best_of(dst: torch.Tensor) -> float:
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                dst.copy_(source)
+                samples.append(time.perf_counter() - start)
+            return statistics.median(samples)
+
+        # Interleave the two so machine noise hits both alike.
+        plain_t, arena_t = [], []
+        for _ in range(3):
+            plain_t.append(best_of(plain))
+            arena_t.append(best_of(view))
+        assert torch.equal(view, source)
+        return statistics.median(plain_t), statistics.median(arena_t)
+    finally:
+        del view
+        arena.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--roundtrips", type=int, default=3000)
+    parser.add_argument("--wakes", type=int, default=400)
+    parser.add_argument("--copy-mib", type=int, default=256)
+    parser.add_argument("--copy-reps", type=int, default=5)
+    parser.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-waker", nargs=3, metavar="X", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_echo:
+        return serve_echo(args.serve_echo)
+    if args.serve_waker:
+        path, n, delay = args.serve_waker
+        return serve_waker(path, int(n), float(delay))
+
+    torch.set_num_threads(1)
+    rt = measure_roundtrip(args.roundtrips)
+    wake_sleeping = measure_wake(args.wakes, delay_s=0.002)
+    wake_spinning = measure_wake(args.wakes, delay_s=0.0)
+    plain_s, arena_s = measure_copy(args.copy_mib, args.copy_reps)
+
+    def us(samples: list[float], q: float) -> float:
+        return (
+            statistics.quantiles(samples, n=100)[int(q) - 1] * 1e6
+            if q != 50
+            else (statistics.median(samples) * 1e6)
+        )
+
+    rows = [
+        ("zmq round trip, StageTask/TaskDone", us(rt, 50), us(rt, 90), us(rt, 99), len(rt)),
+        (
+            "event wake, waiter asleep (futex)",
+            us(wake_sleeping, 50),
+            us(wake_sleeping, 90),
+            us(wake_sleeping, 99),
+            len(wake_sleeping),
+        ),
+        (
+            "event wake, waiter spinning",
+            us(wake_spinning, 50),
+            us(wake_spinning, 90),
+            us(wake_spinning, 99),
+            len(wake_spinning),
+        ),
+    ]
+    print(f"{'measurement':40} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10} {'n':>7}")
+    for name, p50, p90, p99, count in rows:
+        print(f"{name:40} {p50:10.1f} {p90:10.1f} {p99:10.1f} {count:7d}")
+    gbps = lambda s: (args.copy_mib / 1024) / s  # noqa: E731
+    print(f"\n{'copy of ' + str(args.copy_mib) + ' MiB':40} {'ms':>10} {'GiB/s':>10}")
+    print(f"{'  into a plain tensor':40} {plain_s * 1e3:10.1f} {gbps(plain_s):10.2f}")
+    print(f"{'  into an arena view':40} {arena_s * 1e3:10.1f} {gbps(arena_s):10.2f}")
+    ratio = plain_s / arena_s
+    print(
+        f"RESULT roundtrip_us={statistics.median(rt) * 1e6:.1f} "
+        f"event_wake_us={statistics.median(wake_sleeping) * 1e6:.1f} "
+        f"arena_copy_ratio={ratio:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()

@@ -1,0 +1,285 @@
+"""The event table: 64-bit sequence counters in shared memory that order work across processes.
+
+Every counter has exactly one writer (the process that produces what the counter stands
+for); any number of processes read it. A counter only moves forward: it holds the newest
+iteration (or version) whose data is complete, so "wait until counter >= k" is the one
+synchronisation primitive the runtime needs (see ARCHITECTURE.md section 5 for the
+counters: act, dact, wgrad, version, uploaded, ...).
+
+Layout (its own arena, or any 64-byte-aligned region of one)::
+
+    offset 0    u32 doorbell          bumped after every signal; waiters sleep on it (futex)
+    offset 4    u32 reserved
+    offset 8    u64 number of counters
+    offset 16   48 bytes reserved (rest of the first cache line)
+    offset 64   i64 counter[0], counter[1], ..., counter[n-1]
+
+Note [event-table fences]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A producer writes its data, then stores the counter; a consumer loads the counter, then
+reads the data. Nothing in Python orders these memory accesses for another process, so:
+
+* ``signal`` issues a full fence *between* the data writes and the counter store, and
+  ``wait_at_least`` issues one *after* it has seen the counter and before it returns
+  (before the caller reads the data). On x86-64 (total store order) the hardware already
+  keeps stores in order and loads in order, and the fence is what stops the compiler from
+  reordering across it; on weaker architectures (aarch64) the fence is what makes the
+  protocol correct at all. A counter store or load is one aligned 8-byte access, which is
+  single-copy atomic on both, so a reader never sees half a counter.
+* The fence is two acquire/release pairs of a process-local lock: release(1) -> acquire(2)
+  is ordered (the lock is sequentially consistent), data accesses cannot sink below
+  release(1), and the counter access cannot rise above acquire(2). This is the same fix
+  vLLM adopted for its shared-memory broadcast queue (vllm issue 27858/29389).
+* On a GPU the "data write" is an asynchronous device-to-host copy: the producer records
+  an interprocess CUDA event after the copy and publishes the counter; the consumer waits
+  for the counter, then makes its stream wait on the event (see roundpipe.shared.cuda).
+
+Waiting without burning a core: a waiter spins for a few microseconds (the common case in
+a busy pipeline is that the counter is about to move), then sleeps on the doorbell word
+with the Linux futex system call, in slices, until its deadline. ``signal`` bumps the
+doorbell and wakes all sleepers. Elsewhere than Linux the sleep falls back to short
+exponential back-off. Every wait has a deadline and raises :class:`EventTimeout` naming
+the counter, the value waited for and the value last seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from roundpipe.shared.arena import Arena, ArenaError
+
+__all__ = [
+    "COUNTERS_START",
+    "EventTable",
+    "EventTimeout",
+    "fence",
+    "table_nbytes",
+]
+
+log = logging.getLogger(__name__)
+
+COUNTERS_START = 64
+_SPIN_S = 50e-6
+_SLEEP_SLICE_S = 0.05
+
+
+def table_nbytes(num_counters: int) -> int:
+    """Bytes an event table of ``num_counters`` counters occupies."""
+    return COUNTERS_START + 8 * num_counters
+
+
+class EventTimeout(TimeoutError):
+    """A wait on the event table passed its deadline."""
+
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """Full memory fence between the caller's earlier and later memory accesses.
+
+    See Note [event-table fences].
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a shared (not process-private) 32-bit word."""
+
+    _SYSCALL_NUMBERS = {"x86_64": 202, "aarch64": 98, "arm64": 98}
+    _WAIT, _WAKE = 0, 1  # no FUTEX_PRIVATE_FLAG: the word is shared between processes
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def __init__(self) -> None:
+        self.available = False
+        number = self._SYSCALL_NUMBERS.get(platform.machine())
+        if sys.platform != "linux" or number is None:
+            return
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        except OSError:
+            return
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+        self._number = number
+        self.available = True
+
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
+        ts = self._Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+        # Returns at once (EAGAIN) if the word no longer holds `expected`: no lost wake-up.
+        self._syscall(
+            ctypes.c_long(self._number),
+            ctypes.c_void_p(address),
+            ctypes.c_int(self._WAIT),
+            ctypes.c_uint32(expected),
+            ctypes.byref(ts),
+            None,
+            ctypes.c_uint32(0),
+        )
+
+    def wake_all(self, address: int) -> None:
+        self._syscall(
+            ctypes.c_long(self._number),
+            ctypes.c_void_p(address),
+            ctypes.c_int(self._WAKE),
+            ctypes.c_int(2**31 - 1),
+            None,
+            None,
+            ctypes.c_uint32(0),
+        )
+
+
+_futex = _Futex()
+
+
+class EventTable:
+    """Counters in an arena region. Build with :meth:`create` (owner) or :meth:`attach`."""
+
+    def __init__(self, arena: Arena, offset: int, labels: Callable[[int], str] | None = None):
+        if offset % 64:
+            raise ArenaError(f"event table offset {offset} is not 64-byte aligned")
+        header = (ctypes.c_uint32 * 2).from_buffer(arena.buffer, offset)
+        count = ctypes.c_uint64.from_buffer(arena.buffer, offset + 8).value
+        if offset + table_nbytes(count) > arena.nbytes:
+            raise ArenaError(
+                f"event table at offset {offset} of {count} counters overruns arena {arena.name!r}"
+            )
+        self.arena = arena
+        self.offset = offset
+        self.num_counters = count
+        self._header = header
+        self._doorbell_address = ctypes.addressof(header)
+        self._counters = (ctypes.c_int64 * max(count, 1)).from_buffer(
+            arena.buffer, offset + COUNTERS_START
+        )
+        self._labels = labels
+
+    @classmethod
+    def create(cls, arena: Arena, offset: int, num_counters: int) -> EventTable:
+        """Initialise a table of zeroed counters in ``arena`` at ``offset`` (owner side)."""
+        if offset + table_nbytes(num_counters) > arena.nbytes:
+            raise ArenaError(
+                f"an event table of {num_counters} counters needs "
+                f"{table_nbytes(num_counters)} bytes at offset {offset}; arena "
+                f"{arena.name!r} has {arena.nbytes}"
+            )
+        arena.buffer[offset : offset + table_nbytes(num_counters)] = bytes(
+            table_nbytes(num_counters)
+        )
+        ctypes.c_uint64.from_buffer(arena.buffer, offset + 8).value = num_counters
+        fence()
+        return cls(arena, offset)
+
+    def label(self, index: int) -> str:
+        """Human name of a counter for error messages (e.g. ``act[layer 3][mb 1]``)."""
+        if self._labels is not None:
+            return f"{self._labels(index)} (counter {index})"
+        return f"counter {index}"
+
+    def set_labeler(self, labels: Callable[[int], str]) -> None:
+        self._labels = labels
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_counters:
+            raise IndexError(f"event counter {index} outside table of {self.num_counters}")
+
+    # -- reading ---------------------------------------------------------------------
+
+    def read(self, index: int) -> int:
+        """Current value (no ordering with later data reads: use ``wait_at_least``)."""
+        self._check_index(index)
+        return self._counters[index]
+
+    def snapshot(self) -> list[int]:
+        return list(self._counters[: self.num_counters])
+
+    # -- writing (single writer per counter) -----------------------------------------
+
+    def signal(self, index: int, value: int) -> None:
+        """Publish ``value`` for counter ``index`` after the caller's data writes.
+
+        Counters never go backwards: signalling a value at or below the current one is a
+        no-op, which makes a re-executed (idempotent) task's signals harmless.
+        """
+        self._check_index(index)
+        if value <= self._counters[index]:
+            return
+        fence()  # data writes before the counter store: Note [event-table fences]
+        self._counters[index] = value
+        fence()  # counter store before the doorbell bump
+        self._header[0] = (self._header[0] + 1) & 0xFFFFFFFF
+        if _futex.available:
+            _futex.wake_all(self._doorbell_address)
+
+    def reset(self, index: int, value: int = 0) -> None:
+        """Owner-only: set a counter backwards (new job on a reused table). Not for workers."""
+        self._check_index(index)
+        self._counters[index] = value
+        fence()
+
+    # -- waiting ---------------------------------------------------------------------
+
+    def wait_at_least(
+        self,
+        index: int,
+        value: int,
+        timeout_s: float,
+        *,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> int:
+        """Block until counter ``index`` >= ``value``; return the value seen.
+
+        Raises :class:`EventTimeout` after ``timeout_s``. ``should_abort`` is polled at
+        least every sleep slice (50 ms) so a caller can stop waiting on shutdown; if it
+        returns True, :class:`InterruptedError` is raised.
+        """
+        self._check_index(index)
+        counters = self._counters
+        seen = counters[index]
+        if seen >= value:
+            fence()  # the caller's data reads after the counter load
+            return seen
+        start = time.perf_counter()
+        spin_until = start + _SPIN_S
+        deadline = start + timeout_s
+        backoff_s = 20e-6
+        while True:
+            doorbell = self._header[0]
+            seen = counters[index]
+            if seen >= value:
+                fence()
+                return seen
+            now = time.perf_counter()
+            if now >= deadline:
+                raise EventTimeout(
+                    f"timed out after {timeout_s:.3g}s waiting for {self.label(index)} to reach "
+                    f"{value}; last value seen {seen}. The producer of that counter has "
+                    "stopped or is slower than the deadline allows"
+                )
+            if now < spin_until:
+                continue
+            if should_abort is not None and should_abort():
+                raise InterruptedError(f"wait for {self.label(index)} >= {value} was aborted")
+            slice_s = min(_SLEEP_SLICE_S, deadline - now)
+            if _futex.available:
+                _futex.wait(self._doorbell_address, doorbell, slice_s)
+            else:
+                time.sleep(min(backoff_s, slice_s))
+                backoff_s = min(backoff_s * 2, 1e-3)
+
+    def close(self) -> None:
+        """Drop this table's references into the arena mapping."""
+        self._counters = None  # type: ignore[assignment]
+        self._header = None  # type: ignore[assignment]

@@ -1,0 +1,55 @@
+"""Shared fixtures: a private arena directory per test and helpers to run child processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).parent
+PROCS_DIR = TESTS_DIR / "procs"
+
+
+@pytest.fixture
+def arena_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh arena directory (RAM-backed when /dev/shm is usable) removed afterwards."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    directory = Path(
+        subprocess.check_output(["mktemp", "-d", str(base / "rp-test-XXXXXX")], text=True).strip()
+    )
+    yield directory
+    for entry in directory.iterdir():
+        entry.unlink()
+    directory.rmdir()
+
+
+SpawnChild = Callable[..., "subprocess.Popen[str]"]
+
+
+@pytest.fixture
+def spawn_child() -> Iterator[SpawnChild]:
+    """Start ``tests/procs/<script> ARGS`` in fresh interpreters; kill leftovers at teardown."""
+    children: list[subprocess.Popen[str]] = []
+
+    def spawn(script: str, *args: object) -> subprocess.Popen[str]:
+        child = subprocess.Popen(
+            [sys.executable, str(PROCS_DIR / script), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        children.append(child)
+        return child
+
+    yield spawn
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+        for stream in (child.stdout, child.stderr):
+            if stream is not None:
+                stream.close()
