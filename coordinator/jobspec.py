@@ -1,0 +1,869 @@
+"""The job spec: everything a fine-tuning job needs, validated before any work starts.
+
+A spec is built three ways, all ending in the same validation:
+
+* from a YAML file: :func:`load_job_spec` (relative paths are relative to the file);
+* from a plain dict: :meth:`JobSpec.from_dict` (this is also how it arrives at the
+  coordinator: the client sends :meth:`JobSpec.to_dict`, a msgpack-able dict);
+* as Python objects: ``JobSpec(model=ModelSpec(...), data=DataSpec(...), ...)``.
+
+The section classes (:class:`ModelSpec`, :class:`DataSpec`, ...) are plain frozen
+records; they only normalise (paths made absolute, lists made tuples). All checking
+happens in one place, when a :class:`JobSpec` is constructed, so that a single
+:class:`JobSpecError` can list *every* problem in the spec at once, across sections,
+each with its field path, the value given and what is expected.
+
+Checks that need the model's config (sequence length against
+``max_position_embeddings``, the data's token ids against ``vocab_size``) live in
+:func:`validate_against_model`, which the coordinator calls once it has built the config;
+construction already runs the cheap form of that check (``config.json`` of a path model,
+or the transformers config class of an architecture model). Checks that need the data
+(the dataset is not empty, lines parse) happen in :mod:`roundpipe.coordinator.data`.
+
+See docs/job-spec.md for every field with its default and an example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = [
+    "ARCHITECTURES",
+    "DATA_FORMATS",
+    "DTYPES",
+    "SCHEDULES",
+    "BatchSpec",
+    "DataSpec",
+    "FieldError",
+    "JobSpec",
+    "JobSpecError",
+    "LoraSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "OutputSpec",
+    "TrainSpec",
+    "load_job_spec",
+    "model_config_from_spec",
+    "validate_against_model",
+]
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text")
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("constant", "linear", "cosine")
+
+# Keys a transformers config accepts without their being dataclass fields: older names
+# that transformers 5 still folds into the new ones (rope_theta -> rope_parameters).
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype"})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem in a spec: where, what was given, what was expected."""
+
+    path: str
+    """Dotted field path, e.g. ``optimizer.lr`` (``""`` for the spec as a whole)."""
+    message: str
+    """Complete human-readable sentence(s), including the given value."""
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class JobSpecError(ValueError):
+    """A job spec is invalid. ``errors`` lists every problem found, not just the first."""
+
+    def __init__(self, errors: list[FieldError], source: str | None = None) -> None:
+        self.errors = list(errors)
+        self.source = source
+        where = f" in {source}" if source else ""
+        n = len(self.errors)
+        lines = [f"invalid job spec{where} ({n} problem{'s' if n != 1 else ''}):"]
+        lines += [f"  - {e}" for e in self.errors]
+        super().__init__("\n".join(lines))
+
+
+class _Errors:
+    """Collects problems during one validation pass."""
+
+    def __init__(self) -> None:
+        self.items: list[FieldError] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.items.append(FieldError(path, message))
+
+    def bad(self, path: str, given: Any, expected: str) -> None:
+        self.add(path, f"got {_show(given)}; expected {expected}")
+
+
+def _show(value: Any) -> str:
+    # Tuples only exist after normalisation; the user wrote a list.
+    text = repr(list(value)) if isinstance(value, tuple) else repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    kind = "list" if isinstance(value, tuple) else type(value).__name__
+    return f"{text} ({kind})"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _abs_path(value: Any) -> Any:
+    # Normalisation only: make a path absolute so the spec means the same thing in the
+    # coordinator, whose working directory is not the client's. Anything that is not a
+    # path is left for validation to report.
+    if isinstance(value, os.PathLike | str) and str(value) != "":
+        return os.path.abspath(os.path.expanduser(os.fspath(value)))
+    return value
+
+
+def _freeze_seq(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which model to train. Exactly one of ``path`` and ``architecture``."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (holds ``config.json`` and safetensors
+    weights). Nothing is downloaded."""
+    architecture: str | None = None
+    """Random initialisation of a known architecture: one of ``ARCHITECTURES``."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """With ``architecture`` only: overrides of the transformers config defaults, e.g.
+    ``{"hidden_size": 128, "num_hidden_layers": 4}``. Unknown keys are errors."""
+    init_seed: int | None = None
+    """With ``architecture`` only: seed of the random initialisation; ``None`` uses
+    ``train.seed``."""
+    tokenizer: str | None = None
+    """Local tokenizer directory; ``None`` uses ``path`` (a path model's own tokenizer)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", _abs_path(self.path))
+        object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
+        if isinstance(self.config, Mapping) and _json_like(dict(self.config)):
+            # A private deep copy (tuples become lists, as after a msgpack/YAML trip): the
+            # spec must not change under the caller's feet, and must round-trip.
+            object.__setattr__(self, "config", _plain(dict(self.config)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """LoRA adapters; when present, the base weights are frozen and only adapters train."""
+
+    r: int = 8
+    """Adapter rank (>= 1)."""
+    alpha: float = 16.0
+    """Scaling numerator: adapters are scaled by ``alpha / r`` (> 0)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input, in [0, 1)."""
+    target_modules: tuple[str, ...] | str = "all-linear"
+    """Module names to adapt (e.g. ``["q_proj", "v_proj"]``), or ``"all-linear"`` for
+    every linear layer except the LM head (PEFT's meaning)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", _freeze_seq(self.target_modules))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Training data and how it becomes fixed-length rows."""
+
+    path: str | None = None
+    """Local data file (required): ``.jsonl`` of text or of token ids, or ``.txt``."""
+    format: str = "auto"
+    """One of ``DATA_FORMATS``. ``auto``: ``.txt``/``.text``/``.md`` is plain text;
+    ``.jsonl``/``.ndjson``/``.json`` is ``jsonl_tokens`` if its first record has
+    ``input_ids``, else ``jsonl_text``."""
+    text_field: str = "text"
+    """Field holding the document text in ``jsonl_text`` records."""
+    tokenizer: str | None = None
+    """Local tokenizer directory; ``None`` uses the model's (``model.tokenizer``, else
+    ``model.path``)."""
+    seq_len: int = 1024
+    """Tokens per row (>= 2); must not exceed the model's ``max_position_embeddings``."""
+    shuffle: bool = True
+    """Shuffle rows, with a fresh seeded order every epoch."""
+    seed: int | None = None
+    """Seed of the shuffle; ``None`` uses ``train.seed``."""
+    packing: bool = True
+    """Concatenate documents (EOS between them) into full rows; ``False``: each document
+    starts a new row and its last row is padded."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", _abs_path(self.path))
+        object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSpec:
+    """Batch shape of one optimizer step: ``microbatch_size * num_microbatches`` rows."""
+
+    microbatch_size: int = 1
+    """Rows per microbatch (>= 1)."""
+    num_microbatches: int = 8
+    """Microbatches per step (>= 1). RoundPipe keeps N workers busy when this is >= N+1."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.microbatch_size * self.num_microbatches
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """The training loop."""
+
+    steps: int = 100
+    """Number of optimizer steps (>= 1)."""
+    staleness: int = 1
+    """0: exact (step k's gradient is taken on W_{k-1}); 1: the gradient of step k is
+    taken on W_{k-2}, so the CPU optimizer overlaps the next iteration (faster)."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the weight copies and activations: one of ``DTYPES``. Master
+    weights and optimizer state are always float32."""
+    seed: int = 0
+    """Seed for everything not given its own seed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """AdamW (decoupled weight decay) and its learning-rate schedule."""
+
+    lr: float = 2e-5
+    """Peak learning rate (> 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam coefficients, each in [0, 1)."""
+    eps: float = 1e-8
+    """Adam epsilon (> 0)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (>= 0), applied to every trainable parameter."""
+    grad_clip: float | None = None
+    """Clip gradients to this global L2 norm (> 0); ``None``: no clipping. Clipping
+    makes the optimizer wait for all of a step's gradients before updating any layer."""
+    schedule: str = "cosine"
+    """One of ``SCHEDULES``; see :class:`roundpipe.coordinator.optimizer.LRSchedule`."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to ``lr`` (>= 0, at most ``train.steps``)."""
+    min_lr_ratio: float = 0.0
+    """``linear``/``cosine`` decay to ``min_lr_ratio * lr`` at the last step, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", _freeze_seq(self.betas))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSpec:
+    """Where results go and how often."""
+
+    dir: str | None = None
+    """Output directory (created if missing); ``None``: the coordinator chooses one
+    under its state directory, named by job id."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (>= 0); 0: only at the end. A final
+    checkpoint is always written."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (>= 0); 0 keeps all."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", _abs_path(self.dir))
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelSpec,
+    "lora": LoraSpec,
+    "data": DataSpec,
+    "batch": BatchSpec,
+    "train": TrainSpec,
+    "optimizer": OptimizerSpec,
+    "output": OutputSpec,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A complete, validated job. Constructing one validates it (raises JobSpecError)."""
+
+    model: ModelSpec
+    """The model to train."""
+    data: DataSpec
+    """The training data."""
+    lora: LoraSpec | None = None
+    """LoRA adapters; ``None``: full fine-tuning of every weight."""
+    batch: BatchSpec = field(default_factory=BatchSpec)
+    """Microbatch size and count."""
+    train: TrainSpec = field(default_factory=TrainSpec)
+    """Steps, staleness, dtype, seed."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """AdamW settings and learning-rate schedule."""
+    output: OutputSpec = field(default_factory=OutputSpec)
+    """Output directory and checkpoint policy."""
+
+    def __post_init__(self) -> None:
+        errors = _validate(self)
+        if errors:
+            raise JobSpecError(errors)
+
+    # -- derived values: one definition of each default that refers to another field --
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows per optimizer step."""
+        return self.batch.global_batch_size
+
+    @property
+    def init_seed(self) -> int:
+        """Seed of the random initialisation (``model.init_seed`` or ``train.seed``)."""
+        return self.train.seed if self.model.init_seed is None else self.model.init_seed
+
+    @property
+    def data_seed(self) -> int:
+        """Seed of the data shuffle (``data.seed`` or ``train.seed``)."""
+        return self.train.seed if self.data.seed is None else self.data.seed
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """Tokenizer directory the data pipeline uses, or ``None`` if there is none."""
+        return self.data.tokenizer or self.model.tokenizer or self.model.path
+
+    # -- conversions --
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, msgpack/JSON/YAML-able dict; ``JobSpec.from_dict`` turns it back."""
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+        source: str | None = None,
+    ) -> JobSpec:
+        """Build and validate a spec from a dict (e.g. parsed YAML or ``to_dict()``).
+
+        Relative paths are taken relative to ``base_dir`` (default: the current
+        directory). ``source`` names the origin in error messages. Unknown or misspelt
+        keys are errors, reported together with every other problem.
+        """
+        errors = _Errors()
+        if not isinstance(data, Mapping):
+            errors.bad("", data, "a mapping with sections " + ", ".join(_SECTIONS))
+            raise JobSpecError(errors.items, source)
+        _check_keys(errors, "", data, list(_SECTIONS))
+        malformed: set[str] = set()  # sections reported as not-a-mapping
+        sections: dict[str, Any] = {}
+        for name, section_cls in _SECTIONS.items():
+            raw = data.get(name)
+            if raw is None:
+                if name in ("model", "data"):
+                    # Build an empty section so the missing required fields get their
+                    # own messages alongside everything else.
+                    sections[name] = section_cls()
+                continue
+            if not isinstance(raw, Mapping):
+                errors.bad(name, raw, "a mapping")
+                malformed.add(name)
+                sections[name] = section_cls() if name in ("model", "data") else None
+                continue
+            names = [f.name for f in dataclasses.fields(section_cls)]
+            _check_keys(errors, name, raw, names)
+            kwargs = {k: v for k, v in raw.items() if k in names}
+            if base_dir is not None:
+                for key in _PATH_FIELDS.get(name, ()):
+                    value = kwargs.get(key)
+                    if (
+                        isinstance(value, str)
+                        and value
+                        and not os.path.isabs(os.path.expanduser(value))
+                    ):
+                        kwargs[key] = os.path.join(os.fspath(base_dir), value)
+            sections[name] = section_cls(**kwargs)
+        sections = {k: v for k, v in sections.items() if v is not None}
+        try:
+            spec = cls(**sections)
+        except JobSpecError as exc:
+            # A malformed section was replaced by an empty one; its "missing field"
+            # complaints would only repeat the structural error already recorded.
+            rest = [
+                err
+                for err in exc.errors
+                if not any(err.path == m or err.path.startswith(m + ".") for m in malformed)
+            ]
+            raise JobSpecError(errors.items + rest, source) from None
+        if errors.items:
+            raise JobSpecError(errors.items, source)
+        return spec
+
+    def to_yaml(self) -> str:
+        """The spec as YAML text that ``load_job_spec`` reads back."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_PATH_FIELDS = {"model": ("path", "tokenizer"), "data": ("path", "tokenizer"), "output": ("dir",)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_keys(errors: _Errors, path: str, raw: Mapping[str, Any], allowed: list[str]) -> None:
+    for key in raw:
+        if key in allowed:
+            continue
+        where = f"{path}.{key}" if path else str(key)
+        alias = _ALIASES.get(str(key))
+        hint = [alias] if alias in allowed else difflib.get_close_matches(str(key), allowed, n=1)
+        guess = f" (did you mean {hint[0]!r}?)" if hint else ""
+        errors.add(where, f"unknown field{guess}; expected one of: {', '.join(allowed)}")
+
+
+# Names that Hugging Face Trainer/PEFT users reach for, mapped to ours, for the
+# "did you mean" hint (spelling similarity alone does not find lr for learning_rate).
+_ALIASES = {
+    "learning_rate": "lr",
+    "max_grad_norm": "grad_clip",
+    "clip_grad_norm": "grad_clip",
+    "lr_scheduler_type": "schedule",
+    "scheduler": "schedule",
+    "warmup": "warmup_steps",
+    "max_seq_len": "seq_len",
+    "max_length": "seq_len",
+    "seq_length": "seq_len",
+    "batch_size": "microbatch_size",
+    "per_device_train_batch_size": "microbatch_size",
+    "gradient_accumulation_steps": "num_microbatches",
+    "max_steps": "steps",
+    "num_steps": "steps",
+    "lora_r": "r",
+    "rank": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "output_dir": "dir",
+    "save_steps": "checkpoint_every",
+    "save_total_limit": "keep_last",
+}
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``3e-4`` as a float.
+
+    YAML 1.1 (PyYAML) only reads exponent floats that contain a dot (``3.0e-4``), so
+    ``lr: 3e-4`` would otherwise arrive as the string ``"3e-4"``. The resolver table is
+    copied, so the global SafeLoader is untouched.
+    """
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a YAML job spec; relative paths in it are relative to the file."""
+    spec_path = Path(path).expanduser().resolve()
+    try:
+        text = spec_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise JobSpecError(
+            [FieldError("", f"cannot read job spec file {str(spec_path)!r}: {exc.strerror}")]
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no code runs
+    except yaml.YAMLError as exc:
+        raise JobSpecError([FieldError("", f"not valid YAML: {exc}")], str(spec_path)) from None
+    if data is None:
+        data = {}
+    return JobSpec.from_dict(data, base_dir=spec_path.parent, source=str(spec_path))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _json_like(v: Any) -> bool:
+    if v is None or isinstance(v, bool | int | str):
+        return True
+    if isinstance(v, float):
+        return True
+    if isinstance(v, list | tuple):
+        return all(_json_like(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _json_like(x) for k, x in v.items())
+    return False
+
+
+def _check_int(e: _Errors, path: str, v: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    ok = _is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = (
+            f"an integer >= {lo}"
+            if hi is None and lo is not None
+            else f"an integer in [{lo}, {hi}]"
+            if lo is not None
+            else "an integer"
+        )
+        e.bad(path, v, rng)
+    return ok
+
+
+def _check_choice(e: _Errors, path: str, v: Any, choices: tuple[str, ...]) -> bool:
+    if v in choices and isinstance(v, str):
+        return True
+    e.bad(path, v, "one of " + ", ".join(repr(c) for c in choices))
+    return False
+
+
+def _check_bool(e: _Errors, path: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        e.bad(path, v, "true or false")
+
+
+def _check_dir(e: _Errors, path: str, v: Any, what: str) -> bool:
+    if not isinstance(v, str) or not v:
+        e.bad(path, v, f"a path to {what}")
+        return False
+    if not os.path.exists(v):
+        e.add(path, f"{what} {v!r} does not exist")
+        return False
+    if not os.path.isdir(v):
+        e.add(path, f"{v!r} is not a directory; expected {what}")
+        return False
+    return True
+
+
+def _has_tokenizer_files(d: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(d, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    )
+
+
+def _validate(spec: JobSpec) -> list[FieldError]:
+    """The single validation pass: every rule on every field, all problems collected."""
+    e = _Errors()
+    sections = {
+        "model": (spec.model, ModelSpec),
+        "data": (spec.data, DataSpec),
+        "batch": (spec.batch, BatchSpec),
+        "train": (spec.train, TrainSpec),
+        "optimizer": (spec.optimizer, OptimizerSpec),
+        "output": (spec.output, OutputSpec),
+    }
+    if spec.lora is not None:
+        sections["lora"] = (spec.lora, LoraSpec)
+    bad_section = False
+    for name, (value, cls) in sections.items():
+        if not isinstance(value, cls):
+            e.bad(name, value, f"a {cls.__name__}")
+            bad_section = True
+    if bad_section:
+        # Field checks below assume the right types; report the structural problem only.
+        return e.items
+
+    train_ok = _check_train(e, spec.train)
+    model_config = _check_model(e, spec.model)
+    if spec.lora is not None:
+        _check_lora(e, spec.lora)
+    _check_data(e, spec)
+    _check_int(e, "batch.microbatch_size", spec.batch.microbatch_size, lo=1)
+    _check_int(e, "batch.num_microbatches", spec.batch.num_microbatches, lo=1)
+    _check_optimizer(e, spec.optimizer, spec.train.steps if train_ok else None)
+    _check_output(e, spec.output)
+    if model_config is not None and _is_int(spec.data.seq_len):
+        e.items.extend(_model_errors(spec, model_config, None))
+    return e.items
+
+
+def _check_train(e: _Errors, t: TrainSpec) -> bool:
+    steps_ok = _check_int(e, "train.steps", t.steps, lo=1)
+    if not (_is_int(t.staleness) and t.staleness in (0, 1)):
+        e.bad("train.staleness", t.staleness, "0 (exact) or 1 (one step stale)")
+    _check_choice(e, "train.dtype", t.dtype, DTYPES)
+    _check_int(e, "train.seed", t.seed, lo=0)
+    return steps_ok
+
+
+def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
+    """Check the model section; return its config (dict or transformers config) if known."""
+    if m.init_seed is not None:
+        _check_int(e, "model.init_seed", m.init_seed, lo=0)
+    if not isinstance(m.config, dict) or not _json_like(m.config):
+        e.bad("model.config", m.config, "a mapping of transformers config fields")
+        return None
+    if m.tokenizer is not None and _check_dir(
+        e, "model.tokenizer", m.tokenizer, "a tokenizer directory"
+    ):
+        if not _has_tokenizer_files(m.tokenizer):
+            e.add(
+                "model.tokenizer",
+                f"{m.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+            )
+    if (m.path is None) == (m.architecture is None):
+        given = "both" if m.path is not None else "neither"
+        e.add(
+            "model",
+            f"got {given} of path and architecture; expected exactly one: path (a local "
+            "Hugging Face model directory) or architecture (one of "
+            + ", ".join(ARCHITECTURES)
+            + ") with config",
+        )
+        return None
+    if m.path is not None:
+        if m.config:
+            e.add(
+                "model.config",
+                "config overrides apply to an architecture model only; for a path model, "
+                "edit its config.json",
+            )
+        if m.init_seed is not None:
+            e.add("model.init_seed", "applies to an architecture model only (random init)")
+        if not _check_dir(e, "model.path", m.path, "a model directory"):
+            return None
+        cfg_file = os.path.join(m.path, "config.json")
+        if not os.path.isfile(cfg_file):
+            e.add(
+                "model.path",
+                f"{m.path!r} has no config.json; expected a Hugging Face model directory",
+            )
+            return None
+        try:
+            with open(cfg_file, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as exc:
+            e.add("model.path", f"cannot read {cfg_file!r}: {exc}")
+            return None
+        if not isinstance(cfg, dict):
+            e.add("model.path", f"{cfg_file!r} does not hold a JSON object")
+            return None
+        return cfg
+    if not _check_choice(e, "model.architecture", m.architecture, ARCHITECTURES):
+        return None
+    config_cls = _config_class(m.architecture)
+    known = (
+        {f.name for f in dataclasses.fields(config_cls)}
+        | set(getattr(config_cls, "attribute_map", {}))
+        | _LEGACY_CONFIG_KEYS
+    )
+    unknown = [k for k in m.config if k not in known]
+    for key in unknown:
+        hint = difflib.get_close_matches(key, sorted(known), n=1)
+        guess = f" (did you mean {hint[0]!r}?)" if hint else ""
+        e.add(f"model.config.{key}", f"unknown {config_cls.__name__} field{guess}")
+    if unknown:
+        return None
+    try:
+        return config_cls(**m.config)
+    except Exception as exc:  # transformers raises several types for bad values
+        detail = " ".join(str(exc).split())
+        e.add("model.config", f"transformers rejected the config: {detail}")
+        return None
+
+
+def _check_lora(e: _Errors, lora: LoraSpec) -> None:
+    _check_int(e, "lora.r", lora.r, lo=1)
+    if not (_is_num(lora.alpha) and lora.alpha > 0):
+        e.bad("lora.alpha", lora.alpha, "a number > 0")
+    if not (_is_num(lora.dropout) and 0 <= lora.dropout < 1):
+        e.bad("lora.dropout", lora.dropout, "a number in [0, 1)")
+    tm = lora.target_modules
+    if tm == "all-linear":
+        return
+    if not (isinstance(tm, tuple) and tm and all(isinstance(x, str) and x for x in tm)):
+        e.bad("lora.target_modules", tm, "a non-empty list of module names or 'all-linear'")
+
+
+def _check_data(e: _Errors, spec: JobSpec) -> None:
+    d = spec.data
+    if d.seed is not None:
+        _check_int(e, "data.seed", d.seed, lo=0)
+    _check_int(e, "data.seq_len", d.seq_len, lo=2)
+    _check_bool(e, "data.shuffle", d.shuffle)
+    _check_bool(e, "data.packing", d.packing)
+    text_field_ok = isinstance(d.text_field, str) and d.text_field != ""
+    if not text_field_ok:
+        e.bad("data.text_field", d.text_field, "a non-empty field name")
+    if d.tokenizer is not None and _check_dir(
+        e, "data.tokenizer", d.tokenizer, "a tokenizer directory"
+    ):
+        if not _has_tokenizer_files(d.tokenizer):
+            e.add(
+                "data.tokenizer",
+                f"{d.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+            )
+    format_ok = _check_choice(e, "data.format", d.format, DATA_FORMATS)
+    if d.path is None:
+        e.add("data.path", "missing; expected a path to a local .jsonl or .txt file")
+        return
+    if not isinstance(d.path, str) or not d.path:
+        e.bad("data.path", d.path, "a path to a local .jsonl or .txt file")
+        return
+    if not os.path.exists(d.path):
+        e.add("data.path", f"data file {d.path!r} does not exist")
+        return
+    if not os.path.isfile(d.path):
+        e.add("data.path", f"{d.path!r} is not a regular file; expected a .jsonl or .txt file")
+        return
+    if not (format_ok and text_field_ok):
+        return  # format detection would only repeat those errors
+    from roundpipe.coordinator.data import DataError, resolve_format
+
+    try:
+        fmt = resolve_format(d.path, d.format, d.text_field)
+    except DataError as exc:
+        e.add("data.format" if d.format == "auto" else "data.path", str(exc))
+        return
+    if fmt == "jsonl_tokens":
+        return  # token ids need no tokenizer (one is used for EOS/pad ids if present)
+    tok = spec.tokenizer_path
+    if tok is None:
+        e.add(
+            "data.tokenizer",
+            f"data {d.path!r} is text ({fmt}) and needs a tokenizer; set data.tokenizer "
+            "or model.tokenizer (an architecture model has no directory to take one from)",
+        )
+    elif d.tokenizer is None and spec.model.tokenizer is None and isinstance(tok, str):
+        if os.path.isdir(tok) and not _has_tokenizer_files(tok):
+            e.add(
+                "data.tokenizer",
+                f"model directory {tok!r} holds no tokenizer files; set data.tokenizer",
+            )
+
+
+def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
+    if not (_is_num(o.lr) and o.lr > 0):
+        e.bad("optimizer.lr", o.lr, "a number > 0")
+    b = o.betas
+    if not (isinstance(b, tuple) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
+        e.bad("optimizer.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if not (_is_num(o.eps) and o.eps > 0):
+        e.bad("optimizer.eps", o.eps, "a number > 0")
+    if not (_is_num(o.weight_decay) and o.weight_decay >= 0):
+        e.bad("optimizer.weight_decay", o.weight_decay, "a number >= 0")
+    if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
+        e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
+    _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    if _check_int(e, "optimizer.warmup_steps", o.warmup_steps, lo=0) and steps is not None:
+        if o.warmup_steps > steps:
+            e.add(
+                "optimizer.warmup_steps",
+                f"got {o.warmup_steps}, more than train.steps ({steps}); expected at most {steps}",
+            )
+    if not (_is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1):
+        e.bad("optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+
+
+def _check_output(e: _Errors, o: OutputSpec) -> None:
+    if o.dir is not None:
+        if not isinstance(o.dir, str) or not o.dir:
+            e.bad("output.dir", o.dir, "a directory path or null")
+        elif os.path.exists(o.dir) and not os.path.isdir(o.dir):
+            e.add("output.dir", f"{o.dir!r} exists and is not a directory")
+    _check_int(e, "output.checkpoint_every", o.checkpoint_every, lo=0)
+    _check_int(e, "output.keep_last", o.keep_last, lo=0)
+
+
+# --------------------------------------------------------------------------- model config
+
+
+def _config_class(architecture: str) -> type:
+    # Lazy: importing transformers takes seconds, and a spec without an architecture
+    # model never needs it.
+    import transformers
+
+    name = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+    return getattr(transformers, name[architecture])
+
+
+def model_config_from_spec(model: ModelSpec) -> PretrainedConfig:
+    """The transformers config of a (validated) model section.
+
+    Path model: ``AutoConfig.from_pretrained(path, local_files_only=True)``; architecture
+    model: the architecture's config class with ``model.config`` as overrides.
+    """
+    if model.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+    assert model.architecture is not None, "validated spec has path or architecture"
+    return _config_class(model.architecture)(**model.config)
+
+
+def _config_get(config: Any, key: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _model_errors(
+    spec: JobSpec, model_config: Any, vocab_size_needed: int | None
+) -> list[FieldError]:
+    e = _Errors()
+    max_pos = _config_get(model_config, "max_position_embeddings")
+    if _is_int(max_pos) and _is_int(spec.data.seq_len) and spec.data.seq_len > max_pos:
+        e.add(
+            "data.seq_len",
+            f"got {spec.data.seq_len}; expected at most the model's max_position_embeddings "
+            f"({max_pos})",
+        )
+    vocab = _config_get(model_config, "vocab_size")
+    if vocab_size_needed is not None and _is_int(vocab) and vocab_size_needed > vocab:
+        e.add(
+            "data",
+            f"the data uses token ids up to {vocab_size_needed - 1}, but the model's "
+            f"vocab_size is {vocab}; expected a tokenizer that matches the model",
+        )
+    return e.items
+
+
+def validate_against_model(
+    spec: JobSpec,
+    model_config: PretrainedConfig | Mapping[str, Any],
+    *,
+    vocab_size_needed: int | None = None,
+) -> None:
+    """Checks that need the model's config; raise JobSpecError listing every problem.
+
+    ``model_config`` is the transformers config the coordinator built (or a config.json
+    dict). ``vocab_size_needed`` is one more than the largest token id in the data
+    (``PackedDataset.vocab_size_needed``), checked against ``vocab_size``.
+    """
+    errors = _model_errors(spec, model_config, vocab_size_needed)
+    if errors:
+        raise JobSpecError(errors)

@@ -1,0 +1,439 @@
+"""Layer-wise CPU AdamW over fp32 master weights, and the learning-rate schedule.
+
+The coordinator updates each layer as soon as that layer's gradient of step k is
+complete (``wgrad[l] >= k``), last layers first, while other layers' backward tasks are
+still running; see Note [weight-update ordering] (ARCHITECTURE.md section 5). So the
+optimizer is not one object over the whole model but one ``torch.optim.AdamW`` per
+layer, driven by ``LayerwiseAdamW.step_layer(layer, grads, step)``. This module keeps
+no counters: ``step_layer`` returns after the masters, the moments and the ``out``
+copy (params[k % 2]) are fully written, and only then may the caller publish
+``version[l] = k`` (and free the grads slot for the next iteration).
+
+Exactness. AdamW is elementwise per parameter tensor, so splitting the parameters into
+per-layer optimizers changes no arithmetic: with the same ``impl`` (below) the masters
+are bitwise equal to one ``torch.optim.AdamW`` over the whole model fed the same
+gradients and learning rates. Weight decay is decoupled (``p *= 1 - lr * wd``) and
+applies to every trainable tensor, exactly as ``torch.optim.AdamW(model.parameters())``.
+
+Global-norm clipping is the one step that is not per layer: the norm covers every
+gradient of the step, so with ``grad_clip`` set the coordinator must wait for the whole
+step's gradients, compute ``clip_coefficient(global_grad_norm(...), grad_clip)``, and
+pass that coefficient to every ``step_layer`` call of the step. This gives up the
+overlap of the optimizer with the same step's backward (with staleness 1 it still
+overlaps the next iteration). The result matches ``torch.nn.utils.clip_grad_norm_``
+followed by AdamW to within float rounding of the norm (1e-6 relative).
+
+``impl`` picks torch's AdamW kernel:
+
+* ``"fused"`` (default): one vectorised, multi-threaded pass per tensor (torch's CPU
+  fused kernel); the fastest on CPU (about 6x the others on a 2-core test machine).
+* ``"foreach"``: torch's multi-tensor implementation (several passes over memory).
+* ``"for-loop"``: the single-tensor reference; what ``torch.optim.AdamW`` uses on CPU
+  when neither ``fused`` nor ``foreach`` is given.
+The three agree to rounding but not bitwise, so compare against a reference built with
+the same choice.
+
+Memory. Masters (and, optionally, the moments) are given by the caller: they may be
+views into the shared-memory arenas and are updated in place. Moments not given are
+allocated once, at construction; nothing is allocated per step except for gradients
+whose dtype is not float32, which go through a per-tensor scratch buffer allocated on
+first use.
+
+Threads. Different layers may be stepped concurrently from different threads (each has
+its own torch optimizer, and the torch kernels release the GIL); one layer must not be
+stepped from two threads at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from roundpipe.coordinator.jobspec import JobSpec, OptimizerSpec
+
+__all__ = [
+    "IMPLS",
+    "LRSchedule",
+    "LayerwiseAdamW",
+    "OptimizerStepError",
+    "clip_coefficient",
+    "global_grad_norm",
+]
+
+IMPLS = ("fused", "foreach", "for-loop")
+_STATE_VERSION = 1
+
+
+class OptimizerStepError(RuntimeError):
+    """A layer was stepped out of order, twice, or with gradients that do not match."""
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    """Learning rate as a pure function of the optimizer step.
+
+    Steps count from 1: step 1 is the first optimizer step (the first gradient applied).
+
+    * warmup (any schedule, if ``warmup_steps > 0``): ``lr * step / warmup_steps`` for
+      ``step <= warmup_steps``, so it rises linearly from 0 and reaches ``lr`` at
+      ``step == warmup_steps``;
+    * then ``constant``: ``lr``;
+    * ``linear``/``cosine``: decay from ``lr`` (just after warmup) to
+      ``min_lr_ratio * lr`` at ``step == total_steps``, linearly or along a half cosine;
+      steps beyond ``total_steps`` stay at the minimum.
+    """
+
+    lr: float
+    """Peak learning rate."""
+    schedule: str = "constant"
+    """``"constant"``, ``"linear"`` or ``"cosine"``."""
+    warmup_steps: int = 0
+    """Steps of linear warmup (0: none)."""
+    total_steps: int = 1
+    """Step at which linear/cosine reach their minimum (``train.steps``)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of ``lr``."""
+
+    def __post_init__(self) -> None:
+        # Internal API: the job spec has already told the user about bad values.
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"unknown schedule {self.schedule!r}")
+        if not (self.lr > 0 and self.warmup_steps >= 0 and self.total_steps >= 1):
+            raise ValueError(f"bad schedule parameters: {self}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    @classmethod
+    def from_spec(cls, optimizer: OptimizerSpec, total_steps: int) -> LRSchedule:
+        return cls(
+            lr=float(optimizer.lr),
+            schedule=optimizer.schedule,
+            warmup_steps=optimizer.warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=float(optimizer.min_lr_ratio),
+        )
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (>= 1)."""
+        if step < 1:
+            raise ValueError(f"optimizer steps count from 1, got {step}")
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = self.total_steps - self.warmup_steps
+        progress = 1.0 if span <= 0 else min(1.0, (step - self.warmup_steps) / span)
+        if self.schedule == "linear":
+            factor = 1.0 - progress
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def global_grad_norm(
+    grads: Iterable[torch.Tensor] | Mapping[Any, Mapping[str, torch.Tensor]],
+) -> torch.Tensor:
+    """L2 norm over all of a step's gradients, as a 0-dim float32 tensor.
+
+    Accepts a flat iterable of tensors or ``{layer: {name: grad}}`` (taken in ascending
+    layer order, names in insertion order: the order of ``model.parameters()`` when
+    layers are numbered front to back, which makes the result bitwise equal to
+    ``torch.nn.utils.get_total_norm`` over the model).
+    """
+    if isinstance(grads, Mapping):
+        tensors = [g for layer in sorted(grads) for g in grads[layer].values()]
+    else:
+        tensors = list(grads)
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
+
+
+def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` as 0-dim float32, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    if not isinstance(total_norm, torch.Tensor):
+        total_norm = torch.tensor(float(total_norm), dtype=torch.float32)
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+class _Layer:
+    """One layer's torch optimizer and bookkeeping."""
+
+    __slots__ = ("names", "params", "opt", "group", "step", "scratch")
+
+    def __init__(
+        self, names: list[str], params: list[torch.Tensor], opt: torch.optim.AdamW
+    ) -> None:
+        self.names = names
+        self.params = params
+        self.opt = opt
+        self.group = opt.param_groups[0]
+        self.step = 0  # last optimizer step applied to this layer
+        self.scratch: dict[str, torch.Tensor] = {}
+
+
+class LayerwiseAdamW:
+    """AdamW over ``{layer: {name: fp32 master tensor}}``, stepped one layer at a time.
+
+    Construct with :meth:`from_spec` or directly. ``moments``, if given, supplies the
+    state buffers ``{layer: {name: (exp_avg, exp_avg_sq)}}`` (e.g. views into the optim
+    arena); they are zeroed here. Otherwise they are allocated here, once.
+    """
+
+    def __init__(
+        self,
+        masters: Mapping[int, Mapping[str, torch.Tensor]],
+        *,
+        schedule: LRSchedule,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        grad_clip: float | None = None,
+        impl: str = "fused",
+        moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        self.schedule = schedule
+        self.grad_clip = grad_clip
+        self.impl = impl
+        self._layers: dict[int, _Layer] = {}
+        for layer, tensors in masters.items():
+            if not tensors:
+                raise ValueError(f"layer {layer} has no trainable tensors; leave it out")
+            names = list(tensors)
+            params = [tensors[n] for n in names]
+            for name, p in zip(names, params):
+                if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
+                    raise ValueError(
+                        f"master {layer}/{name} must be a float32 CPU tensor without "
+                        f"requires_grad, got {p.dtype} on {p.device} (requires_grad={p.requires_grad})"
+                    )
+            opt = torch.optim.AdamW(
+                params,
+                lr=schedule.lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                foreach=impl == "foreach",
+                fused=impl == "fused",
+            )
+            # torch keeps the step count in float32, or float64 for the non-fused kernels
+            # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
+            step_dtype = (
+                torch.float64
+                if impl != "fused" and torch.get_default_dtype() == torch.float64
+                else torch.float32
+            )
+            given = None if moments is None else moments.get(layer)
+            for name, p in zip(names, params):
+                if given is not None:
+                    exp_avg, exp_avg_sq = given[name]
+                    for buf in (exp_avg, exp_avg_sq):
+                        if buf.shape != p.shape or buf.dtype != torch.float32:
+                            raise ValueError(
+                                f"moment buffer of {layer}/{name} must be float32 {tuple(p.shape)}, "
+                                f"got {buf.dtype} {tuple(buf.shape)}"
+                            )
+                        buf.zero_()
+                else:
+                    exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
+                # The same state torch's lazy init would create (see torch.optim.adam
+                # _init_group), created eagerly so that memory is fixed up front and
+                # may live in the caller's arena.
+                opt.state[p] = {
+                    "step": torch.zeros((), dtype=step_dtype),
+                    "exp_avg": exp_avg,
+                    "exp_avg_sq": exp_avg_sq,
+                }
+            self._layers[layer] = _Layer(names, params, opt)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: JobSpec,
+        masters: Mapping[int, Mapping[str, torch.Tensor]],
+        *,
+        impl: str = "fused",
+        moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> LayerwiseAdamW:
+        """The optimizer a job spec describes (schedule over ``train.steps``)."""
+        o = spec.optimizer
+        return cls(
+            masters,
+            schedule=LRSchedule.from_spec(o, spec.train.steps),
+            betas=(float(o.betas[0]), float(o.betas[1])),
+            eps=float(o.eps),
+            weight_decay=float(o.weight_decay),
+            grad_clip=None if o.grad_clip is None else float(o.grad_clip),
+            impl=impl,
+            moments=moments,
+        )
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layer indices, ascending."""
+        return tuple(sorted(self._layers))
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (>= 1)."""
+        return self.schedule.lr_at(step)
+
+    def last_step(self, layer: int) -> int:
+        """Last step applied to ``layer`` (0: none yet)."""
+        return self._layers[layer].step
+
+    def step_layer(
+        self,
+        layer: int,
+        grads: Mapping[str, torch.Tensor],
+        step: int,
+        *,
+        clip_coef: torch.Tensor | float | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> float:
+        """Apply step ``step``'s gradients to ``layer``; return the learning rate used.
+
+        ``step`` must be exactly one more than the layer's last step (a repeated or
+        skipped step raises OptimizerStepError before touching anything). ``grads``
+        holds one gradient per master, same shape; float32 gradients are used in place,
+        and when ``clip_coef`` is given they are scaled by it in place (the grads slot
+        is consumed by this step; pass ``clip_coefficient(...)`` computed over the whole
+        step). ``clip_coef`` is required when the optimizer has ``grad_clip``. ``out``,
+        if given, receives the updated weights in its tensors' dtype (the params arena
+        buffer of this version), via ``copy_``, i.e. round-to-nearest-even casts.
+        """
+        entry = self._layers.get(layer)
+        if entry is None:
+            raise OptimizerStepError(f"layer {layer} has no trainable weights here")
+        if step != entry.step + 1:
+            raise OptimizerStepError(
+                f"layer {layer}: asked for step {step}, but its last step was {entry.step}"
+                f" (expected {entry.step + 1})"
+            )
+        if self.grad_clip is not None and clip_coef is None:
+            raise OptimizerStepError(
+                "grad_clip is set: pass clip_coef=clip_coefficient(global_grad_norm(<all "
+                "grads of the step>), grad_clip)"
+            )
+        if grads.keys() != set(entry.names):
+            missing = sorted(set(entry.names) - grads.keys())
+            extra = sorted(grads.keys() - set(entry.names))
+            raise OptimizerStepError(
+                f"layer {layer}: gradients missing {missing}, unexpected {extra}"
+            )
+        if out is not None and out.keys() != set(entry.names):
+            raise OptimizerStepError(
+                f"layer {layer}: out must have exactly the names {entry.names}"
+            )
+
+        grad_list = []
+        for name, p in zip(entry.names, entry.params):
+            g = grads[name]
+            if g.shape != p.shape:
+                raise OptimizerStepError(
+                    f"layer {layer}/{name}: gradient shape {tuple(g.shape)}, weight {tuple(p.shape)}"
+                )
+            if g.dtype != torch.float32 or g.device != p.device:
+                buf = entry.scratch.get(name)
+                if buf is None:
+                    buf = entry.scratch[name] = torch.empty_like(p)
+                buf.copy_(g)
+                g = buf
+            grad_list.append(g)
+        if clip_coef is not None:
+            coef = (
+                clip_coef if isinstance(clip_coef, torch.Tensor) else torch.tensor(float(clip_coef))
+            )
+            # The multiply clip_grads_with_norm_ performs (elementwise, by a float32
+            # 0-dim tensor), so the scaled gradients match it bitwise.
+            coef = coef.to(torch.float32)
+            for g in grad_list:
+                g.mul_(coef)
+
+        lr = self.schedule.lr_at(step)
+        entry.group["lr"] = lr
+        for p, g in zip(entry.params, grad_list):
+            p.grad = g
+        try:
+            entry.opt.step()
+        finally:
+            for p in entry.params:
+                p.grad = None  # drop the reference into the grads arena
+        entry.step = step
+        if out is not None:
+            with torch.no_grad():
+                for name, p in zip(entry.names, entry.params):
+                    out[name].copy_(p)
+        return lr
+
+    # -- checkpoints --
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "steps": {layer: last step}, "tensors": {key: Tensor}}``.
+
+        Tensor keys are ``"<layer>.<name>.exp_avg"`` / ``".exp_avg_sq"`` (safetensors-
+        ready). The tensors are the live buffers, not copies: save them before the next
+        step. Masters are not included; they are checkpointed as the model's weights.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        steps: dict[int, int] = {}
+        for layer in self.layers:
+            entry = self._layers[layer]
+            steps[layer] = entry.step
+            for name, p in zip(entry.names, entry.params):
+                st = entry.opt.state[p]
+                tensors[f"{layer}.{name}.exp_avg"] = st["exp_avg"]
+                tensors[f"{layer}.{name}.exp_avg_sq"] = st["exp_avg_sq"]
+        return {"version": _STATE_VERSION, "steps": steps, "tensors": tensors}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy saved moments and step counts into this optimizer's buffers (in place)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"optimizer state version {state.get('version')!r} is not supported")
+        steps = {int(k): int(v) for k, v in state["steps"].items()}
+        tensors = state["tensors"]
+        if set(steps) != set(self._layers):
+            raise ValueError(
+                f"optimizer state has layers {sorted(steps)}, this optimizer {self.layers}"
+            )
+        expected = {
+            f"{layer}.{name}.{kind}"
+            for layer, entry in self._layers.items()
+            for name in entry.names
+            for kind in ("exp_avg", "exp_avg_sq")
+        }
+        if set(tensors) != expected:
+            missing = sorted(expected - set(tensors))[:5]
+            extra = sorted(set(tensors) - expected)[:5]
+            raise ValueError(
+                f"optimizer state tensors differ: missing {missing}, unexpected {extra}"
+            )
+        for layer, entry in self._layers.items():
+            for name, p in zip(entry.names, entry.params):
+                st = entry.opt.state[p]
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    src = tensors[f"{layer}.{name}.{kind}"]
+                    if src.shape != p.shape:
+                        raise ValueError(
+                            f"optimizer state {layer}.{name}.{kind} has shape {tuple(src.shape)}, "
+                            f"expected {tuple(p.shape)}"
+                        )
+                    st[kind].copy_(src)
+                st["step"].fill_(float(steps[layer]))
+            entry.step = steps[layer]

@@ -1,0 +1,265 @@
+"""Data pipeline: reading, packing, deterministic batches, resumable cursor, errors."""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from roundpipe.coordinator.data import (
+    IGNORE_INDEX,
+    DataError,
+    DataLoader,
+    PackedDataset,
+    build_dataset,
+    build_dataset_from_spec,
+    load_tokenizer,
+    read_documents,
+    resolve_format,
+)
+from roundpipe.coordinator.jobspec import load_job_spec
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
+EOS, PAD = 0, 99
+
+
+class CharTokenizer:
+    """One token per character (its code point); no transformers needed."""
+
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+    def __call__(self, texts: list[str], **_: Any) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def rows_of(ds: PackedDataset) -> list[list[int]]:
+    return [ds.tokens[i, : ds.lengths[i]].tolist() for i in range(ds.num_rows)]
+
+
+def test_packing_with_eos_and_padded_last_row(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "ab"}, {"text": "cde"}, {"text": "fghi"}])
+    ds = build_dataset(f, seq_len=4, tokenizer=CharTokenizer())
+    a, b, c, d, e, f_, g, h, i = (ord(x) for x in "abcdefghi")
+    # Stream: a b EOS c d e EOS f g h i EOS  (12 tokens = 3 full rows)
+    assert rows_of(ds) == [[a, b, EOS, c], [d, e, EOS, f_], [g, h, i, EOS]]
+    assert ds.num_documents == 3 and ds.num_tokens == 12
+
+    f2 = write_jsonl(tmp_path / "d2.jsonl", [{"text": "abcde"}])  # 6 tokens -> 4 + 2
+    ds2 = build_dataset(f2, seq_len=4, tokenizer=CharTokenizer())
+    assert ds2.tokens[1].tolist() == [e, EOS, PAD, PAD]
+    ids, labels = ds2.rows(torch.tensor([1]))
+    assert ids.dtype == torch.int64
+    assert labels.tolist() == [[e, EOS, IGNORE_INDEX, IGNORE_INDEX]]
+
+    f3 = write_jsonl(tmp_path / "d3.jsonl", [{"text": "abcd"}])  # 5 tokens: last 1 dropped
+    assert rows_of(build_dataset(f3, seq_len=4, tokenizer=CharTokenizer())) == [[a, b, c, d]]
+
+
+def test_unpacked_rows_start_each_document(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "ab"}, {"text": "cdefg"}])
+    ds = build_dataset(f, seq_len=4, tokenizer=CharTokenizer(), packing=False)
+    a, b, c, d, e, f_, g = (ord(x) for x in "abcdefg")
+    assert rows_of(ds) == [[a, b, EOS], [c, d, e, f_], [g, EOS]]
+    assert ds.tokens[0].tolist() == [a, b, EOS, PAD]
+
+
+def test_pretokenised_and_text_formats(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    assert resolve_format(f) == "jsonl_tokens"
+    assert rows_of(build_dataset(f, seq_len=5)) == [[5, 6, 7, 8, 9]]  # no tokenizer: no EOS
+    with_eos = build_dataset(f, seq_len=7, tokenizer=CharTokenizer())
+    assert rows_of(with_eos) == [[5, 6, 7, EOS, 8, 9, EOS]]
+    assert with_eos.vocab_size_needed == PAD + 1
+
+    t = tmp_path / "book.txt"
+    t.write_text("first para\nstill first\n\n\nsecond\n\n")
+    assert resolve_format(t) == "text"
+    assert list(read_documents(t)) == [(1, "first para\nstill first"), (5, "second")]
+
+
+def test_format_detection(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "d.jsonl", [{"body": "x"}])
+    assert resolve_format(f, text_field="body") == "jsonl_text"
+    with pytest.raises(DataError, match=r"d\.jsonl:1: record has neither the text field 'text'"):
+        resolve_format(f)
+    csv = tmp_path / "d.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(DataError, match="cannot tell the format"):
+        resolve_format(csv)
+    assert resolve_format(csv, "text") == "text"
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('{"text": "ok"}\n\n{"text": "bad"\n', r":3: invalid JSON"),
+        ('{"text": "ok"}\n[1, 2]\n', r":2: expected a JSON object, got list"),
+        ('{"text": "ok"}\n{"txt": "x"}\n', r":2: no 'text' field \(its keys: 'txt'\)"),
+        ('{"text": "ok"}\n{"text": 5}\n', r":2: field 'text' is int"),
+    ],
+)
+def test_malformed_jsonl_names_path_and_line(tmp_path: Path, lines: str, message: str) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text(lines)
+    with pytest.raises(DataError, match=str(f).replace(".", r"\.") + message):
+        build_dataset(f, seq_len=8, tokenizer=CharTokenizer())
+
+
+def test_other_data_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data file not found: .*nope.jsonl"):
+        build_dataset(tmp_path / "nope.jsonl", seq_len=8, tokenizer=CharTokenizer())
+    bad_ids = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [1, -3]}])
+    with pytest.raises(DataError, match=r"ids\.jsonl:2: 'input_ids' must be"):
+        build_dataset(bad_ids, seq_len=8)
+    utf = tmp_path / "u.jsonl"
+    utf.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"u\.jsonl:2: not valid UTF-8"):
+        build_dataset(utf, seq_len=8, tokenizer=CharTokenizer())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty dataset: .*empty\.jsonl"):
+        build_dataset(empty, seq_len=8, tokenizer=CharTokenizer())
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": "  "}])
+    with pytest.raises(DataError, match=r"empty dataset: .*blank\.jsonl yields no documents"):
+        build_dataset(blank, seq_len=8, tokenizer=CharTokenizer())
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "x"}])
+    with pytest.raises(DataError, match="needs a tokenizer"):
+        build_dataset(text, seq_len=8)
+    with pytest.raises(DataError, match="tokenizer directory not found: .*/no-tok"):
+        build_dataset(text, seq_len=8, tokenizer=tmp_path / "no-tok")
+    (tmp_path / "junk-tok").mkdir()
+    with pytest.raises(DataError, match="cannot load a tokenizer from .*junk-tok"):
+        load_tokenizer(tmp_path / "junk-tok")
+
+
+def numbered_dataset(num_rows: int, seq_len: int = 4) -> PackedDataset:
+    """Row i is filled with the value i + 1, so batches show which rows they hold."""
+    tokens = torch.arange(1, num_rows + 1, dtype=torch.int32).unsqueeze(1).repeat(1, seq_len)
+    lengths = torch.full((num_rows,), seq_len, dtype=torch.int32)
+    lengths[-1] = 2
+    return PackedDataset(
+        tokens=tokens,
+        lengths=lengths,
+        pad_token_id=0,
+        eos_token_id=0,
+        num_documents=num_rows,
+        source="<numbered>",
+        max_token_id=num_rows,
+    )
+
+
+def test_batches_shape_and_epochs() -> None:
+    ds = numbered_dataset(10)
+    loader = DataLoader(ds, microbatch_size=2, num_microbatches=2, seed=1)
+    b = loader.batch_for_step(1)
+    assert len(b.microbatches) == 2
+    for ids, labels in b.microbatches:
+        assert ids.shape == labels.shape == (2, 4) and ids.is_contiguous()
+    # Steps 1-5 cover 20 stream positions = exactly two epochs: each row twice.
+    seen = torch.cat([loader.batch_for_step(s).row_indices for s in range(1, 6)])
+    assert seen[:10].sort().values.tolist() == list(range(10))
+    assert seen[10:].sort().values.tolist() == list(range(10))
+    assert seen[:10].tolist() != seen[10:].tolist()  # a fresh order per epoch
+    assert loader.batch_for_step(3).epoch == 0  # positions 8..11 start in epoch 0
+    # Labels: the short last row is padded with IGNORE_INDEX.
+    last = loader.batch_for_step(1)
+    for r, idx in enumerate(last.row_indices.tolist()):
+        expect = 2 if idx == 9 else 4
+        assert (last.labels[r] != IGNORE_INDEX).sum() == expect
+    assert b.num_label_tokens == int((b.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def test_determinism_and_seeds() -> None:
+    ds = numbered_dataset(50)
+
+    def order(seed: int, shuffle: bool = True) -> list[int]:
+        loader = DataLoader(ds, microbatch_size=5, num_microbatches=2, shuffle=shuffle, seed=seed)
+        return torch.cat([loader.batch_for_step(s).row_indices for s in range(1, 8)]).tolist()
+
+    assert order(3) == order(3)
+    assert order(3) != order(4)
+    assert order(3, shuffle=False) == list(range(50)) + list(range(20))
+    loader = DataLoader(ds, microbatch_size=5, num_microbatches=2, seed=3)
+    b = loader.batch_for_step(6)
+    assert torch.equal(loader.batch_for_step(6).input_ids, b.input_ids)  # pure in the step
+    fresh = DataLoader(ds, microbatch_size=5, num_microbatches=2, seed=3)
+    assert torch.equal(loader.batch_for_step(2).input_ids, fresh.batch_for_step(2).input_ids)
+
+
+def test_dataset_smaller_than_a_batch_cycles() -> None:
+    loader = DataLoader(numbered_dataset(3), microbatch_size=2, num_microbatches=4, seed=0)
+    b = loader.batch_for_step(1)
+    assert b.row_indices.shape == (8,)
+    assert sorted(b.row_indices.tolist()[:3]) == [0, 1, 2]
+
+
+def test_cursor_resume_is_exact() -> None:
+    ds = numbered_dataset(23)
+    a = DataLoader(ds, microbatch_size=3, num_microbatches=2, seed=9)
+    for _ in range(5):
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))  # survives a JSON/msgpack trip
+    assert state["next_step"] == 6
+    assert (state["epoch"], state["position"]) == divmod(5 * 6, 23)
+    b = DataLoader(ds, microbatch_size=3, num_microbatches=2, seed=9)
+    b.load_state_dict(state)
+    for _, (x, y) in zip(range(6), zip(a, b)):
+        assert x.step == y.step
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+
+    other_seed = DataLoader(ds, microbatch_size=3, num_microbatches=2, seed=8)
+    with pytest.raises(DataError, match="seed: checkpoint 9, now 8"):
+        other_seed.load_state_dict(state)
+    other_rows = DataLoader(numbered_dataset(24), microbatch_size=3, num_microbatches=2, seed=9)
+    with pytest.raises(DataError, match="num_rows"):
+        other_rows.load_state_dict(state)
+
+
+def test_demo_tokenizer_round_trips_text() -> None:
+    tok = load_tokenizer(DEMO_DIR / "tokenizer")
+    assert len(tok) == 512
+    assert tok.convert_ids_to_tokens([tok.eos_token_id, tok.pad_token_id]) == [
+        "<|endoftext|>",
+        "<|pad|>",
+    ]
+    for text in ["The day after Monday is Tuesday.", "Unseen: naïve café, 3 + 4 = 7 ✓"]:
+        assert tok.decode(tok(text)["input_ids"]) == text
+    # Familiar words are single tokens: the tokenizer was trained on the corpus.
+    assert len(tok("The day after Monday is Tuesday.")["input_ids"]) <= 8
+
+
+def test_demo_data_builds_and_feeds_the_demo_job() -> None:
+    spec = load_job_spec(DEMO_DIR / "demo_job.yaml")
+    loader = DataLoader.from_spec(spec)
+    ds = loader.dataset
+    assert ds.vocab_size_needed <= 512
+    # At least one epoch's worth of distinct rows for the demo's steps.
+    assert ds.num_rows >= spec.train.steps * spec.global_batch_size
+    b = loader.next_batch()
+    assert len(b.microbatches) == 3 and b.input_ids.shape == (12, spec.data.seq_len)
+    again = DataLoader.from_spec(spec, dataset=build_dataset_from_spec(spec))
+    assert ds.fingerprint == again.dataset.fingerprint
+
+
+def test_demo_data_is_what_the_generator_makes(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("make_demo_data", DEMO_DIR / "make_demo_data.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--out", str(tmp_path)])
+    for name in [
+        "demo_corpus.jsonl",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ]:
+        assert filecmp.cmp(tmp_path / name, DEMO_DIR / name, shallow=False), name

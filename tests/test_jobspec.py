@@ -1,0 +1,308 @@
+"""Job spec: validation messages, round trips, the shipped demo spec."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import yaml
+from roundpipe.coordinator.jobspec import (
+    DataSpec,
+    JobSpec,
+    JobSpecError,
+    LoraSpec,
+    ModelSpec,
+    OptimizerSpec,
+    TrainSpec,
+    load_job_spec,
+    model_config_from_spec,
+    validate_against_model,
+)
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    """A local model directory (config.json + tokenizer) and a JSONL data file."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "max_position_embeddings": 256, "vocab_size": 512})
+    )
+    for f in (DEMO_DIR / "tokenizer").iterdir():
+        shutil.copy(f, model / f.name)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "one two three"}\n{"text": "four five"}\n')
+    return {"model": model, "data": data, "root": tmp_path}
+
+
+def good(files: dict[str, Path]) -> dict[str, Any]:
+    return {
+        "model": {"path": str(files["model"])},
+        "data": {"path": str(files["data"]), "seq_len": 128},
+        "batch": {"microbatch_size": 2, "num_microbatches": 3},
+        "train": {"steps": 10, "staleness": 1, "dtype": "float32", "seed": 3},
+        "optimizer": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 1.0},
+        "output": {"dir": str(files["root"] / "out"), "checkpoint_every": 5},
+    }
+
+
+def errors_of(exc: pytest.ExceptionInfo[JobSpecError]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in exc.value.errors:
+        assert e.path not in out, f"two errors for {e.path}: {exc.value}"
+        out[e.path] = e.message
+    return out
+
+
+def test_valid_spec_and_derived_values(files: dict[str, Path]) -> None:
+    spec = JobSpec.from_dict(good(files))
+    assert spec.model.path == str(files["model"])
+    assert spec.global_batch_size == 6
+    assert spec.data_seed == 3 and spec.init_seed == 3  # default to train.seed
+    assert spec.tokenizer_path == str(files["model"])  # a path model's own tokenizer
+    assert spec.optimizer.betas == (0.9, 0.999)
+    assert spec.lora is None
+
+
+def test_dict_msgpack_and_yaml_round_trip(files: dict[str, Path], tmp_path: Path) -> None:
+    d = good(files)
+    d["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    spec = JobSpec.from_dict(d)
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    wire = msgpack.unpackb(msgpack.packb(spec.to_dict()))
+    assert JobSpec.from_dict(wire) == spec
+    f = tmp_path / "job.yaml"
+    f.write_text(spec.to_yaml())
+    assert load_job_spec(f) == spec
+    assert spec.lora == LoraSpec(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+
+
+def test_python_objects_equal_dict_form(files: dict[str, Path]) -> None:
+    spec = JobSpec(
+        model=ModelSpec(path=files["model"]),  # a Path is accepted and stored as str
+        data=DataSpec(path=str(files["data"]), seq_len=64),
+        train=TrainSpec(steps=5),
+        optimizer=OptimizerSpec(lr=1e-4, betas=[0.9, 0.95]),
+    )
+    assert spec.optimizer.betas == (0.9, 0.95)
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+# One bad value per case: (dotted field, bad value, words the message must contain).
+BAD_FIELDS: list[tuple[str, Any, str]] = [
+    ("model.path", "/nonexistent/model", "does not exist"),
+    ("model.tokenizer", "/nonexistent/tok", "does not exist"),
+    ("data.path", "/nonexistent/train.jsonl", "does not exist"),
+    ("data.format", "parquet", "one of"),
+    ("data.seq_len", 1, "integer >= 2"),
+    ("data.seq_len", "128", "integer >= 2"),
+    ("data.shuffle", "yes", "true or false"),
+    ("data.packing", 1, "true or false"),
+    ("data.seed", -1, "integer >= 0"),
+    ("data.text_field", "", "non-empty"),
+    ("data.tokenizer", "/nonexistent/tok", "does not exist"),
+    ("batch.microbatch_size", 0, "integer >= 1"),
+    ("batch.num_microbatches", 2.5, "integer >= 1"),
+    ("train.steps", 0, "integer >= 1"),
+    ("train.staleness", 2, "0 (exact) or 1"),
+    ("train.dtype", "fp8", "one of"),
+    ("train.seed", True, "integer"),
+    ("optimizer.lr", 0, "> 0"),
+    ("optimizer.lr", "3e-4", "> 0"),
+    ("optimizer.betas", [0.9], "two numbers"),
+    ("optimizer.betas", [0.9, 1.0], "two numbers"),
+    ("optimizer.eps", -1e-8, "> 0"),
+    ("optimizer.weight_decay", -0.1, ">= 0"),
+    ("optimizer.grad_clip", 0, "null (no clipping) or a number > 0"),
+    ("optimizer.schedule", "step", "one of"),
+    ("optimizer.warmup_steps", -1, "integer >= 0"),
+    ("optimizer.warmup_steps", 11, "more than train.steps"),
+    ("optimizer.min_lr_ratio", 1.5, "[0, 1]"),
+    ("output.checkpoint_every", -1, "integer >= 0"),
+    ("output.keep_last", None, "integer >= 0"),
+    ("lora.r", 0, "integer >= 1"),
+    ("lora.alpha", 0, "> 0"),
+    ("lora.dropout", 1.0, "[0, 1)"),
+    ("lora.target_modules", [], "non-empty list"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), BAD_FIELDS)
+def test_each_bad_field_has_its_own_message(
+    files: dict[str, Path], field: str, value: Any, words: str
+) -> None:
+    d = good(files)
+    d.setdefault("lora", {})
+    section, name = field.split(".")
+    d[section][name] = value
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert list(errs) == [field], str(exc.value)
+    assert words in errs[field]
+    # The message shows what was given, not just what was wrong.
+    assert repr(value) in errs[field] or str(value) in errs[field]
+    assert field in str(exc.value)
+
+
+def test_all_problems_reported_at_once(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["lora"] = {}
+    for field, value, _ in BAD_FIELDS:
+        if field in ("data.seq_len", "optimizer.lr", "optimizer.betas", "optimizer.warmup_steps"):
+            continue  # fields listed twice above; one bad value each here
+        section, name = field.split(".")
+        d[section][name] = value
+    d["data"]["path"] = str(files["data"])  # keep the data file, to exercise the rest
+    d["data"]["seq_len"] = 1
+    d["optimizer"].update(lr=-1, betas=[2, 0], warmup_steps=-1)
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    expected = {f for f, _, _ in BAD_FIELDS} - {"data.path"}
+    assert set(errs) == expected, str(exc.value)
+    assert f"({len(expected)} problems)" in str(exc.value)
+
+
+def test_unknown_keys_are_errors_with_suggestions(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["optimizer"]["learning_rate"] = 1e-3
+    d["trian"] = {"steps": 3}
+    d["batch"] = "big"
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert "did you mean 'lr'" in errs["optimizer.learning_rate"]
+    assert "did you mean 'train'" in errs["trian"]
+    assert "expected a mapping" in errs["batch"]
+    assert len(errs) == 3
+
+
+def test_model_needs_exactly_one_source(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["model"] = {"path": str(files["model"]), "architecture": "qwen3"}
+    with pytest.raises(JobSpecError, match="got both of path and architecture"):
+        JobSpec.from_dict(d)
+    del d["model"]
+    del d["data"]
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert "neither" in errs["model"] and "missing" in errs["data.path"]
+
+
+def test_model_directory_checks(files: dict[str, Path]) -> None:
+    d = good(files)
+    (files["model"] / "config.json").unlink()
+    with pytest.raises(JobSpecError, match="has no config.json"):
+        JobSpec.from_dict(d)
+    d["model"]["path"] = str(files["data"])
+    with pytest.raises(JobSpecError, match="is not a directory"):
+        JobSpec.from_dict(d)
+
+
+def test_seq_len_against_path_model_config(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["data"]["seq_len"] = 512  # config.json says max_position_embeddings 256
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    assert "max_position_embeddings (256)" in errors_of(exc)["data.seq_len"]
+
+
+def test_architecture_models(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["model"] = {"architecture": "llama", "config": {"hidden_size": 64}, "init_seed": 7}
+    d["data"]["tokenizer"] = str(files["model"])
+    spec = JobSpec.from_dict(d)
+    assert spec.init_seed == 7
+    cfg = model_config_from_spec(spec.model)
+    assert cfg.hidden_size == 64 and cfg.model_type == "llama"
+
+    d["data"]["seq_len"] = 4096  # LlamaConfig's default max_position_embeddings is 2048
+    d["model"]["config"] = {"hiden_size": 64}
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert "did you mean 'hidden_size'" in errs["model.config.hiden_size"]
+    d["model"]["config"] = {"num_hidden_layers": "four"}
+    with pytest.raises(JobSpecError, match="transformers rejected the config"):
+        JobSpec.from_dict(d)
+    d["model"]["config"] = {}
+    with pytest.raises(JobSpecError, match=r"max_position_embeddings \(2048\)"):
+        JobSpec.from_dict(d)
+    d["model"]["architecture"] = "gpt2"
+    with pytest.raises(JobSpecError, match="'llama', 'qwen3', 'qwen3_moe'"):
+        JobSpec.from_dict(d)
+
+
+def test_text_data_needs_a_tokenizer(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["model"] = {"architecture": "qwen3"}
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    assert "needs a tokenizer" in errors_of(exc)["data.tokenizer"]
+    # Pre-tokenised data needs none.
+    tokens = files["root"] / "ids.jsonl"
+    tokens.write_text('{"input_ids": [1, 2, 3]}\n')
+    d["data"]["path"] = str(tokens)
+    assert JobSpec.from_dict(d).tokenizer_path is None
+
+
+def test_validate_against_model(files: dict[str, Path]) -> None:
+    spec = JobSpec.from_dict(good(files))
+    validate_against_model(spec, {"max_position_embeddings": 128, "vocab_size": 512})
+    with pytest.raises(JobSpecError) as exc:
+        validate_against_model(
+            spec, {"max_position_embeddings": 100, "vocab_size": 256}, vocab_size_needed=300
+        )
+    errs = errors_of(exc)
+    assert "at most the model's max_position_embeddings (100)" in errs["data.seq_len"]
+    assert "token ids up to 299" in errs["data"]
+
+
+def test_yaml_file(files: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    shutil.copy(files["data"], tmp_path / "sub" / "d.jsonl")
+    text = f"""
+model: {{path: {files["model"]}}}
+data: {{path: d.jsonl, seq_len: 64}}
+optimizer: {{lr: 3e-4, eps: 1E-6}}
+"""
+    f = tmp_path / "sub" / "job.yaml"
+    f.write_text(text)
+    spec = load_job_spec(f)
+    assert spec.optimizer.lr == 3e-4 and spec.optimizer.eps == 1e-6  # not strings
+    assert spec.data.path == str(tmp_path / "sub" / "d.jsonl")  # relative to the file
+    assert isinstance(yaml.safe_load("x: 3e-4")["x"], str)  # global loader untouched
+
+    with pytest.raises(JobSpecError, match="cannot read job spec file"):
+        load_job_spec(tmp_path / "missing.yaml")
+    f.write_text("model: [unclosed\n")
+    with pytest.raises(JobSpecError, match="not valid YAML"):
+        load_job_spec(f)
+    f.write_text("- a list\n")
+    with pytest.raises(JobSpecError, match="expected a mapping"):
+        load_job_spec(f)
+
+
+def test_demo_spec_is_valid() -> None:
+    spec = load_job_spec(DEMO_DIR / "demo_job.yaml")
+    assert spec.model.architecture == "qwen3"
+    assert spec.data.path == str(DEMO_DIR / "demo_corpus.jsonl")
+    assert spec.batch.microbatch_size == 4 and spec.batch.num_microbatches == 3
+    assert spec.train.staleness == 1 and spec.train.dtype == "float32"
+    assert 64 <= spec.data.seq_len <= 128
+    cfg = model_config_from_spec(spec.model)
+    assert cfg.hidden_size == 128 and cfg.num_hidden_layers == 4
+    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2
+    tok = json.loads((DEMO_DIR / "tokenizer" / "tokenizer.json").read_text())
+    assert cfg.vocab_size == len(tok["model"]["vocab"])
+    validate_against_model(spec, cfg, vocab_size_needed=cfg.vocab_size)
+    assert JobSpec.from_dict(copy.deepcopy(spec.to_dict())) == spec
