@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from roundpipe.coordinator.data import (
     IGNORE_INDEX,
     DataError,

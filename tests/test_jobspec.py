@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 import yaml
+
 from roundpipe.coordinator.jobspec import (
     DataSpec,
     JobSpec,

@@ -7,6 +7,8 @@ import math
 import pytest
 import safetensors.torch
 import torch
+from torch import nn
+
 from roundpipe.coordinator.optimizer import (
     IMPLS,
     LayerwiseAdamW,
@@ -15,7 +17,6 @@ from roundpipe.coordinator.optimizer import (
     clip_coefficient,
     global_grad_norm,
 )
-from torch import nn
 
 VOCAB, DIM = 37, 16
 

@@ -1,0 +1,950 @@
+"""Tests for roundpipe.protocol: round trips, fuzzing, error messages, a real socket."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import pickle
+import random
+import re
+import struct
+import tempfile
+import time
+import types
+import typing
+from collections.abc import Callable, Collection
+from typing import Annotated, Any, Literal
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import roundpipe.protocol as proto
+from roundpipe.protocol import (
+    DTYPE_NAMES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    ArenaInfo,
+    EventSignal,
+    EventWait,
+    Heartbeat,
+    Hello,
+    JobSetup,
+    JobStatus,
+    LayerLayout,
+    Message,
+    NamedTensorRef,
+    ProtocolError,
+    ProtocolVersionError,
+    Reject,
+    StageTask,
+    Struct,
+    TensorRef,
+    Welcome,
+    decode,
+    decode_as,
+    dtype_to_name,
+    encode,
+    name_to_dtype,
+    wire,
+)
+
+# --------------------------------------------------------------------------- strategies
+#
+# Strategies are derived from the classes' own annotations, so a new message type or
+# field is covered without touching this file. Only cross-field rules need an override.
+
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+_text = st.text(max_size=12)
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+_name = st.text(min_size=1, max_size=12)
+
+_msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(_INT64_MIN, _UINT64_MAX)
+    | _finite
+    | _text
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _for_annotation(tp: Any) -> st.SearchStrategy[Any]:
+    if tp is Any:
+        return _msgpack_values
+    simple = {
+        int: st.integers(_INT64_MIN, _UINT64_MAX),
+        float: _finite,
+        str: _text,
+        bool: st.booleans(),
+        bytes: st.binary(max_size=8),
+        type(None): st.none(),
+    }
+    if tp in simple:
+        return simple[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        base, marks = args[0], args[1:]
+        lo: float | None = None
+        hi: float | None = None
+        non_empty = False
+        for mark in marks:
+            if isinstance(mark, wire._Ge):
+                lo = mark.minimum
+            elif isinstance(mark, wire._Gt):
+                lo = mark.minimum + 1e-6
+            elif isinstance(mark, wire._Le):
+                hi = mark.maximum
+            elif isinstance(mark, wire._NonEmpty):
+                non_empty = True
+        if base is int:
+            return st.integers(int(lo) if lo is not None else _INT64_MIN, hi or _UINT64_MAX)
+        if base is float:
+            return st.floats(min_value=lo, allow_nan=False, allow_infinity=False)
+        if base is str:
+            return _name if non_empty else _text
+        raise AssertionError(f"no strategy for {tp!r}")
+    if origin is Literal:
+        return st.sampled_from(args)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*[_for_annotation(a) for a in args])
+    if origin is list:
+        return st.lists(_for_annotation(args[0]), max_size=3)
+    if origin is tuple:
+        return st.lists(_for_annotation(args[0]), max_size=4).map(tuple)
+    if origin is dict:
+        return st.dictionaries(_text, _for_annotation(args[1]), max_size=3)
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return for_struct(tp)
+    raise AssertionError(f"no strategy for {tp!r}")
+
+
+@st.composite
+def _tensor_refs(draw: st.DrawFn, arenas: st.SearchStrategy[str] = _name) -> TensorRef:
+    ndim = draw(st.integers(0, 4))
+    dims = st.lists(st.integers(0, 2**40), min_size=ndim, max_size=ndim).map(tuple)
+    return TensorRef(
+        arena=draw(arenas),
+        offset=draw(st.integers(0, _UINT64_MAX)),
+        dtype=draw(st.sampled_from(DTYPE_NAMES)),
+        shape=draw(dims),
+        stride=draw(dims),
+    )
+
+
+@st.composite
+def _hellos(draw: st.DrawFn) -> Hello:
+    device = draw(st.sampled_from(["cpu", "cuda"]))
+    return Hello(
+        worker_name=draw(_name),
+        hostname=draw(_text),
+        pid=draw(st.integers(0, 2**22)),
+        process_create_time=draw(_finite),
+        device=device,
+        device_index=draw(st.integers(0, 7)) if device == "cuda" else None,
+        device_name=draw(_text),
+        memory_bytes=draw(st.integers(0, 2**40)),
+        compute_capability=draw(st.sampled_from(["8.9", "9.0"])) if device == "cuda" else None,
+    )
+
+
+@st.composite
+def _stage_tasks(draw: st.DrawFn) -> StageTask:
+    base = draw(_builds_fields(StageTask, skip={"layer_start", "layer_stop"}))
+    start = draw(st.integers(0, 10_000))
+    stop = draw(st.integers(start + 1, start + 100))
+    return StageTask(**base, layer_start=start, layer_stop=stop)
+
+
+@st.composite
+def _job_setups(draw: st.DrawFn) -> JobSetup:
+    arenas = draw(st.lists(for_struct(ArenaInfo), max_size=4, unique_by=lambda a: a.name))
+    layers: list[LayerLayout] = []
+    if arenas:
+        names = st.sampled_from([a.name for a in arenas])
+        refs = st.builds(NamedTensorRef, name=_name, ref=_tensor_refs(names))
+        layers = draw(
+            st.lists(
+                st.builds(
+                    LayerLayout,
+                    layer=st.integers(0, 200),
+                    params=st.lists(refs, max_size=3),
+                    params_odd=st.lists(refs, max_size=2),
+                ),
+                max_size=3,
+            )
+        )
+    base = draw(_builds_fields(JobSetup, skip={"arenas", "layers"}))
+    return JobSetup(**base, arenas=arenas, layers=layers)
+
+
+_OVERRIDES: dict[type, Callable[[], st.SearchStrategy[Any]]] = {
+    TensorRef: _tensor_refs,
+    Hello: _hellos,
+    StageTask: _stage_tasks,
+    JobSetup: _job_setups,
+}
+
+
+def _builds_fields(cls: type, skip: Collection[str] = ()) -> st.SearchStrategy[dict[str, Any]]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return st.fixed_dictionaries(
+        {name: _for_annotation(tp) for name, tp in hints.items() if name not in skip}
+    )
+
+
+_STRUCT_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {}
+
+
+def for_struct(cls: type) -> st.SearchStrategy[Any]:
+    if cls not in _STRUCT_STRATEGIES:
+        if cls in _OVERRIDES:
+            _STRUCT_STRATEGIES[cls] = _OVERRIDES[cls]()
+        else:
+            _STRUCT_STRATEGIES[cls] = st.deferred(
+                lambda: _builds_fields(cls).map(lambda kw: cls(**kw))
+            )
+    return _STRUCT_STRATEGIES[cls]
+
+
+_TYPE_NAMES = sorted(MESSAGE_TYPES)
+any_message = st.sampled_from(_TYPE_NAMES).flatmap(lambda n: for_struct(MESSAGE_TYPES[n]))
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _body(frames: list[bytes]) -> dict[str, Any]:
+    return msgpack.unpackb(frames[2])
+
+
+def _with_body(frames: list[bytes], body: Any) -> list[bytes]:
+    return [frames[0], frames[1], msgpack.packb(body, use_bin_type=True)]
+
+
+def _frames(type_name: str, body: Any, version: int = PROTOCOL_VERSION) -> list[bytes]:
+    return [
+        b"RP" + struct.pack(">H", version),
+        type_name.encode(),
+        msgpack.packb(body, use_bin_type=True),
+    ]
+
+
+def _ref(**overrides: Any) -> TensorRef:
+    kw: dict[str, Any] = dict(arena="acts", offset=0, dtype="bfloat16", shape=(2, 3), stride=(3, 1))
+    kw.update(overrides)
+    return TensorRef(**kw)
+
+
+def _stage_task(**overrides: Any) -> StageTask:
+    kw: dict[str, Any] = dict(
+        job_id="j1",
+        task_id=7,
+        attempt=0,
+        iteration=3,
+        kind="forward",
+        layer_start=1,
+        layer_stop=5,
+        num_microbatches=4,
+        weight_version=2,
+        inputs=[_ref(), _ref(offset=24)],
+        outputs=[_ref(offset=48)],
+        saved=[],
+        grads=[],
+        waits=[EventWait(counter=3, at_least=2, label="act[1][0]")],
+        signals=[EventSignal(counter=9, value=3, label="act[5][0]")],
+        wait_timeout_s=30.0,
+        options={"loss_tokens": 1234},
+    )
+    kw.update(overrides)
+    return StageTask(**kw)
+
+
+def _hello(**overrides: Any) -> Hello:
+    kw: dict[str, Any] = dict(
+        worker_name="rp-worker-0",
+        hostname="box",
+        pid=1234,
+        process_create_time=1.5e9,
+        device="cuda",
+        device_index=0,
+        device_name="NVIDIA GeForce RTX 4090",
+        memory_bytes=24 * 2**30,
+        compute_capability="8.9",
+    )
+    kw.update(overrides)
+    return Hello(**kw)
+
+
+def _decode_error(frames: Any, **kw: Any) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, **kw)
+    return info.value
+
+
+def _outcome(frames: Any, **kw: Any) -> Message | ProtocolError:
+    """The fuzz oracle: a valid Message (which must re-encode to the same thing) or a
+    ProtocolError. Any other exception propagates and fails the test."""
+    try:
+        msg = decode(frames, **kw)
+    except ProtocolError as e:
+        assert str(e)
+        return e
+    assert isinstance(msg, Message)
+    again = encode(msg)
+    assert encode(decode(again)) == again
+    return msg
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("type_name", _TYPE_NAMES)
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_round_trip_every_message_type(type_name: str, data: st.DataObject) -> None:
+    cls = MESSAGE_TYPES[type_name]
+    msg = data.draw(for_struct(cls))
+    frames = encode(msg)
+    assert len(frames) == 3 and all(type(f) is bytes for f in frames)
+    assert frames[0] == b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")
+    assert frames[1] == type_name.encode("ascii")
+    back = decode(frames)
+    assert type(back) is cls
+    assert back == msg
+    assert encode(back) == frames  # encoding is deterministic
+    assert decode_as(frames, cls) == msg
+
+
+def test_every_message_type_is_registered_and_exported() -> None:
+    exported = [getattr(proto, name) for name in proto.__all__]
+    for name, cls in MESSAGE_TYPES.items():
+        assert cls.__name__ == name and any(cls is e for e in exported)
+        assert issubclass(cls, Message)
+    for name in proto.__all__:
+        assert hasattr(proto, name), name
+
+
+def test_docstring_lists_every_message_and_every_field_is_documented() -> None:
+    doc = wire.__doc__ or ""
+    source = inspect.getsource(wire)
+    lines = source.splitlines()
+    classes = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
+    structs = [c for c in vars(wire).values() if isinstance(c, type) and issubclass(c, Struct)]
+    assert len(structs) > len(MESSAGE_TYPES)
+    for cls in structs:
+        if cls in (Struct, Message):
+            continue
+        assert re.search(rf"\b{cls.__name__}\b", doc), f"{cls.__name__} missing from docstring"
+        fields = [n for n in classes[cls.__name__].body if isinstance(n, ast.AnnAssign)]
+        assert [f.target.id for f in fields] == [s.name for s in wire._SPECS[cls]]  # type: ignore[attr-defined]
+        for f in fields:
+            above = lines[f.lineno - 2].strip()
+            assert above.startswith("#:"), f"{cls.__name__}.{f.target.id} has no #: comment"  # type: ignore[attr-defined]
+
+
+def test_records_alone_cannot_be_encoded() -> None:
+    with pytest.raises(ProtocolError, match="not a registered message type"):
+        encode(_ref())  # type: ignore[arg-type]
+
+
+def test_tuple_fields_decode_to_tuples() -> None:
+    task = decode(encode(_stage_task()))
+    assert isinstance(task, StageTask)
+    assert task.inputs[0].shape == (2, 3) and type(task.inputs[0].shape) is tuple
+    assert type(task.inputs) is list
+
+
+def test_float_field_accepts_int_and_stores_float() -> None:
+    frames = _frames("Heartbeat", {"sender": "w", "seq": 1, "sent_at": 5})
+    msg = decode_as(frames, Heartbeat)
+    assert msg.sent_at == 5.0 and type(msg.sent_at) is float
+
+
+def test_nan_and_inf_survive_where_allowed() -> None:
+    status = JobStatus(
+        job_id="j",
+        state="failed",
+        step=3,
+        total_steps=10,
+        loss=math.nan,
+        message="diverged",
+        output_dir=None,
+    )
+    back = decode_as(encode(status), JobStatus)
+    assert back.loss is not None and math.isnan(back.loss)
+
+
+def test_defaults_fill_absent_optional_fields() -> None:
+    frames = encode(_stage_task())
+    body = _body(frames)
+    del body["options"]
+    assert decode_as(_with_body(frames, body), StageTask).options == {}
+
+
+def test_frames_may_be_any_bytes_like() -> None:
+    frames = encode(_hello())
+    for convert in (bytearray, memoryview, zmq.Frame):
+        assert decode([convert(f) for f in frames]) == _hello()
+
+
+# --------------------------------------------------------------------------- error messages
+
+
+def test_missing_field_names_message_field_and_type() -> None:
+    frames = encode(_hello())
+    body = _body(frames)
+    del body["pid"]
+    err = _decode_error(_with_body(frames, body))
+    assert "Hello" in str(err) and "pid" in str(err) and "missing" in str(err)
+    assert "non-negative int" in str(err)
+    assert err.message_type == "Hello" and err.field == "pid"
+
+
+def test_unknown_field_is_refused() -> None:
+    frames = encode(Heartbeat(sender="w", seq=1, sent_at=0.0))
+    body = _body(frames) | {"colour": "red"}
+    err = _decode_error(_with_body(frames, body))
+    assert "Heartbeat" in str(err) and "colour" in str(err) and "no such field" in str(err)
+    assert "'red' (str)" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected", "seen"),
+    [
+        ("seq", "7", "expected non-negative int", "'7' (str)"),
+        ("seq", True, "expected non-negative int", "True (bool)"),
+        ("seq", -1, "expected non-negative int", "-1 (int)"),
+        ("seq", 1.0, "expected non-negative int", "1.0 (float)"),
+        ("sent_at", None, "expected float", "None (None)"),
+        ("sent_at", False, "expected float", "False (bool)"),
+        ("sender", "", "expected non-empty str", "'' (str)"),
+        ("sender", b"w", "expected non-empty str", "b'w' (bytes)"),
+    ],
+)
+def test_wrong_type_says_field_expected_and_seen(
+    field: str, value: Any, expected: str, seen: str
+) -> None:
+    body = {"sender": "w", "seq": 1, "sent_at": 0.0} | {field: value}
+    err = _decode_error(_frames("Heartbeat", body))
+    text = str(err)
+    assert text.startswith(f"invalid Heartbeat: field {field}: "), text
+    assert expected in text and seen in text, text
+    assert err.field == field
+
+
+def test_nested_field_path_is_reported() -> None:
+    frames = encode(_stage_task())
+    body = _body(frames)
+    body["inputs"][1]["offset"] = -8
+    err = _decode_error(_with_body(frames, body))
+    assert str(err) == (
+        "invalid StageTask: field inputs[1].offset: expected non-negative int, got -8 (int)"
+    )
+    assert err.field == "inputs[1].offset"
+
+
+def test_literal_and_dtype_choices() -> None:
+    err = _decode_error(_with_body(encode(_hello()), _body(encode(_hello())) | {"device": "gpu"}))
+    assert "device" in str(err) and "one of 'cpu', 'cuda'" in str(err) and "'gpu'" in str(err)
+
+    body = _body(encode(_stage_task()))
+    body["outputs"][0]["dtype"] = "float8"
+    err = _decode_error(_frames("StageTask", body))
+    assert "outputs[0].dtype" in str(err) and "'bfloat16'" in str(err) and "float8" in str(err)
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ProtocolError, match=r"TensorRef: field stride: expected tuple of 2 ints"):
+        _ref(stride=(1,))
+    body = _body(encode(_stage_task()))
+    body["saved"] = [body["inputs"][0] | {"stride": [1, 1, 1]}]
+    err = _decode_error(_frames("StageTask", body))
+    assert err.field == "saved[0].stride"
+    with pytest.raises(ProtocolError, match=r"field layer_stop: expected an int > layer_start"):
+        _stage_task(layer_start=5, layer_stop=5)
+    with pytest.raises(ProtocolError, match=r"field device_index: expected None for cpu"):
+        _hello(device="cpu", device_index=0)
+    with pytest.raises(ProtocolError, match=r"field device_index: expected an int for a cuda"):
+        _hello(device_index=None)
+    with pytest.raises(ProtocolError, match=r"layers\[0\]\.params\[0\]\.ref\.arena"):
+        JobSetup(
+            job_id="j",
+            model_config={},
+            lora=None,
+            compute_dtype="bfloat16",
+            arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
+            layers=[
+                LayerLayout(layer=0, params=[NamedTensorRef(name="w", ref=_ref(arena="nope"))])
+            ],
+        )
+
+
+def test_construction_validates_with_the_same_messages() -> None:
+    with pytest.raises(ProtocolError) as info:
+        _stage_task(inputs=[_ref(), "not a ref"])
+    assert (
+        str(info.value)
+        == "invalid StageTask: field inputs[1]: expected TensorRef, got 'not a ref' (str)"
+    )
+    with pytest.raises(ProtocolError, match=r"field options\['x'\]\[0\]: expected msgpack value"):
+        _stage_task(options={"x": [object()]})
+    with pytest.raises(ProtocolError, match="field offset: expected non-negative int"):
+        _ref(offset=-1)
+    with pytest.raises(ProtocolError, match="msgpack's range"):
+        _ref(offset=2**64)
+    with pytest.raises(ProtocolError, match="UTF-8"):
+        Heartbeat(sender="\ud800", seq=0, sent_at=0.0)
+    with pytest.raises(TypeError):
+        Heartbeat("w", 0, 0.0)  # type: ignore[misc]  # keyword-only
+    assert _ref(shape=[2, 3], stride=[3, 1]).shape == (2, 3)  # lists become tuples
+
+
+def test_messages_are_frozen() -> None:
+    msg = Heartbeat(sender="w", seq=0, sent_at=0.0)
+    with pytest.raises(AttributeError):
+        msg.seq = 1  # type: ignore[misc]
+
+
+def test_messages_own_their_containers() -> None:
+    inputs = [_ref()]
+    options: dict[str, Any] = {"x": [1]}
+    task = _stage_task(inputs=inputs, options=options)
+    inputs.append("garbage")  # type: ignore[arg-type]
+    options["x"].append(object())
+    assert len(task.inputs) == 1 and task.options == {"x": [1]}
+    assert decode(encode(task)) == task
+
+
+def test_mutating_a_message_in_place_still_fails_cleanly() -> None:
+    # Not validated again by encode (hot path), but never a non-protocol error: either
+    # encode refuses, or the receiver does.
+    task = _stage_task()
+    task.inputs.append("garbage")  # type: ignore[arg-type]
+    err = _decode_error(encode(task))
+    assert err.field == "inputs[2]"
+    for bad in (object(), 2**70, "\ud800"):
+        task = _stage_task()
+        task.options["x"] = bad
+        with pytest.raises(ProtocolError, match="cannot encode StageTask"):
+            encode(task)
+    task = _stage_task()
+    task.options["self"] = task.options  # a cycle
+    with pytest.raises(ProtocolError, match="cannot encode StageTask"):
+        encode(task)
+
+
+def test_version_mismatch_and_reject_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker of "version 2" says Hello to this (version 1) coordinator.
+    hello = encode(_hello())
+    hello_v2 = [b"RP\x00\x02", *hello[1:]]
+    with pytest.raises(ProtocolVersionError) as info:
+        decode(hello_v2)
+    err = info.value
+    assert isinstance(err, ProtocolError)
+    assert (err.seen_version, err.expected_version, err.message_type) == (2, 1, "Hello")
+    assert "version 2" in str(err) and "version 1" in str(err)
+
+    # The coordinator answers with a Reject at its own version ...
+    reject = encode(Reject(reason=str(err), expected_version=err.expected_version))
+    assert decode_as(reject, Reject).expected_version == PROTOCOL_VERSION
+    # ... which the version-2 worker cannot read, but learns exactly why.
+    monkeypatch.setattr(wire, "PROTOCOL_VERSION", 2)
+    with pytest.raises(ProtocolVersionError) as info:
+        decode(reject)
+    assert (info.value.seen_version, info.value.expected_version) == (1, 2)
+    assert info.value.message_type == "Reject"
+
+
+def test_errors_pickle() -> None:
+    err = _decode_error(_frames("Heartbeat", {"sender": "w", "seq": -1, "sent_at": 0.0}))
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.field, back.message_type) == (str(err), "seq", "Heartbeat")
+    verr = ProtocolVersionError(3, 1, message_type="Hello")
+    vback = pickle.loads(pickle.dumps(verr))
+    assert (vback.seen_version, vback.expected_version, vback.message_type) == (3, 1, "Hello")
+    assert str(vback) == str(verr)
+
+
+def test_decode_as_names_expected_type() -> None:
+    frames = encode(Reject(reason="busy", expected_version=PROTOCOL_VERSION))
+    with pytest.raises(ProtocolError, match="expected a Welcome message, got Reject"):
+        decode_as(frames, Welcome)
+    with pytest.raises(TypeError):
+        decode_as(frames, int)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize(
+    ("frames", "pattern"),
+    [
+        ([], "expected 3 frames"),
+        ([b"RP\x00\x01", b"Ack"], "expected 3 frames"),
+        ([b"id", b"RP\x00\x01", b"Ack", b"\x80"], "expected 3 frames"),
+        (None, "expected a sequence of frames"),
+        ([b"RP\x00\x01", "Ack", b"\x80"], "frame 1 is 'Ack' \\(str\\)"),
+        ([b"RP\x00\x01", b"Ack", 5], "frame 2 is 5"),
+        ([b"RP\x00", b"Ack", b"\x80"], "bad header frame"),
+        ([b"RP\x00\x01\x00", b"Ack", b"\x80"], "bad header frame"),
+        ([b"XX\x00\x01", b"Ack", b"\x80"], "bad header frame"),
+        ([b"RP\x00\x01", b"", b"\x80"], "bad type frame"),
+        ([b"RP\x00\x01", b"A" * 65, b"\x80"], "bad type frame"),
+        ([b"RP\x00\x01", "Äck".encode(), b"\x80"], "bad type frame"),
+        ([b"RP\x00\x01", b"Nope", b"\x80"], "unknown message type 'Nope'"),
+        ([b"RP\x00\x01", b"Ack", b""], "malformed Ack body"),
+        ([b"RP\x00\x01", b"Ack", b"\x80\x00"], "malformed Ack body: ExtraData"),
+        ([b"RP\x00\x01", b"Ack", b"\x92\x01\x02"], "body: expected a map of fields"),
+        ([b"RP\x00\x01", b"Ack", b"\xdd\xff\xff\xff\xff"], "malformed Ack body"),
+        ([b"RP\x00\x01", b"Ack", b"\xd6\xff\x00\x00\x00\x01"], "malformed Ack body"),  # timestamp
+        ([b"RP\x00\x01", b"Ack", b"\xc7\x00\x05"], "malformed Ack body"),  # empty ext
+        ([b"RP\x00\x01", b"Ack", b"\x81\xa1a\xc1"], "malformed Ack body"),  # 0xc1 never used
+        ([b"RP\x00\x01", b"Ack", b"\x81\x01\x02"], "malformed Ack body"),  # int key
+        ([b"RP\x00\x01", b"Ack", b"\x82\xa1a\x01\xa1a\x02"], "duplicate map key"),
+        ([b"RP\x00\x01", b"Ack", b"\x81\xa1a\xa2\xff\xfe"], "malformed Ack body"),  # bad UTF-8
+        ([b"RP\x00\x01", b"Ack", b"\x91" * 100_000], "malformed Ack body"),  # deep nesting
+        ([b"RP\x00\x01", b"Ack", b"\x81\xc4\x01k\x01"], "field b'k'"),  # bin key
+    ],
+)
+def test_malformed_frames(frames: Any, pattern: str) -> None:
+    err = _decode_error(frames)
+    assert re.search(pattern, str(err)), str(err)
+    assert type(err) is ProtocolError
+
+
+class _HostileFrames:
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> bytes:
+        raise RuntimeError("boom")
+
+
+class _BadLen:
+    def __len__(self) -> int:
+        raise ValueError("no length")
+
+
+@pytest.mark.parametrize(
+    "frames", [_HostileFrames(), _BadLen(), "abc", {0: b"", 1: b""}, b"abc", iter([b"x"])]
+)
+def test_odd_frame_containers(frames: Any) -> None:
+    assert type(_decode_error(frames)) is ProtocolError
+
+
+def test_peer_supplied_names_are_shortened_in_errors() -> None:
+    body = {"sender": "w", "seq": 1, "sent_at": 0.0, "k" * 10_000: 1}
+    err = _decode_error(_frames("Heartbeat", body))
+    assert "kkk..." in str(err) and len(str(err)) < 400
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_intervals_must_be_positive(value: float) -> None:
+    with pytest.raises(ProtocolError, match="field heartbeat_interval_s: expected positive float"):
+        Welcome(worker_id=0, coordinator_id="c", heartbeat_interval_s=value, arena_dir="/dev/shm")
+
+
+def test_base_classes_are_not_records() -> None:
+    for cls in (Struct, Message):
+        with pytest.raises(TypeError, match="not a declared"):
+            cls()
+
+
+def test_body_size_limits() -> None:
+    frames = encode(Heartbeat(sender="w" * 100, seq=1, sent_at=0.0))
+    err = _decode_error(frames, max_body_bytes=50)
+    assert "max_body_bytes" in str(err) and "Heartbeat" in str(err)
+    assert decode(frames, max_body_bytes=len(frames[2])).seq == 1
+    with pytest.raises(ProtocolError, match="max_body_bytes"):
+        encode(Heartbeat(sender="w" * 100, seq=1, sent_at=0.0), max_body_bytes=50)
+    huge = [b"RP\x00\x01", b"Ack", b"\x80" + b"\x00" * (16 * 2**20)]
+    assert "more than the limit" in str(_decode_error(huge))
+
+
+def test_any_values_nested_too_deep_are_refused() -> None:
+    deep: Any = 1
+    for _ in range(wire.MAX_ANY_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match="nested at most"):
+        _stage_task(options={"x": deep})
+    body = _body(encode(_stage_task())) | {"options": {"x": deep}}
+    assert "nested at most" in str(_decode_error(_frames("StageTask", body)))
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def test_dtype_helpers() -> None:
+    for name in DTYPE_NAMES:
+        dtype = name_to_dtype(name)
+        assert isinstance(dtype, torch.dtype)
+        assert dtype_to_name(dtype) == name
+        assert proto.dtype_itemsize(name) == dtype.itemsize
+    with pytest.raises(ProtocolError, match="complex64"):
+        dtype_to_name(torch.complex64)
+    with pytest.raises(ProtocolError, match="unknown dtype name 'float8'"):
+        name_to_dtype("float8")
+    with pytest.raises(ProtocolError):
+        name_to_dtype(["float32"])  # type: ignore[arg-type]
+
+
+def test_tensor_ref_geometry_matches_torch() -> None:
+    ref = TensorRef.contiguous(arena="acts", offset=64, dtype="bfloat16", shape=(2, 3, 4))
+    assert ref.stride == (12, 4, 1) and ref.numel == 24
+    assert ref.end_byte == 64 + 24 * 2
+    base = torch.zeros(100, dtype=torch.float32)
+    view = base.as_strided((3, 2), (1, 5), 4)
+    tref = TensorRef(arena="a", offset=16, dtype="float32", shape=(3, 2), stride=(1, 5))
+    last = view[-1, -1].data_ptr() - base.data_ptr() + 4
+    assert tref.end_byte == last
+    assert TensorRef(arena="a", offset=8, dtype="int8", shape=(0, 5), stride=(5, 1)).end_byte == 8
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+_MUTATIONS_PER_EXAMPLE = 48
+_FUZZ_EXAMPLES = 400  # 400 * 48 = 19,200 mutated inputs, checked below
+
+
+def _random_value(rnd: random.Random, depth: int = 0) -> Any:
+    """A random msgpack-encodable value, biased towards edge cases."""
+    kind = rnd.randrange(14 if depth < 4 else 9)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rnd.random() < 0.5
+    if kind == 2:
+        return rnd.choice([0, -1, 1, 2**63 - 1, -(2**63), 2**64 - 1, 255, -129])
+    if kind == 3:
+        return rnd.randint(-(2**40), 2**40)
+    if kind == 4:
+        return rnd.choice([0.0, -0.0, 1.5, math.nan, math.inf, -math.inf, 1e308])
+    if kind == 5:
+        return rnd.choice(["", "cpu", "cuda", "forward", "float32", "a" * 70, "Äck", "x"])
+    if kind == 6:
+        return rnd.randbytes(rnd.randrange(6))
+    if kind == 7:
+        return msgpack.ExtType(rnd.randrange(128), rnd.randbytes(rnd.randrange(3)))
+    if kind == 8:
+        return rnd.uniform(-1e6, 1e6)
+    if kind in (9, 10):
+        return [_random_value(rnd, depth + 1) for _ in range(rnd.randrange(4))]
+    keys: list[Any] = [rnd.choice(["arena", "offset", "shape", "x", ""]) for _ in range(3)]
+    if rnd.random() < 0.1:
+        keys.append(rnd.randbytes(2))
+    return {k: _random_value(rnd, depth + 1) for k in keys[: rnd.randrange(4)]}
+
+
+def _containers(obj: Any, out: list[Any]) -> list[Any]:
+    if isinstance(obj, (dict, list)):
+        out.append(obj)
+        for child in obj.values() if isinstance(obj, dict) else obj:
+            _containers(child, out)
+    return out
+
+
+def _mutate_structure(body: Any, rnd: random.Random) -> Any:
+    """Drop/add fields, swap a value's type, make numbers negative, deep inside."""
+    targets = _containers(body, [])
+    if not targets:
+        return _random_value(rnd)
+    target = rnd.choice(targets)
+    op = rnd.randrange(5)
+    if isinstance(target, dict):
+        keys = list(target)
+        if op == 0 and keys:
+            del target[rnd.choice(keys)]
+        elif op == 1:
+            target[rnd.choice(["extra", "offset", "kind", "seq", "a" * 3])] = _random_value(rnd)
+        elif keys:
+            key = rnd.choice(keys)
+            old = target[key]
+            if op == 2 and isinstance(old, int) and not isinstance(old, bool):
+                target[key] = -(old % 2**63) - 1
+            elif op == 3:
+                target[key] = {int: "1", str: 1, float: True, bool: 1, list: (), dict: []}.get(
+                    type(old), None
+                )
+            else:
+                target[key] = _random_value(rnd)
+    else:
+        if op == 0 and target:
+            del target[rnd.randrange(len(target))]
+        elif op == 1:
+            target.append(_random_value(rnd))
+        elif target:
+            target[rnd.randrange(len(target))] = _random_value(rnd)
+    return body
+
+
+def _mutate(frames: list[bytes], rnd: random.Random) -> tuple[Any, dict[str, Any]]:
+    """One mutated input (frames, decode kwargs) from a valid encoding."""
+    frames = list(frames)
+    op = rnd.randrange(15)
+    i = rnd.randrange(3)
+    if op == 0:  # flip bits
+        buf = bytearray(frames[i])
+        for _ in range(rnd.randint(1, 4)):
+            if buf:
+                buf[rnd.randrange(len(buf))] ^= 1 << rnd.randrange(8)
+        frames[i] = bytes(buf)
+    elif op == 1:  # truncate
+        frames[i] = frames[i][: rnd.randrange(len(frames[i]) + 1)]
+    elif op == 2:  # extend
+        frames[i] = frames[i] + rnd.randbytes(rnd.randint(1, 8))
+    elif op == 3:  # overwrite a random span with random bytes
+        buf = bytearray(frames[i])
+        if buf:
+            start = rnd.randrange(len(buf))
+            span = rnd.randint(1, 8)
+            buf[start : start + span] = rnd.randbytes(span)
+        frames[i] = bytes(buf)
+    elif op == 4:  # another protocol version
+        frames[0] = b"RP" + struct.pack(">H", rnd.choice([0, 2, 255, 65535]))
+    elif op == 5:  # wrong frame counts
+        choice = rnd.randrange(4)
+        if choice == 0:
+            frames = frames[: rnd.randrange(3)]
+        elif choice == 1:
+            frames.append(rnd.randbytes(rnd.randrange(5)))
+        elif choice == 2:
+            frames.insert(0, b"\x00identity")
+        else:
+            frames = frames + frames
+    elif op == 6:  # the body of one type under another type's name
+        frames[1] = rnd.choice(_TYPE_NAMES).encode()
+    elif op in (7, 8, 9, 10):  # structural change to the body: fields, types, signs
+        body = msgpack.unpackb(frames[2])
+        for _ in range(rnd.randint(1, 3)):
+            body = _mutate_structure(body, rnd)
+        frames[2] = msgpack.packb(body, use_bin_type=True)
+    elif op == 11:  # a random msgpack object as body
+        frames[2] = msgpack.packb(_random_value(rnd), use_bin_type=True)
+    elif op == 12:  # frames that are not bytes, or not a sequence of frames
+        bad = rnd.choice([None, 3, "RP", 1.5, object(), [b"x"]])
+        if rnd.random() < 0.2:
+            return bad, {}
+        frames[i] = bad  # type: ignore[call-overload]
+    elif op == 13:  # small body limit
+        return frames, {"max_body_bytes": rnd.randrange(len(frames[2]) + 2)}
+    else:  # random bytes everywhere, valid header
+        frames = [frames[0], rnd.randbytes(rnd.randrange(10)), rnd.randbytes(rnd.randrange(40))]
+    return frames, {}
+
+
+def test_fuzz_mutated_valid_encodings() -> None:
+    counts = {"inputs": 0, "valid": 0, "errors": 0}
+
+    @settings(
+        max_examples=_FUZZ_EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(msg=any_message, seed=st.integers(0, 2**32))
+    def run(msg: Message, seed: int) -> None:
+        frames = encode(msg)
+        rnd = random.Random(seed)
+        for _ in range(_MUTATIONS_PER_EXAMPLE):
+            mutated, kwargs = _mutate(frames, rnd)
+            try:
+                result = _outcome(mutated, **kwargs)
+            except Exception as e:
+                raise AssertionError(f"seed={seed} frames={mutated!r} {kwargs}") from e
+            counts["inputs"] += 1
+            counts["valid" if isinstance(result, Message) else "errors"] += 1
+
+    run()
+    print(f"mutation fuzz: {counts}")  # visible with pytest -s
+    assert counts["inputs"] >= 10_000, counts
+    # Both outcomes must actually happen, or the mutations are too gentle/too harsh.
+    assert counts["valid"] > 100 and counts["errors"] > 5_000, counts
+
+
+def test_fuzz_random_frames() -> None:
+    seed = 20260101
+    rnd = random.Random(seed)
+    count = 0
+    for _ in range(4000):
+        n = rnd.choice([0, 1, 2, 3, 3, 3, 3, 4])
+        frames: list[Any] = [rnd.randbytes(rnd.randrange(12)) for _ in range(n)]
+        if n == 3 and rnd.random() < 0.8:
+            frames[0] = b"RP" + struct.pack(">H", PROTOCOL_VERSION)
+            frames[1] = rnd.choice(_TYPE_NAMES).encode()
+            if rnd.random() < 0.6:
+                frames[2] = msgpack.packb(_random_value(rnd), use_bin_type=True)
+        try:
+            _outcome(frames)
+        except Exception as e:
+            raise AssertionError(f"seed={seed} iteration={count} frames={frames!r}") from e
+        count += 1
+    assert count == 4000
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def _serve_until_valid(sock: zmq.Socket[bytes], *, routed: bool) -> tuple[int, Message]:
+    """A receive loop the way a daemon writes it: garbage is logged and skipped."""
+    garbage = 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not sock.poll(1000):
+            continue
+        frames = sock.recv_multipart(copy=False)
+        envelope, payload = (frames[:1], frames[1:]) if routed else ([], frames)
+        try:
+            msg = decode(payload)
+        except ProtocolError:
+            garbage += 1
+            continue
+        sock.send_multipart([*(f.bytes for f in envelope), *encode(Ack())])
+        return garbage, msg
+    raise AssertionError("no valid message within 10 s")
+
+
+_GARBAGE: list[list[bytes]] = [
+    [b"hello"],
+    [b"RP\x00\x01", b"Heartbeat"],
+    [b"RP\x00\x09", b"Heartbeat", b"\x80"],
+    [b"RP\x00\x01", b"Heartbeat", b"\xff\xff\xff"],
+    [b"RP\x00\x01", b"Heartbeat", msgpack.packb({"sender": "w", "seq": -5, "sent_at": 0.0})],
+    [b"RP\x00\x01", b"NoSuchType", b"\x80"],
+    [b"", b"", b"", b"", b""],
+]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_receive_loop_survives_garbage(transport: str) -> None:
+    ctx = zmq.Context.instance()
+    routed = transport == "tcp"
+    server = ctx.socket(zmq.ROUTER if routed else zmq.PAIR)
+    client = ctx.socket(zmq.DEALER if routed else zmq.PAIR)
+    for s in (server, client):
+        s.setsockopt(zmq.LINGER, 0)
+    try:
+        if routed:
+            port = server.bind_to_random_port("tcp://127.0.0.1")
+            client.connect(f"tcp://127.0.0.1:{port}")
+        else:
+            # A short private directory: ipc paths are limited to ~100 characters.
+            address = f"ipc://{tempfile.mkdtemp(prefix='rp-')}/protocol.sock"
+            server.bind(address)
+            client.connect(address)
+        for frames in _GARBAGE:
+            client.send_multipart(frames)
+        beat = Heartbeat(sender="rp-worker-0", seq=42, sent_at=time.time())
+        client.send_multipart(encode(beat))
+        garbage, msg = _serve_until_valid(server, routed=routed)
+        assert garbage == len(_GARBAGE)
+        assert msg == beat
+        assert client.poll(5000), "no reply"
+        assert decode_as(client.recv_multipart(), Ack) == Ack()
+    finally:
+        server.close()
+        client.close()
