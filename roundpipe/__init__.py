@@ -1,2 +1,3 @@
 """RoundPipe runtime."""
+
 __version__ = "0.1.0"

@@ -1,0 +1,616 @@
+"""Causal LMs as sequences of layers, with weights kept outside the modules.
+
+A supported Hugging Face causal LM (``SUPPORTED_ARCHITECTURES``) becomes ``n`` layers::
+
+    layer 0          prefix: model.embed_tokens            (input_ids -> hidden)
+    layer 1..n-2     decoder layers: HF layer i is our layer i + 1
+    layer n-1        tail: model.norm + lm_head + loss      (hidden -> loss)
+
+Only hidden states ``[rows, seq, hidden]`` cross layer boundaries; positions, rotary
+tables and the causal mask are recomputed from the shape wherever they are needed.
+
+Parameters keep their Hugging Face names (``model.layers.3.self_attn.q_proj.weight``) so
+an exported checkpoint stays loadable by transformers; with LoRA they keep the names of
+peft's wrapped model (``base_model.model.model.layers.3.self_attn.q_proj.lora_A.default
+.weight``). ``checkpoint_name`` maps a name to the key a saved HF / peft file uses.
+
+Note [tied embeddings]
+    With ``tie_word_embeddings`` the LM head reuses the embedding matrix. The tail layer
+    still lists ``lm_head.weight``, with ``ParamSpec.tied_to`` naming its owner
+    (``model.embed_tokens.weight``, layer 0). A tied entry has no storage of its own (no
+    params/master/optimizer slot): tasks receive the owner's tensor under the tied name.
+    It does get its own gradient: the tail returns the LM head's contribution under the
+    tied name, and the owner's total gradient is the sum of both (what
+    ``run_iteration`` and the optimizer must do).
+
+A ``LayeredModel`` also owns the *skeleton*: the HF module tree (peft-wrapped for LoRA)
+built once on the meta device. Workers run layers of it through
+``torch.func.functional_call`` with weights handed in per task, so the skeleton never
+holds real weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "IGNORE_INDEX",
+    "LayeredModel",
+    "LoraSettings",
+    "ParamSpec",
+    "count_label_tokens",
+    "shift_labels",
+]
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+IGNORE_INDEX = -100
+"""Label value that contributes no loss (Hugging Face's convention)."""
+
+_PEFT_PREFIX = "base_model.model."
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# Per-expert checkpoint keys (the format HF saves by default and the hub uses for Qwen3-MoE)
+# that transformers >= 5 merges into 3-D expert tensors at load time.
+_FUSED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One parameter of one layer, independent of the dtype it is stored in."""
+
+    name: str
+    """Full name in the (peft-wrapped) HF model, unique across the model."""
+    shape: tuple[int, ...]
+    trainable: bool
+    """Gets a gradient, master copy and optimizer state (False: LoRA base weights)."""
+    tied_to: str | None = None
+    """Owner's name when this entry aliases another layer's weight. Note [tied embeddings]."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """LoRA adapters added through peft; base weights are frozen."""
+
+    r: int
+    """Adapter rank."""
+    alpha: float
+    """Scale numerator: the adapter output is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter input (reproduced on recompute, see the executor)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names (peft semantics) inside decoder layers that receive adapters."""
+
+    def __post_init__(self) -> None:
+        tm = self.target_modules
+        object.__setattr__(self, "target_modules", (tm,) if isinstance(tm, str) else tuple(tm))
+        if not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA r must be a positive integer, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules or not all(isinstance(t, str) for t in self.target_modules):
+            raise ValueError(
+                f"LoRA target_modules must be a non-empty list of names, got {self.target_modules!r}"
+            )
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping[str, Any]) -> LoraSettings:
+        """Accept ``{r, alpha, dropout, target_modules}`` (peft's ``lora_`` spellings too)."""
+        aliases = {"lora_alpha": "alpha", "lora_dropout": "dropout"}
+        kw: dict[str, Any] = {}
+        for key, value in spec.items():
+            key = aliases.get(key, key)
+            if key not in ("r", "alpha", "dropout", "target_modules"):
+                raise ValueError(
+                    f"unknown LoRA setting {key!r}: expected r, alpha, dropout, target_modules"
+                )
+            if key in kw:
+                raise ValueError(f"LoRA setting {key!r} given twice")
+            kw[key] = value
+        for key in ("r", "alpha"):
+            if key not in kw:
+                raise ValueError(f"LoRA settings need {key!r}")
+        return cls(**kw)
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with the positions that predict them, as HF's causal-LM loss does.
+
+    Position t predicts token t + 1, so the target of position t is ``labels[..., t+1]``;
+    the last position of each row has no target.
+    """
+    return nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    """Number of tokens that contribute to the loss of one microbatch (after the shift).
+
+    The loss is normalised by the sum of this over the whole global batch.
+    """
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _strip_peft(name: str) -> str:
+    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+
+
+class LayeredModel:
+    """A supported causal LM described as ``num_layers`` layers of named parameters.
+
+    Build it with ``from_config`` (random init via ``init_weights``) or ``from_hf_dir``
+    (weights via ``load_weights``). Weight sets are ``dict[layer, dict[name, Tensor]]``
+    holding every non-tied parameter of ``layer_params(layer)``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        lora: LoraSettings | Mapping[str, Any] | None = None,
+        *,
+        source_dir: str | Path | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.config = copy.deepcopy(config)
+        self.architecture = _resolve_architecture(self.config)
+        self._check_config()
+        if lora is not None and not isinstance(lora, LoraSettings):
+            lora = LoraSettings.from_mapping(lora)
+        self.lora: LoraSettings | None = lora
+        self.source_dir = Path(source_dir) if source_dir is not None else None
+        self.attn_implementation = attn_implementation
+        self.num_decoder_layers: int = int(self.config.num_hidden_layers)
+        self.num_layers: int = self.num_decoder_layers + 2
+        self.skeleton: nn.Module = self._build_skeleton()
+        self._prefix = _PEFT_PREFIX if self.lora is not None else ""
+        self._specs: list[list[ParamSpec]] = [[] for _ in range(self.num_layers)]
+        self._layer_of: dict[str, int] = {}
+        self._index_params()
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_config(
+        cls, config: Any, lora: LoraSettings | Mapping[str, Any] | None = None, **kw: Any
+    ) -> LayeredModel:
+        """From a transformers config object (or a plain dict with ``model_type``)."""
+        if isinstance(config, Mapping):
+            from transformers import AutoConfig
+
+            d = dict(config)
+            model_type = d.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("a config dict needs 'model_type' (e.g. 'llama', 'qwen3')")
+            try:
+                config = AutoConfig.for_model(model_type, **d)
+            except Exception as e:
+                raise ValueError(f"transformers cannot build a config from {config!r}: {e}") from e
+        return cls(config, lora, **kw)
+
+    @classmethod
+    def from_hf_dir(
+        cls, path: str | Path, lora: LoraSettings | Mapping[str, Any] | None = None, **kw: Any
+    ) -> LayeredModel:
+        """From a local Hugging Face model directory (config.json + safetensors). No hub."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"model directory {str(path)!r} has no *.safetensors weights "
+                "(only safetensors checkpoints are supported)"
+            )
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"cannot read the config in {str(path)!r}: {e}") from e
+        return cls(config, lora, source_dir=path, **kw)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_config(self) -> None:
+        c = self.config
+        if int(getattr(c, "num_hidden_layers", 0) or 0) < 1:
+            raise ValueError("config.num_hidden_layers must be >= 1")
+        if getattr(c, "output_router_logits", False):
+            # HF adds a router auxiliary loss then; the layered tail computes only the LM
+            # loss, so gradients would silently differ.
+            raise ValueError(
+                "output_router_logits=True (router auxiliary loss) is not supported; "
+                "set it to False in the config"
+            )
+
+    def _build_skeleton(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(
+                    self.config, attn_implementation=self.attn_implementation
+                )
+        except Exception as e:
+            raise ValueError(
+                f"transformers cannot build {self.architecture} from this config: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        self.config = model.config
+        if self.lora is not None:
+            model = self._wrap_lora(model)
+        # Train mode: dropout (attention, LoRA) is live; the executor seeds it per layer.
+        model.train()
+        return model
+
+    def _index_params(self) -> None:
+        seen: dict[int, str] = {}
+        trainable_outside: list[str] = []
+        for name, p in self.skeleton.named_parameters(remove_duplicate=False):
+            layer = self._layer_of_hf(_strip_peft(name))
+            owner = seen.get(id(p))
+            if owner is None:
+                seen[id(p)] = name
+            trainable = bool(p.requires_grad)
+            if self.lora is not None and trainable and not 1 <= layer <= self.num_layers - 2:
+                trainable_outside.append(name)
+            self._specs[layer].append(ParamSpec(name, tuple(p.shape), trainable, owner))
+            self._layer_of[name] = layer
+        if trainable_outside:
+            raise ValueError(
+                "LoRA adapters are supported inside decoder layers only; target_modules "
+                f"{list(self.lora.target_modules)} put adapters on {trainable_outside}"
+            )
+        for name, _ in self.skeleton.named_buffers():
+            if ".rotary_emb." not in name:
+                # The executor rebuilds only the rotary tables; any other buffer would be
+                # a meta tensor at run time.
+                raise ValueError(f"unexpected buffer {name!r} in {self.architecture}")
+
+    def _layer_of_hf(self, hf_name: str) -> int:
+        if hf_name.startswith("model.embed_tokens."):
+            return 0
+        m = _LAYER_RE.match(hf_name)
+        if m is not None:
+            return int(m.group(1)) + 1
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return self.num_layers - 1
+        raise ValueError(f"parameter {hf_name!r} belongs to no layer of {self.architecture}")
+
+    # ----------------------------------------------------------------- queries
+
+    def layer_params(self, layer: int) -> list[ParamSpec]:
+        """Parameters of one layer in a fixed order (tied entries included, flagged)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        return list(self._specs[layer])
+
+    def param_specs(self) -> list[ParamSpec]:
+        """All parameters, layer by layer."""
+        return [s for specs in self._specs for s in specs]
+
+    def layer_of(self, name: str) -> int:
+        """Layer index that lists ``name``."""
+        try:
+            return self._layer_of[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a parameter of this {self.architecture}") from None
+
+    @property
+    def tied_params(self) -> dict[str, str]:
+        """Tied name -> owner name. Note [tied embeddings]."""
+        return {s.name: s.tied_to for s in self.param_specs() if s.tied_to is not None}
+
+    @property
+    def trainable_names(self) -> list[str]:
+        """Names that get gradients, tied entries excluded (their owner is listed)."""
+        return [s.name for s in self.param_specs() if s.trainable and s.tied_to is None]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Key of ``name`` in an exported checkpoint, None for tied entries.
+
+        Full fine-tuning: the HF name. LoRA: base weights map to the HF name of the base
+        model; adapters map to the key peft writes in ``adapter_model.safetensors``.
+        """
+        spec = next(s for s in self._specs[self.layer_of(name)] if s.name == name)
+        if spec.tied_to is not None:
+            return None
+        if self.lora is None:
+            return name
+        if ".lora_" in name:
+            return re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", name)
+        return _strip_peft(name).replace(".base_layer.", ".")
+
+    # ------------------------------------------------------ skeleton accessors
+    # For the executor: which module runs which layer, and the prefix that turns a full
+    # parameter name into a name relative to that module.
+
+    @property
+    def _hf(self) -> nn.Module:
+        return self.skeleton.base_model.model if self.lora is not None else self.skeleton
+
+    def embed_part(self) -> tuple[nn.Module, str]:
+        return self._hf.model.embed_tokens, f"{self._prefix}model.embed_tokens."
+
+    def decoder_part(self, layer: int) -> tuple[nn.Module, str]:
+        i = layer - 1
+        return self._hf.model.layers[i], f"{self._prefix}model.layers.{i}."
+
+    def norm_part(self) -> tuple[nn.Module, str]:
+        return self._hf.model.norm, f"{self._prefix}model.norm."
+
+    def mask_kind(self, layer: int) -> str:
+        """``"full"`` or ``"sliding"``: which causal mask decoder ``layer`` attends with.
+
+        Mirrors the model's own forward (Qwen3: per-layer ``layer_types``; Qwen3-MoE: the
+        sliding window applies to every layer when configured).
+        """
+        i = layer - 1
+        if self.architecture == "Qwen3ForCausalLM":
+            types = getattr(self.config, "layer_types", None)
+            return "sliding" if types is not None and types[i] == "sliding_attention" else "full"
+        if self.architecture == "Qwen3MoeForCausalLM":
+            return "sliding" if getattr(self.config, "sliding_window", None) is not None else "full"
+        return "full"
+
+    @property
+    def lm_head_name(self) -> str:
+        return f"{self._prefix}lm_head.weight"
+
+    def make_rotary(self, device: torch.device | str) -> nn.Module:
+        """A real (non-meta) rotary embedding module like the model's, on ``device``."""
+        rot_cls = type(self._hf.model.rotary_emb)
+        with torch.device(device):
+            return rot_cls(config=self.config)
+
+    # ----------------------------------------------------------------- weights
+
+    def init_weights(
+        self, seed: int, dtype: torch.dtype = torch.float32
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Random weights equal to ``torch.manual_seed(seed); AutoModelForCausalLM.from_config``.
+
+        With LoRA, peft's ``get_peft_model`` then initialises the adapters from the same
+        RNG stream. The caller's RNG state is left untouched. This materialises the whole
+        model once on the CPU, in fp32.
+        """
+        model = self._seeded_hf_model(seed)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        return {
+            layer: {s.name: named[s.name].detach().to(dtype) for s in specs if s.tied_to is None}
+            for layer, specs in enumerate(self._specs)
+        }
+
+    def _seeded_hf_model(self, seed: int) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation=self.attn_implementation
+            )
+            if self.lora is not None:
+                model = self._wrap_lora(model)
+        return model
+
+    def _wrap_lora(self, model: nn.Module) -> nn.Module:
+        from peft import get_peft_model
+
+        assert self.lora is not None
+        with warnings.catch_warnings():
+            # peft calls a transformers API deprecated in v5; not ours to act on.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return get_peft_model(model, self.lora.peft_config())
+
+    def load_weights(
+        self,
+        hf_dir: str | Path | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Weights from a local HF directory's safetensors (``source_dir`` by default).
+
+        Reads tensor by tensor (no whole-model copy). Accepts both the per-expert MoE
+        layout HF writes by default and the fused 3-D expert tensors. With LoRA the base
+        weights come from the directory and the adapters are freshly initialised as peft
+        does by default (A: Kaiming-uniform from a generator seeded with ``seed``, B: 0).
+        """
+        path = Path(hf_dir) if hf_dir is not None else self.source_dir
+        if path is None:
+            raise ValueError("load_weights needs hf_dir: this model was not built from a dir")
+        reader = _SafetensorsDir(path)
+        gen = torch.Generator().manual_seed(seed)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        missing: list[str] = []
+        for layer, specs in enumerate(self._specs):
+            out[layer] = {}
+            for s in specs:
+                if s.tied_to is not None:
+                    continue
+                if ".lora_" in s.name:
+                    t = _init_lora_tensor(s, gen)
+                else:
+                    key = _strip_peft(s.name).replace(".base_layer.", ".")
+                    t = reader.get(key)
+                    if t is None:
+                        missing.append(key)
+                        continue
+                    if tuple(t.shape) != s.shape:
+                        raise ValueError(
+                            f"{path}: {key} has shape {tuple(t.shape)}, the config implies {s.shape}"
+                        )
+                out[layer][s.name] = t.to(dtype)
+        if missing:
+            raise ValueError(
+                f"{path}: checkpoint lacks {len(missing)} weight(s) the config needs, e.g. {missing[:5]}"
+            )
+        return out
+
+    def flat_weights(
+        self, weights: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """All weights by name, tied entries resolved to their owner's tensor."""
+        flat = {n: t for per_layer in weights.values() for n, t in per_layer.items()}
+        for tied, owner in self.tied_params.items():
+            flat[tied] = flat[owner]
+        return flat
+
+    def range_weights(
+        self, weights: Mapping[int, Mapping[str, torch.Tensor]], start: int, stop: int
+    ) -> dict[str, torch.Tensor]:
+        """What a task over layers [start, stop) receives: its names, tied ones resolved."""
+        out: dict[str, torch.Tensor] = {}
+        for layer in range(start, stop):
+            for s in self._specs[layer]:
+                if s.tied_to is None:
+                    out[s.name] = weights[layer][s.name]
+                else:
+                    out[s.name] = weights[self.layer_of(s.tied_to)][s.tied_to]
+        return out
+
+    def to_hf_model(self, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> nn.Module:
+        """A real (CPU) transformers / peft model holding copies of ``weights``.
+
+        For tests and export; it has the dtype of the given tensors and is in train mode.
+        """
+        model = self._seeded_hf_model(0)
+        flat = self.flat_weights(weights)
+        dtype = next(iter(flat.values())).dtype
+        model.to(dtype)
+        missing, unexpected = model.load_state_dict(flat, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        model.train()
+        return model
+
+
+def _resolve_architecture(config: Any) -> str:
+    model_type = getattr(config, "model_type", None)
+    arch = _MODEL_TYPE_TO_ARCH.get(model_type or "")
+    if arch is None:
+        raise ValueError(
+            f"unsupported model type {model_type!r}: supported architectures are "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    declared = list(getattr(config, "architectures", None) or [])
+    if declared and arch not in declared:
+        raise ValueError(
+            f"unsupported architecture {declared}: only causal LMs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} are supported"
+        )
+    return arch
+
+
+def _init_lora_tensor(spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
+    t = torch.zeros(spec.shape)
+    if ".lora_A." in spec.name:
+        # peft's default init: nn.Linear's Kaiming-uniform for A (B stays zero, so the
+        # adapted model starts equal to the base model).
+        fan_in = spec.shape[1]
+        bound = 1.0 / math.sqrt(fan_in)
+        t.uniform_(-bound, bound, generator=gen)
+    return t
+
+
+class _SafetensorsDir:
+    """Lazy tensor lookup over a directory's safetensors shards."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors files")
+        self._handles = [safe_open(str(path / f), framework="pt") for f in files]
+        self._where: dict[str, Any] = {}
+        for h in self._handles:
+            for k in h.keys():
+                self._where[k] = h
+
+    def _raw(self, key: str) -> torch.Tensor | None:
+        h = self._where.get(key)
+        return None if h is None else h.get_tensor(key)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        t = self._raw(key)
+        if t is not None:
+            return t
+        m = _FUSED_EXPERTS_RE.match(key)
+        if m is None:
+            return None
+        base, which = m.groups()
+        experts = sorted(
+            int(k[len(base) + 1 :].split(".", 1)[0])
+            for k in self._where
+            if k.startswith(base + ".") and k.endswith(".down_proj.weight")
+        )
+        if not experts or experts != list(range(len(experts))):
+            return None
+        parts: list[torch.Tensor] = []
+        for e in experts:
+            if which == "down_proj":
+                t = self._raw(f"{base}.{e}.down_proj.weight")
+            else:
+                gate = self._raw(f"{base}.{e}.gate_proj.weight")
+                up = self._raw(f"{base}.{e}.up_proj.weight")
+                t = None if gate is None or up is None else torch.cat([gate, up], dim=0)
+            if t is None:
+                return None
+            parts.append(t)
+        return torch.stack(parts)

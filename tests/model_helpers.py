@@ -1,0 +1,145 @@
+"""Shared helpers for the model-execution tests: tiny configs, batches, HF references."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from roundpipe.shared.model import LayeredModel
+
+__all__ = [
+    "ARCHS",
+    "LORA_SPEC",
+    "assert_grads_close",
+    "VOCAB",
+    "batch",
+    "hf_reference",
+    "perturb_lora",
+    "rel_err",
+    "split_rows",
+    "tiny_config",
+]
+
+VOCAB = 256
+LORA_SPEC = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+ARCHS = ("llama", "qwen3", "qwen3_moe")
+
+# Uneven microbatch row counts of a 7-row global batch, per M.
+_SPLITS = {1: [7], 2: [4, 3], 3: [3, 1, 3], 5: [2, 1, 1, 2, 1]}
+
+
+def tiny_config(arch: str, **overrides: object) -> object:
+    """Tiny configs with grouped-query attention and 4 decoder layers.
+
+    llama: tied embeddings; qwen3: head_dim 16 != hidden / heads (32 / 4 = 8);
+    qwen3_moe: 4 experts, top-2, one dense (mlp_only) layer.
+    """
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    if arch == "llama":
+        kw = dict(common, tie_word_embeddings=True)
+        kw.update(overrides)
+        return LlamaConfig(**kw)
+    if arch == "qwen3":
+        kw = dict(common, head_dim=16, tie_word_embeddings=False)
+        kw.update(overrides)
+        return Qwen3Config(**kw)
+    if arch == "qwen3_moe":
+        kw = dict(
+            common,
+            head_dim=8,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+            tie_word_embeddings=False,
+        )
+        kw.update(overrides)
+        return Qwen3MoeConfig(**kw)
+    raise ValueError(arch)
+
+
+def batch(seed: int, rows: int = 7, seq: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids and labels with some -100 (right padding, a masked prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=g)
+    labels = ids.clone()
+    labels[0, seq - 4 :] = -100  # right-padded row
+    labels[min(2, rows - 1), :5] = -100  # masked prompt
+    return ids, labels
+
+
+def split_rows(
+    ids: torch.Tensor, labels: torch.Tensor, m: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    sizes = _SPLITS[m] if ids.shape[0] == 7 else [ids.shape[0] // m] * m
+    out, r = [], 0
+    for n in sizes:
+        out.append((ids[r : r + n], labels[r : r + n]))
+        r += n
+    assert r == ids.shape[0]
+    return out
+
+
+def hf_reference(
+    model: LayeredModel,
+    weights: Mapping[int, Mapping[str, torch.Tensor]],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the plain transformers (or peft) model on the full batch."""
+    hf = model.to_hf_model({k: {n: t.to(dtype) for n, t in v.items()} for k, v in weights.items()})
+    loss = hf(input_ids=ids, labels=labels).loss
+    loss.backward()
+    grads = {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).float()
+        for n, p in hf.named_parameters()
+        if p.requires_grad
+    }
+    return float(loss.detach()), grads
+
+
+def perturb_lora(weights: dict[int, dict[str, torch.Tensor]], seed: int) -> None:
+    """Give LoRA B matrices non-zero values so that A gets a non-zero gradient."""
+    g = torch.Generator().manual_seed(seed)
+    for per in weights.values():
+        for n, t in per.items():
+            if ".lora_B." in n:
+                per[n] = torch.randn(t.shape, generator=g) * 0.1
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, with an absolute floor for all-zero references."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def assert_grads_close(
+    ours: Mapping[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor],
+    tol: float,
+    context: str = "",
+) -> None:
+    assert set(ours) == set(ref), f"{context}: names differ: {sorted(set(ours) ^ set(ref))[:6]}"
+    bad = []
+    for n, r in ref.items():
+        assert ours[n].dtype == torch.float32, f"{context}: {n} grad is {ours[n].dtype}"
+        assert ours[n].shape == r.shape, f"{context}: {n} shape {ours[n].shape} vs {r.shape}"
+        if r.norm() == 0:
+            if ours[n].norm() > 1e-12:
+                bad.append((n, float(ours[n].norm())))
+        elif (e := rel_err(ours[n], r)) > tol:
+            bad.append((n, e))
+    assert not bad, f"{context}: gradients differ (name, rel err): {bad[:6]}"

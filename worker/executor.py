@@ -1,0 +1,674 @@
+"""Stage execution: run a layer range of a ``LayeredModel`` over M microbatches.
+
+Three task kinds, each over microbatches 0..M-1 in order (ARCHITECTURE.md section 4):
+
+- ``forward``: no autograd; returns each microbatch's output and keeps the input of every
+  layer in ``save_layers`` (the backward boundaries) for the activation arena.
+- ``backward``: recomputes its range's forward from the saved input, backpropagates the
+  incoming activation gradient, sums weight gradients over all microbatches (fp32) and
+  returns them once, with the activation gradient for the previous stage.
+- ``tail``: forward + loss + backward of the last range in one go, no recompute.
+
+Weights arrive per task as ``name -> tensor`` (read-only views of shared memory on the
+CPU, uploaded copies on a GPU). They are bound to the meta-device skeleton only for the
+duration of a call through ``torch.func.functional_call``; nothing is written into them
+and the skeleton holds no weights between tasks.
+
+Note [dropout replay]
+    Every (layer, microbatch) runs right after the CPU (and current CUDA) generator is
+    seeded from (job seed, iteration, layer, microbatch). Forward, recompute and a rerun
+    of the task on another worker therefore draw the same dropout masks, without storing
+    any RNG state, and a task stays idempotent. The caller's RNG state is restored after
+    the task.
+
+Note [global loss normalisation]
+    Each microbatch's loss is sum(token cross-entropy) / N, where N is the number of label
+    tokens (after the causal shift, ignoring -100) in the *whole global batch*. Summed
+    over microbatches this is HF's mean loss of the full batch, and gradients equal one
+    full-batch step.
+
+Note [chunked LM head]
+    The LM head and cross-entropy run over chunks of (label-carrying) tokens: the chunk's
+    logits are computed, reduced to its loss, turned in place into d(loss)/d(logits), and
+    multiplied back into the hidden-state and weight gradients before the next chunk. The
+    full [tokens, vocab] logits never exist, and because the tail is fused no logits are
+    kept for a later backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.func import functional_call
+
+from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, count_label_tokens, shift_labels
+from roundpipe.shared.plan import Plan
+
+__all__ = [
+    "DEFAULT_LOGITS_CHUNK_BYTES",
+    "BackwardResult",
+    "ForwardResult",
+    "IterationResult",
+    "RngKey",
+    "StageExecutor",
+    "TailResult",
+    "chunked_lm_head_loss",
+    "run_iteration",
+]
+
+DEFAULT_LOGITS_CHUNK_BYTES = 128 * 1024 * 1024
+"""fp32 bytes of one chunk of logits: about 1000 tokens at a 32k vocabulary."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class RngKey:
+    """Identifies a task's randomness. Note [dropout replay]."""
+
+    seed: int = 0
+    """Job seed."""
+    iteration: int = 0
+
+    def layer_seed(self, layer: int, microbatch: int) -> int:
+        h = hashlib.blake2b(digest_size=8)
+        for part in (self.seed, self.iteration, layer, microbatch):
+            h.update(int(part).to_bytes(16, "little", signed=True))
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class ForwardResult:
+    outputs: list[torch.Tensor]
+    """Hidden states leaving the stage, one per microbatch (empty if streamed)."""
+    saved: dict[int, list[torch.Tensor]]
+    """Layer -> its input per microbatch, for each saved layer (empty if streamed).
+
+    Layer 0's "input" is the microbatch's input_ids."""
+
+
+@dataclass
+class BackwardResult:
+    grad_inputs: list[torch.Tensor] | None
+    """d(loss)/d(stage input) per microbatch; None for a stage starting at layer 0."""
+    weight_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """fp32 gradient of every trainable parameter of the range, summed over microbatches."""
+
+
+@dataclass
+class TailResult:
+    loss_sum: float
+    """Sum over microbatches of their normalised losses. Note [global loss normalisation]."""
+    microbatch_losses: list[float]
+    grad_inputs: list[torch.Tensor] | None
+    weight_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class IterationResult:
+    loss: float
+    microbatch_losses: list[float]
+    grads: dict[str, torch.Tensor]
+    """fp32 gradient per trainable parameter, tied contributions summed into the owner."""
+
+
+@dataclass
+class _Bound:
+    """A task's weights, split per layer and relative to each layer's module."""
+
+    per_layer: dict[int, dict[str, torch.Tensor]]
+    trainable: list[tuple[str, torch.Tensor]]
+    """(full name, leaf) pairs that need gradients in this task."""
+    head: torch.Tensor | None = None
+
+
+class _StageContext:
+    """Positions, rotary tables and masks for one microbatch shape, built on first use."""
+
+    def __init__(self, executor: StageExecutor, h: torch.Tensor) -> None:
+        ex = executor
+        seq = h.shape[1]
+        self.position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+        self.position_embeddings = ex._rotary(h, self.position_ids)
+        self._h = h
+        self._ex = ex
+        self._masks: dict[str, torch.Tensor | None] = {}
+
+    def mask(self, kind: str) -> torch.Tensor | None:
+        if kind not in self._masks:
+            from transformers.masking_utils import (
+                create_causal_mask,
+                create_sliding_window_causal_mask,
+            )
+
+            fn = create_sliding_window_causal_mask if kind == "sliding" else create_causal_mask
+            # No padding mask: rows are packed / right-padded and causal, so pads never
+            # reach real tokens; with SDPA this yields None (is_causal), exactly as HF.
+            self._masks[kind] = fn(
+                config=self._ex.model.config,
+                inputs_embeds=self._h,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=self.position_ids,
+            )
+        return self._masks[kind]
+
+
+class StageExecutor:
+    """Runs forward, backward and fused-tail tasks of one model on one device."""
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
+        *,
+        logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
+    ) -> None:
+        if compute_dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {_SUPPORTED_DTYPES}, got {compute_dtype}"
+            )
+        if logits_chunk_bytes < 1:
+            raise ValueError(f"logits_chunk_bytes must be positive, got {logits_chunk_bytes}")
+        self.model = model
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.compute_dtype = compute_dtype
+        self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
+        self._rotary = model.make_rotary(self.device)
+
+    # ---------------------------------------------------------------- tasks
+
+    def forward(
+        self,
+        start: int,
+        stop: int,
+        weights: Mapping[str, torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        save_layers: Sequence[int] | frozenset[int] | set[int] = (),
+        *,
+        rng: RngKey = RngKey(),
+        on_output: Callable[[int, torch.Tensor], None] | None = None,
+        on_saved: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> ForwardResult:
+        """Run layers [start, stop) over every microbatch, without autograd.
+
+        ``inputs[m]`` is input_ids ``[rows, seq]`` when start == 0, else hidden states
+        ``[rows, seq, hidden]`` in the compute dtype. The input of each layer of the range
+        that is in ``save_layers`` is kept. With ``on_output(m, t)`` / ``on_saved(layer,
+        m, t)`` tensors are handed over as soon as they exist instead of being returned.
+        """
+        self._check_range(start, stop, tail=False)
+        keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
+        bound = self._bind(start, stop, weights, grad=False)
+        result = ForwardResult(outputs=[], saved={layer: [] for layer in keep})
+        with self._rng_scope(), torch.no_grad():
+            for m, x in enumerate(inputs):
+                x = self._input(x, start)
+                ctx: _StageContext | None = None
+                for layer in range(start, stop):
+                    if layer in result.saved:
+                        if on_saved is not None:
+                            on_saved(layer, m, x)
+                        else:
+                            result.saved[layer].append(x)
+                    x, ctx = self._run_layer(layer, x, bound, ctx, rng, m)
+                if on_output is not None:
+                    on_output(m, x)
+                else:
+                    result.outputs.append(x)
+        if on_saved is not None:
+            result.saved = {}
+        return result
+
+    def backward(
+        self,
+        start: int,
+        stop: int,
+        weights: Mapping[str, torch.Tensor],
+        saved_inputs: Sequence[torch.Tensor],
+        grad_outputs: Sequence[torch.Tensor],
+        *,
+        rng: RngKey = RngKey(),
+        on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> BackwardResult:
+        """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
+
+        ``saved_inputs[m]`` is the stage input the forward pass kept (input_ids when start
+        == 0); ``grad_outputs[m]`` is d(loss)/d(output of layer stop-1). Returns the input
+        gradients (None for start == 0) and fp32 weight gradients summed over microbatches.
+        With ``on_grad_input(m, t)`` each input gradient is handed over as soon as it
+        exists (so the previous stage can start) and ``grad_inputs`` comes back empty.
+        """
+        self._check_range(start, stop, tail=False)
+        if len(saved_inputs) != len(grad_outputs):
+            raise ValueError(
+                f"backward {start}:{stop}: {len(saved_inputs)} saved inputs but "
+                f"{len(grad_outputs)} output gradients"
+            )
+        bound = self._bind(start, stop, weights, grad=True)
+        acc: dict[str, torch.Tensor] = {}
+        grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
+        if start == 0 and not bound.trainable:
+            # Nothing upstream of this stage and nothing to learn in it (LoRA prefix).
+            return BackwardResult(None, {})
+        with self._rng_scope(), torch.enable_grad():
+            for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
+                x = self._input(x, start)
+                if start > 0:
+                    x = x.detach().requires_grad_(True)
+                g = self._hidden(g, "grad_outputs")
+                out = x
+                ctx: _StageContext | None = None
+                for layer in range(start, stop):
+                    out, ctx = self._run_layer(layer, out, bound, ctx, rng, m)
+                gx = self._backprop(out, g, x if start > 0 else None, bound, acc)
+                _emit(grad_inputs, on_grad_input, m, gx)
+                del out, ctx
+        return BackwardResult(grad_inputs, acc)
+
+    def tail(
+        self,
+        start: int,
+        stop: int,
+        weights: Mapping[str, torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        num_label_tokens: int,
+        *,
+        rng: RngKey = RngKey(),
+        on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> TailResult:
+        """Fused forward + loss + backward of the last range [start, num_layers).
+
+        ``labels[m]`` are unshifted token labels ``[rows, seq]`` (-100 = no loss), as
+        passed to HF's ``model(input_ids, labels=...)``. ``num_label_tokens`` is the
+        global batch's count (``count_label_tokens`` summed over all microbatches).
+        ``on_grad_input`` streams input gradients as in ``backward``.
+        """
+        self._check_range(start, stop, tail=True)
+        if len(inputs) != len(labels):
+            raise ValueError(f"tail: {len(inputs)} inputs but {len(labels)} label tensors")
+        if not inputs:
+            raise ValueError("tail: no microbatches")
+        if num_label_tokens < 1:
+            raise ValueError(
+                f"num_label_tokens must be >= 1 (the global batch has no label tokens?), "
+                f"got {num_label_tokens}"
+            )
+        bound = self._bind(start, stop, weights, grad=True)
+        assert bound.head is not None
+        head_name = self.model.lm_head_name
+        head_trainable = any(n == head_name for n, _ in bound.trainable)
+        norm_layer = self.model.num_layers - 1
+        acc: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []  # kept on the device: one sync at the end
+        grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
+        with self._rng_scope(), torch.enable_grad():
+            for m, (x, y) in enumerate(zip(inputs, labels)):
+                x = self._input(x, start)
+                if start > 0:
+                    x = x.detach().requires_grad_(True)
+                h = x
+                ctx: _StageContext | None = None
+                for layer in range(start, norm_layer):
+                    h, ctx = self._run_layer(layer, h, bound, ctx, rng, m)
+                self._seed(rng, norm_layer, m)
+                norm_mod, _ = self.model.norm_part()
+                h = functional_call(norm_mod, bound.per_layer[norm_layer], (h,))
+                y = y.to(self.device, non_blocking=True)
+                if tuple(y.shape) != tuple(h.shape[:2]):
+                    raise ValueError(
+                        f"tail: labels of microbatch {m} have shape {tuple(y.shape)}, "
+                        f"hidden states {tuple(h.shape[:2])}"
+                    )
+                loss, grad_h, grad_w = chunked_lm_head_loss(
+                    h.detach().reshape(-1, h.shape[-1]),
+                    bound.head,
+                    shift_labels(y).reshape(-1),
+                    num_label_tokens=num_label_tokens,
+                    chunk_tokens=self.chunk_tokens,
+                    need_hidden_grad=h.requires_grad,
+                    need_weight_grad=head_trainable,
+                )
+                losses.append(loss)
+                if grad_w is not None:
+                    _accumulate(acc, head_name, grad_w)
+                gx = None
+                if grad_h is not None:
+                    gx = self._backprop(
+                        h, grad_h.view_as(h), x if start > 0 else None, bound, acc, skip=head_name
+                    )
+                elif start > 0:
+                    gx = torch.zeros_like(x)
+                _emit(grad_inputs, on_grad_input, m, gx)
+                del h, ctx
+        for name, _ in bound.trainable:
+            # A trainable weight no token reached still gets its (zero) gradient.
+            if name not in acc:
+                acc[name] = torch.zeros(
+                    self._shape_of(name), dtype=torch.float32, device=self.device
+                )
+        mb_losses = torch.stack(losses).tolist()
+        return TailResult(float(sum(mb_losses)), mb_losses, grad_inputs, acc)
+
+    # -------------------------------------------------------------- internals
+
+    def _check_range(self, start: int, stop: int, *, tail: bool) -> None:
+        n = self.model.num_layers
+        if tail:
+            if not (0 <= start < stop == n):
+                raise ValueError(f"tail range {start}:{stop} must be non-empty and end at {n}")
+        elif not (0 <= start < stop <= n - 1):
+            raise ValueError(
+                f"stage range {start}:{stop} must be non-empty and stop at or before layer "
+                f"{n - 1} (layer {n - 1}, the loss, runs only in the fused tail)"
+            )
+
+    def _bind(
+        self, start: int, stop: int, weights: Mapping[str, torch.Tensor], *, grad: bool
+    ) -> _Bound:
+        model = self.model
+        per_layer: dict[int, dict[str, torch.Tensor]] = {}
+        trainable: list[tuple[str, torch.Tensor]] = []
+        head: torch.Tensor | None = None
+        missing: list[str] = []
+        for layer in range(start, stop):
+            if layer == 0:
+                prefix = model.embed_part()[1]
+            elif layer == model.num_layers - 1:
+                prefix = model.norm_part()[1]
+            else:
+                prefix = model.decoder_part(layer)[1]
+            rel: dict[str, torch.Tensor] = {}
+            for spec in model.layer_params(layer):
+                t = weights.get(spec.name)
+                if t is None:
+                    missing.append(spec.name)
+                    continue
+                if t.dtype != self.compute_dtype:
+                    raise TypeError(
+                        f"weight {spec.name} is {t.dtype}, the executor computes in "
+                        f"{self.compute_dtype}; hand weights over in the compute dtype"
+                    )
+                if tuple(t.shape) != spec.shape:
+                    raise ValueError(
+                        f"weight {spec.name} has shape {tuple(t.shape)}, expected {spec.shape}"
+                    )
+                # A fresh alias per task: never touches the caller's tensor (its
+                # requires_grad flag or its read-only storage).
+                leaf = t.to(self.device, non_blocking=True).detach()
+                if grad and spec.trainable:
+                    leaf.requires_grad_(True)
+                    trainable.append((spec.name, leaf))
+                if spec.name == model.lm_head_name:
+                    head = leaf
+                else:
+                    rel[spec.name[len(prefix) :]] = leaf
+            per_layer[layer] = rel
+        if missing:
+            raise KeyError(
+                f"task {start}:{stop} is missing {len(missing)} weight(s), e.g. {missing[:5]}"
+            )
+        return _Bound(per_layer, trainable, head)
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        layer = self.model.layer_of(name)
+        return next(s.shape for s in self.model.layer_params(layer) if s.name == name)
+
+    def _input(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        if start == 0:
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
+                raise TypeError(
+                    f"layer 0 takes input_ids [rows, seq] of an integer dtype, got "
+                    f"{x.dtype} {tuple(x.shape)}"
+                )
+            return x.to(self.device, non_blocking=True)
+        return self._hidden(x, "inputs")
+
+    def _hidden(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.model.hidden_size:
+            raise ValueError(
+                f"{what}: expected hidden states [rows, seq, {self.model.hidden_size}], "
+                f"got {tuple(x.shape)}"
+            )
+        if x.dtype != self.compute_dtype:
+            raise TypeError(f"{what}: expected {self.compute_dtype}, got {x.dtype}")
+        return x.to(self.device, non_blocking=True)
+
+    def _run_layer(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        bound: _Bound,
+        ctx: _StageContext | None,
+        rng: RngKey,
+        m: int,
+    ) -> tuple[torch.Tensor, _StageContext | None]:
+        self._seed(rng, layer, m)
+        model = self.model
+        params = bound.per_layer[layer]
+        if layer == 0:
+            mod, _ = model.embed_part()
+            return functional_call(mod, params, (x,)), ctx
+        if ctx is None:
+            ctx = _StageContext(self, x)
+        mod, _ = model.decoder_part(layer)
+        out = functional_call(
+            mod,
+            params,
+            (x,),
+            {
+                "attention_mask": ctx.mask(model.mask_kind(layer)),
+                "position_embeddings": ctx.position_embeddings,
+                "position_ids": ctx.position_ids,
+                "past_key_values": None,
+                "use_cache": False,
+            },
+        )
+        if isinstance(out, tuple):  # older layer signatures returned (hidden, ...)
+            out = out[0]
+        return out, ctx
+
+    def _backprop(
+        self,
+        out: torch.Tensor,
+        grad_out: torch.Tensor,
+        x: torch.Tensor | None,
+        bound: _Bound,
+        acc: dict[str, torch.Tensor],
+        skip: str | None = None,
+    ) -> torch.Tensor | None:
+        leaves = [(n, t) for n, t in bound.trainable if n != skip]
+        targets = ([x] if x is not None else []) + [t for _, t in leaves]
+        if not targets:
+            return None
+        grads = torch.autograd.grad(
+            out, targets, grad_outputs=grad_out, allow_unused=True, materialize_grads=True
+        )
+        off = 0
+        gx = None
+        if x is not None:
+            gx = grads[0]
+            off = 1
+        for (name, _), g in zip(leaves, grads[off:]):
+            _accumulate(acc, name, g)
+        return gx
+
+    def _seed(self, rng: RngKey, layer: int, m: int) -> None:
+        s = rng.layer_seed(layer, m)
+        torch.default_generator.manual_seed(s)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(s)
+
+    def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
+        devices = [self.device.index] if self.device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
+
+
+def _emit(
+    out: list[torch.Tensor] | None,
+    callback: Callable[[int, torch.Tensor], None] | None,
+    m: int,
+    grad: torch.Tensor | None,
+) -> None:
+    if out is None or grad is None:  # the stage starts at layer 0: no input gradient
+        return
+    if callback is not None:
+        callback(m, grad)
+    else:
+        out.append(grad)
+
+
+def _accumulate(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
+    cur = acc.get(name)
+    if cur is None:
+        acc[name] = g.to(torch.float32, copy=True)
+    else:
+        cur.add_(g)
+
+
+def chunked_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_label_tokens: int,
+    chunk_tokens: int,
+    need_hidden_grad: bool = True,
+    need_weight_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Cross-entropy of ``hidden @ weight.T`` against already shifted ``labels``.
+
+    hidden ``[T, H]`` (compute dtype), weight ``[V, H]``, labels ``[T]`` with -100 for
+    no loss. Returns (fp32 loss = sum of token losses / num_label_tokens, d loss / d
+    hidden in hidden's dtype or None, fp32 d loss / d weight or None). At most
+    ``chunk_tokens`` rows of logits exist at a time. Note [chunked LM head].
+    """
+    # Gradients are formed explicitly here; autograd would keep every chunk's logits.
+    with torch.no_grad():
+        return _chunked_lm_head_loss(
+            hidden,
+            weight,
+            labels,
+            num_label_tokens,
+            chunk_tokens,
+            need_hidden_grad,
+            need_weight_grad,
+        )
+
+
+def _chunked_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_label_tokens: int,
+    chunk_tokens: int,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    dev = hidden.device
+    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    num_rows = rows.numel()
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    grad_h = torch.zeros_like(hidden) if need_hidden_grad else None
+    grad_w = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight_grad else None
+    )
+    need_grad = need_hidden_grad or need_weight_grad
+    # One fp32 buffer reused by every chunk: the peak stays at one chunk of logits, and
+    # on the CPU the pages stay mapped instead of faulting in afresh for each chunk.
+    buf = torch.empty(
+        (min(chunk_tokens, num_rows), weight.shape[0]), dtype=torch.float32, device=dev
+    )
+    for i in range(0, num_rows, chunk_tokens):
+        idx = rows[i : i + chunk_tokens]
+        h = hidden.index_select(0, idx)
+        y = labels.index_select(0, idx).unsqueeze(1)
+        logits = buf[: idx.numel()]
+        # Logits in the compute dtype, then fp32, as HF's lm_head + ForCausalLMLoss do.
+        if hidden.dtype == torch.float32:
+            torch.matmul(h, weight.t(), out=logits)
+        else:
+            logits.copy_(torch.matmul(h, weight.t()))
+        # Stable log-sum-exp done in place: logits -> exp(logits - max).
+        logits.sub_(logits.amax(dim=1, keepdim=True))
+        target = logits.gather(1, y)
+        logits.exp_()
+        sumexp = logits.sum(dim=1, keepdim=True)
+        loss += (sumexp.log() - target).sum()
+        if not need_grad:
+            continue
+        # d(loss)/d(logits) = (softmax - onehot(label)) / N, still in place.
+        logits.div_(sumexp.mul_(num_label_tokens))
+        logits.scatter_add_(1, y, torch.full(y.shape, -1.0 / num_label_tokens, device=dev))
+        g = logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype)
+        if grad_h is not None:
+            grad_h.index_copy_(0, idx, torch.matmul(g, weight))
+        if grad_w is not None:
+            grad_w.add_(torch.matmul(g.t(), h))
+        del g
+    return loss / num_label_tokens, grad_h, grad_w
+
+
+def run_iteration(
+    model: LayeredModel,
+    plan: Plan,
+    weights: Mapping[int, Mapping[str, torch.Tensor]],
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    executor: StageExecutor,
+    *,
+    rng: RngKey = RngKey(),
+) -> IterationResult:
+    """Reference driver: one iteration's F stages, T, then B stages, in order.
+
+    Data moves as in the distributed runtime: the forward keeps only backward-boundary
+    inputs (plus the hidden states handed to the next stage), backward stages start from
+    those, and each task gets only its range's weights (cast to the compute dtype, as the
+    params arena holds them). Tied gradients are summed into their owner.
+    """
+    plan.validate(model.num_layers)
+    if not microbatches:
+        raise ValueError("run_iteration needs at least one microbatch")
+    dtype = executor.compute_dtype
+    cast = {layer: {n: t.to(dtype) for n, t in per.items()} for layer, per in weights.items()}
+    ids = [mb[0] for mb in microbatches]
+    labels = [mb[1] for mb in microbatches]
+    num_tokens = sum(count_label_tokens(y) for y in labels)
+    boundaries = plan.backward_boundaries()
+
+    acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
+    x: list[torch.Tensor] = ids
+    for a, b in plan.forward:
+        res = executor.forward(a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng)
+        acts.update(res.saved)
+        x = res.outputs
+    grads: dict[str, torch.Tensor] = {}
+
+    def collect(part: Mapping[str, torch.Tensor]) -> None:
+        for n, g in part.items():
+            if n in grads:
+                raise AssertionError(f"two tasks returned a gradient for {n}")
+            grads[n] = g
+
+    t0, t1 = plan.tail
+    tail = executor.tail(t0, t1, model.range_weights(cast, t0, t1), x, labels, num_tokens, rng=rng)
+    collect(tail.weight_grads)
+    dx = tail.grad_inputs
+    for a, b in plan.backward:
+        saved = ids if a == 0 else acts[a]
+        assert dx is not None
+        res = executor.backward(a, b, model.range_weights(cast, a, b), saved, dx, rng=rng)
+        collect(res.weight_grads)
+        dx = res.grad_inputs
+    for tied, owner in model.tied_params.items():
+        g = grads.pop(tied, None)
+        if g is not None:
+            grads[owner] = grads[owner] + g if owner in grads else g
+    return IterationResult(tail.loss_sum, tail.microbatch_losses, grads)
