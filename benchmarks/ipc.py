@@ -30,6 +30,8 @@ import zmq
 from roundpipe.protocol import (
     EventSignal,
     EventWait,
+    MicrobatchIO,
+    NamedTensorRef,
     StageTask,
     TaskDone,
     TensorRef,
@@ -45,32 +47,75 @@ STAMPS_OFFSET = DATA_START + 4096
 
 
 def sample_task(i: int) -> StageTask:
-    refs = [
-        TensorRef(
-            arena="acts0",
-            offset=DATA_START + 64 * k,
+    """A realistic backward StageTask: 9 microbatches, each with its stage input, input
+    gradient and output gradient (bf16 [4, 2048, 2048]), 2 waits and 1 signal; 20
+    gradient slots with 4 waits and 4 signals; 4 weight waits."""
+    numel = 4 * 2048 * 2048
+
+    def act(arena: str, slot: int) -> TensorRef:
+        return TensorRef(
+            arena=arena,
+            offset=DATA_START + 2 * numel * slot,
             dtype="bfloat16",
             shape=(4, 2048, 2048),
             stride=(2048 * 2048, 2048, 1),
         )
-        for k in range(8)
+
+    def wait(counter: int, label: str) -> EventWait:
+        return EventWait(counter=counter, at_least=i, label=label)
+
+    def signal(counter: int, label: str) -> EventSignal:
+        return EventSignal(counter=counter, value=i, label=label)
+
+    start, stop = 3, 7
+    microbatches = [
+        MicrobatchIO(
+            index=m,
+            input=act("acts", m),
+            output=act("dacts", m),
+            grad_output=act("dacts", 9 + m),
+            labels=None,
+            loss=None,
+            saved=[],
+            waits=[wait(m, f"act[{start}][{m}]"), wait(100 + m, f"dact[{stop}][{m}]")],
+            signals=[signal(200 + m, f"dact[{start}][{m}]")],
+        )
+        for m in range(9)
     ]
+    grads = [
+        NamedTensorRef(
+            name=f"model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight",
+            ref=TensorRef(
+                arena="grads",
+                offset=DATA_START + 65536 * (5 * (layer - start) + k),
+                dtype="float32",
+                shape=(16, 2048),
+                stride=(2048, 1),
+            ),
+        )
+        for layer in range(start, stop)
+        for k, (proj, ab) in enumerate(
+            [("q_proj", "A"), ("q_proj", "B"), ("v_proj", "A"), ("v_proj", "B"), ("o_proj", "A")]
+        )
+    ]
+    layers = range(start, stop)
     return StageTask(
         job_id="job-1",
         task_id=i,
         attempt=0,
         iteration=i // 16,
         kind="backward",
-        layer_start=3,
-        layer_stop=7,
-        num_microbatches=8,
-        inputs=refs,
-        outputs=refs,
-        saved=refs[:2],
-        grads=[],
-        waits=[EventWait(counter=k, at_least=i, label=f"act[{k}]") for k in range(8)],
-        signals=[EventSignal(counter=100 + k, value=i, label=f"dact[{k}]") for k in range(8)],
-        options={},
+        layer_start=start,
+        layer_stop=stop,
+        weight_version=max(i // 16 - 1, 0),
+        weight_waits=[wait(300 + layer, f"version[{layer}]") for layer in layers],
+        microbatches=microbatches,
+        grads=grads,
+        grad_waits=[wait(400 + layer, f"grad_free[{layer}]") for layer in layers],
+        grad_signals=[signal(500 + layer, f"grad[{layer}]") for layer in layers],
+        loss_denominator=0,
+        seed=1234,
+        wait_timeout_s=60.0,
     )
 
 

@@ -241,6 +241,10 @@ class TrainSpec:
     weights and optimizer state are always float32."""
     seed: int = 0
     """Seed for everything not given its own seed."""
+    plan: str | None = None
+    """Stage partition override in the plan's string form, e.g.
+    ``"F[0:3,3:5] T[5:8] B[4:5,2:4,0:2]"`` (forward stages, fused tail, backward stages;
+    see docs/planning.md). ``None``: the coordinator plans."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -617,6 +621,16 @@ def _check_train(e: _Errors, t: TrainSpec) -> bool:
         e.bad("train.staleness", t.staleness, "0 (exact) or 1 (one step stale)")
     _check_choice(e, "train.dtype", t.dtype, DTYPES)
     _check_int(e, "train.seed", t.seed, lo=0)
+    if t.plan is not None:
+        from roundpipe.shared.plan import Plan
+
+        if not isinstance(t.plan, str):
+            e.bad("train.plan", t.plan, "a plan string such as 'F[0:3] T[3:6] B[2:3,0:2]'")
+        else:
+            try:
+                Plan.parse(t.plan)
+            except ValueError as exc:
+                e.bad("train.plan", t.plan, f"a valid plan string ({exc})")
     return steps_ok
 
 

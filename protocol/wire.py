@@ -164,6 +164,8 @@ __all__ = [
     "EventSignal",
     "WorkerInfo",
     "ProgressEvent",
+    "LayerTensorRef",
+    "MicrobatchIO",
     # handshake
     "Hello",
     "Welcome",
@@ -194,7 +196,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -325,11 +327,25 @@ def _seen(value: object) -> str:
 
 # --------------------------------------------------------------------------- validation
 #
-# Every field annotation is compiled once, when its class is defined, into a _Rule: a
-# converter plus a human description of what it accepts. A converter takes
-# (value, wire) and returns the value to store or raises _Invalid. `wire=True` means
-# the value came out of msgpack (records arrive as maps, tuples as lists); `wire=False`
-# means a Python caller is constructing a message (records must be instances already).
+# Validation has two layers that share one set of rules.
+#
+# 1. The reference validator (this section). Every field annotation is compiled once,
+#    when its class is defined, into a _Rule whose `convert(value, wire)` returns the
+#    value to store or raises _Invalid. It is the specification: one small function per
+#    kind of annotation, and it writes every error message. `wire=True` means the value
+#    came out of msgpack (nested records arrive as arrays, every array as a tuple);
+#    `wire=False` means a Python caller is constructing a message (records must be
+#    instances already).
+#
+# 2. Fast paths (section "fast paths" below). Interpreting rules value by value costs
+#    several calls per field, about 1 ms for a StageTask of ~100 descriptors. So each
+#    record class also gets straight-line functions generated from the same rules
+#    (__init__, decode, encode). They only ever *accept*: each field is tested by a
+#    one-line expression that is true only when the reference would store the value
+#    unchanged; on anything else -- an invalid value, or merely an unusual one such as an
+#    int in a float field -- the whole record goes to the reference validator, which
+#    converts it or raises the precise error. Error messages therefore come from the
+#    reference alone, and the tests check that both layers agree on every fuzzed input.
 
 
 class _Ge(NamedTuple):
@@ -372,13 +388,49 @@ DTYPE_NAMES: tuple[str, ...] = typing.get_args(DTypeName)
 _Conv = Callable[[Any, bool], Any]
 
 
+class _Fast(NamedTuple):
+    """Source code for one value in a generated function; ``{v}`` names the variable
+    holding the value.
+
+    kind "check": a bool expression, true only when the value is valid and the reference
+    `convert` would store it unchanged. kind "convert": an expression evaluating to what
+    `convert` would return, raising any exception where the fast path does not apply.
+    kind "block": statements (lines, relative indentation) that do the same and rebind
+    the variable, for what needs a loop.
+    """
+
+    kind: Literal["check", "convert", "block"]
+    code: str
+
+    def on(self, var: str) -> str:
+        return self.code.replace("{v}", var)
+
+    def emit(self, var: str, indent: str) -> list[str]:
+        """Statements that validate `var` and leave the value to store in it."""
+        if self.kind == "check":
+            return [f"{indent}if not ({self.on(var)}):", f"{indent}    raise _Slow"]
+        if self.kind == "convert":
+            return [f"{indent}{var} = {self.on(var)}"]
+        return [indent + line for line in self.on(var).split("\n")]
+
+
 class _Rule(NamedTuple):
+    # The reference: (value, wire) -> value to store, or raise _Invalid.
     convert: _Conv
+    # What it accepts, for error messages: "non-negative int", "list of TensorRef".
     expected: str
-    # Optional shortcut for wire mode: a cheap predicate that is True only when the value
-    # is valid and would be stored unchanged. Decoding a StageTask is mostly ints and
-    # short strings inside TensorRefs; this skips a call chain per value (about 2x).
-    fast: Callable[[Any], bool] | None = None
+    # Fast-path code for construction (py) and decoding (wire); None: the generated code
+    # calls `convert` itself.
+    fast_py: _Fast | None = None
+    fast_wire: _Fast | None = None
+    # Encoding: an expression over {v} giving what msgpack packs; None: the value itself.
+    encode: str | None = None
+
+    def fast(self, wire: bool) -> _Fast:
+        fast = self.fast_wire if wire else self.fast_py
+        if fast is None:
+            return _Fast("convert", f"{_gen_name(self.convert, 'conv')}({{v}}, {wire})")
+        return fast
 
 
 def _conv_int(v: Any, wire: bool) -> int:
@@ -445,7 +497,7 @@ _ANY_EXPECTED = "msgpack value (None, bool, int, float, str, bytes, list, map wi
 def _conv_any(v: Any, wire: bool, depth: int = 0) -> Any:
     """Accept msgpack-native values only, so whatever a caller puts in an ``Any`` field
     is guaranteed to encode and to come back equal (tuples become lists here, as they
-    would on the wire)."""
+    do on the wire)."""
     t = type(v)
     if v is None or t is bool or t is float or t is bytes:
         return v
@@ -485,22 +537,35 @@ def _key_segment(key: str) -> str:
     return f"[{text}]"
 
 
+def _int_fast(lo: int, hi: int) -> tuple[_Fast, _Fast]:
+    """Fast checks of an int in [lo, hi]. msgpack cannot produce an int outside its own
+    range, so on the wire only the markers' bounds need checking."""
+    py = _Fast("check", f"type({{v}}) is int and {lo} <= {{v}} <= {hi}")
+    wire = f"type({{v}}) is int" + (f" and {{v}} >= {lo}" if lo > _INT_MIN else "")
+    wire += f" and {{v}} <= {hi}" if hi < _INT_MAX else ""
+    return py, _Fast("check", wire)
+
+
 def _compile(tp: Any) -> _Rule:
     """Turn one field annotation into a _Rule. Unsupported annotations fail at import
     time (TypeError), not on the first message that uses them."""
     if tp is Any:
         return _Rule(_conv_any, "msgpack value")
-    scalar = {
-        int: _Rule(_conv_int, "int", lambda v: type(v) is int),
-        float: _Rule(_conv_float, "float", lambda v: type(v) is float),
-        str: _Rule(_conv_str, "str", lambda v: type(v) is str),
-        bool: _Rule(_conv_bool, "bool", lambda v: type(v) is bool),
-        bytes: _Rule(_conv_bytes, "bytes", lambda v: type(v) is bytes),
-        None: _Rule(_conv_none, "None", lambda v: v is None),
-        type(None): _Rule(_conv_none, "None", lambda v: v is None),
-    }
-    if tp in scalar:
-        return scalar[tp]
+    if tp is int:
+        return _Rule(_conv_int, "int", *_int_fast(_INT_MIN, _INT_MAX))
+    if tp is float:
+        return _Rule(_conv_float, "float", _Fast("check", "type({v}) is float"))
+    if tp is str:
+        # A non-ASCII str from a caller takes the reference path (the UTF-8 check); on
+        # the wire msgpack has already refused invalid UTF-8.
+        py, wire = _Fast("check", "type({v}) is str and {v}.isascii()"), "type({v}) is str"
+        return _Rule(_conv_str, "str", py, _Fast("check", wire))
+    if tp is bool:
+        return _Rule(_conv_bool, "bool", _Fast("check", "type({v}) is bool"))
+    if tp is bytes:
+        return _Rule(_conv_bytes, "bytes", _Fast("check", "type({v}) is bytes"))
+    if tp is None or tp is type(None):
+        return _Rule(_conv_none, "None", _Fast("check", "{v} is None"))
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Annotated:
@@ -523,19 +588,27 @@ def _compile(tp: Any) -> _Rule:
 def _compile_annotated(inner: _Rule, marks: tuple[Any, ...]) -> _Rule:
     expected = inner.expected
     checks: list[Callable[[Any], bool]] = []
+    extra = ""  # the same checks as source, appended to the inner fast checks
+    lo, hi = _INT_MIN, _INT_MAX
     for mark in marks:
         if isinstance(mark, _Ge):
             checks.append(lambda v, m=mark.minimum: v >= m)
             expected = f"{mark.description} {expected}"
+            extra += f" and {{v}} >= {mark.minimum!r}"
+            lo = max(lo, mark.minimum)
         elif isinstance(mark, _Le):
             checks.append(lambda v, m=mark.maximum: v <= m)
             expected = f"{expected} <= {mark.maximum}"
+            extra += f" and {{v}} <= {mark.maximum!r}"
+            hi = min(hi, mark.maximum)
         elif isinstance(mark, _Gt):
             checks.append(lambda v, m=mark.minimum: v > m)
             expected = f"positive {expected}"
+            extra += f" and {{v}} > {mark.minimum!r}"
         elif isinstance(mark, _NonEmpty):
             checks.append(lambda v: len(v) > 0)
             expected = f"non-empty {expected}"
+            extra += ' and {v} != ""'
         else:
             raise TypeError(f"unknown Annotated marker {mark!r}")
     convert_inner = inner.convert
@@ -552,26 +625,14 @@ def _compile_annotated(inner: _Rule, marks: tuple[Any, ...]) -> _Rule:
                 raise _Invalid(expected, _seen(v))
         return out
 
-    return _Rule(convert, expected, _annotated_fast(inner, marks))
-
-
-def _annotated_fast(inner: _Rule, marks: tuple[Any, ...]) -> Callable[[Any], bool] | None:
-    """One flat predicate for the markers in use (a chain of lambdas costs a call each)."""
-    kinds = tuple(type(m) for m in marks)
-    if inner.expected in ("int", "float"):
-        exact = int if inner.expected == "int" else float
-        if kinds == (_Ge,):
-            lo = marks[0].minimum
-            return lambda v: type(v) is exact and v >= lo
-        if kinds == (_Gt,):
-            gt = marks[0].minimum
-            return lambda v: type(v) is exact and v > gt
-        if kinds == (_Ge, _Le):
-            lo, hi = marks[0].minimum, marks[1].maximum
-            return lambda v: type(v) is exact and lo <= v <= hi
-    if inner.expected == "str" and kinds == (_NonEmpty,):
-        return lambda v: type(v) is str and v != ""
-    return None
+    if convert_inner is _conv_int and all(isinstance(m, (_Ge, _Le)) for m in marks):
+        fast_py, fast_wire = _int_fast(lo, hi)  # one range test instead of two
+    else:
+        if inner.fast_py is None or inner.fast_py.kind != "check":
+            raise TypeError("Annotated markers are supported on int, float and str only")
+        fast_py = _Fast("check", inner.fast(False).code + extra)
+        fast_wire = _Fast("check", inner.fast(True).code + extra)
+    return _Rule(convert, expected, fast_py, fast_wire)
 
 
 def _compile_literal(choices: tuple[Any, ...]) -> _Rule:
@@ -585,7 +646,8 @@ def _compile_literal(choices: tuple[Any, ...]) -> _Rule:
             return str.__str__(v)
         raise _Invalid(expected, _seen(v))
 
-    return _Rule(convert, expected, lambda v: type(v) is str and v in allowed)
+    fast = _Fast("check", f"type({{v}}) is str and {{v}} in {_gen_name(allowed, 'choices')}")
+    return _Rule(convert, expected, fast, fast)
 
 
 def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
@@ -594,7 +656,8 @@ def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
     if len(non_none) == 1 and len(rules) == 2:
         # Optional[X]: errors deep inside X (a nested field) are more useful verbatim
         # than "X or None", so only a top-level mismatch is reported as the union.
-        convert_inner = non_none[0].convert
+        inner = non_none[0]
+        convert_inner = inner.convert
 
         def convert_optional(v: Any, wire: bool) -> Any:
             if v is None:
@@ -606,7 +669,19 @@ def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
                     e.expected = expected
                 raise
 
-        return _Rule(convert_optional, expected)
+        def fast(wire: bool) -> _Fast:
+            f = inner.fast(wire)
+            if f.kind == "check":
+                return _Fast("check", f"({{v}} is None or ({f.code}))")
+            if f.kind == "convert":
+                return _Fast("convert", f"(None if {{v}} is None else {f.code})")
+            return _Fast("block", "\n".join(["if {v} is not None:", *f.emit("{v}", "    ")]))
+
+        encode = None if inner.encode is None else f"(None if {{v}} is None else {inner.encode})"
+        return _Rule(convert_optional, expected, fast(False), fast(True), encode)
+
+    if any(r.encode is not None for r in rules):
+        raise TypeError("a Union of records is not supported (which record would it be?)")
 
     def convert(v: Any, wire: bool) -> Any:
         for rule in rules:
@@ -622,16 +697,13 @@ def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
 def _compile_sequence(item: _Rule, *, as_tuple: bool) -> _Rule:
     expected = f"{'tuple' if as_tuple else 'list'} of {item.expected}"
     convert_item = item.convert
-    fast_item = item.fast
 
     def convert(v: Any, wire: bool) -> Any:
+        # msgpack has one array type (decoded as tuple); a Python caller may pass a list
+        # or a tuple. The stored type follows the annotation, and is always a new list
+        # for list fields: a message owns its lists.
         t = type(v)
-        # Wire lists are fresh from msgpack, so they may be kept as they are.
-        if wire and t is list and fast_item is not None and all(map(fast_item, v)):
-            return tuple(v) if as_tuple else v
-        # msgpack has one array type: tuples arrive as lists. A Python caller may pass
-        # either; the stored type follows the annotation.
-        if not (t is list or (not wire and t is tuple)):
+        if not (t is list or t is tuple):
             raise _Invalid(expected, _seen(v))
         out = []
         for i, x in enumerate(v):
@@ -642,7 +714,14 @@ def _compile_sequence(item: _Rule, *, as_tuple: bool) -> _Rule:
                 raise
         return tuple(out) if as_tuple else out
 
-    return _Rule(convert, expected)
+    encode = None if item.encode is None else _map_call(item.encode, "{v}")
+    return _Rule(
+        convert,
+        expected,
+        _sequence_fast(item.fast(False), as_tuple, wire=False),
+        _sequence_fast(item.fast(True), as_tuple, wire=True),
+        encode,
+    )
 
 
 def _compile_str_map(value: _Rule) -> _Rule:
@@ -663,7 +742,13 @@ def _compile_str_map(value: _Rule) -> _Rule:
                 raise
         return out
 
-    return _Rule(convert, expected)
+    encode = None
+    if value.encode is not None:
+        k, x = _gen_var(), _gen_var()
+        encode = f"{{{k}: {value.encode.replace('{v}', x)} for {k}, {x} in {{v}}.items()}}"
+    return _Rule(
+        convert, expected, _str_map_fast(value.fast(False)), _str_map_fast(value.fast(True)), encode
+    )
 
 
 def _compile_struct(cls: type[Struct]) -> _Rule:
@@ -671,14 +756,20 @@ def _compile_struct(cls: type[Struct]) -> _Rule:
 
     def convert(v: Any, wire: bool) -> Struct:
         if wire:
-            if type(v) is dict:
-                return _struct_from_wire(cls, v)
-            raise _Invalid(f"{name} (a map of its fields)", _seen(v))
+            return _struct_from_array(cls, v)
         if isinstance(v, cls):
-            return v  # validated by its own __post_init__
+            return v  # validated when it was constructed
         raise _Invalid(name, _seen(v))
 
-    return _Rule(convert, name)
+    codec = _CODECS[cls]
+    return _Rule(
+        convert,
+        name,
+        # A record passed by a caller is an instance, hence valid already.
+        _Fast("check", f"type({{v}}) is {_gen_name(cls, name)}"),
+        _Fast("convert", f"{codec.from_array_name}({{v}})"),
+        f"{codec.to_array_name}({{v}})",
+    )
 
 
 class _FieldSpec(NamedTuple):
@@ -688,41 +779,87 @@ class _FieldSpec(NamedTuple):
 
 
 _SPECS: dict[type, tuple[_FieldSpec, ...]] = {}
-# The same, flattened for the decode loop: (name, fast, convert, default).
-_PLANS: dict[type, tuple[tuple[str, Any, _Conv, Any], ...]] = {}
-_ABSENT = object()
-# For encoding: (field names, attrgetter returning all of them as a tuple).
-_GETTERS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
 _REGISTRY: dict[str, type[Message]] = {}
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(_REGISTRY)
 """Every message type that may travel on the wire, by type name (frame 1)."""
 
 
-def _struct_from_wire(cls: type[Struct], d: dict[Any, Any]) -> Struct:
-    # Skip __init__/__post_init__: every field is converted here, then only the
-    # cross-field rules remain. object.__setattr__ is how frozen dataclasses set fields.
+# --------------------------------------------------------------------------- reference paths
+#
+# Whole-record validation, used where the fast paths decline (see "validation" above).
+
+
+def _init_reference(obj: Struct, values: tuple[Any, ...]) -> None:
+    """Construct `obj` from its field values (declaration order), validating each."""
+    cls = type(obj)
+    try:
+        for spec, value in zip(_SPECS[cls], values):
+            try:
+                converted = spec.rule.convert(value, False)
+            except _Invalid as e:
+                e.path.append("." + spec.name)
+                raise
+            object.__setattr__(obj, spec.name, converted)
+        obj._check()
+    except _Invalid as e:
+        raise e.to_error(cls.__name__) from None
+    except RecursionError:
+        raise ProtocolError(
+            f"invalid {cls.__name__}: nested too deeply", message_type=cls.__name__
+        ) from None
+
+
+def _struct_from_map(cls: type[Struct], d: dict[Any, Any]) -> Struct:
+    """A message body: a map of field names to wire values."""
     obj = object.__new__(cls)
-    setattr_ = object.__setattr__
     matched = 0
-    for name, fast, convert, default in _PLANS[cls]:
-        value = d.get(name, _ABSENT)
-        if value is _ABSENT:
-            if default is None:
-                raise _missing(cls, name)
-            value = default()
-        else:
+    for spec in _SPECS[cls]:
+        if spec.name in d:
             matched += 1
-            if fast is None or not fast(value):
-                try:
-                    value = convert(value, True)
-                except _Invalid as e:
-                    e.path.append("." + name)
-                    raise
-        setattr_(obj, name, value)
+            try:
+                value = spec.rule.convert(d[spec.name], True)
+            except _Invalid as e:
+                e.path.append("." + spec.name)
+                raise
+        elif spec.default is not None:
+            value = spec.default()
+        else:
+            raise _missing(cls, spec.name)
+        object.__setattr__(obj, spec.name, value)
     if matched != len(d):
         raise _unknown(cls, d)
     obj._check()
     return obj
+
+
+def _struct_from_array(cls: type[Struct], items: Any) -> Struct:
+    """A nested record: an array of its field values in declaration order, of which
+    trailing fields with a default may be left out."""
+    specs = _SPECS[cls]
+    if type(items) is not tuple and type(items) is not list:
+        raise _Invalid(_array_expected(cls), _seen(items))
+    if len(items) > len(specs):
+        raise _Invalid(_array_expected(cls), f"{len(items)} values: {_seen(items)}")
+    obj = object.__new__(cls)
+    for i, spec in enumerate(specs):
+        if i < len(items):
+            try:
+                value = spec.rule.convert(items[i], True)
+            except _Invalid as e:
+                e.path.append("." + spec.name)
+                raise
+        elif spec.default is not None:
+            value = spec.default()
+        else:
+            raise _missing(cls, spec.name)
+        object.__setattr__(obj, spec.name, value)
+    obj._check()
+    return obj
+
+
+def _array_expected(cls: type[Struct]) -> str:
+    names = ", ".join(s.name for s in _SPECS[cls])
+    return f"{cls.__name__} as an array of its field values [{names}]"
 
 
 def _missing(cls: type[Struct], name: str) -> _Invalid:
@@ -746,14 +883,255 @@ def _unknown(cls: type[Struct], d: dict[Any, Any]) -> _Invalid:
     return err
 
 
-def _pack_default(obj: Any) -> Any:
-    """msgpack hook: a record is packed as the map of its fields, in declaration order
-    (so encoding is deterministic). Everything else msgpack packs natively or refuses."""
-    getter = _GETTERS.get(type(obj))
-    if getter is not None:
-        names, get = getter
-        return dict(zip(names, get(obj)))
-    raise TypeError(f"cannot serialize {_seen(obj)}")
+# --------------------------------------------------------------------------- fast paths
+#
+# Per record class, the field rules are turned into Python source once, at import, and
+# compiled with exec (as dataclasses does for __init__). For TensorRef the generated
+# constructor reads:
+#
+#     def __init__(self, *, arena, offset, dtype, shape, stride):
+#         try:
+#             if not (type(arena) is str and arena.isascii() and arena != ""):
+#                 raise _Slow
+#             if not (type(offset) is int and 0 <= offset <= 18446744073709551615):
+#                 raise _Slow
+#             ...
+#             f_shape = _seq_12(shape)
+#             ...
+#         except Exception:
+#             return _init_reference(self, (arena, offset, dtype, shape, stride))
+#         _set(self, "arena", arena)
+#         ...
+#
+# and the decoder of a nested TensorRef (an array on the wire) likewise unpacks the
+# array, checks each value, and builds the instance without calling __init__. Any
+# exception in a fast path means "not sure": the caller reruns the reference validator
+# on the whole record (constructor) or the whole body (decode), which either accepts or
+# raises the exact error. Inspect the generated code with `_GENERATED_SOURCE`.
+#
+# Encoding is generated the same way: a message becomes the map of its fields, a nested
+# record the tuple of its field values (operator.attrgetter when no field needs work).
+
+_GEN_NS: dict[str, Any] = {}  # globals of all generated code
+_GENERATED_SOURCE: dict[str, str] = {}  # name -> source, for debugging and curiosity
+# Builtins that generated code calls; a field may not be named like one (its parameter
+# in __init__ would shadow it).
+_RESERVED_NAMES = frozenset({"self", "type", "len", "list", "tuple", "map", "Exception"})
+_NO_VALUE = object()  # __init__ default marker: use the field's default
+_BARE_CALL = re.compile(r"(\w+)\(\{v\}\)\Z")  # a fast/encode snippet that is f({v})
+
+
+class _Slow(Exception):
+    """Raised by generated code to hand a value over to the reference validator."""
+
+
+def _gen_name(obj: Any, hint: str) -> str:
+    """Make `obj` visible to generated code under a fresh name."""
+    name = f"_{hint}_{len(_GEN_NS)}"
+    _GEN_NS[name] = obj
+    return name
+
+
+_var_counter = 0
+
+
+def _gen_var() -> str:
+    """A fresh local variable name (comprehensions nested in one expression)."""
+    global _var_counter
+    _var_counter += 1
+    return f"x{_var_counter}"
+
+
+def _define(name: str, lines: list[str]) -> Callable[..., Any]:
+    source = "\n".join(lines) + "\n"
+    _GENERATED_SOURCE[name] = source
+    exec(source, _GEN_NS)  # noqa: S102 -- our own source, built from our annotations
+    return typing.cast(Callable[..., Any], _GEN_NS[name])
+
+
+def _map_call(snippet: str, iterable: str) -> str:
+    """`[f(x) for x in it]`, written as list(map(f, it)) when f is a plain function."""
+    bare = _BARE_CALL.match(snippet)
+    if bare:
+        return f"list(map({bare.group(1)}, {iterable}))"
+    x = _gen_var()
+    return f"[{snippet.replace('{v}', x)} for {x} in {iterable}]"
+
+
+def _sequence_fast(item: _Fast, as_tuple: bool, *, wire: bool) -> _Fast:
+    """Inline code for a list/tuple field: loops cost less than a call per value."""
+    # msgpack decodes every array as a tuple; a caller may pass a list or a tuple.
+    accepted = "type({v}) is not tuple" + ("" if wire else " and type({v}) is not list")
+    lines = [f"if {accepted}:", "    raise _Slow"]
+    x = _gen_var()
+    if item.kind == "check":  # e.g. shape: check each int, keep the container
+        lines += [f"for {x} in {{v}}:", *item.emit(x, "    ")]
+        if as_tuple:
+            lines += [] if wire else ["if type({v}) is list:", "    {v} = tuple({v})"]
+        else:
+            lines.append("{v} = list({v})")  # a message owns its lists
+    else:  # e.g. a list of records arriving as arrays: build a new list
+        bare = _BARE_CALL.match(item.code) if item.kind == "convert" else None
+        if bare:
+            lines.append(f"{{v}} = list(map({bare.group(1)}, {{v}}))")
+        else:
+            out = _gen_var()
+            lines += [f"{out} = []", f"for {x} in {{v}}:", *item.emit(x, "    ")]
+            lines += [f"    {out}.append({x})", f"{{v}} = {out}"]
+        if as_tuple:
+            lines.append("{v} = tuple({v})")
+    return _Fast("block", "\n".join(lines))
+
+
+def _str_map_fast(value: _Fast) -> _Fast:
+    name = _gen_name(None, "map")
+    store = (
+        [f"        if not ({value.on('x')}):", "            raise _Slow", "        out[k] = x"]
+        if value.kind == "check"
+        else [f"        out[k] = {value.on('x')}"]
+    )
+    lines = [
+        f"def {name}(v):",
+        "    if type(v) is not dict:",
+        "        raise _Slow",
+        "    out = {}",
+        "    for k, x in v.items():",
+        "        if type(k) is not str:",
+        "            raise _Slow",
+        *store,
+        "    return out",
+    ]
+    _define(name, lines)
+    return _Fast("convert", f"{name}({{v}})")
+
+
+class _Codec(NamedTuple):
+    """Names (in _GEN_NS) of a record's generated functions."""
+
+    from_array_name: str  # nested record: tuple of field values -> instance
+    to_array_name: str  # instance -> tuple of field values
+    from_map: Callable[[dict[Any, Any]], Any] | None  # messages only: body -> instance
+    to_map: Callable[[Any], dict[str, Any]] | None  # messages only: instance -> body
+
+
+_CODECS: dict[type, _Codec] = {}
+
+
+def _check_lines(cls: type, obj: str, indent: str, *, to_error: bool) -> list[str]:
+    """Call the cross-field rules, if the class has any."""
+    if cls._check is Struct._check:  # type: ignore[attr-defined]
+        return []
+    if not to_error:
+        return [f"{indent}{obj}._check()"]
+    return [
+        f"{indent}try:",
+        f"{indent}    {obj}._check()",
+        f"{indent}except _Invalid as e:",
+        f"{indent}    raise e.to_error({cls.__name__!r}) from None",
+    ]
+
+
+def _value_lines(specs: tuple[_FieldSpec, ...], wire: bool, indent: str) -> list[str]:
+    """Validate the value of each field, held in local `f_<name>` (checks leave it as
+    it is, conversions rebind it); raise on anything the fast path does not handle."""
+    return [line for s in specs for line in s.rule.fast(wire).emit(f"f_{s.name}", indent)]
+
+
+def _fields_dict(names: list[str]) -> str:
+    """Source of the instance __dict__ built from the locals `f_<name>`. Records keep
+    their fields in a plain __dict__ (no __slots__) because setting it in one go costs
+    a fifth of five object.__setattr__ calls, the frozen dataclass way."""
+    return "{" + ", ".join(f"{n!r}: f_{n}" for n in names) + "}"
+
+
+def _generate_init(cls: type, specs: tuple[_FieldSpec, ...]) -> None:
+    names = [s.name for s in specs]
+    clash = _RESERVED_NAMES.intersection(names)
+    assert not clash, f"{cls.__name__}: field names {clash} would shadow builtins"
+    params = [s.name if s.default is None else f"{s.name}=_NO_VALUE" for s in specs]
+    name = _gen_name(None, f"init_{cls.__name__}")
+    lines = [f"def {name}(self{', *, ' if params else ''}{', '.join(params)}):"]
+    for s in specs:
+        if s.default is not None:
+            default = _gen_name(s.default, "default")
+            lines += [f"    if {s.name} is _NO_VALUE:", f"        {s.name} = {default}()"]
+    lines += ["    try:", *[f"        f_{n} = {n}" for n in names]]
+    lines += _value_lines(specs, wire=False, indent="        ") or ["        pass"]
+    lines += [
+        "    except Exception:",
+        f"        return _init_reference(self, ({''.join(n + ', ' for n in names)}))",
+        f"    _set(self, '__dict__', {_fields_dict(names)})",
+        *_check_lines(cls, "self", "    ", to_error=True),
+    ]
+    init = _define(name, lines)
+    init.__name__ = "__init__"
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init  # type: ignore[misc]
+
+
+def _generate_codecs(cls: type, specs: tuple[_FieldSpec, ...], *, is_message: bool) -> None:
+    names = [s.name for s in specs]
+    locals_ = [f"f_{n}" for n in names]
+    cls_name = _gen_name(cls, cls.__name__)
+    build = [
+        f"    o = _new({cls_name})",
+        f"    _set(o, '__dict__', {_fields_dict(names)})",
+        *_check_lines(cls, "o", "    ", to_error=False),
+        "    return o",
+    ]
+
+    # Decode a nested record: an array of exactly its fields (the encoder writes them
+    # all; a shorter array with defaults left out goes to the reference path).
+    from_array = _gen_name(None, f"from_array_{cls.__name__}")
+    _define(
+        from_array,
+        [
+            f"def {from_array}(a):",
+            f"    if type(a) is not tuple or len(a) != {len(names)}:",
+            "        raise _Slow",
+            *([f"    {', '.join(locals_)}, = a"] if names else []),
+            *_value_lines(specs, wire=True, indent="    "),
+            *build,
+        ],
+    )
+
+    # Encode: fetch every field with one attrgetter call, then convert nested records.
+    getter = _gen_name(operator.attrgetter(*names), "get") if len(names) > 1 else None
+    fetch = (
+        [f"    {', '.join(locals_)} = {getter}(o)"]
+        if getter
+        else [f"    f_{n} = o.{n}" for n in names]
+    )
+
+    def encoded(spec: _FieldSpec) -> str:
+        var = f"f_{spec.name}"
+        return var if spec.rule.encode is None else spec.rule.encode.replace("{v}", var)
+
+    if getter and all(s.rule.encode is None for s in specs):
+        to_array = getter  # a leaf record: the attrgetter's tuple is the encoding
+    else:
+        to_array = _gen_name(None, f"to_array_{cls.__name__}")
+        values = "".join(encoded(s) + ", " for s in specs)
+        _define(to_array, [f"def {to_array}(o):", *fetch, f"    return ({values})"])
+
+    from_map = to_map = None
+    if is_message:
+        name = _gen_name(None, f"from_map_{cls.__name__}")
+        from_map = _define(
+            name,
+            [
+                f"def {name}(d):",
+                f"    if len(d) != {len(names)}:",  # absent defaults, unknown fields
+                "        raise _Slow",
+                *[f"    f_{n} = d[{n!r}]" for n in names],
+                *_value_lines(specs, wire=True, indent="    "),
+                *build,
+            ],
+        )
+        name = _gen_name(None, f"to_map_{cls.__name__}")
+        items = ", ".join(f"{s.name!r}: {encoded(s)}" for s in specs)
+        to_map = _define(name, [f"def {name}(o):", *fetch, f"    return {{{items}}}"])
+    _CODECS[cls] = _Codec(from_array, to_array, from_map, to_map)
 
 
 # --------------------------------------------------------------------------- base classes
@@ -762,11 +1140,9 @@ def _pack_default(obj: Any) -> Any:
 _C = TypeVar("_C", bound=type)
 
 
-@typing.dataclass_transform(kw_only_default=True, frozen_default=True)
-def _struct(cls: _C) -> _C:
-    """Make a validated record: a frozen, keyword-only, slotted dataclass whose field
-    annotations are compiled into validation rules right away."""
-    cls = dataclass(frozen=True, kw_only=True, slots=True)(cls)
+def _declare(cls: _C, *, is_message: bool) -> _C:
+    # No slots=True: see _fields_dict.
+    cls = dataclass(frozen=True, kw_only=True)(cls)
     hints = typing.get_type_hints(cls, include_extras=True)
     specs = []
     for f in dataclasses.fields(cls):
@@ -778,22 +1154,22 @@ def _struct(cls: _C) -> _C:
             default = None
         specs.append(_FieldSpec(f.name, _compile(hints[f.name]), default))
     _SPECS[cls] = tuple(specs)
-    _PLANS[cls] = tuple((s.name, s.rule.fast, s.rule.convert, s.default) for s in specs)
-    names = tuple(s.name for s in specs)
-    # attrgetter of one name returns the bare value, of zero names is not allowed.
-    get = (
-        operator.attrgetter(*names)
-        if len(names) > 1
-        else lambda o: tuple(getattr(o, n) for n in names)
-    )
-    _GETTERS[cls] = (names, get)
+    _generate_init(cls, _SPECS[cls])  # replaces the dataclass __init__
+    _generate_codecs(cls, _SPECS[cls], is_message=is_message)
     return cls
+
+
+@typing.dataclass_transform(kw_only_default=True, frozen_default=True)
+def _struct(cls: _C) -> _C:
+    """Make a validated record: a frozen, keyword-only, slotted dataclass whose field
+    annotations are compiled into validation rules and codec functions right away."""
+    return _declare(cls, is_message=False)
 
 
 @typing.dataclass_transform(kw_only_default=True, frozen_default=True)
 def _message(cls: _C) -> _C:
     """A record that may travel alone: registered under its class name (frame 1)."""
-    cls = _struct(cls)
+    cls = _declare(cls, is_message=True)
     assert issubclass(cls, Message), cls
     name = cls.__name__
     assert name not in _REGISTRY, f"duplicate message type {name}"
@@ -802,38 +1178,21 @@ def _message(cls: _C) -> _C:
     return cls
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class Struct:
-    """Base of every record: frozen, keyword-only, validated on construction."""
+    """Base of every record: frozen, keyword-only, validated on construction.
+
+    Each declared record gets a generated ``__init__`` (see "fast paths"); this hook
+    only runs for the bases themselves, which are not records."""
 
     def __post_init__(self) -> None:
-        cls = type(self)
-        specs = _SPECS.get(cls)
-        if specs is None:  # Struct/Message themselves, or a subclass not declared here
-            raise TypeError(f"{cls.__name__} is not a declared roundpipe.protocol record")
-        try:
-            for spec in specs:
-                value = getattr(self, spec.name)
-                try:
-                    converted = spec.rule.convert(value, False)
-                except _Invalid as e:
-                    e.path.append("." + spec.name)
-                    raise
-                if converted is not value:
-                    object.__setattr__(self, spec.name, converted)
-            self._check()
-        except _Invalid as e:
-            raise e.to_error(cls.__name__) from None
-        except RecursionError:
-            raise ProtocolError(
-                f"invalid {cls.__name__}: nested too deeply", message_type=cls.__name__
-            ) from None
+        raise TypeError(f"{type(self).__name__} is not a declared roundpipe.protocol record")
 
     def _check(self) -> None:
         """Cross-field rules; raise _Invalid with the offending field's path."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class Message(Struct):
     """Base of every message type (a Struct that travels alone, see MESSAGE_TYPES)."""
 
@@ -842,6 +1201,18 @@ def _fail(field_name: str, expected: str, seen: str) -> _Invalid:
     err = _Invalid(expected, seen)
     err.path.append("." + field_name)
     return err
+
+
+# What generated code refers to by name.
+_GEN_NS.update(
+    _Slow=_Slow,
+    _Invalid=_Invalid,
+    _NO_VALUE=_NO_VALUE,
+    _init_reference=_init_reference,
+    # Frozen dataclasses refuse setattr; object's own is how their __init__ sets fields.
+    _new=object.__new__,
+    _set=object.__setattr__,
+)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -1133,11 +1504,72 @@ class JobTeardown(Message):
 # --------------------------------------------------------------------------- stage tasks
 
 
+@_struct
+class LayerTensorRef(Struct):
+    """A tensor that belongs to one layer, e.g. the saved input of a layer."""
+
+    #: layer index (as in LayerLayout.layer)
+    layer: NonNegInt
+    #: where it lives
+    ref: TensorRef
+
+
+@_struct
+class MicrobatchIO(Struct):
+    """Everything one microbatch of a StageTask reads, writes, waits for and signals.
+
+    A worker streams a task microbatch by microbatch: it waits for a microbatch's
+    `waits`, reads its inputs, writes its outputs and stores its `signals` before it
+    moves on, so the next stage can start on that microbatch at once. Which of the
+    optional refs are present depends on StageTask.kind (checked by StageTask).
+    """
+
+    #: microbatch index within the global batch
+    index: NonNegInt
+    #: the stage input of this microbatch: token ids when the stage starts at layer 0 and
+    #: is forward or tail, else hidden states; for a backward stage the saved input of
+    #: its first layer
+    input: TensorRef
+    #: forward: the stage output (hidden states for the next stage); backward/tail: the
+    #: gradient w.r.t. the stage input (None when the stage starts at layer 0)
+    output: TensorRef | None
+    #: backward only: the gradient w.r.t. the stage output
+    grad_output: TensorRef | None
+    #: tail only: the labels
+    labels: TensorRef | None
+    #: tail only: where the microbatch's loss contribution (fp32) is written
+    loss: TensorRef | None
+    #: forward only: inputs of layers strictly inside (layer_start, layer_stop) that start
+    #: a backward stage, to be kept for recompute
+    saved: list[LayerTensorRef]
+    #: counters to wait for before reading this microbatch's inputs or overwriting its
+    #: outputs
+    waits: list[EventWait]
+    #: counters to store once this microbatch's outputs are written
+    signals: list[EventSignal]
+
+    def _check(self) -> None:
+        if self.loss is not None and self.loss.dtype != "float32":
+            raise _fail("loss.dtype", "'float32' (the loss is accumulated in fp32)", _seen(self.loss.dtype))
+        if len(self.saved) > 1:
+            layers = [s.layer for s in self.saved]
+            if len(set(layers)) != len(layers):
+                raise _fail("saved", "one entry per layer (distinct layers)", _seen(layers))
+
+
 @_message
 class StageTask(Message):
-    """Run layers [layer_start, layer_stop) over microbatches 0..num_microbatches-1.
+    """Run layers [layer_start, layer_stop) over `microbatches`, one after the other.
 
     Idempotent: a retry (attempt + 1, maybe on another worker) makes the same writes.
+
+    kind "forward": per microbatch read `input`, write `output` (and the `saved` layer
+    inputs); no gradients. kind "tail": forward + loss + backward of the last stage, per
+    microbatch `labels` in, `loss` and (unless the stage starts at layer 0) the input
+    gradient `output` out. kind "backward": recompute from the saved `input`, then
+    backward from `grad_output`; the input gradient goes to `output` (again None at layer
+    0). Backward and tail tasks accumulate weight gradients over all their microbatches
+    and write them to `grads` once, at the end.
     """
 
     #: job id
@@ -1155,36 +1587,128 @@ class StageTask(Message):
     layer_start: NonNegInt
     #: one past the last layer of the stage
     layer_stop: NonNegInt
-    #: microbatches to process, in order
-    num_microbatches: PosInt
     #: weight version W_v to compute with; trainable weights are read from params
     #: buffer v % 2 (LayerLayout.params for even v, params_odd for odd v)
     weight_version: NonNegInt
-    #: tensors read, e.g. per microbatch the stage input (forward) or the activation
-    #: gradient (backward), token ids and labels for the prefix/tail
-    inputs: list[TensorRef]
-    #: tensors written, e.g. per microbatch the stage output or input gradient, loss sums
-    outputs: list[TensorRef]
-    #: activations saved for recompute: written by forward, read by backward
-    saved: list[TensorRef]
-    #: where the stage's weight gradients go, written once at the end of the task
+    #: counters to wait for before reading weights
+    weight_waits: list[EventWait]
+    #: the microbatches to process, in processing order (at least one)
+    microbatches: list[MicrobatchIO]
+    #: where the stage's accumulated weight gradients go, written once at the end of the
+    #: task; name = parameter name (empty for a forward task)
     grads: list[NamedTensorRef]
-    #: counters to wait for before reading inputs/saved or overwriting outputs
-    waits: list[EventWait]
-    #: counters to store once all writes are visible
-    signals: list[EventSignal]
+    #: counters to wait for before overwriting the grads slots
+    grad_waits: list[EventWait]
+    #: counters to store once the grads are written
+    grad_signals: list[EventSignal]
+    #: number of label tokens in the whole global batch (the loss is sum / this); tail
+    #: only, 0 otherwise
+    loss_denominator: NonNegInt
+    #: RNG seed of the job, so a recompute replays the forward's dropout
+    seed: NonNegInt
     #: deadline of each wait; the timeout error names the EventWait label
     wait_timeout_s: PosFloat
-    #: free-form knobs that do not change the protocol (e.g. loss normalisation count)
+    #: free-form knobs that do not change the protocol
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def num_microbatches(self) -> int:
+        """Number of microbatches in this task."""
+        return len(self.microbatches)
+
     def _check(self) -> None:
-        if self.layer_stop <= self.layer_start:
+        start, stop, kind = self.layer_start, self.layer_stop, self.kind
+        if stop <= start:
             raise _fail(
                 "layer_stop",
-                f"an int > layer_start ({self.layer_start}); a stage has at least one layer",
-                _seen(self.layer_stop),
+                f"an int > layer_start ({start}); a stage has at least one layer",
+                _seen(stop),
             )
+        if not self.microbatches:
+            raise _fail(
+                "microbatches", "a non-empty list of MicrobatchIO", _seen(self.microbatches)
+            )
+        if kind == "tail":
+            if self.loss_denominator < 1:
+                raise _fail(
+                    "loss_denominator",
+                    "a positive int for a tail task (label tokens in the global batch)",
+                    _seen(self.loss_denominator),
+                )
+        elif self.loss_denominator != 0:
+            raise _fail(
+                "loss_denominator",
+                f"0 for a {kind} task (only the tail computes the loss)",
+                _seen(self.loss_denominator),
+            )
+        if kind == "forward" and (self.grads or self.grad_waits or self.grad_signals):
+            name = next(n for n in ("grads", "grad_waits", "grad_signals") if getattr(self, n))
+            raise _fail(
+                name,
+                "an empty list for a forward task (a forward stage keeps no gradients)",
+                _seen(getattr(self, name)),
+            )
+        # The common case stays one cheap pass; _microbatch_error says what is wrong.
+        has_output = kind == "forward" or start > 0
+        backward, tail = kind == "backward", kind == "tail"
+        indices = set()
+        for mb in self.microbatches:
+            if (
+                (mb.output is None) == has_output
+                or (mb.grad_output is None) == backward
+                or (mb.labels is None) == tail
+                or (mb.loss is None) == tail
+                or (mb.saved and not all(start < s.layer < stop for s in mb.saved))
+                or mb.index in indices
+            ):
+                raise self._microbatch_error()
+            indices.add(mb.index)
+
+    def _microbatch_error(self) -> _Invalid:
+        kind, start, stop = self.kind, self.layer_start, self.layer_stop
+        indices: set[int] = set()
+        if kind == "forward":
+            output = ("a TensorRef (a forward task writes the stage output)", "")
+        elif start > 0:
+            output = (f"a TensorRef (a {kind} task writes the gradient w.r.t. its input)", "")
+        else:
+            output = ("", f"None (a {kind} task starting at layer 0 has no input gradient)")
+        # field -> (expected if it is None, expected if it is not), "" where that is fine
+        rules = {
+            "output": output,
+            "grad_output": _kind_rule(kind, "backward", "grad_output"),
+            "labels": _kind_rule(kind, "tail", "labels"),
+            "loss": _kind_rule(kind, "tail", "loss"),
+        }
+        for i, mb in enumerate(self.microbatches):
+            at = f"microbatches[{i}]."
+            for name, (if_none, if_set) in rules.items():
+                value = getattr(mb, name)
+                wrong = if_none if value is None else if_set
+                if wrong:
+                    return _fail(at + name, wrong, _seen(value))
+            for j, saved in enumerate(mb.saved):
+                if kind != "forward":
+                    return _fail(at + "saved", f"[] (a {kind} task saves nothing)", _seen(mb.saved))
+                if not start < saved.layer < stop:
+                    return _fail(
+                        f"{at}saved[{j}].layer",
+                        f"a layer strictly inside ({start}, {stop}) (the task's layers)",
+                        _seen(saved.layer),
+                    )
+            if mb.index in indices:
+                return _fail(
+                    at + "index", "an index not used by an earlier microbatch", _seen(mb.index)
+                )
+            indices.add(mb.index)
+        raise AssertionError("_microbatch_error called on valid microbatches")
+
+
+def _kind_rule(kind: str, owner: str, name: str) -> tuple[str, str]:
+    """StageTask._microbatch_error: a ref that only `owner` tasks have."""
+    if kind == owner:
+        return f"a TensorRef (a {kind} task needs {name})", ""
+    return "", f"None ({name} is for {owner} tasks only; this task is {kind!r})"
 
 
 @_message
@@ -1424,8 +1948,8 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
 
     The message was validated when it was constructed, and it owns copies of its lists
     and maps, so encoding does not validate again (it is on the coordinator's hot path).
-    Mutating those containers in place is a bug that the receiver reports as a
-    ProtocolError; values msgpack cannot pack raise ProtocolError here.
+    Mutating those containers in place is a bug that this function (what it cannot
+    encode) or the receiver (what it would not accept) reports as a ProtocolError.
 
     Raises ProtocolError if `msg` is not a registered message or the body would exceed
     `max_body_bytes` (the receiver would refuse it).
@@ -1434,9 +1958,11 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
     name = cls.__name__
     if _REGISTRY.get(name) is not cls:
         raise ProtocolError(f"cannot encode {_seen(msg)}: not a registered message type")
+    to_map = _CODECS[cls].to_map
+    assert to_map is not None
     try:
-        body = msgpack.packb(msg, use_bin_type=True, default=_pack_default)
-    except Exception as e:  # overflow, lone surrogates, cycles in a mutated message
+        body = msgpack.packb(to_map(msg), use_bin_type=True)
+    except Exception as e:  # overflow, lone surrogates, cycles, garbage in a mutated message
         raise ProtocolError(
             f"cannot encode {name}: {type(e).__name__}: {e}", message_type=name
         ) from e
@@ -1546,7 +2072,9 @@ def _decode(
             body,
             raw=False,  # str stays str (and invalid UTF-8 is refused)
             strict_map_key=True,  # map keys must be str (or bin, refused later)
-            use_list=True,
+            # Arrays become tuples: cheaper to build, immutable as shape/stride must be,
+            # and nested records are arrays of their field values.
+            use_list=False,
             # Every length is bounded by the body size, which is already bounded; ext
             # types (timestamps too) have no place in a body.
             max_str_len=size,
@@ -1566,8 +2094,14 @@ def _decode(
             f"invalid {type_name}: body: expected a map of fields, got {_seen(fields)}",
             message_type=type_name,
         )
+    from_map = _CODECS[cls].from_map
+    assert from_map is not None
     try:
-        return _struct_from_wire(cls, fields)  # type: ignore[return-value]
+        return from_map(fields)  # type: ignore[no-any-return]
+    except Exception:
+        pass  # the fast path is not sure: the reference decides, and names the problem
+    try:
+        return _struct_from_map(cls, fields)  # type: ignore[return-value]
     except _Invalid as e:
         raise e.to_error(type_name) from None
     except RecursionError:

@@ -13,6 +13,11 @@ import pytest
 TESTS_DIR = Path(__file__).parent
 PROCS_DIR = TESTS_DIR / "procs"
 
+# Test helper modules (tests/*_helpers.py) are imported by bare name. With
+# --import-mode=importlib pytest does not put this folder on sys.path, so do it once here.
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
 
 @pytest.fixture
 def arena_dir(tmp_path: Path) -> Iterator[Path]:

@@ -37,7 +37,9 @@ from roundpipe.protocol import (
     JobSetup,
     JobStatus,
     LayerLayout,
+    LayerTensorRef,
     Message,
+    MicrobatchIO,
     NamedTensorRef,
     ProtocolError,
     ProtocolVersionError,
@@ -53,6 +55,8 @@ from roundpipe.protocol import (
     name_to_dtype,
     wire,
 )
+
+_HDR = b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")  # frame 0 of this version
 
 # --------------------------------------------------------------------------- strategies
 #
@@ -127,13 +131,17 @@ def _for_annotation(tp: Any) -> st.SearchStrategy[Any]:
 
 
 @st.composite
-def _tensor_refs(draw: st.DrawFn, arenas: st.SearchStrategy[str] = _name) -> TensorRef:
+def _tensor_refs(
+    draw: st.DrawFn,
+    arenas: st.SearchStrategy[str] = _name,
+    dtypes: st.SearchStrategy[str] = st.sampled_from(DTYPE_NAMES),
+) -> TensorRef:
     ndim = draw(st.integers(0, 4))
     dims = st.lists(st.integers(0, 2**40), min_size=ndim, max_size=ndim).map(tuple)
     return TensorRef(
         arena=draw(arenas),
         offset=draw(st.integers(0, _UINT64_MAX)),
-        dtype=draw(st.sampled_from(DTYPE_NAMES)),
+        dtype=draw(dtypes),
         shape=draw(dims),
         stride=draw(dims),
     )
@@ -155,12 +163,65 @@ def _hellos(draw: st.DrawFn) -> Hello:
     )
 
 
+_KINDS = ("forward", "tail", "backward")
+
+
+@st.composite
+def _microbatches(draw: st.DrawFn, kind: str, start: int, stop: int, index: int) -> MicrobatchIO:
+    """A microbatch that is valid in a `kind` task over layers [start, stop)."""
+    refs = _tensor_refs()
+
+    def ref_if(wanted: bool) -> TensorRef | None:
+        return draw(refs) if wanted else None
+
+    saved: list[LayerTensorRef] = []
+    if kind == "forward" and stop - start > 1:
+        layers = draw(st.lists(st.integers(start + 1, stop - 1), max_size=2, unique=True))
+        saved = [LayerTensorRef(layer=layer, ref=draw(refs)) for layer in layers]
+    tail = kind == "tail"
+    return MicrobatchIO(
+        index=index,
+        input=draw(refs),
+        output=ref_if(kind == "forward" or start > 0),
+        grad_output=ref_if(kind == "backward"),
+        labels=ref_if(tail),
+        loss=draw(_tensor_refs(dtypes=st.just("float32"))) if tail else None,
+        saved=saved,
+        waits=draw(st.lists(for_struct(EventWait), max_size=2)),
+        signals=draw(st.lists(for_struct(EventSignal), max_size=2)),
+    )
+
+
+@st.composite
+def _any_microbatch(draw: st.DrawFn) -> MicrobatchIO:
+    start = draw(st.integers(0, 50))
+    stop = draw(st.integers(start + 1, start + 10))
+    index = draw(st.integers(0, 2**20))
+    return draw(_microbatches(draw(st.sampled_from(_KINDS)), start, stop, index))
+
+
 @st.composite
 def _stage_tasks(draw: st.DrawFn) -> StageTask:
-    base = draw(_builds_fields(StageTask, skip={"layer_start", "layer_stop"}))
+    kind = draw(st.sampled_from(_KINDS))
     start = draw(st.integers(0, 10_000))
     stop = draw(st.integers(start + 1, start + 100))
-    return StageTask(**base, layer_start=start, layer_stop=stop)
+    indices = draw(st.lists(st.integers(0, 2**20), min_size=1, max_size=3, unique=True))
+    mbs = [draw(_microbatches(kind, start, stop, m)) for m in indices]
+    per_kind = {"microbatches", "layer_start", "layer_stop", "kind", "loss_denominator"}
+    grad_fields = {"grads", "grad_waits", "grad_signals"}
+    base = draw(_builds_fields(StageTask, skip=per_kind | grad_fields))
+    if kind != "forward":
+        base.update(draw(_builds_fields(StageTask, only=grad_fields)))
+    else:
+        base.update(grads=[], grad_waits=[], grad_signals=[])
+    return StageTask(
+        **base,
+        kind=kind,
+        layer_start=start,
+        layer_stop=stop,
+        microbatches=mbs,
+        loss_denominator=draw(st.integers(1, 2**40)) if kind == "tail" else 0,
+    )
 
 
 @st.composite
@@ -189,14 +250,21 @@ _OVERRIDES: dict[type, Callable[[], st.SearchStrategy[Any]]] = {
     TensorRef: _tensor_refs,
     Hello: _hellos,
     StageTask: _stage_tasks,
+    MicrobatchIO: _any_microbatch,
     JobSetup: _job_setups,
 }
 
 
-def _builds_fields(cls: type, skip: Collection[str] = ()) -> st.SearchStrategy[dict[str, Any]]:
+def _builds_fields(
+    cls: type, skip: Collection[str] = (), only: Collection[str] | None = None
+) -> st.SearchStrategy[dict[str, Any]]:
     hints = typing.get_type_hints(cls, include_extras=True)
     return st.fixed_dictionaries(
-        {name: _for_annotation(tp) for name, tp in hints.items() if name not in skip}
+        {
+            name: _for_annotation(tp)
+            for name, tp in hints.items()
+            if name not in skip and (only is None or name in only)
+        }
     )
 
 
@@ -584,30 +652,30 @@ def test_decode_as_names_expected_type() -> None:
     ("frames", "pattern"),
     [
         ([], "expected 3 frames"),
-        ([b"RP\x00\x01", b"Ack"], "expected 3 frames"),
-        ([b"id", b"RP\x00\x01", b"Ack", b"\x80"], "expected 3 frames"),
+        ([_HDR, b"Ack"], "expected 3 frames"),
+        ([b"id", _HDR, b"Ack", b"\x80"], "expected 3 frames"),
         (None, "expected a sequence of frames"),
-        ([b"RP\x00\x01", "Ack", b"\x80"], "frame 1 is 'Ack' \\(str\\)"),
-        ([b"RP\x00\x01", b"Ack", 5], "frame 2 is 5"),
+        ([_HDR, "Ack", b"\x80"], "frame 1 is 'Ack' \\(str\\)"),
+        ([_HDR, b"Ack", 5], "frame 2 is 5"),
         ([b"RP\x00", b"Ack", b"\x80"], "bad header frame"),
         ([b"RP\x00\x01\x00", b"Ack", b"\x80"], "bad header frame"),
         ([b"XX\x00\x01", b"Ack", b"\x80"], "bad header frame"),
-        ([b"RP\x00\x01", b"", b"\x80"], "bad type frame"),
-        ([b"RP\x00\x01", b"A" * 65, b"\x80"], "bad type frame"),
-        ([b"RP\x00\x01", "Äck".encode(), b"\x80"], "bad type frame"),
-        ([b"RP\x00\x01", b"Nope", b"\x80"], "unknown message type 'Nope'"),
-        ([b"RP\x00\x01", b"Ack", b""], "malformed Ack body"),
-        ([b"RP\x00\x01", b"Ack", b"\x80\x00"], "malformed Ack body: ExtraData"),
-        ([b"RP\x00\x01", b"Ack", b"\x92\x01\x02"], "body: expected a map of fields"),
-        ([b"RP\x00\x01", b"Ack", b"\xdd\xff\xff\xff\xff"], "malformed Ack body"),
-        ([b"RP\x00\x01", b"Ack", b"\xd6\xff\x00\x00\x00\x01"], "malformed Ack body"),  # timestamp
-        ([b"RP\x00\x01", b"Ack", b"\xc7\x00\x05"], "malformed Ack body"),  # empty ext
-        ([b"RP\x00\x01", b"Ack", b"\x81\xa1a\xc1"], "malformed Ack body"),  # 0xc1 never used
-        ([b"RP\x00\x01", b"Ack", b"\x81\x01\x02"], "malformed Ack body"),  # int key
-        ([b"RP\x00\x01", b"Ack", b"\x82\xa1a\x01\xa1a\x02"], "duplicate map key"),
-        ([b"RP\x00\x01", b"Ack", b"\x81\xa1a\xa2\xff\xfe"], "malformed Ack body"),  # bad UTF-8
-        ([b"RP\x00\x01", b"Ack", b"\x91" * 100_000], "malformed Ack body"),  # deep nesting
-        ([b"RP\x00\x01", b"Ack", b"\x81\xc4\x01k\x01"], "field b'k'"),  # bin key
+        ([_HDR, b"", b"\x80"], "bad type frame"),
+        ([_HDR, b"A" * 65, b"\x80"], "bad type frame"),
+        ([_HDR, "Äck".encode(), b"\x80"], "bad type frame"),
+        ([_HDR, b"Nope", b"\x80"], "unknown message type 'Nope'"),
+        ([_HDR, b"Ack", b""], "malformed Ack body"),
+        ([_HDR, b"Ack", b"\x80\x00"], "malformed Ack body: ExtraData"),
+        ([_HDR, b"Ack", b"\x92\x01\x02"], "body: expected a map of fields"),
+        ([_HDR, b"Ack", b"\xdd\xff\xff\xff\xff"], "malformed Ack body"),
+        ([_HDR, b"Ack", b"\xd6\xff\x00\x00\x00\x01"], "malformed Ack body"),  # timestamp
+        ([_HDR, b"Ack", b"\xc7\x00\x05"], "malformed Ack body"),  # empty ext
+        ([_HDR, b"Ack", b"\x81\xa1a\xc1"], "malformed Ack body"),  # 0xc1 never used
+        ([_HDR, b"Ack", b"\x81\x01\x02"], "malformed Ack body"),  # int key
+        ([_HDR, b"Ack", b"\x82\xa1a\x01\xa1a\x02"], "duplicate map key"),
+        ([_HDR, b"Ack", b"\x81\xa1a\xa2\xff\xfe"], "malformed Ack body"),  # bad UTF-8
+        ([_HDR, b"Ack", b"\x91" * 100_000], "malformed Ack body"),  # deep nesting
+        ([_HDR, b"Ack", b"\x81\xc4\x01k\x01"], "field b'k'"),  # bin key
     ],
 )
 def test_malformed_frames(frames: Any, pattern: str) -> None:
@@ -661,7 +729,7 @@ def test_body_size_limits() -> None:
     assert decode(frames, max_body_bytes=len(frames[2])).seq == 1
     with pytest.raises(ProtocolError, match="max_body_bytes"):
         encode(Heartbeat(sender="w" * 100, seq=1, sent_at=0.0), max_body_bytes=50)
-    huge = [b"RP\x00\x01", b"Ack", b"\x80" + b"\x00" * (16 * 2**20)]
+    huge = [_HDR, b"Ack", b"\x80" + b"\x00" * (16 * 2**20)]
     assert "more than the limit" in str(_decode_error(huge))
 
 
@@ -910,11 +978,11 @@ def _serve_until_valid(sock: zmq.Socket[bytes], *, routed: bool) -> tuple[int, M
 
 _GARBAGE: list[list[bytes]] = [
     [b"hello"],
-    [b"RP\x00\x01", b"Heartbeat"],
+    [_HDR, b"Heartbeat"],
     [b"RP\x00\x09", b"Heartbeat", b"\x80"],
-    [b"RP\x00\x01", b"Heartbeat", b"\xff\xff\xff"],
-    [b"RP\x00\x01", b"Heartbeat", msgpack.packb({"sender": "w", "seq": -5, "sent_at": 0.0})],
-    [b"RP\x00\x01", b"NoSuchType", b"\x80"],
+    [_HDR, b"Heartbeat", b"\xff\xff\xff"],
+    [_HDR, b"Heartbeat", msgpack.packb({"sender": "w", "seq": -5, "sent_at": 0.0})],
+    [_HDR, b"NoSuchType", b"\x80"],
     [b"", b"", b"", b"", b""],
 ]
 

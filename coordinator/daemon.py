@@ -1,0 +1,582 @@
+"""``roundpipe-coordinator``: the ZeroMQ daemon around the job queue and the Trainer.
+
+Threads (only the I/O thread touches the ROUTER socket):
+
+    rp-coordinator (I/O)   polls the ROUTER (workers and clients) and an inproc PULL
+                           socket (outgoing messages from other threads); answers client
+                           requests; tracks workers; forwards task results to the job
+    rp-job                 runs queued jobs one at a time through a Trainer; sends
+                           JobSetup / StageTask / JobTeardown through its own inproc PUSH
+    rp-optimizer-<job>     the Trainer's layer-wise AdamW
+
+One ROUTER socket at ``--address`` serves both workers and clients (both use DEALER
+sockets): a worker introduces itself with ``Hello``; anything else is a client request
+and gets exactly one reply. Signal handlers only set a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.trainer import JobCancelled, JobFailed, Trainer
+from roundpipe.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    CancelJob,
+    ErrorReply,
+    GetJobStatus,
+    GetProgress,
+    Heartbeat,
+    Hello,
+    JobAccepted,
+    JobList,
+    JobStatus,
+    JobTeardown,
+    ListJobs,
+    ListWorkers,
+    Message,
+    Progress,
+    ProtocolError,
+    ProtocolVersionError,
+    Reject,
+    SubmitJob,
+    TaskDone,
+    TaskFailed,
+    Welcome,
+    WorkerInfo,
+    WorkerList,
+    decode,
+    encode,
+)
+from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
+
+__all__ = ["Coordinator", "main"]
+
+log = logging.getLogger("roundpipe.coordinator")
+
+HEARTBEAT_INTERVAL_S = 1.0
+WORKER_LOST_AFTER_S = 10.0
+_OUTBOX = "inproc://rp-coordinator-outbox"
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: int
+    identity: bytes
+    hello: Hello
+    last_seen: float
+    state: str = "idle"
+    tasks_done: int = 0
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    spec: JobSpec
+    state: str = "queued"
+    message: str = ""
+    output_dir: str | None = None
+    trainer: Trainer | None = None
+    total_steps: int = 0
+    cancel_requested: bool = False
+    log_path: Path | None = None
+    submitted_at: float = field(default_factory=time.time)
+
+    def status(self) -> JobStatus:
+        t = self.trainer
+        return JobStatus(
+            job_id=self.job_id,
+            state=self.state,
+            step=t.step if t is not None else 0,
+            total_steps=self.total_steps,
+            loss=t.last_loss if t is not None else None,
+            message=self.message,
+            output_dir=self.output_dir,
+        )
+
+
+class AddressInUse(RuntimeError):
+    pass
+
+
+class Coordinator:
+    """The daemon's state and loops. ``serve()`` blocks until ``stop()``."""
+
+    def __init__(
+        self,
+        address: str,
+        state_dir: str | Path,
+        arena_dir: str | Path | None = None,
+        *,
+        namespace: str | None = None,
+        wait_timeout_s: float = 600.0,
+    ):
+        self.address = address
+        self.state_dir = Path(state_dir)
+        self.arena_dir = Path(arena_dir) if arena_dir is not None else default_arena_dir()
+        # Arena files carry the namespace: coordinators on different addresses never
+        # clean up each other's leftovers.
+        self.namespace = namespace or _namespace_for(address)
+        self.wait_timeout_s = wait_timeout_s
+        self.coordinator_id = secrets.token_hex(4)
+        self.ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards workers and jobs
+        self.workers: dict[int, WorkerEntry] = {}
+        self._by_identity: dict[bytes, int] = {}
+        self._worker_ids = itertools.count(1)
+        self.jobs: dict[str, JobRecord] = {}
+        self._queue: list[str] = []
+        self._job_wakeup = threading.Condition(self._lock)
+        self._active: JobRecord | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Bind the ROUTER; refuse an address another coordinator is serving."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "jobs").mkdir(exist_ok=True)
+        if not self.arena_dir.is_dir():
+            raise FileNotFoundError(
+                f"arena directory {self.arena_dir} does not exist (set --arena-dir)"
+            )
+        if self.address.startswith("ipc://") and _someone_answers(self.ctx, self.address):
+            # ZeroMQ would silently take over an ipc path; check for a live owner first.
+            raise AddressInUse(f"another coordinator is already serving {self.address}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.router.bind(self.address)
+        except zmq.ZMQError as exc:
+            self.router.close()
+            if exc.errno == zmq.EADDRINUSE:
+                raise AddressInUse(
+                    f"address {self.address} is in use (another coordinator?); stop it or "
+                    "pass a different --address"
+                ) from None
+            raise
+        self.outbox = self.ctx.socket(zmq.PULL)
+        self.outbox.bind(_OUTBOX + self.coordinator_id)
+        removed = remove_stale_arenas(self.arena_dir, self.namespace)
+        if removed:
+            log.info("[coordinator] removed %d arena(s) left by a dead coordinator", len(removed))
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._job_wakeup.notify_all()
+
+    def serve(self) -> None:
+        job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
+        job_thread.start()
+        log.info("[coordinator] roundpipe-coordinator ready on %s", self.address)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    if sock is self.router:
+                        self._on_router()
+                    else:
+                        frames = self.outbox.recv_multipart()
+                        self._send(frames[0], frames[1:])
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
+                    self._check_workers()
+        finally:
+            self._stop.set()
+            active = self._active
+            if active is not None and active.trainer is not None:
+                active.trainer.cancel()
+            job_thread.join(timeout=60)
+            self.router.close()
+            self.outbox.close()
+            self.ctx.term()
+            log.info("[coordinator] stopped")
+
+    # -- I/O thread -------------------------------------------------------------------
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart([identity, *frames])
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
+            log.warning("[coordinator] cannot reach peer %r: %s", identity, exc)
+
+    def _on_router(self) -> None:
+        identity, *frames = self.router.recv_multipart()
+        try:
+            msg = decode(frames)
+        except ProtocolVersionError as exc:
+            log.warning(
+                "[coordinator] rejected a peer speaking protocol %s: %s", exc.seen_version, exc
+            )
+            self._send(
+                identity,
+                encode(
+                    Reject(
+                        reason=f"protocol version mismatch: this coordinator speaks version "
+                        f"{PROTOCOL_VERSION}, the peer {exc.seen_version}; install the same "
+                        "roundpipe version on coordinator, workers and clients",
+                        expected_version=PROTOCOL_VERSION,
+                    )
+                ),
+            )
+            return
+        except ProtocolError as exc:
+            log.warning("[coordinator] malformed message from %r dropped: %s", identity, exc)
+            self._send(identity, encode(ErrorReply(code="protocol_error", message=str(exc))))
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, (TaskDone, TaskFailed)):
+            self._on_task_result(identity, msg)
+        elif isinstance(msg, Heartbeat):
+            with self._lock:
+                wid = self._by_identity.get(identity)
+                if wid is not None:
+                    self.workers[wid].last_seen = time.monotonic()
+        else:
+            try:
+                reply = self._on_request(msg)
+            except Exception as exc:  # a bug in a handler must not kill the daemon
+                log.exception("[coordinator] request %s failed", type(msg).__name__)
+                reply = ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+            self._send(identity, encode(reply))
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        with self._lock:
+            wid = self._by_identity.get(identity) or next(self._worker_ids)
+            self.workers[wid] = WorkerEntry(wid, identity, hello, time.monotonic())
+            self._by_identity[identity] = wid
+            active = self._active
+        log.info(
+            "[coordinator] worker %d joined: %s (%s %s, pid %d on %s)",
+            wid,
+            hello.worker_name,
+            hello.device,
+            hello.device_name,
+            hello.pid,
+            hello.hostname,
+        )
+        self._send(
+            identity,
+            encode(
+                Welcome(
+                    worker_id=wid,
+                    coordinator_id=self.coordinator_id,
+                    heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                    arena_dir=str(self.arena_dir),
+                )
+            ),
+        )
+        # A worker joining mid-job gets the job's setup and then its share of tasks.
+        if active is not None and active.trainer is not None and active.trainer.layout:
+            self._send(identity, encode(active.trainer.job_setup()))
+
+    def _on_task_result(self, identity: bytes, msg: TaskDone | TaskFailed) -> None:
+        with self._lock:
+            wid = self._by_identity.get(identity)
+            if wid is not None:
+                entry = self.workers[wid]
+                entry.last_seen = time.monotonic()
+                if isinstance(msg, TaskDone):
+                    entry.tasks_done += 1
+            active = self._active
+        if active is not None and active.trainer is not None and active.job_id == msg.job_id:
+            active.trainer.inbox.put(msg)
+
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        lost = []
+        with self._lock:
+            for wid, entry in list(self.workers.items()):
+                if now - entry.last_seen > WORKER_LOST_AFTER_S:
+                    lost.append(entry)
+                    del self.workers[wid]
+                    self._by_identity.pop(entry.identity, None)
+            active = self._active
+        for entry in lost:
+            log.warning(
+                "[coordinator] worker %d (%s) lost: no heartbeat for %.0fs",
+                entry.worker_id,
+                entry.hello.worker_name,
+                WORKER_LOST_AFTER_S,
+            )
+            if active is not None and active.trainer is not None:
+                active.trainer.inbox.put(f"worker-lost:{entry.worker_id}")
+
+    def _on_request(self, msg: Message) -> Message:
+        if isinstance(msg, SubmitJob):
+            return self._submit(msg)
+        if isinstance(msg, GetJobStatus):
+            with self._lock:
+                job = self.jobs.get(msg.job_id)
+                return job.status() if job else _unknown(msg.job_id)
+        if isinstance(msg, GetProgress):
+            with self._lock:
+                job = self.jobs.get(msg.job_id)
+                if job is None:
+                    return _unknown(msg.job_id)
+                events = []
+                if job.trainer is not None:
+                    with job.trainer.progress_lock:
+                        events = [e for e in job.trainer.progress if e.seq > msg.after_seq]
+                return Progress(job_id=job.job_id, events=events, done=job.state in FINAL_STATES)
+        if isinstance(msg, CancelJob):
+            return self._cancel(msg.job_id)
+        if isinstance(msg, ListJobs):
+            with self._lock:
+                return JobList(jobs=[j.status() for j in self.jobs.values()])
+        if isinstance(msg, ListWorkers):
+            with self._lock:
+                busy = self._active is not None and self._active.state == "running"
+                return WorkerList(
+                    workers=[
+                        WorkerInfo(
+                            worker_id=w.worker_id,
+                            name=w.hello.worker_name,
+                            device=w.hello.device,
+                            device_name=w.hello.device_name,
+                            memory_bytes=w.hello.memory_bytes,
+                            state="busy" if busy else "idle",
+                            tasks_done=w.tasks_done,
+                        )
+                        for w in self.workers.values()
+                    ]
+                )
+        return ErrorReply(
+            code="unexpected_message",
+            message=f"{type(msg).__name__} is not a request a coordinator answers",
+        )
+
+    def _submit(self, msg: SubmitJob) -> Message:
+        try:
+            spec = JobSpec.from_dict(dict(msg.spec))
+        except JobSpecError as exc:
+            return ErrorReply(code="bad_spec", message=str(exc))
+        job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        job_dir = self.state_dir / "jobs" / job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        output = Path(spec.output.dir) if spec.output.dir else job_dir / "output"
+        record = JobRecord(
+            job_id,
+            spec,
+            total_steps=spec.train.steps,
+            output_dir=str(output),
+            log_path=job_dir / "job.log",
+        )
+        with self._lock:
+            self.jobs[job_id] = record
+            self._queue.append(job_id)
+            self._job_wakeup.notify_all()
+        log.info("[coordinator] job %s queued (%d steps)", job_id, spec.train.steps)
+        return JobAccepted(job_id=job_id)
+
+    def _cancel(self, job_id: str) -> Message:
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return _unknown(job_id)
+            if job.state in FINAL_STATES:
+                return Ack()
+            job.cancel_requested = True
+            if job.state == "queued":
+                self._queue.remove(job_id)
+                job.state = "cancelled"
+                job.message = "cancelled before it started"
+                return Ack()
+            trainer = job.trainer
+        if trainer is not None:
+            trainer.cancel()
+        return Ack()
+
+    # -- job thread -------------------------------------------------------------------
+
+    def _job_loop(self) -> None:
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(_OUTBOX + self.coordinator_id)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    while not self._queue and not self._stop.is_set():
+                        self._job_wakeup.wait(timeout=1.0)
+                    if self._stop.is_set():
+                        return
+                    job = self.jobs[self._queue.pop(0)]
+                    job.state = "running"
+                    self._active = job
+                self._run_job(job, push)
+                with self._lock:
+                    self._active = None
+        finally:
+            push.close(linger=1000)
+
+    def _live_workers(self) -> list[int]:
+        with self._lock:
+            return sorted(self.workers)
+
+    def _identity(self, worker_id: int) -> bytes | None:
+        with self._lock:
+            entry = self.workers.get(worker_id)
+            return entry.identity if entry else None
+
+    def _broadcast(self, push: zmq.Socket, message: Message) -> None:
+        frames = encode(message)
+        with self._lock:
+            identities = [w.identity for w in self.workers.values()]
+        for identity in identities:
+            push.send_multipart([identity, *frames])
+
+    def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
+        handler = _job_log_handler(job)
+        trainer = Trainer(
+            job.job_id,
+            job.spec,
+            arena_dir=self.arena_dir,
+            namespace=self.namespace,
+            output_dir=Path(job.output_dir or "."),
+            wait_timeout_s=self.wait_timeout_s,
+        )
+        job.trainer = trainer
+
+        def dispatch(task, worker_id: int) -> None:
+            identity = self._identity(worker_id)
+            if identity is None:
+                raise JobFailed(f"worker {worker_id} left before task {task.task_id} was sent")
+            push.send_multipart([identity, *encode(task)])
+
+        try:
+            with self._lock:
+                if job.cancel_requested:
+                    raise JobCancelled("cancelled")
+            if not self._live_workers():
+                log.info("[coordinator] job %s waits for a worker to connect", job.job_id)
+                while not self._live_workers():
+                    if self._stop.wait(0.2) or job.cancel_requested:
+                        raise JobCancelled("cancelled before any worker connected")
+            trainer.prepare(len(self._live_workers()))
+            self._broadcast(push, trainer.job_setup())
+            trainer.run(dispatch, self._live_workers)
+            trainer.export(Path(job.output_dir or "."))
+            job.state, job.message = "succeeded", f"model written to {job.output_dir}"
+        except JobCancelled:
+            job.state, job.message = "cancelled", "cancelled by request"
+        except JobFailed as exc:
+            job.state, job.message = "failed", str(exc)
+            log.error("[coordinator] job %s failed: %s", job.job_id, exc)
+        except Exception as exc:
+            job.state, job.message = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
+        finally:
+            self._broadcast(push, JobTeardown(job_id=job.job_id))
+            trainer.close()
+            log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
+            logging.getLogger("roundpipe").removeHandler(handler)
+            handler.close()
+
+
+def _unknown(job_id: str) -> ErrorReply:
+    return ErrorReply(code="unknown_job", message=f"no job {job_id!r} on this coordinator")
+
+
+def _namespace_for(address: str) -> str:
+    import hashlib
+
+    return "c" + hashlib.sha1(address.encode()).hexdigest()[:10]
+
+
+def _someone_answers(ctx: zmq.Context, address: str) -> bool:
+    probe = ctx.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    try:
+        probe.connect(address)
+        probe.send_multipart(encode(ListWorkers()))
+        return bool(probe.poll(500))
+    finally:
+        probe.close()
+
+
+class _JobThreads(logging.Filter):
+    def __init__(self, job_id: str):
+        super().__init__()
+        self.job_id = job_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName in ("rp-job", f"rp-optimizer-{self.job_id}")
+
+
+def _job_log_handler(job: JobRecord) -> logging.Handler:
+    assert job.log_path is not None
+    handler = logging.FileHandler(job.log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.addFilter(_JobThreads(job.job_id))
+    logging.getLogger("roundpipe").addHandler(handler)
+    return handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    from roundpipe.defaults import DEFAULT_ADDRESS, default_state_dir
+
+    parser = argparse.ArgumentParser(
+        prog="roundpipe-coordinator",
+        description="RoundPipe coordinator: owns training state, schedules stage tasks.",
+    )
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help="ZeroMQ address to bind (default %(default)s)"
+    )
+    parser.add_argument("--state-dir", default=None, help="jobs, logs, outputs")
+    parser.add_argument(
+        "--arena-dir",
+        default=None,
+        help="RAM-backed directory for shared-memory arenas (default /dev/shm)",
+    )
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a task may wait for an input before failing",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    threading.current_thread().name = "rp-coordinator"
+    coordinator = Coordinator(
+        args.address,
+        args.state_dir or default_state_dir(),
+        args.arena_dir,
+        wait_timeout_s=args.wait_timeout,
+    )
+    try:
+        coordinator.bind()
+    except (AddressInUse, FileNotFoundError, zmq.ZMQError) as exc:
+        print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: coordinator.stop())
+    coordinator.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Where one job's training state lives in shared memory, and which counter means what.
+
+The coordinator creates five arenas per job (ARCHITECTURE.md section 3) and one event
+table; workers map them from the ``JobSetup`` message. Slots are keyed by *layer index*
+and by *parity* (iteration or weight version mod 2), never by stage or worker::
+
+    params  per layer, per parameter (tied aliases excluded), compute dtype
+              trainable:  [parity 0 | parity 1]   weight version v lives in parity v % 2
+              frozen:     one copy (LoRA base weights)
+    grads   per trainable parameter, fp32, one slot: the current step's weight gradient
+              (+ one slot per tied alias: the tail's LM-head contribution to the owner)
+    acts    per activation boundary b, per parity, per microbatch: [rows, seq, hidden]
+              hidden state entering layer b (compute dtype)
+    dacts   per gradient boundary b, per parity, per microbatch: [rows, seq, hidden]
+              gradient w.r.t. the hidden state entering layer b (compute dtype)
+    io      per parity, per microbatch: input_ids [rows, seq] int64, labels [rows, seq]
+              int64, loss contribution [1] fp32
+    events  the event table (roundpipe.shared.events) at DATA_START
+
+Activation boundaries are the layers that start a forward stage, the tail or a backward
+stage (layer 0 excluded: its input is ``io.input_ids``); gradient boundaries are the
+layers that start the tail or a backward stage (layer 0 excluded: nothing consumes the
+gradient w.r.t. token ids).
+
+Event-table counters (each has one writer; values are iteration numbers, starting at 1,
+or weight versions; 0 = nothing yet)::
+
+    act[l][m]     writer: the task producing the input of layer l for microbatch m
+                  (the coordinator for l = 0: the batch is in io)
+    dact[l][m]    writer: the tail / backward task starting at layer l
+    wgrad[l]      writer: the task that writes layer l's gradients (tied aliases of the
+                  tail count for the tail layer)
+    version[l]    writer: the optimizer; newest weight version of layer l in params
+
+See Note [weight-update ordering] in roundpipe.coordinator.schedule for how these order
+the optimizer against the tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
+from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator
+from roundpipe.shared.events import EventTable, table_nbytes
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+__all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
+
+log = logging.getLogger(__name__)
+
+EVENTS_ARENA = "events"
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Index arithmetic of the event table for ``num_layers`` layers and M microbatches."""
+
+    num_layers: int
+    num_microbatches: int
+
+    def act(self, layer: int, mb: int) -> int:
+        return layer * self.num_microbatches + mb
+
+    def dact(self, layer: int, mb: int) -> int:
+        return (self.num_layers + layer) * self.num_microbatches + mb
+
+    def wgrad(self, layer: int) -> int:
+        return 2 * self.num_layers * self.num_microbatches + layer
+
+    def version(self, layer: int) -> int:
+        return 2 * self.num_layers * self.num_microbatches + self.num_layers + layer
+
+    @property
+    def total(self) -> int:
+        return 2 * self.num_layers * self.num_microbatches + 2 * self.num_layers
+
+    def label(self, index: int) -> str:
+        """Readable name of a counter, used in timeout errors."""
+        per_kind = self.num_layers * self.num_microbatches
+        if index < per_kind:
+            return (
+                f"act[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
+            )
+        if index < 2 * per_kind:
+            index -= per_kind
+            return (
+                f"dact[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
+            )
+        index -= 2 * per_kind
+        if index < self.num_layers:
+            return f"wgrad[layer {index}]"
+        return f"version[layer {index - self.num_layers}]"
+
+
+@dataclass
+class JobLayout:
+    """Arena descriptors of one job; ``create`` allocates, ``arenas``/``views`` expose them."""
+
+    model: LayeredModel
+    plan: Plan
+    compute_dtype: torch.dtype
+    microbatch_rows: int
+    seq_len: int
+    num_microbatches: int
+    counters: Counters
+    # params[layer][name] -> (parity-0 ref, parity-1 ref or None for frozen weights)
+    params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]]
+    grads: dict[int, dict[str, TensorRef]]
+    acts: dict[tuple[int, int, int], TensorRef]  # (layer, parity, mb)
+    dacts: dict[tuple[int, int, int], TensorRef]
+    input_ids: dict[tuple[int, int], TensorRef]  # (parity, mb)
+    labels: dict[tuple[int, int], TensorRef]
+    loss: dict[tuple[int, int], TensorRef]
+    sizes: dict[str, int]
+    arenas: dict[str, Arena] = field(default_factory=dict)
+    events: EventTable | None = None
+
+    # -- planning ---------------------------------------------------------------------
+
+    @classmethod
+    def plan_layout(
+        cls,
+        model: LayeredModel,
+        plan: Plan,
+        *,
+        compute_dtype: torch.dtype,
+        microbatch_rows: int,
+        seq_len: int,
+        num_microbatches: int,
+    ) -> JobLayout:
+        plan.validate(model.num_layers)
+        allocs = {name: ArenaAllocator(name) for name in ("params", "grads", "acts", "dacts", "io")}
+        params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]] = {}
+        grads: dict[int, dict[str, TensorRef]] = {}
+        for layer in range(model.num_layers):
+            params[layer], grads[layer] = {}, {}
+            for spec in model.layer_params(layer):
+                if spec.trainable:
+                    # The tied alias gets a gradient slot of its own (Note [tied embeddings]).
+                    grads[layer][spec.name] = allocs["grads"].alloc(torch.float32, spec.shape)
+                if spec.tied_to is not None:
+                    continue
+                even = allocs["params"].alloc(compute_dtype, spec.shape)
+                odd = allocs["params"].alloc(compute_dtype, spec.shape) if spec.trainable else None
+                params[layer][spec.name] = (even, odd)
+        hidden = (microbatch_rows, seq_len, model.hidden_size)
+        acts, dacts = {}, {}
+        for parity in (0, 1):
+            for mb in range(num_microbatches):
+                for b in sorted(cls.activation_boundaries(plan)):
+                    acts[(b, parity, mb)] = allocs["acts"].alloc(compute_dtype, hidden)
+                for b in sorted(cls.gradient_boundaries(plan)):
+                    dacts[(b, parity, mb)] = allocs["dacts"].alloc(compute_dtype, hidden)
+        input_ids, labels, loss = {}, {}, {}
+        for parity in (0, 1):
+            for mb in range(num_microbatches):
+                rows = (microbatch_rows, seq_len)
+                input_ids[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
+                labels[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
+                loss[(parity, mb)] = allocs["io"].alloc(torch.float32, (1,))
+        counters = Counters(model.num_layers, num_microbatches)
+        sizes = {name: a.nbytes_needed for name, a in allocs.items()}
+        sizes[EVENTS_ARENA] = table_nbytes(counters.total)
+        return cls(
+            model=model,
+            plan=plan,
+            compute_dtype=compute_dtype,
+            microbatch_rows=microbatch_rows,
+            seq_len=seq_len,
+            num_microbatches=num_microbatches,
+            counters=counters,
+            params=params,
+            grads=grads,
+            acts=acts,
+            dacts=dacts,
+            input_ids=input_ids,
+            labels=labels,
+            loss=loss,
+            sizes=sizes,
+        )
+
+    @staticmethod
+    def activation_boundaries(plan: Plan) -> set[int]:
+        starts = {a for a, _ in plan.forward} | {plan.tail[0]} | {a for a, _ in plan.backward}
+        return starts - {0}
+
+    @staticmethod
+    def gradient_boundaries(plan: Plan) -> set[int]:
+        return ({plan.tail[0]} | {a for a, _ in plan.backward}) - {0}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    # -- allocation -------------------------------------------------------------------
+
+    def create(self, directory: str | Path, namespace: str) -> None:
+        """Create the arenas (owner side) and a zeroed event table."""
+        try:
+            for name, nbytes in self.sizes.items():
+                self.arenas[name] = Arena.create(
+                    name, nbytes, directory=directory, namespace=namespace
+                )
+        except BaseException:
+            self.destroy()
+            raise
+        self.events = EventTable.create(self.arenas[EVENTS_ARENA], DATA_START, self.counters.total)
+        self.events.set_labeler(self.counters.label)
+        log.info(
+            "[layout] %d arenas, %.1f MiB in %s: %s",
+            len(self.arenas),
+            self.total_bytes / 2**20,
+            directory,
+            ", ".join(f"{n}={s / 2**20:.1f}MiB" for n, s in self.sizes.items()),
+        )
+
+    def destroy(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        for arena in self.arenas.values():
+            arena.destroy()
+        self.arenas.clear()
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        return self.arenas[ref.arena].view(ref)
+
+    # -- what workers need ------------------------------------------------------------
+
+    def arena_infos(self) -> list[ArenaInfo]:
+        return [
+            ArenaInfo(name=name, path=str(arena.path), nbytes=arena.nbytes)
+            for name, arena in self.arenas.items()
+        ]
+
+    def layer_layouts(self) -> list[LayerLayout]:
+        out = []
+        for layer in range(self.model.num_layers):
+            even = [NamedTensorRef(name=n, ref=r[0]) for n, r in self.params[layer].items()]
+            odd = [
+                NamedTensorRef(name=n, ref=r[1])
+                for n, r in self.params[layer].items()
+                if r[1] is not None
+            ]
+            out.append(LayerLayout(layer=layer, params=even, params_odd=odd))
+        return out
+
+    def trainable_layers(self) -> list[int]:
+        """Layers that own at least one gradient slot (the optimizer's work list)."""
+        return [layer for layer, g in self.grads.items() if g]

@@ -1,0 +1,243 @@
+"""The RoundPipe schedule as data: iteration k of a plan becomes a list of StageTasks.
+
+Each task names every tensor it reads and writes (descriptors into the job's arenas) and
+every event-table counter it waits for or stores, so workers synchronise with each other
+directly, without a coordinator round trip between stages. Tasks are assigned to workers
+round-robin by the trainer; nothing here depends on which worker runs a task, which is
+what makes a task idempotent and re-runnable elsewhere.
+
+Note [weight-update ordering]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Weight versions: W_0 initial, W_k = AdamW(W_{k-1}, g_k). Iteration k (k >= 1) computes
+g_k on W_v with v = max(k - 1 - staleness, 0):
+
+* staleness 0: v = k - 1, exactly a single-process training loop;
+* staleness 1: v = k - 2, the loop that applies each gradient one step late, giving the
+  optimizer of step k - 1 a whole iteration to finish.
+
+Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator.layout):
+
+1. A task reads layer l's trainable weights of version v only after ``version[l] >= v``
+   (the tail also waits for the owner of a tied weight).
+2. The optimizer updates layer l for step k once ``wgrad[l] >= k`` (and the tail's
+   ``wgrad`` when l owns a tied weight), writes W_k into params parity k % 2, then stores
+   ``version[l] = k``.
+3. Parity k % 2 held W_{k-2}. Its readers are iteration k's tasks (staleness 1) or
+   iteration k-1's (staleness 0); in both cases they finished reading layer l before
+   ``wgrad[l] >= k`` could be stored, so the optimizer never overwrites weights in use.
+4. A task writes layer l's gradient slot for iteration k only after ``version[l] >= k-1``:
+   the optimizer has consumed g_{k-1}. A slow optimizer throttles the pipeline instead
+   of corrupting it.
+5. Activation and io slots are double-buffered by iteration parity; the trainer sends
+   iteration k's tasks (and writes its batch) only after every task of iteration k-2 has
+   completed, so a slot is never overwritten before its last reader is done.
+
+Global-norm gradient clipping needs every gradient of step k before any layer can be
+updated, so with clipping the optimizer waits for the whole step (still overlapping the
+next iteration's forward under staleness 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roundpipe.coordinator.layout import JobLayout
+from roundpipe.protocol import (
+    EventSignal,
+    EventWait,
+    LayerTensorRef,
+    MicrobatchIO,
+    NamedTensorRef,
+    StageTask,
+)
+
+__all__ = ["ScheduleBuilder", "weight_version_for"]
+
+
+def weight_version_for(iteration: int, staleness: int) -> int:
+    """Weight version iteration ``iteration`` computes its gradient on."""
+    return max(iteration - 1 - staleness, 0)
+
+
+@dataclass
+class ScheduleBuilder:
+    """Builds the tasks of one iteration for a job layout."""
+
+    layout: JobLayout
+    job_id: str
+    staleness: int
+    seed: int
+    wait_timeout_s: float
+
+    def tasks(self, iteration: int, loss_denominator: int, first_task_id: int) -> list[StageTask]:
+        plan = self.layout.plan
+        tasks: list[StageTask] = []
+        task_id = first_task_id
+        for start, stop in plan.forward:
+            tasks.append(self._forward(iteration, task_id, start, stop))
+            task_id += 1
+        tasks.append(self._tail(iteration, task_id, loss_denominator))
+        task_id += 1
+        for start, stop in plan.backward:
+            tasks.append(self._backward(iteration, task_id, start, stop))
+            task_id += 1
+        return tasks
+
+    # -- pieces shared by all kinds ---------------------------------------------------
+
+    def _common(self, iteration: int, task_id: int, kind: str, start: int, stop: int) -> dict:
+        version = weight_version_for(iteration, self.staleness)
+        return dict(
+            job_id=self.job_id,
+            task_id=task_id,
+            attempt=0,
+            iteration=iteration,
+            kind=kind,
+            layer_start=start,
+            layer_stop=stop,
+            weight_version=version,
+            weight_waits=self._weight_waits(start, stop, version),
+            seed=self.seed,
+            wait_timeout_s=self.wait_timeout_s,
+        )
+
+    def _weight_owner_layers(self, start: int, stop: int) -> list[int]:
+        """Layers whose trainable weights a task over [start, stop) reads."""
+        model = self.layout.model
+        layers = set()
+        for layer in range(start, stop):
+            for spec in model.layer_params(layer):
+                if spec.trainable:
+                    owner = model.layer_of(spec.tied_to) if spec.tied_to else layer
+                    layers.add(owner)
+        return sorted(layers)
+
+    def _weight_waits(self, start: int, stop: int, version: int) -> list[EventWait]:
+        if version == 0:
+            return []  # W_0 is written before any task is sent
+        c = self.layout.counters
+        return [
+            EventWait(counter=c.version(layer), at_least=version, label=c.label(c.version(layer)))
+            for layer in self._weight_owner_layers(start, stop)
+        ]
+
+    def _grads(self, iteration: int, start: int, stop: int) -> dict:
+        """Gradient slots a backward/tail task writes, with their ordering (Note 4)."""
+        c = self.layout.counters
+        model = self.layout.model
+        grads, owners, signal_layers = [], set(), []
+        for layer in range(start, stop):
+            slots = self.layout.grads[layer]
+            if not slots:
+                continue
+            signal_layers.append(layer)
+            for name, ref in slots.items():
+                grads.append(NamedTensorRef(name=name, ref=ref))
+                spec_owner = model.tied_params.get(name)
+                owners.add(model.layer_of(spec_owner) if spec_owner else layer)
+        waits = []
+        if iteration > 1:
+            waits = [
+                EventWait(counter=c.version(o), at_least=iteration - 1, label=c.label(c.version(o)))
+                for o in sorted(owners)
+            ]
+        signals = [
+            EventSignal(counter=c.wgrad(layer), value=iteration, label=c.label(c.wgrad(layer)))
+            for layer in signal_layers
+        ]
+        return dict(grads=grads, grad_waits=waits, grad_signals=signals)
+
+    def _input_ref(self, layer: int, parity: int, mb: int):
+        if layer == 0:
+            return self.layout.input_ids[(parity, mb)]
+        return self.layout.acts[(layer, parity, mb)]
+
+    def _wait(self, index: int, at_least: int) -> EventWait:
+        return EventWait(counter=index, at_least=at_least, label=self.layout.counters.label(index))
+
+    def _signal(self, index: int, value: int) -> EventSignal:
+        return EventSignal(counter=index, value=value, label=self.layout.counters.label(index))
+
+    # -- the three kinds --------------------------------------------------------------
+
+    def _forward(self, k: int, task_id: int, start: int, stop: int) -> StageTask:
+        c, p = self.layout.counters, k % 2
+        inner = sorted(b for b in self.layout.plan.backward_boundaries() if start < b < stop)
+        mbs = []
+        for m in range(self.layout.num_microbatches):
+            signals = [self._signal(c.act(stop, m), k)] + [
+                self._signal(c.act(b, m), k) for b in inner
+            ]
+            mbs.append(
+                MicrobatchIO(
+                    index=m,
+                    input=self._input_ref(start, p, m),
+                    output=self.layout.acts[(stop, p, m)],
+                    grad_output=None,
+                    labels=None,
+                    loss=None,
+                    saved=[LayerTensorRef(layer=b, ref=self.layout.acts[(b, p, m)]) for b in inner],
+                    waits=[self._wait(c.act(start, m), k)],
+                    signals=signals,
+                )
+            )
+        return StageTask(
+            **self._common(k, task_id, "forward", start, stop),
+            microbatches=mbs,
+            grads=[],
+            grad_waits=[],
+            grad_signals=[],
+            loss_denominator=0,
+        )
+
+    def _tail(self, k: int, task_id: int, loss_denominator: int) -> StageTask:
+        c, p = self.layout.counters, k % 2
+        start, stop = self.layout.plan.tail
+        mbs = []
+        for m in range(self.layout.num_microbatches):
+            waits = [self._wait(c.act(start, m), k)]
+            if start != 0:
+                waits.append(self._wait(c.act(0, m), k))  # labels come with the batch
+            mbs.append(
+                MicrobatchIO(
+                    index=m,
+                    input=self._input_ref(start, p, m),
+                    output=self.layout.dacts[(start, p, m)] if start else None,
+                    grad_output=None,
+                    labels=self.layout.labels[(p, m)],
+                    loss=self.layout.loss[(p, m)],
+                    saved=[],
+                    waits=waits,
+                    signals=[self._signal(c.dact(start, m), k)] if start else [],
+                )
+            )
+        return StageTask(
+            **self._common(k, task_id, "tail", start, stop),
+            microbatches=mbs,
+            **self._grads(k, start, stop),
+            loss_denominator=loss_denominator,
+        )
+
+    def _backward(self, k: int, task_id: int, start: int, stop: int) -> StageTask:
+        c, p = self.layout.counters, k % 2
+        mbs = []
+        for m in range(self.layout.num_microbatches):
+            mbs.append(
+                MicrobatchIO(
+                    index=m,
+                    input=self._input_ref(start, p, m),
+                    output=self.layout.dacts[(start, p, m)] if start else None,
+                    grad_output=self.layout.dacts[(stop, p, m)],
+                    labels=None,
+                    loss=None,
+                    saved=[],
+                    waits=[self._wait(c.act(start, m), k), self._wait(c.dact(stop, m), k)],
+                    signals=[self._signal(c.dact(start, m), k)] if start else [],
+                )
+            )
+        return StageTask(
+            **self._common(k, task_id, "backward", start, stop),
+            microbatches=mbs,
+            **self._grads(k, start, stop),
+            loss_denominator=0,
+        )

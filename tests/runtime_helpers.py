@@ -1,0 +1,202 @@
+"""Test helpers for end-to-end training: tiny job specs and the single-process oracle.
+
+The oracle is a plain PyTorch training loop over the *transformers* model (not the
+layered one): same initial weights, same batches and microbatching, loss normalised over
+the global batch, ``torch.optim.AdamW`` with the same kernel and the same learning-rate
+schedule. ``staleness`` reproduces the design's weight-update ordering: iteration k takes
+its gradient on W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.optimizer import LRSchedule
+from roundpipe.protocol import StageTask, TaskFailed
+from roundpipe.shared.model import LayeredModel, count_label_tokens
+from roundpipe.worker.runtime import WorkerCore
+
+DEMO_DATA = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
+
+TINY_QWEN3 = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
+
+def tiny_spec(
+    output_dir: Path,
+    *,
+    steps: int = 6,
+    staleness: int = 0,
+    lora: dict[str, Any] | None = None,
+    architecture: str = "qwen3",
+    config: dict[str, Any] | None = None,
+    microbatch_size: int = 2,
+    num_microbatches: int = 3,
+    seq_len: int = 32,
+    grad_clip: float | None = None,
+    plan: str | None = None,
+    dtype: str = "float32",
+    lr: float = 3e-4,
+) -> JobSpec:
+    """A tiny Qwen3 job on the shipped demo corpus.
+
+    The default lr is a typical fine-tuning rate. At much larger rates (3e-3) the runtime
+    still matches the oracle's gradients, but Adam's first steps divide by sqrt(v) + eps
+    with eps = 1e-8, so gradient elements near 1e-8 turn float-reordering noise (chunked
+    loss, per-stage sums) into visible update differences: 2e-5 relative on one tensor
+    after 2 steps, 2e-6 with eps = 1e-6. That is Adam's sensitivity, not a schedule error.
+    """
+    spec: dict[str, Any] = {
+        "model": {
+            "architecture": architecture,
+            "config": dict(config or TINY_QWEN3),
+            "init_seed": 1234,
+            "tokenizer": str(DEMO_DATA / "tokenizer"),
+        },
+        "data": {"path": str(DEMO_DATA / "demo_corpus.jsonl"), "seq_len": seq_len, "seed": 7},
+        "batch": {"microbatch_size": microbatch_size, "num_microbatches": num_microbatches},
+        "train": {"steps": steps, "staleness": staleness, "dtype": dtype, "seed": 3},
+        "optimizer": {
+            "lr": lr,
+            "weight_decay": 0.01,
+            "schedule": "cosine",
+            "warmup_steps": 2,
+            "grad_clip": grad_clip,
+        },
+        "output": {"dir": str(output_dir)},
+    }
+    if plan is not None:
+        spec["train"]["plan"] = plan
+    if lora is not None:
+        spec["lora"] = lora
+    return JobSpec.from_dict(spec)
+
+
+def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
+    """Final parameters (by name) of the plain single-process loop."""
+    config = model_config_from_spec(spec.model)
+    lora = None
+    if spec.lora is not None:
+        lora = {
+            "r": spec.lora.r,
+            "alpha": spec.lora.alpha,
+            "dropout": spec.lora.dropout,
+            "target_modules": spec.lora.target_modules,
+        }
+    layered = LayeredModel(config, lora)
+    model = layered.to_hf_model(layered.init_weights(spec.init_seed))
+    grad_model = layered.to_hf_model(layered.init_weights(spec.init_seed))
+    params = dict(model.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    opt = torch.optim.AdamW(
+        list(trainable.values()),
+        lr=spec.optimizer.lr,
+        betas=spec.optimizer.betas,
+        eps=spec.optimizer.eps,
+        weight_decay=spec.optimizer.weight_decay,
+        fused=True,
+    )
+    schedule = LRSchedule.from_spec(spec.optimizer, spec.train.steps)
+    loader = DataLoader.from_spec(spec, build_dataset_from_spec(spec))
+    history = [{n: p.detach().clone() for n, p in trainable.items()}]  # W_0
+    for k in range(1, spec.train.steps + 1):
+        version = max(k - 1 - spec.train.staleness, 0)
+        with torch.no_grad():
+            for n, p in grad_model.named_parameters():
+                if n in trainable:
+                    p.copy_(history[version][n])
+        grad_model.zero_grad(set_to_none=True)
+        batch = loader.batch_for_step(k)
+        total = batch.num_label_tokens
+        for ids, labels in batch.microbatches:
+            out = grad_model(input_ids=ids, labels=labels)
+            (out.loss * (count_label_tokens(labels) / total)).backward()
+        grad_params = dict(grad_model.named_parameters())
+        for n, p in trainable.items():
+            g = grad_params[n].grad
+            p.grad = torch.zeros_like(p) if g is None else g.detach().clone()
+        if spec.optimizer.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(trainable.values()), spec.optimizer.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(k)
+        opt.step()
+        history.append({n: p.detach().clone() for n, p in trainable.items()})
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+class InProcessWorkers:
+    """N WorkerCores on threads, wired to a Trainer's dispatch/inbox (no sockets)."""
+
+    def __init__(self, trainer, num_workers: int):
+        self.trainer = trainer
+        self.cores = [WorkerCore(i) for i in range(num_workers)]
+        self.queues: list[queue.Queue[StageTask | None]] = [queue.Queue() for _ in self.cores]
+        setup = trainer.job_setup()
+        for core in self.cores:
+            core.setup_job(setup)
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def dispatch(self, task: StageTask, worker_id: int) -> None:
+        self.queues[worker_id].put(task)
+
+    def workers(self) -> list[int]:
+        return list(range(len(self.cores)))
+
+    def _loop(self, i: int) -> None:
+        core = self.cores[i]
+        while (task := self.queues[i].get()) is not None:
+            try:
+                self.trainer.inbox.put(core.run_task(task))
+            except Exception as exc:
+                self.trainer.inbox.put(
+                    TaskFailed(
+                        job_id=task.job_id,
+                        task_id=task.task_id,
+                        attempt=task.attempt,
+                        worker_id=i,
+                        error_type=type(exc).__name__,
+                        message=str(exc),
+                        traceback=traceback.format_exc(),
+                        retryable=False,
+                    )
+                )
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join(timeout=30)
+        for core in self.cores:
+            core.close()
+
+
+def assert_params_match(
+    runtime: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor], rtol: float = 1e-5
+) -> None:
+    assert runtime.keys() <= oracle.keys(), sorted(runtime.keys() - oracle.keys())[:5]
+    worst = (0.0, "")
+    for name, value in runtime.items():
+        ref = oracle[name].to(value.dtype)
+        err = (value - ref).norm().item() / max(ref.norm().item(), 1e-12)
+        worst = max(worst, (err, name))
+    assert worst[0] <= rtol, f"largest relative error {worst[0]:.3g} at {worst[1]}"

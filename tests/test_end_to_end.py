@@ -1,0 +1,249 @@
+"""Real daemons, real sockets, real arenas: jobs submitted through the client API.
+
+One coordinator and two CPU workers serve the whole module. Each job's exported model
+(loaded back with transformers / peft ``from_pretrained``) must equal the single-process
+oracle (tests/runtime_helpers.py) within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from runtime_helpers import assert_params_match, oracle_train, tiny_spec
+
+from roundpipe.client import Client
+from roundpipe.protocol import Hello, Reject, decode, encode
+
+pytestmark = pytest.mark.slow
+
+
+class Cluster:
+    """A coordinator and workers as child processes, with logs in files."""
+
+    def __init__(self, root: Path, arena_dir: Path):
+        self.root = root
+        self.arena_dir = arena_dir
+        self.address = f"ipc://{root}/coordinator.sock"
+        self.procs: list[subprocess.Popen] = []
+        self.coordinator = self._spawn(
+            "coordinator",
+            "roundpipe.coordinator.daemon",
+            "--address",
+            self.address,
+            "--state-dir",
+            str(root / "state"),
+            "--arena-dir",
+            str(arena_dir),
+            "--wait-timeout",
+            "120",
+        )
+        self.client = Client(self.address, timeout_s=20)
+
+    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "w")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        proc.log_path = self.root / f"{name}.log"  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def add_worker(self, name: str) -> subprocess.Popen:
+        return self._spawn(
+            name,
+            "roundpipe.worker.daemon",
+            "--cpu",
+            "--threads",
+            "1",
+            "--coordinator",
+            self.address,
+            "--name",
+            name,
+        )
+
+    def wait_for_workers(self, count: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.client.workers()) >= count:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{count} workers did not connect:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.log_path.name}\n{p.log_path.read_text()[-3000:]}"  # type: ignore[attr-defined]
+            for p in self.procs
+        )
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    arena_dir = Path("/dev/shm") / f"rp-e2e-{os.getpid()}"
+    arena_dir.mkdir()
+    c = Cluster(root, arena_dir)
+    c.add_worker("w1")
+    c.add_worker("w2")
+    try:
+        c.wait_for_workers(2)
+        yield c
+    finally:
+        c.stop()
+        leftovers = list(arena_dir.iterdir())
+        for entry in leftovers:
+            entry.unlink()
+        arena_dir.rmdir()
+        assert c.coordinator.returncode == 0, c.logs()
+        assert leftovers == [], f"arenas leaked: {leftovers}"
+
+
+def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(output_dir))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_queued_jobs_match_the_oracle(cluster: Cluster, tmp_path: Path) -> None:
+    """Three jobs submitted at once run one after another; each equals its oracle."""
+    specs = {
+        "exact": tiny_spec(tmp_path / "exact", staleness=0),
+        "stale": tiny_spec(tmp_path / "stale", staleness=1),
+        "lora": tiny_spec(
+            tmp_path / "lora",
+            staleness=0,
+            lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        ),
+    }
+    handles = {name: cluster.client.submit(spec) for name, spec in specs.items()}
+    states = {j.job_id: j.state for j in cluster.client.jobs()}
+    assert sum(s in ("queued", "running") for s in states.values()) >= 2
+    for name, handle in handles.items():
+        events = list(handle.progress(timeout_s=300))
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{name}: {status.message}\n{cluster.logs()}"
+        assert [e.step for e in events] == list(range(1, specs[name].train.steps + 1))
+        runtime = load_output(Path(specs[name].output.dir), lora=name == "lora")
+        oracle = oracle_train(specs[name])
+        if name == "lora":
+            runtime = {n: t for n, t in runtime.items() if "lora_" in n}
+            oracle = {n: t for n, t in oracle.items() if "lora_" in n}
+        assert_params_match(runtime, oracle)
+    workers = cluster.client.workers()
+    assert all(w.tasks_done > 0 for w in workers), workers
+
+
+def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
+    from roundpipe.client import JobRejected
+    from roundpipe.protocol import ErrorReply, SubmitJob
+
+    spec = tiny_spec(tmp_path).to_dict()
+    spec["batch"]["num_microbatches"] = 0
+    spec["data"]["path"] = str(tmp_path / "missing.jsonl")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    try:
+        sock.send_multipart(encode(SubmitJob(spec=spec)))
+        assert sock.poll(20_000)
+        reply = decode(sock.recv_multipart())
+    finally:
+        sock.close()
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_spec"
+    assert "batch.num_microbatches" in reply.message and "data.path" in reply.message
+    with pytest.raises((JobRejected, ValueError)):
+        cluster.client.submit(spec)
+
+
+def test_worker_of_another_protocol_version_is_rejected(cluster: Cluster) -> None:
+    hello = Hello(
+        worker_name="old",
+        hostname="h",
+        pid=1,
+        process_create_time=0.0,
+        device="cpu",
+        device_index=None,
+        device_name="cpu",
+        memory_bytes=1,
+        compute_capability=None,
+    )
+    frames = encode(hello)
+    frames[0] = b"RP" + (999).to_bytes(2, "big")  # a header from protocol version 999
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(20_000)
+        reply = decode(sock.recv_multipart())
+    finally:
+        sock.close()
+    assert isinstance(reply, Reject) and "version" in reply.reason
+    assert len(cluster.client.workers()) >= 2  # the real workers are unaffected
+
+
+def test_second_coordinator_on_the_same_address_exits_clearly(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "roundpipe.coordinator.daemon",
+            "--address",
+            cluster.address,
+            "--state-dir",
+            str(tmp_path),
+            "--arena-dir",
+            str(cluster.arena_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "already serving" in result.stderr or "in use" in result.stderr
+
+
+def test_worker_joining_mid_job_receives_tasks(cluster: Cluster, tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path / "join", staleness=1, steps=40)
+    handle = cluster.client.submit(spec)
+    deadline = time.monotonic() + 120
+    while cluster.client.job(handle.job_id).status().step < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    cluster.add_worker("late")
+    status = handle.wait(timeout_s=300)
+    assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+    late = [w for w in cluster.client.workers() if w.name == "late"]
+    assert late and late[0].tasks_done > 0, cluster.client.workers()
+    assert_params_match(
+        {n: t for n, t in load_output(Path(spec.output.dir), lora=False).items()},
+        oracle_train(spec),
+    )
