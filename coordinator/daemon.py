@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -555,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    # Models, tokenizers and data are local by design: never wait on the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

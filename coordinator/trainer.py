@@ -438,13 +438,27 @@ class Trainer:
         return out
 
     def export(self, directory: Path) -> Path:
-        """Write the final model in Hugging Face layout (PEFT adapter dir for LoRA)."""
+        """Write the final model in Hugging Face layout; a PEFT adapter directory for LoRA.
+
+        A LoRA adapter names its base model (``base_model_name_or_path``): the job's local
+        model directory, or, for a randomly initialised base, a full copy written to
+        ``<directory>/base_model`` so that ``AutoPeftModelForCausalLM.from_pretrained``
+        works offline.
+        """
         directory.mkdir(parents=True, exist_ok=True)
         model = self.model.to_hf_model(self.final_weights())
         if self.model.lora is not None:
+            if self.spec.model.path is not None:
+                base_dir = Path(self.spec.model.path).resolve()
+            else:
+                base_dir = (directory / "base_model").resolve()
+            for config in model.peft_config.values():
+                config.base_model_name_or_path = str(base_dir)
             model.save_pretrained(str(directory))
+            if self.spec.model.path is None:
+                model.unload().save_pretrained(str(base_dir))
         else:
-            model.save_pretrained(str(directory), safe_serialization=True)
+            model.save_pretrained(str(directory))
         tokenizer_dir = self.spec.tokenizer_path
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
             from roundpipe.coordinator.data import load_tokenizer

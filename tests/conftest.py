@@ -13,6 +13,9 @@ import pytest
 TESTS_DIR = Path(__file__).parent
 PROCS_DIR = TESTS_DIR / "procs"
 
+# Nothing in the runtime may touch the Hugging Face hub; make any attempt fail at once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # Test helper modules (tests/*_helpers.py) are imported by bare name. With
 # --import-mode=importlib pytest does not put this folder on sys.path, so do it once here.
 if str(TESTS_DIR) not in sys.path:

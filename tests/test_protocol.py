@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import math
 import pickle
@@ -67,6 +68,7 @@ _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _text = st.text(max_size=12)
 _finite = st.floats(allow_nan=False, allow_infinity=False)
 _name = st.text(min_size=1, max_size=12)
+_dtypes = st.sampled_from(DTYPE_NAMES)
 
 _msgpack_values = st.recursive(
     st.none()
@@ -134,7 +136,7 @@ def _for_annotation(tp: Any) -> st.SearchStrategy[Any]:
 def _tensor_refs(
     draw: st.DrawFn,
     arenas: st.SearchStrategy[str] = _name,
-    dtypes: st.SearchStrategy[str] = st.sampled_from(DTYPE_NAMES),
+    dtypes: st.SearchStrategy[str] = _dtypes,
 ) -> TensorRef:
     ndim = draw(st.integers(0, 4))
     dims = st.lists(st.integers(0, 2**40), min_size=ndim, max_size=ndim).map(tuple)
@@ -310,6 +312,28 @@ def _ref(**overrides: Any) -> TensorRef:
     return TensorRef(**kw)
 
 
+def _at(cls: type, name: str) -> int:
+    """Position of a field in the wire array of a nested record."""
+    return [spec.name for spec in wire._SPECS[cls]].index(name)  # type: ignore[attr-defined]
+
+
+def _mb(index: int = 0, **overrides: Any) -> MicrobatchIO:
+    """A microbatch of the forward task below (layers [1, 5))."""
+    kw: dict[str, Any] = dict(
+        index=index,
+        input=_ref(offset=100 * index),
+        output=_ref(offset=100 * index + 24),
+        grad_output=None,
+        labels=None,
+        loss=None,
+        saved=[LayerTensorRef(layer=3, ref=_ref(offset=100 * index + 48))],
+        waits=[EventWait(counter=3, at_least=2, label=f"act[1][{index}]")],
+        signals=[EventSignal(counter=9, value=3, label=f"act[5][{index}]")],
+    )
+    kw.update(overrides)
+    return MicrobatchIO(**kw)
+
+
 def _stage_task(**overrides: Any) -> StageTask:
     kw: dict[str, Any] = dict(
         job_id="j1",
@@ -319,19 +343,56 @@ def _stage_task(**overrides: Any) -> StageTask:
         kind="forward",
         layer_start=1,
         layer_stop=5,
-        num_microbatches=4,
         weight_version=2,
-        inputs=[_ref(), _ref(offset=24)],
-        outputs=[_ref(offset=48)],
-        saved=[],
+        weight_waits=[EventWait(counter=1, at_least=2, label="version[1]")],
+        microbatches=[_mb(0), _mb(1)],
         grads=[],
-        waits=[EventWait(counter=3, at_least=2, label="act[1][0]")],
-        signals=[EventSignal(counter=9, value=3, label="act[5][0]")],
+        grad_waits=[],
+        grad_signals=[],
+        loss_denominator=0,
+        seed=42,
         wait_timeout_s=30.0,
-        options={"loss_tokens": 1234},
+        options={"note": [1, "x"]},
     )
     kw.update(overrides)
     return StageTask(**kw)
+
+
+def _output(m: int, overrides: dict[str, Any]) -> TensorRef | None:
+    """The input gradient of a backward/tail microbatch: none at layer 0."""
+    return _ref(offset=100 * m + 24) if overrides.get("layer_start", 1) > 0 else None
+
+
+def _backward_task(**overrides: Any) -> StageTask:
+    mbs = [
+        _mb(m, output=_output(m, overrides), grad_output=_ref(offset=100 * m + 72), saved=[])
+        for m in range(2)
+    ]
+    kw: dict[str, Any] = dict(
+        kind="backward",
+        microbatches=mbs,
+        grads=[NamedTensorRef(name="layers.1.w", ref=_ref(arena="grads"))],
+        grad_waits=[EventWait(counter=20, at_least=1, label="grad_free[1]")],
+        grad_signals=[EventSignal(counter=21, value=1, label="grad[1]")],
+    )
+    kw.update(overrides)
+    return _stage_task(**kw)
+
+
+def _tail_task(**overrides: Any) -> StageTask:
+    mbs = [
+        _mb(
+            m,
+            output=_output(m, overrides),
+            labels=_ref(dtype="int64"),
+            loss=_ref(dtype="float32", shape=(1,), stride=(1,)),
+            saved=[],
+        )
+        for m in range(2)
+    ]
+    kw: dict[str, Any] = dict(kind="tail", microbatches=mbs, loss_denominator=1000)
+    kw.update(overrides)
+    return _stage_task(**kw)
 
 
 def _hello(**overrides: Any) -> Hello:
@@ -358,16 +419,35 @@ def _decode_error(frames: Any, **kw: Any) -> ProtocolError:
 
 def _outcome(frames: Any, **kw: Any) -> Message | ProtocolError:
     """The fuzz oracle: a valid Message (which must re-encode to the same thing) or a
-    ProtocolError. Any other exception propagates and fails the test."""
+    ProtocolError. Any other exception propagates and fails the test. The generated
+    fast decoder must agree exactly with the reference validator."""
     try:
         msg = decode(frames, **kw)
     except ProtocolError as e:
         assert str(e)
+        assert _described(lambda: _decode_reference(frames, **kw)) == f"error {e}"
         return e
     assert isinstance(msg, Message)
+    assert _described(lambda: _decode_reference(frames, **kw)) == f"ok {msg!r}"
     again = encode(msg)
     assert encode(decode(again)) == again
     return msg
+
+
+def _decode_reference(frames: Any, **kw: Any) -> Message:
+    wire._FAST_DECODE = False  # type: ignore[attr-defined]
+    try:
+        return decode(frames, **kw)
+    finally:
+        wire._FAST_DECODE = True  # type: ignore[attr-defined]
+
+
+def _described(make: Callable[[], Any]) -> str:
+    """An outcome as text; repr tells 1 from 1.0 and a list from a tuple."""
+    try:
+        return f"ok {make()!r}"
+    except ProtocolError as e:
+        return f"error {e}"
 
 
 # --------------------------------------------------------------------------- round trips
@@ -388,6 +468,21 @@ def test_round_trip_every_message_type(type_name: str, data: st.DataObject) -> N
     assert back == msg
     assert encode(back) == frames  # encoding is deterministic
     assert decode_as(frames, cls) == msg
+    # What this encoder writes, the generated decoder takes without the reference's help.
+    fields = msgpack.unpackb(frames[2], use_list=False)
+    assert repr(wire._CODECS[cls].from_map(fields)) == repr(msg)  # type: ignore[attr-defined]
+
+
+def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the reference path was used")
+
+    monkeypatch.setitem(wire._GEN_NS, "_init_reference", refuse)  # type: ignore[attr-defined]
+    monkeypatch.setattr(wire, "_struct_from_map", refuse)
+    monkeypatch.setattr(wire, "_struct_from_array", refuse)
+    for task in (_stage_task(), _backward_task(), _tail_task(layer_start=0)):
+        assert decode(encode(task)) == task
+    assert decode(encode(_hello())) == _hello()
 
 
 def test_every_message_type_is_registered_and_exported() -> None:
@@ -425,8 +520,70 @@ def test_records_alone_cannot_be_encoded() -> None:
 def test_tuple_fields_decode_to_tuples() -> None:
     task = decode(encode(_stage_task()))
     assert isinstance(task, StageTask)
-    assert task.inputs[0].shape == (2, 3) and type(task.inputs[0].shape) is tuple
-    assert type(task.inputs) is list
+    shape = task.microbatches[0].input.shape
+    assert shape == (2, 3) and type(shape) is tuple
+    assert type(task.microbatches) is list and type(task.microbatches[1].waits) is list
+    assert task.options == {"note": [1, "x"]} and type(task.options["note"]) is list
+
+
+def test_nested_records_travel_as_arrays() -> None:
+    frames = encode(_stage_task())
+    body = _body(frames)
+    assert list(body) == [spec.name for spec in wire._SPECS[StageTask]]  # type: ignore[attr-defined]
+    ref = body["microbatches"][0][_at(MicrobatchIO, "input")]
+    assert ref == ["acts", 0, "bfloat16", [2, 3], [3, 1]]
+    # Trailing fields with a default may be left out of an array.
+    layout = LayerLayout(layer=2, params=[])
+    frames = encode(
+        JobSetup(
+            job_id="j",
+            model_config={},
+            lora=None,
+            compute_dtype="bfloat16",
+            arenas=[],
+            layers=[layout],
+        )
+    )
+    body = _body(frames)
+    body["layers"][0] = body["layers"][0][: _at(LayerLayout, "params_odd")]
+    assert decode_as(_with_body(frames, body), JobSetup).layers == [layout]
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "expected", "seen"),
+    [
+        (
+            lambda r: r + ["extra"],
+            "microbatches[0].input",
+            "TensorRef as an array of its field values [arena, offset, dtype, shape, stride]",
+            "6 values",
+        ),
+        (
+            lambda r: r[:3],
+            "microbatches[0].input.shape",
+            "tuple of non-negative int (required field)",
+            "nothing: field is missing",
+        ),
+        (
+            lambda r: dict(zip(["arena", "offset", "dtype", "shape", "stride"], r)),
+            "microbatches[0].input",
+            "TensorRef as an array",
+            "(map)",
+        ),
+        (lambda r: None, "microbatches[0].input", "TensorRef as an array", "None (None)"),
+    ],
+)
+def test_nested_record_array_errors(
+    change: Callable[[list[Any]], Any], field: str, expected: str, seen: str
+) -> None:
+    frames = encode(_stage_task())
+    body = _body(frames)
+    mb = body["microbatches"][0]
+    mb[_at(MicrobatchIO, "input")] = change(mb[_at(MicrobatchIO, "input")])
+    err = _decode_error(_with_body(frames, body))
+    assert err.field == field, str(err)
+    assert f"invalid StageTask: field {field}: expected {expected}" in str(err)
+    assert seen in str(err)
 
 
 def test_float_field_accepts_int_and_stores_float() -> None:
@@ -447,6 +604,11 @@ def test_nan_and_inf_survive_where_allowed() -> None:
     )
     back = decode_as(encode(status), JobStatus)
     assert back.loss is not None and math.isnan(back.loss)
+
+
+def test_num_microbatches() -> None:
+    assert _stage_task().num_microbatches == 2
+    assert decode_as(encode(_tail_task()), StageTask).num_microbatches == 2
 
 
 def test_defaults_fill_absent_optional_fields() -> None:
@@ -510,12 +672,13 @@ def test_wrong_type_says_field_expected_and_seen(
 def test_nested_field_path_is_reported() -> None:
     frames = encode(_stage_task())
     body = _body(frames)
-    body["inputs"][1]["offset"] = -8
+    body["microbatches"][1][_at(MicrobatchIO, "input")][_at(TensorRef, "offset")] = -8
     err = _decode_error(_with_body(frames, body))
     assert str(err) == (
-        "invalid StageTask: field inputs[1].offset: expected non-negative int, got -8 (int)"
+        "invalid StageTask: field microbatches[1].input.offset: expected non-negative int, "
+        "got -8 (int)"
     )
-    assert err.field == "inputs[1].offset"
+    assert err.field == "microbatches[1].input.offset"
 
 
 def test_literal_and_dtype_choices() -> None:
@@ -523,18 +686,21 @@ def test_literal_and_dtype_choices() -> None:
     assert "device" in str(err) and "one of 'cpu', 'cuda'" in str(err) and "'gpu'" in str(err)
 
     body = _body(encode(_stage_task()))
-    body["outputs"][0]["dtype"] = "float8"
+    body["microbatches"][0][_at(MicrobatchIO, "output")][_at(TensorRef, "dtype")] = "float8"
     err = _decode_error(_frames("StageTask", body))
-    assert "outputs[0].dtype" in str(err) and "'bfloat16'" in str(err) and "float8" in str(err)
+    assert err.field == "microbatches[0].output.dtype"
+    assert "'bfloat16'" in str(err) and "float8" in str(err)
 
 
 def test_cross_field_rules() -> None:
     with pytest.raises(ProtocolError, match=r"TensorRef: field stride: expected tuple of 2 ints"):
         _ref(stride=(1,))
     body = _body(encode(_stage_task()))
-    body["saved"] = [body["inputs"][0] | {"stride": [1, 1, 1]}]
+    saved = body["microbatches"][1][_at(MicrobatchIO, "saved")][0][_at(LayerTensorRef, "ref")]
+    saved[_at(TensorRef, "stride")] = [1, 1, 1]
     err = _decode_error(_frames("StageTask", body))
-    assert err.field == "saved[0].stride"
+    assert err.field == "microbatches[1].saved[0].ref.stride"
+    assert "expected tuple of 2 ints (one per shape dimension)" in str(err)
     with pytest.raises(ProtocolError, match=r"field layer_stop: expected an int > layer_start"):
         _stage_task(layer_start=5, layer_stop=5)
     with pytest.raises(ProtocolError, match=r"field device_index: expected None for cpu"):
@@ -554,12 +720,154 @@ def test_cross_field_rules() -> None:
         )
 
 
+def _swap_mb(task: StageTask, **changes: Any) -> StageTask:
+    """`task` with microbatch 1 changed (built without validation: the test validates)."""
+    mbs = list(task.microbatches)
+    mbs[1] = dataclasses.replace(mbs[1], **changes)
+    return dataclasses.replace(task, microbatches=mbs)
+
+
+_KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
+    # (make an invalid task, field, start of the expected text)
+    (lambda: _stage_task(microbatches=[]), "microbatches", "a non-empty list of MicrobatchIO"),
+    (lambda: _stage_task(microbatches=[_mb(0), _mb(0)]), "microbatches[1].index", "an index not"),
+    (
+        lambda: _swap_mb(_stage_task(), output=None),
+        "microbatches[1].output",
+        "a TensorRef (a forward task writes the stage output)",
+    ),
+    (
+        lambda: _swap_mb(_stage_task(), grad_output=_ref()),
+        "microbatches[1].grad_output",
+        "None (grad_output is for backward tasks only; this task is 'forward')",
+    ),
+    (
+        lambda: _swap_mb(_stage_task(), labels=_ref()),
+        "microbatches[1].labels",
+        "None (labels is for tail tasks only",
+    ),
+    (
+        lambda: _swap_mb(_stage_task(), saved=[LayerTensorRef(layer=5, ref=_ref())]),
+        "microbatches[1].saved[0].layer",
+        "a layer strictly inside (1, 5)",
+    ),
+    (
+        lambda: _swap_mb(_stage_task(), saved=[LayerTensorRef(layer=1, ref=_ref())]),
+        "microbatches[1].saved[0].layer",
+        "a layer strictly inside (1, 5)",
+    ),
+    (
+        lambda: _stage_task(grads=[NamedTensorRef(name="w", ref=_ref())]),
+        "grads",
+        "an empty list for a forward task",
+    ),
+    (
+        lambda: _stage_task(grad_signals=[EventSignal(counter=1, value=1, label="g")]),
+        "grad_signals",
+        "an empty list for a forward task",
+    ),
+    (lambda: _stage_task(loss_denominator=5), "loss_denominator", "0 for a forward task"),
+    (lambda: _backward_task(loss_denominator=5), "loss_denominator", "0 for a backward task"),
+    (lambda: _tail_task(loss_denominator=0), "loss_denominator", "a positive int for a tail"),
+    (
+        lambda: _swap_mb(_backward_task(), grad_output=None),
+        "microbatches[1].grad_output",
+        "a TensorRef (a backward task needs grad_output)",
+    ),
+    (
+        lambda: _swap_mb(_backward_task(), saved=[LayerTensorRef(layer=2, ref=_ref())]),
+        "microbatches[1].saved",
+        "[] (a backward task saves nothing)",
+    ),
+    (
+        lambda: _swap_mb(_backward_task(), loss=_ref(dtype="float32")),
+        "microbatches[1].loss",
+        "None (loss is for tail tasks only; this task is 'backward')",
+    ),
+    (
+        lambda: _swap_mb(_backward_task(layer_start=0), output=_ref()),
+        "microbatches[1].output",
+        "None (a backward task starting at layer 0 has no input gradient)",
+    ),
+    (
+        lambda: _swap_mb(_backward_task(), output=None),
+        "microbatches[1].output",
+        "a TensorRef (a backward task writes the gradient w.r.t. its input)",
+    ),
+    (
+        lambda: _swap_mb(_tail_task(), labels=None),
+        "microbatches[1].labels",
+        "a TensorRef (a tail task needs labels)",
+    ),
+    (
+        lambda: _swap_mb(_tail_task(), loss=None),
+        "microbatches[1].loss",
+        "a TensorRef (a tail task needs loss)",
+    ),
+    (
+        lambda: _swap_mb(_tail_task(layer_start=0), output=_ref()),
+        "microbatches[1].output",
+        "None (a tail task starting at layer 0 has no input gradient)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "field", "expected"), _KIND_RULES)
+def test_stage_task_kind_rules(make: Callable[[], Any], field: str, expected: str) -> None:
+    # Each case is checked both where a task is built and where it is received.
+    with pytest.raises(ProtocolError) as info:
+        make()
+    err = info.value
+    assert err.field == field, str(err)
+    assert str(err).startswith(f"invalid StageTask: field {field}: expected {expected}"), str(err)
+    with _unchecked(StageTask):
+        task = make()
+    received = _decode_error(encode(task))
+    assert str(received) == str(err)
+
+
+class _unchecked:
+    """Within this block, `cls` is built without its cross-field rules (to send an invalid
+    message, as a buggy or hostile peer would)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __enter__(self) -> None:
+        self.saved = self.cls._check  # type: ignore[attr-defined]
+        self.cls._check = lambda self: None  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls._check = self.saved  # type: ignore[attr-defined]
+
+
+def test_valid_tasks_of_every_kind() -> None:
+    tasks = [_stage_task(), _backward_task(), _tail_task()]
+    tasks += [_backward_task(layer_start=0), _tail_task(layer_start=0)]
+    for task in tasks:
+        assert decode(encode(task)) == task
+    assert {t.kind for t in tasks} == {"forward", "backward", "tail"}
+
+
+def test_microbatch_rules() -> None:
+    with pytest.raises(ProtocolError, match=r"MicrobatchIO: field loss.dtype: expected 'float32'"):
+        _mb(loss=_ref(dtype="bfloat16"))
+    twice = [LayerTensorRef(layer=2, ref=_ref()), LayerTensorRef(layer=2, ref=_ref())]
+    with pytest.raises(ProtocolError, match=r"field saved: expected one entry per layer"):
+        _mb(saved=twice)
+
+
 def test_construction_validates_with_the_same_messages() -> None:
     with pytest.raises(ProtocolError) as info:
-        _stage_task(inputs=[_ref(), "not a ref"])
-    assert (
-        str(info.value)
-        == "invalid StageTask: field inputs[1]: expected TensorRef, got 'not a ref' (str)"
+        _stage_task(microbatches=[_mb(), "not a microbatch"])
+    assert str(info.value) == (
+        "invalid StageTask: field microbatches[1]: expected MicrobatchIO, "
+        "got 'not a microbatch' (str)"
+    )
+    with pytest.raises(ProtocolError) as info:
+        _mb(output=5)
+    assert str(info.value) == (
+        "invalid MicrobatchIO: field output: expected TensorRef or None, got 5 (int)"
     )
     with pytest.raises(ProtocolError, match=r"field options\['x'\]\[0\]: expected msgpack value"):
         _stage_task(options={"x": [object()]})
@@ -581,12 +889,15 @@ def test_messages_are_frozen() -> None:
 
 
 def test_messages_own_their_containers() -> None:
-    inputs = [_ref()]
+    mbs = [_mb()]
+    waits = [EventWait(counter=1, at_least=1, label="a")]
     options: dict[str, Any] = {"x": [1]}
-    task = _stage_task(inputs=inputs, options=options)
-    inputs.append("garbage")  # type: ignore[arg-type]
+    task = _stage_task(microbatches=mbs, weight_waits=waits, options=options)
+    mbs.append("garbage")  # type: ignore[arg-type]
+    waits.clear()
     options["x"].append(object())
-    assert len(task.inputs) == 1 and task.options == {"x": [1]}
+    assert len(task.microbatches) == 1 and len(task.weight_waits) == 1
+    assert task.options == {"x": [1]}
     assert decode(encode(task)) == task
 
 
@@ -594,9 +905,13 @@ def test_mutating_a_message_in_place_still_fails_cleanly() -> None:
     # Not validated again by encode (hot path), but never a non-protocol error: either
     # encode refuses, or the receiver does.
     task = _stage_task()
-    task.inputs.append("garbage")  # type: ignore[arg-type]
+    task.microbatches.clear()
     err = _decode_error(encode(task))
-    assert err.field == "inputs[2]"
+    assert err.field == "microbatches" and "non-empty" in str(err)
+    task = _stage_task()
+    task.microbatches[0].waits.append(3)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="cannot encode StageTask"):
+        encode(task)  # no fields to read from an int
     for bad in (object(), 2**70, "\ud800"):
         task = _stage_task()
         task.options["x"] = bad
@@ -609,24 +924,25 @@ def test_mutating_a_message_in_place_still_fails_cleanly() -> None:
 
 
 def test_version_mismatch_and_reject_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A worker of "version 2" says Hello to this (version 1) coordinator.
+    # A worker of the next version says Hello to this coordinator.
+    ours, theirs = PROTOCOL_VERSION, PROTOCOL_VERSION + 1
     hello = encode(_hello())
-    hello_v2 = [b"RP\x00\x02", *hello[1:]]
+    hello_next = [b"RP" + theirs.to_bytes(2, "big"), *hello[1:]]
     with pytest.raises(ProtocolVersionError) as info:
-        decode(hello_v2)
+        decode(hello_next)
     err = info.value
     assert isinstance(err, ProtocolError)
-    assert (err.seen_version, err.expected_version, err.message_type) == (2, 1, "Hello")
-    assert "version 2" in str(err) and "version 1" in str(err)
+    assert (err.seen_version, err.expected_version, err.message_type) == (theirs, ours, "Hello")
+    assert f"version {theirs}" in str(err) and f"version {ours}" in str(err)
 
     # The coordinator answers with a Reject at its own version ...
     reject = encode(Reject(reason=str(err), expected_version=err.expected_version))
     assert decode_as(reject, Reject).expected_version == PROTOCOL_VERSION
-    # ... which the version-2 worker cannot read, but learns exactly why.
-    monkeypatch.setattr(wire, "PROTOCOL_VERSION", 2)
+    # ... which the newer worker cannot read, but learns exactly why.
+    monkeypatch.setattr(wire, "PROTOCOL_VERSION", theirs)
     with pytest.raises(ProtocolVersionError) as info:
         decode(reject)
-    assert (info.value.seen_version, info.value.expected_version) == (1, 2)
+    assert (info.value.seen_version, info.value.expected_version) == (ours, theirs)
     assert info.value.message_type == "Reject"
 
 
@@ -872,7 +1188,7 @@ def _mutate(frames: list[bytes], rnd: random.Random) -> tuple[Any, dict[str, Any
             buf[start : start + span] = rnd.randbytes(span)
         frames[i] = bytes(buf)
     elif op == 4:  # another protocol version
-        frames[0] = b"RP" + struct.pack(">H", rnd.choice([0, 2, 255, 65535]))
+        frames[0] = b"RP" + struct.pack(">H", rnd.choice([0, 1, 255, 65535]))
     elif op == 5:  # wrong frame counts
         choice = rnd.randrange(4)
         if choice == 0:
@@ -932,6 +1248,47 @@ def test_fuzz_mutated_valid_encodings() -> None:
     assert counts["inputs"] >= 10_000, counts
     # Both outcomes must actually happen, or the mutations are too gentle/too harsh.
     assert counts["valid"] > 100 and counts["errors"] > 5_000, counts
+
+
+_ODD_VALUES: list[Any] = [
+    *(None, True, 0, 1, -1, 2**64, -(2**63) - 1, 1.5, -0.5, math.nan, 3.0),
+    *("", "x", "é", "\ud800", b"", b"x", bytearray(b"x")),
+    *([], (), {}, [1], (1, 2), {"a": 1}, {1: 2}, [None], ["x"], object()),
+]
+
+
+@settings(
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_fast_construction_agrees_with_reference(data: st.DataObject) -> None:
+    # Every record class, from a valid instance with zero to two fields replaced by odd
+    # values (or by values of another field): the generated __init__ and the reference
+    # validator must build the same thing or raise the same error.
+    records = sorted(
+        (c for c in wire._SPECS if c not in (Struct, Message)),  # type: ignore[attr-defined]
+        key=lambda c: c.__name__,
+    )
+    cls = data.draw(st.sampled_from(records))
+    specs = wire._SPECS[cls]  # type: ignore[attr-defined]
+    valid = data.draw(for_struct(cls))
+    kw = {spec.name: getattr(valid, spec.name) for spec in specs}
+    if kw:
+        donors = list(kw.values())
+        for _ in range(data.draw(st.integers(0, 2))):
+            name = data.draw(st.sampled_from(sorted(kw)))
+            kw[name] = data.draw(st.sampled_from(_ODD_VALUES + donors))
+
+    def reference() -> Any:
+        obj = object.__new__(cls)
+        wire._init_reference(obj, tuple(kw[spec.name] for spec in specs))  # type: ignore[attr-defined]
+        return obj
+
+    assert _described(lambda: cls(**kw)) == _described(reference)
 
 
 def test_fuzz_random_frames() -> None:

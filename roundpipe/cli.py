@@ -1,0 +1,616 @@
+"""The ``roundpipe`` command: submit, watch and manage jobs on a RoundPipe coordinator.
+
+::
+
+    roundpipe submit job.yaml --wait     # prints the job id, then live progress on stderr
+    roundpipe status JOB                 # one job
+    roundpipe jobs                       # every job, as a table
+    roundpipe workers                    # every worker, as a table
+    roundpipe cancel JOB
+    roundpipe logs JOB [--follow]        # the coordinator's log of one job
+    roundpipe demo                       # coordinator + workers + a tiny job, end to end
+
+Every subcommand that talks to a coordinator takes ``--address`` (default
+``$ROUNDPIPE_ADDRESS``, else ``tcp://127.0.0.1:7420``). Errors are one line on stderr
+(an invalid spec lists each problem on its own line), never a traceback.
+
+Exit status: 0 success; 1 a runtime failure (coordinator unreachable, unknown job, the
+job failed or was cancelled); 2 a usage error or an invalid job spec; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from roundpipe.client import (
+    FINAL_STATES,
+    Client,
+    JobHandle,
+    JobRejected,
+    RoundPipeError,
+)
+from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
+from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address, default_state_dir
+from roundpipe.protocol import JobStatus, ProgressEvent, WorkerInfo
+
+__all__ = ["ProgressPrinter", "main", "watch_job"]
+
+PROG = "roundpipe"
+
+# ErrorReply codes meaning "the spec is wrong" (exit 2, like a client-side spec error).
+_SPEC_ERROR_CODES = frozenset({"bad_spec", "invalid_spec"})
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _UsageError(Exception):
+    """A command-line mistake found after parsing (exit 2)."""
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def format_duration(seconds: float | None) -> str:
+    """``75`` -> ``1:15``; ``3725`` -> ``1:02:05``; unknown -> ``--:--``."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "--:--"
+    total = int(round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _format_rate(tokens_per_s: float) -> str:
+    if tokens_per_s >= 1e6:
+        return f"{tokens_per_s / 1e6:.2f}M tok/s"
+    if tokens_per_s >= 1e3:
+        return f"{tokens_per_s / 1e3:.1f}k tok/s"
+    return f"{tokens_per_s:.0f} tok/s"
+
+
+def _format_loss(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
+
+
+def _format_bytes(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressPrinter:
+    """Renders ProgressEvents as a progress line: step/total, a bar, loss, tokens/s, lr,
+    ETA.
+
+    On a terminal (``tty=True``) one line is redrawn in place with a carriage return.
+    Otherwise (logs, CI, tests) it prints a full line every ``every`` steps (default:
+    about ten lines per job) plus the first and the last step.
+    """
+
+    BAR_WIDTH = 20
+
+    def __init__(
+        self,
+        stream: IO[str],
+        total_steps: int,
+        *,
+        tty: bool | None = None,
+        every: int | None = None,
+    ) -> None:
+        self.stream = stream
+        self.total_steps = max(0, int(total_steps))
+        if tty is None:
+            isatty = getattr(stream, "isatty", None)
+            tty = bool(isatty and isatty())
+        self.tty = tty
+        self.every = every if every is not None else max(1, math.ceil(self.total_steps / 10))
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=20)
+        self._line_len = 0  # length of the line currently drawn (tty)
+        self._last_printed_step: int | None = None
+        self.events_seen = 0
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the recent pace, or None before two steps are known."""
+        if len(self._recent) < 2 or self.total_steps <= 0:
+            return None
+        (step0, t0), (step1, t1) = self._recent[0], self._recent[-1]
+        if step1 <= step0:
+            return None
+        per_step = (t1 - t0) / (step1 - step0)
+        return max(0.0, per_step * (self.total_steps - step1))
+
+    def format(self, event: ProgressEvent) -> str:
+        """The progress text for `event` (without bar on a non-terminal)."""
+        total = self.total_steps or "?"
+        parts = [f"step {event.step}/{total}"]
+        if self.tty and self.total_steps:
+            done = min(1.0, event.step / self.total_steps)
+            filled = int(round(done * self.BAR_WIDTH))
+            parts[0] = f"[{'#' * filled}{'.' * (self.BAR_WIDTH - filled)}] " + parts[0]
+        parts += [
+            f"loss {_format_loss(event.loss)}",
+            _format_rate(event.tokens_per_s),
+            f"lr {event.lr:.2e}",
+            f"ETA {format_duration(self.eta_s())}",
+        ]
+        return " | ".join(parts)
+
+    def update(self, event: ProgressEvent) -> None:
+        """Show one event."""
+        self.events_seen += 1
+        self._recent.append((event.step, event.time))
+        text = self.format(event)
+        if self.tty:
+            pad = max(0, self._line_len - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self._line_len = len(text)
+        else:
+            last = self._last_printed_step
+            due = (
+                last is None
+                or event.step - last >= self.every
+                or (self.total_steps and event.step >= self.total_steps)
+            )
+            if not due:
+                return
+            self.stream.write(text + "\n")
+            self._last_printed_step = event.step
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the in-place line (tty) so that what follows starts on a new line."""
+        if self.tty and self._line_len:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line_len = 0
+
+
+@dataclasses.dataclass
+class WatchResult:
+    """What :func:`watch_job` saw: the final status and the first and last events."""
+
+    status: JobStatus
+    first: ProgressEvent | None
+    last: ProgressEvent | None
+    num_events: int
+
+
+def watch_job(
+    handle: JobHandle,
+    *,
+    total_steps: int | None = None,
+    stream: IO[str] | None = None,
+    tty: bool | None = None,
+    poll_s: float = 0.2,
+    timeout_s: float | None = None,
+) -> WatchResult:
+    """Show a job's progress on `stream` (default stderr) until it ends; return how it
+    ended. ``total_steps`` defaults to the job's own ``total_steps``."""
+    out = sys.stderr if stream is None else stream
+    if total_steps is None:
+        total_steps = handle.status().total_steps
+    printer = ProgressPrinter(out, total_steps, tty=tty)
+    first: ProgressEvent | None = None
+    last: ProgressEvent | None = None
+    try:
+        for event in handle.progress(poll_s=poll_s, timeout_s=timeout_s):
+            if first is None:
+                first = event
+            last = event
+            printer.update(event)
+    finally:
+        printer.finish()
+    return WatchResult(handle.status(), first, last, printer.events_seen)
+
+
+def _report_final(result: WatchResult) -> int:
+    status = result.status
+    steps = f"{status.step}/{status.total_steps} steps"
+    if status.state == "succeeded":
+        loss = ""
+        if result.first is not None and result.last is not None:
+            loss = f", loss {_format_loss(result.first.loss)} -> {_format_loss(result.last.loss)}"
+        where = f"; model written to {status.output_dir}" if status.output_dir else ""
+        print(f"job {status.job_id} succeeded ({steps}{loss}){where}", file=sys.stderr)
+        return EXIT_OK
+    reason = status.message or "no reason given"
+    print(f"job {status.job_id} {status.state} at {steps}: {reason}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _client(args: argparse.Namespace) -> Client:
+    try:
+        return Client(args.address, timeout_s=args.timeout)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_job_spec(args.spec)  # JobSpecError -> exit 2, before anything is sent
+    with _client(args) as client:
+        handle = client.submit(spec)
+        print(handle.job_id, flush=True)
+        if not args.wait:
+            return EXIT_OK
+        try:
+            result = watch_job(handle, total_steps=spec.train.steps)
+        except KeyboardInterrupt:
+            print(
+                f"\n{PROG}: stopped watching; job {handle.job_id} keeps running "
+                f"(`{PROG} cancel {handle.job_id}` stops it)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+        return _report_final(result)
+
+
+def _status_dict(status: JobStatus | WorkerInfo) -> dict[str, Any]:
+    return dataclasses.asdict(status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.status(args.job)
+    if args.json:
+        print(json.dumps(_status_dict(status), indent=2))
+        return EXIT_OK
+    rows = [
+        ("job", status.job_id),
+        ("state", status.state),
+        ("step", f"{status.step}/{status.total_steps}"),
+        ("loss", _format_loss(status.loss)),
+        ("output", status.output_dir or "-"),
+    ]
+    if status.message:
+        rows.append(("message", status.message))
+    for key, value in rows:
+        print(f"{key + ':':<8} {value}")
+    return EXIT_OK
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        jobs = client.jobs()
+    if args.json:
+        print(json.dumps([_status_dict(j) for j in jobs], indent=2))
+        return EXIT_OK
+    if not jobs:
+        print("no jobs")
+        return EXIT_OK
+    rows = [
+        (
+            j.job_id,
+            j.state,
+            f"{j.step}/{j.total_steps}",
+            _format_loss(j.loss),
+            j.message if j.state == "failed" or not j.output_dir else j.output_dir,
+        )
+        for j in jobs
+    ]
+    print(_table(("JOB", "STATE", "STEP", "LOSS", "OUTPUT / MESSAGE"), rows))
+    return EXIT_OK
+
+
+def _device_text(worker: WorkerInfo) -> str:
+    name = worker.device_name
+    if not name or name.startswith(worker.device):  # e.g. "cpu (16 cores)"
+        return name or worker.device
+    return f"{worker.device} ({name})"
+
+
+def _cmd_workers(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        workers = client.workers()
+    if args.json:
+        print(json.dumps([_status_dict(w) for w in workers], indent=2))
+        return EXIT_OK
+    if not workers:
+        print("no workers (start one with `roundpipe-worker --cpu` or `--gpu N`)")
+        return EXIT_OK
+    rows = [
+        (
+            str(w.worker_id),
+            w.name,
+            _device_text(w),
+            _format_bytes(w.memory_bytes),
+            w.state,
+            str(w.tasks_done),
+        )
+        for w in workers
+    ]
+    print(_table(("ID", "NAME", "DEVICE", "MEMORY", "STATE", "TASKS"), rows))
+    return EXIT_OK
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.cancel(args.job)
+    print(f"cancel requested for job {args.job}")
+    return EXIT_OK
+
+
+def job_log_path(state_dir: str | os.PathLike[str], job_id: str) -> Path:
+    """Where the coordinator writes a job's log: ``<state_dir>/jobs/<job_id>/job.log``."""
+    if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id:
+        raise _UsageError(f"invalid job id {job_id!r}")
+    return Path(state_dir).expanduser() / "jobs" / job_id / "job.log"
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
+    path = job_log_path(state_dir, args.job)
+    if not args.follow:
+        try:
+            f = open(path, encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            _error(
+                f"no log for job {args.job} at {path} (is --state-dir the coordinator's "
+                "state directory? default: $ROUNDPIPE_STATE_DIR, else "
+                "$XDG_STATE_HOME/roundpipe, else ~/.local/state/roundpipe)"
+            )
+            return EXIT_FAILURE
+        with f:
+            _copy_new(f, sys.stdout)
+        return EXIT_OK
+    with _client(args) as client:
+        return _follow_log(path, client.job(args.job), poll_s=args.poll)
+
+
+def _copy_new(src: IO[str], dst: IO[str]) -> bool:
+    """Copy what `src` holds beyond what was read before; return whether anything was.
+    (A text file keeps its position and its decoder state across reads at EOF, so a
+    growing log is read piece by piece without splitting a UTF-8 character.)"""
+    grew = False
+    while chunk := src.read(1 << 16):
+        dst.write(chunk)
+        grew = True
+    dst.flush()
+    return grew
+
+
+def _follow_log(path: Path, handle: JobHandle, *, poll_s: float) -> int:
+    """Print the log as it grows, until the job has ended and the log is drained."""
+    check_every_s = 4 * poll_s  # asking the coordinator costs more than a read
+    next_check = 0.0
+    ended = False
+    f: IO[str] | None = None
+    try:
+        while True:
+            if f is None:
+                try:
+                    f = open(path, encoding="utf-8", errors="replace")
+                except FileNotFoundError:
+                    f = None  # a queued job may not have a log yet
+            grew = _copy_new(f, sys.stdout) if f is not None else False
+            if ended and not grew:
+                if f is None:
+                    _error(f"job {handle.job_id} has ended and has no log at {path}")
+                    return EXIT_FAILURE
+                return EXIT_OK
+            now = time.monotonic()
+            if not ended and now >= next_check:
+                next_check = now + check_every_s
+                ended = handle.status().state in FINAL_STATES
+                if ended:
+                    continue  # read once more: the job's last lines may have just landed
+            if not grew:
+                time.sleep(poll_s)
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from roundpipe.demo import run_demo
+
+    return run_demo(
+        num_workers=args.workers,
+        steps=args.steps,
+        output_dir=args.output,
+        spec_path=args.spec,
+        timeout_s=args.timeout_s,
+        cpu=args.cpu,
+    )
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``roundpipe`` command."""
+    from roundpipe import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Submit and manage fine-tuning jobs on a RoundPipe coordinator.",
+        epilog="Exit status: 0 ok, 1 failure (job failed, coordinator unreachable), "
+        "2 usage or spec error.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="coordinator endpoint (default: $ROUNDPIPE_ADDRESS or tcp://127.0.0.1:7420; "
+        f"now {default_address()})",
+    )
+    conn.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=CLIENT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for each coordinator reply (default: {CLIENT_TIMEOUT_S:g})",
+    )
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_text: str, *parents: Any
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=list(parents))
+        p.set_defaults(func=func)
+        return p
+
+    p = add("submit", _cmd_submit, "validate a YAML job spec and submit it", conn)
+    p.add_argument("spec", metavar="SPEC.yaml", help="job spec file (see docs/job-spec.md)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="show progress until the job ends; exit 0 if it succeeded, 1 if not",
+    )
+
+    p = add("status", _cmd_status, "show one job's status", conn, as_json)
+    p.add_argument("job", metavar="JOB", help="job id")
+
+    add("jobs", _cmd_jobs, "list every job", conn, as_json)
+    add("workers", _cmd_workers, "list every worker", conn, as_json)
+
+    p = add("cancel", _cmd_cancel, "cancel a queued or running job", conn)
+    p.add_argument("job", metavar="JOB", help="job id")
+
+    p = add("logs", _cmd_logs, "print a job's log", conn)
+    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the coordinator's state directory (default: $ROUNDPIPE_STATE_DIR, else "
+        "$XDG_STATE_HOME/roundpipe, else ~/.local/state/roundpipe)",
+    )
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing as the log grows, until the job ends (asks the coordinator)",
+    )
+    p.add_argument("--poll", type=_positive_float, default=0.5, help=argparse.SUPPRESS)
+
+    p = add(
+        "demo",
+        _cmd_demo,
+        "start a private coordinator and workers, train the bundled tiny model, clean up",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="number of workers (default: one per CUDA GPU, else 2 CPU workers)",
+    )
+    p.add_argument("--cpu", action="store_true", help="use CPU workers even if CUDA is there")
+    p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="optimizer steps")
+    p.add_argument(
+        "--output",
+        default=None,
+        metavar="DIR",
+        help="where the trained model goes (default: ./roundpipe-demo-output)",
+    )
+    p.add_argument("--spec", default=None, metavar="SPEC.yaml", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="give up if the demo job has not ended after this many seconds",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``roundpipe`` command; return its exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return args.func(args)
+    except JobSpecError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except _UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except JobRejected as exc:
+        _error(str(exc))
+        return EXIT_USAGE if exc.code in _SPEC_ERROR_CODES else EXIT_FAILURE
+    except (RoundPipeError, TimeoutError) as exc:
+        _error(str(exc))
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `roundpipe jobs | head`: the reader left; say nothing more.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""Python client of the RoundPipe coordinator: submit jobs, watch them, cancel them.
+
+::
+
+    from roundpipe import Client
+
+    with Client() as client:                      # $ROUNDPIPE_ADDRESS or tcp://127.0.0.1:7420
+        job = client.submit("job.yaml")           # validated here, before anything is sent
+        for event in job.progress():              # one ProgressEvent per optimizer step
+            print(event.step, event.loss)
+        status = job.wait()                       # final JobStatus
+        print(status.state, status.output_dir)
+
+Transport. The coordinator binds one ZeroMQ ROUTER socket; a client connects one DEALER
+socket to it and sends one request (the three frames of
+:func:`roundpipe.protocol.encode`) at a time, each answered by exactly one reply, in order.
+A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
+the socket is then closed and a fresh one connected, so a reply that arrives late can
+never be taken for the answer to a later request.
+
+Errors. An :class:`~roundpipe.protocol.ErrorReply` from the coordinator becomes a typed
+exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
+:class:`JobRejected`, or :class:`RoundPipeError` itself (with ``code``) for anything
+else. A spec that fails validation on the client raises
+:class:`~roundpipe.coordinator.jobspec.JobSpecError` before any request is sent.
+
+A :class:`Client` may be shared between threads (requests are serialised by a lock), but
+it must not be used across ``fork()``: create a new one in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import zmq
+
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
+from roundpipe.protocol import (
+    Ack,
+    CancelJob,
+    ErrorReply,
+    GetJobStatus,
+    GetProgress,
+    JobAccepted,
+    JobList,
+    JobStatus,
+    ListJobs,
+    ListWorkers,
+    Message,
+    Progress,
+    ProgressEvent,
+    ProtocolError,
+    ProtocolVersionError,
+    SubmitJob,
+    WorkerInfo,
+    WorkerList,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "FINAL_STATES",
+    "Client",
+    "CoordinatorUnavailable",
+    "JobHandle",
+    "JobRejected",
+    "JobSpecError",
+    "RoundPipeError",
+    "UnknownJob",
+]
+
+FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+"""Job states that never change again."""
+
+# ErrorReply codes the coordinator uses for "no such job" (the contract names the first;
+# the protocol docstring's example the second).
+_UNKNOWN_JOB_CODES = frozenset({"unknown_job", "not_found"})
+
+_SUPPORTED_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+_M = TypeVar("_M", bound=Message)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RoundPipeError(Exception):
+    """Base of every error the client raises about the coordinator or a job.
+
+    ``code`` is the coordinator's machine-readable ErrorReply code when the error came
+    from one (e.g. ``"internal"``), else ``None``.
+    """
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CoordinatorUnavailable(RoundPipeError):
+    """No reply from the coordinator within the client's timeout."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        super().__init__(
+            f"no reply from the RoundPipe coordinator at {address} within {timeout_s:g} s; "
+            f"is it running? Start one with `roundpipe-coordinator --address {address}`, "
+            "or point the client at the running one (--address, or ROUNDPIPE_ADDRESS)"
+        )
+        self.address = address
+        self.timeout_s = timeout_s
+
+
+class UnknownJob(RoundPipeError):
+    """The coordinator knows no job with this id."""
+
+    def __init__(self, job_id: str, detail: str = "", *, code: str | None = None) -> None:
+        text = f"unknown job {job_id!r}"
+        if detail:
+            text += f": {detail}"
+        super().__init__(text, code=code)
+        self.job_id = job_id
+
+
+class JobRejected(RoundPipeError):
+    """The coordinator refused a submitted job; ``message`` is its reason (for
+    ``code == "bad_spec"``, what is wrong with the spec)."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(f"the coordinator rejected the job: {message}", code=code)
+        self.message = message
+
+
+# --------------------------------------------------------------------------- client
+
+
+def _check_address(address: str) -> str:
+    if not isinstance(address, str) or not address.startswith(_SUPPORTED_TRANSPORTS):
+        raise ValueError(
+            f"invalid coordinator address {address!r}: expected a ZeroMQ endpoint such as "
+            "tcp://127.0.0.1:7420 or ipc:///path/to/coordinator.sock"
+        )
+    return address
+
+
+class Client:
+    """A connection to the RoundPipe coordinator.
+
+    ``address`` is the coordinator's ZeroMQ endpoint; ``None`` means
+    :func:`roundpipe.defaults.default_address` (``$ROUNDPIPE_ADDRESS``, else
+    ``tcp://127.0.0.1:7420``). ``timeout_s`` bounds the wait for each reply.
+
+    Connecting does not talk to the coordinator: the first request does, and raises
+    :class:`CoordinatorUnavailable` if nothing answers. Use as a context manager, or call
+    :meth:`close`.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self._address = _check_address(default_address() if address is None else address)
+        self._timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self._connect()
+
+    # -- lifecycle --
+
+    @property
+    def address(self) -> str:
+        """The coordinator endpoint this client talks to."""
+        return self._address
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds to wait for each reply."""
+        return self._timeout_s
+
+    def _connect(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        # Never block close() on unsent requests: a request the coordinator did not take
+        # is reported as a timeout, not retried behind the caller's back.
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"invalid coordinator address {self._address!r}: {exc}") from None
+        self._socket = sock
+
+    def _replace_socket(self, sock: zmq.Socket[bytes]) -> None:
+        sock.close(linger=0)
+        self._socket = None
+        self._connect()
+
+    def close(self) -> None:
+        """Close the socket. Idempotent; the client cannot be used afterwards."""
+        with self._lock:
+            self._closed = True
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Client {self._address}{state}>"
+
+    # -- one request, one reply --
+
+    def _request(self, request: Message, *expected: type[_M]) -> _M | ErrorReply:
+        """Send `request`, return its reply: one of `expected`, or an ErrorReply."""
+        frames = encode(request)
+        with self._lock:
+            if self._closed:
+                raise RoundPipeError("this Client is closed")
+            if os.getpid() != self._pid:
+                raise RoundPipeError(
+                    "a Client cannot be used after fork(); create a new one in the child"
+                )
+            if self._socket is None:  # a previous _connect after a timeout failed
+                self._connect()
+            sock = self._socket
+            assert sock is not None
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                ready = sock.poll(timeout=int(self._timeout_s * 1000), flags=zmq.POLLIN)
+                reply_frames = sock.recv_multipart(flags=zmq.NOBLOCK) if ready else None
+            except zmq.Again:
+                reply_frames = None
+            except BaseException:
+                # Interrupted (Ctrl-C) or failed between request and reply: the reply may
+                # still come, so this socket must not be used for another request.
+                self._replace_socket(sock)
+                raise
+            if reply_frames is None:
+                # The request (or its late reply) is still queued on this socket; start
+                # over with a fresh one so the next request cannot read a stale reply.
+                self._replace_socket(sock)
+                raise CoordinatorUnavailable(self._address, self._timeout_s)
+        # A DEALER gets no routing envelope, but tolerate an empty delimiter frame from a
+        # coordinator that replies REQ-style.
+        if len(reply_frames) == 4 and len(reply_frames[0]) == 0:
+            reply_frames = reply_frames[1:]
+        req_name = type(request).__name__
+        try:
+            reply = decode(reply_frames)
+        except ProtocolVersionError as exc:
+            raise RoundPipeError(
+                f"cannot talk to the coordinator at {self._address}: {exc}"
+            ) from None
+        except ProtocolError as exc:
+            raise RoundPipeError(
+                f"malformed reply from the coordinator at {self._address} to {req_name}: {exc}"
+            ) from None
+        if isinstance(reply, ErrorReply) or isinstance(reply, expected):
+            return reply
+        names = " or ".join(t.__name__ for t in expected)
+        raise RoundPipeError(
+            f"unexpected reply from the coordinator at {self._address} to {req_name}: "
+            f"expected {names} or ErrorReply, got {type(reply).__name__}"
+        )
+
+    @staticmethod
+    def _job_error(reply: ErrorReply, job_id: str) -> RoundPipeError:
+        if reply.code in _UNKNOWN_JOB_CODES:
+            return UnknownJob(job_id, reply.message, code=reply.code)
+        return RoundPipeError(f"job {job_id}: {reply.message} ({reply.code})", code=reply.code)
+
+    # -- API --
+
+    def submit(self, spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str]) -> JobHandle:
+        """Validate `spec` and submit it; return a handle to the queued job.
+
+        `spec` is a :class:`JobSpec`, a dict in its form (relative paths are relative to
+        the current directory), or the path of a YAML spec file (relative paths are
+        relative to the file). Raises :class:`JobSpecError` for an invalid spec (nothing
+        is sent) and :class:`JobRejected` if the coordinator refuses it.
+        """
+        job_spec = _as_job_spec(spec)
+        reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted)
+        if isinstance(reply, ErrorReply):
+            raise JobRejected(reply.message, code=reply.code)
+        return JobHandle(self, reply.job_id)
+
+    def job(self, job_id: str) -> JobHandle:
+        """A handle to an existing job. Sends nothing: an unknown id surfaces as
+        :class:`UnknownJob` from the handle's first request."""
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
+        return JobHandle(self, job_id)
+
+    def status(self, job_id: str) -> JobStatus:
+        """One job's current status."""
+        reply = self._request(GetJobStatus(job_id=job_id), JobStatus)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+        return reply
+
+    def get_progress(self, job_id: str, after_seq: int = 0) -> Progress:
+        """One poll of a job's progress: the events with ``seq > after_seq`` the
+        coordinator returns, and whether the job has ended. :meth:`JobHandle.progress`
+        is the convenient form."""
+        reply = self._request(GetProgress(job_id=job_id, after_seq=after_seq), Progress)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+        return reply
+
+    def jobs(self) -> list[JobStatus]:
+        """Every job the coordinator knows, oldest first."""
+        reply = self._request(ListJobs(), JobList)
+        if isinstance(reply, ErrorReply):
+            raise RoundPipeError(f"cannot list jobs: {reply.message}", code=reply.code)
+        return list(reply.jobs)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every worker the coordinator knows (including lost ones), by worker id."""
+        reply = self._request(ListWorkers(), WorkerList)
+        if isinstance(reply, ErrorReply):
+            raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
+        return list(reply.workers)
+
+    def cancel(self, job_id: str) -> None:
+        """Ask the coordinator to cancel a job. Returns once the request is accepted;
+        :meth:`JobHandle.wait` tells when the job has actually stopped."""
+        reply = self._request(CancelJob(job_id=job_id), Ack)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+
+
+def _as_job_spec(spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str]) -> JobSpec:
+    if isinstance(spec, JobSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return JobSpec.from_dict(spec)
+    if isinstance(spec, str | os.PathLike):
+        return load_job_spec(Path(spec))
+    raise TypeError(
+        f"spec must be a JobSpec, a mapping or a YAML file path, got {type(spec).__name__}"
+    )
+
+
+# --------------------------------------------------------------------------- job handle
+
+
+class JobHandle:
+    """One job on the coordinator, addressed by id. Cheap: it holds no state besides the
+    id and the client, and every method asks the coordinator afresh."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.job_id = job_id
+
+    def __repr__(self) -> str:
+        return f"<JobHandle {self.job_id} at {self.client.address}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, JobHandle):
+            return NotImplemented
+        return self.job_id == other.job_id and self.client.address == other.client.address
+
+    def __hash__(self) -> int:
+        return hash((self.job_id, self.client.address))
+
+    def status(self) -> JobStatus:
+        """The job's current status."""
+        return self.client.status(self.job_id)
+
+    def cancel(self) -> None:
+        """Ask the coordinator to cancel the job (see :meth:`Client.cancel`)."""
+        self.client.cancel(self.job_id)
+
+    def progress(
+        self, poll_s: float = 0.2, timeout_s: float | None = None, *, after_seq: int = 0
+    ) -> Iterator[ProgressEvent]:
+        """Yield the job's progress events (one per optimizer step) as they happen.
+
+        Starts after event ``after_seq`` (0: from the first event, so a finished job
+        replays its whole history), polls every ``poll_s`` seconds while nothing new has
+        happened, and returns once the job has reached a final state and every event has
+        been yielded. Raises :class:`TimeoutError` if that takes longer than
+        ``timeout_s`` (``None``: no limit). Ask :meth:`status` afterwards for how the
+        job ended.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last = after_seq
+        while True:
+            reply = self.client.get_progress(self.job_id, last)
+            fresh = False
+            for event in reply.events:
+                if event.seq <= last:
+                    continue  # never repeat an event, whatever the coordinator sends
+                last = event.seq
+                fresh = True
+                yield event
+            if reply.done and not fresh:
+                return
+            if fresh:
+                # More may be waiting (a coordinator may cap the events per reply, and
+                # always does report the rest on the next poll): ask again at once.
+                continue
+            _sleep_or_timeout(deadline, poll_s, self.job_id, timeout_s, f"(last event {last})")
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 0.2) -> JobStatus:
+        """Block until the job is succeeded, failed or cancelled; return that status.
+
+        Raises :class:`TimeoutError` naming the job if it has not ended within
+        ``timeout_s`` seconds (``None``: wait forever). A failed job is not an exception
+        here: look at ``status.state`` and ``status.message``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if status.state in FINAL_STATES:
+                return status
+            _sleep_or_timeout(
+                deadline,
+                poll_s,
+                self.job_id,
+                timeout_s,
+                f"(state {status.state}, step {status.step}/{status.total_steps})",
+            )
+
+
+def _sleep_or_timeout(
+    deadline: float | None, poll_s: float, job_id: str, timeout_s: float | None, detail: str
+) -> None:
+    if deadline is None:
+        time.sleep(poll_s)
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"job {job_id} did not finish within {timeout_s:g} s {detail}")
+    time.sleep(min(poll_s, remaining))

@@ -1,0 +1,63 @@
+"""Defaults shared by the client, the CLI and the daemons.
+
+One definition of each, so ``roundpipe status`` finds the coordinator that
+``roundpipe-coordinator`` started with no arguments, and ``roundpipe logs`` finds the log
+files it wrote.
+
+Environment variables (read when this module is imported, or when the functions below
+are called):
+
+``ROUNDPIPE_ADDRESS``
+    ZeroMQ endpoint of the coordinator, e.g. ``tcp://127.0.0.1:7420`` or
+    ``ipc:///run/roundpipe/coordinator.sock``.
+``ROUNDPIPE_STATE_DIR``
+    The coordinator's state directory (job store, per-job logs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "CLIENT_TIMEOUT_S",
+    "DEFAULT_ADDRESS",
+    "FALLBACK_ADDRESS",
+    "default_address",
+    "default_state_dir",
+]
+
+FALLBACK_ADDRESS = "tcp://127.0.0.1:7420"
+"""The coordinator's address when ``ROUNDPIPE_ADDRESS`` is not set."""
+
+
+def default_address() -> str:
+    """``$ROUNDPIPE_ADDRESS`` if set and not empty, else :data:`FALLBACK_ADDRESS`."""
+    return os.environ.get("ROUNDPIPE_ADDRESS") or FALLBACK_ADDRESS
+
+
+DEFAULT_ADDRESS: str = default_address()
+"""The coordinator's address, fixed when this module is imported (see
+:func:`default_address` to re-read the environment)."""
+
+
+def default_state_dir() -> Path:
+    """The coordinator's state directory.
+
+    ``$ROUNDPIPE_STATE_DIR``, else ``$XDG_STATE_HOME/roundpipe``, else
+    ``~/.local/state/roundpipe`` (the XDG base-directory default). Not created here.
+    """
+    explicit = os.environ.get("ROUNDPIPE_STATE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    # The XDG spec says a relative XDG_STATE_HOME is invalid and must be ignored.
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "roundpipe"
+    return Path.home() / ".local" / "state" / "roundpipe"
+
+
+CLIENT_TIMEOUT_S: float = 10.0
+"""Seconds a client waits for the coordinator's reply to one request before it reports
+the coordinator unavailable. Every request is answered without waiting for training
+work, so this only trips when no coordinator is listening (or it is wedged)."""
