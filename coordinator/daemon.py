@@ -564,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     threading.current_thread().name = "rp-coordinator"
+    # Job specs are validated on the I/O thread; import transformers (seconds) now, not
+    # inside the first client request, which would then miss the client's timeout.
+    import transformers  # noqa: F401
     coordinator = Coordinator(
         args.address,
         args.state_dir or default_state_dir(),

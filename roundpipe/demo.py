@@ -83,17 +83,22 @@ def demo_spec(
     spec_path: str | os.PathLike[str] | None = None,
     steps: int | None = None,
     output_dir: str | os.PathLike[str] | None = None,
+    num_workers: int | None = None,
 ) -> JobSpec:
     """The demo job with the demo's overrides applied, validated.
 
     ``steps`` replaces ``train.steps`` (the warmup is shortened to fit); the model goes
-    to ``output_dir`` (default ``./roundpipe-demo-output``), made absolute here.
+    to ``output_dir`` (default ``./roundpipe-demo-output``), made absolute here. With
+    ``num_workers`` N, the microbatch count is raised to at least N + 1: round-robin keeps
+    every worker busy only when M >= N + 1.
     """
     spec = load_job_spec(DEMO_SPEC_PATH if spec_path is None else spec_path)
     raw = spec.to_dict()  # paths are absolute already
     if steps is not None:
         raw["train"]["steps"] = steps
         raw["optimizer"]["warmup_steps"] = min(raw["optimizer"]["warmup_steps"], steps)
+    if num_workers is not None:
+        raw["batch"]["num_microbatches"] = max(raw["batch"]["num_microbatches"], num_workers + 1)
     out = Path(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir).expanduser()
     raw["output"]["dir"] = str(out.resolve())
     return JobSpec.from_dict(raw, source=str(spec_path or DEMO_SPEC_PATH))
@@ -278,8 +283,10 @@ def run_demo(
         print(f"roundpipe demo: error: {text}", file=err, flush=True)
 
     try:
-        spec = demo_spec(spec_path=spec_path, steps=steps, output_dir=output_dir)
         devices = _worker_device_args(num_workers, cpu)
+        spec = demo_spec(
+            spec_path=spec_path, steps=steps, output_dir=output_dir, num_workers=len(devices)
+        )
     except (JobSpecError, DemoError) as exc:
         fail(str(exc))
         return EXIT_USAGE

@@ -49,7 +49,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.worker.runtime import TaskAborted, WorkerCore
 
-__all__ = ["WorkerDaemon", "main"]
+__all__ = ["WorkerDaemon", "main", "run"]
 
 log = logging.getLogger("roundpipe.worker")
 
@@ -308,5 +308,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Exit without interpreter teardown once the worker has stopped cleanly.
+
+    Everything the worker owns is closed by then (arena mappings, sockets); what is
+    left is library teardown (torch, zmq atexit hooks) that can take seconds, during
+    which a supervisor's SIGTERM would kill a process that has already said "stopped".
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run() -> None:
+    """Console-script entry point (``roundpipe-worker``)."""
+    _exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
