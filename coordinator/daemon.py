@@ -554,8 +554,19 @@ def main(argv: list[str] | None = None) -> int:
         default=600.0,
         help="seconds a task may wait for an input before failing",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the optimizer (default: torch's choice, all cores); "
+        "lower it when CPU workers share this machine",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     # Models, tokenizers and data are local by design: never wait on the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
@@ -567,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     # Job specs are validated on the I/O thread; import transformers (seconds) now, not
     # inside the first client request, which would then miss the client's timeout.
     import transformers  # noqa: F401
+
     coordinator = Coordinator(
         args.address,
         args.state_dir or default_state_dir(),

@@ -316,6 +316,14 @@ def run_demo(
             "--arena-dir": str(arena_dir),
             "--log-level": "INFO",
         }
+        cpu_workers = sum(1 for d in devices if d == ["--cpu"])
+        cores = os.cpu_count() or 2
+        # Oversubscribed cores slow CPU training down many times (OpenMP threads of several
+        # processes spinning against each other): give CPU workers the cores between them
+        # and the coordinator (optimizer) one thread.
+        worker_threads = ["--threads", str(max(1, cores // cpu_workers))] if cpu_workers else []
+        if cpu_workers:
+            coordinator_args["--threads"] = "1"
         argv = coordinator_cmd + [x for kv in coordinator_args.items() for x in kv]
         daemons.append(_start("coordinator", argv, tmp / "coordinator.log"))
         for i, device_args in enumerate(devices):
@@ -325,7 +333,8 @@ def run_demo(
                     name,
                     worker_cmd
                     + device_args
-                    + ["--coordinator", address, "--name", name, "--log-level", "INFO"],
+                    + ["--coordinator", address, "--name", name, "--log-level", "INFO"]
+                    + (worker_threads if device_args == ["--cpu"] else []),
                     tmp / f"{name}.log",
                 )
             )

@@ -741,6 +741,7 @@ def fake_daemon_main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     parser = argparse.ArgumentParser()
+    parser.add_argument("--threads")  # the demo sizes CPU threads for both daemons
     if role == "coordinator":
         for flag in ("--address", "--state-dir", "--arena-dir", "--log-level"):
             parser.add_argument(flag, required=True)

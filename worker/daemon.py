@@ -271,7 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         "--coordinator", default=DEFAULT_ADDRESS, help="coordinator address (default %(default)s)"
     )
     parser.add_argument("--name", default=None, help="worker name shown in `roundpipe workers`")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for compute")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for compute (default for --cpu: half the cores, which suits "
+        "two CPU workers per machine; oversubscribed cores slow CPU training down many times)",
+    )
     parser.add_argument("--handshake-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -293,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         device = f"cuda:{args.gpu}"
     else:
         device = "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads
+    if threads is None and device == "cpu":
+        threads = max(1, (os.cpu_count() or 2) // 2)
+    if threads:
+        torch.set_num_threads(threads)
     daemon = WorkerDaemon(
         args.coordinator, device=device, name=args.name, handshake_timeout_s=args.handshake_timeout
     )
