@@ -247,3 +247,69 @@ def test_worker_joining_mid_job_receives_tasks(cluster: Cluster, tmp_path: Path)
         {n: t for n, t in load_output(Path(spec.output.dir), lora=False).items()},
         oracle_train(spec),
     )
+
+
+def test_cli_submit_wait_drives_a_job_to_its_result(cluster: Cluster, tmp_path: Path) -> None:
+    """`roundpipe submit SPEC.yaml --wait` against real daemons, then status/jobs/logs."""
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(tiny_spec(tmp_path / "cli-out", steps=3).to_yaml())
+    cli = [sys.executable, "-m", "roundpipe.cli"]
+    result = subprocess.run(
+        [*cli, "submit", str(spec_path), "--wait", "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr + cluster.logs()
+    job_id = result.stdout.strip().splitlines()[0]
+    assert "step 3/3" in result.stderr and "succeeded" in result.stderr
+    assert (tmp_path / "cli-out" / "model.safetensors").exists()
+    status = subprocess.run(
+        [*cli, "status", job_id, "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0 and "succeeded" in status.stdout
+    jobs = subprocess.run(
+        [*cli, "jobs", "--address", cluster.address], capture_output=True, text=True, timeout=60
+    )
+    assert job_id in jobs.stdout
+    logs = subprocess.run(
+        [*cli, "logs", job_id, "--state-dir", str(cluster.root / "state")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert logs.returncode == 0 and "step 3 loss" in logs.stdout
+
+
+def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
+    """`roundpipe demo`: its own daemons, the shipped dataset, a falling loss, exit 0."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "roundpipe.cli",
+            "demo",
+            "--cpu",
+            "--workers",
+            "2",
+            "--output",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in result.stderr.splitlines()
+        if line.startswith("step ")
+    ]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 1.0, losses
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "demo"))
+    assert model.config.model_type == "qwen3"
