@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -55,14 +56,17 @@ __all__ = [
     "ProfileAggregator",
     "StageEstimate",
     "bound_baseline",
+    "build_plan_parser",
     "describe",
     "estimate_costs",
     "evaluate_plan",
     "format_bytes",
+    "initial_plan",
     "parse_quantity",
     "plan_main",
     "plan_stages",
     "replan_if_better",
+    "run_plan_command",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -219,7 +223,8 @@ class PlanResult:
     notes: tuple[str, ...]
     stages: tuple[StageEstimate, ...]
     objective_s: float
-    """max(stages, N) x slowest stage time: the search's objective."""
+    """The search's objective: max(stages, N) x the slowest stage's time on the slowest
+    worker (speed-matched plans: N x the busiest worker's time per iteration)."""
     num_workers: int
     num_microbatches: int
     memory_limit_bytes: int
@@ -228,6 +233,9 @@ class PlanResult:
     simulation: SimResult = field(repr=False)
     sim_stages: tuple[SimStage, ...] = field(repr=False)
     tokens_per_iteration: int | None = None
+    costs: tuple[LayerCost, ...] = field(default=(), repr=False)
+    """The per-layer costs the prediction used (the prior for ``ProfileAggregator``)."""
+    hardware: HardwareSpec | None = field(default=None, repr=False)
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
@@ -521,10 +529,6 @@ class _CostModel:
             resident = p + g
         return compute, up, down, resident, run
 
-    def time(self, kind: str, a: int, b: int, speed: float = 1.0) -> float:
-        compute, up, down, _, _ = self.parts(kind, a, b)
-        return max(compute / speed, up / self.bw, down / self.bw) + self.hw.task_overhead_s
-
     def estimate(self, kind: str, a: int, b: int, label: str) -> StageEstimate:
         compute, up, down, resident, run = self.parts(kind, a, b)
         up_s, down_s = up / self.bw, down / self.bw
@@ -577,9 +581,7 @@ def _plan_estimates(cm: _CostModel, plan: Plan) -> list[StageEstimate]:
     # Memory: running stage + the largest stage's weights and gradients (the prefetched
     # next task; with S <= N it can be the same stage of the next iteration) + reserve.
     largest = max(e.resident_bytes for e in ests)
-    return [
-        replace(e, memory_bytes=e.run_bytes + largest + cm.hw.reserved_bytes) for e in ests
-    ]
+    return [replace(e, memory_bytes=e.run_bytes + largest + cm.hw.reserved_bytes) for e in ests]
 
 
 def _per_worker_memory(
@@ -604,9 +606,14 @@ def _evaluate(
     iterations: int,
     tokens_per_iteration: int | None,
     notes: Sequence[str] = (),
+    objective: float | None = None,
 ) -> PlanResult:
     ests = _plan_estimates(cm, plan)
     sims = [cm.sim_stage(e) for e in ests]
+    # Task j runs on worker j mod N: the assignment repeats every N / gcd(S, N)
+    # iterations; simulate at least one full period after the first iteration.
+    n_workers = cm.hw.num_workers
+    iterations = max(iterations, 1 + n_workers // math.gcd(len(sims), n_workers))
     sim = simulate_roundpipe(
         sims,
         num_workers=cm.hw.num_workers,
@@ -618,8 +625,9 @@ def _evaluate(
     )
     times = tuple(e.time_s for e in ests)
     slowest = max(times)
-    objective = max(len(ests), cm.hw.num_workers) * slowest
-    all_notes = list(notes) + _auto_notes(cm, ests, sim)
+    if objective is None:
+        objective = max(len(ests), cm.hw.num_workers) * slowest / cm.hw.min_speed
+    all_notes = list(notes) + _auto_notes(cm, ests, sims, sim)
     return PlanResult(
         plan=plan,
         predicted_iteration_s=sim.iteration_s,
@@ -635,10 +643,14 @@ def _evaluate(
         simulation=sim,
         sim_stages=tuple(sims),
         tokens_per_iteration=tokens_per_iteration,
+        costs=tuple(cm.costs),
+        hardware=cm.hw,
     )
 
 
-def _auto_notes(cm: _CostModel, ests: Sequence[StageEstimate], sim: SimResult) -> list[str]:
+def _auto_notes(
+    cm: _CostModel, ests: Sequence[StageEstimate], sims: Sequence[SimStage], sim: SimResult
+) -> list[str]:
     notes = []
     hw = cm.hw
     if cm.m < hw.num_workers + 1 and len(ests) > 1:
@@ -658,6 +670,13 @@ def _auto_notes(cm: _CostModel, ests: Sequence[StageEstimate], sim: SimResult) -
         notes.append(
             f"stage {worst.label} needs {format_bytes(worst.memory_bytes)}, over the "
             f"{format_bytes(hw.memory_limit_bytes)} limit"
+        )
+    opt = sum(s.optimizer_s for s in sims)
+    if opt > 0.9 * sim.iteration_s:
+        notes.append(
+            f"the CPU optimizer needs {_format_s(opt)} per step, about the iteration time "
+            f"({_format_s(sim.iteration_s)}): it throttles the pipeline; raise the "
+            "microbatch count (a bigger global batch) or use a faster optimizer"
         )
     if hw.mixed:
         notes.append(
@@ -877,6 +896,44 @@ class _Search:
                 b = a
         return out
 
+    def _pad_backward(
+        self,
+        bparts: list[tuple[int, int]],
+        first_pos: int,
+        extra: int,
+        cap: float,
+        budget: int,
+        room: int,
+    ) -> list[tuple[int, int]] | None:
+        """Split backward stages (from the last) until there are ``extra`` more, every
+        stage still meeting ``cap`` at the speed of the worker its position maps to."""
+        speeds = self.cm.hw.speed_list
+        n_workers = len(speeds)
+
+        def fits(parts: list[tuple[int, int]]) -> bool:
+            return all(
+                self._seg_time("B", a, b, speeds[(first_pos + i) % n_workers]) <= cap
+                and self.res_b[a][b] <= budget
+                and self.run_b[a][b] <= room
+                for i, (a, b) in enumerate(parts)
+            )
+
+        parts = list(bparts)
+        for _ in range(extra):
+            done = False
+            for i in range(len(parts) - 1, -1, -1):
+                a, b = parts[i]
+                for cut in range(b - 1, a, -1):
+                    trial = parts[:i] + [(cut, b), (a, cut)] + parts[i + 1 :]
+                    if fits(trial):
+                        parts, done = trial, True
+                        break
+                if done:
+                    break
+            if not done:
+                return None
+        return parts
+
     def speed_matched(
         self,
         t: int,
@@ -905,7 +962,7 @@ class _Search:
         )
         hi = (self.comp_f[0][t] + self.comp_b[0][t] + tail_compute) / min(speeds) + ovh
         hi = max(hi, lo)
-        steps = 80
+        steps = 120
         seen: set[Plan] = set()
         for i in range(steps + 1):
             cap = lo * (hi / lo) ** (i / steps)
@@ -921,7 +978,13 @@ class _Search:
                 continue
             stages = len(fparts) + 1 + len(bparts)
             if stages % n_workers:
-                continue
+                padded = self._pad_backward(
+                    bparts, tpos + 1, n_workers - stages % n_workers, cap, budget, room
+                )
+                if padded is None:
+                    continue
+                bparts = padded
+                stages = len(fparts) + 1 + len(bparts)
             plan = Plan(forward=fparts, tail=(t, n), backward=bparts)
             if plan in seen:
                 continue
@@ -959,10 +1022,10 @@ def _check_single_layers(cm: _CostModel) -> None:
     for layer in range(n):
         c = cm.costs[layer]
         if layer == n - 1:
-            _, _, _, res, run = cm.parts("T", layer, n)
+            *_, run = cm.parts("T", layer, n)
             kind = "in the tail"
         else:
-            _, _, _, res, run = cm.parts("B", layer, layer + 1)
+            *_, run = cm.parts("B", layer, layer + 1)
             kind = "in a backward stage"
         need = run + hw.reserved_bytes
         if need > hw.memory_limit_bytes:
@@ -986,6 +1049,7 @@ def plan_stages(
     tokens_per_iteration: int | None = None,
     candidates: int = 12,
     sim_iterations: int = 4,
+    select: str = "simulation",
 ) -> PlanResult:
     """Choose forward stages, fused tail and backward stages for ``costs`` on ``hw``.
 
@@ -993,13 +1057,16 @@ def plan_stages(
     microbatches at the slowest worker's speed and the PCIe time of its uploads and
     downloads) subject to the memory limit, over tails of 1..``max_tail_layers`` layers
     (default: all, pruned once the tail alone is too slow) and weight budgets; the best
-    ``candidates`` plans are then simulated and the fastest in simulation is returned.
+    ``candidates`` plans are then simulated and the fastest in simulation is returned
+    (``select="objective"``: the best by the objective alone, fewest stages on ties).
     With mixed worker speeds, plans whose stage count is a multiple of N (stage i always
     on worker i mod N) with stages sized to their worker's speed are candidates too.
 
     Raises ValueError when a single layer cannot fit the memory limit (naming it and the
     numbers) or when no plan fits at all.
     """
+    if select not in ("simulation", "objective"):
+        raise ValueError(f"select must be 'simulation' or 'objective', got {select!r}")
     cm = _CostModel(costs, hw, num_microbatches)
     _check_single_layers(cm)
     n = cm.n
@@ -1080,9 +1147,13 @@ def plan_stages(
             iterations=sim_iterations,
             tokens_per_iteration=tokens_per_iteration,
             notes=notes,
+            objective=-cand.objective,
         )
         results.append(res)
-    best = min(results, key=lambda r: (r.predicted_iteration_s, len(r.stages)))
+    if select == "objective":
+        best = min(results, key=lambda r: (r.objective_s, len(r.stages)))
+    else:
+        best = min(results, key=lambda r: (r.predicted_iteration_s, len(r.stages)))
     extra = (
         f"searched {tried_tails} tail length(s), simulated {len(results)} candidate plans; "
         f"search objective max(stages, N) x slowest = {_format_s(best.objective_s)}"
@@ -1120,19 +1191,76 @@ def replan_if_better(
     num_microbatches: int,
     *,
     min_gain: float = 0.05,
-    **kw: Any,
+    staleness: int = 1,
+    tokens_per_iteration: int | None = None,
+    max_tail_layers: int | None = None,
 ) -> PlanResult | None:
-    """A new plan if it is predicted at least ``min_gain`` faster than ``current`` under
-    the same (measured) costs, else None. Both are simulated with the same model."""
-    new = plan_stages(costs, hw, num_microbatches, **kw)
+    """A new plan if it is predicted at least ``min_gain`` (relative) faster than
+    ``current`` under the same (measured) costs, else None. Both are simulated alike."""
+    new = plan_stages(
+        costs,
+        hw,
+        num_microbatches,
+        max_tail_layers=max_tail_layers,
+        staleness=staleness,
+        tokens_per_iteration=tokens_per_iteration,
+    )
     if new.plan == current:
         return None
-    kw.pop("max_tail_layers", None)
-    kw.pop("candidates", None)
-    old = evaluate_plan(current, costs, hw, num_microbatches, **kw)
+    old = evaluate_plan(
+        current,
+        costs,
+        hw,
+        num_microbatches,
+        staleness=staleness,
+        tokens_per_iteration=tokens_per_iteration,
+    )
     if new.predicted_iteration_s < old.predicted_iteration_s * (1 - min_gain):
         return new
     return None
+
+
+def initial_plan(
+    model: LayeredModel,
+    *,
+    num_workers: int,
+    microbatch_rows: int,
+    seq_len: int,
+    num_microbatches: int,
+    compute_dtype: Any = "bfloat16",
+    memory_limit_bytes: int | None = None,
+    flops_per_s: float = 82.6e12,
+    bandwidth_bytes_per_s: float = 25e9,
+    speeds: Sequence[float] | None = None,
+    staleness: int = 1,
+) -> PlanResult:
+    """Cold-start plan for a job: ``estimate_costs`` + ``plan_stages`` in one call.
+
+    ``memory_limit_bytes=None`` means no GPU limit (CPU workers). The result's
+    ``costs`` are the prior to give ``ProfileAggregator`` for re-planning.
+    """
+    limit = memory_limit_bytes if memory_limit_bytes is not None else 1 << 60
+    hw = HardwareSpec(
+        num_workers=num_workers,
+        memory_limit_bytes=limit,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        speeds=tuple(speeds) if speeds is not None else None,
+        reserved_bytes=GiB if memory_limit_bytes is not None else 0,
+    )
+    costs = estimate_costs(
+        model,
+        microbatch_rows=microbatch_rows,
+        seq_len=seq_len,
+        compute_dtype=compute_dtype,
+        flops_per_s=flops_per_s,
+    )
+    return plan_stages(
+        costs,
+        hw,
+        num_microbatches,
+        staleness=staleness,
+        tokens_per_iteration=num_microbatches * microbatch_rows * seq_len,
+    )
 
 
 # ===================================================================== bound baselines
@@ -1349,7 +1477,7 @@ class ProfileAggregator:
             task.kind,
             done.layer_times,
             worker_speed=worker_speed,
-            num_microbatches=len(task.microbatches) or None,
+            num_microbatches=task.num_microbatches,
         )
 
     def end_iteration(self, iteration: int) -> None:
@@ -1379,8 +1507,11 @@ class ProfileAggregator:
 
     @property
     def covered(self) -> bool:
-        """Every layer has a backward/tail measurement (forward times can be inferred)."""
-        return all((layer, "bwd") in self.ema for layer in range(len(self.prior)))
+        """Every layer with backward work has a backward/tail measurement (forward times
+        can be inferred; LoRA's prefix has no backward to measure)."""
+        return all(
+            (layer, "bwd") in self.ema for layer, p in enumerate(self.prior) if p.backward_s > 0
+        )
 
     @property
     def settled(self) -> bool:

@@ -126,10 +126,11 @@ class SimResult:
     """Steady-state time per iteration: with two or more iterations, the mean gap between
     iteration ends after the first; with one, its end time."""
     bubble_fraction: float
-    """Idle compute time / (workers x window) over the steady window (after the first
-    iteration's end, or the whole run for one iteration)."""
+    """Share of worker time not computing, in steady state: ``1 - work of one iteration /
+    (workers x iteration_s)`` with the work averaged over the iterations after the first
+    (with one iteration: over its whole run, fill and drain included)."""
     utilisation: list[float]
-    """Per worker: busy compute time / window length over the same window."""
+    """Per worker: its compute time per iteration / ``iteration_s`` (same iterations)."""
     tokens_per_s: float | None
     events: list[SimEvent] = field(repr=False)
     window: tuple[float, float] = (0.0, 0.0)
@@ -245,17 +246,22 @@ def _summarise(
     if k >= 2:
         lo, hi = iteration_ends[0], iteration_ends[-1]
         iteration_s = (hi - lo) / (k - 1)
+        counted = range(2, k + 1)  # the steady iterations: all but the first
     else:
         lo, hi = 0.0, iteration_ends[0]
         iteration_s = hi
-    window = hi - lo
+        counted = range(1, 2)
+    # Busy time per worker of the counted iterations' tasks, per iteration: in steady
+    # state that is the share of each iteration a worker computes (the drain of the last
+    # simulated iteration, which a longer run would fill, does not count as idle).
     busy = [0.0] * num_workers
     for e in events:
-        if e.what == "compute":
-            busy[e.worker] += max(0.0, min(e.end, hi) - max(e.start, lo))
-    if window > 0:
-        utilisation = [b / window for b in busy]
-        bubble = 1.0 - sum(busy) / (num_workers * window)
+        if e.what == "compute" and e.iteration in counted:
+            busy[e.worker] += e.end - e.start
+    span = iteration_s * len(counted)
+    if span > 0:
+        utilisation = [b / span for b in busy]
+        bubble = 1.0 - sum(busy) / (num_workers * span)
     else:
         utilisation = [0.0] * num_workers
         bubble = 0.0

@@ -232,13 +232,18 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
 
 
 def test_worker_joining_mid_job_receives_tasks(cluster: Cluster, tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path / "join", staleness=1, steps=40)
+    spec = tiny_spec(tmp_path / "join", staleness=1, steps=80)
     handle = cluster.client.submit(spec)
     deadline = time.monotonic() + 120
     while cluster.client.job(handle.job_id).status().step < 2:
         assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.1)
+        time.sleep(0.05)
     cluster.add_worker("late")
+    while not any(w.name == "late" for w in cluster.client.workers()):
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.05)
+    joined_at = cluster.client.job(handle.job_id).status()
+    assert joined_at.state == "running", "the job ended before the late worker joined"
     status = handle.wait(timeout_s=300)
     assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
     late = [w for w in cluster.client.workers() if w.name == "late"]

@@ -1,0 +1,396 @@
+"""The partitioner: plan validity, memory, asymmetry, errors, mixed GPUs, profiles, CLI."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from model_helpers import tiny_config
+
+from roundpipe.coordinator.planner import (
+    GiB,
+    HardwareSpec,
+    LayerCost,
+    MiB,
+    ProfileAggregator,
+    describe,
+    estimate_costs,
+    evaluate_plan,
+    initial_plan,
+    parse_quantity,
+    plan_main,
+    plan_stages,
+    replan_if_better,
+)
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+BIG = 1 << 50  # "unlimited" memory
+
+
+def layer(
+    f: float = 1.0,
+    b: float | None = None,
+    *,
+    p: int = 0,
+    g: int | None = None,
+    act: int = 0,
+    work: int = 0,
+    name: str = "",
+) -> LayerCost:
+    return LayerCost(
+        forward_s=f,
+        backward_s=3 * f if b is None else b,
+        param_bytes=p,
+        grad_bytes=2 * p if g is None else g,
+        activation_bytes=act,
+        work_bytes=work,
+        forward_work_bytes=work // 4,
+        name=name,
+    )
+
+
+def hw(n: int = 4, mem: int = BIG, **kw) -> HardwareSpec:
+    kw.setdefault("reserved_bytes", 0)
+    return HardwareSpec(num_workers=n, memory_limit_bytes=mem, **kw)
+
+
+def llm_costs(n_decoder: int = 16, head: float = 6.0, **kw) -> list[LayerCost]:
+    """A prefix, equal decoder layers and an LM head ``head`` times a decoder layer."""
+    return (
+        [layer(0.01, p=kw.get("p_embed", 0))]
+        + [layer(1.0, p=kw.get("p", 0), act=kw.get("act", 0), work=kw.get("work", 0))] * n_decoder
+        + [layer(head, p=kw.get("p_embed", 0))]
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen() -> LayeredModel:
+    return LayeredModel(tiny_config("qwen3"))
+
+
+# ------------------------------------------------------------------- search results
+
+
+def test_hand_computed_objective() -> None:
+    # 5 layers, forward 1, backward 3, M = 1, 2 workers, no bytes. Tail [4:5] costs 3, so
+    # the cap is >= 3: B needs 4 single layers, F 2 stages (the min-max split of 4 layers
+    # in 2 is [0:2],[2:4]): 7 stages x 3 = 21, better than any other cap or tail (cap 4:
+    # F[0:4] + 4 single B = 6 x 4; two-layer tail: 4 stages x 6; whole model: 2 x 15).
+    costs = [layer(1.0)] * 5
+    r = plan_stages(costs, hw(2), 1, select="objective")
+    assert str(r.plan) == "F[0:2,2:4] T[4:5] B[3:4,2:3,1:2,0:1]"
+    assert r.objective_s == pytest.approx(21.0)
+    assert r.stage_times == pytest.approx((2, 2, 3, 3, 3, 3, 3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_plan_is_valid_for_the_model(arch: str) -> None:
+    model = LayeredModel(tiny_config(arch))
+    costs = estimate_costs(
+        model, microbatch_rows=2, seq_len=64, compute_dtype="float32", flops_per_s=1e12
+    )
+    assert len(costs) == model.num_layers
+    assert all(c.forward_s > 0 and c.backward_s > c.forward_s for c in costs)
+    r = plan_stages(costs, hw(3), 4, tokens_per_iteration=4 * 2 * 64)
+    r.plan.validate(model.num_layers)
+    assert len(r.stages) == len(r.plan.stages())
+    assert r.predicted_iteration_s > 0 and r.predicted_tokens_per_s > 0
+    assert [e.label for e in r.stages][len(r.plan.forward)] == "T"
+
+
+def test_one_worker_fuses_the_whole_model() -> None:
+    # One worker: every stage runs on it in turn, so the fewest, largest stages win; a
+    # whole-model tail skips the separate forward pass entirely.
+    r = plan_stages(llm_costs(8, head=2.0), hw(1), 2)
+    assert r.plan == Plan(forward=(), tail=(0, 10), backward=())
+
+
+def test_more_workers_more_stages() -> None:
+    costs = llm_costs(24, head=3.0)
+    counts = [len(plan_stages(costs, hw(n), n + 1).stages) for n in (1, 2, 4, 8)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    assert counts[-1] >= 8
+
+
+def test_heavier_backward_gets_more_backward_stages() -> None:
+    costs = llm_costs(24, head=3.0)
+    r = plan_stages(costs, hw(8), 9)
+    assert len(r.plan.backward) > len(r.plan.forward)
+    # Asymmetric: backward stages hold fewer layers.
+    fwd_sizes = [b - a for a, b in r.plan.forward]
+    bwd_sizes = [b - a for a, b in r.plan.backward]
+    assert max(bwd_sizes) < max(fwd_sizes)
+    # Balanced: no stage is far below the slowest (the tail sets the cap here).
+    assert max(r.stage_times) <= 1.35 * min(
+        t for t, e in zip(r.stage_times, r.stages) if e.kind == "B"
+    )
+
+
+def test_memory_limit_is_respected_and_forces_smaller_stages() -> None:
+    costs = llm_costs(16, head=2.0, p=1 * GiB, act=16 * MiB, work=512 * MiB, p_embed=2 * GiB)
+    loose = plan_stages(costs, hw(4), 5)
+    tight_limit = 24 * GiB
+    tight = plan_stages(costs, hw(4, mem=tight_limit, reserved_bytes=GiB), 5)
+    for r, limit in ((tight, tight_limit),):
+        assert max(r.per_stage_memory) <= limit
+        assert max(r.per_worker_memory) <= limit
+    # Each stage holds its weights + fp32 grads (3 GiB per decoder layer in B stages):
+    # with two stages resident, backward stages of at most a few layers fit.
+    assert len(tight.plan.backward) > len(loose.plan.backward)
+    assert max(b - a for a, b in tight.plan.backward) <= 3
+    for e in tight.stages:
+        largest = max(x.resident_bytes for x in tight.stages)
+        assert e.memory_bytes == e.run_bytes + largest + GiB
+
+
+def test_a_layer_too_big_for_one_gpu_is_named() -> None:
+    costs = llm_costs(4) + []
+    costs[3] = layer(1.0, p=10 * GiB, work=GiB, name="model.layers.2")
+    with pytest.raises(ValueError, match=r"layer 3 \(model\.layers\.2\) does not fit") as e:
+        plan_stages(costs, hw(2, mem=24 * GiB, reserved_bytes=GiB), 3)
+    text = str(e.value)
+    assert "weights 10.0 GiB" in text and "fp32 gradients 20.0 GiB" in text
+    assert "limit is 24.0 GiB" in text
+
+
+def test_no_fit_with_prefetch_is_explained() -> None:
+    # Each layer fits alone (8 GiB of weights + grads) but not next to a prefetched one.
+    costs = [layer(1.0, p=3 * GiB, g=5 * GiB)] * 4
+    with pytest.raises(ValueError, match="no plan fits 12.0 GiB per GPU.*prefetched"):
+        plan_stages(costs, hw(2, mem=12 * GiB), 3)
+
+
+def test_transfer_time_counts() -> None:
+    # Slow PCIe: uploading a layer's weights (4.3 s) takes longer than its forward of
+    # two microbatches (2 s).
+    costs = llm_costs(8, head=2.0, p=4 * GiB)
+    slow = hw(4, bandwidth_bytes_per_s=1e9)
+    r = plan_stages(costs, slow, 2)
+    assert any(e.bound == "upload" for e in r.stages)
+    uploads = sum(e.upload_s for e in r.stages)
+    assert r.predicted_iteration_s >= uploads / 4 * 0.95
+    fast = plan_stages(costs, hw(4), 2)
+    assert fast.predicted_iteration_s < r.predicted_iteration_s
+
+
+def test_mixed_speed_workers() -> None:
+    costs = llm_costs(24, head=3.0)
+    m = 9
+    uniform = plan_stages(costs, hw(4), m)
+    mixed_hw = hw(4, speeds=(1.0, 1.0, 0.5, 0.5))
+    mixed = plan_stages(costs, mixed_hw, m)
+    mixed.plan.validate(len(costs))
+    slow = plan_stages(costs, hw(4, speeds=(0.5,) * 4), m)
+    assert uniform.predicted_iteration_s < mixed.predicted_iteration_s < slow.predicted_iteration_s
+    # Better than the plan made for equal GPUs, run on the mixed ones.
+    naive = evaluate_plan(uniform.plan, costs, mixed_hw, m)
+    assert mixed.predicted_iteration_s <= naive.predicted_iteration_s
+    assert any("mixed worker speeds" in n for n in mixed.notes)
+    with pytest.raises(ValueError, match="speeds lists 2 workers"):
+        hw(4, speeds=(1.0, 0.5))
+
+
+def test_estimates_track_the_model(tiny_qwen: LayeredModel) -> None:
+    kw = dict(microbatch_rows=1, compute_dtype="bfloat16", flops_per_s=100e12)
+    short = estimate_costs(tiny_qwen, seq_len=64, **kw)
+    long = estimate_costs(tiny_qwen, seq_len=256, **kw)
+    n = tiny_qwen.num_layers
+    for i in range(1, n - 1):
+        assert long[i].forward_s > 4 * short[i].forward_s * 0.99  # attention is quadratic
+        assert long[i].activation_bytes == 256 * tiny_qwen.hidden_size * 2
+        assert long[i].param_bytes == 2 * sum(s.numel for s in tiny_qwen.layer_params(i))
+        assert long[i].grad_bytes == 2 * long[i].param_bytes
+    assert short[0].activation_bytes == 64 * 8  # token ids
+    lora = LayeredModel(tiny_config("qwen3"), {"r": 4, "alpha": 8})
+    lc = estimate_costs(lora, seq_len=64, **kw)
+    assert lc[0].backward_s == 0.0 and lc[0].grad_bytes == 0  # frozen embedding, no adapters
+    assert lc[1].grad_bytes < short[1].grad_bytes / 4
+    assert lc[1].backward_s < short[1].backward_s  # no weight gradients of the base
+
+
+def test_replan_only_when_clearly_better() -> None:
+    costs = llm_costs(16, head=2.0)
+    h = hw(4)
+    best = plan_stages(costs, h, 5)
+    assert replan_if_better(best.plan, costs, h, 5) is None
+    bad = Plan.uniform(18, num_forward=1, num_backward=1, tail_layers=1)
+    new = replan_if_better(bad, costs, h, 5)
+    assert new is not None and new.plan != bad
+
+
+def test_describe_lists_every_stage() -> None:
+    r = plan_stages(llm_costs(8, head=2.0), hw(2), 3, tokens_per_iteration=3000)
+    text = describe(r)
+    assert str(r.plan) in text
+    for e in r.stages:
+        assert f"\n{e.label} " in text
+    assert "tokens/s" in text and "peak memory per worker" in text
+
+
+def test_initial_plan_for_cpu_workers(tiny_qwen: LayeredModel) -> None:
+    r = initial_plan(
+        tiny_qwen,
+        num_workers=2,
+        microbatch_rows=2,
+        seq_len=16,
+        num_microbatches=3,
+        compute_dtype="float32",
+    )
+    r.plan.validate(tiny_qwen.num_layers)
+    assert len(r.costs) == tiny_qwen.num_layers and r.hardware is not None
+    assert r.tokens_per_iteration == 3 * 2 * 16
+    ProfileAggregator(r.costs, 3)  # the prior for re-planning
+
+
+def test_slow_cpu_optimizer_throttles_and_sync_is_slower() -> None:
+    costs = llm_costs(16, head=2.0, p=GiB)  # 0.5 G trainable parameters per decoder layer
+    fast = plan_stages(costs, hw(4), 5)
+    slow_hw = hw(4, optimizer_params_per_s=2e7)  # 27 s per decoder layer
+    throttled = evaluate_plan(fast.plan, costs, slow_hw, 5)
+    assert throttled.predicted_iteration_s > 2 * fast.predicted_iteration_s
+    assert any("CPU optimizer" in n for n in throttled.notes)
+    some_hw = hw(4, optimizer_params_per_s=2e9)
+    sync = evaluate_plan(fast.plan, costs, some_hw, 5, staleness=0)
+    asyn = evaluate_plan(fast.plan, costs, some_hw, 5, staleness=1)
+    assert sync.predicted_iteration_s > asyn.predicted_iteration_s
+
+
+# ----------------------------------------------------------------- measured profiles
+
+
+def test_profile_aggregator_ema_warmup_and_settling() -> None:
+    prior = [layer(1.0, 3.0), layer(1.0, 3.0), layer(2.0, 6.0)]
+    agg = ProfileAggregator(prior, num_microbatches=2, alpha=0.5, settle_iterations=2)
+
+    def iteration(k: int, f: float, b: float) -> None:
+        # Per task seconds for all 2 microbatches.
+        agg.record(k, "forward", {"0.fwd": 2 * f, "1.fwd": 2 * f})
+        agg.record(k, "tail", {"2": 2 * 2 * b})
+        agg.record(k, "backward", {"1.fwd": 2 * f, "1.bwd": 2 * (b - f), "0": 2 * b})
+        agg.end_iteration(k)
+
+    iteration(1, 100.0, 100.0)  # warm-up: dropped
+    assert agg.ema == {}
+    iteration(2, 0.5, 2.0)
+    assert agg.ema[(0, "fwd")] == pytest.approx(0.5)
+    assert agg.ema[(1, "bwd")] == pytest.approx(2.0)
+    assert agg.ema[(2, "bwd")] == pytest.approx(4.0)
+    assert not agg.settled
+    iteration(3, 1.5, 2.0)
+    assert agg.ema[(0, "fwd")] == pytest.approx(1.0)  # 0.5 * 1.5 + 0.5 * 0.5
+    assert not agg.settled
+    for k in (4, 5, 6, 7, 8, 9):
+        iteration(k, 1.0, 2.0)
+    assert agg.last_change is not None and agg.last_change < 0.05
+    assert agg.settled
+    costs = agg.costs()
+    assert costs[0].forward_s == pytest.approx(1.0, rel=0.05)
+    assert costs[1].backward_s == pytest.approx(2.0)
+    # Layer 2 only ran in the tail: forward inferred from the prior's 1:3 ratio.
+    assert costs[2].forward_s == pytest.approx(4.0 / 3)
+    assert costs[2].param_bytes == prior[2].param_bytes
+
+
+def test_profile_aggregator_normalises_speed_and_fills_gaps() -> None:
+    prior = [layer(1.0, 3.0)] * 3
+    agg = ProfileAggregator(prior, num_microbatches=4, warmup_iterations=0)
+    # A half-speed worker takes twice as long: its 8 s for 4 microbatches count as 1 s.
+    agg.record(1, "F", {"0.fwd": 8.0}, worker_speed=0.5)
+    agg.record(1, "B", {"0": 24.0}, worker_speed=0.5)
+    agg.record(1, "B", {"junk": 1.0, "99": 5.0})  # ignored
+    agg.end_iteration(1)
+    assert agg.ema[(0, "fwd")] == pytest.approx(1.0)
+    assert not agg.covered  # layers 1 and 2 were never measured
+    costs = agg.costs()
+    assert costs[1].forward_s == pytest.approx(1.0)  # median measured/prior ratio (1.0)
+    with pytest.raises(ValueError, match="unknown task kind"):
+        agg.record(1, "sideways", {})
+
+
+def test_profile_aggregator_task_messages_and_lora_prefix() -> None:
+    # LoRA's prefix has no backward (prior backward_s == 0): settling does not wait for it.
+    prior = [layer(0.1, 0.0), layer(1.0, 3.0), layer(2.0, 6.0)]
+    agg = ProfileAggregator(prior, num_microbatches=3, warmup_iterations=0)
+    for k in (1, 2, 3):
+        fwd = SimpleNamespace(iteration=k, kind="forward", num_microbatches=3)
+        bwd = SimpleNamespace(iteration=k, kind="backward", num_microbatches=3)
+        tail = SimpleNamespace(iteration=k, kind="tail", num_microbatches=3)
+        agg.record_done(fwd, SimpleNamespace(layer_times={"0.fwd": 0.3, "1.fwd": 3.0}))
+        agg.record_done(tail, SimpleNamespace(layer_times={"2.fwd": 6.0, "2.bwd": 12.0}))
+        agg.record_done(bwd, SimpleNamespace(layer_times={"1": 9.0}))
+        agg.end_iteration(k)
+    assert agg.settled
+    assert agg.ema[(2, "bwd")] == pytest.approx(6.0)
+    assert [c.backward_s for c in agg.costs()] == pytest.approx([0.0, 3.0, 6.0])
+
+
+def test_replanning_from_measurements_changes_the_plan() -> None:
+    # The cold start thought the head was cheap; measurements say it is 6 layers' worth.
+    prior = llm_costs(16, head=1.0)
+    h = hw(4)
+    cold = plan_stages(prior, h, 5)
+    agg = ProfileAggregator(prior, num_microbatches=5, warmup_iterations=0)
+    measured = llm_costs(16, head=6.0)
+    for k in (1, 2, 3, 4):
+        for i, c in enumerate(measured):
+            agg.record(k, "forward", {f"{i}.fwd": 5 * c.forward_s})
+            agg.record(k, "backward", {f"{i}": 5 * c.backward_s})
+        agg.end_iteration(k)
+    assert agg.settled
+    new = replan_if_better(cold.plan, agg.costs(), h, 5)
+    assert new is not None
+    assert (
+        new.predicted_iteration_s
+        < evaluate_plan(cold.plan, agg.costs(), h, 5).predicted_iteration_s
+    )
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_parse_quantity() -> None:
+    assert parse_quantity("24GiB") == 24 * GiB
+    assert parse_quantity("25GB/s") == 25e9
+    assert parse_quantity("165T") == 165e12
+    assert parse_quantity("82.6TFLOPS") == pytest.approx(82.6e12)
+    assert parse_quantity("3e9") == 3e9
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_quantity("lots")
+
+
+def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "--architecture",
+        "qwen3",
+        "--set",
+        "hidden_size=64",
+        "--set",
+        "intermediate_size=128",
+        "--set",
+        "num_hidden_layers=6",
+        "--set",
+        "num_attention_heads=4",
+        "--set",
+        "num_key_value_heads=2",
+        "--set",
+        "vocab_size=1000",
+        "--workers",
+        "3",
+        "--seq-len",
+        "128",
+        "--flops",
+        "1T",
+        "--compare",
+        "--grid",
+    ]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED PREDICTION" in out
+    assert "tokens/s" in out and "bubble" in out and "peak memory per worker" in out
+    assert "gpipe" in out and "1f1b" in out
+    assert "w0: " in out
+    assert plan_main(args + ["--memory-limit", "2MiB", "--reserve", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit one GPU" in err
+    assert plan_main(["--workers", "2", "--seq-len", "8"]) == 2  # no model given
