@@ -15,9 +15,9 @@ the worker (e.g. protocol version mismatch) or does not answer the handshake in 
 from __future__ import annotations
 
 import argparse
+import heapq
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
@@ -47,6 +47,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.worker.faults import Fault
 from roundpipe.worker.runtime import TaskAborted, WorkerCore
 
 __all__ = ["WorkerDaemon", "main", "run"]
@@ -58,7 +59,13 @@ class HandshakeError(RuntimeError):
     pass
 
 
+class CoordinatorLost(RuntimeError):
+    """No message from the coordinator within the liveness deadline."""
+
+
 class WorkerDaemon:
+    """Connects, serves tasks, and reconnects with back-off when the coordinator is lost."""
+
     def __init__(
         self,
         coordinator: str,
@@ -66,15 +73,17 @@ class WorkerDaemon:
         device: str = "cpu",
         name: str | None = None,
         handshake_timeout_s: float = 30.0,
+        coordinator_timeout_s: float = 10.0,
+        fault: Fault | None = None,
     ):
         self.coordinator = coordinator
         self.device = torch.device(device)
         self.name = name or f"{socket.gethostname()}-{self.device}".replace(":", "")
         self.handshake_timeout_s = handshake_timeout_s
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.fault = fault
         self.ctx = zmq.Context()
         self._stop = threading.Event()
-        self._tasks: queue.Queue[Message | None] = queue.Queue()
-        self._outbox_address = f"inproc://rp-worker-outbox-{id(self)}"
         self.core: WorkerCore | None = None
 
     def stop(self) -> None:
@@ -109,18 +118,18 @@ class WorkerDaemon:
             compute_capability=None,
         )
 
-    def connect(self) -> Welcome:
+    def connect(self, timeout_s: float) -> Welcome:
+        """Open a fresh DEALER socket and shake hands; raise HandshakeError on failure."""
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.coordinator)
         self.sock.send_multipart(encode(self._hello()))
-        deadline = time.monotonic() + self.handshake_timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():
             if not self.sock.poll(100):
                 continue
-            frames = self.sock.recv_multipart()
             try:
-                msg = decode(frames)
+                msg = decode(self.sock.recv_multipart())
             except ProtocolVersionError as exc:
                 raise HandshakeError(
                     f"the coordinator at {self.coordinator} speaks protocol version "
@@ -135,18 +144,46 @@ class WorkerDaemon:
                 raise HandshakeError(f"the coordinator rejected this worker: {msg.reason}")
             if isinstance(msg, ErrorReply):
                 raise HandshakeError(f"the coordinator refused the handshake: {msg.message}")
+        self.sock.close()
         raise HandshakeError(
-            f"no answer from a coordinator at {self.coordinator} within "
-            f"{self.handshake_timeout_s:.0f}s; is roundpipe-coordinator running there? "
-            "(--coordinator / ROUNDPIPE_ADDRESS; --handshake-timeout)"
+            f"no answer from a coordinator at {self.coordinator} within {timeout_s:.0f}s; "
+            "is roundpipe-coordinator running there? (--coordinator / ROUNDPIPE_ADDRESS; "
+            "--handshake-timeout)"
         )
 
-    # -- loops ------------------------------------------------------------------------
+    # -- sessions ---------------------------------------------------------------------
 
     def serve(self) -> None:
-        welcome = self.connect()
-        self.core = WorkerCore(welcome.worker_id, self.device)
-        self.core.should_abort = self._stop.is_set
+        """First connection must succeed within the handshake timeout; after that a lost
+        coordinator means: drop all state, reconnect with back-off, forever."""
+        welcome = self.connect(self.handshake_timeout_s)
+        backoff_s = 0.5
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._session(welcome)
+                    return  # stopped
+                except CoordinatorLost as exc:
+                    log.warning("[worker] %s; dropping all job state and reconnecting", exc)
+                while not self._stop.is_set():
+                    try:
+                        welcome = self.connect(min(5.0, self.handshake_timeout_s))
+                        backoff_s = 0.5
+                        break
+                    except HandshakeError as exc:
+                        log.info(
+                            "[worker] reconnect failed (%s); retrying in %.1fs", exc, backoff_s
+                        )
+                        self._stop.wait(backoff_s)
+                        backoff_s = min(backoff_s * 2, 8.0)
+        finally:
+            self.ctx.term()
+            log.info("[worker] %s stopped", self.name)
+
+    def _session(self, welcome: Welcome) -> None:
+        core = WorkerCore(welcome.worker_id, self.device)
+        core.fault = self.fault
+        self.core = core
         threading.current_thread().name = f"rp-worker-{welcome.worker_id}"
         log.info(
             "[worker] %s joined coordinator %s as worker %d",
@@ -154,9 +191,20 @@ class WorkerDaemon:
             welcome.coordinator_id,
             welcome.worker_id,
         )
+        session_over = threading.Event()
+        queue_ = _TaskQueue()
+        core.should_abort = lambda: (
+            self._stop.is_set() or session_over.is_set() or queue_.has_lower_than_running()
+        )
+        outbox_address = f"inproc://rp-worker-outbox-{id(self)}-{welcome.worker_id}"
         outbox = self.ctx.socket(zmq.PULL)
-        outbox.bind(self._outbox_address)
-        compute = threading.Thread(target=self._compute_loop, name="rp-compute", daemon=True)
+        outbox.bind(outbox_address)
+        compute = threading.Thread(
+            target=self._compute_loop,
+            args=(core, queue_, outbox_address, session_over),
+            name="rp-compute",
+            daemon=True,
+        )
         compute.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -164,85 +212,110 @@ class WorkerDaemon:
         interval = welcome.heartbeat_interval_s
         next_beat = 0.0
         seq = 0
+        heard_beat = False  # liveness checking starts once the coordinator sends beats
+        last_heard = time.monotonic()
         try:
             while not self._stop.is_set():
                 for sock, _ in poller.poll(100):
                     if sock is outbox:
                         self.sock.send_multipart(outbox.recv_multipart())
                     else:
-                        self._on_message(self.sock.recv_multipart())
-                if time.monotonic() >= next_beat:
+                        last_heard = time.monotonic()
+                        if self._on_message(self.sock.recv_multipart(), queue_):
+                            heard_beat = True
+                now = time.monotonic()
+                if now >= next_beat:
                     seq += 1
                     self.sock.send_multipart(
                         encode(Heartbeat(sender=self.name, seq=seq, sent_at=time.time()))
                     )
-                    next_beat = time.monotonic() + interval
+                    next_beat = now + interval
+                if heard_beat and now - last_heard > self.coordinator_timeout_s:
+                    raise CoordinatorLost(
+                        f"no message from the coordinator for {now - last_heard:.1f}s"
+                    )
         finally:
-            self._stop.set()
-            self._tasks.put(None)
+            session_over.set()
+            queue_.close()
             compute.join(timeout=30)
             outbox.close()
             self.sock.close()
-            self.ctx.term()
-            if self.core is not None:
-                self.core.close()
-            log.info("[worker] %s stopped", self.name)
+            core.close()
+            self.core = None
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes], queue_: _TaskQueue) -> bool:
+        """Handle one message; return True if it was a coordinator heartbeat."""
         try:
             msg = decode(frames)
         except ProtocolError as exc:
             log.warning("[worker] malformed message dropped: %s", exc)
-            return
+            return False
         if isinstance(msg, Shutdown):
             log.info("[worker] shutdown requested: %s", msg.reason)
             self._stop.set()
-        elif isinstance(msg, (JobSetup, StageTask, JobTeardown)):
-            self._tasks.put(msg)
+        elif isinstance(msg, StageTask):
+            queue_.put_task(msg)
+        elif isinstance(msg, (JobSetup, JobTeardown)):
+            queue_.put_control(msg)
         elif isinstance(msg, Heartbeat):
-            pass  # liveness of the coordinator: issue 6 acts on it
+            return True
         else:
             log.warning("[worker] unexpected %s ignored", type(msg).__name__)
+        return False
 
-    def _compute_loop(self) -> None:
+    def _compute_loop(
+        self,
+        core: WorkerCore,
+        queue_: _TaskQueue,
+        outbox_address: str,
+        session_over: threading.Event,
+    ) -> None:
         push = self.ctx.socket(zmq.PUSH)
-        push.connect(self._outbox_address)
-        core = self.core
-        assert core is not None
+        push.connect(outbox_address)
         try:
-            while (msg := self._tasks.get()) is not None:
-                if isinstance(msg, JobSetup):
+            while (item := queue_.next()) is not None:
+                if isinstance(item, JobSetup):
                     try:
-                        core.setup_job(msg)
+                        core.setup_job(item)
                     except Exception:
                         log.error(
                             "[worker] setup of job %s failed:\n%s",
-                            msg.job_id,
+                            item.job_id,
                             traceback.format_exc(),
                         )
-                elif isinstance(msg, JobTeardown):
-                    core.teardown_job(msg.job_id)
-                else:
-                    push.send_multipart(encode(self._run(core, msg)))
+                    continue
+                if isinstance(item, JobTeardown):
+                    queue_.drop_job(item.job_id)
+                    core.teardown_job(item.job_id)
+                    continue
+                try:
+                    result = core.run_task(item)
+                except TaskAborted as exc:
+                    if self._stop.is_set() or session_over.is_set():
+                        push.send_multipart(encode(self._failed(core, item, exc, retryable=True)))
+                        continue
+                    # A lower-numbered task arrived while this one waited for inputs (a
+                    # re-dispatched task of a dead worker, most likely). Run it first; this
+                    # task is idempotent and simply runs again afterwards.
+                    log.info("[worker] task %d yields to an earlier task", item.task_id)
+                    queue_.put_task(item)
+                    continue
+                except Exception as exc:
+                    log.error(
+                        "[worker] task %d (%s %d:%d, iteration %d) failed:\n%s",
+                        item.task_id,
+                        item.kind,
+                        item.layer_start,
+                        item.layer_stop,
+                        item.iteration,
+                        traceback.format_exc(),
+                    )
+                    result = self._failed(core, item, exc, retryable=False)
+                finally:
+                    queue_.done_running()
+                push.send_multipart(encode(result))
         finally:
             push.close(linger=1000)
-
-    def _run(self, core: WorkerCore, task: StageTask) -> Message:
-        try:
-            return core.run_task(task)
-        except TaskAborted as exc:
-            return self._failed(core, task, exc, retryable=True)
-        except Exception as exc:
-            log.error(
-                "[worker] task %d (%s %d:%d, iteration %d) failed:\n%s",
-                task.task_id,
-                task.kind,
-                task.layer_start,
-                task.layer_stop,
-                task.iteration,
-                traceback.format_exc(),
-            )
-            return self._failed(core, task, exc, retryable=False)
 
     @staticmethod
     def _failed(core: WorkerCore, task: StageTask, exc: BaseException, *, retryable: bool):
@@ -256,6 +329,66 @@ class WorkerDaemon:
             traceback=traceback.format_exc(),
             retryable=retryable,
         )
+
+
+class _TaskQueue:
+    """Tasks ordered by task id (the global schedule order), control messages first.
+
+    Running the lowest task id first keeps any assignment of tasks to workers deadlock
+    free, including re-dispatched tasks of a dead worker that arrive after later ones
+    (see docs/fault-tolerance.md).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._control: list[Message] = []
+        self._heap: list[tuple[int, int, StageTask]] = []
+        self._seq = 0
+        self._running: int | None = None
+        self._closed = False
+
+    def put_task(self, task: StageTask) -> None:
+        with self._cv:
+            self._seq += 1
+            heapq.heappush(self._heap, (task.task_id, self._seq, task))
+            self._cv.notify()
+
+    def put_control(self, msg: Message) -> None:
+        with self._cv:
+            self._control.append(msg)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def next(self) -> Message | None:
+        with self._cv:
+            while not self._closed and not self._control and not self._heap:
+                self._cv.wait()
+            if self._closed:
+                return None
+            if self._control:
+                return self._control.pop(0)
+            task = heapq.heappop(self._heap)[2]
+            self._running = task.task_id
+            return task
+
+    def done_running(self) -> None:
+        with self._cv:
+            self._running = None
+
+    def has_lower_than_running(self) -> bool:
+        with self._cv:
+            return (
+                self._running is not None and bool(self._heap) and self._heap[0][0] < self._running
+            )
+
+    def drop_job(self, job_id: str) -> None:
+        with self._cv:
+            self._heap = [e for e in self._heap if e[2].job_id != job_id]
+            heapq.heapify(self._heap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +411,18 @@ def main(argv: list[str] | None = None) -> int:
         help="torch CPU threads for compute (default for --cpu: half the cores, which suits "
         "two CPU workers per machine; oversubscribed cores slow CPU training down many times)",
     )
-    parser.add_argument("--handshake-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the first Welcome before exiting (status 2)",
+    )
+    parser.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of coordinator silence after which the worker drops its state and reconnects",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     # Models, tokenizers and data are local by design: never wait on the hub.

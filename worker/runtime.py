@@ -19,7 +19,16 @@ Running a task, in order:
    bytes), and store the wgrad counters.
 
 A task is idempotent: re-running it (on this or another worker) reads the same inputs
-and writes the same bytes; counters never move backwards.
+and computes the same bytes; counters never move backwards.
+
+Note [no rewrite after signal]
+    When a task is re-run because its first worker died, some of its outputs may already
+    be published (their counters stored). Those are never written again: a counter is
+    stored only after all the writes it covers, so if any of a microbatch's (or of the
+    task's gradient) counters has reached its value, every byte it covers is already in
+    place, and a second write could land on a slot that a later iteration already reuses
+    (a gradient slot is refilled with g_{k+1} as soon as the optimizer consumed g_k). The
+    re-run only stores the counters that are still missing.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import EventTable
 from roundpipe.shared.model import LayeredModel
 from roundpipe.worker.executor import RngKey, StageExecutor
+from roundpipe.worker.faults import Fault
 
 __all__ = ["EVENTS_ARENA", "JobState", "WorkerCore", "TaskAborted"]
 
@@ -93,6 +103,7 @@ class WorkerCore:
         self.device = torch.device(device)
         self.jobs: dict[str, JobState] = {}
         self.should_abort: Callable[[], bool] = lambda: False
+        self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -141,6 +152,7 @@ class WorkerCore:
             )
         started = time.perf_counter()
         timeout = task.wait_timeout_s
+        self._fault_point("start", task)
         for wait in task.weight_waits:
             self._wait(state, wait, timeout)
         weights = self._weights(state, task)
@@ -193,15 +205,17 @@ class WorkerCore:
         if task.grads:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
-            for slot in task.grads:
-                dst = state.view(slot.ref)
-                grad = grads.get(slot.name)
-                if grad is None:
-                    dst.zero_()  # write every slot: a re-run must produce the same bytes
-                else:
-                    dst.copy_(grad)
+            if not self._published(state, task.grad_signals):  # Note [no rewrite after signal]
+                for slot in task.grads:
+                    dst = state.view(slot.ref)
+                    grad = grads.get(slot.name)
+                    if grad is None:
+                        dst.zero_()  # write every slot: a re-run must produce the same bytes
+                    else:
+                        dst.copy_(grad)
             for sig in task.grad_signals:
                 self._signal(state, sig)
+        self._fault_point("end", task)
         return TaskDone(
             job_id=task.job_id,
             task_id=task.task_id,
@@ -241,6 +255,15 @@ class WorkerCore:
     def _signal(self, state: JobState, sig: EventSignal) -> None:
         state.events.signal(sig.counter, sig.value)
 
+    @staticmethod
+    def _published(state: JobState, signals: Sequence[EventSignal]) -> bool:
+        """Whether an earlier run already stored any of these (so all its writes are done)."""
+        return any(state.events.read(s.counter) >= s.value for s in signals)
+
+    def _fault_point(self, where: str, task: StageTask, mb: int | None = None) -> None:
+        if self.fault is not None:
+            self.fault.point(where, task=task, mb=mb)
+
 
 class _LazyInputs(Sequence):
     """A sequence whose item m waits for microbatch m's counters before it is read."""
@@ -272,6 +295,7 @@ class _MicrobatchFeed:
     def ready(self, m: int) -> MicrobatchIO:
         mb = self.task.microbatches[m]
         if m not in self._ready:
+            self.core._fault_point("mb", self.task, mb.index)
             for wait in mb.waits:
                 self.core._wait(self.state, wait, self.task.wait_timeout_s)
             self._ready.add(m)
@@ -291,15 +315,21 @@ class _MicrobatchFeed:
             self.core._signal(self.state, sig)
         self._written.add(m)
 
+    def _already_published(self, m: int) -> bool:
+        return self.core._published(self.state, self.task.microbatches[m].signals)
+
     def write_output(self, m: int, tensor: torch.Tensor) -> None:
         mb = self.task.microbatches[m]
         assert mb.output is not None
-        self.state.view(mb.output).copy_(tensor)
+        if not self._already_published(m):  # Note [no rewrite after signal]
+            self.state.view(mb.output).copy_(tensor)
         self._publish(m)
 
     def write_saved(self, layer: int, m: int, tensor: torch.Tensor) -> None:
         # Saved inputs are published together with the microbatch's output (its signals
         # list covers both), which comes later in the same microbatch.
+        if self._already_published(m):
+            return
         for saved in self.task.microbatches[m].saved:
             if saved.layer == layer:
                 self.state.view(saved.ref).copy_(tensor)
@@ -316,6 +346,6 @@ class _MicrobatchFeed:
         for m, mb in enumerate(self.task.microbatches):
             if m in self._written:
                 continue
-            if mb.output is not None and grad_inputs is not None:
+            if mb.output is not None and grad_inputs is not None and not self._already_published(m):
                 self.state.view(mb.output).copy_(grad_inputs[m])
             self._publish(m)

@@ -1,0 +1,94 @@
+"""Fault injection for tests and the chaos harness: a worker that fails on purpose.
+
+Set ``ROUNDPIPE_FAULT`` in a worker's environment to make it fail at a chosen point::
+
+    ROUNDPIPE_FAULT="kill@iteration=3,kind=backward,mb=1"
+    ROUNDPIPE_FAULT="stop@iteration=2,kind=forward,mb=0"    # SIGSTOP itself (a hang)
+    ROUNDPIPE_FAULT="raise@iteration=4,kind=tail"            # an exception in the task
+    ROUNDPIPE_FAULT="kill@task=7,when=end"                   # after the outputs, before TaskDone
+
+Actions: ``kill`` (SIGKILL itself: a crash), ``stop`` (SIGSTOP itself: frozen, as a stuck
+kernel or a paused VM looks from outside), ``raise`` (a Python exception: the task fails
+and is reported). Conditions (all optional, all must match): ``iteration``, ``kind``
+(forward / tail / backward), ``task`` (task id), ``layer`` (the stage starts at it),
+``mb`` (microbatch index; the fault fires when that microbatch starts), ``when``
+(``start`` of the task, ``mb`` start (default when ``mb`` is given), or ``end``: after
+every output and signal, before TaskDone is sent), ``attempt`` (default 0: a re-run of
+the task elsewhere does not fail again). The fault fires once per process.
+
+The worker is otherwise unchanged: the same code runs with and without faults, which is
+the point (the jupyter "problem kernel" pattern).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+__all__ = ["FAULT_ENV", "Fault", "FaultInjected", "parse_fault"]
+
+FAULT_ENV = "ROUNDPIPE_FAULT"
+_ACTIONS = ("kill", "stop", "raise")
+_KEYS = ("iteration", "kind", "task", "layer", "mb", "when", "attempt")
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a ``raise@...`` fault."""
+
+
+@dataclass
+class Fault:
+    action: str
+    conditions: dict[str, str]
+    fired: bool = False
+
+    def point(self, where: str, *, task, mb: int | None = None) -> None:
+        """Fire if this point (``start``, ``mb`` or ``end``) of ``task`` matches."""
+        if self.fired:
+            return
+        c = self.conditions
+        when = c.get("when", "mb" if "mb" in c else "start")
+        if when != where:
+            return
+        checks = {
+            "iteration": task.iteration,
+            "kind": task.kind,
+            "task": task.task_id,
+            "layer": task.layer_start,
+            "attempt": task.attempt,
+        }
+        if "attempt" not in c and task.attempt != 0:
+            return
+        for key, value in checks.items():
+            if key in c and c[key] != str(value):
+                return
+        if "mb" in c and (mb is None or c["mb"] != str(mb)):
+            return
+        self.fired = True
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise FaultInjected(f"injected fault {self.action}@{c} fired")
+
+
+def parse_fault(text: str | None) -> Fault | None:
+    """Parse ``ACTION@key=value,...``; raise ValueError with what is wrong."""
+    if not text:
+        return None
+    action, _, rest = text.partition("@")
+    if action not in _ACTIONS:
+        raise ValueError(f"{FAULT_ENV}: action {action!r} must be one of {', '.join(_ACTIONS)}")
+    conditions: dict[str, str] = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in _KEYS:
+            raise ValueError(
+                f"{FAULT_ENV}: condition {part!r} must be key=value with key in {', '.join(_KEYS)}"
+            )
+        conditions[key] = value
+    if conditions.get("when", "start") not in ("start", "mb", "end"):
+        raise ValueError(f"{FAULT_ENV}: when= must be start, mb or end")
+    return Fault(action, conditions)
