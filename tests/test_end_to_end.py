@@ -8,10 +8,10 @@ oracle (tests/runtime_helpers.py) within 1e-5 relative.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,103 +19,30 @@ import torch
 import zmq
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec
 
-from roundpipe.client import Client
+from roundpipe.cluster import LocalCluster
 from roundpipe.protocol import Hello, Reject, decode, encode
 
 pytestmark = pytest.mark.slow
 
 
-class Cluster:
-    """A coordinator and workers as child processes, with logs in files."""
-
-    def __init__(self, root: Path, arena_dir: Path):
-        self.root = root
-        self.arena_dir = arena_dir
-        self.address = f"ipc://{root}/coordinator.sock"
-        self.procs: list[subprocess.Popen] = []
-        self.coordinator = self._spawn(
-            "coordinator",
-            "roundpipe.coordinator.daemon",
-            "--address",
-            self.address,
-            "--state-dir",
-            str(root / "state"),
-            "--arena-dir",
-            str(arena_dir),
-            "--wait-timeout",
-            "120",
-        )
-        self.client = Client(self.address, timeout_s=20)
-
-    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        proc.log_path = self.root / f"{name}.log"  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    def add_worker(self, name: str) -> subprocess.Popen:
-        return self._spawn(
-            name,
-            "roundpipe.worker.daemon",
-            "--cpu",
-            "--threads",
-            "1",
-            "--coordinator",
-            self.address,
-            "--name",
-            name,
-        )
-
-    def wait_for_workers(self, count: int, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if len(self.client.workers()) >= count:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"{count} workers did not connect:\n{self.logs()}")
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.log_path.name}\n{p.log_path.read_text()[-3000:]}"  # type: ignore[attr-defined]
-            for p in self.procs
-        )
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.client.close()
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("cluster")
     arena_dir = Path("/dev/shm") / f"rp-e2e-{os.getpid()}"
     arena_dir.mkdir()
-    c = Cluster(root, arena_dir)
+    c = LocalCluster(root, arena_dir, coordinator_args=["--wait-timeout", "120"])
     c.add_worker("w1")
     c.add_worker("w2")
     try:
         c.wait_for_workers(2)
         yield c
     finally:
-        c.stop()
-        leftovers = list(arena_dir.iterdir())
-        for entry in leftovers:
+        leaked = c.stop()
+        for entry in arena_dir.iterdir():
             entry.unlink()
         arena_dir.rmdir()
-        assert c.coordinator.returncode == 0, c.logs()
-        assert leftovers == [], f"arenas leaked: {leftovers}"
+        assert c.coordinator.proc.returncode == 0, c.logs()
+        assert leaked == [], f"arenas leaked: {leaked}"
 
 
 def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
@@ -130,7 +57,7 @@ def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_queued_jobs_match_the_oracle(cluster: Cluster, tmp_path: Path) -> None:
+def test_queued_jobs_match_the_oracle(cluster: LocalCluster, tmp_path: Path) -> None:
     """Three jobs submitted at once run one after another; each equals its oracle."""
     specs = {
         "exact": tiny_spec(tmp_path / "exact", staleness=0),
@@ -159,7 +86,7 @@ def test_queued_jobs_match_the_oracle(cluster: Cluster, tmp_path: Path) -> None:
     assert all(w.tasks_done > 0 for w in workers), workers
 
 
-def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
+def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: LocalCluster, tmp_path: Path) -> None:
     from roundpipe.client import JobRejected
     from roundpipe.protocol import ErrorReply, SubmitJob
 
@@ -181,7 +108,7 @@ def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: Cluster, tmp_path:
         cluster.client.submit(spec)
 
 
-def test_worker_of_another_protocol_version_is_rejected(cluster: Cluster) -> None:
+def test_worker_of_another_protocol_version_is_rejected(cluster: LocalCluster) -> None:
     hello = Hello(
         worker_name="old",
         hostname="h",
@@ -209,7 +136,7 @@ def test_worker_of_another_protocol_version_is_rejected(cluster: Cluster) -> Non
 
 
 def test_second_coordinator_on_the_same_address_exits_clearly(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     result = subprocess.run(
         [
@@ -231,7 +158,7 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
     assert "already serving" in result.stderr or "in use" in result.stderr
 
 
-def test_worker_joining_mid_job_receives_tasks(cluster: Cluster, tmp_path: Path) -> None:
+def test_worker_joining_mid_job_receives_tasks(cluster: LocalCluster, tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path / "join", staleness=1, steps=80)
     handle = cluster.client.submit(spec)
     deadline = time.monotonic() + 120
@@ -254,7 +181,7 @@ def test_worker_joining_mid_job_receives_tasks(cluster: Cluster, tmp_path: Path)
     )
 
 
-def test_cli_submit_wait_drives_a_job_to_its_result(cluster: Cluster, tmp_path: Path) -> None:
+def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_path: Path) -> None:
     """`roundpipe submit SPEC.yaml --wait` against real daemons, then status/jobs/logs."""
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(tiny_spec(tmp_path / "cli-out", steps=3).to_yaml())
@@ -281,7 +208,7 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: Cluster, tmp_path: 
     )
     assert job_id in jobs.stdout
     logs = subprocess.run(
-        [*cli, "logs", job_id, "--state-dir", str(cluster.root / "state")],
+        [*cli, "logs", job_id, "--state-dir", str(cluster.state_dir)],
         capture_output=True,
         text=True,
         timeout=60,

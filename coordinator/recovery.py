@@ -1,0 +1,193 @@
+"""Task bookkeeping that survives worker loss: dispatch, re-dispatch, retries, deadlines.
+
+Workers hold no state, and every task is idempotent (Note [no rewrite after signal] in
+roundpipe.worker.runtime), so losing a worker costs only the tasks it had not finished:
+``TaskTracker`` re-sends them, as new attempts, to the workers that are left, and the job
+continues. Why that cannot deadlock: workers run their queued tasks in task-id order and
+yield a blocked task to a lower-numbered one (roundpipe.worker.daemon._TaskQueue), and the
+task-id order is a topological order of the schedule's dependencies.
+
+Three separate signals decide that a worker is gone (docs/fault-tolerance.md):
+
+- its process is gone (same host: pid + start time checked every poll) -> at once;
+- no heartbeat for ``worker_timeout_s`` (liveness; heartbeats come from the worker's I/O
+  thread, so a long task never looks dead) -> lost, and fenced with SIGKILL when local;
+- no task completed for the progress deadline while it has tasks in flight (a stuck
+  kernel with a live I/O thread) -> lost and fenced. The deadline is ``deadline_factor`` x
+  the slowest task time measured so far, never below ``deadline_floor_s``.
+
+A task that *fails* (the worker reports an exception) is retried elsewhere up to
+``max_attempts`` times in all; then the job fails with the task's error (e.g. out of
+memory for its stage), instead of retrying forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from roundpipe.protocol import StageTask, TaskDone, TaskFailed
+
+__all__ = ["RecoveryPolicy", "TaskTracker", "TaskGaveUp"]
+
+log = logging.getLogger(__name__)
+
+
+class TaskGaveUp(RuntimeError):
+    """A task failed ``max_attempts`` times; the message carries its last error."""
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    max_attempts: int = 3
+    """Attempts per task when it *fails* (raises). Re-dispatch after worker loss is free."""
+    deadline_floor_s: float = 60.0
+    """A worker with tasks in flight must complete one at least this often."""
+    deadline_factor: float = 20.0
+    """... or within this many times the slowest task measured so far, if larger."""
+
+
+@dataclass
+class _Entry:
+    task: StageTask
+    worker_id: int
+    sent_at: float
+
+
+@dataclass
+class TaskTracker:
+    """In-flight tasks of one job and where they run."""
+
+    send: Callable[[StageTask, int], None]
+    live_workers: Callable[[], list[int]]
+    policy: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    in_flight: dict[int, _Entry] = field(default_factory=dict)
+    parked: list[StageTask] = field(default_factory=list)
+    failures: dict[int, int] = field(default_factory=dict)
+    slowest_task_s: float = 0.0
+    recoveries: list[dict] = field(default_factory=list)
+    _round_robin: int = 0
+    _last_progress: dict[int, float] = field(default_factory=dict)
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def dispatch(self, task: StageTask) -> None:
+        """Send ``task`` to the next live worker round-robin (park it if none is live)."""
+        live = self.live_workers()
+        if not live:
+            self.parked.append(task)
+            return
+        worker_id = live[self._round_robin % len(live)]
+        self._round_robin += 1
+        self.in_flight[task.task_id] = _Entry(task, worker_id, time.monotonic())
+        self._last_progress.setdefault(worker_id, time.monotonic())
+        self.send(task, worker_id)
+
+    def dispatch_parked(self) -> int:
+        """Send parked tasks once a worker is back; return how many went out."""
+        if not self.parked or not self.live_workers():
+            return 0
+        parked, self.parked = self.parked, []
+        for task in sorted(parked, key=lambda t: t.task_id):
+            self.dispatch(task)
+        return len(parked)
+
+    @property
+    def waiting_for_workers(self) -> bool:
+        return bool(self.parked) and not self.live_workers()
+
+    # -- results ----------------------------------------------------------------------
+
+    def completed(self, msg: TaskDone) -> _Entry | None:
+        """Record a completion; None for a duplicate (a re-run finishing late)."""
+        entry = self.in_flight.pop(msg.task_id, None)
+        if entry is None:
+            return None
+        now = time.monotonic()
+        self._last_progress[msg.worker_id] = now
+        self.slowest_task_s = max(self.slowest_task_s, msg.seconds)
+        for rec in self.recoveries:
+            if rec.get("next_task_after_s") is None:
+                rec["next_task_after_s"] = now - rec["lost_at"]
+        return entry
+
+    def failed(self, msg: TaskFailed) -> None:
+        """Retry a failed task elsewhere, or raise TaskGaveUp after max_attempts."""
+        entry = self.in_flight.pop(msg.task_id, None)
+        if entry is None:
+            return
+        count = self.failures.get(msg.task_id, 0) + 1
+        self.failures[msg.task_id] = count
+        task = entry.task
+        if count >= self.policy.max_attempts:
+            raise TaskGaveUp(
+                f"task {task.task_id} ({task.kind} layers {task.layer_start}:{task.layer_stop}, "
+                f"iteration {task.iteration}) failed {count} times; last on worker "
+                f"{msg.worker_id}: {msg.error_type}: {msg.message}"
+            )
+        log.warning(
+            "[recovery] task %d failed on worker %d (%s: %s); retry %d of %d elsewhere",
+            task.task_id,
+            msg.worker_id,
+            msg.error_type,
+            msg.message,
+            count,
+            self.policy.max_attempts - 1,
+        )
+        self._redispatch([task], avoid=msg.worker_id)
+
+    # -- worker loss ------------------------------------------------------------------
+
+    def worker_lost(self, worker_id: int, reason: str) -> list[int]:
+        """Re-dispatch the tasks ``worker_id`` had not finished; return their ids."""
+        stranded = sorted(
+            (e.task for e in self.in_flight.values() if e.worker_id == worker_id),
+            key=lambda t: t.task_id,
+        )
+        for task in stranded:
+            del self.in_flight[task.task_id]
+        self._last_progress.pop(worker_id, None)
+        self.recoveries.append(
+            {
+                "worker_id": worker_id,
+                "reason": reason,
+                "lost_at": time.monotonic(),
+                "tasks": [t.task_id for t in stranded],
+                "next_task_after_s": None,
+            }
+        )
+        if stranded:
+            log.warning(
+                "[recovery] worker %d lost (%s): re-dispatching %d task(s): %s",
+                worker_id,
+                reason,
+                len(stranded),
+                [t.task_id for t in stranded],
+            )
+        self._redispatch(stranded, avoid=worker_id)
+        return [t.task_id for t in stranded]
+
+    def _redispatch(self, tasks: list[StageTask], *, avoid: int) -> None:
+        for task in tasks:
+            retry = dataclasses.replace(task, attempt=task.attempt + 1)
+            live = [w for w in self.live_workers() if w != avoid]
+            if not live:
+                self.parked.append(retry)
+                continue
+            worker_id = live[self._round_robin % len(live)]
+            self._round_robin += 1
+            self.in_flight[retry.task_id] = _Entry(retry, worker_id, time.monotonic())
+            self._last_progress.setdefault(worker_id, time.monotonic())
+            self.send(retry, worker_id)
+
+    def hung_workers(self, now: float | None = None) -> list[int]:
+        """Workers with tasks in flight that have not completed one within the deadline."""
+        now = time.monotonic() if now is None else now
+        deadline = max(
+            self.policy.deadline_floor_s, self.policy.deadline_factor * self.slowest_task_s
+        )
+        busy = {e.worker_id for e in self.in_flight.values()}
+        return [w for w in busy if now - self._last_progress.get(w, now) > deadline]

@@ -1,0 +1,142 @@
+"""A coordinator and CPU/GPU workers as local child processes: for the chaos harness,
+benchmarks and tests (``roundpipe demo`` has its own launcher with progress display).
+
+Every daemon is a real process started with ``sys.executable -m ...`` and logging to a
+file in ``root``. Workers can be added, killed (SIGKILL), frozen (SIGSTOP) and thawed at
+any time; ``stop()`` terminates everything with deadlines and reports arenas left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from roundpipe.client import Client
+
+__all__ = ["Daemon", "LocalCluster"]
+
+
+@dataclass
+class Daemon:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        root: Path,
+        arena_dir: Path,
+        *,
+        coordinator_args: list[str] | None = None,
+        client_timeout_s: float = 30.0,
+    ):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.arena_dir = Path(arena_dir)
+        self.address = f"ipc://{self.root}/coordinator.sock"
+        self.state_dir = self.root / "state"
+        self.coordinator_args = list(coordinator_args or [])
+        self.daemons: list[Daemon] = []
+        self.workers: dict[str, Daemon] = {}
+        self.coordinator = self.start_coordinator()
+        self.client = Client(self.address, timeout_s=client_timeout_s)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Daemon:
+        log_path = self.root / f"{name}.log"
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            )
+        daemon = Daemon(name, proc, log_path)
+        self.daemons.append(daemon)
+        return daemon
+
+    def start_coordinator(self) -> Daemon:
+        daemon = self._spawn(
+            "coordinator",
+            [
+                "-m",
+                "roundpipe.coordinator.daemon",
+                "--address",
+                self.address,
+                "--state-dir",
+                str(self.state_dir),
+                "--arena-dir",
+                str(self.arena_dir),
+                "--threads",
+                "1",
+                *self.coordinator_args,
+            ],
+        )
+        self.coordinator = daemon
+        return daemon
+
+    def add_worker(self, name: str, *, fault: str | None = None, threads: int = 1) -> Daemon:
+        env = {"ROUNDPIPE_FAULT": fault} if fault else {}
+        daemon = self._spawn(
+            name,
+            [
+                "-m",
+                "roundpipe.worker.daemon",
+                "--cpu",
+                "--threads",
+                str(threads),
+                "--coordinator",
+                self.address,
+                "--name",
+                name,
+            ],
+            env,
+        )
+        self.workers[name] = daemon
+        return daemon
+
+    def signal_worker(self, name: str, sig: int) -> None:
+        self.workers[name].proc.send_signal(sig)
+
+    def wait_for_workers(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.client.workers()) >= count:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(
+            f"{count} workers did not connect within {timeout_s:.0f}s\n{self.logs()}"
+        )
+
+    def logs(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {d.name} ({d.log_path})\n{d.tail(chars)}" for d in self.daemons)
+
+    def stop(self, timeout_s: float = 30.0) -> list[Path]:
+        """Terminate every daemon (SIGCONT first for frozen ones); return leftover arenas."""
+        for daemon in reversed(self.daemons):
+            if daemon.alive():
+                daemon.proc.send_signal(signal.SIGCONT)
+                daemon.proc.send_signal(signal.SIGTERM)
+        for daemon in self.daemons:
+            try:
+                daemon.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                daemon.proc.kill()
+                daemon.proc.wait()
+        self.client.close()
+        return sorted(p for p in self.arena_dir.iterdir() if p.name.startswith("rp."))

@@ -1,0 +1,141 @@
+"""TaskTracker: re-dispatch after worker loss, parking, bounded retries, deadlines."""
+
+from __future__ import annotations
+
+import pytest
+
+from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
+from roundpipe.protocol import MicrobatchIO, StageTask, TaskDone, TaskFailed, TensorRef
+
+
+def task(task_id: int) -> StageTask:
+    ref = TensorRef(arena="acts", offset=4096, dtype="float32", shape=(1, 4, 8), stride=(32, 8, 1))
+    mb = MicrobatchIO(
+        index=0,
+        input=ref,
+        output=ref,
+        grad_output=None,
+        labels=None,
+        loss=None,
+        saved=[],
+        waits=[],
+        signals=[],
+    )
+    return StageTask(
+        job_id="j",
+        task_id=task_id,
+        attempt=0,
+        iteration=1,
+        kind="forward",
+        layer_start=1,
+        layer_stop=2,
+        weight_version=0,
+        weight_waits=[],
+        microbatches=[mb],
+        grads=[],
+        grad_waits=[],
+        grad_signals=[],
+        loss_denominator=0,
+        seed=0,
+        wait_timeout_s=10.0,
+    )
+
+
+def done(task_id: int, worker_id: int, seconds: float = 0.1) -> TaskDone:
+    return TaskDone(
+        job_id="j", task_id=task_id, attempt=0, worker_id=worker_id, seconds=seconds, layer_times={}
+    )
+
+
+class Pool:
+    def __init__(self, workers: list[int]):
+        self.workers = workers
+        self.sent: list[tuple[int, int, int]] = []  # (task id, attempt, worker)
+
+    def send(self, t: StageTask, worker_id: int) -> None:
+        self.sent.append((t.task_id, t.attempt, worker_id))
+
+
+def make(workers: list[int], **policy) -> tuple[TaskTracker, Pool]:
+    pool = Pool(workers)
+    return TaskTracker(pool.send, lambda: list(pool.workers), RecoveryPolicy(**policy)), pool
+
+
+def test_round_robin_and_duplicate_completions() -> None:
+    tracker, pool = make([1, 2, 3])
+    for i in range(5):
+        tracker.dispatch(task(i))
+    assert [w for _, _, w in pool.sent] == [1, 2, 3, 1, 2]
+    assert tracker.completed(done(0, 1)) is not None
+    assert tracker.completed(done(0, 3)) is None  # a late re-run: ignored
+
+
+def test_lost_worker_tasks_go_to_the_others_as_new_attempts() -> None:
+    tracker, pool = make([1, 2, 3])
+    for i in range(6):
+        tracker.dispatch(task(i))
+    tracker.completed(done(0, 1))
+    pool.workers.remove(1)
+    pool.sent.clear()
+    assert tracker.worker_lost(1, "process gone") == [3]  # task 0 had finished already
+    assert pool.sent == [(3, 1, pool.sent[0][2])] and pool.sent[0][2] in (2, 3)
+    assert tracker.in_flight[3].task.attempt == 1
+    tracker.completed(done(3, pool.sent[0][2]))
+    assert tracker.recoveries[0]["next_task_after_s"] is not None
+
+
+def test_tasks_park_while_no_worker_is_left_and_resume_when_one_joins() -> None:
+    tracker, pool = make([1])
+    tracker.dispatch(task(0))
+    tracker.dispatch(task(1))
+    pool.workers.clear()
+    tracker.worker_lost(1, "heartbeat")
+    tracker.dispatch(task(2))
+    assert tracker.waiting_for_workers and len(tracker.parked) == 3
+    pool.workers.append(4)
+    pool.sent.clear()
+    assert tracker.dispatch_parked() == 3
+    assert pool.sent == [(0, 1, 4), (1, 1, 4), (2, 0, 4)]  # in task order
+
+
+def test_failing_task_is_retried_then_gives_up_with_its_error() -> None:
+    tracker, pool = make([1, 2], max_attempts=3)
+    tracker.dispatch(task(7))
+    for attempt in range(2):
+        worker = pool.sent[-1][2]
+        tracker.failed(
+            TaskFailed(
+                job_id="j",
+                task_id=7,
+                attempt=attempt,
+                worker_id=worker,
+                error_type="OutOfMemoryError",
+                message="CUDA out of memory",
+                traceback="",
+                retryable=False,
+            )
+        )
+        assert pool.sent[-1][2] != worker  # retried on another worker
+    with pytest.raises(TaskGaveUp, match="failed 3 times.*OutOfMemoryError: CUDA out of memory"):
+        tracker.failed(
+            TaskFailed(
+                job_id="j",
+                task_id=7,
+                attempt=2,
+                worker_id=pool.sent[-1][2],
+                error_type="OutOfMemoryError",
+                message="CUDA out of memory",
+                traceback="",
+                retryable=False,
+            )
+        )
+
+
+def test_progress_deadline_finds_a_hung_worker() -> None:
+    tracker, _ = make([1, 2], deadline_floor_s=5.0, deadline_factor=10.0)
+    tracker.dispatch(task(0))
+    tracker.dispatch(task(1))
+    start = tracker.in_flight[0].sent_at
+    tracker.completed(done(1, 2, seconds=1.0))  # slowest task 1 s -> deadline 10 s
+    assert tracker.hung_workers(start + 9) == []
+    assert tracker.hung_workers(start + 11) == [1]
