@@ -259,6 +259,8 @@ class WorkerDaemon:
             queue_.put_control(msg)
         elif isinstance(msg, Heartbeat):
             return True
+        elif isinstance(msg, ErrorReply) and msg.code == "unknown_worker":
+            raise CoordinatorLost("the coordinator restarted and no longer knows this worker")
         else:
             log.warning("[worker] unexpected %s ignored", type(msg).__name__)
         return False
