@@ -1,0 +1,355 @@
+"""``roundpipe chaos``: break things during a real job; the result must not change.
+
+Runs a job once without faults (the reference), then again on a local cluster while
+injecting faults, and checks that the final weights are *bitwise* equal to the reference
+(CPU workers, fp32, one thread each: every task computes the same bytes wherever it runs).
+
+Faults (``FaultSpec``):
+
+- ``kill`` / ``stop`` at a random moment: SIGKILL (a crash) or SIGSTOP (a hang: the
+  coordinator detects the missing heartbeats and fences the process) of a random worker,
+  after which a replacement worker is started, as systemd would;
+- ``point``: a worker restarted with ``ROUNDPIPE_FAULT`` (worker.faults) that kills or
+  freezes itself at a chosen step, task kind and microbatch;
+- ``coordinator``: SIGKILL of the coordinator at a random moment, then a restart on the
+  same state directory: the job resumes from its last checkpoint (docs/checkpoints.md).
+
+Every random choice comes from ``random.Random(seed)``; the seed is printed so a failing
+run can be replayed exactly (``--seed``). Recovery time (fault to the next completed
+task, from the coordinator's ``[recovery]`` log lines) is reported per fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
+
+__all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]
+
+_RECOVERY_RE = re.compile(
+    r"\[recovery\] first task completed (?P<after>[0-9.]+)s after worker (?P<w>\d+) was lost"
+)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str  # "kill" | "stop" | "point" | "coordinator"
+    at_fraction: float = 0.5  # when, as a fraction of the reference job's duration
+    point: str | None = None  # for kind "point": a ROUNDPIPE_FAULT value
+
+    def __str__(self) -> str:
+        if self.kind == "point":
+            return f"point {self.point}"
+        return f"{self.kind} at {self.at_fraction:.0%} of the run"
+
+
+@dataclass
+class TrialResult:
+    faults: list[FaultSpec]
+    seed: int
+    identical: bool
+    state: str
+    message: str
+    seconds: float
+    recovery_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ChaosReport:
+    reference_s: float
+    trials: list[TrialResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(t.identical and t.state == "succeeded" for t in self.trials)
+
+    def table(self) -> str:
+        rows = [f"{'trial':>5} {'seed':>6} {'faults':60} {'state':10} {'bitwise':8} recovery_s"]
+        for i, t in enumerate(self.trials):
+            faults = "; ".join(map(str, t.faults))
+            rec = ", ".join(f"{r:.2f}" for r in t.recovery_s) or "-"
+            rows.append(
+                f"{i:>5} {t.seed:>6} {faults[:60]:60} {t.state:10} "
+                f"{'equal' if t.identical else 'DIFFERS':8} {rec}"
+            )
+        return "\n".join(rows)
+
+
+def random_faults(
+    rng: random.Random,
+    count: int,
+    spec: JobSpec,
+    *,
+    allow_stop: bool = True,
+    allow_point: bool = True,
+) -> list[FaultSpec]:
+    kinds = ["kill"] + (["stop"] if allow_stop else []) + (["point"] if allow_point else [])
+    faults = []
+    for _ in range(count):
+        kind = rng.choice(kinds)
+        if kind == "point":
+            action = rng.choice(["kill", "stop"]) if allow_stop else "kill"
+            task_kind = rng.choice(["forward", "tail", "backward"])
+            iteration = rng.randint(1, max(1, spec.train.steps - 1))
+            mb = rng.randrange(spec.batch.num_microbatches)
+            point = f"{action}@iteration={iteration},kind={task_kind},mb={mb}"
+            faults.append(FaultSpec("point", point=point))
+        else:
+            faults.append(FaultSpec(kind, at_fraction=rng.uniform(0.1, 0.8)))
+    return faults
+
+
+def _load_weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _bitwise_equal(a: Path, b: Path) -> bool:
+    wa, wb = _load_weights(a), _load_weights(b)
+    return wa.keys() == wb.keys() and all(
+        wa[k].dtype == wb[k].dtype
+        and bool((wa[k].view(-1) == wb[k].view(-1)).all())
+        and wa[k].shape == wb[k].shape
+        for k in wa
+    )
+
+
+def _with_output(spec: JobSpec, out: Path, plan: str | None) -> JobSpec:
+    raw = spec.to_dict()
+    raw["output"]["dir"] = str(out)
+    if plan is not None:
+        raw["train"]["plan"] = plan
+    return JobSpec.from_dict(raw)
+
+
+def run_chaos(
+    spec: JobSpec,
+    *,
+    root: Path,
+    arena_dir: Path,
+    num_workers: int = 3,
+    trials: list[list[FaultSpec]],
+    seeds: list[int],
+    worker_timeout_s: float = 2.0,
+    say: Callable[[str], None] = print,
+) -> ChaosReport:
+    """Reference run, then one job per trial with that trial's faults injected."""
+    from roundpipe.coordinator.jobspec import model_config_from_spec
+    from roundpipe.coordinator.trainer import default_plan
+
+    # Pin the plan: the reference and the faulty runs must cut the model identically,
+    # whatever number of workers happens to be connected when a job starts.
+    layers = int(model_config_from_spec(spec.model).num_hidden_layers) + 2
+    plan = str(default_plan(layers, num_workers))
+    cluster = LocalCluster(
+        root, arena_dir, coordinator_args=["--worker-timeout", str(worker_timeout_s)]
+    )
+    names = iter(f"chaos-w{i}" for i in range(10_000))
+    try:
+        for _ in range(num_workers):
+            cluster.add_worker(next(names))
+        cluster.wait_for_workers(num_workers)
+        started = time.monotonic()
+        reference = _with_output(spec, root / "reference", plan)
+        status = cluster.client.submit(reference).wait(timeout_s=1800)
+        if status.state != "succeeded":
+            raise RuntimeError(f"reference run {status.state}: {status.message}\n{cluster.logs()}")
+        reference_s = time.monotonic() - started
+        say(f"chaos: reference run {reference_s:.1f}s, plan {plan}")
+        results = []
+        for index, (faults, seed) in enumerate(zip(trials, seeds)):
+            results.append(
+                _trial(
+                    cluster, spec, plan, faults, seed, index, reference_s, names, num_workers, root
+                )
+            )
+            r = results[-1]
+            say(
+                f"chaos: trial {index} seed {seed}: {'; '.join(map(str, faults))} -> "
+                f"{r.state}, {'bitwise equal' if r.identical else 'DIFFERENT'}; "
+                f"recovery {', '.join(f'{x:.2f}s' for x in r.recovery_s) or '-'}"
+            )
+        return ChaosReport(reference_s, results)
+    finally:
+        leaked = cluster.stop()
+        if leaked:
+            say(f"chaos: arenas left behind: {leaked}")
+
+
+def _trial(
+    cluster: LocalCluster,
+    spec: JobSpec,
+    plan: str,
+    faults: list[FaultSpec],
+    seed: int,
+    index: int,
+    reference_s: float,
+    names,
+    num_workers: int,
+    root: Path,
+) -> TrialResult:
+    rng = random.Random(seed)
+    # Point faults live inside a worker: restart one worker with the fault armed.
+    for fault in faults:
+        if fault.kind == "point":
+            live = [n for n, d in cluster.workers.items() if d.alive()]
+            victim = rng.choice(live)
+            cluster.signal_worker(victim, signal.SIGTERM)
+            cluster.workers[victim].proc.wait(timeout=60)
+            del cluster.workers[victim]
+            cluster.add_worker(next(names), fault=fault.point)
+    _keep_workers(cluster, num_workers, names)
+    cluster.wait_for_workers(num_workers)
+    log_mark = _log_size(cluster)
+    out = root / f"trial-{index}"
+    handle = cluster.client.submit(_with_output(spec, out, plan))
+    started = time.monotonic()
+    for fault in sorted((f for f in faults if f.kind != "point"), key=lambda f: f.at_fraction):
+        delay = started + fault.at_fraction * reference_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if fault.kind == "coordinator":
+            cluster.coordinator.proc.send_signal(signal.SIGKILL)
+            cluster.coordinator.proc.wait()
+            cluster.start_coordinator()
+            continue
+        live = [n for n, d in cluster.workers.items() if d.alive()]
+        victim = rng.choice(live)
+        cluster.signal_worker(victim, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        # As systemd would: a replacement starts (the frozen one is fenced by the
+        # coordinator once its heartbeats stop).
+        cluster.add_worker(next(names))
+    status = _wait(cluster, handle.job_id, timeout_s=max(600.0, 20 * reference_s))
+    _keep_workers(cluster, num_workers, names)
+    identical = status.state == "succeeded" and _bitwise_equal(root / "reference", out)
+    return TrialResult(
+        faults,
+        seed,
+        identical,
+        status.state,
+        status.message,
+        time.monotonic() - started,
+        _recoveries(cluster, log_mark),
+    )
+
+
+def _wait(cluster: LocalCluster, job_id: str, timeout_s: float):
+    """Wait for a final state, tolerating a coordinator that is restarting."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            status = cluster.client.job(job_id).status()
+            if status.state in ("succeeded", "failed", "cancelled", "paused"):
+                return status
+        except Exception as exc:  # the coordinator may be between a kill and a restart
+            last_error = exc
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"job {job_id} did not finish in {timeout_s:.0f}s ({last_error})\n{cluster.logs()}"
+    )
+
+
+def _keep_workers(cluster: LocalCluster, count: int, names) -> None:
+    for name, daemon in list(cluster.workers.items()):
+        if not daemon.alive():
+            del cluster.workers[name]
+    while len(cluster.workers) < count:
+        cluster.add_worker(next(names))
+
+
+def _log_size(cluster: LocalCluster) -> int:
+    try:
+        return cluster.coordinator.log_path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _recoveries(cluster: LocalCluster, mark: int) -> list[float]:
+    try:
+        text = cluster.coordinator.log_path.read_text(errors="replace")[mark:]
+    except OSError:
+        return []
+    return [float(m["after"]) for m in _RECOVERY_RE.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="roundpipe chaos",
+        description="Run a job with injected worker/coordinator faults and check the result "
+        "is bitwise equal to a fault-free run (CPU workers).",
+    )
+    parser.add_argument("spec", help="job spec YAML (keep it small: it runs 1 + trials times)")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--faults-per-trial", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=None, help="replay a run (printed)")
+    parser.add_argument(
+        "--point",
+        default=None,
+        help="one fixed ROUNDPIPE_FAULT point instead of random faults, "
+        "e.g. kill@iteration=3,kind=backward,mb=1",
+    )
+    parser.add_argument(
+        "--coordinator-kills",
+        type=int,
+        default=0,
+        help="also SIGKILL the coordinator this many times per trial "
+        "(needs output.checkpoint_every in the spec)",
+    )
+    parser.add_argument("--no-stop", action="store_true", help="only kills, no SIGSTOP hangs")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
+    print(f"chaos: seed {seed}", flush=True)
+    spec = load_job_spec(args.spec)
+    rng = random.Random(seed)
+    trials, seeds = [], []
+    for _ in range(args.trials):
+        if args.point:
+            faults = [FaultSpec("point", point=args.point)]
+        else:
+            faults = random_faults(rng, args.faults_per_trial, spec, allow_stop=not args.no_stop)
+        faults += [
+            FaultSpec("coordinator", at_fraction=rng.uniform(0.2, 0.8))
+            for _ in range(args.coordinator_kills)
+        ]
+        trials.append(faults)
+        seeds.append(rng.randrange(1, 10**6))
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="roundpipe-chaos-"))
+    arena_dir = Path(tempfile.mkdtemp(prefix="roundpipe-chaos-", dir="/dev/shm"))
+    try:
+        report = run_chaos(
+            spec,
+            root=root,
+            arena_dir=arena_dir,
+            num_workers=args.workers,
+            trials=trials,
+            seeds=seeds,
+        )
+    finally:
+        for f in arena_dir.iterdir():
+            f.unlink()
+        arena_dir.rmdir()
+    print(report.table())
+    print(f"chaos: {'PASS' if report.ok else 'FAIL'} (seed {seed}; work dir {root})")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
