@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -182,6 +183,10 @@ class StageExecutor:
         self.compute_dtype = compute_dtype
         self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
+        # Per-layer forward seconds of the current task (the planner's profile); reset by
+        # the caller per task. Measured on the CPU only (see _run_layer).
+        self.time_layers = self.device.type == "cpu"
+        self.layer_forward_s: dict[int, float] = {}
 
     # ---------------------------------------------------------------- tasks
 
@@ -319,6 +324,7 @@ class StageExecutor:
                 ctx: _StageContext | None = None
                 for layer in range(start, norm_layer):
                     h, ctx = self._run_layer(layer, h, bound, ctx, rng, m)
+                head_started = time.perf_counter()
                 self._seed(rng, norm_layer, m)
                 norm_mod, _ = self.model.norm_part()
                 h = functional_call(norm_mod, bound.per_layer[norm_layer], (h,))
@@ -338,6 +344,10 @@ class StageExecutor:
                     need_weight_grad=head_trainable,
                 )
                 losses.append(loss)
+                if self.time_layers:  # norm + chunked head and loss (forward and backward)
+                    self.layer_forward_s[norm_layer] = self.layer_forward_s.get(norm_layer, 0.0) + (
+                        time.perf_counter() - head_started
+                    )
                 if grad_w is not None:
                     _accumulate(acc, head_name, grad_w)
                 gx = None
@@ -443,6 +453,26 @@ class StageExecutor:
         return x.to(self.device, non_blocking=True)
 
     def _run_layer(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        bound: _Bound,
+        ctx: _StageContext | None,
+        rng: RngKey,
+        m: int,
+    ) -> tuple[torch.Tensor, _StageContext | None]:
+        if not self.time_layers:
+            return self._compute_layer(layer, x, bound, ctx, rng, m)
+        # CPU only: host timestamps are exact there (the ops ran when they return). A GPU
+        # worker needs CUDA events instead; until then it reports no per-layer times.
+        started = time.perf_counter()
+        out = self._compute_layer(layer, x, bound, ctx, rng, m)
+        self.layer_forward_s[layer] = self.layer_forward_s.get(layer, 0.0) + (
+            time.perf_counter() - started
+        )
+        return out
+
+    def _compute_layer(
         self,
         layer: int,
         x: torch.Tensor,

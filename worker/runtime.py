@@ -104,6 +104,7 @@ class WorkerCore:
         self.jobs: dict[str, JobState] = {}
         self.should_abort: Callable[[], bool] = lambda: False
         self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
+        self._waited_s = 0.0  # time the current task spent waiting for counters
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -151,6 +152,8 @@ class WorkerCore:
                 f"task {task.task_id} of job {task.job_id!r} arrived before the job's setup"
             )
         started = time.perf_counter()
+        self._waited_s = 0.0
+        state.executor.layer_forward_s = {}
         timeout = task.wait_timeout_s
         self._fault_point("start", task)
         for wait in task.weight_waits:
@@ -216,14 +219,32 @@ class WorkerCore:
             for sig in task.grad_signals:
                 self._signal(state, sig)
         self._fault_point("end", task)
+        seconds = time.perf_counter() - started
         return TaskDone(
             job_id=task.job_id,
             task_id=task.task_id,
             attempt=task.attempt,
             worker_id=self.worker_id,
-            seconds=time.perf_counter() - started,
-            layer_times={},
+            seconds=seconds,
+            layer_times=self._layer_times(task, state, seconds - self._waited_s),
         )
+
+    @staticmethod
+    def _layer_times(task: StageTask, state: JobState, busy_s: float) -> dict[str, float]:
+        """Per-layer seconds for the planner (roundpipe.coordinator.planner keys).
+
+        Forward tasks: each layer's measured forward time (``"L.fwd"``). Backward and tail
+        tasks: autograd runs the whole stage at once, so the task's busy time (wall time
+        minus waiting for inputs) is split over its layers in proportion to their measured
+        forward (recompute) times (``"L"``).
+        """
+        measured = state.executor.layer_forward_s
+        if not measured:
+            return {}
+        if task.kind == "forward":
+            return {f"{layer}.fwd": s for layer, s in measured.items()}
+        total = sum(measured.values()) or 1.0
+        return {f"{layer}": busy_s * s / total for layer, s in measured.items()}
 
     def _weights(self, state: JobState, task: StageTask) -> dict[str, torch.Tensor]:
         odd = task.weight_version % 2 == 1
@@ -245,12 +266,15 @@ class WorkerCore:
         return out
 
     def _wait(self, state: JobState, wait: EventWait, timeout_s: float) -> None:
+        started = time.perf_counter()
         try:
             state.events.wait_at_least(
                 wait.counter, wait.at_least, timeout_s, should_abort=self.should_abort
             )
         except InterruptedError as exc:
             raise TaskAborted(str(exc)) from None
+        finally:
+            self._waited_s += time.perf_counter() - started
 
     def _signal(self, state: JobState, sig: EventSignal) -> None:
         state.events.signal(sig.counter, sig.value)

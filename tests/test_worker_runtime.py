@@ -1,0 +1,90 @@
+"""WorkerCore on real arenas, without sockets: per-layer times, no rewrite after signal."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import tiny_spec
+
+from roundpipe.coordinator.trainer import Trainer
+from roundpipe.worker.runtime import WorkerCore
+
+
+@pytest.fixture
+def prepared(tmp_path: Path, arena_dir: Path):
+    spec = tiny_spec(tmp_path, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
+    trainer = Trainer(
+        "job-rt",
+        spec,
+        arena_dir=arena_dir,
+        namespace="rttest",
+        output_dir=tmp_path,
+        wait_timeout_s=5,
+    )
+    trainer.prepare(1)
+    layout = trainer.layout
+    batch = trainer.loader.batch_for_step(1)
+    for m, (ids, labels) in enumerate(batch.microbatches):
+        layout.view(layout.input_ids[(1, m)]).copy_(ids)
+        layout.view(layout.labels[(1, m)]).copy_(labels)
+        layout.events.signal(layout.counters.act(0, m), 1)
+    core = WorkerCore(1)
+    core.setup_job(trainer.job_setup())
+    tasks = trainer.schedule.tasks(1, batch.num_label_tokens, 0)
+    yield trainer, core, tasks
+    core.close()
+    trainer.close()
+
+
+def test_tasks_report_per_layer_times(prepared) -> None:
+    _, core, tasks = prepared
+    dones = [core.run_task(t) for t in tasks]  # F, F, T, B, B: dependency order
+    assert set(dones[0].layer_times) == {"0.fwd", "1.fwd"}
+    assert set(dones[1].layer_times) == {"2.fwd", "3.fwd"}
+    assert set(dones[2].layer_times) == {"4", "5"}  # the tail: forward + backward time
+    assert set(dones[3].layer_times) == {"2", "3"}
+    assert all(v > 0 for d in dones for v in d.layer_times.values())
+    assert sum(dones[3].layer_times.values()) <= dones[3].seconds
+
+
+def test_rerun_never_rewrites_published_outputs(prepared) -> None:
+    trainer, core, tasks = prepared
+    layout = trainer.layout
+    for t in tasks:
+        core.run_task(t)
+    # Pretend later iterations already reuse the slots the first run published.
+    act = layout.view(layout.acts[(2, 1, 0)])
+    grad_name, grad_ref = next(iter(layout.grads[1].items()))
+    grad = layout.view(grad_ref)
+    act.fill_(123.0)
+    grad.fill_(-7.0)
+    counters = layout.events.snapshot()
+    for t in (tasks[0], tasks[-1]):  # the forward writing act[2], the backward writing layer 1
+        core.run_task(dataclasses.replace(t, attempt=1))
+    assert bool((act == 123.0).all()), "a re-run rewrote a published activation"
+    assert bool((grad == -7.0).all()), f"a re-run rewrote the published gradient {grad_name}"
+    assert layout.events.snapshot() == counters  # and no counter moved
+
+
+def test_rerun_completes_what_a_dead_worker_left_unpublished(prepared) -> None:
+    trainer, core, tasks = prepared
+    layout = trainer.layout
+    for t in tasks[:-1]:
+        core.run_task(t)
+    first = core.run_task(tasks[-1])
+    expected = {n: layout.view(r).clone() for n, r in layout.grads[1].items()}
+    # A worker died after writing the gradients but before storing any of their counters
+    # (counters are stored only after all of a task's writes, so it is all or nothing).
+    for sig in tasks[-1].grad_signals:
+        layout.events.reset(sig.counter, 0)
+    for layer in (0, 1):
+        for ref in layout.grads[layer].values():
+            layout.view(ref).zero_()
+    core.run_task(dataclasses.replace(tasks[-1], attempt=1))
+    assert all(layout.events.read(sig.counter) == 1 for sig in tasks[-1].grad_signals)
+    for name, ref in layout.grads[1].items():
+        assert torch.equal(layout.view(ref), expected[name]), name
+    assert first.task_id == tasks[-1].task_id
