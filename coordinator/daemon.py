@@ -12,6 +12,14 @@ Threads (only the I/O thread touches the ROUTER socket):
 One ROUTER socket at ``--address`` serves both workers and clients (both use DEALER
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
 and gets exactly one reply. Signal handlers only set a flag.
+
+Jobs are durable (roundpipe.coordinator.jobstore): every job and state change goes to
+``<state-dir>/jobs.sqlite3``. On start the coordinator loads them; jobs that were running
+are queued again and, like every job, resume from their newest checkpoint
+(docs/checkpoints.md). A job whose checkpoint or final model cannot be written is
+``paused`` with the reason; ``ResumeJob`` (``roundpipe resume JOB``) queues a paused,
+failed or cancelled job again. Stopping the coordinator (SIGTERM) interrupts the running
+job without cancelling it: it stays queued and resumes on the next start.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ from pathlib import Path
 import zmq
 
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
-from roundpipe.coordinator.trainer import JobCancelled, JobFailed, Trainer
+from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.sdnotify import Notifier
+from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -53,6 +63,7 @@ from roundpipe.protocol import (
     ProtocolError,
     ProtocolVersionError,
     Reject,
+    ResumeJob,
     SubmitJob,
     TaskDone,
     TaskFailed,
@@ -72,6 +83,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 WORKER_LOST_AFTER_S = 10.0
 _OUTBOX = "inproc://rp-coordinator-outbox"
 FINAL_STATES = ("succeeded", "failed", "cancelled")
+STOPPED_STATES = (*FINAL_STATES, "paused")  # no progress until someone acts
 
 
 @dataclass
@@ -87,12 +99,16 @@ class WorkerEntry:
 @dataclass
 class JobRecord:
     job_id: str
-    spec: JobSpec
+    spec: JobSpec | None  # None: the stored spec no longer validates (see message)
+    spec_dict: dict = field(default_factory=dict)
     state: str = "queued"
     message: str = ""
     output_dir: str | None = None
     trainer: Trainer | None = None
     total_steps: int = 0
+    step: int = 0  # as of the last run / store update; the trainer's while running
+    loss: float | None = None
+    checkpoint_step: int | None = None
     cancel_requested: bool = False
     log_path: Path | None = None
     submitted_at: float = field(default_factory=time.time)
@@ -102,9 +118,9 @@ class JobRecord:
         return JobStatus(
             job_id=self.job_id,
             state=self.state,
-            step=t.step if t is not None else 0,
+            step=t.step if t is not None else self.step,
             total_steps=self.total_steps,
-            loss=t.last_loss if t is not None else None,
+            loss=t.last_loss if t is not None else self.loss,
             message=self.message,
             output_dir=self.output_dir,
         )
@@ -144,6 +160,7 @@ class Coordinator:
         self._queue: list[str] = []
         self._job_wakeup = threading.Condition(self._lock)
         self._active: JobRecord | None = None
+        self.store: JobStore | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -151,6 +168,7 @@ class Coordinator:
         """Bind the ROUTER; refuse an address another coordinator is serving."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "jobs").mkdir(exist_ok=True)
+        self.store = JobStore.in_state_dir(self.state_dir)
         if not self.arena_dir.is_dir():
             raise FileNotFoundError(
                 f"arena directory {self.arena_dir} does not exist (set --arena-dir)"
@@ -176,6 +194,64 @@ class Coordinator:
         removed = remove_stale_arenas(self.arena_dir, self.namespace)
         if removed:
             log.info("[coordinator] removed %d arena(s) left by a dead coordinator", len(removed))
+        self._load_jobs()
+
+    def _load_jobs(self) -> None:
+        """Jobs from the store: interrupted ones queued again, queued ones in order."""
+        assert self.store is not None
+        interrupted = self.store.recover()
+        for stored in self.store.all():
+            job = self._record_from_store(stored)
+            self.jobs[job.job_id] = job
+            if job.state == "queued":
+                if job.spec is None:
+                    self._set_state(job, "failed", job.message)
+                else:
+                    self._queue.append(job.job_id)
+        if self.jobs:
+            log.info(
+                "[coordinator] job store %s: %d job(s), %d queued (%d interrupted by a restart)",
+                self.store.path,
+                len(self.jobs),
+                len(self._queue),
+                len(interrupted),
+            )
+
+    def _record_from_store(self, stored: StoredJob) -> JobRecord:
+        spec, message = None, stored.message
+        try:
+            spec = JobSpec.from_dict(stored.spec)
+        except JobSpecError as exc:
+            if stored.state not in FINAL_STATES:
+                message = f"the job's spec is no longer valid: {exc}"
+        return JobRecord(
+            stored.job_id,
+            spec,
+            spec_dict=stored.spec,
+            state=stored.state,
+            message=message,
+            output_dir=stored.output_dir,
+            total_steps=stored.total_steps,
+            step=stored.step,
+            loss=stored.loss,
+            checkpoint_step=stored.checkpoint_step,
+            log_path=self.state_dir / "jobs" / stored.job_id / "job.log",
+            submitted_at=stored.created_at,
+        )
+
+    def _set_state(self, job: JobRecord, state: str, message: str, **extra) -> None:
+        """Change a job's state in memory and in the store (the store first)."""
+        t = job.trainer
+        if t is not None:
+            job.step, job.loss = t.step, t.last_loss
+        if self.store is not None:
+            try:
+                self.store.update(
+                    job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
+                )
+            except JobStoreError as exc:
+                log.error("[coordinator] cannot record job %s as %s: %s", job.job_id, state, exc)
+        job.state, job.message = state, message
 
     def stop(self) -> None:
         self._stop.set()
@@ -186,12 +262,15 @@ class Coordinator:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
         log.info("[coordinator] roundpipe-coordinator ready on %s", self.address)
+        notifier = Notifier()  # systemd Type=notify; a no-op elsewhere (coordinator.sdnotify)
+        notifier.ready(f"listening on {self.address}")
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
         next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
         try:
             while not self._stop.is_set():
+                notifier.watchdog_tick()  # from this loop: a wedged loop gets restarted
                 for sock, _ in poller.poll(100):
                     if sock is self.router:
                         self._on_router()
@@ -202,6 +281,7 @@ class Coordinator:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
                     self._check_workers()
         finally:
+            notifier.stopping()
             self._stop.set()
             active = self._active
             if active is not None and active.trainer is not None:
@@ -210,6 +290,7 @@ class Coordinator:
             self.router.close()
             self.outbox.close()
             self.ctx.term()
+            notifier.close()
             log.info("[coordinator] stopped")
 
     # -- I/O thread -------------------------------------------------------------------
@@ -253,6 +334,16 @@ class Coordinator:
                 wid = self._by_identity.get(identity)
                 if wid is not None:
                     self.workers[wid].last_seen = time.monotonic()
+            if wid is None:
+                # A worker of a previous coordinator instance (its socket reconnected by
+                # itself): make it shake hands again so it gets a worker id and the jobs.
+                reply: Message = ErrorReply(
+                    code="unknown_worker", message="unknown worker: send Hello again"
+                )
+            else:
+                # Answer, so the worker can tell a lost coordinator from a quiet one.
+                reply = Heartbeat(sender="coordinator", seq=msg.seq, sent_at=time.time())
+            self._send(identity, encode(reply))
         else:
             try:
                 reply = self._on_request(msg)
@@ -339,9 +430,11 @@ class Coordinator:
                 if job.trainer is not None:
                     with job.trainer.progress_lock:
                         events = [e for e in job.trainer.progress if e.seq > msg.after_seq]
-                return Progress(job_id=job.job_id, events=events, done=job.state in FINAL_STATES)
+                return Progress(job_id=job.job_id, events=events, done=job.state in STOPPED_STATES)
         if isinstance(msg, CancelJob):
             return self._cancel(msg.job_id)
+        if isinstance(msg, ResumeJob):
+            return self._resume(msg.job_id)
         if isinstance(msg, ListJobs):
             with self._lock:
                 return JobList(jobs=[j.status() for j in self.jobs.values()])
@@ -376,13 +469,21 @@ class Coordinator:
         job_dir = self.state_dir / "jobs" / job_id
         job_dir.mkdir(parents=True, exist_ok=True)
         output = Path(spec.output.dir) if spec.output.dir else job_dir / "output"
+        spec_dict = spec.to_dict()
         record = JobRecord(
             job_id,
             spec,
+            spec_dict=spec_dict,
             total_steps=spec.train.steps,
             output_dir=str(output),
             log_path=job_dir / "job.log",
         )
+        assert self.store is not None
+        try:
+            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=spec.train.steps)
+        except JobStoreError as exc:
+            log.error("[coordinator] job not accepted: %s", exc)
+            return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
         with self._lock:
             self.jobs[job_id] = record
             self._queue.append(job_id)
@@ -398,14 +499,48 @@ class Coordinator:
             if job.state in FINAL_STATES:
                 return Ack()
             job.cancel_requested = True
-            if job.state == "queued":
-                self._queue.remove(job_id)
-                job.state = "cancelled"
-                job.message = "cancelled before it started"
+            if job.state in ("queued", "paused"):
+                if job_id in self._queue:
+                    self._queue.remove(job_id)
+                where = "before it started" if job.state == "queued" else "while paused"
+                self._set_state(job, "cancelled", f"cancelled {where}")
                 return Ack()
             trainer = job.trainer
         if trainer is not None:
             trainer.cancel()
+        return Ack()
+
+    def _resume(self, job_id: str) -> Message:
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return _unknown(job_id)
+            if job.state in ("queued", "running"):
+                return ErrorReply(code="bad_state", message=f"job {job_id} is already {job.state}")
+            if job.state == "succeeded":
+                return ErrorReply(
+                    code="bad_state",
+                    message=f"job {job_id} has already succeeded; to train further, submit a "
+                    f"new job with model.resume_from: {job.output_dir} and a larger train.steps",
+                )
+            if job.spec is None:
+                try:
+                    job.spec = JobSpec.from_dict(job.spec_dict)
+                except JobSpecError as exc:
+                    return ErrorReply(
+                        code="bad_spec", message=f"job {job_id} cannot run again: {exc}"
+                    )
+            where = (
+                f"from checkpoint step {job.checkpoint_step}"
+                if job.checkpoint_step
+                else "from the start (it has no checkpoint)"
+            )
+            job.cancel_requested = False
+            job.trainer = None
+            self._set_state(job, "queued", f"resume requested; continues {where}")
+            self._queue.append(job_id)
+            self._job_wakeup.notify_all()
+        log.info("[coordinator] job %s queued again; it continues %s", job_id, where)
         return Ack()
 
     # -- job thread -------------------------------------------------------------------
@@ -421,7 +556,7 @@ class Coordinator:
                     if self._stop.is_set():
                         return
                     job = self.jobs[self._queue.pop(0)]
-                    job.state = "running"
+                    self._set_state(job, "running", job.message)
                     self._active = job
                 self._run_job(job, push)
                 with self._lock:
@@ -447,6 +582,7 @@ class Coordinator:
 
     def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
         handler = _job_log_handler(job)
+        assert job.spec is not None
         trainer = Trainer(
             job.job_id,
             job.spec,
@@ -463,6 +599,18 @@ class Coordinator:
                 raise JobFailed(f"worker {worker_id} left before task {task.task_id} was sent")
             push.send_multipart([identity, *encode(task)])
 
+        def on_checkpoint(step: int, path: Path) -> None:
+            job.checkpoint_step = step
+            job.step, job.loss = trainer.step, trainer.last_loss
+            if self.store is not None:
+                try:
+                    self.store.update(
+                        job.job_id, checkpoint_step=step, step=job.step, loss=job.loss
+                    )
+                except JobStoreError as exc:
+                    log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
+
+        state, message = "failed", "the job thread stopped unexpectedly"
         try:
             with self._lock:
                 if job.cancel_requested:
@@ -473,21 +621,45 @@ class Coordinator:
                     if self._stop.wait(0.2) or job.cancel_requested:
                         raise JobCancelled("cancelled before any worker connected")
             trainer.prepare(len(self._live_workers()))
+            if trainer.resumed_from is not None:
+                job.checkpoint_step = trainer.checkpoint_step
+                self._set_state(
+                    job,
+                    "running",
+                    f"resumed from {trainer.resumed_from.path} (step {trainer.start_step})",
+                    checkpoint_step=trainer.checkpoint_step,
+                )
+            elif job.message:
+                self._set_state(job, "running", "")  # e.g. "resume requested": it has started
             self._broadcast(push, trainer.job_setup())
-            trainer.run(dispatch, self._live_workers)
+            trainer.run(dispatch, self._live_workers, on_checkpoint=on_checkpoint)
             trainer.export(Path(job.output_dir or "."))
-            job.state, job.message = "succeeded", f"model written to {job.output_dir}"
+            state, message = "succeeded", f"model written to {job.output_dir}"
         except JobCancelled:
-            job.state, job.message = "cancelled", "cancelled by request"
+            if job.cancel_requested or not self._stop.is_set():
+                state, message = "cancelled", "cancelled by request"
+            else:
+                # The coordinator is stopping: the job is interrupted, not cancelled.
+                state = "queued"
+                where = (
+                    f"from checkpoint step {job.checkpoint_step}"
+                    if job.checkpoint_step
+                    else "from the start"
+                )
+                message = f"interrupted by a coordinator shutdown; resumes {where} on restart"
+        except JobPaused as exc:
+            state, message = "paused", str(exc)
+            log.error("[coordinator] job %s paused: %s", job.job_id, exc)
         except JobFailed as exc:
-            job.state, job.message = "failed", str(exc)
+            state, message = "failed", str(exc)
             log.error("[coordinator] job %s failed: %s", job.job_id, exc)
         except Exception as exc:
-            job.state, job.message = "failed", f"{type(exc).__name__}: {exc}"
+            state, message = "failed", f"{type(exc).__name__}: {exc}"
             log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
         finally:
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()
+            self._set_state(job, state, message)
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
@@ -587,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         coordinator.bind()
-    except (AddressInUse, FileNotFoundError, zmq.ZMQError) as exc:
+    except (AddressInUse, FileNotFoundError, JobStoreError, zmq.ZMQError) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -155,10 +155,18 @@ class ModelSpec:
     ``train.seed``."""
     tokenizer: str | None = None
     """Local tokenizer directory; ``None`` uses ``path`` (a path model's own tokenizer)."""
+    resume_from: str | None = None
+    """A RoundPipe checkpoint to continue from: a ``step-*`` checkpoint directory, a
+    ``checkpoints`` directory or a job's output directory (its newest good checkpoint).
+    Weights, optimizer state, step count and data cursor come from it, so the model,
+    data and batch settings must be those it was written with; ``train.steps`` counts
+    from 0 as before and must exceed the checkpoint's step to train further. See
+    docs/checkpoints.md."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", _abs_path(self.path))
         object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
+        object.__setattr__(self, "resume_from", _abs_path(self.resume_from))
         if isinstance(self.config, Mapping) and _json_like(dict(self.config)):
             # A private deep copy (tuples become lists, as after a msgpack/YAML trip): the
             # spec must not change under the caller's feet, and must round-trip.
@@ -421,7 +429,11 @@ class JobSpec:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-_PATH_FIELDS = {"model": ("path", "tokenizer"), "data": ("path", "tokenizer"), "output": ("dir",)}
+_PATH_FIELDS = {
+    "model": ("path", "tokenizer", "resume_from"),
+    "data": ("path", "tokenizer"),
+    "output": ("dir",),
+}
 
 
 def _plain(value: Any) -> Any:
@@ -648,6 +660,21 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             e.add(
                 "model.tokenizer",
                 f"{m.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+            )
+    if m.resume_from is not None and _check_dir(
+        e, "model.resume_from", m.resume_from, "a checkpoint directory"
+    ):
+        from roundpipe.coordinator.checkpoint import MANIFEST
+
+        if not any(
+            os.path.isfile(os.path.join(m.resume_from, *parts))
+            for parts in ((MANIFEST,), ("latest",), ("checkpoints", "latest"))
+        ):
+            e.add(
+                "model.resume_from",
+                f"{m.resume_from!r} is not a RoundPipe checkpoint: expected a step-* "
+                f"directory holding {MANIFEST}, a checkpoints directory holding 'latest', or "
+                "a job output directory with checkpoints/latest",
             )
     if (m.path is None) == (m.architecture is None):
         given = "both" if m.path is not None else "neither"

@@ -10,12 +10,50 @@ complete (Note [weight-update ordering]).
 
 The coordinator daemon runs a Trainer in a job thread and connects ``dispatch``/``inbox``
 to ZeroMQ; tests connect them to in-process ``WorkerCore`` threads.
+
+Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
+``output.checkpoint_every`` steps and after the last step the trainer drains the
+pipeline (Note [checkpoint cut]) and writes the model in Hugging Face layout plus the
+training state; ``prepare`` resumes from the job's newest good checkpoint, or from
+``model.resume_from``. The model files come from ``write_hf_model``, which ``export``
+uses too.
+
+Note [checkpoint cut]
+~~~~~~~~~~~~~~~~~~~~~
+A checkpoint "after step s" is taken at a cut where every task of iterations <= s has
+completed, the optimizer has applied step s to every layer, and no task of iteration
+s+1 has been sent. (The trainer simply stops dispatching at a checkpoint step until
+that holds; the workers idle for the length of the write.) At the cut the state is:
+
+* the fp32 masters W_s and the AdamW moments and step counts after step s;
+* params[s % 2] = compute-dtype W_s (a cast of the masters, recomputed on load);
+* params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
+  its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
+  (``prev/<name>``); this is the "in-flight delayed gradient" of the uninterrupted run,
+  stored as the weights it is computed from. It is saved at staleness 0 too (it is
+  small), so a checkpoint resumes under either setting;
+* the data cursor (next step s+1; ``batch_for_step`` is a pure function of the step),
+  the learning-rate schedule position (step s; the schedule is a pure function of the
+  step), and the RNG state (workers seed dropout from (seed, iteration, layer,
+  microbatch), so the only process RNG is the coordinator's torch CPU generator, saved
+  and restored although the loop draws nothing from it).
+
+Resuming rebuilds exactly this: masters, moments, both parities, ``version[l] = s`` in
+the fresh event table, the cursor; iteration s+1 then runs as it would have. Nothing in
+it depends on the plan or on the workers, so a checkpoint taken with 3 workers resumes
+with 1 or 2 (the plan is chosen afresh).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import logging
+import os
 import queue
+import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +62,17 @@ from pathlib import Path
 
 import torch
 
-from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.checkpoint import (
+    STATE_FILE,
+    CheckpointDir,
+    CheckpointError,
+    CheckpointInfo,
+    as_os_error,
+    resolve_checkpoint,
+    save_tensors,
+    step_name,
+)
+from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
@@ -34,7 +82,7 @@ from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.runtime import model_config_dict
 
-__all__ = ["JobCancelled", "JobFailed", "Trainer", "default_plan"]
+__all__ = ["JobCancelled", "JobFailed", "JobPaused", "Trainer", "default_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +93,11 @@ class JobFailed(RuntimeError):
 
 class JobCancelled(RuntimeError):
     """The job was cancelled by a client."""
+
+
+class JobPaused(RuntimeError):
+    """The job stopped without losing anything (its output could not be written) and
+    waits for ``roundpipe resume``; the message says why and what to do."""
 
 
 def default_plan(num_layers: int, num_workers: int) -> Plan:
@@ -89,7 +142,7 @@ class Trainer:
         self.spec = spec
         self.arena_dir = Path(arena_dir)
         self.namespace = namespace
-        self.output_dir = output_dir
+        self.output_dir = Path(output_dir)
         self.wait_timeout_s = wait_timeout_s
         self.optimizer_impl = optimizer_impl
         self.inbox: queue.Queue[TaskDone | TaskFailed | str] = queue.Queue()
@@ -97,6 +150,13 @@ class Trainer:
         self.progress_lock = threading.Lock()
         self.step = 0
         self.last_loss: float | None = None
+        self.checkpoints = CheckpointDir(self.output_dir / "checkpoints")
+        self.start_step = 0
+        """Step the run starts after: 0, or the step of the checkpoint it resumed from."""
+        self.checkpoint_step: int | None = None
+        """Step of the newest checkpoint written or resumed from (None: none yet)."""
+        self.resumed_from: CheckpointInfo | None = None
+        self._base_model_written = False
         self._cancel = threading.Event()
         self._optimizer_error: BaseException | None = None
         self._optimizer_done_step = 0
@@ -106,7 +166,17 @@ class Trainer:
     # -- preparation ------------------------------------------------------------------
 
     def prepare(self, num_workers: int) -> None:
-        """Load the model and data, validate against each other, lay out the arenas."""
+        """Load the model and data, validate against each other, lay out the arenas, and
+        restore the newest checkpoint of this job (or ``model.resume_from``) if any.
+
+        Raises JobPaused if the output directory cannot be written (checked first, so a
+        bad directory costs nothing), JobFailed if a checkpoint does not fit the job.
+        """
+        try:
+            self.checkpoints.ensure_writable()
+        except OSError as exc:
+            message = self._io_error_message("the output directory is not writable", exc)
+            raise JobPaused(message) from exc
         spec = self.spec
         config = model_config_from_spec(spec.model)
         lora = None
@@ -181,6 +251,9 @@ class Trainer:
             self.plan,
             sum(len(v) for v in self.masters.values()),
         )
+        source = self._resume_source()
+        if source is not None:
+            self._restore(source)
 
     def job_setup(self) -> JobSetup:
         assert self.layout is not None
@@ -202,19 +275,129 @@ class Trainer:
             layers=self.layout.layer_layouts(),
         )
 
+    # -- resuming (Note [checkpoint cut]) ---------------------------------------------
+
+    def _resume_source(self) -> CheckpointInfo | None:
+        """This job's newest good checkpoint, else ``model.resume_from``, else None."""
+        own = self.checkpoints.find_latest(job_id=self.job_id)
+        if own is not None:
+            return own
+        if self.spec.model.resume_from is not None:
+            try:
+                return resolve_checkpoint(self.spec.model.resume_from)
+            except CheckpointError as exc:
+                raise JobFailed(f"model.resume_from: {exc}") from None
+        return None
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        assert self.layout is not None and self.layout.events is not None
+        layout, s, manifest = self.layout, info.step, info.manifest
+        steps = self.spec.train.steps
+        if s > steps:
+            raise JobFailed(
+                f"checkpoint {info.path} is at step {s}, past this job's train.steps "
+                f"({steps}); set train.steps above {s} to train further"
+            )
+        where = f"checkpoint {info.path}"
+        from safetensors import safe_open
+
+        try:
+            state = safe_open(str(info.path / STATE_FILE), framework="pt")
+        except Exception as exc:
+            raise JobFailed(f"cannot read {info.path / STATE_FILE}: {exc}") from None
+        with state:
+            keys = set(state.keys())
+            expected = {
+                f"{kind}/{name}"
+                for names in self.masters.values()
+                for name in names
+                for kind in ("master", "exp_avg", "exp_avg_sq", "prev")
+            }
+            saved = {k for k in keys if not k.startswith("rng/")}
+            if saved != expected:
+                missing = sorted(expected - saved)[:3]
+                extra = sorted(saved - expected)[:3]
+                raise JobFailed(
+                    f"{where} does not fit this job's model (missing {missing}, unexpected "
+                    f"{extra}); it was written for model {manifest.get('spec', {}).get('model')}"
+                    f" with lora {manifest.get('spec', {}).get('lora')}"
+                )
+
+            def load(key: str, like: torch.Tensor) -> torch.Tensor:
+                t = state.get_tensor(key)
+                if t.shape != like.shape:
+                    raise JobFailed(
+                        f"{where}: {key} has shape {tuple(t.shape)}, this job's model "
+                        f"{tuple(like.shape)}"
+                    )
+                return t
+
+            optimizer_state = self.optimizer.state_dict()  # live buffers
+            for key, buf in optimizer_state["tensors"].items():
+                layer_and_name, kind = key.rsplit(".", 1)
+                name = layer_and_name.split(".", 1)[1]
+                buf.copy_(load(f"{kind}/{name}", buf))
+            optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
+            self.optimizer.load_state_dict(optimizer_state)  # step counts (buffers in place)
+            c = layout.counters
+            for layer, names in self.masters.items():
+                for name, master in names.items():
+                    master.copy_(load(f"master/{name}", master))
+                    refs = layout.params[layer][name]
+                    current, previous = refs[s % 2], refs[(s - 1) % 2]
+                    assert current is not None and previous is not None
+                    layout.view(current).copy_(master)
+                    if s >= 1:
+                        layout.view(previous).copy_(load(f"prev/{name}", master))
+                layout.events.signal(c.version(layer), s)
+            if "rng/torch_cpu" in keys:
+                torch.set_rng_state(state.get_tensor("rng/torch_cpu"))
+        try:
+            self.loader.load_state_dict(manifest["data_cursor"])
+        except (DataError, KeyError) as exc:
+            raise JobFailed(f"cannot resume from {where}: {exc}") from None
+        self.progress = [
+            ProgressEvent(seq=p[0], step=p[0], loss=p[1], tokens_per_s=p[2], lr=p[3], time=p[4])
+            for p in manifest.get("progress", [])
+            if p[0] <= s
+        ]
+        self.step = s
+        self.last_loss = self.progress[-1].loss if self.progress else None
+        self.start_step = s
+        self._optimizer_done_step = s
+        self.checkpoint_step = s
+        self.resumed_from = info
+        log.info(
+            "[trainer] job %s resumes from %s (step %d of %d%s)",
+            self.job_id,
+            info.path,
+            s,
+            steps,
+            "" if info.job_id == self.job_id else f", written by job {info.job_id}",
+        )
+
     # -- running ----------------------------------------------------------------------
 
     def cancel(self) -> None:
         self._cancel.set()
         self.inbox.put("cancel")
 
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is written after ``step``: every ``checkpoint_every``
+        steps, and after the last one."""
+        every = self.spec.output.checkpoint_every
+        return step == self.spec.train.steps or (every > 0 and step % every == 0)
+
     def run(
         self,
         dispatch: Callable[[StageTask, int], None],
         workers: Callable[[], list[int]],
         on_progress: Callable[[ProgressEvent], None] | None = None,
+        on_checkpoint: Callable[[int, Path], None] | None = None,
     ) -> None:
-        """Train for ``spec.train.steps`` iterations. Raises JobFailed / JobCancelled."""
+        """Train steps ``start_step + 1 .. spec.train.steps``, writing checkpoints on the
+        way. Raises JobFailed / JobCancelled / JobPaused (a checkpoint could not be
+        written; the previous one is intact)."""
         assert self.layout is not None
         layout, spec = self.layout, self.spec
         steps = spec.train.steps
@@ -230,13 +413,28 @@ class Trainer:
         tokens_per_step = spec.global_batch_size * spec.data.seq_len
         started = time.perf_counter()
         last_time = started
-        completed_iterations = 0
+        completed_iterations = self.start_step
+
+        def report_through(k: int) -> None:
+            """Report every iteration up to ``k`` whose tail has finished."""
+            nonlocal completed_iterations, last_time
+            while completed_iterations < k and self._tail_done(
+                completed_iterations + 1, tail_task, in_flight
+            ):
+                completed_iterations += 1
+                last_time = self._report(
+                    completed_iterations, tokens_per_step, last_time, on_progress
+                )
+
         try:
-            for k in range(1, steps + 1):
+            for k in range(self.start_step + 1, steps + 1):
+                if self._cancel.is_set():
+                    raise JobCancelled(f"job {self.job_id} was cancelled")
                 # Note [weight-update ordering], point 5: iteration k reuses k-2's slots.
                 while pending_per_iteration.get(k - 2, 0) > 0:
                     self._handle(self._next_message(), in_flight, pending_per_iteration)
-                batch = self.loader.batch_for_step(k)
+                batch = self.loader.next_batch()
+                assert batch.step == k, (batch.step, k)
                 parity = k % 2
                 for m, (ids, labels) in enumerate(batch.microbatches):
                     layout.view(layout.input_ids[(parity, m)]).copy_(ids)
@@ -257,23 +455,21 @@ class Trainer:
                     round_robin += 1
                     in_flight[task.task_id] = _InFlight(task, worker_id)
                     dispatch(task, worker_id)
-                # Report every iteration whose tail has finished.
-                while completed_iterations < k - 1 and self._tail_done(
-                    completed_iterations + 1, tail_task, in_flight
-                ):
-                    completed_iterations += 1
-                    last_time = self._report(
-                        completed_iterations, tokens_per_step, last_time, on_progress
-                    )
+                report_through(k - 1)
+                if self.checkpoint_due(k):
+                    # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
+                    # pipeline has drained and the optimizer has applied step k.
+                    while any(pending_per_iteration.values()):
+                        self._handle(self._next_message(), in_flight, pending_per_iteration)
+                        report_through(k)
+                    self._wait_optimizer(k)
+                    report_through(k)
+                    path = self.save_checkpoint(k)
+                    if on_checkpoint is not None:
+                        on_checkpoint(k, path)
             while any(pending_per_iteration.values()):
                 self._handle(self._next_message(), in_flight, pending_per_iteration)
-                while completed_iterations < steps and self._tail_done(
-                    completed_iterations + 1, tail_task, in_flight
-                ):
-                    completed_iterations += 1
-                    last_time = self._report(
-                        completed_iterations, tokens_per_step, last_time, on_progress
-                    )
+                report_through(steps)
             self._wait_optimizer(steps)
         finally:
             self._cancel.set()
@@ -281,8 +477,9 @@ class Trainer:
                 self._optimizer_cv.notify_all()
             optimizer_thread.join(timeout=30)
         log.info(
-            "[trainer] job %s finished %d steps in %.1fs",
+            "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
+            self.start_step + 1,
             steps,
             time.perf_counter() - started,
         )
@@ -336,7 +533,8 @@ class Trainer:
                 if stranded:
                     raise JobFailed(
                         f"worker {lost} was lost with {len(stranded)} task(s) in flight "
-                        f"(first: {stranded[0]}); restart the worker and resubmit the job"
+                        f"(first: {stranded[0]}); restart the worker and `roundpipe resume "
+                        f"{self.job_id}` (it continues from its newest checkpoint)"
                     )
             return  # other wake-ups (cancel, optimizer error) are checked by _next_message
         entry = in_flight.get(msg.task_id)
@@ -355,9 +553,10 @@ class Trainer:
     # -- optimizer --------------------------------------------------------------------
 
     def _optimizer_loop(self) -> None:
-        """Apply steps 1..K layer by layer as gradients complete (Note [weight-update ordering])."""
+        """Apply steps start+1..K layer by layer as gradients complete (Note [weight-update
+        ordering])."""
         try:
-            for k in range(1, self.spec.train.steps + 1):
+            for k in range(self.start_step + 1, self.spec.train.steps + 1):
                 self._optimizer_step(k)
                 with self._optimizer_cv:
                     self._optimizer_done_step = k
@@ -420,7 +619,112 @@ class Trainer:
             while self._optimizer_done_step < step:
                 if self._optimizer_error is not None:
                     raise JobFailed(f"optimizer failed: {self._optimizer_error}")
+                if self._cancel.is_set():
+                    raise JobCancelled(f"job {self.job_id} was cancelled")
                 self._optimizer_cv.wait(timeout=0.5)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Write the checkpoint after ``step`` (call only at a cut: Note [checkpoint cut])
+        and prune to ``output.keep_last``. Raises JobPaused if it cannot be written."""
+        started = time.perf_counter()
+        try:
+            path = self.checkpoints.write(
+                step, lambda d: self._fill_checkpoint(d, step), self._manifest(step)
+            )
+        except OSError as exc:
+            raise JobPaused(
+                self._io_error_message(f"cannot write checkpoint step {step}", exc)
+            ) from exc
+        self.checkpoint_step = step
+        try:
+            self.checkpoints.prune(self.spec.output.keep_last, self.job_id)
+        except OSError as exc:  # the new checkpoint is safe; old ones just linger
+            log.warning("[trainer] job %s: pruning old checkpoints failed: %s", self.job_id, exc)
+        log.info(
+            "[trainer] job %s: checkpoint step %d written to %s in %.2fs",
+            self.job_id,
+            step,
+            path,
+            time.perf_counter() - started,
+        )
+        return path
+
+    def _fill_checkpoint(self, directory: Path, step: int) -> None:
+        assert self.layout is not None
+        self.write_hf_model(directory)
+        state: dict[str, torch.Tensor] = {}
+        moments = self.optimizer.state_dict()["tensors"]
+        for layer in sorted(self.masters):
+            for name, master in self.masters[layer].items():
+                state[f"master/{name}"] = master
+                state[f"exp_avg/{name}"] = moments[f"{layer}.{name}.exp_avg"]
+                state[f"exp_avg_sq/{name}"] = moments[f"{layer}.{name}.exp_avg_sq"]
+                previous = self.layout.params[layer][name][(step - 1) % 2]
+                assert previous is not None
+                state[f"prev/{name}"] = self.layout.view(previous)
+        state["rng/torch_cpu"] = torch.get_rng_state()
+        (directory / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        save_tensors(directory / STATE_FILE, state, {"format": "roundpipe-training-state"})
+
+    def _manifest(self, step: int) -> dict:
+        spec_dict = self.spec.to_dict()
+        spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
+        with self.progress_lock:
+            progress = [[e.step, e.loss, e.tokens_per_s, e.lr, e.time] for e in self.progress]
+        return {
+            "job_id": self.job_id,
+            "total_steps": self.spec.train.steps,
+            "spec": spec_dict,
+            "spec_sha256": hashlib.sha256(spec_json.encode()).hexdigest(),
+            "model": {
+                "architecture": self.model.architecture,
+                "kind": "lora" if self.model.lora is not None else "full",
+                "base_model": str(self._base_model_dir()) if self.model.lora else None,
+                "trainable_tensors": sum(len(v) for v in self.masters.values()),
+            },
+            "plan": str(self.plan),
+            "staleness": self.spec.train.staleness,
+            "compute_dtype": self.spec.train.dtype,
+            "data_cursor": self.loader.state_dict(),
+            "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},
+            "optimizer": {
+                "impl": self.optimizer_impl,
+                "steps": {str(layer): self.optimizer.last_step(layer) for layer in self.masters},
+            },
+            "rng": {
+                "torch_cpu": f"{STATE_FILE}:rng/torch_cpu",
+                "seed": self.spec.train.seed,
+                "init_seed": self.spec.init_seed,
+                "data_seed": self.spec.data_seed,
+            },
+            "progress": progress,
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from.path),
+        }
+
+    def _io_error_message(self, what: str, exc: OSError) -> str:
+        where = exc.filename or self.checkpoints.root
+        code = errno.errorcode.get(exc.errno or 0, "")
+        reason = f"{exc.strerror or exc}" + (f" [{code}]" if code else "")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space on that file system"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = "make the directory writable by the coordinator"
+        else:
+            fix = "fix the problem"
+        if self.checkpoint_step:
+            kept = (
+                f"checkpoint step {self.checkpoint_step} "
+                f"({self.checkpoints.root / step_name(self.checkpoint_step)}) is kept and the "
+                "job resumes from it"
+            )
+        else:
+            kept = "no checkpoint has been written yet, so the job resumes from the start"
+        return (
+            f"{what}: {where}: {reason}. The job is paused; {kept}: {fix}, then run "
+            f"`roundpipe resume {self.job_id}`"
+        )
 
     # -- results ----------------------------------------------------------------------
 
@@ -437,33 +741,79 @@ class Trainer:
                     out[layer][name] = self.layout.view(even).to(torch.float32).clone()
         return out
 
-    def export(self, directory: Path) -> Path:
-        """Write the final model in Hugging Face layout; a PEFT adapter directory for LoRA.
+    def _base_model_dir(self) -> Path:
+        """The base model a LoRA adapter names: the job's local model directory, or for
+        a randomly initialised base, ``<output>/base_model``."""
+        if self.spec.model.path is not None:
+            return Path(self.spec.model.path).resolve()
+        return (self.output_dir / "base_model").resolve()
 
-        A LoRA adapter names its base model (``base_model_name_or_path``): the job's local
-        model directory, or, for a randomly initialised base, a full copy written to
-        ``<directory>/base_model`` so that ``AutoPeftModelForCausalLM.from_pretrained``
-        works offline.
-        """
-        directory.mkdir(parents=True, exist_ok=True)
-        model = self.model.to_hf_model(self.final_weights())
-        if self.model.lora is not None:
-            if self.spec.model.path is not None:
-                base_dir = Path(self.spec.model.path).resolve()
+    def write_hf_model(self, directory: Path) -> None:
+        """Write the current model in Hugging Face layout into ``directory`` (shared by
+        ``export`` and checkpoints): ``save_pretrained`` of the transformers model
+        (safetensors + config), or for LoRA a PEFT adapter directory whose
+        ``base_model_name_or_path`` is ``_base_model_dir()``, so that
+        ``AutoPeftModelForCausalLM.from_pretrained`` works offline; plus the tokenizer.
+        A randomly initialised base is written once per run, atomically, to
+        ``<output>/base_model`` (it never changes: only adapters train)."""
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            if self.model.lora is not None:
+                base_dir = self._base_model_dir()
+                if self.spec.model.path is None and not self._base_model_written:
+                    # First, so that peft finds the base's config when saving the adapter.
+                    base = self.model.to_hf_model(self.final_weights()).unload()
+                    self._write_base_model(base, base_dir)
+                model = self.model.to_hf_model(self.final_weights())
+                for config in model.peft_config.values():
+                    config.base_model_name_or_path = str(base_dir)
+                model.save_pretrained(str(directory))
             else:
-                base_dir = (directory / "base_model").resolve()
-            for config in model.peft_config.values():
-                config.base_model_name_or_path = str(base_dir)
-            model.save_pretrained(str(directory))
-            if self.spec.model.path is None:
-                model.unload().save_pretrained(str(base_dir))
-        else:
-            model.save_pretrained(str(directory))
+                model = self.model.to_hf_model(self.final_weights())
+                model.save_pretrained(str(directory))
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         tokenizer_dir = self.spec.tokenizer_path
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
             from roundpipe.coordinator.data import load_tokenizer
 
             load_tokenizer(tokenizer_dir).save_pretrained(str(directory))
+
+    def _write_base_model(self, base_model, base_dir: Path) -> None:
+        tmp = base_dir.parent / f".tmp-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        trash = base_dir.parent / f".trash-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            base_model.save_pretrained(str(tmp))
+            for file in tmp.iterdir():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+            if base_dir.exists():
+                os.rename(base_dir, trash)
+            os.rename(tmp, base_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(trash, ignore_errors=True)
+        self._base_model_written = True
+
+    def export(self, directory: Path | None = None) -> Path:
+        """Write the final model in Hugging Face layout (``write_hf_model``) into
+        ``directory`` (default: the output directory). Raises JobPaused if it cannot be
+        written (the final checkpoint holds the same model)."""
+        directory = self.output_dir if directory is None else Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.write_hf_model(directory)
+        except Exception as exc:
+            os_error = as_os_error(exc, directory)
+            if os_error is None:
+                raise
+            raise JobPaused(
+                self._io_error_message(f"cannot write the final model to {directory}", os_error)
+            ) from exc
         return directory
 
     def close(self) -> None:

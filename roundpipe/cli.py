@@ -7,6 +7,7 @@
     roundpipe jobs                       # every job, as a table
     roundpipe workers                    # every worker, as a table
     roundpipe cancel JOB
+    roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
     roundpipe logs JOB [--follow]        # the coordinator's log of one job
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from roundpipe.client import (
-    FINAL_STATES,
+    STOPPED_STATES,
     Client,
     JobHandle,
     JobRejected,
@@ -269,16 +270,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         print(handle.job_id, flush=True)
         if not args.wait:
             return EXIT_OK
-        try:
-            result = watch_job(handle, total_steps=spec.train.steps)
-        except KeyboardInterrupt:
-            print(
-                f"\n{PROG}: stopped watching; job {handle.job_id} keeps running "
-                f"(`{PROG} cancel {handle.job_id}` stops it)",
-                file=sys.stderr,
-            )
-            return EXIT_INTERRUPTED
-        return _report_final(result)
+        return _watch(handle, spec.train.steps)
 
 
 def _status_dict(status: JobStatus | WorkerInfo) -> dict[str, Any]:
@@ -320,7 +312,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
             j.state,
             f"{j.step}/{j.total_steps}",
             _format_loss(j.loss),
-            j.message if j.state == "failed" or not j.output_dir else j.output_dir,
+            j.message if j.state in ("failed", "paused") or not j.output_dir else j.output_dir,
         )
         for j in jobs
     ]
@@ -357,6 +349,30 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     ]
     print(_table(("ID", "NAME", "DEVICE", "MEMORY", "STATE", "TASKS"), rows))
     return EXIT_OK
+
+
+def _watch(handle: JobHandle, total_steps: int | None = None) -> int:
+    try:
+        result = watch_job(handle, total_steps=total_steps)
+    except KeyboardInterrupt:
+        print(
+            f"\n{PROG}: stopped watching; job {handle.job_id} keeps running "
+            f"(`{PROG} cancel {handle.job_id}` stops it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    return _report_final(result)
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        handle = client.job(args.job)
+        handle.resume()
+        status = handle.status()
+        print(f"job {args.job} {status.state}: {status.message}", file=sys.stderr)
+        if not args.wait:
+            return EXIT_OK
+        return _watch(handle)
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
@@ -427,7 +443,7 @@ def _follow_log(path: Path, handle: JobHandle, *, poll_s: float) -> int:
             now = time.monotonic()
             if not ended and now >= next_check:
                 next_check = now + check_every_s
-                ended = handle.status().state in FINAL_STATES
+                ended = handle.status().state in STOPPED_STATES
                 if ended:
                     continue  # read once more: the job's last lines may have just landed
             if not grew:
@@ -528,6 +544,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("cancel", _cmd_cancel, "cancel a queued or running job", conn)
     p.add_argument("job", metavar="JOB", help="job id")
+
+    p = add(
+        "resume",
+        _cmd_resume,
+        "queue a paused, failed or cancelled job again; it continues from its newest checkpoint",
+        conn,
+    )
+    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="show progress until the job stops; exit 0 if it succeeded, 1 if not",
+    )
 
     p = add("logs", _cmd_logs, "print a job's log", conn)
     p.add_argument("job", metavar="JOB", help="job id")

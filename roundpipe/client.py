@@ -8,8 +8,10 @@
         job = client.submit("job.yaml")           # validated here, before anything is sent
         for event in job.progress():              # one ProgressEvent per optimizer step
             print(event.step, event.loss)
-        status = job.wait()                       # final JobStatus
+        status = job.wait()                       # final JobStatus (or paused)
         print(status.state, status.output_dir)
+        if status.state == "paused":              # e.g. the output disk was full
+            job.resume()                          # continue from the newest checkpoint
 
 Transport. The coordinator binds one ZeroMQ ROUTER socket; a client connects one DEALER
 socket to it and sends one request (the three frames of
@@ -57,6 +59,7 @@ from roundpipe.protocol import (
     ProgressEvent,
     ProtocolError,
     ProtocolVersionError,
+    ResumeJob,
     SubmitJob,
     WorkerInfo,
     WorkerList,
@@ -72,11 +75,18 @@ __all__ = [
     "JobRejected",
     "JobSpecError",
     "RoundPipeError",
+    "STOPPED_STATES",
     "UnknownJob",
 ]
 
 FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-"""Job states that never change again."""
+"""Job states that never change on their own (``resume`` can re-queue a failed or
+cancelled job)."""
+
+STOPPED_STATES: frozenset[str] = FINAL_STATES | {"paused"}
+"""States in which a job makes no progress until someone acts: the final ones, and
+``paused`` (stopped without losing anything, e.g. its checkpoint could not be written;
+:meth:`Client.resume` continues it)."""
 
 # ErrorReply codes the coordinator uses for "no such job" (the contract names the first;
 # the protocol docstring's example the second).
@@ -339,6 +349,14 @@ class Client:
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 
+    def resume(self, job_id: str) -> None:
+        """Queue a paused, failed or cancelled job again; it continues from its newest
+        checkpoint (from the start if it has none). Raises :class:`RoundPipeError` (code
+        ``"bad_state"``) for a job that is queued, running or has succeeded."""
+        reply = self._request(ResumeJob(job_id=job_id), Ack)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+
 
 def _as_job_spec(spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str]) -> JobSpec:
     if isinstance(spec, JobSpec):
@@ -382,6 +400,10 @@ class JobHandle:
         """Ask the coordinator to cancel the job (see :meth:`Client.cancel`)."""
         self.client.cancel(self.job_id)
 
+    def resume(self) -> None:
+        """Queue the stopped job again from its newest checkpoint (:meth:`Client.resume`)."""
+        self.client.resume(self.job_id)
+
     def progress(
         self, poll_s: float = 0.2, timeout_s: float | None = None, *, after_seq: int = 0
     ) -> Iterator[ProgressEvent]:
@@ -389,8 +411,8 @@ class JobHandle:
 
         Starts after event ``after_seq`` (0: from the first event, so a finished job
         replays its whole history), polls every ``poll_s`` seconds while nothing new has
-        happened, and returns once the job has reached a final state and every event has
-        been yielded. Raises :class:`TimeoutError` if that takes longer than
+        happened, and returns once the job has stopped (a final state, or ``paused``) and
+        every event has been yielded. Raises :class:`TimeoutError` if that takes longer than
         ``timeout_s`` (``None``: no limit). Ask :meth:`status` afterwards for how the
         job ended.
         """
@@ -414,7 +436,8 @@ class JobHandle:
             _sleep_or_timeout(deadline, poll_s, self.job_id, timeout_s, f"(last event {last})")
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.2) -> JobStatus:
-        """Block until the job is succeeded, failed or cancelled; return that status.
+        """Block until the job is succeeded, failed, cancelled or paused (it needs
+        :meth:`resume` then); return that status.
 
         Raises :class:`TimeoutError` naming the job if it has not ended within
         ``timeout_s`` seconds (``None``: wait forever). A failed job is not an exception
@@ -423,7 +446,7 @@ class JobHandle:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             status = self.status()
-            if status.state in FINAL_STATES:
+            if status.state in STOPPED_STATES:
                 return status
             _sleep_or_timeout(
                 deadline,

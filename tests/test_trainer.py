@@ -28,7 +28,7 @@ def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tenso
         spec,
         arena_dir=arena_dir,
         namespace="trainertest",
-        output_dir=arena_dir,
+        output_dir=Path(spec.output.dir),
         wait_timeout_s=60,
     )
     pool = None

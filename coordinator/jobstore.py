@@ -1,0 +1,220 @@
+"""The coordinator's durable job store: one SQLite file in its state directory.
+
+Every job and every change of its state is written here before the coordinator acts on
+it, so jobs survive a coordinator restart (a crash, ``systemctl restart``, an upgrade):
+
+* ``queued`` jobs run again, in submission order;
+* ``running`` jobs were interrupted: :meth:`JobStore.recover` turns them back into
+  ``queued`` (with a message saying so), and when they run the trainer resumes them from
+  their newest checkpoint (roundpipe.coordinator.checkpoint);
+* ``paused`` jobs wait for ``roundpipe resume JOB``;
+* ``succeeded``, ``failed`` and ``cancelled`` jobs are kept for ``roundpipe jobs``.
+
+Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
+
+    jobs(seq INTEGER PRIMARY KEY AUTOINCREMENT   -- submission order
+         job_id TEXT UNIQUE, spec TEXT (JSON), state TEXT, message TEXT,
+         output_dir TEXT, step INTEGER, total_steps INTEGER, loss REAL,
+         checkpoint_step INTEGER (NULL: none yet), created_at REAL, updated_at REAL)
+
+The database runs in WAL mode with ``synchronous=FULL``: a change is on disk when the
+call returns. One connection, guarded by a lock, serves every thread of the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCHEMA_VERSION", "JobStore", "JobStoreError", "StoredJob"]
+
+SCHEMA_VERSION = 1
+STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL UNIQUE,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    message TEXT NOT NULL DEFAULT '',
+    output_dir TEXT,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    checkpoint_step INTEGER,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+)
+"""
+
+_COLUMNS = (
+    "job_id",
+    "spec",
+    "state",
+    "message",
+    "output_dir",
+    "step",
+    "total_steps",
+    "loss",
+    "checkpoint_step",
+    "created_at",
+    "updated_at",
+)
+_UPDATABLE = frozenset(
+    {"state", "message", "output_dir", "step", "total_steps", "loss", "checkpoint_step"}
+)
+
+
+class JobStoreError(RuntimeError):
+    """The job store cannot be opened or written; the message names the file."""
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """One row of the store."""
+
+    job_id: str
+    spec: dict[str, Any]
+    state: str
+    message: str
+    output_dir: str | None
+    step: int
+    total_steps: int
+    loss: float | None
+    checkpoint_step: int | None
+    created_at: float
+    updated_at: float
+
+
+class JobStore:
+    """Jobs and their states in ``<state_dir>/jobs.sqlite3``."""
+
+    FILENAME = "jobs.sqlite3"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                str(self.path), check_same_thread=False, isolation_level=None, timeout=10
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise JobStoreError(
+                    f"job store {self.path} has schema version {version}, newer than this "
+                    f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
+                )
+            self._db.execute(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            raise JobStoreError(
+                f"cannot open the job store {self.path}: {exc}; if the file is damaged, "
+                "move it aside (the coordinator then starts with no jobs)"
+            ) from exc
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str | Path) -> JobStore:
+        return cls(Path(state_dir) / cls.FILENAME)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _execute(self, sql: str, params: tuple = ()) -> tuple[list[tuple], int]:
+        """Run one statement (atomic on its own); return its rows and rowcount."""
+        try:
+            with self._lock:
+                cursor = self._db.execute(sql, params)
+                return cursor.fetchall(), cursor.rowcount
+        except sqlite3.Error as exc:
+            raise JobStoreError(f"job store {self.path}: {exc}") from exc
+
+    # -- writing --
+
+    def add(
+        self,
+        job_id: str,
+        spec: dict[str, Any],
+        *,
+        state: str = "queued",
+        message: str = "",
+        output_dir: str | None = None,
+        total_steps: int = 0,
+    ) -> StoredJob:
+        """Record a new job."""
+        if state not in STATES:
+            raise ValueError(f"unknown job state {state!r}")
+        now = time.time()
+        self._execute(
+            "INSERT INTO jobs (job_id, spec, state, message, output_dir, step, total_steps, "
+            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?)",
+            (job_id, json.dumps(spec), state, message, output_dir, total_steps, now, now),
+        )
+        job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def update(self, job_id: str, **fields: Any) -> None:
+        """Change some of a job's columns (state, message, step, loss, ...) at once."""
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise ValueError(f"cannot update {sorted(unknown)}")
+        if "state" in fields and fields["state"] not in STATES:
+            raise ValueError(f"unknown job state {fields['state']!r}")
+        if not fields:
+            return
+        names = sorted(fields)
+        sets = ", ".join(f"{n} = ?" for n in names)
+        _, count = self._execute(
+            f"UPDATE jobs SET {sets}, updated_at = ? WHERE job_id = ?",
+            (*(fields[n] for n in names), time.time(), job_id),
+        )
+        if count != 1:
+            raise JobStoreError(f"job store {self.path} has no job {job_id!r}")
+
+    def recover(self) -> list[str]:
+        """After a restart: jobs left ``running`` become ``queued`` (to resume from their
+        newest checkpoint). Returns their ids."""
+        interrupted, _ = self._execute(
+            "SELECT job_id, checkpoint_step FROM jobs WHERE state = 'running'"
+        )
+        for job_id, checkpoint_step in interrupted:
+            where = (
+                f"from checkpoint step {checkpoint_step}"
+                if checkpoint_step
+                else "from the start (no checkpoint had been written)"
+            )
+            self.update(
+                job_id,
+                state="queued",
+                message=f"interrupted by a coordinator restart; resumes {where}",
+            )
+        return [job_id for job_id, _ in interrupted]
+
+    # -- reading --
+
+    def get(self, job_id: str) -> StoredJob | None:
+        rows, _ = self._execute(
+            f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE job_id = ?", (job_id,)
+        )
+        return _row(rows[0]) if rows else None
+
+    def all(self) -> list[StoredJob]:
+        """Every job, in submission order."""
+        rows, _ = self._execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs ORDER BY seq")
+        return [_row(r) for r in rows]
+
+
+def _row(row: tuple) -> StoredJob:
+    values = dict(zip(_COLUMNS, row))
+    values["spec"] = json.loads(values["spec"])
+    return StoredJob(**values)

@@ -1,0 +1,236 @@
+"""The checkpoint directory: atomic writes, validation, fallback, pruning, stale leftovers.
+
+Tiny tensors only; the trainer's use of it is tested in tests/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from roundpipe.coordinator.checkpoint import (
+    LATEST,
+    MANIFEST,
+    STATE_FILE,
+    CheckpointDir,
+    CheckpointError,
+    as_os_error,
+    load_tensors,
+    resolve_checkpoint,
+    save_tensors,
+    step_name,
+    verify_checkpoint,
+)
+
+
+def fill_with(step: int):
+    def fill(directory: Path) -> None:
+        (directory / "config.json").write_text(json.dumps({"step": step}))
+        (directory / STATE_FILE).parent.mkdir()
+        save_tensors(directory / STATE_FILE, {"w": torch.full((4, 5), float(step))})
+
+    return fill
+
+
+def write(ckpts: CheckpointDir, step: int, job: str = "job-a") -> Path:
+    return ckpts.write(step, fill_with(step), {"job_id": job})
+
+
+def state_step(path: Path) -> float:
+    return float(dict(load_tensors(path / STATE_FILE))["w"][0, 0])
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def test_save_tensors_is_standard_safetensors(tmp_path: Path) -> None:
+    storage = torch.arange(24, dtype=torch.float32)
+    tensors = {
+        "a": storage[:12].view(3, 4),  # views of one storage, as arena views are
+        "b": storage[12:],
+        "half": torch.randn(3, 2).to(torch.bfloat16),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0, 3),
+        "rng": torch.get_rng_state(),
+    }
+    save_tensors(tmp_path / "x.safetensors", tensors, {"format": "test"})
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "test"}
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def test_write_is_complete_and_pointer_moves(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path / "checkpoints")
+    path = write(ckpts, 3)
+    assert path == tmp_path / "checkpoints" / "step-00000003"
+    assert (ckpts.root / LATEST).read_text() == "step-00000003\n"
+    info = verify_checkpoint(path)
+    assert info.step == 3 and info.job_id == "job-a"
+    assert set(info.manifest["files"]) == {"config.json", STATE_FILE}
+    assert sorted(p.name for p in ckpts.root.iterdir()) == [LATEST, "step-00000003"]
+    write(ckpts, 5)
+    assert ckpts.find_latest().step == 5
+    assert state_step(ckpts.find_latest().path) == 5
+
+
+def test_failed_write_leaves_nothing_and_keeps_latest(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 2)
+
+    def full_disk(directory: Path) -> None:
+        (directory / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "x"))
+
+    with pytest.raises(OSError) as info:
+        ckpts.write(4, full_disk, {"job_id": "job-a"})
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000002"]
+    assert ckpts.find_latest().step == 2
+
+
+def test_library_io_errors_become_os_errors(tmp_path: Path) -> None:
+    class SafetensorError(Exception):
+        pass
+
+    exc = SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+    mapped = as_os_error(exc, tmp_path)
+    assert isinstance(mapped, OSError) and mapped.errno == errno.ENOSPC
+    assert as_os_error(ValueError("shape mismatch"), tmp_path) is None
+
+    def fill(directory: Path) -> None:
+        raise exc
+
+    with pytest.raises(OSError):
+        CheckpointDir(tmp_path).write(1, fill, {"job_id": "j"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_same_step_is_replaced(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 4, job="old-job")
+    write(ckpts, 4, job="new-job")
+    info = ckpts.find_latest()
+    assert info.job_id == "new-job" and info.step == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000004"]
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def test_damaged_latest_falls_back_to_previous(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    for step in (1, 2, 3):
+        write(ckpts, step)
+    state = tmp_path / step_name(3) / STATE_FILE
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed: only the checksum sees it
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        verify_checkpoint(tmp_path / step_name(3))
+    assert ckpts.find_latest().step == 2
+    # Truncated file: caught by its size.
+    (tmp_path / step_name(2) / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="bytes"):
+        verify_checkpoint(tmp_path / step_name(2))
+    assert ckpts.find_latest().step == 1
+    # Manifest gone: not a checkpoint at all.
+    (tmp_path / step_name(1) / MANIFEST).unlink()
+    assert ckpts.find_latest() is None
+
+
+def test_missing_or_garbage_pointer_scans_directories(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 1)
+    write(ckpts, 2)
+    (tmp_path / LATEST).write_text("../../etc\n")
+    assert ckpts.pointer() is None and ckpts.find_latest().step == 2
+    (tmp_path / LATEST).unlink()
+    assert ckpts.find_latest().step == 2
+
+
+def test_find_latest_only_returns_the_jobs_own(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 2, job="mine")
+    write(ckpts, 4, job="other")
+    assert ckpts.find_latest().job_id == "other"
+    assert ckpts.find_latest(job_id="mine").step == 2
+    assert ckpts.find_latest(job_id="nobody") is None
+
+
+def test_resolve_checkpoint_accepts_step_checkpoints_or_output_dir(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path / "out" / "checkpoints")
+    write(ckpts, 1)
+    write(ckpts, 2)
+    for given in (ckpts.root / step_name(1), ckpts.root, tmp_path / "out"):
+        expected = 1 if given.name == step_name(1) else 2
+        assert resolve_checkpoint(given).step == expected
+    with pytest.raises(CheckpointError, match="not a RoundPipe checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- housekeeping
+
+
+def test_prune_keeps_last_n_of_the_job_and_never_latest(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 1, job="other")
+    for step in (2, 3, 4, 5):
+        write(ckpts, step)
+    removed = ckpts.prune(2, "job-a")
+    assert sorted(p.name for p in removed) == [step_name(2), step_name(3)]
+    assert [c.step for c in ckpts.complete()] == [1, 4, 5]
+    assert ckpts.prune(0, "job-a") == []  # 0 keeps all
+
+
+def test_prune_removes_checkpoints_newer_than_latest(tmp_path: Path) -> None:
+    """A run killed after renaming step 6 but before moving the pointer, resumed from
+    step 4: once step 5 is the latest, the stale step 6 goes (it is rewritten later)."""
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 4)
+    write(ckpts, 6)
+    (tmp_path / LATEST).write_text(step_name(4) + "\n")
+    write(ckpts, 5)
+    ckpts.prune(3, "job-a")
+    assert [c.step for c in ckpts.complete()] == [4, 5]
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 1)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    live_pid = os.getppid()  # pytest's parent: alive while the test runs
+    stale = tmp_path / f".tmp-step-00000002-{dead_pid}-abcd1234"
+    trash = tmp_path / f".trash-step-00000000-{dead_pid}-abcd1234"
+    live = tmp_path / f".tmp-step-00000002-{live_pid}-abcd1234"
+    for d in (stale, trash, live):
+        d.mkdir()
+        (d / "f").write_text("partial")
+    ckpts.ensure_writable()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([LATEST, step_name(1), live.name])
+    assert ckpts.find_latest().step == 1
+
+
+def test_unwritable_directory_fails_the_probe(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError):
+        CheckpointDir(blocker / "checkpoints").ensure_writable()

@@ -1,0 +1,153 @@
+"""The durable job store, alone and inside a coordinator that restarts (no processes)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from runtime_helpers import tiny_spec
+
+from roundpipe.coordinator.daemon import Coordinator
+from roundpipe.coordinator.jobstore import JobStore, JobStoreError
+from roundpipe.protocol import (
+    Ack,
+    CancelJob,
+    ErrorReply,
+    JobAccepted,
+    JobList,
+    ListJobs,
+    ResumeJob,
+    SubmitJob,
+)
+
+
+def test_jobs_and_states_survive_reopening(tmp_path: Path) -> None:
+    store = JobStore.in_state_dir(tmp_path)
+    store.add("job-1", {"a": 1}, output_dir="/out/1", total_steps=10)
+    store.add("job-2", {"b": [1, 2]}, total_steps=5)
+    store.update("job-1", state="running", step=3, loss=2.5, checkpoint_step=2)
+    store.update("job-2", state="failed", message="boom")
+    with pytest.raises(ValueError):
+        store.update("job-2", state="exploded")
+    with pytest.raises(ValueError):
+        store.update("job-2", spec="{}")
+    with pytest.raises(JobStoreError):
+        store.update("job-9", state="queued")
+    with pytest.raises(JobStoreError):
+        store.add("job-1", {})  # ids are unique
+    store.close()
+
+    store = JobStore.in_state_dir(tmp_path)
+    jobs = store.all()
+    assert [j.job_id for j in jobs] == ["job-1", "job-2"]
+    one, two = jobs
+    assert (one.state, one.step, one.loss, one.checkpoint_step) == ("running", 3, 2.5, 2)
+    assert one.spec == {"a": 1} and one.output_dir == "/out/1" and one.total_steps == 10
+    assert (two.state, two.message, two.spec) == ("failed", "boom", {"b": [1, 2]})
+    assert store.recover() == ["job-1"]
+    recovered = store.get("job-1")
+    assert recovered.state == "queued" and "checkpoint step 2" in recovered.message
+    assert store.get("job-2").state == "failed"
+    assert store.get("nope") is None
+
+
+def test_damaged_or_newer_store_is_refused_clearly(tmp_path: Path) -> None:
+    (tmp_path / JobStore.FILENAME).write_bytes(b"this is not a database" * 100)
+    with pytest.raises(JobStoreError, match="move it aside"):
+        JobStore.in_state_dir(tmp_path)
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    db = sqlite3.connect(newer / JobStore.FILENAME)
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    with pytest.raises(JobStoreError, match="newer"):
+        JobStore.in_state_dir(newer)
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+def start(state_dir: Path, arena_dir: Path, sock_dir: Path) -> Coordinator:
+    """A coordinator that is bound (jobs loaded) but does not serve: requests are fed to
+    its handler directly, and no job runs."""
+    c = Coordinator(f"ipc://{sock_dir}/c.sock", state_dir, arena_dir)
+    c.bind()
+    return c
+
+
+def stop(c: Coordinator) -> None:
+    c.router.close()
+    c.outbox.close()
+    c.ctx.term()
+    assert c.store is not None
+    c.store.close()
+
+
+def test_coordinator_restart_requeues_running_and_keeps_paused(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    c = start(state, arena_dir, tmp_path)
+    ids = []
+    for name in ("a", "b", "c", "d"):
+        reply = c._on_request(SubmitJob(spec=tiny_spec(tmp_path / name).to_dict()))
+        assert isinstance(reply, JobAccepted)
+        ids.append(reply.job_id)
+    a, b, cc, d = (c.jobs[i] for i in ids)
+    c._set_state(a, "running", "")  # interrupted mid-run by the "crash" below
+    c._set_state(b, "paused", "cannot write checkpoint step 4: No space left on device")
+    c.store.update(b.job_id, checkpoint_step=2)
+    c._set_state(d, "succeeded", "model written")
+    stop(c)
+
+    c = start(state, arena_dir, tmp_path)
+    try:
+        assert c._queue == [ids[0], ids[2]]  # submission order, the interrupted one first
+        a, b, cc, d = (c.jobs[i] for i in ids)
+        assert a.state == "queued" and "interrupted by a coordinator restart" in a.message
+        assert b.state == "paused" and "No space left" in b.message
+        listed = c._on_request(ListJobs())
+        assert isinstance(listed, JobList)
+        assert [j.job_id for j in listed.jobs] == ids
+        assert [j.state for j in listed.jobs] == ["queued", "paused", "queued", "succeeded"]
+
+        assert isinstance(c._on_request(ResumeJob(job_id=b.job_id)), Ack)
+        assert b.state == "queued" and "checkpoint step 2" in b.message
+        assert c._queue[-1] == b.job_id
+        for job_id, code in (
+            (a.job_id, "bad_state"),
+            (d.job_id, "bad_state"),
+            ("x", "unknown_job"),
+        ):
+            reply = c._on_request(ResumeJob(job_id=job_id))
+            assert isinstance(reply, ErrorReply) and reply.code == code, reply
+        assert "model.resume_from" in c._on_request(ResumeJob(job_id=d.job_id)).message
+        assert isinstance(c._on_request(CancelJob(job_id=b.job_id)), Ack)
+        assert b.state == "cancelled" and b.job_id not in c._queue
+    finally:
+        stop(c)
+    store = JobStore.in_state_dir(state)
+    assert [j.state for j in store.all()] == ["queued", "cancelled", "queued", "succeeded"]
+    store.close()
+
+
+def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_dir: Path) -> None:
+    state = tmp_path / "state"
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    spec["data"]["path"] = str(data)
+    c = start(state, arena_dir, tmp_path)
+    job_id = c._on_request(SubmitJob(spec=spec)).job_id
+    stop(c)
+    data.unlink()
+    c = start(state, arena_dir, tmp_path)
+    try:
+        job = c.jobs[job_id]
+        assert job.state == "failed" and "no longer valid" in job.message
+        assert "data.path" in job.message and c._queue == []
+        reply = c._on_request(ResumeJob(job_id=job_id))
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_spec"
+    finally:
+        stop(c)

@@ -1,0 +1,450 @@
+"""Checkpoints and exact resume, in process and through real, killed processes.
+
+* In process (Trainer + WorkerCore threads): a job stopped right after checkpoint s and
+  resumed by a fresh Trainer equals the uninterrupted job bitwise (CPU, fp32), with
+  staleness 0 and 1, with fewer workers than it was checkpointed with, for LoRA, and
+  after a failed save paused it; checkpoints load with transformers / peft; a new job
+  starts from another job's checkpoint.
+* SIGKILL trials: a child writes checkpoints in a loop and is killed at random times
+  (seeds printed); ``latest`` always names a complete checkpoint and the next run
+  resumes from it.
+* Real daemons: the coordinator is SIGKILLed mid-job and restarted: the running job
+  resumes from its checkpoint (with one worker fewer) and the queued job runs after it;
+  a full output file system pauses a job, and ``roundpipe resume`` finishes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import InProcessWorkers, assert_params_match, oracle_train, tiny_spec
+
+from roundpipe.client import RoundPipeError
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator import trainer as trainer_module
+from roundpipe.coordinator.checkpoint import (
+    LATEST,
+    STATE_FILE,
+    CheckpointDir,
+    load_tensors,
+    step_name,
+    verify_checkpoint,
+)
+from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.trainer import JobCancelled, JobPaused, Trainer
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def make_spec(output: Path, *, every: int = 2, steps: int = 5, **kw) -> JobSpec:
+    d = tiny_spec(output, steps=steps, **kw).to_dict()
+    d["output"].update(checkpoint_every=every, keep_last=2)
+    return JobSpec.from_dict(d)
+
+
+def train(
+    spec: JobSpec,
+    arena_dir: Path,
+    *,
+    job_id: str = "job-r",
+    workers: int = 2,
+    stop_after: int | None = None,
+) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]] | None:
+    """Run the job through a Trainer; with ``stop_after``, cancel it right after the
+    checkpoint of that step and return None. Else (weights by name, [(step, loss)])."""
+    trainer = Trainer(
+        job_id,
+        spec,
+        arena_dir=arena_dir,
+        namespace="resumetest",
+        output_dir=Path(spec.output.dir),
+        wait_timeout_s=60,
+    )
+    pool = None
+
+    def on_checkpoint(step: int, path: Path) -> None:
+        if stop_after is not None and step >= stop_after:
+            trainer.cancel()
+
+    try:
+        trainer.prepare(workers)
+        pool = InProcessWorkers(trainer, workers)
+        try:
+            trainer.run(pool.dispatch, pool.workers, on_checkpoint=on_checkpoint)
+        except JobCancelled:
+            assert stop_after is not None
+            return None
+        weights = {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
+        return weights, [(e.step, e.loss) for e in trainer.progress]
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+
+
+@functools.cache
+def reference(staleness: int, workers: int, lora: bool = False, steps: int = 5):
+    """The uninterrupted job (its checkpoints go to a throwaway directory)."""
+    out = (
+        Path(os.environ.get("TMPDIR", "/tmp"))
+        / f"rp-ref-{os.getpid()}-{staleness}-{workers}-{lora}-{steps}"
+    )
+    arena = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else out
+    arena = arena / f"rp-ref-arena-{os.getpid()}"
+    arena.mkdir(parents=True, exist_ok=True)
+    try:
+        spec = make_spec(out, staleness=staleness, lora=LORA if lora else None, steps=steps)
+        result = train(spec, arena, job_id="job-ref", workers=workers)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(arena, ignore_errors=True)
+    assert result is not None
+    return result
+
+
+def assert_bitwise(result, ref) -> None:
+    weights, progress = result
+    ref_weights, ref_progress = ref
+    assert weights.keys() == ref_weights.keys()
+    different = [n for n in weights if not torch.equal(weights[n], ref_weights[n])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    assert progress == ref_progress  # same steps, bitwise-equal losses
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("stop_after", [2, 4])
+def test_stopped_and_resumed_job_equals_uninterrupted_bitwise(
+    tmp_path: Path, arena_dir: Path, staleness: int, stop_after: int
+) -> None:
+    spec = make_spec(tmp_path / "out", staleness=staleness)
+    assert train(spec, arena_dir, stop_after=stop_after) is None
+    ckpts = CheckpointDir(tmp_path / "out" / "checkpoints")
+    assert ckpts.find_latest("job-r").step == stop_after
+    resumed = train(spec, arena_dir)
+    assert_bitwise(resumed, reference(staleness, 2))
+    # Final checkpoint written, pruned to keep_last = 2.
+    assert [c.step for c in ckpts.complete("job-r")] == [4, 5]
+
+
+def test_checkpoint_from_three_workers_resumes_with_one_or_two(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    for workers in (1, 2):
+        spec = make_spec(tmp_path / f"out{workers}", staleness=1)
+        assert train(spec, arena_dir, workers=3, stop_after=2) is None
+        assert_bitwise(train(spec, arena_dir, workers=workers), reference(1, 3))
+
+
+def test_lora_checkpoint_is_a_peft_adapter_and_resumes_exactly(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    from peft import AutoPeftModelForCausalLM
+
+    spec = make_spec(tmp_path / "out", staleness=1, lora=LORA)
+    assert train(spec, arena_dir, stop_after=2) is None
+    step2 = tmp_path / "out" / "checkpoints" / step_name(2)
+    assert (step2 / "adapter_config.json").is_file()
+    assert (tmp_path / "out" / "base_model" / "config.json").is_file()
+    model = AutoPeftModelForCausalLM.from_pretrained(str(step2))
+    saved = {
+        k[len("master/") :]: t
+        for k, t in load_tensors(step2 / STATE_FILE)
+        if k.startswith("master/")
+    }
+    params = dict(model.named_parameters())
+    assert saved and all(torch.equal(params[n], t) for n, t in saved.items())
+    assert_bitwise(train(spec, arena_dir), reference(1, 2, lora=True))
+
+
+def test_full_checkpoint_loads_with_transformers_and_as_a_new_jobs_model(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = make_spec(tmp_path / "out", staleness=0)
+    assert train(spec, arena_dir, stop_after=2) is None
+    step2 = tmp_path / "out" / "checkpoints" / step_name(2)
+    model = AutoModelForCausalLM.from_pretrained(str(step2))
+    saved = {
+        k[len("master/") :]: t
+        for k, t in load_tensors(step2 / STATE_FILE)
+        if k.startswith("master/")
+    }
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in saved.items())
+    # A new job whose model.path is the checkpoint starts from those weights (fresh
+    # optimizer): the HF files at the top of the checkpoint are all it reads.
+    d = spec.to_dict()
+    d["model"] = {"path": str(step2)}
+    d["output"]["dir"] = str(tmp_path / "fresh")
+    fresh = Trainer(
+        "job-fresh",
+        JobSpec.from_dict(d),
+        arena_dir=arena_dir,
+        namespace="resumetest",
+        output_dir=tmp_path / "fresh",
+    )
+    try:
+        fresh.prepare(2)
+        assert fresh.start_step == 0
+        masters = {n: t for layer in fresh.masters.values() for n, t in layer.items()}
+        assert all(torch.equal(masters[n], t) for n, t in saved.items())
+    finally:
+        fresh.close()
+
+
+def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path, arena_dir: Path) -> None:
+    spec = make_spec(tmp_path / "first", staleness=1, every=3, steps=5)
+    assert train(spec, arena_dir, job_id="job-first", stop_after=3) is None
+    d = spec.to_dict()
+    d["model"]["resume_from"] = str(tmp_path / "first")  # an output dir will do
+    d["output"]["dir"] = str(tmp_path / "second")
+    second = train(JobSpec.from_dict(d), arena_dir, job_id="job-second")
+    assert_bitwise(second, reference(1, 2))
+    info = CheckpointDir(tmp_path / "second" / "checkpoints").find_latest("job-second")
+    assert info.step == 5 and info.manifest["resumed_from"].endswith(step_name(3))
+
+
+def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = make_spec(tmp_path / "out", staleness=1)
+    real_save = trainer_module.save_tensors
+    calls = []
+
+    def full_disk(path, tensors, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:  # the checkpoint of step 4
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_save(path, tensors, metadata)
+
+    monkeypatch.setattr(trainer_module, "save_tensors", full_disk)
+    with pytest.raises(JobPaused) as info:
+        train(spec, arena_dir)
+    message = str(info.value)
+    root = tmp_path / "out" / "checkpoints"
+    for part in ("checkpoint step 4", "No space left", "ENOSPC", step_name(2), "roundpipe resume"):
+        assert part in message, message
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, step_name(2)]
+    verify_checkpoint(root / step_name(2))
+    monkeypatch.setattr(trainer_module, "save_tensors", real_save)
+    assert_bitwise(train(spec, arena_dir), reference(1, 2))
+
+
+def test_unwritable_output_pauses_before_any_work(tmp_path: Path, arena_dir: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the output directory should go")
+    spec = make_spec(blocker / "out")
+    with pytest.raises(JobPaused, match="not writable.*roundpipe resume"):
+        train(spec, arena_dir)
+
+
+# --------------------------------------------------------------------------- SIGKILL trials
+
+WRITER = Path(__file__).parent / "procs" / "ckpt_writer.py"
+TRIALS = 12
+
+
+def test_sigkill_during_checkpoint_writes_never_corrupts_latest(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    ckpts = CheckpointDir(root)
+    last_saved = 0
+    mid_write = 0
+    for seed in range(TRIALS):
+        rng = random.Random(seed)
+        child = subprocess.Popen(
+            [sys.executable, str(WRITER), str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = child.stdout.readline().split()
+            assert line[:1] == ["start"], f"seed {seed}: {line} {child.stderr.read()}"
+            started = int(line[1])
+            # Resume uses the newest checkpoint the previous (killed) writer completed.
+            assert started >= last_saved, f"seed {seed}: resumed at {started} < {last_saved}"
+            delay = rng.uniform(0.05, 0.6)
+            time.sleep(delay)
+            child.send_signal(signal.SIGKILL)
+            out, err = child.communicate(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        saved = [int(w.split()[1]) for w in out.splitlines() if w.startswith("saved")]
+        leftovers = [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+        mid_write += bool(leftovers)
+        latest = ckpts.pointer()
+        print(
+            f"SIGKILL trial seed={seed}: killed after {delay:.3f}s, saved {saved[-1:] or 'none'}, "
+            f"latest={latest}, temporary leftovers={leftovers}"
+        )
+        if saved:
+            last_saved = saved[-1]
+        if latest is None:
+            assert not saved, f"seed {seed}: no latest after saving {saved}"
+            continue
+        # The pointer names a complete, undamaged checkpoint holding its own step.
+        info = verify_checkpoint(root / latest)
+        assert last_saved <= info.step <= last_saved + 1, (seed, info.step, last_saved)
+        for name, t in load_tensors(info.path / STATE_FILE):
+            assert bool((t.float() == info.step).all()), (seed, name)
+        last_saved = info.step
+    print(f"{mid_write} of {TRIALS} kills left a checkpoint write half done")
+    assert last_saved > 0
+    # A last run cleans up after the dead writers and resumes from the newest one.
+    child = subprocess.Popen(
+        [sys.executable, str(WRITER), str(root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().split() == ["start", str(last_saved)]
+    finally:
+        child.kill()
+        child.communicate()
+
+
+# --------------------------------------------------------------------------- real daemons
+
+
+def wait_for(cluster: LocalCluster, what: str, predicate, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except RoundPipeError:
+            pass  # e.g. the coordinator is still starting
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n{cluster.logs()}")
+
+
+def load_output(output_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    arena_dir = Path("/dev/shm") / f"rp-resume-{os.getpid()}"
+    arena_dir.mkdir()
+    c = LocalCluster(tmp_path / "cluster", arena_dir, coordinator_args=["--wait-timeout", "120"])
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_coordinator_sigkill_resumes_running_job_and_runs_queued_one(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster.add_worker("w1")
+    cluster.add_worker("w2")
+    cluster.wait_for_workers(2)
+    # A checkpoint after every step: the coordinator spends much of its time writing
+    # them, so the kill (at a random moment after checkpoint 2) often lands in a write.
+    long = make_spec(tmp_path / "long", staleness=1, every=1, steps=24)
+    short = make_spec(tmp_path / "short", staleness=0, every=0, steps=3)
+    long_job = cluster.client.submit(long)
+    short_job = cluster.client.submit(short)
+    ckpts = CheckpointDir(tmp_path / "long" / "checkpoints")
+    wait_for(cluster, "checkpoint 2", lambda: (ckpts.pointer() or "") >= step_name(2))
+    seed = int(os.environ.get("RP_TEST_SEED", time.time_ns() % 10_000))
+    delay = random.Random(seed).uniform(0.0, 0.5)
+    time.sleep(delay)
+    cluster.coordinator.proc.send_signal(signal.SIGKILL)
+    cluster.coordinator.proc.wait(timeout=30)
+    latest = ckpts.find_latest(long_job.job_id)
+    leftovers = [p.name for p in ckpts.root.iterdir() if p.name.startswith(".tmp-")]
+    print(
+        f"coordinator SIGKILL seed={seed} (RP_TEST_SEED) after {delay:.3f}s: latest "
+        f"{ckpts.pointer()}, temporary leftovers {leftovers}"
+    )
+    assert latest is not None and latest.path.name == ckpts.pointer()
+    cluster.signal_worker("w1", signal.SIGKILL)  # it resumes with one worker fewer
+    cluster.start_coordinator()
+    wait_for(cluster, "the worker to rejoin", lambda: len(cluster.client.workers()) == 1)
+    jobs = {j.job_id: j.state for j in cluster.client.jobs()}
+    assert jobs.keys() == {long_job.job_id, short_job.job_id}
+    assert jobs[long_job.job_id] in ("queued", "running")
+    status = long_job.wait(timeout_s=240)
+    assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+    assert short_job.wait(timeout_s=120).state == "succeeded", cluster.logs()
+    log = (cluster.state_dir / "jobs" / long_job.job_id / "job.log").read_text()
+    assert "resumes from" in log
+    assert [e.step for e in long_job.progress(timeout_s=30)] == list(range(1, 25))
+    assert_params_match(load_output(tmp_path / "long"), oracle_train(long))
+    assert_params_match(load_output(tmp_path / "short"), oracle_train(short))
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 1 MiB tmpfs (real ENOSPC) where mounting is allowed, else skip."""
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_full_output_fs_pauses_job_and_cli_resume_finishes_it(
+    cluster: LocalCluster, tmp_path: Path, small_fs: Path
+) -> None:
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    spec = make_spec(small_fs / "out", staleness=0, every=2, steps=4)
+    job = cluster.client.submit(spec)
+    status = job.wait(timeout_s=120)
+    assert status.state == "paused", f"{status}\n{cluster.logs()}"
+    assert "No space left" in status.message and "roundpipe resume" in status.message
+    assert not any(p.name.startswith(".tmp-") for p in (small_fs / "out" / "checkpoints").iterdir())
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_fs)], check=True)
+    cli = [sys.executable, "-m", "roundpipe.cli"]
+    result = subprocess.run(
+        [*cli, "resume", job.job_id, "--wait", "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr + cluster.logs()
+    assert "succeeded" in result.stderr
+    assert_params_match(load_output(small_fs / "out"), oracle_train(spec))
+    again = subprocess.run(
+        [*cli, "resume", job.job_id, "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 1 and "already succeeded" in again.stderr
+    manifest = json.loads(
+        (small_fs / "out" / "checkpoints" / step_name(4) / "checkpoint.json").read_text()
+    )
+    assert manifest["job_id"] == job.job_id
