@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import zmq
 
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
@@ -80,7 +82,7 @@ __all__ = ["Coordinator", "main"]
 log = logging.getLogger("roundpipe.coordinator")
 
 HEARTBEAT_INTERVAL_S = 1.0
-WORKER_LOST_AFTER_S = 10.0
+WORKER_LOST_AFTER_S = 5.0  # default --worker-timeout: heartbeats missed before "lost"
 _OUTBOX = "inproc://rp-coordinator-outbox"
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 STOPPED_STATES = (*FINAL_STATES, "paused")  # no progress until someone acts
@@ -121,7 +123,11 @@ class JobRecord:
             step=t.step if t is not None else self.step,
             total_steps=self.total_steps,
             loss=t.last_loss if t is not None else self.loss,
-            message=self.message,
+            message=(
+                "waiting for a worker to connect (tasks parked)"
+                if t is not None and t.waiting_for_workers and self.state == "running"
+                else self.message
+            ),
             output_dir=self.output_dir,
         )
 
@@ -141,8 +147,10 @@ class Coordinator:
         *,
         namespace: str | None = None,
         wait_timeout_s: float = 600.0,
+        worker_timeout_s: float = WORKER_LOST_AFTER_S,
     ):
         self.address = address
+        self.worker_timeout_s = worker_timeout_s
         self.state_dir = Path(state_dir)
         self.arena_dir = Path(arena_dir) if arena_dir is not None else default_arena_dir()
         # Arena files carry the namespace: coordinators on different addresses never
@@ -152,7 +160,9 @@ class Coordinator:
         self.coordinator_id = secrets.token_hex(4)
         self.ctx = zmq.Context()
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards workers and jobs
+        # Re-entrant: status/progress code called under it may ask the trainer, whose
+        # callbacks (e.g. the live-worker list) take it again.
+        self._lock = threading.RLock()  # guards workers and jobs
         self.workers: dict[int, WorkerEntry] = {}
         self._by_identity: dict[bytes, int] = {}
         self._worker_ids = itertools.count(1)
@@ -378,9 +388,11 @@ class Coordinator:
                 )
             ),
         )
-        # A worker joining mid-job gets the job's setup and then its share of tasks.
+        # A worker joining mid-job gets the job's setup and then its share of tasks
+        # (including tasks parked while no worker was connected).
         if active is not None and active.trainer is not None and active.trainer.layout:
             self._send(identity, encode(active.trainer.job_setup()))
+            active.trainer.inbox.put("worker-joined")
 
     def _on_task_result(self, identity: bytes, msg: TaskDone | TaskFailed) -> None:
         with self._lock:
@@ -395,24 +407,47 @@ class Coordinator:
             active.trainer.inbox.put(msg)
 
     def _check_workers(self) -> None:
+        """Declare workers lost: process gone (same host, checked by pid + start time),
+        or no heartbeat for ``worker_timeout_s``. See docs/fault-tolerance.md."""
         now = time.monotonic()
-        lost = []
+        lost: list[tuple[WorkerEntry, str]] = []
         with self._lock:
             for wid, entry in list(self.workers.items()):
-                if now - entry.last_seen > WORKER_LOST_AFTER_S:
-                    lost.append(entry)
-                    del self.workers[wid]
-                    self._by_identity.pop(entry.identity, None)
+                if _local_process_gone(entry.hello):
+                    reason = "process exited"
+                elif now - entry.last_seen > self.worker_timeout_s:
+                    reason = f"no heartbeat for {self.worker_timeout_s:.0f}s"
+                else:
+                    continue
+                lost.append((entry, reason))
+                del self.workers[wid]
+                self._by_identity.pop(entry.identity, None)
             active = self._active
-        for entry in lost:
+        for entry, reason in lost:
             log.warning(
-                "[coordinator] worker %d (%s) lost: no heartbeat for %.0fs",
+                "[coordinator] worker %d (%s) lost: %s",
                 entry.worker_id,
                 entry.hello.worker_name,
-                WORKER_LOST_AFTER_S,
+                reason,
             )
+            _fence_local(entry.hello)  # a frozen process must never wake up and write
             if active is not None and active.trainer is not None:
-                active.trainer.inbox.put(f"worker-lost:{entry.worker_id}")
+                active.trainer.inbox.put(f"worker-lost:{entry.worker_id}:{reason}")
+
+    def fence_worker(self, worker_id: int, reason: str) -> None:
+        """Called by the trainer for a worker that stopped making progress."""
+        with self._lock:
+            entry = self.workers.pop(worker_id, None)
+            if entry is not None:
+                self._by_identity.pop(entry.identity, None)
+        if entry is not None:
+            log.warning(
+                "[coordinator] worker %d (%s) fenced: %s",
+                worker_id,
+                entry.hello.worker_name,
+                reason,
+            )
+            _fence_local(entry.hello)
 
     def _on_request(self, msg: Message) -> Message:
         if isinstance(msg, SubmitJob):
@@ -596,7 +631,13 @@ class Coordinator:
         def dispatch(task, worker_id: int) -> None:
             identity = self._identity(worker_id)
             if identity is None:
-                raise JobFailed(f"worker {worker_id} left before task {task.task_id} was sent")
+                # The worker was declared lost between the trainer's look at the worker
+                # list and now; its loss notice is queued for the trainer, which then
+                # re-dispatches this task with the worker's others.
+                log.info(
+                    "[coordinator] task %d not sent: worker %d is gone", task.task_id, worker_id
+                )
+                return
             push.send_multipart([identity, *encode(task)])
 
         def on_checkpoint(step: int, path: Path) -> None:
@@ -632,7 +673,12 @@ class Coordinator:
             elif job.message:
                 self._set_state(job, "running", "")  # e.g. "resume requested": it has started
             self._broadcast(push, trainer.job_setup())
-            trainer.run(dispatch, self._live_workers, on_checkpoint=on_checkpoint)
+            trainer.run(
+                dispatch,
+                self._live_workers,
+                on_checkpoint=on_checkpoint,
+                fence=self.fence_worker,
+            )
             trainer.export(Path(job.output_dir or "."))
             state, message = "succeeded", f"model written to {job.output_dir}"
         except JobCancelled:
@@ -663,6 +709,50 @@ class Coordinator:
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
+
+
+def _local_process(hello: Hello) -> psutil.Process | None:
+    """The worker's process if it runs on this host and is the same process (pid reuse
+    is ruled out by the start time), else None."""
+    if hello.hostname != socket.gethostname():
+        return None
+    try:
+        proc = psutil.Process(hello.pid)
+        if abs(proc.create_time() - hello.process_create_time) > 0.05:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+
+
+def _local_process_gone(hello: Hello) -> bool:
+    if hello.hostname != socket.gethostname():
+        return False  # remote: heartbeats decide
+    try:
+        proc = psutil.Process(hello.pid)
+        return (
+            abs(proc.create_time() - hello.process_create_time) > 0.05
+            or proc.status() == psutil.STATUS_ZOMBIE
+        )
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def _fence_local(hello: Hello) -> None:
+    """SIGKILL a lost worker that still runs on this host (frozen or stuck)."""
+    proc = _local_process(hello)
+    if proc is not None:
+        try:
+            proc.send_signal(signal.SIGKILL)
+            log.warning(
+                "[coordinator] fenced worker process %d (%s) with SIGKILL",
+                hello.pid,
+                hello.worker_name,
+            )
+        except psutil.Error:
+            pass
 
 
 def _unknown(job_id: str) -> ErrorReply:
@@ -721,6 +811,13 @@ def main(argv: list[str] | None = None) -> int:
         help="RAM-backed directory for shared-memory arenas (default /dev/shm)",
     )
     parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=WORKER_LOST_AFTER_S,
+        help="seconds without a worker heartbeat before the worker is declared lost and "
+        "its tasks go to the others (default %(default)s)",
+    )
+    parser.add_argument(
         "--wait-timeout",
         type=float,
         default=600.0,
@@ -756,6 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         args.state_dir or default_state_dir(),
         args.arena_dir,
         wait_timeout_s=args.wait_timeout,
+        worker_timeout_s=args.worker_timeout,
     )
     try:
         coordinator.bind()

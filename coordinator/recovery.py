@@ -97,7 +97,11 @@ class TaskTracker:
 
     @property
     def waiting_for_workers(self) -> bool:
-        return bool(self.parked) and not self.live_workers()
+        """Tasks are parked (no worker was live when they were to be sent).
+
+        Deliberately does not call ``live_workers``: the daemon asks this while holding
+        the lock that ``live_workers`` takes."""
+        return bool(self.parked)
 
     # -- results ----------------------------------------------------------------------
 
@@ -112,6 +116,13 @@ class TaskTracker:
         for rec in self.recoveries:
             if rec.get("next_task_after_s") is None:
                 rec["next_task_after_s"] = now - rec["lost_at"]
+                # Parsed by the chaos harness (roundpipe.chaos): keep the wording.
+                log.info(
+                    "[recovery] first task completed %.3fs after worker %d was lost (%s)",
+                    rec["next_task_after_s"],
+                    rec["worker_id"],
+                    rec["reason"],
+                )
         return entry
 
     def failed(self, msg: TaskFailed) -> None:

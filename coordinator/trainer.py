@@ -57,7 +57,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,6 +75,7 @@ from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel
@@ -118,12 +118,6 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     )
 
 
-@dataclass
-class _InFlight:
-    task: StageTask
-    worker_id: int
-
-
 class Trainer:
     """Runs one job. Build, ``prepare()``, then ``run(...)``; always ``close()``."""
 
@@ -137,6 +131,7 @@ class Trainer:
         output_dir: Path,
         wait_timeout_s: float = 600.0,
         optimizer_impl: str = "fused",
+        recovery_policy: RecoveryPolicy | None = None,
     ):
         self.job_id = job_id
         self.spec = spec
@@ -146,6 +141,8 @@ class Trainer:
         self.wait_timeout_s = wait_timeout_s
         self.optimizer_impl = optimizer_impl
         self.inbox: queue.Queue[TaskDone | TaskFailed | str] = queue.Queue()
+        self.recovery_policy = recovery_policy or RecoveryPolicy()
+        self._fence: Callable[[int, str], None] | None = None
         self.progress: list[ProgressEvent] = []
         self.progress_lock = threading.Lock()
         self.step = 0
@@ -394,10 +391,18 @@ class Trainer:
         workers: Callable[[], list[int]],
         on_progress: Callable[[ProgressEvent], None] | None = None,
         on_checkpoint: Callable[[int, Path], None] | None = None,
+        fence: Callable[[int, str], None] | None = None,
     ) -> None:
         """Train steps ``start_step + 1 .. spec.train.steps``, writing checkpoints on the
         way. Raises JobFailed / JobCancelled / JobPaused (a checkpoint could not be
-        written; the previous one is intact)."""
+        written; the previous one is intact).
+
+        ``dispatch(task, worker_id)`` sends a task; ``workers()`` lists live worker ids.
+        Worker loss arrives in ``inbox`` as ``"worker-lost:<id>:<reason>"`` and a new
+        worker as ``"worker-joined"``; the lost worker's tasks are re-dispatched
+        (coordinator.recovery). ``fence(worker_id, reason)`` is called for a worker that
+        stopped making progress: the caller makes sure it is dead and no longer listed.
+        """
         assert self.layout is not None
         layout, spec = self.layout, self.spec
         steps = spec.train.steps
@@ -405,10 +410,12 @@ class Trainer:
             target=self._optimizer_loop, name=f"rp-optimizer-{self.job_id}", daemon=True
         )
         optimizer_thread.start()
-        in_flight: dict[int, _InFlight] = {}
+        tracker = TaskTracker(dispatch, workers, self.recovery_policy)
+        self.tracker = tracker
+        self._fence = fence
+        unfinished: dict[int, StageTask] = {}  # dispatched, in flight or parked, not done
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
-        round_robin = 0
         next_task_id = 0
         tokens_per_step = spec.global_batch_size * spec.data.seq_len
         started = time.perf_counter()
@@ -418,13 +425,18 @@ class Trainer:
         def report_through(k: int) -> None:
             """Report every iteration up to ``k`` whose tail has finished."""
             nonlocal completed_iterations, last_time
-            while completed_iterations < k and self._tail_done(
-                completed_iterations + 1, tail_task, in_flight
+            while (
+                completed_iterations < k
+                and completed_iterations + 1 in tail_task
+                and tail_task[completed_iterations + 1] not in unfinished
             ):
                 completed_iterations += 1
                 last_time = self._report(
                     completed_iterations, tokens_per_step, last_time, on_progress
                 )
+
+        def handle_next() -> None:
+            self._handle(self._next_message(), unfinished, pending_per_iteration)
 
         try:
             for k in range(self.start_step + 1, steps + 1):
@@ -432,7 +444,7 @@ class Trainer:
                     raise JobCancelled(f"job {self.job_id} was cancelled")
                 # Note [weight-update ordering], point 5: iteration k reuses k-2's slots.
                 while pending_per_iteration.get(k - 2, 0) > 0:
-                    self._handle(self._next_message(), in_flight, pending_per_iteration)
+                    handle_next()
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
@@ -448,19 +460,14 @@ class Trainer:
                 for task in tasks:
                     if task.kind == "tail":
                         tail_task[k] = task.task_id
-                    live = workers()
-                    if not live:
-                        raise JobFailed("no worker is connected; start `roundpipe-worker`")
-                    worker_id = live[round_robin % len(live)]
-                    round_robin += 1
-                    in_flight[task.task_id] = _InFlight(task, worker_id)
-                    dispatch(task, worker_id)
+                    unfinished[task.task_id] = task
+                    tracker.dispatch(task)  # parked if no worker is connected
                 report_through(k - 1)
                 if self.checkpoint_due(k):
                     # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
                     # pipeline has drained and the optimizer has applied step k.
                     while any(pending_per_iteration.values()):
-                        self._handle(self._next_message(), in_flight, pending_per_iteration)
+                        handle_next()
                         report_through(k)
                     self._wait_optimizer(k)
                     report_through(k)
@@ -468,7 +475,7 @@ class Trainer:
                     if on_checkpoint is not None:
                         on_checkpoint(k, path)
             while any(pending_per_iteration.values()):
-                self._handle(self._next_message(), in_flight, pending_per_iteration)
+                handle_next()
                 report_through(steps)
             self._wait_optimizer(steps)
         finally:
@@ -484,8 +491,11 @@ class Trainer:
             time.perf_counter() - started,
         )
 
-    def _tail_done(self, k: int, tail_task: dict[int, int], in_flight: dict) -> bool:
-        return k in tail_task and tail_task[k] not in in_flight
+    @property
+    def waiting_for_workers(self) -> bool:
+        """True while tasks are parked because no worker is connected."""
+        tracker = getattr(self, "tracker", None)
+        return tracker is not None and tracker.waiting_for_workers
 
     def _report(self, k: int, tokens: int, last_time: float, on_progress) -> float:
         assert self.layout is not None
@@ -523,32 +533,42 @@ class Trainer:
             try:
                 return self.inbox.get(timeout=0.5)
             except queue.Empty:
-                continue
+                self._check_progress()
 
-    def _handle(self, msg, in_flight: dict[int, _InFlight], pending: dict[int, int]) -> None:
+    def _check_progress(self) -> None:
+        """Fence and replace workers that hold tasks but stopped completing them."""
+        tracker = getattr(self, "tracker", None)
+        if tracker is None:
+            return
+        for worker_id in tracker.hung_workers():
+            reason = "no task completed within the progress deadline"
+            if self._fence is not None:
+                self._fence(worker_id, reason)
+            tracker.worker_lost(worker_id, reason)
+
+    def _handle(self, msg, unfinished: dict[int, StageTask], pending: dict[int, int]) -> None:
+        tracker = self.tracker
         if isinstance(msg, str):
             if msg.startswith("worker-lost:"):
-                lost = int(msg.split(":", 1)[1])
-                stranded = [f.task.task_id for f in in_flight.values() if f.worker_id == lost]
-                if stranded:
-                    raise JobFailed(
-                        f"worker {lost} was lost with {len(stranded)} task(s) in flight "
-                        f"(first: {stranded[0]}); restart the worker and `roundpipe resume "
-                        f"{self.job_id}` (it continues from its newest checkpoint)"
-                    )
+                _, worker_id, reason = msg.split(":", 2)
+                tracker.worker_lost(int(worker_id), reason)
+            elif msg == "worker-joined":
+                if tracker.dispatch_parked():
+                    log.info("[trainer] job %s continues: a worker joined", self.job_id)
             return  # other wake-ups (cancel, optimizer error) are checked by _next_message
-        entry = in_flight.get(msg.task_id)
-        if entry is None:
-            return  # a duplicate completion (e.g. a re-run finishing late)
         if isinstance(msg, TaskFailed):
-            raise JobFailed(
-                f"task {msg.task_id} ({entry.task.kind} layers "
-                f"{entry.task.layer_start}:{entry.task.layer_stop}, iteration "
-                f"{entry.task.iteration}) failed on worker {msg.worker_id}: "
-                f"{msg.error_type}: {msg.message}"
-            )
-        del in_flight[msg.task_id]
-        pending[entry.task.iteration] -= 1
+            if msg.task_id not in unfinished:
+                return
+            try:
+                tracker.failed(msg)
+            except TaskGaveUp as exc:
+                raise JobFailed(str(exc)) from None
+            return
+        tracker.completed(msg)
+        task = unfinished.pop(msg.task_id, None)
+        if task is None:
+            return  # a duplicate completion (a re-run finishing late)
+        pending[task.iteration] -= 1
 
     # -- optimizer --------------------------------------------------------------------
 

@@ -38,20 +38,22 @@ from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
 __all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]
 
 _RECOVERY_RE = re.compile(
-    r"\[recovery\] first task completed (?P<after>[0-9.]+)s after worker (?P<w>\d+) was lost"
+    r"^(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[recovery\] first task "
+    r"completed (?P<after>[0-9.]+)s after worker (?P<w>\d+) was lost",
+    re.MULTILINE,
 )
 
 
 @dataclass(frozen=True)
 class FaultSpec:
     kind: str  # "kill" | "stop" | "point" | "coordinator"
-    at_fraction: float = 0.5  # when, as a fraction of the reference job's duration
+    at_fraction: float = 0.5  # when: once this fraction of the job's steps has completed
     point: str | None = None  # for kind "point": a ROUNDPIPE_FAULT value
 
     def __str__(self) -> str:
         if self.kind == "point":
             return f"point {self.point}"
-        return f"{self.kind} at {self.at_fraction:.0%} of the run"
+        return f"{self.kind} at {self.at_fraction:.0%} of the steps"
 
 
 @dataclass
@@ -63,6 +65,7 @@ class TrialResult:
     message: str
     seconds: float
     recovery_s: list[float] = field(default_factory=list)
+    injected: int = 0  # faults that fired while the job was still running
 
 
 @dataclass
@@ -71,17 +74,24 @@ class ChaosReport:
     trials: list[TrialResult]
 
     @property
+    def injected(self) -> int:
+        return sum(t.injected for t in self.trials)
+
+    @property
     def ok(self) -> bool:
         return all(t.identical and t.state == "succeeded" for t in self.trials)
 
     def table(self) -> str:
-        rows = [f"{'trial':>5} {'seed':>6} {'faults':60} {'state':10} {'bitwise':8} recovery_s"]
+        rows = [
+            f"{'trial':>5} {'seed':>6} {'faults':60} {'state':10} {'bitwise':8} {'fired':>5} "
+            "recovery_s"
+        ]
         for i, t in enumerate(self.trials):
             faults = "; ".join(map(str, t.faults))
             rec = ", ".join(f"{r:.2f}" for r in t.recovery_s) or "-"
             rows.append(
                 f"{i:>5} {t.seed:>6} {faults[:60]:60} {t.state:10} "
-                f"{'equal' if t.identical else 'DIFFERS':8} {rec}"
+                f"{'equal' if t.identical else 'DIFFERS':8} {t.injected:>5} {rec}"
             )
         return "\n".join(rows)
 
@@ -106,7 +116,7 @@ def random_faults(
             point = f"{action}@iteration={iteration},kind={task_kind},mb={mb}"
             faults.append(FaultSpec("point", point=point))
         else:
-            faults.append(FaultSpec(kind, at_fraction=rng.uniform(0.1, 0.8)))
+            faults.append(FaultSpec(kind, at_fraction=rng.uniform(0.1, 0.7)))
     return faults
 
 
@@ -147,8 +157,16 @@ def run_chaos(
     seeds: list[int],
     worker_timeout_s: float = 2.0,
     say: Callable[[str], None] = print,
+    min_injected: int = 0,
+    more: Callable[[int], tuple[list[FaultSpec], int]] | None = None,
+    max_trials: int = 50,
 ) -> ChaosReport:
-    """Reference run, then one job per trial with that trial's faults injected."""
+    """Reference run, then one job per trial with that trial's faults injected.
+
+    With ``min_injected`` and ``more(i) -> (faults, seed)``, trials are added until that
+    many faults have fired mid-job (a fault can miss: the job may end first, or an armed
+    worker never runs the matching task), at most ``max_trials`` in all.
+    """
     from roundpipe.coordinator.jobspec import model_config_from_spec
     from roundpipe.coordinator.trainer import default_plan
 
@@ -171,8 +189,17 @@ def run_chaos(
             raise RuntimeError(f"reference run {status.state}: {status.message}\n{cluster.logs()}")
         reference_s = time.monotonic() - started
         say(f"chaos: reference run {reference_s:.1f}s, plan {plan}")
-        results = []
-        for index, (faults, seed) in enumerate(zip(trials, seeds)):
+        results: list[TrialResult] = []
+        planned = list(zip(trials, seeds))
+        index = 0
+        while index < len(planned) or (
+            more is not None
+            and sum(r.injected for r in results) < min_injected
+            and index < max_trials
+        ):
+            if index >= len(planned):
+                planned.append(more(index))
+            faults, seed = planned[index]
             results.append(
                 _trial(
                     cluster, spec, plan, faults, seed, index, reference_s, names, num_workers, root
@@ -182,8 +209,10 @@ def run_chaos(
             say(
                 f"chaos: trial {index} seed {seed}: {'; '.join(map(str, faults))} -> "
                 f"{r.state}, {'bitwise equal' if r.identical else 'DIFFERENT'}; "
-                f"recovery {', '.join(f'{x:.2f}s' for x in r.recovery_s) or '-'}"
+                f"{r.injected} fired mid-job; recovery "
+                f"{', '.join(f'{x:.2f}s' for x in r.recovery_s) or '-'}"
             )
+            index += 1
         return ChaosReport(reference_s, results)
     finally:
         leaked = cluster.stop()
@@ -205,36 +234,48 @@ def _trial(
 ) -> TrialResult:
     rng = random.Random(seed)
     # Point faults live inside a worker: restart one worker with the fault armed.
+    armed = []
     for fault in faults:
         if fault.kind == "point":
-            live = [n for n, d in cluster.workers.items() if d.alive()]
-            victim = rng.choice(live)
+            victim = rng.choice(_running(cluster))
             cluster.signal_worker(victim, signal.SIGTERM)
             cluster.workers[victim].proc.wait(timeout=60)
             del cluster.workers[victim]
-            cluster.add_worker(next(names), fault=fault.point)
+            armed.append(cluster.add_worker(next(names), fault=fault.point))
     _keep_workers(cluster, num_workers, names)
     cluster.wait_for_workers(num_workers)
     log_mark = _log_size(cluster)
     out = root / f"trial-{index}"
     handle = cluster.client.submit(_with_output(spec, out, plan))
     started = time.monotonic()
+    injected_at: list[float] = []  # wall-clock times of faults that fired mid-job
+    injected = 0
     for fault in sorted((f for f in faults if f.kind != "point"), key=lambda f: f.at_fraction):
-        delay = started + fault.at_fraction * reference_s - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        # Fire once the job has completed this fraction of its steps: wall-clock timing
+        # would miss short jobs whose start-up overhead dominates.
+        target = max(1, int(fault.at_fraction * spec.train.steps))
+        if not _wait_for_step(cluster, handle.job_id, target):
+            continue  # the job ended first: this fault did not happen
         if fault.kind == "coordinator":
             cluster.coordinator.proc.send_signal(signal.SIGKILL)
             cluster.coordinator.proc.wait()
+            injected_at.append(time.time())
             cluster.start_coordinator()
+            injected += 1
             continue
-        live = [n for n, d in cluster.workers.items() if d.alive()]
-        victim = rng.choice(live)
+        victim = rng.choice(_running(cluster))
+        if fault.kind == "stop":
+            _frozen.add(victim)
         cluster.signal_worker(victim, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        injected_at.append(time.time())
+        injected += 1
         # As systemd would: a replacement starts (the frozen one is fenced by the
         # coordinator once its heartbeats stop).
         cluster.add_worker(next(names))
     status = _wait(cluster, handle.job_id, timeout_s=max(600.0, 20 * reference_s))
+    # A point fault fired if its armed worker is gone (it killed itself, or froze itself
+    # and was fenced); otherwise that worker never ran the matching task.
+    injected += sum(1 for daemon in armed if not daemon.alive())
     _keep_workers(cluster, num_workers, names)
     identical = status.state == "succeeded" and _bitwise_equal(root / "reference", out)
     return TrialResult(
@@ -244,8 +285,20 @@ def _trial(
         status.state,
         status.message,
         time.monotonic() - started,
-        _recoveries(cluster, log_mark),
+        _recoveries(cluster, log_mark, injected_at),
+        injected,
     )
+
+
+def _wait_for_step(cluster: LocalCluster, job_id: str, step: int) -> bool:
+    """Wait until the job has completed ``step`` steps; False if it ended before."""
+    while True:
+        status = cluster.client.job(job_id).status()
+        if status.state in ("succeeded", "failed", "cancelled", "paused"):
+            return False
+        if status.step >= step:
+            return True
+        time.sleep(0.02)
 
 
 def _wait(cluster: LocalCluster, job_id: str, timeout_s: float):
@@ -265,11 +318,21 @@ def _wait(cluster: LocalCluster, job_id: str, timeout_s: float):
     )
 
 
+# Workers this harness froze with SIGSTOP: the coordinator fences (SIGKILLs) them once
+# their heartbeats stop; until then they look alive but must never be picked or counted.
+_frozen: set[str] = set()
+
+
+def _running(cluster: LocalCluster) -> list[str]:
+    return [n for n, d in cluster.workers.items() if d.alive() and n not in _frozen]
+
+
 def _keep_workers(cluster: LocalCluster, count: int, names) -> None:
     for name, daemon in list(cluster.workers.items()):
         if not daemon.alive():
             del cluster.workers[name]
-    while len(cluster.workers) < count:
+            _frozen.discard(name)
+    while len(_running(cluster)) < count:
         cluster.add_worker(next(names))
 
 
@@ -280,12 +343,25 @@ def _log_size(cluster: LocalCluster) -> int:
         return 0
 
 
-def _recoveries(cluster: LocalCluster, mark: int) -> list[float]:
+def _recoveries(cluster: LocalCluster, mark: int, injected_at: list[float]) -> list[float]:
+    """Seconds from each fault to the next task completed after its loss was handled
+    (the coordinator logs that moment; see coordinator.recovery)."""
+    import datetime
+
     try:
         text = cluster.coordinator.log_path.read_text(errors="replace")[mark:]
     except OSError:
         return []
-    return [float(m["after"]) for m in _RECOVERY_RE.finditer(text)]
+    completed = sorted(
+        datetime.datetime.strptime(m["stamp"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for m in _RECOVERY_RE.finditer(text)
+    )
+    out = []
+    for fault_time in injected_at:
+        after = [t for t in completed if t >= fault_time]
+        if after:
+            out.append(after[0] - fault_time)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,7 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             f.unlink()
         arena_dir.rmdir()
     print(report.table())
-    print(f"chaos: {'PASS' if report.ok else 'FAIL'} (seed {seed}; work dir {root})")
+    print(
+        f"chaos: {'PASS' if report.ok else 'FAIL'}: {report.injected} fault(s) injected "
+        f"mid-job (seed {seed}; work dir {root})"
+    )
     return 0 if report.ok else 1
 
 

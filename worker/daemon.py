@@ -47,7 +47,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.worker.faults import Fault
+from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, WorkerCore
 
 __all__ = ["WorkerDaemon", "main", "run"]
@@ -450,8 +450,20 @@ def main(argv: list[str] | None = None) -> int:
         threads = max(1, (os.cpu_count() or 2) // 2)
     if threads:
         torch.set_num_threads(threads)
+    try:
+        fault = parse_fault(os.environ.get(FAULT_ENV))
+    except ValueError as exc:
+        print(f"roundpipe-worker: {exc}", file=sys.stderr)
+        return 2
+    if fault is not None:
+        log.warning("[worker] fault injection armed: %s=%s", FAULT_ENV, os.environ[FAULT_ENV])
     daemon = WorkerDaemon(
-        args.coordinator, device=device, name=args.name, handshake_timeout_s=args.handshake_timeout
+        args.coordinator,
+        device=device,
+        name=args.name,
+        handshake_timeout_s=args.handshake_timeout,
+        coordinator_timeout_s=args.coordinator_timeout,
+        fault=fault,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())

@@ -14,7 +14,9 @@ and is reported). Conditions (all optional, all must match): ``iteration``, ``ki
 ``mb`` (microbatch index; the fault fires when that microbatch starts), ``when``
 (``start`` of the task, ``mb`` start (default when ``mb`` is given), or ``end``: after
 every output and signal, before TaskDone is sent), ``attempt`` (default 0: a re-run of
-the task elsewhere does not fail again). The fault fires once per process.
+the task elsewhere does not fail again; ``any``: every attempt). The fault fires once per
+process, or on every matching task with ``repeat=always`` (a deterministic failure, like
+a stage that does not fit in memory).
 
 The worker is otherwise unchanged: the same code runs with and without faults, which is
 the point (the jupyter "problem kernel" pattern).
@@ -30,7 +32,7 @@ __all__ = ["FAULT_ENV", "Fault", "FaultInjected", "parse_fault"]
 
 FAULT_ENV = "ROUNDPIPE_FAULT"
 _ACTIONS = ("kill", "stop", "raise")
-_KEYS = ("iteration", "kind", "task", "layer", "mb", "when", "attempt")
+_KEYS = ("iteration", "kind", "task", "layer", "mb", "when", "attempt", "repeat")
 
 
 class FaultInjected(RuntimeError):
@@ -61,11 +63,11 @@ class Fault:
         if "attempt" not in c and task.attempt != 0:
             return
         for key, value in checks.items():
-            if key in c and c[key] != str(value):
+            if key in c and c[key] != str(value) and not (key == "attempt" and c[key] == "any"):
                 return
         if "mb" in c and (mb is None or c["mb"] != str(mb)):
             return
-        self.fired = True
+        self.fired = c.get("repeat") != "always"
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
@@ -91,4 +93,6 @@ def parse_fault(text: str | None) -> Fault | None:
         conditions[key] = value
     if conditions.get("when", "start") not in ("start", "mb", "end"):
         raise ValueError(f"{FAULT_ENV}: when= must be start, mb or end")
+    if conditions.get("repeat", "always") != "always":
+        raise ValueError(f"{FAULT_ENV}: repeat= only takes 'always'")
     return Fault(action, conditions)

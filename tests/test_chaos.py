@@ -1,0 +1,133 @@
+"""Process-level fault tests: workers killed or frozen mid-job, the coordinator killed.
+
+Every run prints its seed; replay with RP_CHAOS_SEED=<seed>. A run passes only if every
+faulty job ends bitwise equal to the fault-free reference (CPU, fp32, one thread per
+worker), and it reports the recovery time of each fault (fault to the next completed
+task).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from runtime_helpers import tiny_spec
+
+from roundpipe.chaos import FaultSpec, random_faults, run_chaos
+from roundpipe.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+def chaos_seed() -> int:
+    seed = int(os.environ.get("RP_CHAOS_SEED") or random.SystemRandom().randrange(1, 10**6))
+    print(f"\nchaos seed {seed} (replay: RP_CHAOS_SEED={seed})")
+    return seed
+
+
+def test_twenty_random_worker_faults_leave_the_result_bitwise_unchanged(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    seed = chaos_seed()
+    rng = random.Random(seed)
+    spec = tiny_spec(tmp_path / "out", steps=24, staleness=1)
+
+    def more(_: int) -> tuple[list[FaultSpec], int]:
+        return random_faults(rng, 3, spec), rng.randrange(1, 10**6)
+
+    report = run_chaos(
+        spec,
+        root=tmp_path,
+        arena_dir=arena_dir,
+        num_workers=3,
+        trials=[],
+        seeds=[],
+        min_injected=20,
+        more=more,
+        max_trials=16,
+    )
+    print(report.table())
+    recoveries = [r for t in report.trials for r in t.recovery_s]
+    if recoveries:
+        print(
+            f"recovery (fault -> next completed task): median {statistics.median(recoveries):.2f}s,"
+            f" max {max(recoveries):.2f}s over {len(recoveries)} faults that stalled a task"
+        )
+    assert report.injected >= 20, f"only {report.injected} faults fired (seed {seed})"
+    assert report.ok, f"seed {seed}\n{report.table()}"
+
+
+def test_coordinator_kill_resumes_exactly(tmp_path: Path, arena_dir: Path) -> None:
+    seed = chaos_seed()
+    rng = random.Random(seed)
+    spec = tiny_spec(tmp_path / "out", steps=12, staleness=1)
+    raw = spec.to_dict()
+    raw["output"]["checkpoint_every"] = 3
+    spec = type(spec).from_dict(raw)
+    trials = [[FaultSpec("coordinator", at_fraction=rng.uniform(0.25, 0.6))]]
+    report = run_chaos(
+        spec,
+        root=tmp_path,
+        arena_dir=arena_dir,
+        num_workers=2,
+        trials=trials,
+        seeds=[rng.randrange(1, 10**6)],
+    )
+    print(report.table())
+    assert report.injected == 1 and report.ok, f"seed {seed}\n{report.table()}"
+
+
+def test_a_deterministically_failing_task_fails_the_job_after_bounded_retries(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    cluster = LocalCluster(tmp_path, arena_dir, coordinator_args=["--worker-timeout", "2"])
+    try:
+        for i in range(3):  # the tail task of iteration 1 raises wherever it runs
+            cluster.add_worker(
+                f"w{i}", fault="raise@kind=tail,iteration=1,attempt=any,repeat=always"
+            )
+        cluster.wait_for_workers(3)
+        status = cluster.client.submit(tiny_spec(tmp_path / "out", steps=2)).wait(timeout_s=300)
+        assert status.state == "failed", status
+        assert "failed 3 times" in status.message and "FaultInjected" in status.message
+    finally:
+        assert cluster.stop() == []
+
+
+def test_job_waits_with_no_worker_and_continues_when_one_joins(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    spec = tiny_spec(tmp_path / "ref", steps=20, staleness=0)
+    cluster = LocalCluster(tmp_path, arena_dir, coordinator_args=["--worker-timeout", "2"])
+    try:
+        cluster.add_worker("a")
+        cluster.add_worker("b")
+        cluster.wait_for_workers(2)
+        reference = cluster.client.submit(spec).wait(timeout_s=300)
+        assert reference.state == "succeeded", reference.message
+        raw = spec.to_dict()
+        raw["output"]["dir"] = str(tmp_path / "faulty")  # same 2 workers: same default plan
+        job = cluster.client.submit(type(spec).from_dict(raw))
+        deadline = time.monotonic() + 120
+        while job.status().step < 3:
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.02)
+        for name in ("a", "b"):
+            cluster.signal_worker(name, signal.SIGKILL)
+        while "waiting for a worker" not in job.status().message:
+            assert time.monotonic() < deadline, (job.status(), cluster.logs())
+            time.sleep(0.05)
+        assert job.status().state == "running"
+        cluster.add_worker("c")
+        status = job.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+        from roundpipe.chaos import _bitwise_equal
+
+        assert _bitwise_equal(Path(spec.output.dir), tmp_path / "faulty")
+    finally:
+        assert cluster.stop() == []
