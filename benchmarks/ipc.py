@@ -30,6 +30,7 @@ import zmq
 from roundpipe.protocol import (
     EventSignal,
     EventWait,
+    Heartbeat,
     MicrobatchIO,
     NamedTensorRef,
     StageTask,
@@ -130,6 +131,10 @@ def serve_echo(address: str) -> None:
         frames = sock.recv_multipart()
         if frames == [b"stop"]:
             break
+        message = decode(frames)
+        if isinstance(message, Heartbeat):  # small-message round trip
+            sock.send_multipart(encode(message))
+            continue
         task = decode_as(frames, StageTask)
         done = TaskDone(
             job_id=task.job_id,
@@ -160,19 +165,25 @@ def serve_waker(path: str, n: int, delay_s: float) -> None:
 
 
 def measure_roundtrip(n: int) -> list[float]:
+    """Client: encode a StageTask, send, receive the TaskDone, decode it. The echo server
+    decodes the task, builds a TaskDone and encodes it. Tasks are built before timing:
+    the coordinator builds each task once whatever the transport (construction and the
+    codec's parts are reported separately by ``measure_codec_parts``)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     address = f"ipc://{tempfile.mkdtemp()}/bench.sock"
     sock.bind(address)
     child = subprocess.Popen([sys.executable, __file__, "--serve-echo", address])
+    tasks = [sample_task(i) for i in range(64)]
     times = []
     try:
         for i in range(n + 200):
+            task = tasks[i % len(tasks)]
             start = time.perf_counter()
-            sock.send_multipart(encode(sample_task(i)))
+            sock.send_multipart(encode(task))
             reply = decode(sock.recv_multipart())
             elapsed = time.perf_counter() - start
-            assert isinstance(reply, TaskDone) and reply.task_id == i
+            assert isinstance(reply, TaskDone) and reply.task_id == task.task_id
             if i >= 200:  # warm-up
                 times.append(elapsed)
         sock.send_multipart([b"stop"])
@@ -182,6 +193,55 @@ def measure_roundtrip(n: int) -> list[float]:
         sock.close()
         ctx.term()
     return times
+
+
+def measure_small_roundtrip(n: int) -> list[float]:
+    """The same path with a Heartbeat both ways: transport + codec floor."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    address = f"ipc://{tempfile.mkdtemp()}/bench-small.sock"
+    sock.bind(address)
+    child = subprocess.Popen([sys.executable, __file__, "--serve-echo", address])
+    beat = Heartbeat(sender="bench", seq=1, sent_at=0.0)
+    times = []
+    try:
+        for i in range(n + 200):
+            start = time.perf_counter()
+            sock.send_multipart(encode(beat))
+            decode(sock.recv_multipart())
+            if i >= 200:
+                times.append(time.perf_counter() - start)
+        sock.send_multipart([b"stop"])
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+        sock.close()
+        ctx.term()
+    return times
+
+
+def measure_codec_parts(n: int = 300) -> dict[str, float]:
+    """Median microseconds of building, encoding and decoding the sample StageTask."""
+    out = {}
+    task = sample_task(1)
+    frames = encode(task)
+    for name, fn in (
+        ("construct", lambda: sample_task(1)),
+        ("encode", lambda: encode(task)),
+        ("decode", lambda: decode(frames)),
+    ):
+        samples = []
+        for _ in range(n):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        out[name] = statistics.median(samples) * 1e6
+    out["descriptors"] = sum(
+        (mb.input is not None) + (mb.output is not None) + (mb.grad_output is not None)
+        for mb in task.microbatches
+    ) + len(task.grads)
+    out["body_bytes"] = len(frames[2])
+    return out
 
 
 def measure_wake(n: int, delay_s: float) -> list[float]:
@@ -253,6 +313,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     rt = measure_roundtrip(args.roundtrips)
+    small = measure_small_roundtrip(args.roundtrips)
+    parts = measure_codec_parts()
     wake_sleeping = measure_wake(args.wakes, delay_s=0.002)
     wake_spinning = measure_wake(args.wakes, delay_s=0.0)
     plain_s, arena_s = measure_copy(args.copy_mib, args.copy_reps)
@@ -266,6 +328,13 @@ def main() -> None:
 
     rows = [
         ("zmq round trip, StageTask/TaskDone", us(rt, 50), us(rt, 90), us(rt, 99), len(rt)),
+        (
+            "zmq round trip, Heartbeat/Heartbeat",
+            us(small, 50),
+            us(small, 90),
+            us(small, 99),
+            len(small),
+        ),
         (
             "event wake, waiter asleep (futex)",
             us(wake_sleeping, 50),
@@ -284,6 +353,11 @@ def main() -> None:
     print(f"{'measurement':40} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10} {'n':>7}")
     for name, p50, p90, p99, count in rows:
         print(f"{name:40} {p50:10.1f} {p90:10.1f} {p99:10.1f} {count:7d}")
+    print(
+        f"\nStageTask codec ({parts['descriptors']:.0f} tensor descriptors, "
+        f"{parts['body_bytes']:.0f} body bytes): construct {parts['construct']:.0f} us, "
+        f"encode {parts['encode']:.0f} us, decode {parts['decode']:.0f} us"
+    )
     gbps = lambda s: (args.copy_mib / 1024) / s  # noqa: E731
     print(f"\n{'copy of ' + str(args.copy_mib) + ' MiB':40} {'ms':>10} {'GiB/s':>10}")
     print(f"{'  into a plain tensor':40} {plain_s * 1e3:10.1f} {gbps(plain_s):10.2f}")
