@@ -522,9 +522,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(
-        name: str, func: Callable[[argparse.Namespace], int], help_text: str, *parents: Any
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help_text: str,
+        *parents: Any,
+        add_help: bool = True,
     ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, parents=list(parents))
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, parents=list(parents), add_help=add_help
+        )
         p.set_defaults(func=func)
         return p
 
@@ -604,11 +610,50 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="give up if the demo job has not ended after this many seconds",
     )
+    from roundpipe.coordinator.planner import build_plan_parser
+
+    p = add(
+        "plan",
+        _cmd_plan,
+        "choose forward/backward/tail stages for a model and hardware; predict throughput",
+    )
+    build_plan_parser(p)
+
+    p = add(
+        "chaos",
+        _cmd_chaos,
+        "run a job with injected worker/coordinator faults and check the result is bitwise "
+        "the fault-free one (see `roundpipe chaos -h`)",
+        add_help=False,  # -h goes to the harness's own parser
+    )
+    p.add_argument("chaos_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from roundpipe.coordinator.planner import run_plan_command
+
+    try:
+        return run_plan_command(args)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from roundpipe.chaos import main as chaos_main
+
+    return chaos_main(args.chaos_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``roundpipe`` command; return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chaos"]:
+        # The harness has its own parser (and -h); argparse.REMAINDER cannot take a
+        # leading option, so hand the rest over directly.
+        from roundpipe.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
