@@ -190,6 +190,15 @@ class LoraSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_modules", _freeze_seq(self.target_modules))
 
+    def model_settings(self) -> dict[str, Any]:
+        """The settings ``roundpipe.shared.model.LayeredModel`` takes for LoRA."""
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": self.target_modules,
+        }
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataSpec:

@@ -76,15 +76,7 @@ class TaskTracker:
 
     def dispatch(self, task: StageTask) -> None:
         """Send ``task`` to the next live worker round-robin (park it if none is live)."""
-        live = self.live_workers()
-        if not live:
-            self.parked.append(task)
-            return
-        worker_id = live[self._round_robin % len(live)]
-        self._round_robin += 1
-        self.in_flight[task.task_id] = _Entry(task, worker_id, time.monotonic())
-        self._last_progress.setdefault(worker_id, time.monotonic())
-        self.send(task, worker_id)
+        self._assign(task, self.live_workers())
 
     def dispatch_parked(self) -> int:
         """Send parked tasks once a worker is back; return how many went out."""
@@ -184,15 +176,18 @@ class TaskTracker:
     def _redispatch(self, tasks: list[StageTask], *, avoid: int) -> None:
         for task in tasks:
             retry = dataclasses.replace(task, attempt=task.attempt + 1)
-            live = [w for w in self.live_workers() if w != avoid]
-            if not live:
-                self.parked.append(retry)
-                continue
-            worker_id = live[self._round_robin % len(live)]
-            self._round_robin += 1
-            self.in_flight[retry.task_id] = _Entry(retry, worker_id, time.monotonic())
-            self._last_progress.setdefault(worker_id, time.monotonic())
-            self.send(retry, worker_id)
+            self._assign(retry, [w for w in self.live_workers() if w != avoid])
+
+    def _assign(self, task: StageTask, candidates: list[int]) -> None:
+        """Send to the next candidate round-robin, or park the task if there is none."""
+        if not candidates:
+            self.parked.append(task)
+            return
+        worker_id = candidates[self._round_robin % len(candidates)]
+        self._round_robin += 1
+        self.in_flight[task.task_id] = _Entry(task, worker_id, time.monotonic())
+        self._last_progress.setdefault(worker_id, time.monotonic())
+        self.send(task, worker_id)
 
     def hung_workers(self, now: float | None = None) -> list[int]:
         """Workers with tasks in flight that have not completed one within the deadline."""

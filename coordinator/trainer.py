@@ -176,14 +176,7 @@ class Trainer:
             raise JobPaused(message) from exc
         spec = self.spec
         config = model_config_from_spec(spec.model)
-        lora = None
-        if spec.lora is not None:
-            lora = {
-                "r": spec.lora.r,
-                "alpha": spec.lora.alpha,
-                "dropout": spec.lora.dropout,
-                "target_modules": spec.lora.target_modules,
-            }
+        lora = spec.lora.model_settings() if spec.lora is not None else None
         if spec.model.path is not None:
             model = LayeredModel.from_hf_dir(spec.model.path, lora)
             weights = model.load_weights(dtype=torch.float32, seed=spec.init_seed)

@@ -91,14 +91,7 @@ def tiny_spec(
 def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
     """Final parameters (by name) of the plain single-process loop."""
     config = model_config_from_spec(spec.model)
-    lora = None
-    if spec.lora is not None:
-        lora = {
-            "r": spec.lora.r,
-            "alpha": spec.lora.alpha,
-            "dropout": spec.lora.dropout,
-            "target_modules": spec.lora.target_modules,
-        }
+    lora = spec.lora.model_settings() if spec.lora is not None else None
     layered = LayeredModel(config, lora)
     model = layered.to_hf_model(layered.init_weights(spec.init_seed))
     grad_model = layered.to_hf_model(layered.init_weights(spec.init_seed))
