@@ -37,7 +37,6 @@ from roundpipe.protocol import (
     TaskDone,
     TensorRef,
     decode,
-    decode_as,
     encode,
 )
 from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir
@@ -135,7 +134,9 @@ def serve_echo(address: str) -> None:
         if isinstance(message, Heartbeat):  # small-message round trip
             sock.send_multipart(encode(message))
             continue
-        task = decode_as(frames, StageTask)
+        if not isinstance(message, StageTask):
+            raise SystemExit(f"echo server: unexpected {type(message).__name__}")
+        task = message
         done = TaskDone(
             job_id=task.job_id,
             task_id=task.task_id,
