@@ -20,6 +20,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -841,7 +842,9 @@ def test_demo_worker_crash_shows_its_log(tmp_path: Path) -> None:
         rc, out, err = _demo(tmp_path, worker_command=_demo_cmd("crash"))
     assert rc == 1
     assert out == ""
-    assert "demo-worker-0 (exit status 3)" in err
+    # Both fake workers crash; whichever the demo sees first is reported (the other may
+    # already have been stopped by the demo's cleanup).
+    assert re.search(r"demo-worker-[01] \(exit status 3\)", err), err
     assert "stopped during startup" in err
     assert "cannot open device: fake crash" in err  # the tail of the worker's log
 
