@@ -306,8 +306,13 @@ class Coordinator:
     # -- I/O thread -------------------------------------------------------------------
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        # Never block the I/O thread: with ROUTER_MANDATORY a send to a peer whose pipe is
+        # full (a frozen worker stops reading) would block every client and worker. Such
+        # a message is dropped; liveness checks then recover the peer's tasks.
         try:
-            self.router.send_multipart([identity, *frames])
+            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("[coordinator] peer %r is not reading; message dropped", identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
             log.warning("[coordinator] cannot reach peer %r: %s", identity, exc)
 

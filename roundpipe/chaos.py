@@ -272,7 +272,12 @@ def _trial(
         # As systemd would: a replacement starts (the frozen one is fenced by the
         # coordinator once its heartbeats stop).
         cluster.add_worker(next(names))
-    status = _wait(cluster, handle.job_id, timeout_s=max(600.0, 20 * reference_s))
+    status = _wait(
+        cluster,
+        handle.job_id,
+        timeout_s=max(600.0, 20 * reference_s),
+        keep=lambda: _keep_workers(cluster, num_workers, names),
+    )
     # A point fault fired if its armed worker is gone (it killed itself, or froze itself
     # and was fenced); otherwise that worker never ran the matching task.
     injected += sum(1 for daemon in armed if not daemon.alive())
@@ -301,11 +306,15 @@ def _wait_for_step(cluster: LocalCluster, job_id: str, step: int) -> bool:
         time.sleep(0.02)
 
 
-def _wait(cluster: LocalCluster, job_id: str, timeout_s: float):
-    """Wait for a final state, tolerating a coordinator that is restarting."""
+def _wait(cluster: LocalCluster, job_id: str, timeout_s: float, keep=None):
+    """Wait for a final state, tolerating a coordinator that is restarting; ``keep()``
+    replaces dead workers meanwhile (as systemd's Restart=always would: a worker that
+    killed itself at an injected point must not leave the job without workers)."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
+        if keep is not None:
+            keep()
         try:
             status = cluster.client.job(job_id).status()
             if status.state in ("succeeded", "failed", "cancelled", "paused"):
