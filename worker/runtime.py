@@ -184,7 +184,7 @@ class WorkerCore:
                 feed.inputs(),
                 feed.grad_outputs(),
                 rng=rng,
-                **feed.grad_input_callback(ex.backward),
+                on_grad_input=feed.write_output,
             )
             feed.write_grad_inputs(result.grad_inputs)
             grads = result.weight_grads
@@ -197,7 +197,7 @@ class WorkerCore:
                 feed.labels(),
                 task.loss_denominator,
                 rng=rng,
-                **feed.grad_input_callback(ex.tail),
+                on_grad_input=feed.write_output,
             )
             feed.write_grad_inputs(result.grad_inputs)
             for mb, loss in zip(task.microbatches, result.microbatch_losses):
@@ -357,14 +357,6 @@ class _MicrobatchFeed:
         for saved in self.task.microbatches[m].saved:
             if saved.layer == layer:
                 self.state.view(saved.ref).copy_(tensor)
-
-    def grad_input_callback(self, method: Callable) -> dict:
-        """Stream input gradients if the executor supports it, else they come at the end."""
-        import inspect
-
-        if "on_grad_input" in inspect.signature(method).parameters:
-            return {"on_grad_input": self.write_output}
-        return {}
 
     def write_grad_inputs(self, grad_inputs: list[torch.Tensor] | None) -> None:
         for m, mb in enumerate(self.task.microbatches):
