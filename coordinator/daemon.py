@@ -43,6 +43,7 @@ import zmq
 
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.sdnotify import Notifier
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
@@ -76,6 +77,7 @@ from roundpipe.protocol import (
     encode,
 )
 from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
+from roundpipe.shared.plan import Plan
 
 __all__ = ["Coordinator", "main"]
 
@@ -111,6 +113,7 @@ class JobRecord:
     step: int = 0  # as of the last run / store update; the trainer's while running
     loss: float | None = None
     checkpoint_step: int | None = None
+    plan: str | None = None  # the partition in use, as stored
     cancel_requested: bool = False
     log_path: Path | None = None
     submitted_at: float = field(default_factory=time.time)
@@ -129,6 +132,7 @@ class JobRecord:
                 else self.message
             ),
             output_dir=self.output_dir,
+            plan=self.plan or "",
         )
 
 
@@ -245,6 +249,7 @@ class Coordinator:
             step=stored.step,
             loss=stored.loss,
             checkpoint_step=stored.checkpoint_step,
+            plan=stored.plan,
             log_path=self.state_dir / "jobs" / stored.job_id / "job.log",
             submitted_at=stored.created_at,
         )
@@ -608,6 +613,25 @@ class Coordinator:
         with self._lock:
             return sorted(self.workers)
 
+    def _hardware(self) -> HardwareSpec:
+        """What the planner plans for: the connected workers (GPU workers: the smallest
+        GPU's memory; CPU workers otherwise)."""
+        with self._lock:
+            hellos = [w.hello for w in self.workers.values()]
+        gpus = [h.memory_bytes for h in hellos if h.device == "cuda"]
+        if gpus:
+            return gpu_hardware(len(hellos), min(gpus))
+        return cpu_hardware(max(1, len(hellos)))
+
+    def _record_plan(self, job: JobRecord, plan: Plan, why: str) -> None:
+        job.plan = str(plan)
+        log.info("[coordinator] job %s plan %s (%s)", job.job_id, plan, why)
+        if self.store is not None:
+            try:
+                self.store.update(job.job_id, plan=job.plan)
+            except JobStoreError as exc:
+                log.error("[coordinator] cannot record the plan of %s: %s", job.job_id, exc)
+
     def _identity(self, worker_id: int) -> bytes | None:
         with self._lock:
             entry = self.workers.get(worker_id)
@@ -630,6 +654,7 @@ class Coordinator:
             namespace=self.namespace,
             output_dir=Path(job.output_dir or "."),
             wait_timeout_s=self.wait_timeout_s,
+            on_plan=lambda plan, why: self._record_plan(job, plan, why),
         )
         job.trainer = trainer
 
@@ -666,7 +691,7 @@ class Coordinator:
                 while not self._live_workers():
                     if self._stop.wait(0.2) or job.cancel_requested:
                         raise JobCancelled("cancelled before any worker connected")
-            trainer.prepare(len(self._live_workers()))
+            trainer.prepare(len(self._live_workers()), self._hardware())
             if trainer.resumed_from is not None:
                 job.checkpoint_step = trainer.checkpoint_step
                 self._set_state(

@@ -262,6 +262,9 @@ class TrainSpec:
     """Stage partition override in the plan's string form, e.g.
     ``"F[0:3,3:5] T[5:8] B[4:5,2:4,0:2]"`` (forward stages, fused tail, backward stages;
     see docs/planning.md). ``None``: the coordinator plans."""
+    replan: bool = True
+    """Re-plan from the workers' measured layer times once they settle (switching when
+    the new plan is predicted at least 5% faster). Ignored when ``plan`` is set."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -642,6 +645,7 @@ def _check_train(e: _Errors, t: TrainSpec) -> bool:
         e.bad("train.staleness", t.staleness, "0 (exact) or 1 (one step stale)")
     _check_choice(e, "train.dtype", t.dtype, DTYPES)
     _check_int(e, "train.seed", t.seed, lo=0)
+    _check_bool(e, "train.replan", t.replan)
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 

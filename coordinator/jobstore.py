@@ -15,7 +15,10 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
     jobs(seq INTEGER PRIMARY KEY AUTOINCREMENT   -- submission order
          job_id TEXT UNIQUE, spec TEXT (JSON), state TEXT, message TEXT,
          output_dir TEXT, step INTEGER, total_steps INTEGER, loss REAL,
-         checkpoint_step INTEGER (NULL: none yet), created_at REAL, updated_at REAL)
+         checkpoint_step INTEGER (NULL: none yet), created_at REAL, updated_at REAL,
+         plan TEXT (NULL: not planned yet; the stage partition in use, Plan string form))
+
+Schema version 1 lacked ``plan``; opening such a store adds the column.
 
 The database runs in WAL mode with ``synchronous=FULL``: a change is on disk when the
 call returns. One connection, guarded by a lock, serves every thread of the daemon.
@@ -33,7 +36,7 @@ from typing import Any
 
 __all__ = ["SCHEMA_VERSION", "JobStore", "JobStoreError", "StoredJob"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 
 _SCHEMA = """
@@ -49,7 +52,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     loss REAL,
     checkpoint_step INTEGER,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    plan TEXT
 )
 """
 
@@ -65,9 +69,10 @@ _COLUMNS = (
     "checkpoint_step",
     "created_at",
     "updated_at",
+    "plan",
 )
 _UPDATABLE = frozenset(
-    {"state", "message", "output_dir", "step", "total_steps", "loss", "checkpoint_step"}
+    {"state", "message", "output_dir", "step", "total_steps", "loss", "checkpoint_step", "plan"}
 )
 
 
@@ -90,6 +95,7 @@ class StoredJob:
     checkpoint_step: int | None
     created_at: float
     updated_at: float
+    plan: str | None = None
 
 
 class JobStore:
@@ -114,6 +120,8 @@ class JobStore:
                     f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
                 )
             self._db.execute(_SCHEMA)
+            if version == 1:  # the one migration so far: v2 added the plan column
+                self._db.execute("ALTER TABLE jobs ADD COLUMN plan TEXT")
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise JobStoreError(

@@ -22,6 +22,17 @@ stage (layer 0 excluded: its input is ``io.input_ids``); gradient boundaries are
 layers that start the tail or a backward stage (layer 0 excluded: nothing consumes the
 gradient w.r.t. token ids).
 
+Note [slot pools]
+~~~~~~~~~~~~~~~~~
+Only the acts and dacts arenas depend on the plan, and every slot in one of them has the
+same shape. So each is a *pool* of interchangeable slots, ``capacity`` boundaries x 2
+parities x M microbatches, and ``assign(plan)`` maps the plan's boundaries onto it. A
+re-plan (roundpipe.coordinator.trainer) re-assigns the pools once the pipeline has
+drained: no arena is re-created, workers see nothing change (tasks carry the
+descriptors), and the event-table counters are per layer, so they stay valid too. The
+capacity is chosen when the job starts; a plan with more boundaries than that does not
+``fit`` and the re-planner does not pick it.
+
 Event-table counters (each has one writer; values are iteration numbers, starting at 1,
 or weight versions; 0 = nothing yet)::
 
@@ -112,14 +123,17 @@ class JobLayout:
     # params[layer][name] -> (parity-0 ref, parity-1 ref or None for frozen weights)
     params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]]
     grads: dict[int, dict[str, TensorRef]]
-    acts: dict[tuple[int, int, int], TensorRef]  # (layer, parity, mb)
-    dacts: dict[tuple[int, int, int], TensorRef]
+    act_slots: list[TensorRef]  # the acts pool (Note [slot pools])
+    dact_slots: list[TensorRef]  # the dacts pool
     input_ids: dict[tuple[int, int], TensorRef]  # (parity, mb)
     labels: dict[tuple[int, int], TensorRef]
     loss: dict[tuple[int, int], TensorRef]
     sizes: dict[str, int]
     arenas: dict[str, Arena] = field(default_factory=dict)
     events: EventTable | None = None
+    # (layer, parity, mb) -> slot, for the plan currently assigned
+    acts: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
+    dacts: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
 
     # -- planning ---------------------------------------------------------------------
 
@@ -133,8 +147,22 @@ class JobLayout:
         microbatch_rows: int,
         seq_len: int,
         num_microbatches: int,
+        act_capacity: int | None = None,
+        dact_capacity: int | None = None,
     ) -> JobLayout:
+        """Lay out a job for ``plan``. ``act_capacity`` / ``dact_capacity``: how many
+        activation / gradient boundaries the slot pools hold (default: exactly what
+        ``plan`` needs; more leaves room for a re-plan, Note [slot pools])."""
         plan.validate(model.num_layers)
+        need_a = len(cls.activation_boundaries(plan))
+        need_d = len(cls.gradient_boundaries(plan))
+        act_capacity = need_a if act_capacity is None else act_capacity
+        dact_capacity = need_d if dact_capacity is None else dact_capacity
+        if act_capacity < need_a or dact_capacity < need_d:
+            raise ValueError(
+                f"slot pools of {act_capacity} activation / {dact_capacity} gradient "
+                f"boundaries are too small for plan {plan} ({need_a} / {need_d})"
+            )
         allocs = {name: ArenaAllocator(name) for name in ("params", "grads", "acts", "dacts", "io")}
         params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]] = {}
         grads: dict[int, dict[str, TensorRef]] = {}
@@ -150,13 +178,14 @@ class JobLayout:
                 odd = allocs["params"].alloc(compute_dtype, spec.shape) if spec.trainable else None
                 params[layer][spec.name] = (even, odd)
         hidden = (microbatch_rows, seq_len, model.hidden_size)
-        acts, dacts = {}, {}
-        for parity in (0, 1):
-            for mb in range(num_microbatches):
-                for b in sorted(cls.activation_boundaries(plan)):
-                    acts[(b, parity, mb)] = allocs["acts"].alloc(compute_dtype, hidden)
-                for b in sorted(cls.gradient_boundaries(plan)):
-                    dacts[(b, parity, mb)] = allocs["dacts"].alloc(compute_dtype, hidden)
+        per_boundary = 2 * num_microbatches  # parities x microbatches
+        act_slots = [
+            allocs["acts"].alloc(compute_dtype, hidden) for _ in range(act_capacity * per_boundary)
+        ]
+        dact_slots = [
+            allocs["dacts"].alloc(compute_dtype, hidden)
+            for _ in range(dact_capacity * per_boundary)
+        ]
         input_ids, labels, loss = {}, {}, {}
         for parity in (0, 1):
             for mb in range(num_microbatches):
@@ -167,7 +196,7 @@ class JobLayout:
         counters = Counters(model.num_layers, num_microbatches)
         sizes = {name: a.nbytes_needed for name, a in allocs.items()}
         sizes[EVENTS_ARENA] = table_nbytes(counters.total)
-        return cls(
+        layout = cls(
             model=model,
             plan=plan,
             compute_dtype=compute_dtype,
@@ -177,13 +206,56 @@ class JobLayout:
             counters=counters,
             params=params,
             grads=grads,
-            acts=acts,
-            dacts=dacts,
+            act_slots=act_slots,
+            dact_slots=dact_slots,
             input_ids=input_ids,
             labels=labels,
             loss=loss,
             sizes=sizes,
         )
+        layout.assign(plan)
+        return layout
+
+    @property
+    def act_capacity(self) -> int:
+        """Activation boundaries the acts pool holds."""
+        return len(self.act_slots) // (2 * self.num_microbatches)
+
+    @property
+    def dact_capacity(self) -> int:
+        """Gradient boundaries the dacts pool holds."""
+        return len(self.dact_slots) // (2 * self.num_microbatches)
+
+    def fits(self, plan: Plan) -> bool:
+        """Whether ``plan``'s boundaries fit the slot pools (Note [slot pools])."""
+        return (
+            len(self.activation_boundaries(plan)) <= self.act_capacity
+            and len(self.gradient_boundaries(plan)) <= self.dact_capacity
+        )
+
+    def assign(self, plan: Plan) -> None:
+        """Make ``plan`` the current plan: map its boundaries onto the slot pools. Only
+        while no task is in flight (the trainer drains the pipeline first)."""
+        plan.validate(self.model.num_layers)
+        if not self.fits(plan):
+            raise ValueError(
+                f"plan {plan} needs {len(self.activation_boundaries(plan))} activation and "
+                f"{len(self.gradient_boundaries(plan))} gradient boundaries; the slot pools "
+                f"hold {self.act_capacity} and {self.dact_capacity}"
+            )
+        m = self.num_microbatches
+
+        def mapping(boundaries: set[int], slots: list[TensorRef]):
+            return {
+                (b, parity, mb): slots[(2 * i + parity) * m + mb]
+                for i, b in enumerate(sorted(boundaries))
+                for parity in (0, 1)
+                for mb in range(m)
+            }
+
+        self.acts = mapping(self.activation_boundaries(plan), self.act_slots)
+        self.dacts = mapping(self.gradient_boundaries(plan), self.dact_slots)
+        self.plan = plan
 
     @staticmethod
     def activation_boundaries(plan: Plan) -> set[int]:

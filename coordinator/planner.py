@@ -31,7 +31,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,10 +57,12 @@ __all__ = [
     "StageEstimate",
     "bound_baseline",
     "build_plan_parser",
+    "cpu_hardware",
     "describe",
     "estimate_costs",
     "evaluate_plan",
     "format_bytes",
+    "gpu_hardware",
     "initial_plan",
     "parse_quantity",
     "plan_main",
@@ -130,6 +132,9 @@ class HardwareSpec:
     """Fixed cost per task (launch, synchronisation, Python)."""
     optimizer_params_per_s: float | None = None
     """CPU optimizer throughput (parameters per second) for the simulation; None = free."""
+    flops_per_s: float = 82.6e12
+    """Peak dense matmul throughput of one worker, for cold-start cost estimates
+    (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -153,6 +158,8 @@ class HardwareSpec:
             raise ValueError("reserved_bytes and task_overhead_s must be >= 0")
         if self.optimizer_params_per_s is not None and not self.optimizer_params_per_s > 0:
             raise ValueError("optimizer_params_per_s must be positive")
+        if not self.flops_per_s > 0:
+            raise ValueError(f"flops_per_s must be positive, got {self.flops_per_s}")
 
     @property
     def speed_list(self) -> list[float]:
@@ -169,6 +176,33 @@ class HardwareSpec:
     @property
     def usable_bytes(self) -> int:
         return self.memory_limit_bytes - self.reserved_bytes
+
+
+# CPU workers compute on the arena views themselves: nothing crosses a bus, memory is the
+# host's, and a task costs a few milliseconds of messages, waits and Python around it.
+_CPU_FLOPS_PER_S = 2e10
+_CPU_TASK_OVERHEAD_S = 2e-3
+_NO_LIMIT = 1 << 60
+
+
+def cpu_hardware(num_workers: int) -> HardwareSpec:
+    """The planner's view of ``num_workers`` CPU workers."""
+    return HardwareSpec(
+        num_workers=num_workers,
+        memory_limit_bytes=_NO_LIMIT,
+        bandwidth_bytes_per_s=1e15,
+        reserved_bytes=0,
+        task_overhead_s=_CPU_TASK_OVERHEAD_S,
+        flops_per_s=_CPU_FLOPS_PER_S,
+    )
+
+
+def gpu_hardware(num_workers: int, memory_bytes: int) -> HardwareSpec:
+    """``num_workers`` GPU workers with ``memory_bytes`` each (the smallest, if mixed),
+    behind PCIe 4.0 x16."""
+    return HardwareSpec(
+        num_workers=num_workers, memory_limit_bytes=memory_bytes, task_overhead_s=2e-4
+    )
 
 
 @dataclass(frozen=True)
@@ -710,8 +744,9 @@ class _Candidate:
 class _Search:
     """The partition search for one cost model."""
 
-    def __init__(self, cm: _CostModel):
+    def __init__(self, cm: _CostModel, fits: Callable[[Plan], bool] | None = None):
         self.cm = cm
+        self.fits = fits  # candidate filter (plan_stages' ``fits``)
         n = cm.n
         self.speed = cm.hw.min_speed  # rotating stages may land on the slowest worker
         # Segment tables for every a < b <= n-1 (the tail always holds layer n-1).
@@ -845,7 +880,7 @@ class _Search:
                 bparts = self.greedy_b(t, bcap, budget, room)
                 assert fparts is not None and bparts is not None
                 plan = Plan(forward=fparts, tail=(t, n), backward=bparts)
-                _push(keep, _Candidate(obj, stages, plan), k)
+                _push(keep, _Candidate(obj, stages, plan), k, self.fits)
 
     # -- mixed speeds: stage i always on worker i mod N -----------------------------------
 
@@ -1000,11 +1035,18 @@ class _Search:
             load = [0.0] * n_workers
             for j, tm in enumerate(times):
                 load[j % n_workers] += tm
-            _push(keep, _Candidate(n_workers * max(load), stages, plan, "speed-matched"), k)
+            _push(
+                keep, _Candidate(n_workers * max(load), stages, plan, "speed-matched"), k, self.fits
+            )
 
 
-def _push(keep: list[_Candidate], cand: _Candidate, k: int) -> None:
-    """Keep the k best candidates (a max-heap on the objective via negation)."""
+def _push(
+    keep: list[_Candidate], cand: _Candidate, k: int, fits: Callable[[Plan], bool] | None = None
+) -> None:
+    """Keep the k best candidates (a max-heap on the objective via negation) among those
+    ``fits`` accepts."""
+    if fits is not None and not fits(cand.plan):
+        return
     for c in keep:
         if c.plan == cand.plan:
             return
@@ -1050,6 +1092,7 @@ def plan_stages(
     candidates: int = 12,
     sim_iterations: int = 4,
     select: str = "simulation",
+    fits: Callable[[Plan], bool] | None = None,
 ) -> PlanResult:
     """Choose forward stages, fused tail and backward stages for ``costs`` on ``hw``.
 
@@ -1062,6 +1105,9 @@ def plan_stages(
     With mixed worker speeds, plans whose stage count is a multiple of N (stage i always
     on worker i mod N) with stages sized to their worker's speed are candidates too.
 
+    ``fits``: only plans it accepts are candidates (the trainer's re-planner passes the
+    slot-pool check, Note [slot pools] in roundpipe.coordinator.layout).
+
     Raises ValueError when a single layer cannot fit the memory limit (naming it and the
     numbers) or when no plan fits at all.
     """
@@ -1070,7 +1116,7 @@ def plan_stages(
     cm = _CostModel(costs, hw, num_microbatches)
     _check_single_layers(cm)
     n = cm.n
-    search = _Search(cm)
+    search = _Search(cm, fits)
     room_total = hw.usable_bytes
     kmax = n if max_tail_layers is None else max(1, min(n, max_tail_layers))
     keep: list[_Candidate] = []
@@ -1087,7 +1133,8 @@ def plan_stages(
         tried_tails += 1
         if t == 0:
             obj = max(1, hw.num_workers) * tail_time
-            _push(keep, _Candidate(obj, 1, Plan(forward=(), tail=(0, n), backward=())), candidates)
+            single = Plan(forward=(), tail=(0, n), backward=())
+            _push(keep, _Candidate(obj, 1, single), candidates, fits)
             best_obj = min(best_obj, obj)
             continue
         lo = max(
@@ -1194,17 +1241,26 @@ def replan_if_better(
     staleness: int = 1,
     tokens_per_iteration: int | None = None,
     max_tail_layers: int | None = None,
+    fits: Callable[[Plan], bool] | None = None,
 ) -> PlanResult | None:
     """A new plan if it is predicted at least ``min_gain`` (relative) faster than
-    ``current`` under the same (measured) costs, else None. Both are simulated alike."""
-    new = plan_stages(
-        costs,
-        hw,
-        num_microbatches,
-        max_tail_layers=max_tail_layers,
-        staleness=staleness,
-        tokens_per_iteration=tokens_per_iteration,
-    )
+    ``current`` under the same (measured) costs, else None. Both are simulated alike.
+    ``fits`` restricts the candidates as in :func:`plan_stages`; None is also the answer
+    when no candidate passes it."""
+    try:
+        new = plan_stages(
+            costs,
+            hw,
+            num_microbatches,
+            max_tail_layers=max_tail_layers,
+            staleness=staleness,
+            tokens_per_iteration=tokens_per_iteration,
+            fits=fits,
+        )
+    except ValueError:
+        if fits is None:
+            raise
+        return None  # nothing better fits the job's slot pools
     if new.plan == current:
         return None
     old = evaluate_plan(
@@ -1398,7 +1454,8 @@ class ProfileAggregator:
     ``warmup_iterations`` iterations seen are dropped (allocator warm-up, cuDNN/cuBLAS
     autotuning, first uploads). ``settled`` turns true once every layer has a backward
     (or tail) measurement and, for ``settle_iterations`` consecutive folded iterations,
-    no average moved by more than ``settle_tolerance`` (relative).
+    the averages moved by less than ``settle_tolerance`` of their total (sum of absolute
+    changes over sum of averages).
 
     ``costs()`` returns the prior (cold-start) costs with measured times: a layer only
     ever measured in the tail gets its forward time from its measured tail time and the
@@ -1432,7 +1489,8 @@ class ProfileAggregator:
         self._calm = 0
         self.folded_iterations = 0
         self.last_change: float | None = None
-        """Largest relative change of any average at the last folded iteration."""
+        """How much the averages moved at the last folded iteration, relative to their
+        total (infinite when a layer was measured for the first time)."""
 
     def record(
         self,
@@ -1487,20 +1545,28 @@ class ProfileAggregator:
             assert self._first_iteration is not None
             if k < self._first_iteration + self.warmup_iterations:
                 continue
-            change = 0.0
+            moved = before = 0.0
+            fresh = False
             for key, values in samples.items():
                 x = sum(values) / len(values)
                 old = self.ema.get(key)
                 if old is None:
                     self.ema[key] = x
-                    change = _INF
+                    fresh = True
                     continue
                 new = self.alpha * x + (1 - self.alpha) * old
                 self.ema[key] = new
-                if old > 0:
-                    change = max(change, abs(new - old) / old)
-                elif new > 0:
-                    change = _INF
+                moved += abs(new - old)
+                before += old
+            # The share of the measured time that moved: big layers, which decide the
+            # plan, count most; a tiny layer's jitter (large relative, small absolute)
+            # does not hold settling back.
+            if fresh:
+                change = _INF
+            elif before > 0:
+                change = moved / before
+            else:
+                change = _INF if moved > 0 else 0.0
             self.folded_iterations += 1
             self.last_change = change
             self._calm = self._calm + 1 if change < self.settle_tolerance else 0
@@ -1516,6 +1582,11 @@ class ProfileAggregator:
     @property
     def settled(self) -> bool:
         return self.covered and self._calm >= self.settle_iterations
+
+    def restart_settling(self) -> None:
+        """Keep the averages but require ``settle_iterations`` calm iterations again
+        before ``settled`` (the trainer calls it after each re-planning attempt)."""
+        self._calm = 0
 
     def costs(self) -> list[LayerCost]:
         ratios = []

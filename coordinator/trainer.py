@@ -42,6 +42,21 @@ Resuming rebuilds exactly this: masters, moments, both parities, ``version[l] = 
 the fresh event table, the cursor; iteration s+1 then runs as it would have. Nothing in
 it depends on the plan or on the workers, so a checkpoint taken with 3 workers resumes
 with 1 or 2 (the plan is chosen afresh).
+
+Note [re-planning]
+~~~~~~~~~~~~~~~~~~
+Unless the job spec pins ``train.plan``, ``prepare`` plans from parameter sizes
+(roundpipe.coordinator.planner: ``estimate_costs`` + ``plan_stages``) for the connected
+workers' hardware, and sizes the activation slot pools with room for other plans (Note
+[slot pools] in roundpipe.coordinator.layout). While the job runs, every ``TaskDone``'s
+per-layer times feed a ``ProfileAggregator``. Once those have settled, at the start of an
+iteration, the trainer asks ``replan_if_better`` for a plan that fits the pools and is
+predicted at least 5% faster under the measured costs. If there is one, it stops
+dispatching, waits for every task in flight (the weights, gradients and counters do not
+depend on the plan, so the optimizer need not wait), re-assigns the pools and carries
+on with the new plan. Training results do not depend on the plan; only speed does. A
+job tries at most ``_MAX_REPLAN_ATTEMPTS`` times, each after the measurements settled
+again, so a futile search costs little.
 """
 
 from __future__ import annotations
@@ -75,6 +90,14 @@ from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.planner import (
+    HardwareSpec,
+    ProfileAggregator,
+    cpu_hardware,
+    estimate_costs,
+    plan_stages,
+    replan_if_better,
+)
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
@@ -85,6 +108,12 @@ from roundpipe.worker.runtime import model_config_dict
 __all__ = ["JobCancelled", "JobFailed", "JobPaused", "Trainer", "default_plan"]
 
 log = logging.getLogger(__name__)
+
+_MAX_REPLAN_ATTEMPTS = 3
+_REPLAN_MIN_GAIN = 0.05
+_POOL_HEADROOM = 1.5
+"""Slot pools hold this many times the initial plan's boundaries (at least 2 more, at
+most every layer), so a re-plan may add stages (Note [re-planning])."""
 
 
 class JobFailed(RuntimeError):
@@ -101,7 +130,8 @@ class JobPaused(RuntimeError):
 
 
 def default_plan(num_layers: int, num_workers: int) -> Plan:
-    """Cold-start plan before any measurement.
+    """A simple uniform plan, independent of any cost model (the chaos harness pins it
+    so that faulty and fault-free runs cut the model alike; jobs use the planner).
 
     The tail fuses the last decoder layer with the head; forward stages are as many as
     the workers (round-robin keeps them all busy), backward stages twice as many because
@@ -132,6 +162,7 @@ class Trainer:
         wait_timeout_s: float = 600.0,
         optimizer_impl: str = "fused",
         recovery_policy: RecoveryPolicy | None = None,
+        on_plan: Callable[[Plan, str], None] | None = None,
     ):
         self.job_id = job_id
         self.spec = spec
@@ -159,12 +190,22 @@ class Trainer:
         self._optimizer_done_step = 0
         self._optimizer_cv = threading.Condition()
         self.layout: JobLayout | None = None
+        self.on_plan = on_plan
+        """Called with (plan, why) when the plan is chosen and whenever it changes."""
+        self.hardware: HardwareSpec | None = None
+        self.profile: ProfileAggregator | None = None
+        """Measured layer times, when the planner may re-plan (Note [re-planning])."""
+        self.plan_history: list[tuple[int, str, str]] = []
+        """(first iteration, plan, why) for every plan the job has used."""
+        self._replan_attempts = 0
 
     # -- preparation ------------------------------------------------------------------
 
-    def prepare(self, num_workers: int) -> None:
-        """Load the model and data, validate against each other, lay out the arenas, and
-        restore the newest checkpoint of this job (or ``model.resume_from``) if any.
+    def prepare(self, num_workers: int, hardware: HardwareSpec | None = None) -> None:
+        """Load the model and data, validate against each other, plan (Note
+        [re-planning]), lay out the arenas, and restore the newest checkpoint of this
+        job (or ``model.resume_from``) if any. ``hardware`` describes the workers (default:
+        ``num_workers`` CPU workers).
 
         Raises JobPaused if the output directory cannot be written (checked first, so a
         bad directory costs nothing), JobFailed if a checkpoint does not fit the job.
@@ -188,11 +229,16 @@ class Trainer:
         self.loader = DataLoader.from_spec(spec, self.dataset)
         self.model = model
         self.compute_dtype = getattr(torch, spec.train.dtype)
-        plan_text = getattr(spec.train, "plan", None)
-        self.plan = (
-            Plan.parse(plan_text) if plan_text else default_plan(model.num_layers, num_workers)
-        )
-        self.plan.validate(model.num_layers)
+        self.hardware = hardware or cpu_hardware(max(1, num_workers))
+        self.plan, why = self._initial_plan(model)
+        capacity: dict[str, int] = {}
+        if self.profile is not None:  # leave room in the slot pools for a re-plan
+            for key, boundaries in (
+                ("act_capacity", JobLayout.activation_boundaries(self.plan)),
+                ("dact_capacity", JobLayout.gradient_boundaries(self.plan)),
+            ):
+                n = len(boundaries)
+                capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
         layout = JobLayout.plan_layout(
             model,
             self.plan,
@@ -200,6 +246,7 @@ class Trainer:
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
+            **capacity,
         )
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
@@ -244,6 +291,105 @@ class Trainer:
         source = self._resume_source()
         if source is not None:
             self._restore(source)
+        self._plan_chosen(self.start_step + 1, why)
+
+    def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
+        """The job's first plan and why: the spec's, or the planner's cold start."""
+        spec, hw = self.spec, self.hardware
+        assert hw is not None
+        if spec.train.plan:
+            plan = Plan.parse(spec.train.plan)
+            plan.validate(model.num_layers)
+            return plan, "set by train.plan in the job spec"
+        costs = estimate_costs(
+            model,
+            microbatch_rows=spec.batch.microbatch_size,
+            seq_len=spec.data.seq_len,
+            compute_dtype=self.compute_dtype,
+            flops_per_s=hw.flops_per_s,
+        )
+        try:
+            result = plan_stages(
+                costs,
+                hw,
+                spec.batch.num_microbatches,
+                staleness=spec.train.staleness,
+                tokens_per_iteration=spec.global_batch_size * spec.data.seq_len,
+            )
+        except ValueError as exc:
+            raise JobFailed(f"cannot plan this job: {exc}") from None
+        if spec.train.replan:
+            # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
+            # that is off by more than the 5% a switch must gain.
+            self.profile = ProfileAggregator(
+                costs, spec.batch.num_microbatches, settle_tolerance=0.1
+            )
+        return result.plan, (
+            f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "
+            f"{result.predicted_iteration_s:.3g}s per step"
+        )
+
+    def _plan_chosen(self, iteration: int, why: str) -> None:
+        self.plan_history.append((iteration, str(self.plan), why))
+        log.info(
+            "[trainer] job %s: plan %s from step %d (%s)", self.job_id, self.plan, iteration, why
+        )
+        if self.on_plan is not None:
+            self.on_plan(self.plan, why)
+
+    def _replan_candidate(self) -> tuple[Plan, str] | None:
+        """A better plan under the measured layer times, if they have settled and one
+        fits the slot pools (Note [re-planning])."""
+        profile, layout, hw = self.profile, self.layout, self.hardware
+        if profile is None or layout is None or hw is None or not profile.settled:
+            return None
+        if self._replan_attempts >= _MAX_REPLAN_ATTEMPTS:
+            return None
+        self._replan_attempts += 1
+        profile.restart_settling()  # the next attempt waits for fresh, settled numbers
+        started = time.perf_counter()
+        spec = self.spec
+        costs = profile.costs()
+        result = replan_if_better(
+            self.plan,
+            costs,
+            hw,
+            spec.batch.num_microbatches,
+            min_gain=_REPLAN_MIN_GAIN,
+            staleness=spec.train.staleness,
+            tokens_per_iteration=spec.global_batch_size * spec.data.seq_len,
+            fits=layout.fits,
+        )
+        log.info(
+            "[trainer] job %s: re-planning attempt %d took %.2fs: %s",
+            self.job_id,
+            self._replan_attempts,
+            time.perf_counter() - started,
+            "no plan predicted >= 5% faster" if result is None else f"found {result.plan}",
+        )
+        if result is None:
+            return None
+        from roundpipe.coordinator.planner import evaluate_plan
+
+        before = evaluate_plan(
+            self.plan,
+            costs,
+            hw,
+            spec.batch.num_microbatches,
+            staleness=spec.train.staleness,
+        ).predicted_iteration_s
+        gain = 1 - result.predicted_iteration_s / before
+        return result.plan, (
+            f"re-planned from measured layer times: predicted {result.predicted_iteration_s:.3g}s "
+            f"per step instead of {before:.3g}s ({gain:.0%} faster)"
+        )
+
+    def switch_plan(self, plan: Plan, iteration: int, why: str) -> None:
+        """Use ``plan`` from ``iteration`` on. Only with no task in flight."""
+        assert self.layout is not None
+        self.layout.assign(plan)
+        self.plan = plan
+        self._plan_chosen(iteration, why)
 
     def job_setup(self) -> JobSetup:
         assert self.layout is not None
@@ -438,6 +584,12 @@ class Trainer:
                 # Note [weight-update ordering], point 5: iteration k reuses k-2's slots.
                 while pending_per_iteration.get(k - 2, 0) > 0:
                     handle_next()
+                better = self._replan_candidate()
+                if better is not None:  # Note [re-planning]: drain, then switch
+                    while any(pending_per_iteration.values()):
+                        handle_next()
+                        report_through(k - 1)
+                    self.switch_plan(better[0], k, better[1])
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
@@ -562,6 +714,10 @@ class Trainer:
         if task is None:
             return  # a duplicate completion (a re-run finishing late)
         pending[task.iteration] -= 1
+        if self.profile is not None:
+            self.profile.record_done(task, msg)
+            if pending[task.iteration] == 0:
+                self.profile.end_iteration(task.iteration)
 
     # -- optimizer --------------------------------------------------------------------
 
@@ -698,6 +854,7 @@ class Trainer:
                 "trainable_tensors": sum(len(v) for v in self.masters.values()),
             },
             "plan": str(self.plan),
+            "plan_history": [list(entry) for entry in self.plan_history],
             "staleness": self.spec.train.staleness,
             "compute_dtype": self.spec.train.dtype,
             "data_cursor": self.loader.state_dict(),

@@ -219,7 +219,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 3
+PROTOCOL_VERSION: int = 4
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1876,6 +1876,9 @@ class JobStatus(Message):
     message: str
     #: where checkpoints and the final model go, once known
     output_dir: str | None
+    #: the stage partition in use (Plan string form, e.g. "F[0:4] T[4:6] B[2:4,0:2]"),
+    #: empty until the job has been planned
+    plan: str = ""
 
 
 @_message

@@ -247,6 +247,8 @@ def _report_final(result: WatchResult) -> int:
             loss = f", loss {_format_loss(result.first.loss)} -> {_format_loss(result.last.loss)}"
         where = f"; model written to {status.output_dir}" if status.output_dir else ""
         print(f"job {status.job_id} succeeded ({steps}{loss}){where}", file=sys.stderr)
+        if status.plan:
+            print(f"stage plan: {status.plan}", file=sys.stderr)
         return EXIT_OK
     reason = status.message or "no reason given"
     print(f"job {status.job_id} {status.state} at {steps}: {reason}", file=sys.stderr)
@@ -290,6 +292,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("loss", _format_loss(status.loss)),
         ("output", status.output_dir or "-"),
     ]
+    if status.plan:
+        rows.append(("plan", status.plan))
     if status.message:
         rows.append(("message", status.message))
     for key, value in rows:

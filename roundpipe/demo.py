@@ -370,6 +370,8 @@ def run_demo(
                     f"{result.last.loss:.4f} (step {result.last.step})",
                     file=out,
                 )
+            if status.plan:
+                print(f"stage plan at the end: {status.plan}", file=out)
             print(f"model written to {status.output_dir or spec.output.dir}", file=out)
             rc = EXIT_OK
     except DemoError as exc:

@@ -21,6 +21,7 @@ from runtime_helpers import assert_params_match, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.protocol import Hello, Reject, decode, encode
+from roundpipe.shared.plan import Plan
 
 pytestmark = pytest.mark.slow
 
@@ -203,6 +204,9 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
         timeout=60,
     )
     assert status.returncode == 0 and "succeeded" in status.stdout
+    # The plan the coordinator chose is stored with the job and shown (Note [re-planning]).
+    plan_line = [line for line in status.stdout.splitlines() if line.startswith("plan:")]
+    assert plan_line and Plan.parse(plan_line[0].split(":", 1)[1].strip())
     jobs = subprocess.run(
         [*cli, "jobs", "--address", cluster.address], capture_output=True, text=True, timeout=60
     )

@@ -52,6 +52,34 @@ def test_jobs_and_states_survive_reopening(tmp_path: Path) -> None:
     assert store.get("nope") is None
 
 
+def test_schema_1_store_gains_the_plan_column(tmp_path: Path) -> None:
+    """A store written before plans were stored opens, keeps its jobs and stores plans."""
+    db = sqlite3.connect(str(tmp_path / JobStore.FILENAME))
+    db.execute(
+        "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL "
+        "UNIQUE, spec TEXT NOT NULL, state TEXT NOT NULL, message TEXT NOT NULL DEFAULT '', "
+        "output_dir TEXT, step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER NOT NULL "
+        "DEFAULT 0, loss REAL, checkpoint_step INTEGER, created_at REAL NOT NULL, "
+        "updated_at REAL NOT NULL)"
+    )
+    db.execute(
+        "INSERT INTO jobs (job_id, spec, state, total_steps, created_at, updated_at) "
+        "VALUES ('old-job', '{}', 'succeeded', 4, 1.0, 2.0)"
+    )
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    store = JobStore.in_state_dir(tmp_path)
+    old = store.get("old-job")
+    assert (old.state, old.total_steps, old.plan) == ("succeeded", 4, None)
+    store.add("new-job", {})
+    store.update("new-job", plan="F[0:2] T[2:6] B[0:2]")
+    store.close()
+    store = JobStore.in_state_dir(tmp_path)
+    assert store.get("new-job").plan == "F[0:2] T[2:6] B[0:2]"
+    store.close()
+
+
 def test_damaged_or_newer_store_is_refused_clearly(tmp_path: Path) -> None:
     (tmp_path / JobStore.FILENAME).write_bytes(b"this is not a database" * 100)
     with pytest.raises(JobStoreError, match="move it aside"):

@@ -20,6 +20,7 @@ from runtime_helpers import (
 )
 
 from roundpipe.coordinator.trainer import Trainer
+from roundpipe.shared.plan import Plan
 
 
 def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tensor]:
@@ -70,3 +71,115 @@ def test_lora_matches_peft_oracle(tmp_path, arena_dir) -> None:
     oracle = oracle_train(spec)
     assert any(".lora_A." in n for n in runtime)
     assert_params_match(runtime, oracle)
+
+
+# -- planning (Note [re-planning], Note [slot pools]) ---------------------------------
+
+
+def _run_with(trainer: Trainer, num_workers: int) -> dict[str, torch.Tensor]:
+    pool = InProcessWorkers(trainer, num_workers)
+    try:
+        trainer.run(pool.dispatch, pool.workers)
+    finally:
+        pool.close()
+    return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
+
+
+def _new_trainer(spec, arena_dir) -> Trainer:
+    return Trainer(
+        "job-plan",
+        spec,
+        arena_dir=arena_dir,
+        namespace="plantest",
+        output_dir=Path(spec.output.dir),
+        wait_timeout_s=60,
+    )
+
+
+def test_slot_pools_take_any_plan_that_fits(tmp_path, arena_dir) -> None:
+    spec = tiny_spec(tmp_path)
+    trainer = _new_trainer(spec, arena_dir)
+    try:
+        trainer.prepare(2)
+        layout = trainer.layout
+        assert trainer.profile is not None  # no train.plan: the trainer may re-plan
+        assert layout.act_capacity >= len(layout.activation_boundaries(trainer.plan)) + 2
+        wide = Plan.parse("F[0:1,1:2,2:3,3:4,4:5] T[5:6] B[4:5,3:4,2:3,1:2,0:1]")
+        assert not layout.fits(wide)  # 5 boundaries of each kind, more than the pools
+        with pytest.raises(ValueError, match="slot pools hold"):
+            layout.assign(wide)
+        narrow = Plan.parse("F[0:2] T[2:6] B[0:2]")
+        assert layout.fits(narrow)
+        layout.assign(narrow)
+        assert layout.plan == narrow
+        assert {b for b, _, _ in layout.acts} == {2} and {b for b, _, _ in layout.dacts} == {2}
+        slots = list(layout.acts.values())
+        assert len({(r.arena, r.offset) for r in slots}) == len(slots)  # no slot shared
+        assert all(r in layout.act_slots for r in slots)
+    finally:
+        trainer.close()
+
+
+def test_a_pinned_plan_is_never_replanned(tmp_path, arena_dir) -> None:
+    spec = tiny_spec(tmp_path, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
+    trainer = _new_trainer(spec, arena_dir)
+    try:
+        trainer.prepare(2)
+        assert trainer.profile is None
+        assert trainer.layout.act_capacity == 2  # exactly what the plan needs
+        assert trainer.plan_history == [(1, str(trainer.plan), "set by train.plan in the job spec")]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_switching_plan_mid_run_matches_oracle(tmp_path, arena_dir, staleness) -> None:
+    """The switch itself (drain, re-assign the pools, new tasks) changes no number."""
+    spec = tiny_spec(tmp_path, staleness=staleness)
+    target = Plan.parse("F[0:2] T[2:6] B[0:2]")
+    trainer = _new_trainer(spec, arena_dir)
+    try:
+        trainer.prepare(2)
+        assert trainer.plan != target and trainer.layout.fits(target)
+        calls = iter(range(1, 100))
+        trainer._replan_candidate = lambda: (target, "test") if next(calls) == 3 else None
+        runtime = _run_with(trainer, 2)
+        history = trainer.plan_history
+        assert [(k, p) for k, p, _ in history][1:] == [(3, str(target))]
+    finally:
+        trainer.close()
+    assert_params_match(runtime, cached_oracle(staleness))
+
+
+def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch) -> None:
+    """Measured costs (here: the prior with layer 1 five times slower, so the outcome does
+    not depend on this machine's timing noise) make the real planner pick another plan,
+    and the trainer switches to it mid-run without changing any number."""
+    from roundpipe.coordinator.planner import replan_if_better
+
+    spec = tiny_spec(tmp_path, staleness=1, steps=8)
+    trainer = _new_trainer(spec, arena_dir)
+    try:
+        trainer.prepare(2)
+        profile = trainer.profile
+        skewed = [c.scaled(5.0) if i == 1 else c for i, c in enumerate(profile.prior)]
+        expected = replan_if_better(
+            trainer.plan,
+            skewed,
+            trainer.hardware,
+            spec.batch.num_microbatches,
+            staleness=1,
+            fits=trainer.layout.fits,
+        )
+        assert expected is not None and expected.plan != trainer.plan
+        profile.settle_tolerance = float("inf")  # settled after warm-up + 2 iterations
+        monkeypatch.setattr(profile, "costs", lambda: skewed)
+        runtime = _run_with(trainer, 2)
+        assert profile.folded_iterations >= 2 and profile.covered
+        assert trainer._replan_attempts >= 1
+        assert trainer.plan == expected.plan
+        assert len(trainer.plan_history) == 2
+        assert "re-planned from measured layer times" in trainer.plan_history[1][2]
+    finally:
+        trainer.close()
+    assert_params_match(runtime, oracle_train(spec))
