@@ -3,9 +3,10 @@
 Measures, between real processes on this machine:
   1. message round trip over ZeroMQ with the runtime's codec (a StageTask out, a TaskDone
      back, each encoded and decoded by roundpipe.protocol), median of many;
-  2. event-table signal-to-wake latency across processes: the waiter is already asleep in
-     the kernel (futex) when the producer signals, the realistic case for a pipeline
-     stage waiting on its input; plus the spinning case for reference;
+  2. event-table signal-to-wake latency across processes, by how long the waiter has been
+     waiting when the producer signals: 2 ms (RESULT: a pipeline stage waiting for its
+     input; past the spin, in the poll-sleep phase of Note [waiting in three phases]),
+     0 (still spinning) and 100 ms (deep sleep), with the CPU the waiter burns meanwhile;
   3. copying 256 MiB into an arena view vs into a plain tensor (ratio of throughputs).
 
 Prints a table and, last, `RESULT roundtrip_us=<median> event_wake_us=<median>
@@ -17,6 +18,7 @@ Usage: python benchmarks/ipc.py [--roundtrips N] [--wakes N] [--copy-mib M]
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import subprocess
 import sys
@@ -150,10 +152,30 @@ def serve_echo(address: str) -> None:
     ctx.term()
 
 
+def serve_raw_echo(address: str) -> None:
+    """Echo frames back untouched: the transport floor, no codec."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    while True:
+        frames = sock.recv_multipart()
+        if frames == [b"stop"]:
+            break
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+def _stamps(arena: Arena, n: int) -> ctypes.Array:
+    # A ctypes view, not a tensor: indexing a tensor costs microseconds that would land
+    # inside the measured interval.
+    return (ctypes.c_double * n).from_buffer(arena.buffer, STAMPS_OFFSET)
+
+
 def serve_waker(path: str, n: int, delay_s: float) -> None:
     arena = Arena.attach(path)
     table = EventTable(arena, TABLE_OFFSET)
-    stamps = arena.view(arena.ref(STAMPS_OFFSET, torch.float64, (n,)))
+    stamps = _stamps(arena, n)
     for i in range(1, n + 1):
         table.wait_at_least(1, i, timeout_s=60)  # the parent is about to wait for round i
         if delay_s:
@@ -196,20 +218,28 @@ def measure_roundtrip(n: int) -> list[float]:
     return times
 
 
-def measure_small_roundtrip(n: int) -> list[float]:
-    """The same path with a Heartbeat both ways: transport + codec floor."""
+def measure_small_roundtrip(n: int, *, raw: bool = False) -> list[float]:
+    """The same path with a Heartbeat both ways: transport + codec floor. ``raw``: the
+    StageTask's encoded frames echoed back as they are, no codec on either side (the
+    transport floor for a message of that size)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     address = f"ipc://{tempfile.mkdtemp()}/bench-small.sock"
     sock.bind(address)
-    child = subprocess.Popen([sys.executable, __file__, "--serve-echo", address])
+    role = "--serve-raw-echo" if raw else "--serve-echo"
+    child = subprocess.Popen([sys.executable, __file__, role, address])
     beat = Heartbeat(sender="bench", seq=1, sent_at=0.0)
+    frames = encode(sample_task(1))
     times = []
     try:
         for i in range(n + 200):
             start = time.perf_counter()
-            sock.send_multipart(encode(beat))
-            decode(sock.recv_multipart())
+            if raw:
+                sock.send_multipart(frames)
+                sock.recv_multipart()
+            else:
+                sock.send_multipart(encode(beat))
+                decode(sock.recv_multipart())
             if i >= 200:
                 times.append(time.perf_counter() - start)
         sock.send_multipart([b"stop"])
@@ -245,24 +275,32 @@ def measure_codec_parts(n: int = 300) -> dict[str, float]:
     return out
 
 
-def measure_wake(n: int, delay_s: float) -> list[float]:
+def measure_wake(n: int, delay_s: float) -> tuple[list[float], float]:
+    """Signal-to-wake latencies, and the waiter's CPU time as a share of its waiting."""
     arena = Arena.create("bench-events", 4096 + 8 * n, directory=default_arena_dir())
     try:
         table = EventTable.create(arena, TABLE_OFFSET, 4)
-        stamps = arena.view(arena.ref(STAMPS_OFFSET, torch.float64, (n,)))
+        stamps = _stamps(arena, n)
         child = subprocess.Popen(
             [sys.executable, __file__, "--serve-waker", str(arena.path), str(n), str(delay_s)]
         )
         latencies = []
+        waited = 0.0
+        cpu_before = time.process_time()
         try:
             for i in range(1, n + 1):
                 table.signal(1, i)
+                start = time.perf_counter()
                 table.wait_at_least(0, i, timeout_s=60)
-                latencies.append(time.perf_counter() - float(stamps[i - 1]))
+                end = time.perf_counter()
+                waited += end - start
+                latencies.append(end - stamps[i - 1])
+            cpu_share = (time.process_time() - cpu_before) / max(waited, 1e-9)
             child.wait(timeout=30)
         finally:
             child.kill()
-        return latencies
+        del stamps
+        return latencies, cpu_share
     finally:
         arena.destroy()
 
@@ -304,10 +342,13 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=256)
     parser.add_argument("--copy-reps", type=int, default=5)
     parser.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-raw-echo", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--serve-waker", nargs=3, metavar="X", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_echo:
         return serve_echo(args.serve_echo)
+    if args.serve_raw_echo:
+        return serve_raw_echo(args.serve_raw_echo)
     if args.serve_waker:
         path, n, delay = args.serve_waker
         return serve_waker(path, int(n), float(delay))
@@ -315,9 +356,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rt = measure_roundtrip(args.roundtrips)
     small = measure_small_roundtrip(args.roundtrips)
+    raw = measure_small_roundtrip(args.roundtrips, raw=True)
     parts = measure_codec_parts()
-    wake_sleeping = measure_wake(args.wakes, delay_s=0.002)
-    wake_spinning = measure_wake(args.wakes, delay_s=0.0)
+    wake_sleeping, cpu_sleeping = measure_wake(args.wakes, delay_s=0.002)
+    wake_spinning, cpu_spinning = measure_wake(args.wakes, delay_s=0.0)
+    wake_deep, cpu_deep = measure_wake(max(20, args.wakes // 8), delay_s=0.1)
     plain_s, arena_s = measure_copy(args.copy_mib, args.copy_reps)
 
     def us(samples: list[float], q: float) -> float:
@@ -337,23 +380,27 @@ def main() -> None:
             len(small),
         ),
         (
-            "event wake, waiter asleep (futex)",
-            us(wake_sleeping, 50),
-            us(wake_sleeping, 90),
-            us(wake_sleeping, 99),
-            len(wake_sleeping),
+            "zmq round trip, raw StageTask frames",
+            us(raw, 50),
+            us(raw, 90),
+            us(raw, 99),
+            len(raw),
         ),
-        (
-            "event wake, waiter spinning",
-            us(wake_spinning, 50),
-            us(wake_spinning, 90),
-            us(wake_spinning, 99),
-            len(wake_spinning),
-        ),
+    ]
+    wakes = [
+        ("event wake after 2 ms (poll-sleeping)", wake_sleeping, cpu_sleeping),
+        ("event wake after 0 ms (spinning)", wake_spinning, cpu_spinning),
+        ("event wake after 100 ms (deep sleep)", wake_deep, cpu_deep),
     ]
     print(f"{'measurement':40} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10} {'n':>7}")
     for name, p50, p90, p99, count in rows:
         print(f"{name:40} {p50:10.1f} {p90:10.1f} {p99:10.1f} {count:7d}")
+    print(f"\n{'measurement':40} {'p50 us':>10} {'p90 us':>10} {'waiter CPU':>10} {'n':>7}")
+    for name, samples, cpu in wakes:
+        print(
+            f"{name:40} {us(samples, 50):10.1f} {us(samples, 90):10.1f} "
+            f"{cpu * 100:9.1f}% {len(samples):7d}"
+        )
     print(
         f"\nStageTask codec ({parts['descriptors']:.0f} tensor descriptors, "
         f"{parts['body_bytes']:.0f} body bytes): construct {parts['construct']:.0f} us, "

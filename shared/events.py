@@ -34,12 +34,25 @@ reads the data. Nothing in Python orders these memory accesses for another proce
   an interprocess CUDA event after the copy and publishes the counter; the consumer waits
   for the counter, then makes its stream wait on the event (see roundpipe.shared.cuda).
 
-Waiting without burning a core: a waiter spins for a few microseconds (the common case in
-a busy pipeline is that the counter is about to move), then sleeps on the doorbell word
-with the Linux futex system call, in slices, until its deadline. ``signal`` bumps the
-doorbell and wakes all sleepers. Elsewhere than Linux the sleep falls back to short
-exponential back-off. Every wait has a deadline and raises :class:`EventTimeout` naming
-the counter, the value waited for and the value last seen.
+Note [waiting in three phases]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A waiter must wake soon after the signal without burning a core while it waits:
+
+1. **Spin** for 50 us: in a busy pipeline the counter is often about to move.
+2. **Poll-sleep** for the first ``ROUNDPIPE_WAIT_POLL_MS`` (default 20 ms) of the wait:
+   sleep on the doorbell word with the Linux futex system call in 100 us slices. A
+   signal still wakes the sleeper at once; the slices only keep its CPU out of deep
+   idle. Waking a CPU from deep idle is what makes a futex wake slow: on the 2-vCPU KVM
+   guests we develop on, a process asleep for 2 ms took 70-190 us to run again after the
+   wake, one that kept waking every 100 us took 25-40 us (benchmarks/ipc.py). The price
+   is about 10% of one core while it lasts. 20 ms covers the usual hand-off in a
+   pipeline: a stage waits for its input for about the jitter between two stages.
+3. **Sleep** on the doorbell in 50 ms slices until the deadline (pipeline fill, the
+   optimizer waiting for a whole backward pass, an idle job).
+
+``signal`` bumps the doorbell and wakes all sleepers. Elsewhere than Linux the sleep
+falls back to short exponential back-off. Every wait has a deadline and raises
+:class:`EventTimeout` naming the counter, the value waited for and the value last seen.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import platform
 import sys
 import threading
@@ -66,8 +80,27 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COUNTERS_START = 64
+# Note [waiting in three phases]
 _SPIN_S = 50e-6
+_POLL_SLICE_S = 100e-6
 _SLEEP_SLICE_S = 0.05
+
+
+def _poll_window_s() -> float:
+    raw = os.environ.get("ROUNDPIPE_WAIT_POLL_MS", "20")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"ROUNDPIPE_WAIT_POLL_MS={raw!r} is not a number of milliseconds "
+            "(0 turns poll-sleeping off)"
+        ) from None
+    if not value >= 0:
+        raise ValueError(f"ROUNDPIPE_WAIT_POLL_MS must be >= 0, got {raw!r}")
+    return value / 1e3
+
+
+_POLL_S = _poll_window_s()
 
 
 def table_nbytes(num_counters: int) -> int:
@@ -129,8 +162,10 @@ class _Futex:
             ctypes.c_uint32(0),
         )
 
-    def wake_all(self, address: int) -> None:
-        self._syscall(
+    def wake_all_call(self, address: int) -> Callable[[], object]:
+        """A ready-made FUTEX_WAKE(all) for ``address``: ``signal`` is on the critical
+        path, so its ctypes arguments are built once per table, not once per call."""
+        args = (
             ctypes.c_long(self._number),
             ctypes.c_void_p(address),
             ctypes.c_int(self._WAKE),
@@ -139,6 +174,8 @@ class _Futex:
             None,
             ctypes.c_uint32(0),
         )
+        syscall = self._syscall
+        return lambda: syscall(*args)
 
 
 _futex = _Futex()
@@ -165,6 +202,9 @@ class EventTable:
             arena.buffer, offset + COUNTERS_START
         )
         self._labels = labels
+        self._wake_all = (
+            _futex.wake_all_call(self._doorbell_address) if _futex.available else lambda: None
+        )
 
     @classmethod
     def create(cls, arena: Arena, offset: int, num_counters: int) -> EventTable:
@@ -220,8 +260,7 @@ class EventTable:
         self._counters[index] = value
         fence()  # counter store before the doorbell bump
         self._header[0] = (self._header[0] + 1) & 0xFFFFFFFF
-        if _futex.available:
-            _futex.wake_all(self._doorbell_address)
+        self._wake_all()
 
     def reset(self, index: int, value: int = 0) -> None:
         """Owner-only: set a counter backwards (new job on a reused table). Not for workers."""
@@ -243,7 +282,8 @@ class EventTable:
 
         Raises :class:`EventTimeout` after ``timeout_s``. ``should_abort`` is polled at
         least every sleep slice (50 ms) so a caller can stop waiting on shutdown; if it
-        returns True, :class:`InterruptedError` is raised.
+        returns True, :class:`InterruptedError` is raised. Note [waiting in three phases]
+        says how the wait spends its time.
         """
         self._check_index(index)
         counters = self._counters
@@ -253,6 +293,7 @@ class EventTable:
             return seen
         start = time.perf_counter()
         spin_until = start + _SPIN_S
+        poll_until = start + _POLL_S
         deadline = start + timeout_s
         backoff_s = 20e-6
         while True:
@@ -272,7 +313,7 @@ class EventTable:
                 continue
             if should_abort is not None and should_abort():
                 raise InterruptedError(f"wait for {self.label(index)} >= {value} was aborted")
-            slice_s = min(_SLEEP_SLICE_S, deadline - now)
+            slice_s = min(_POLL_SLICE_S if now < poll_until else _SLEEP_SLICE_S, deadline - now)
             if _futex.available:
                 _futex.wait(self._doorbell_address, doorbell, slice_s)
             else:

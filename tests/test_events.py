@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -9,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from roundpipe.shared import events
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import EventTable, EventTimeout, table_nbytes
 
@@ -86,10 +90,17 @@ def test_abort_interrupts_a_wait(arena_dir: Path) -> None:
         arena.destroy()
 
 
-def test_sleeping_waiter_is_woken_by_another_process(arena_dir: Path, spawn_child) -> None:
+@pytest.mark.parametrize("poll_ms", [0.0, 20.0])
+def test_sleeping_waiter_is_woken_by_another_process(
+    arena_dir: Path, spawn_child, monkeypatch, poll_ms: float
+) -> None:
     """The waiter falls asleep (futex) before the signal; it must wake promptly, not at
     the end of its sleep slice. Timing is only reported here, not asserted (see
-    benchmarks/ipc.py), except for a generous bound that a lost wake-up would break."""
+    benchmarks/ipc.py), except for a generous bound that a lost wake-up would break.
+    With poll-sleeping off (0) the waiter is in 50 ms slices, so that bound proves the
+    futex wake; with the default it is in 100 us slices (Note [waiting in three
+    phases])."""
+    monkeypatch.setattr(events, "_POLL_S", poll_ms / 1e3)
     n = 20
     arena, table = make_table_arena(arena_dir, payload_bytes=8 * n)
     try:
@@ -106,6 +117,19 @@ def test_sleeping_waiter_is_woken_by_another_process(arena_dir: Path, spawn_chil
         assert latencies[n // 2] < 0.045  # below one 50 ms sleep slice: woken, not timed out
     finally:
         arena.destroy()
+
+
+def test_bad_poll_window_setting_is_a_clear_error() -> None:
+    env = {**os.environ, "ROUNDPIPE_WAIT_POLL_MS": "soon"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import roundpipe.shared.events"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "ROUNDPIPE_WAIT_POLL_MS='soon' is not a number of milliseconds" in result.stderr
 
 
 def test_table_must_fit_its_arena(arena_dir: Path) -> None:
