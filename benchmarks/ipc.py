@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,7 +125,8 @@ def sample_task(i: int) -> StageTask:
 # -- child roles ---------------------------------------------------------------------
 
 
-def serve_echo(address: str) -> None:
+def _serve(address: str, reply: Callable[[list[bytes]], list[bytes]]) -> None:
+    """Answer every message on a PAIR socket with ``reply(frames)`` until b"stop"."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)
@@ -132,38 +134,36 @@ def serve_echo(address: str) -> None:
         frames = sock.recv_multipart()
         if frames == [b"stop"]:
             break
-        message = decode(frames)
-        if isinstance(message, Heartbeat):  # small-message round trip
-            sock.send_multipart(encode(message))
-            continue
-        if not isinstance(message, StageTask):
-            raise SystemExit(f"echo server: unexpected {type(message).__name__}")
-        task = message
-        done = TaskDone(
-            job_id=task.job_id,
-            task_id=task.task_id,
-            attempt=task.attempt,
-            worker_id=1,
-            seconds=0.0,
-            layer_times={},
-        )
-        sock.send_multipart(encode(done))
+        sock.send_multipart(reply(frames))
     sock.close()
     ctx.term()
+
+
+def _codec_reply(frames: list[bytes]) -> list[bytes]:
+    """A Heartbeat comes back as it is; a StageTask is answered with its TaskDone."""
+    message = decode(frames)
+    if isinstance(message, Heartbeat):  # small-message round trip
+        return encode(message)
+    if not isinstance(message, StageTask):
+        raise SystemExit(f"echo server: unexpected {type(message).__name__}")
+    done = TaskDone(
+        job_id=message.job_id,
+        task_id=message.task_id,
+        attempt=message.attempt,
+        worker_id=1,
+        seconds=0.0,
+        layer_times={},
+    )
+    return encode(done)
+
+
+def serve_echo(address: str) -> None:
+    _serve(address, _codec_reply)
 
 
 def serve_raw_echo(address: str) -> None:
     """Echo frames back untouched: the transport floor, no codec."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
-    sock.connect(address)
-    while True:
-        frames = sock.recv_multipart()
-        if frames == [b"stop"]:
-            break
-        sock.send_multipart(frames)
-    sock.close()
-    ctx.term()
+    _serve(address, lambda frames: frames)
 
 
 def _stamps(arena: Arena, n: int) -> ctypes.Array:

@@ -23,8 +23,8 @@ from roundpipe.coordinator.trainer import Trainer
 from roundpipe.shared.plan import Plan
 
 
-def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tensor]:
-    trainer = Trainer(
+def new_trainer(spec, arena_dir) -> Trainer:
+    return Trainer(
         "job-test",
         spec,
         arena_dir=arena_dir,
@@ -32,6 +32,10 @@ def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tenso
         output_dir=Path(spec.output.dir),
         wait_timeout_s=60,
     )
+
+
+def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tensor]:
+    trainer = new_trainer(spec, arena_dir)
     pool = None
     try:
         trainer.prepare(num_workers)
@@ -85,20 +89,9 @@ def _run_with(trainer: Trainer, num_workers: int) -> dict[str, torch.Tensor]:
     return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
 
 
-def _new_trainer(spec, arena_dir) -> Trainer:
-    return Trainer(
-        "job-plan",
-        spec,
-        arena_dir=arena_dir,
-        namespace="plantest",
-        output_dir=Path(spec.output.dir),
-        wait_timeout_s=60,
-    )
-
-
 def test_slot_pools_take_any_plan_that_fits(tmp_path, arena_dir) -> None:
     spec = tiny_spec(tmp_path)
-    trainer = _new_trainer(spec, arena_dir)
+    trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
         layout = trainer.layout
@@ -122,7 +115,7 @@ def test_slot_pools_take_any_plan_that_fits(tmp_path, arena_dir) -> None:
 
 def test_a_pinned_plan_is_never_replanned(tmp_path, arena_dir) -> None:
     spec = tiny_spec(tmp_path, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
-    trainer = _new_trainer(spec, arena_dir)
+    trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
         assert trainer.profile is None
@@ -137,7 +130,7 @@ def test_switching_plan_mid_run_matches_oracle(tmp_path, arena_dir, staleness) -
     """The switch itself (drain, re-assign the pools, new tasks) changes no number."""
     spec = tiny_spec(tmp_path, staleness=staleness)
     target = Plan.parse("F[0:2] T[2:6] B[0:2]")
-    trainer = _new_trainer(spec, arena_dir)
+    trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
         assert trainer.plan != target and trainer.layout.fits(target)
@@ -158,7 +151,7 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
     from roundpipe.coordinator.planner import replan_if_better
 
     spec = tiny_spec(tmp_path, staleness=1, steps=8)
-    trainer = _new_trainer(spec, arena_dir)
+    trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
         profile = trainer.profile
