@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,22 @@ def test_ipc_event_orders_a_copy_across_processes(arena_dir: Path, spawn_child) 
 
 def test_cuda_helpers_report_availability() -> None:
     assert cuda_available()
+
+
+def test_memory_limit_caps_the_worker_process() -> None:
+    """`roundpipe-worker --gpu N --memory-limit SIZE`: allocations past the cap fail in
+    that process (run in a child so the cap does not stay on this test process)."""
+    code = (
+        "import torch\n"
+        "from roundpipe.worker.daemon import apply_memory_limit\n"
+        "apply_memory_limit(torch.device('cuda:0'), 1 << 30)\n"
+        "a = torch.empty(512 << 20, dtype=torch.uint8, device='cuda')\n"
+        "try:\n"
+        "    b = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+        "except torch.OutOfMemoryError:\n"
+        "    print('capped')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "capped" in result.stdout, result.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,22 @@ def test_rerun_completes_what_a_dead_worker_left_unpublished(prepared) -> None:
     for name, ref in layout.grads[1].items():
         assert torch.equal(layout.view(ref), expected[name]), name
     assert first.task_id == tasks[-1].task_id
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cpu", "--memory-limit", "8GiB"], "--memory-limit caps GPU memory and needs --gpu N"),
+        (["--gpu", "0", "--memory-limit", "lots"], "cannot read --memory-limit 'lots'"),
+    ],
+)
+def test_memory_limit_arguments_are_checked(args: list[str], message: str) -> None:
+    """`roundpipe-worker --memory-limit` refuses what it cannot apply, before connecting."""
+    result = subprocess.run(
+        [sys.executable, "-m", "roundpipe.worker.daemon", *args, "--handshake-timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr

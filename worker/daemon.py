@@ -59,6 +59,23 @@ class HandshakeError(RuntimeError):
     pass
 
 
+def apply_memory_limit(device: torch.device, limit_bytes: int) -> int:
+    """Cap this process's CUDA allocations on ``device`` at ``limit_bytes`` (the caching
+    allocator raises OutOfMemoryError beyond it), so one large GPU can stand in for a
+    24 GB card, or several workers can share one GPU. Returns the cap.
+
+    Raises ValueError if the cap is not positive or exceeds the device's memory.
+    """
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < limit_bytes <= total:
+        raise ValueError(
+            f"--memory-limit {limit_bytes / 2**30:.2f} GiB: {device} has "
+            f"{total / 2**30:.2f} GiB; give a positive size no larger than that"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    return limit_bytes
+
+
 class CoordinatorLost(RuntimeError):
     """No message from the coordinator within the liveness deadline."""
 
@@ -75,9 +92,13 @@ class WorkerDaemon:
         handshake_timeout_s: float = 30.0,
         coordinator_timeout_s: float = 10.0,
         fault: Fault | None = None,
+        memory_limit_bytes: int | None = None,
     ):
         self.coordinator = coordinator
         self.device = torch.device(device)
+        self.memory_limit_bytes = memory_limit_bytes
+        """GPU memory cap (``--memory-limit``) already applied; reported in Hello so the
+        coordinator plans for it."""
         self.name = name or f"{socket.gethostname()}-{self.device}".replace(":", "")
         self.handshake_timeout_s = handshake_timeout_s
         self.coordinator_timeout_s = coordinator_timeout_s
@@ -103,7 +124,7 @@ class WorkerDaemon:
                 device="cuda",
                 device_index=self.device.index or 0,
                 device_name=props.name,
-                memory_bytes=props.total_memory,
+                memory_bytes=self.memory_limit_bytes or props.total_memory,
                 compute_capability=f"{props.major}.{props.minor}",
             )
         return Hello(
@@ -425,8 +446,31 @@ def main(argv: list[str] | None = None) -> int:
         default=10.0,
         help="seconds of coordinator silence after which the worker drops its state and reconnects",
     )
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        metavar="SIZE",
+        help="with --gpu: cap this worker's GPU memory, e.g. 24GiB (emulate a smaller card, "
+        "or share one GPU between workers); the coordinator plans stages to fit it",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    memory_limit = None
+    if args.memory_limit is not None:
+        from roundpipe.coordinator.planner import parse_quantity
+
+        if args.gpu is None:
+            print(
+                "roundpipe-worker: --memory-limit caps GPU memory and needs --gpu N; a CPU "
+                "worker computes in the coordinator's host-memory arenas",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            memory_limit = int(parse_quantity(args.memory_limit, what="--memory-limit"))
+        except ValueError as exc:
+            print(f"roundpipe-worker: {exc}", file=sys.stderr)
+            return 2
     # Models, tokenizers and data are local by design: never wait on the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
@@ -443,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         device = f"cuda:{args.gpu}"
+        if memory_limit is not None:
+            try:
+                apply_memory_limit(torch.device(device), memory_limit)
+            except ValueError as exc:
+                print(f"roundpipe-worker: {exc}", file=sys.stderr)
+                return 2
+            log.info("[worker] GPU memory capped at %.2f GiB", memory_limit / 2**30)
     else:
         device = "cpu"
     threads = args.threads
@@ -464,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         handshake_timeout_s=args.handshake_timeout,
         coordinator_timeout_s=args.coordinator_timeout,
         fault=fault,
+        memory_limit_bytes=memory_limit,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
