@@ -19,20 +19,12 @@ Usage: python benchmarks/cpu_overhead.py [--steps 8] [--warmup 2] [--threads 2]
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+from common import plain_loop, run_runtime
 
-from roundpipe.client import Client
-from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec
-from roundpipe.shared.model import LayeredModel, count_label_tokens
 
 DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 CONFIG = {
@@ -65,99 +57,16 @@ def make_spec(steps: int, num_microbatches: int, out: Path) -> JobSpec:
     )
 
 
-def plain_loop(spec: JobSpec, warmup: int, threads: int) -> float:
-    torch.set_num_threads(threads)
-    layered = LayeredModel.from_config({"model_type": "qwen3", **CONFIG})
-    model = layered.to_hf_model(layered.init_weights(0))
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    loader = DataLoader.from_spec(spec, build_dataset_from_spec(spec))
-    tokens = spec.global_batch_size * spec.data.seq_len
-    start = None
-    for k in range(1, spec.train.steps + 1):
-        if k == warmup + 1:
-            start = time.perf_counter()
-        batch = loader.batch_for_step(k)
-        for ids, labels in batch.microbatches:
-            loss = model(input_ids=ids, labels=labels).loss
-            (loss * count_label_tokens(labels) / batch.num_label_tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert start is not None
-    return tokens * (spec.train.steps - warmup) / (time.perf_counter() - start)
-
-
 def runtime(spec: JobSpec, workers: int, threads_each: int, warmup: int, root: Path) -> float:
-    arena_dir = Path(tempfile.mkdtemp(prefix="rp-bench-", dir="/dev/shm"))
-    address = f"ipc://{root}/bench-{workers}.sock"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads_each))
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "roundpipe.coordinator.daemon",
-                "--address",
-                address,
-                "--state-dir",
-                str(root / f"state{workers}"),
-                "--arena-dir",
-                str(arena_dir),
-                "--log-level",
-                "WARNING",
-            ],
-            env=env,
-        )
-    ]
-    for i in range(workers):
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "roundpipe.worker.daemon",
-                    "--cpu",
-                    "--threads",
-                    str(threads_each),
-                    "--coordinator",
-                    address,
-                    "--name",
-                    f"bench{i}",
-                    "--log-level",
-                    "WARNING",
-                ],
-                env=env,
-            )
-        )
-    try:
-        with Client(address, timeout_s=30) as client:
-            deadline = time.monotonic() + 120
-            while len(client.workers()) < workers:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("workers did not connect")
-                time.sleep(0.2)
-            job = client.submit(spec)
-            events = list(job.progress(timeout_s=3600))
-            status = job.wait(timeout_s=600)
-            if status.state != "succeeded":
-                raise RuntimeError(f"benchmark job {status.state}: {status.message}")
-        timed = [e for e in events if e.step > warmup]
-        first = next(e for e in events if e.step == warmup)
-        seconds = timed[-1].time - first.time
-        tokens = spec.global_batch_size * spec.data.seq_len * len(timed)
-        return tokens / seconds
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for f in arena_dir.iterdir():
-            f.unlink()
-        arena_dir.rmdir()
+    cpu = ["--cpu", "--threads", str(threads_each)]
+    run = run_runtime(
+        spec,
+        [cpu] * workers,
+        warmup=warmup,
+        root=root / f"runtime-{workers}w",
+        env={"OMP_NUM_THREADS": str(threads_each)},
+    )
+    return run.tokens_per_s
 
 
 def main() -> None:
@@ -169,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rp-bench-"))
     spec = make_spec(args.steps, args.microbatches, root / "out")
-    plain = plain_loop(spec, args.warmup, args.threads)
+    plain = plain_loop(spec, warmup=args.warmup, threads=args.threads)
     one = runtime(spec, 1, args.threads, args.warmup, root)
     two = runtime(spec, 2, max(1, args.threads // 2), args.warmup, root)
     tokens = spec.global_batch_size * spec.data.seq_len

@@ -427,6 +427,14 @@ class LayeredModel:
             for layer, specs in enumerate(self._specs)
         }
 
+    def hf_model(self, seed: int) -> nn.Module:
+        """A real (CPU, fp32) transformers model -- peft-wrapped with LoRA -- with the
+        random weights ``init_weights(seed)`` gives, without a second copy of them (for
+        reference loops and benchmarks)."""
+        model = self._seeded_hf_model(seed)
+        model.train()
+        return model
+
     def _seeded_hf_model(self, seed: int) -> nn.Module:
         from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,221 @@
+"""What the end-to-end benchmarks share: the runtime as real daemons, a single-process
+reference loop, and per-process GPU memory sampling.
+
+Imported by ``benchmarks/cpu_overhead.py`` and ``benchmarks/gpu_throughput.py`` (run as
+scripts, so this directory is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from roundpipe.client import Client
+from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.shared.model import LayeredModel, count_label_tokens
+
+
+@dataclass
+class RuntimeRun:
+    """What one job through the daemons measured."""
+
+    tokens_per_s: float
+    step_s: list[float]
+    """Seconds of each timed step (after warm-up), from the job's progress events."""
+    plan: str
+    gpu_peak_mib: dict[int, float] = field(default_factory=dict)
+    """Peak GPU memory per worker process (MiB, from nvidia-smi; empty without a GPU)."""
+
+
+class GpuMemorySampler:
+    """Samples ``nvidia-smi``'s per-process GPU memory every ``period_s`` in a thread and
+    keeps each process's peak. Does nothing where nvidia-smi is missing."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s = period_s
+        self.peak_mib: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def __enter__(self) -> GpuMemorySampler:
+        if self.available:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"]
+        while not self._stop.wait(self.period_s):
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            for line in out.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) != 2 or not parts[0].isdigit():
+                    continue
+                mib = float(parts[1].split()[0]) if parts[1].split() else 0.0
+                pid = int(parts[0])
+                self.peak_mib[pid] = max(self.peak_mib.get(pid, 0.0), mib)
+
+
+def run_runtime(
+    spec: JobSpec,
+    worker_args: Sequence[Sequence[str]],
+    *,
+    warmup: int,
+    root: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 3600,
+    stop_after: int | None = None,
+) -> RuntimeRun:
+    """Start a coordinator and one worker per entry of ``worker_args`` (device options,
+    e.g. ``["--cpu", "--threads", "1"]`` or ``["--gpu", "0", "--memory-limit", "24GiB"]``),
+    run ``spec`` and measure the steps after ``warmup``: to the end, or with
+    ``stop_after`` until that step, then cancel the job (a large model's final checkpoint
+    would cost minutes and tens of GB of disk)."""
+    root.mkdir(parents=True, exist_ok=True)
+    arena_dir = Path(tempfile.mkdtemp(prefix="rp-bench-", dir="/dev/shm"))
+    address = f"ipc://{root}/coordinator.sock"
+    env = dict(os.environ, **(env or {}))
+    logs = []
+
+    def spawn(name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(root / f"{name}.log", "w")  # noqa: SIM115 -- closed below
+        logs.append(log)
+        return subprocess.Popen(
+            [sys.executable, "-m", *argv, "--log-level", "WARNING"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    procs = [
+        spawn(
+            "coordinator",
+            [
+                "roundpipe.coordinator.daemon",
+                "--address",
+                address,
+                "--state-dir",
+                str(root / "state"),
+                "--arena-dir",
+                str(arena_dir),
+            ],
+        )
+    ]
+    for i, device in enumerate(worker_args):
+        procs.append(
+            spawn(
+                f"worker{i}",
+                ["roundpipe.worker.daemon", *device, "--coordinator", address, "--name", f"w{i}"],
+            )
+        )
+    try:
+        with Client(address, timeout_s=60) as client, GpuMemorySampler() as memory:
+            deadline = time.monotonic() + 300
+            while len(client.workers()) < len(worker_args):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"workers did not connect; logs in {root}")
+                time.sleep(0.2)
+            job = client.submit(spec)
+            events = []
+            for event in job.progress(timeout_s=timeout_s):
+                events.append(event)
+                if stop_after is not None and event.step >= stop_after:
+                    job.cancel()
+                    break
+            status = job.wait(timeout_s=600)
+            ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
+            if status.state not in ended_well:
+                raise RuntimeError(
+                    f"benchmark job {status.state}: {status.message}; logs in {root}"
+                )
+        times = {e.step: e.time for e in events}
+        timed = [k for k in sorted(times) if k > warmup and k - 1 in times]
+        if not timed:
+            raise RuntimeError(f"no step after the {warmup} warm-up steps was reported")
+        step_s = [times[k] - times[k - 1] for k in timed]
+        tokens = spec.global_batch_size * spec.data.seq_len * len(step_s)
+        worker_pids = {p.pid for p in procs[1:]}
+        return RuntimeRun(
+            tokens_per_s=tokens / sum(step_s),
+            step_s=step_s,
+            plan=status.plan,
+            gpu_peak_mib={pid: v for pid, v in memory.peak_mib.items() if pid in worker_pids},
+        )
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            log.close()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def plain_loop(
+    spec: JobSpec,
+    *,
+    warmup: int,
+    device: str = "cpu",
+    threads: int | None = None,
+    activation_checkpointing: bool = True,
+) -> float:
+    """Tokens/s of a plain single-process loop on ``spec``'s model, data and batch: one
+    transformers (peft) model with random weights in ``train.dtype`` on ``device``,
+    gradient checkpointing (the same full recomputation the runtime does), microbatch
+    accumulation and torch's fused AdamW. Raises torch.OutOfMemoryError if it does not
+    fit."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lora = spec.lora.model_settings() if spec.lora is not None else None
+    layered = LayeredModel(model_config_from_spec(spec.model), lora)
+    dtype = getattr(torch, spec.train.dtype)
+    model = layered.hf_model(seed=0).to(device=device, dtype=dtype)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable()
+        if lora is not None:
+            model.enable_input_require_grads()
+    model.config.use_cache = False
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=spec.optimizer.lr, fused=True)
+    loader = DataLoader.from_spec(spec, build_dataset_from_spec(spec))
+    tokens = spec.global_batch_size * spec.data.seq_len
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    start = None
+    for k in range(1, spec.train.steps + 1):
+        if k == warmup + 1:
+            synchronize()
+            start = time.perf_counter()
+        batch = loader.batch_for_step(k)
+        for ids, labels in batch.microbatches:
+            ids, labels = ids.to(device), labels.to(device)
+            loss = model(input_ids=ids, labels=labels).loss
+            (loss * count_label_tokens(labels) / batch.num_label_tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    synchronize()
+    assert start is not None, "steps must exceed warmup"
+    return tokens * (spec.train.steps - warmup) / (time.perf_counter() - start)

@@ -1,0 +1,66 @@
+"""The end-to-end benchmark scripts run and report what they claim (no timing asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_throughput  # noqa: E402 -- benchmarks/ is not a package
+
+
+def _spec(tmp_path: Path, model: str, seq_len: int = 4096):
+    args = argparse.Namespace(
+        warmup=0, steps=1, microbatches=1, rows=1, seq_len=seq_len, dtype="bfloat16"
+    )
+    # A short sequence keeps the random-token data file small; FLOPs scale it back.
+    return gpu_throughput.make_spec(gpu_throughput.MODELS[model], args, tmp_path)
+
+
+def test_model_flops_match_the_published_parameter_counts(tmp_path: Path) -> None:
+    """Qwen3-1.7B has 1.7B parameters (1.4B without the embedding, whose matrix is the
+    tied LM head); Llama-3.1-8B 8.0B of which 0.53B embedding; LoRA r=32 on every linear
+    layer adds 84M."""
+    seq = 64
+    qwen = _spec(tmp_path / "q", "qwen3-1.7b", seq)
+    attention = 6 * 28 * 16 * 128 * seq
+    matmul_params = (gpu_throughput.flops_per_token(qwen) - attention) / 6
+    assert 1.65e9 < matmul_params < 1.78e9
+    llama = _spec(tmp_path / "l", "llama-8b-lora", seq)
+    attention = 6 * 32 * 32 * 128 * seq
+    rest = gpu_throughput.flops_per_token(llama) - attention
+    # r x (in + out) for q, k, v, o, gate, up, down, in each of 32 layers
+    adapters = 32 * 32 * (8192 + 5120 + 5120 + 8192 + 3 * (4096 + 14336))
+    assert adapters == 83_886_080
+    frozen = (rest - 6 * adapters) / 4
+    assert 7.4e9 < frozen < 7.6e9  # 8.03B minus the 0.53B input embedding
+
+
+@pytest.mark.slow
+def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
+    """`gpu_throughput.py --smoke`: the runtime with 1 and 2 CPU workers and the plain loop
+    report tokens/s; the paper's library (CUDA only) is skipped with a reason."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("tiny ")
+    }
+    assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, result.stdout
+    for system in ("runtime-1w", "runtime-2w", "plain"):
+        assert float(rows[system].split()[2]) > 0, rows[system]
+    assert "plan F[" in rows["runtime-2w"]
+    assert "skipped: needs CUDA" in rows["paper"]
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT vs_paper=nan mfu=\d+\.\d{3}", last), last
