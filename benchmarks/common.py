@@ -7,11 +7,8 @@ scripts, so this directory is on ``sys.path``).
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from roundpipe.client import Client
+from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
 from roundpipe.shared.model import LayeredModel, count_label_tokens
@@ -83,60 +80,31 @@ def run_runtime(
     *,
     warmup: int,
     root: Path,
+    coordinator_threads: int,
     env: dict[str, str] | None = None,
     timeout_s: float = 3600,
     stop_after: int | None = None,
 ) -> RuntimeRun:
-    """Start a coordinator and one worker per entry of ``worker_args`` (device options,
-    e.g. ``["--cpu", "--threads", "1"]`` or ``["--gpu", "0", "--memory-limit", "24GiB"]``),
-    run ``spec`` and measure the steps after ``warmup``: to the end, or with
+    """Start a ``LocalCluster`` with one worker per entry of ``worker_args`` (device
+    options, e.g. ``["--cpu", "--threads", "1"]`` or ``["--gpu", "0", "--memory-limit",
+    "24GiB"]``), run ``spec`` and measure the steps after ``warmup``: to the end, or with
     ``stop_after`` until that step, then cancel the job (a large model's final checkpoint
     would cost minutes and tens of GB of disk)."""
-    root.mkdir(parents=True, exist_ok=True)
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-bench-", dir="/dev/shm"))
-    address = f"ipc://{root}/coordinator.sock"
-    env = dict(os.environ, **(env or {}))
-    logs = []
-
-    def spawn(name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(root / f"{name}.log", "w")  # noqa: SIM115 -- closed below
-        logs.append(log)
-        return subprocess.Popen(
-            [sys.executable, "-m", *argv, "--log-level", "WARNING"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-    procs = [
-        spawn(
-            "coordinator",
-            [
-                "roundpipe.coordinator.daemon",
-                "--address",
-                address,
-                "--state-dir",
-                str(root / "state"),
-                "--arena-dir",
-                str(arena_dir),
-            ],
-        )
-    ]
-    for i, device in enumerate(worker_args):
-        procs.append(
-            spawn(
-                f"worker{i}",
-                ["roundpipe.worker.daemon", *device, "--coordinator", address, "--name", f"w{i}"],
-            )
-        )
+    cluster = LocalCluster(
+        root,
+        arena_dir,
+        coordinator_args=["--threads", str(coordinator_threads), "--log-level", "WARNING"],
+        client_timeout_s=60,
+        env=env,
+    )
     try:
-        with Client(address, timeout_s=60) as client, GpuMemorySampler() as memory:
-            deadline = time.monotonic() + 300
-            while len(client.workers()) < len(worker_args):
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"workers did not connect; logs in {root}")
-                time.sleep(0.2)
-            job = client.submit(spec)
+        workers = [
+            cluster.add_worker(f"w{i}", device=device) for i, device in enumerate(worker_args)
+        ]
+        cluster.wait_for_workers(len(workers), timeout_s=300)
+        with GpuMemorySampler() as memory:
+            job = cluster.client.submit(spec)
             events = []
             for event in job.progress(timeout_s=timeout_s):
                 events.append(event)
@@ -144,18 +112,16 @@ def run_runtime(
                     job.cancel()
                     break
             status = job.wait(timeout_s=600)
-            ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
-            if status.state not in ended_well:
-                raise RuntimeError(
-                    f"benchmark job {status.state}: {status.message}; logs in {root}"
-                )
+        ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
+        if status.state not in ended_well:
+            raise RuntimeError(f"benchmark job {status.state}: {status.message}; logs in {root}")
         times = {e.step: e.time for e in events}
         timed = [k for k in sorted(times) if k > warmup and k - 1 in times]
         if not timed:
             raise RuntimeError(f"no step after the {warmup} warm-up steps was reported")
         step_s = [times[k] - times[k - 1] for k in timed]
         tokens = spec.global_batch_size * spec.data.seq_len * len(step_s)
-        worker_pids = {p.pid for p in procs[1:]}
+        worker_pids = {w.proc.pid for w in workers}
         return RuntimeRun(
             tokens_per_s=tokens / sum(step_s),
             step_s=step_s,
@@ -163,15 +129,7 @@ def run_runtime(
             gpu_peak_mib={pid: v for pid, v in memory.peak_mib.items() if pid in worker_pids},
         )
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
+        cluster.stop(timeout_s=60)
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 

@@ -64,6 +64,7 @@ def runtime(spec: JobSpec, workers: int, threads_each: int, warmup: int, root: P
         [cpu] * workers,
         warmup=warmup,
         root=root / f"runtime-{workers}w",
+        coordinator_threads=threads_each,
         env={"OMP_NUM_THREADS": str(threads_each)},
     )
     return run.tokens_per_s

@@ -193,21 +193,27 @@ def flops_per_token(spec: JobSpec) -> float:
 # -- child processes -----------------------------------------------------------------
 
 
-def _child(role: str, job: dict, *, env: dict[str, str] | None = None, timeout_s: float = 3000):
-    """Run ``role`` in a fresh process; return its last stdout line as JSON, or raise
-    with its stderr tail."""
+def _run_json(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None):
+    """Run ``argv`` with this Python; return its last JSON stdout line, or raise with the
+    end of its stderr on one line."""
     result = subprocess.run(
-        [sys.executable, __file__, "--child", role, "--job", json.dumps(job)],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
-        timeout=timeout_s,
+        timeout=3000,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
-        tail = "\n".join(result.stderr.splitlines()[-15:])
-        raise RuntimeError(f"{role} exited {result.returncode}:\n{tail}")
+        tail = " | ".join(result.stderr.splitlines()[-3:])
+        raise RuntimeError(f"{Path(argv[0]).name} exited {result.returncode}: {tail}")
     return json.loads(lines[-1])
+
+
+def _child(role: str, job: dict):
+    """Run ``role`` of this script in a fresh process (see ``child_main``)."""
+    return _run_json([__file__, "--child", role, "--job", json.dumps(job)])
 
 
 def child_main(role: str, job: dict) -> None:
@@ -265,7 +271,8 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
             warmup=args.warmup,
             root=root / system,
             stop_after=measured_steps,
-            env={"OMP_NUM_THREADS": "1"} if args.smoke else None,
+            # the CPU optimizer gets the host's cores unless CPU workers share them
+            coordinator_threads=1 if args.smoke else os.cpu_count() or 1,
         )
         peak = max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None
         return Result(run.tokens_per_s, peak, f"plan {run.plan}")
@@ -305,19 +312,11 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
             "PYTHONPATH": os.pathsep.join([args.paper_site, os.environ.get("PYTHONPATH", "")]),
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
         }
-        result = subprocess.run(
-            [sys.executable, str(HERE / "paper_baseline.py"), "--job", json.dumps(paper_job)],
-            capture_output=True,
-            text=True,
-            timeout=3000,
-            env={**os.environ, **env},
+        out = _run_json(
+            [str(HERE / "paper_baseline.py"), "--job", json.dumps(paper_job)],
+            env=env,
             cwd=tempfile.gettempdir(),  # not the repo root: its roundpipe/ would shadow theirs
         )
-        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        if result.returncode != 0 or not lines:
-            tail = " | ".join(result.stderr.splitlines()[-3:])
-            return Result(note=f"failed (exit {result.returncode}): {tail}")
-        out = json.loads(lines[-1])
         return Result(out["tokens_per_s"], out["gpu_peak_mib"] / 1024)
     raise ValueError(f"unknown system {system!r}")
 
@@ -380,7 +379,7 @@ def main() -> None:
             try:
                 results[system] = run_system(system, name, spec, args, workdir)
             except Exception as exc:  # one failing system must not hide the others
-                results[system] = Result(note=f"failed: {str(exc).splitlines()[0][:120]}")
+                results[system] = Result(note=f"failed: {str(exc).splitlines()[0][:300]}")
         paper = results.get("paper")
         for system, r in results.items():
             tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"

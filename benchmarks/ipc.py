@@ -187,60 +187,23 @@ def serve_waker(path: str, n: int, delay_s: float) -> None:
 # -- measurements --------------------------------------------------------------------
 
 
-def measure_roundtrip(n: int) -> list[float]:
-    """Client: encode a StageTask, send, receive the TaskDone, decode it. The echo server
-    decodes the task, builds a TaskDone and encodes it. Tasks are built before timing:
-    the coordinator builds each task once whatever the transport (construction and the
-    codec's parts are reported separately by ``measure_codec_parts``)."""
+_WARMUP_ROUNDTRIPS = 200
+
+
+def _time_roundtrips(role: str, n: int, exchange: Callable[[zmq.Socket, int], None]) -> list[float]:
+    """Seconds of ``exchange(sock, i)`` (send one message, receive the answer) against a
+    child process serving ``role``, after a warm-up."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     address = f"ipc://{tempfile.mkdtemp()}/bench.sock"
     sock.bind(address)
-    child = subprocess.Popen([sys.executable, __file__, "--serve-echo", address])
-    tasks = [sample_task(i) for i in range(64)]
-    times = []
-    try:
-        for i in range(n + 200):
-            task = tasks[i % len(tasks)]
-            start = time.perf_counter()
-            sock.send_multipart(encode(task))
-            reply = decode(sock.recv_multipart())
-            elapsed = time.perf_counter() - start
-            assert isinstance(reply, TaskDone) and reply.task_id == task.task_id
-            if i >= 200:  # warm-up
-                times.append(elapsed)
-        sock.send_multipart([b"stop"])
-        child.wait(timeout=30)
-    finally:
-        child.kill()
-        sock.close()
-        ctx.term()
-    return times
-
-
-def measure_small_roundtrip(n: int, *, raw: bool = False) -> list[float]:
-    """The same path with a Heartbeat both ways: transport + codec floor. ``raw``: the
-    StageTask's encoded frames echoed back as they are, no codec on either side (the
-    transport floor for a message of that size)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
-    address = f"ipc://{tempfile.mkdtemp()}/bench-small.sock"
-    sock.bind(address)
-    role = "--serve-raw-echo" if raw else "--serve-echo"
     child = subprocess.Popen([sys.executable, __file__, role, address])
-    beat = Heartbeat(sender="bench", seq=1, sent_at=0.0)
-    frames = encode(sample_task(1))
     times = []
     try:
-        for i in range(n + 200):
+        for i in range(n + _WARMUP_ROUNDTRIPS):
             start = time.perf_counter()
-            if raw:
-                sock.send_multipart(frames)
-                sock.recv_multipart()
-            else:
-                sock.send_multipart(encode(beat))
-                decode(sock.recv_multipart())
-            if i >= 200:
+            exchange(sock, i)
+            if i >= _WARMUP_ROUNDTRIPS:
                 times.append(time.perf_counter() - start)
         sock.send_multipart([b"stop"])
         child.wait(timeout=30)
@@ -249,6 +212,45 @@ def measure_small_roundtrip(n: int, *, raw: bool = False) -> list[float]:
         sock.close()
         ctx.term()
     return times
+
+
+def measure_roundtrip(n: int) -> list[float]:
+    """Client: encode a StageTask, send, receive the TaskDone, decode it. The echo server
+    decodes the task, builds a TaskDone and encodes it. Tasks are built before timing:
+    the coordinator builds each task once whatever the transport (construction and the
+    codec's parts are reported separately by ``measure_codec_parts``)."""
+    tasks = [sample_task(i) for i in range(64)]
+
+    def exchange(sock: zmq.Socket, i: int) -> None:
+        task = tasks[i % len(tasks)]
+        sock.send_multipart(encode(task))
+        reply = decode(sock.recv_multipart())
+        assert isinstance(reply, TaskDone) and reply.task_id == task.task_id
+
+    return _time_roundtrips("--serve-echo", n, exchange)
+
+
+def measure_small_roundtrip(n: int) -> list[float]:
+    """The same path with a Heartbeat both ways: transport + codec floor."""
+    beat = Heartbeat(sender="bench", seq=1, sent_at=0.0)
+
+    def exchange(sock: zmq.Socket, i: int) -> None:
+        sock.send_multipart(encode(beat))
+        decode(sock.recv_multipart())
+
+    return _time_roundtrips("--serve-echo", n, exchange)
+
+
+def measure_raw_roundtrip(n: int) -> list[float]:
+    """The StageTask's encoded frames echoed back as they are, no codec on either side:
+    the transport floor for a message of that size."""
+    frames = encode(sample_task(1))
+
+    def exchange(sock: zmq.Socket, i: int) -> None:
+        sock.send_multipart(frames)
+        sock.recv_multipart()
+
+    return _time_roundtrips("--serve-raw-echo", n, exchange)
 
 
 def measure_codec_parts(n: int = 300) -> dict[str, float]:
@@ -356,7 +358,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rt = measure_roundtrip(args.roundtrips)
     small = measure_small_roundtrip(args.roundtrips)
-    raw = measure_small_roundtrip(args.roundtrips, raw=True)
+    raw = measure_raw_roundtrip(args.roundtrips)
     parts = measure_codec_parts()
     wake_sleeping, cpu_sleeping = measure_wake(args.wakes, delay_s=0.002)
     wake_spinning, cpu_spinning = measure_wake(args.wakes, delay_s=0.0)

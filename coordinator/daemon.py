@@ -624,8 +624,7 @@ class Coordinator:
         return cpu_hardware(max(1, len(hellos)))
 
     def _record_plan(self, job: JobRecord, plan: Plan, why: str) -> None:
-        job.plan = str(plan)
-        log.info("[coordinator] job %s plan %s (%s)", job.job_id, plan, why)
+        job.plan = str(plan)  # the trainer has logged it, with why
         if self.store is not None:
             try:
                 self.store.update(job.job_id, plan=job.plan)

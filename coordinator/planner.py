@@ -270,6 +270,9 @@ class PlanResult:
     costs: tuple[LayerCost, ...] = field(default=(), repr=False)
     """The per-layer costs the prediction used (the prior for ``ProfileAggregator``)."""
     hardware: HardwareSpec | None = field(default=None, repr=False)
+    replaces_iteration_s: float | None = None
+    """Set by ``replan_if_better``: the predicted seconds per iteration of the plan this
+    one would replace, under the same costs."""
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
@@ -1272,7 +1275,7 @@ def replan_if_better(
         tokens_per_iteration=tokens_per_iteration,
     )
     if new.predicted_iteration_s < old.predicted_iteration_s * (1 - min_gain):
-        return new
+        return replace(new, replaces_iteration_s=old.predicted_iteration_s)
     return None
 
 

@@ -230,18 +230,18 @@ class Trainer:
         self.model = model
         self.compute_dtype = getattr(torch, spec.train.dtype)
         self.hardware = hardware or cpu_hardware(max(1, num_workers))
-        self.plan, why = self._initial_plan(model)
+        plan, why = self._initial_plan(model)
         capacity: dict[str, int] = {}
         if self.profile is not None:  # leave room in the slot pools for a re-plan
             for key, boundaries in (
-                ("act_capacity", JobLayout.activation_boundaries(self.plan)),
-                ("dact_capacity", JobLayout.gradient_boundaries(self.plan)),
+                ("act_capacity", JobLayout.activation_boundaries(plan)),
+                ("dact_capacity", JobLayout.gradient_boundaries(plan)),
             ):
                 n = len(boundaries)
                 capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
         layout = JobLayout.plan_layout(
             model,
-            self.plan,
+            plan,
             compute_dtype=self.compute_dtype,
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
@@ -349,10 +349,9 @@ class Trainer:
         profile.restart_settling()  # the next attempt waits for fresh, settled numbers
         started = time.perf_counter()
         spec = self.spec
-        costs = profile.costs()
         result = replan_if_better(
             self.plan,
-            costs,
+            profile.costs(),
             hw,
             spec.batch.num_microbatches,
             min_gain=_REPLAN_MIN_GAIN,
@@ -369,26 +368,24 @@ class Trainer:
         )
         if result is None:
             return None
-        from roundpipe.coordinator.planner import evaluate_plan
-
-        before = evaluate_plan(
-            self.plan,
-            costs,
-            hw,
-            spec.batch.num_microbatches,
-            staleness=spec.train.staleness,
-        ).predicted_iteration_s
+        before = result.replaces_iteration_s
+        assert before is not None
         gain = 1 - result.predicted_iteration_s / before
         return result.plan, (
             f"re-planned from measured layer times: predicted {result.predicted_iteration_s:.3g}s "
             f"per step instead of {before:.3g}s ({gain:.0%} faster)"
         )
 
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (the layout's: Note [slot pools])."""
+        assert self.layout is not None, "prepare() first"
+        return self.layout.plan
+
     def switch_plan(self, plan: Plan, iteration: int, why: str) -> None:
         """Use ``plan`` from ``iteration`` on. Only with no task in flight."""
         assert self.layout is not None
         self.layout.assign(plan)
-        self.plan = plan
         self._plan_chosen(iteration, why)
 
     def job_setup(self) -> JobSetup:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class LocalCluster:
         *,
         coordinator_args: list[str] | None = None,
         client_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -52,6 +54,7 @@ class LocalCluster:
         self.address = f"ipc://{self.root}/coordinator.sock"
         self.state_dir = self.root / "state"
         self.coordinator_args = list(coordinator_args or [])
+        self.env = dict(env or {})  # for every daemon, over OMP_NUM_THREADS=1
         self.daemons: list[Daemon] = []
         self.workers: dict[str, Daemon] = {}
         self.coordinator = self.start_coordinator()
@@ -64,7 +67,7 @@ class LocalCluster:
                 [sys.executable, *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                env={**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(env or {})},
             )
         daemon = Daemon(name, proc, log_path)
         self.daemons.append(daemon)
@@ -90,16 +93,24 @@ class LocalCluster:
         self.coordinator = daemon
         return daemon
 
-    def add_worker(self, name: str, *, fault: str | None = None, threads: int = 1) -> Daemon:
+    def add_worker(
+        self,
+        name: str,
+        *,
+        fault: str | None = None,
+        threads: int = 1,
+        device: Sequence[str] | None = None,
+    ) -> Daemon:
+        """Start a worker: a CPU worker of ``threads`` threads, or on ``device`` given as
+        worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``)."""
         env = {"ROUNDPIPE_FAULT": fault} if fault else {}
+        where = list(device) if device is not None else ["--cpu", "--threads", str(threads)]
         daemon = self._spawn(
             name,
             [
                 "-m",
                 "roundpipe.worker.daemon",
-                "--cpu",
-                "--threads",
-                str(threads),
+                *where,
                 "--coordinator",
                 self.address,
                 "--name",

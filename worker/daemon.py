@@ -113,14 +113,16 @@ class WorkerDaemon:
     # -- handshake --------------------------------------------------------------------
 
     def _hello(self) -> Hello:
-        proc = psutil.Process()
+        identity = dict(
+            worker_name=self.name,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            process_create_time=psutil.Process().create_time(),
+        )
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             return Hello(
-                worker_name=self.name,
-                hostname=socket.gethostname(),
-                pid=os.getpid(),
-                process_create_time=proc.create_time(),
+                **identity,
                 device="cuda",
                 device_index=self.device.index or 0,
                 device_name=props.name,
@@ -128,10 +130,7 @@ class WorkerDaemon:
                 compute_capability=f"{props.major}.{props.minor}",
             )
         return Hello(
-            worker_name=self.name,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            process_create_time=proc.create_time(),
+            **identity,
             device="cpu",
             device_index=None,
             device_name=f"cpu ({psutil.cpu_count()} cores)",
