@@ -42,6 +42,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.protocol.polling import poll_spinning
 from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir
 from roundpipe.shared.events import EventTable
 
@@ -131,6 +132,7 @@ def _serve(address: str, reply: Callable[[list[bytes]], list[bytes]]) -> None:
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)
     while True:
+        poll_spinning(sock, -1)  # as the daemons' I/O loops receive
         frames = sock.recv_multipart()
         if frames == [b"stop"]:
             break
@@ -224,6 +226,7 @@ def measure_roundtrip(n: int) -> list[float]:
     def exchange(sock: zmq.Socket, i: int) -> None:
         task = tasks[i % len(tasks)]
         sock.send_multipart(encode(task))
+        poll_spinning(sock, -1)
         reply = decode(sock.recv_multipart())
         assert isinstance(reply, TaskDone) and reply.task_id == task.task_id
 
@@ -236,6 +239,7 @@ def measure_small_roundtrip(n: int) -> list[float]:
 
     def exchange(sock: zmq.Socket, i: int) -> None:
         sock.send_multipart(encode(beat))
+        poll_spinning(sock, -1)
         decode(sock.recv_multipart())
 
     return _time_roundtrips("--serve-echo", n, exchange)
@@ -248,6 +252,7 @@ def measure_raw_roundtrip(n: int) -> list[float]:
 
     def exchange(sock: zmq.Socket, i: int) -> None:
         sock.send_multipart(frames)
+        poll_spinning(sock, -1)
         sock.recv_multipart()
 
     return _time_roundtrips("--serve-raw-echo", n, exchange)

@@ -76,6 +76,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.protocol.polling import poll_spinning
 from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
 from roundpipe.shared.plan import Plan
 
@@ -286,7 +287,7 @@ class Coordinator:
         try:
             while not self._stop.is_set():
                 notifier.watchdog_tick()  # from this loop: a wedged loop gets restarted
-                for sock, _ in poller.poll(100):
+                for sock, _ in poll_spinning(poller, 100):
                     if sock is self.router:
                         self._on_router()
                     else:

@@ -23,13 +23,12 @@ memory for its stage), instead of retrying forever.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from roundpipe.protocol import StageTask, TaskDone, TaskFailed
+from roundpipe.protocol import StageTask, TaskDone, TaskFailed, replace
 
 __all__ = ["RecoveryPolicy", "TaskTracker", "TaskGaveUp"]
 
@@ -175,7 +174,7 @@ class TaskTracker:
 
     def _redispatch(self, tasks: list[StageTask], *, avoid: int) -> None:
         for task in tasks:
-            retry = dataclasses.replace(task, attempt=task.attempt + 1)
+            retry = replace(task, attempt=task.attempt + 1)
             self._assign(retry, [w for w in self.live_workers() if w != avoid])
 
     def _assign(self, task: StageTask, candidates: list[int]) -> None:

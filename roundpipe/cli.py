@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
+
 from roundpipe.client import (
     STOPPED_STATES,
     Client,
@@ -276,7 +278,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _status_dict(status: JobStatus | WorkerInfo) -> dict[str, Any]:
-    return dataclasses.asdict(status)
+    return msgspec.structs.asdict(status)  # flat records: no nested ones to convert
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "FALLBACK_ADDRESS",
     "default_address",
     "default_state_dir",
+    "env_non_negative",
 ]
 
 FALLBACK_ADDRESS = "tcp://127.0.0.1:7420"
@@ -61,3 +62,16 @@ CLIENT_TIMEOUT_S: float = 10.0
 """Seconds a client waits for the coordinator's reply to one request before it reports
 the coordinator unavailable. Every request is answered without waiting for training
 work, so this only trips when no coordinator is listening (or it is wedged)."""
+
+
+def env_non_negative(name: str, default: float, unit: str, off: str) -> float:
+    """A non-negative number from environment variable `name` (in `unit`), or `default`.
+    `off` says what 0 does, for the error message of a value that is not a number."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of {unit} (0 {off})") from None
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {raw!r}")
+    return value

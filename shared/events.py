@@ -60,13 +60,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from roundpipe.defaults import env_non_negative
 from roundpipe.shared.arena import Arena, ArenaError
 
 __all__ = [
@@ -87,17 +87,8 @@ _SLEEP_SLICE_S = 0.05
 
 
 def _poll_window_s() -> float:
-    raw = os.environ.get("ROUNDPIPE_WAIT_POLL_MS", "20")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"ROUNDPIPE_WAIT_POLL_MS={raw!r} is not a number of milliseconds "
-            "(0 turns poll-sleeping off)"
-        ) from None
-    if not value >= 0:
-        raise ValueError(f"ROUNDPIPE_WAIT_POLL_MS must be >= 0, got {raw!r}")
-    return value / 1e3
+    ms = env_non_negative("ROUNDPIPE_WAIT_POLL_MS", 20, "milliseconds", "turns poll-sleeping off")
+    return ms / 1e3
 
 
 _POLL_S = _poll_window_s()

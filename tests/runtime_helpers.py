@@ -9,7 +9,10 @@ its gradient on W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 import traceback
 from pathlib import Path
@@ -193,3 +196,17 @@ def assert_params_match(
         err = (value - ref).norm().item() / max(ref.norm().item(), 1e-12)
         worst = max(worst, (err, name))
     assert worst[0] <= rtol, f"largest relative error {worst[0]:.3g} at {worst[1]}"
+
+
+def assert_import_fails(module: str, env: dict[str, str], message: str) -> None:
+    """Importing `module` with extra environment `env` exits with `message` on stderr
+    (settings read at import must fail loudly, not fall back)."""
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from runtime_helpers import assert_import_fails
 
 from roundpipe.shared import events
 from roundpipe.shared.arena import DATA_START, Arena
@@ -120,16 +118,11 @@ def test_sleeping_waiter_is_woken_by_another_process(
 
 
 def test_bad_poll_window_setting_is_a_clear_error() -> None:
-    env = {**os.environ, "ROUNDPIPE_WAIT_POLL_MS": "soon"}
-    result = subprocess.run(
-        [sys.executable, "-c", "import roundpipe.shared.events"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    assert_import_fails(
+        "roundpipe.shared.events",
+        {"ROUNDPIPE_WAIT_POLL_MS": "soon"},
+        "ROUNDPIPE_WAIT_POLL_MS='soon' is not a number of milliseconds",
     )
-    assert result.returncode != 0
-    assert "ROUNDPIPE_WAIT_POLL_MS='soon' is not a number of milliseconds" in result.stderr
 
 
 def test_table_must_fit_its_arena(arena_dir: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from runtime_helpers import tiny_spec
 
 from roundpipe.coordinator.trainer import Trainer
+from roundpipe.protocol import replace
 from roundpipe.worker.runtime import WorkerCore
 
 
@@ -65,7 +65,7 @@ def test_rerun_never_rewrites_published_outputs(prepared) -> None:
     grad.fill_(-7.0)
     counters = layout.events.snapshot()
     for t in (tasks[0], tasks[-1]):  # the forward writing act[2], the backward writing layer 1
-        core.run_task(dataclasses.replace(t, attempt=1))
+        core.run_task(replace(t, attempt=1))
     assert bool((act == 123.0).all()), "a re-run rewrote a published activation"
     assert bool((grad == -7.0).all()), f"a re-run rewrote the published gradient {grad_name}"
     assert layout.events.snapshot() == counters  # and no counter moved
@@ -85,7 +85,7 @@ def test_rerun_completes_what_a_dead_worker_left_unpublished(prepared) -> None:
     for layer in (0, 1):
         for ref in layout.grads[layer].values():
             layout.view(ref).zero_()
-    core.run_task(dataclasses.replace(tasks[-1], attempt=1))
+    core.run_task(replace(tasks[-1], attempt=1))
     assert all(layout.events.read(sig.counter) == 1 for sig in tasks[-1].grad_signals)
     for name, ref in layout.grads[1].items():
         assert torch.equal(layout.view(ref), expected[name]), name

@@ -47,6 +47,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.protocol.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, WorkerCore
 
@@ -236,7 +237,7 @@ class WorkerDaemon:
         last_heard = time.monotonic()
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(100):
+                for sock, _ in poll_spinning(poller, 100):
                     if sock is outbox:
                         self.sock.send_multipart(outbox.recv_multipart())
                     else:
