@@ -715,7 +715,11 @@ def _compile_struct(cls: type[Struct]) -> _Rule:
             return v  # validated when it was constructed
         raise _Invalid(name, _seen(v))
 
-    return _Rule(convert, name, any(spec.rule.has_any for spec in _SPECS[cls]))
+    if any(spec.rule.has_any for spec in _SPECS[cls]):
+        # The compiled decoder's `Any` values are re-checked per message field
+        # (_ANY_FIELDS); one inside a nested record would escape that check.
+        raise TypeError(f"{name}: a record nested in a message cannot hold an Any value")
+    return _Rule(convert, name)
 
 
 class _FieldSpec(NamedTuple):
@@ -726,8 +730,9 @@ class _FieldSpec(NamedTuple):
 
 _SPECS: dict[type, tuple[_FieldSpec, ...]] = {}
 _REGISTRY: dict[str, type[Message]] = {}
-# The same registry keyed by frame 1 as bytes, for decode.
+# The same registry keyed by frame 1 as bytes (decode), and frame 1 by class (encode).
 _REGISTRY_BY_FRAME: dict[bytes, type[Message]] = {}
+_TYPE_FRAME: dict[type, bytes] = {}
 # Per message class: the compiled decoder, and the fields that may hold an `Any`.
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _ANY_FIELDS: dict[type, tuple[_FieldSpec, ...]] = {}
@@ -903,6 +908,7 @@ def _message(cls: _C) -> _C:
     assert _TYPE_NAME_RE.match(name.encode("ascii")) and len(name) <= MAX_TYPE_NAME_BYTES
     _REGISTRY[name] = cls
     _REGISTRY_BY_FRAME[name.encode("ascii")] = cls
+    _TYPE_FRAME[cls] = name.encode("ascii")
     return cls
 
 
@@ -1695,9 +1701,10 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
     `max_body_bytes` (the receiver would refuse it).
     """
     cls = type(msg)
-    name = cls.__name__
-    if _REGISTRY.get(name) is not cls:
+    type_frame = _TYPE_FRAME.get(cls)
+    if type_frame is None:
         raise ProtocolError(f"cannot encode {_seen(msg)}: not a registered message type")
+    name = cls.__name__
     try:
         body = _ENCODER.encode(msg)
     except Exception as e:  # overflow, lone surrogates, cycles, garbage in a mutated message
@@ -1710,7 +1717,7 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
             f"{max_body_bytes} (max_body_bytes); messages carry descriptors, not data",
             message_type=name,
         )
-    return [_HEADER, name.encode("ascii"), body]
+    return [_HEADER, type_frame, body]
 
 
 def decode(frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Message:

@@ -161,14 +161,19 @@ def test_lora_checkpoint_is_a_peft_adapter_and_resumes_exactly(
     assert (step2 / "adapter_config.json").is_file()
     assert (tmp_path / "out" / "base_model" / "config.json").is_file()
     model = AutoPeftModelForCausalLM.from_pretrained(str(step2))
-    saved = {
-        k[len("master/") :]: t
-        for k, t in load_tensors(step2 / STATE_FILE)
-        if k.startswith("master/")
-    }
+    saved = _saved_masters(step2)
     params = dict(model.named_parameters())
     assert saved and all(torch.equal(params[n], t) for n, t in saved.items())
     assert_bitwise(train(spec, arena_dir), reference(1, 2, lora=True))
+
+
+def _saved_masters(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights a checkpoint holds, by parameter name."""
+    return {
+        k[len("master/") :]: t
+        for k, t in load_tensors(step_dir / STATE_FILE)
+        if k.startswith("master/")
+    }
 
 
 def test_full_checkpoint_loads_with_transformers_and_as_a_new_jobs_model(
@@ -180,11 +185,7 @@ def test_full_checkpoint_loads_with_transformers_and_as_a_new_jobs_model(
     assert train(spec, arena_dir, stop_after=2) is None
     step2 = tmp_path / "out" / "checkpoints" / step_name(2)
     model = AutoModelForCausalLM.from_pretrained(str(step2))
-    saved = {
-        k[len("master/") :]: t
-        for k, t in load_tensors(step2 / STATE_FILE)
-        if k.startswith("master/")
-    }
+    saved = _saved_masters(step2)
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in saved.items())
     # A new job whose model.path is the checkpoint starts from those weights (fresh
