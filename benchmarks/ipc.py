@@ -35,7 +35,6 @@ from roundpipe.protocol import (
     EventWait,
     Heartbeat,
     MicrobatchIO,
-    NamedTensorRef,
     StageTask,
     TaskDone,
     TensorRef,
@@ -51,9 +50,10 @@ STAMPS_OFFSET = DATA_START + 4096
 
 
 def sample_task(i: int) -> StageTask:
-    """A realistic backward StageTask: 9 microbatches, each with its stage input, input
-    gradient and output gradient (bf16 [4, 2048, 2048]), 2 waits and 1 signal; 20
-    gradient slots with 4 waits and 4 signals; 4 weight waits."""
+    """A realistic backward StageTask over 4 layers: 9 microbatches, each with its stage
+    input, input gradient and output gradient (bf16 [4, 2048, 2048]), 2 waits and 1
+    signal; 4 weight waits, 4 gradient-slot waits and 4 signals. (The layers' gradient
+    slots travel once, in JobSetup.)"""
     numel = 4 * 2048 * 2048
 
     def act(arena: str, slot: int) -> TensorRef:
@@ -65,11 +65,11 @@ def sample_task(i: int) -> StageTask:
             stride=(2048 * 2048, 2048, 1),
         )
 
-    def wait(counter: int, label: str) -> EventWait:
-        return EventWait(counter=counter, at_least=i, label=label)
+    def wait(counter: int) -> EventWait:
+        return EventWait(counter=counter, at_least=i)
 
-    def signal(counter: int, label: str) -> EventSignal:
-        return EventSignal(counter=counter, value=i, label=label)
+    def signal(counter: int) -> EventSignal:
+        return EventSignal(counter=counter, value=i)
 
     start, stop = 3, 7
     microbatches = [
@@ -81,26 +81,10 @@ def sample_task(i: int) -> StageTask:
             labels=None,
             loss=None,
             saved=[],
-            waits=[wait(m, f"act[{start}][{m}]"), wait(100 + m, f"dact[{stop}][{m}]")],
-            signals=[signal(200 + m, f"dact[{start}][{m}]")],
+            waits=[wait(m), wait(100 + m)],
+            signals=[signal(200 + m)],
         )
         for m in range(9)
-    ]
-    grads = [
-        NamedTensorRef(
-            name=f"model.layers.{layer}.self_attn.{proj}.lora_{ab}.weight",
-            ref=TensorRef(
-                arena="grads",
-                offset=DATA_START + 65536 * (5 * (layer - start) + k),
-                dtype="float32",
-                shape=(16, 2048),
-                stride=(2048, 1),
-            ),
-        )
-        for layer in range(start, stop)
-        for k, (proj, ab) in enumerate(
-            [("q_proj", "A"), ("q_proj", "B"), ("v_proj", "A"), ("v_proj", "B"), ("o_proj", "A")]
-        )
     ]
     layers = range(start, stop)
     return StageTask(
@@ -112,11 +96,10 @@ def sample_task(i: int) -> StageTask:
         layer_start=start,
         layer_stop=stop,
         weight_version=max(i // 16 - 1, 0),
-        weight_waits=[wait(300 + layer, f"version[{layer}]") for layer in layers],
+        weight_waits=[wait(300 + layer) for layer in layers],
         microbatches=microbatches,
-        grads=grads,
-        grad_waits=[wait(400 + layer, f"grad_free[{layer}]") for layer in layers],
-        grad_signals=[signal(500 + layer, f"grad[{layer}]") for layer in layers],
+        grad_waits=[wait(400 + layer) for layer in layers],
+        grad_signals=[signal(500 + layer) for layer in layers],
         loss_denominator=0,
         seed=1234,
         wait_timeout_s=60.0,
@@ -277,8 +260,8 @@ def measure_codec_parts(n: int = 300) -> dict[str, float]:
     out["descriptors"] = sum(
         (mb.input is not None) + (mb.output is not None) + (mb.grad_output is not None)
         for mb in task.microbatches
-    ) + len(task.grads)
-    out["body_bytes"] = len(frames[2])
+    )
+    out["frame_bytes"] = sum(len(f) for f in frames)
     return out
 
 
@@ -410,7 +393,7 @@ def main() -> None:
         )
     print(
         f"\nStageTask codec ({parts['descriptors']:.0f} tensor descriptors, "
-        f"{parts['body_bytes']:.0f} body bytes): construct {parts['construct']:.0f} us, "
+        f"{parts['frame_bytes']:.0f} bytes on the wire): construct {parts['construct']:.0f} us, "
         f"encode {parts['encode']:.0f} us, decode {parts['decode']:.0f} us"
     )
     gbps = lambda s: (args.copy_mib / 1024) / s  # noqa: E731

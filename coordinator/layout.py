@@ -43,7 +43,9 @@ or weight versions; 0 = nothing yet)::
                   tail count for the tail layer)
     version[l]    writer: the optimizer; newest weight version of layer l in params
 
-See Note [weight-update ordering] in roundpipe.coordinator.schedule for how these order
+Their index arithmetic is roundpipe.shared.events.Counters: workers rebuild it from
+JobSetup to name counters in their timeout errors. See Note [weight-update ordering] in
+roundpipe.coordinator.schedule for how these order
 the optimizer against the tasks.
 """
 
@@ -57,7 +59,7 @@ import torch
 
 from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
 from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator
-from roundpipe.shared.events import EventTable, table_nbytes
+from roundpipe.shared.events import Counters, EventTable, table_nbytes
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -66,47 +68,6 @@ __all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
 log = logging.getLogger(__name__)
 
 EVENTS_ARENA = "events"
-
-
-@dataclass(frozen=True)
-class Counters:
-    """Index arithmetic of the event table for ``num_layers`` layers and M microbatches."""
-
-    num_layers: int
-    num_microbatches: int
-
-    def act(self, layer: int, mb: int) -> int:
-        return layer * self.num_microbatches + mb
-
-    def dact(self, layer: int, mb: int) -> int:
-        return (self.num_layers + layer) * self.num_microbatches + mb
-
-    def wgrad(self, layer: int) -> int:
-        return 2 * self.num_layers * self.num_microbatches + layer
-
-    def version(self, layer: int) -> int:
-        return 2 * self.num_layers * self.num_microbatches + self.num_layers + layer
-
-    @property
-    def total(self) -> int:
-        return 2 * self.num_layers * self.num_microbatches + 2 * self.num_layers
-
-    def label(self, index: int) -> str:
-        """Readable name of a counter, used in timeout errors."""
-        per_kind = self.num_layers * self.num_microbatches
-        if index < per_kind:
-            return (
-                f"act[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
-            )
-        if index < 2 * per_kind:
-            index -= per_kind
-            return (
-                f"dact[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
-            )
-        index -= 2 * per_kind
-        if index < self.num_layers:
-            return f"wgrad[layer {index}]"
-        return f"version[layer {index - self.num_layers}]"
 
 
 @dataclass
@@ -320,7 +281,8 @@ class JobLayout:
                 for n, r in self.params[layer].items()
                 if r[1] is not None
             ]
-            out.append(LayerLayout(layer=layer, params=even, params_odd=odd))
+            grads = [NamedTensorRef(name=n, ref=r) for n, r in self.grads[layer].items()]
+            out.append(LayerLayout(layer=layer, params=even, params_odd=odd, grads=grads))
         return out
 
     def trainable_layers(self) -> list[int]:

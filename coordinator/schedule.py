@@ -47,7 +47,6 @@ from roundpipe.protocol import (
     EventWait,
     LayerTensorRef,
     MicrobatchIO,
-    NamedTensorRef,
     StageTask,
 )
 
@@ -117,35 +116,31 @@ class ScheduleBuilder:
             return []  # W_0 is written before any task is sent
         c = self.layout.counters
         return [
-            EventWait(counter=c.version(layer), at_least=version, label=c.label(c.version(layer)))
+            EventWait(counter=c.version(layer), at_least=version)
             for layer in self._weight_owner_layers(start, stop)
         ]
 
-    def _grads(self, iteration: int, start: int, stop: int) -> dict:
-        """Gradient slots a backward/tail task writes, with their ordering (Note 4)."""
+    def _grad_order(self, iteration: int, start: int, stop: int) -> dict:
+        """The ordering of the gradient slots a backward/tail task writes (Note 4); the
+        slots themselves are in JobSetup (LayerLayout.grads)."""
         c = self.layout.counters
         model = self.layout.model
-        grads, owners, signal_layers = [], set(), []
+        owners, signal_layers = set(), []
         for layer in range(start, stop):
             slots = self.layout.grads[layer]
             if not slots:
                 continue
             signal_layers.append(layer)
-            for name, ref in slots.items():
-                grads.append(NamedTensorRef(name=name, ref=ref))
+            for name in slots:
                 spec_owner = model.tied_params.get(name)
                 owners.add(model.layer_of(spec_owner) if spec_owner else layer)
         waits = []
         if iteration > 1:
             waits = [
-                EventWait(counter=c.version(o), at_least=iteration - 1, label=c.label(c.version(o)))
-                for o in sorted(owners)
+                EventWait(counter=c.version(o), at_least=iteration - 1) for o in sorted(owners)
             ]
-        signals = [
-            EventSignal(counter=c.wgrad(layer), value=iteration, label=c.label(c.wgrad(layer)))
-            for layer in signal_layers
-        ]
-        return dict(grads=grads, grad_waits=waits, grad_signals=signals)
+        signals = [EventSignal(counter=c.wgrad(layer), value=iteration) for layer in signal_layers]
+        return dict(grad_waits=waits, grad_signals=signals)
 
     def _input_ref(self, layer: int, parity: int, mb: int):
         if layer == 0:
@@ -153,10 +148,10 @@ class ScheduleBuilder:
         return self.layout.acts[(layer, parity, mb)]
 
     def _wait(self, index: int, at_least: int) -> EventWait:
-        return EventWait(counter=index, at_least=at_least, label=self.layout.counters.label(index))
+        return EventWait(counter=index, at_least=at_least)
 
     def _signal(self, index: int, value: int) -> EventSignal:
-        return EventSignal(counter=index, value=value, label=self.layout.counters.label(index))
+        return EventSignal(counter=index, value=value)
 
     # -- the three kinds --------------------------------------------------------------
 
@@ -184,7 +179,6 @@ class ScheduleBuilder:
         return StageTask(
             **self._common(k, task_id, "forward", start, stop),
             microbatches=mbs,
-            grads=[],
             grad_waits=[],
             grad_signals=[],
             loss_denominator=0,
@@ -214,7 +208,7 @@ class ScheduleBuilder:
         return StageTask(
             **self._common(k, task_id, "tail", start, stop),
             microbatches=mbs,
-            **self._grads(k, start, stop),
+            **self._grad_order(k, start, stop),
             loss_denominator=loss_denominator,
         )
 
@@ -238,6 +232,6 @@ class ScheduleBuilder:
         return StageTask(
             **self._common(k, task_id, "backward", start, stop),
             microbatches=mbs,
-            **self._grads(k, start, stop),
+            **self._grad_order(k, start, stop),
             loss_denominator=0,
         )

@@ -406,6 +406,7 @@ class Trainer:
             compute_dtype=self.spec.train.dtype,
             arenas=self.layout.arena_infos(),
             layers=self.layout.layer_layouts(),
+            num_microbatches=self.layout.num_microbatches,
         )
 
     # -- resuming (Note [checkpoint cut]) ---------------------------------------------

@@ -9,24 +9,29 @@ arenas that every process maps (ARCHITECTURE.md sections 2 and 3).
 Frames
 ======
 
-One message is exactly three ZeroMQ frames::
+One message is exactly one ZeroMQ frame::
 
-    frame 0  header  4 bytes: b"RP" + protocol version as big-endian uint16
-    frame 1  type    the message type name, ASCII, e.g. b"StageTask" (1..64 bytes,
-                     [A-Za-z][A-Za-z0-9_]*); the class name of the message
-    frame 2  body    msgpack map {field name: value} holding every field of the message
+    bytes 0-1    b"RP"
+    bytes 2-3    protocol version, big-endian uint16
+    byte  4      n, the length of the type name (1..64)
+    bytes 5..    the message type name, n ASCII bytes [A-Za-z][A-Za-z0-9_]*: the class
+                 name of the message, e.g. b"StageTask"
+    the rest     the body: a msgpack map {field name: value} holding every field
 
 Example, a heartbeat at version 2::
 
-    [b"RP\\x00\\x02", b"Heartbeat", msgpack({"sender": "rp-worker-0", "seq": 7,
-                                           "sent_at": 1767225600.5})]
+    b"RP\x00\x02" + b"\x09" + b"Heartbeat" + msgpack({"sender": "rp-worker-0", "seq": 7,
+                                                   "sent_at": 1767225600.5})
 
-- The type travels as its own small frame (as in vLLM v1) so a receiver can route or
-  reject a message without unpacking its body.
-- Routing envelopes are not part of a message. A ROUTER socket prepends the peer's
-  identity frame (and a REQ peer an empty delimiter frame); the socket layer strips
-  them before calling :func:`decode` and adds them back after :func:`encode`. `decode`
-  sees exactly the three frames above.
+- Header and type come before the body, so a receiver can check the version and route
+  or reject a message without unpacking its body. They share the body's frame because
+  ZeroMQ (pyzmq) costs ~10 us per frame on each send and each receive: three frames
+  made a StageTask round trip ~30 us slower (benchmarks/ipc.py).
+- :func:`encode` returns, and :func:`decode` takes, a list of :data:`NUM_FRAMES` (one)
+  frame, so that routing envelopes stay outside the message. A ROUTER socket prepends
+  the peer's identity frame (and a REQ peer an empty delimiter frame); the socket layer
+  strips them before calling :func:`decode` and adds them back after :func:`encode`
+  (``[identity, *encode(msg)]``).
 - Body values use msgpack's native types only: nil, bool, int (-2**63 .. 2**64-1),
   float, str (UTF-8), bin (bytes), array, map with str keys. No ext types (timestamps
   included). A list or tuple is an array.
@@ -52,8 +57,8 @@ exactly: there is no negotiation and no compatibility window, because coordinato
 workers are installed together from one package. The header layout (b"RP" + uint16)
 never changes, so every version can read every other version's number.
 
-A frame 0 with another version makes :func:`decode` raise :class:`ProtocolVersionError`
-carrying ``seen_version``, ``expected_version`` and, when frame 1 is readable, the
+A header with another version makes :func:`decode` raise :class:`ProtocolVersionError`
+carrying ``seen_version``, ``expected_version`` and, when the type name is readable, the
 ``message_type``. The handshake uses it: the coordinator answers a worker's mismatched
 ``Hello`` with a ``Reject(expected_version=...)`` encoded at the coordinator's own
 version; the worker cannot read that body, but decoding it raises
@@ -66,9 +71,10 @@ Limits and errors
 ``decode`` refuses, with :class:`ProtocolError` (or its subclass
 :class:`ProtocolVersionError`) and never any other exception:
 
-- a frame count other than 3, a frame that is not a bytes-like object;
-- a header that is not exactly 4 bytes starting with b"RP"; a version mismatch;
-- a type name that is empty, longer than 64 bytes, not ASCII, or not registered;
+- a frame count other than 1, a frame that is not a bytes-like object;
+- a frame that does not start with b"RP" + a uint16 version; a version mismatch;
+- a type name that is empty, longer than 64 bytes, shorter than its length byte says,
+  not ASCII, or not registered;
 - a body larger than ``max_body_bytes`` (default :data:`DEFAULT_MAX_BODY_BYTES`, 16 MiB),
   checked before unpacking; msgpack's own per-object limits derived from the body length;
   nesting deeper than msgpack's stack (values typed ``Any`` at most
@@ -169,6 +175,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_ANY_DEPTH",
     "MAX_TYPE_NAME_BYTES",
+    "NUM_FRAMES",
     "DTYPE_NAMES",
     "MESSAGE_TYPES",
     "ProtocolError",
@@ -224,7 +231,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 5
+PROTOCOL_VERSION: int = 6
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -236,11 +243,14 @@ MAX_ANY_DEPTH: int = 32
 Bounded so validation can never hit Python's recursion limit."""
 
 MAX_TYPE_NAME_BYTES: int = 64
-"""Longest message type name (frame 1)."""
+"""Longest message type name."""
+
+NUM_FRAMES: int = 1
+"""Frames of one message, routing frames not counted (see "Frames" above)."""
 
 _MAGIC = b"RP"
-_HEADER_BYTES = 4
-_NUM_FRAMES = 3
+_HEADER_BYTES = 4  # b"RP" + uint16 version
+_HEADER = _MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 _TYPE_NAME_RE = re.compile(rb"[A-Za-z][A-Za-z0-9_]*\Z")
 # msgpack's integer range: the encoder cannot write anything outside it.
 _INT_MIN = -(2**63)
@@ -370,11 +380,18 @@ def _seen(value: object) -> str:
 #    kind of annotation, and it writes every error message. `wire=True` means the value
 #    came out of msgpack (nested records arrive as arrays, every array as a tuple);
 #    `wire=False` means a Python caller is constructing a message (records must be
-#    instances already). Construction always takes this path (a message built in Python
-#    must be valid where it is built, and msgspec does not validate constructor
-#    arguments); decoding takes it only when msgspec refuses a body, to decide whether
-#    the body is really invalid and to say precisely why. The tests check that both
-#    layers agree on every fuzzed input.
+#    instances already). Decoding takes it only when msgspec refuses a body, to decide
+#    whether the body is really invalid and to say precisely why. The tests check that
+#    both layers agree on every fuzzed input.
+#
+# Construction must validate where a record is built, and msgspec does not validate
+# constructor arguments. A record that holds no other record (TensorRef, EventWait,
+# TaskDone, Heartbeat, ...: most records built) is constructed through the compiled
+# layer: its arguments are encoded and decoded again (_construct_flat), ~10x faster than
+# the reference and holding exactly what a receiver will see. Anything that refuses --
+# and every record that holds records, whose nested values must be instances of the
+# right class rather than anything that encodes alike -- takes the reference, which
+# decides and writes the error.
 
 
 class _Ge(NamedTuple):
@@ -730,14 +747,18 @@ class _FieldSpec(NamedTuple):
 
 _SPECS: dict[type, tuple[_FieldSpec, ...]] = {}
 _REGISTRY: dict[str, type[Message]] = {}
-# The same registry keyed by frame 1 as bytes (decode), and frame 1 by class (encode).
-_REGISTRY_BY_FRAME: dict[bytes, type[Message]] = {}
-_TYPE_FRAME: dict[type, bytes] = {}
-# Per message class: the compiled decoder, and the fields that may hold an `Any`.
+# The same registry keyed by the type name as bytes (decode), and by class the bytes
+# that start its frame: header, type-name length, type name (encode).
+_REGISTRY_BY_NAME_BYTES: dict[bytes, type[Message]] = {}
+_PREFIX: dict[type, bytes] = {}
+# Per message class: the compiled decoder. Per record class: the fields that may hold an
+# `Any`, and for a record that holds no other record the decoder that constructs it
+# (_construct_flat).
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _ANY_FIELDS: dict[type, tuple[_FieldSpec, ...]] = {}
+_FLAT_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(_REGISTRY)
-"""Every message type that may travel on the wire, by type name (frame 1)."""
+"""Every message type that may travel on the wire, by type name (bytes 5.. of the frame)."""
 
 
 # --------------------------------------------------------------------------- reference paths
@@ -770,6 +791,12 @@ def _construct(cls: type[Struct], args: tuple[Any, ...], kwargs: dict[str, Any])
     unknown = kwargs.keys() - {spec.name for spec in specs}
     if unknown:
         raise TypeError(f"{cls.__name__}() got unexpected keyword arguments {sorted(unknown)}")
+    flat = _FLAT_DECODERS.get(cls)
+    if flat is not None:
+        try:
+            return _construct_flat(cls, flat, specs, kwargs)
+        except Exception:
+            pass  # refused: the reference below decides, and names the problem
     values = {}
     try:
         for spec in specs:
@@ -786,6 +813,36 @@ def _construct(cls: type[Struct], args: tuple[Any, ...], kwargs: dict[str, Any])
         raise ProtocolError(
             f"invalid {cls.__name__}: nested too deeply", message_type=cls.__name__
         ) from None
+
+
+def _construct_flat(
+    cls: type[Struct],
+    decoder: msgspec.msgpack.Decoder[Any],
+    specs: tuple[_FieldSpec, ...],
+    kwargs: dict[str, Any],
+) -> Struct:
+    """Construction of a record that holds no other record: its wire form, decoded. The
+    compiled decoder checks every value, and the record holds exactly what a receiver
+    will see (plain values, its own containers). Raises on anything wrong; the caller
+    then lets the reference path name the problem ("validation" above)."""
+    if issubclass(cls, Message):
+        body = _ENCODER.encode(kwargs)  # absent fields with a default: the decoder fills them
+    else:
+        body = _ENCODER.encode(
+            [kwargs[s.name] if s.name in kwargs else s.default() for s in specs]  # type: ignore[misc]
+        )
+    record = decoder.decode(body)
+    _recheck_any(cls, record)
+    return record  # type: ignore[no-any-return]
+
+
+def _recheck_any(cls: type[Struct], record: Struct) -> None:
+    """msgspec takes any msgpack value for `Any` (ext types, any depth, int keys): hold
+    those values to the reference's rules."""
+    for spec in _ANY_FIELDS[cls]:
+        msgspec.structs.force_setattr(
+            record, spec.name, spec.rule.convert(getattr(record, spec.name), True)
+        )
 
 
 def _struct_from_map(cls: type[Struct], d: dict[Any, Any]) -> Struct:
@@ -885,10 +942,19 @@ def _declare(cls: _C, *, is_message: bool) -> _C:
             default = None
         specs.append(_FieldSpec(f.name, _compile(hints[f.name]), default))
     _SPECS[cls] = tuple(specs)
+    _ANY_FIELDS[cls] = tuple(s for s in specs if s.rule.has_any)
     if is_message:
         _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
-        _ANY_FIELDS[cls] = tuple(s for s in specs if s.rule.has_any)
+    if not any(_holds_records(hints[s.name]) for s in specs):
+        _FLAT_DECODERS[cls] = _DECODERS.get(cls) or msgspec.msgpack.Decoder(cls)
     return cls
+
+
+def _holds_records(tp: Any) -> bool:
+    """Whether a field annotation can hold a record (a Struct) anywhere inside."""
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return True
+    return any(_holds_records(arg) for arg in typing.get_args(tp))
 
 
 @typing.dataclass_transform(kw_only_default=True, frozen_default=True)
@@ -900,15 +966,15 @@ def _struct(cls: _C) -> _C:
 
 @typing.dataclass_transform(kw_only_default=True, frozen_default=True)
 def _message(cls: _C) -> _C:
-    """A record that may travel alone: registered under its class name (frame 1)."""
+    """A record that may travel alone: registered under its class name (the type in its frame)."""
     cls = _declare(cls, is_message=True)
     assert issubclass(cls, Message), cls
     name = cls.__name__
     assert name not in _REGISTRY, f"duplicate message type {name}"
     assert _TYPE_NAME_RE.match(name.encode("ascii")) and len(name) <= MAX_TYPE_NAME_BYTES
     _REGISTRY[name] = cls
-    _REGISTRY_BY_FRAME[name.encode("ascii")] = cls
-    _TYPE_FRAME[cls] = name.encode("ascii")
+    _REGISTRY_BY_NAME_BYTES[name.encode("ascii")] = cls
+    _PREFIX[cls] = _HEADER + bytes([len(name)]) + name.encode("ascii")
     return cls
 
 
@@ -1096,6 +1162,10 @@ class LayerLayout(Struct):
     #: trainable weights in buffer 1 of params[2] (odd weight versions), same names as
     #: in `params`; empty when nothing is trainable or params are not double-buffered
     params_odd: list[NamedTensorRef] = field(default_factory=list)
+    #: fp32 gradient slot of every trainable weight of the layer (name = parameter name;
+    #: a tied alias has its own): a backward or tail task over the layer writes each one
+    #: once, at its end, after its grad_waits
+    grads: list[NamedTensorRef] = field(default_factory=list)
 
 
 @_struct
@@ -1106,8 +1176,6 @@ class EventWait(Struct):
     counter: NonNegInt
     #: wait until counter >= at_least
     at_least: int
-    #: what the counter stands for, for timeout errors, e.g. "act[12][3]"
-    label: str
 
 
 @_struct
@@ -1118,8 +1186,6 @@ class EventSignal(Struct):
     counter: NonNegInt
     #: value to store
     value: int
-    #: what the counter stands for, e.g. "wgrad[12]"
-    label: str
 
 
 # --------------------------------------------------------------------------- handshake
@@ -1204,8 +1270,12 @@ class JobSetup(Message):
     compute_dtype: ComputeDTypeName
     #: arenas to map, each exactly once
     arenas: list[ArenaInfo]
-    #: weight layout of every layer, in layer order
+    #: weight and gradient layout of every layer, in layer order
     layers: list[LayerLayout]
+    #: microbatches per iteration; with len(layers) it fixes the layout of the event
+    #: table's counters (roundpipe.shared.events.Counters), which EventWait and
+    #: EventSignal refer to by index and timeout errors name
+    num_microbatches: PosInt
 
     def _check(self) -> None:
         names = [a.name for a in self.arenas]
@@ -1213,7 +1283,12 @@ class JobSetup(Message):
             raise _fail("arenas", "arenas with distinct names", _seen(names))
         known = set(names)
         for i, layout in enumerate(self.layers):
-            for key, refs in (("params", layout.params), ("params_odd", layout.params_odd)):
+            refs_by_key = (
+                ("params", layout.params),
+                ("params_odd", layout.params_odd),
+                ("grads", layout.grads),
+            )
+            for key, refs in refs_by_key:
                 for j, named in enumerate(refs):
                     if named.ref.arena not in known:
                         raise _fail(
@@ -1301,7 +1376,8 @@ class StageTask(Message):
     gradient `output` out. kind "backward": recompute from the saved `input`, then
     backward from `grad_output`; the input gradient goes to `output` (again None at layer
     0). Backward and tail tasks accumulate weight gradients over all their microbatches
-    and write them to `grads` once, at the end.
+    and write them once, at the end, to the gradient slots of their layers
+    (JobSetup.layers[i].grads).
     """
 
     #: job id
@@ -1326,19 +1402,18 @@ class StageTask(Message):
     weight_waits: list[EventWait]
     #: the microbatches to process, in processing order (at least one)
     microbatches: list[MicrobatchIO]
-    #: where the stage's accumulated weight gradients go, written once at the end of the
-    #: task; name = parameter name (empty for a forward task)
-    grads: list[NamedTensorRef]
-    #: counters to wait for before overwriting the grads slots
+    #: counters to wait for before overwriting the gradient slots of the stage's layers
+    #: (JobSetup.layers[i].grads; a backward or tail task writes them all once, at its
+    #: end; empty for a forward task)
     grad_waits: list[EventWait]
-    #: counters to store once the grads are written
+    #: counters to store once the gradient slots are written
     grad_signals: list[EventSignal]
     #: number of label tokens in the whole global batch (the loss is sum / this); tail
     #: only, 0 otherwise
     loss_denominator: NonNegInt
     #: RNG seed of the job, so a recompute replays the forward's dropout
     seed: NonNegInt
-    #: deadline of each wait; the timeout error names the EventWait label
+    #: deadline of each wait; the timeout error names the counter (JobSetup's layout)
     wait_timeout_s: PosFloat
     #: free-form knobs that do not change the protocol
     options: dict[str, Any] = field(default_factory=dict)
@@ -1373,8 +1448,8 @@ class StageTask(Message):
                 f"0 for a {kind} task (only the tail computes the loss)",
                 _seen(self.loss_denominator),
             )
-        if kind == "forward" and (self.grads or self.grad_waits or self.grad_signals):
-            name = next(n for n in ("grads", "grad_waits", "grad_signals") if getattr(self, n))
+        if kind == "forward" and (self.grad_waits or self.grad_signals):
+            name = next(n for n in ("grad_waits", "grad_signals") if getattr(self, n))
             raise _fail(
                 name,
                 "an empty list for a forward task (a forward stage keeps no gradients)",
@@ -1683,14 +1758,14 @@ class Ack(Message):
 
 # --------------------------------------------------------------------------- encode / decode
 
-_HEADER = _MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 _FAST_DECODE = True  # tests turn it off to check that both paths agree
 _ENCODER = msgspec.msgpack.Encoder()
 _M = TypeVar("_M", bound=Message)
 
 
 def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list[bytes]:
-    """Encode a message into its three frames: [header, type name, msgpack body].
+    """Encode a message into its frame: ``[header + type + msgpack body]`` (a list of
+    NUM_FRAMES, so that callers add routing frames with ``[identity, *encode(msg)]``).
 
     The message was validated when it was constructed, and it owns copies of its lists
     and maps, so encoding does not validate again (it is on the coordinator's hot path).
@@ -1701,8 +1776,8 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
     `max_body_bytes` (the receiver would refuse it).
     """
     cls = type(msg)
-    type_frame = _TYPE_FRAME.get(cls)
-    if type_frame is None:
+    prefix = _PREFIX.get(cls)
+    if prefix is None:
         raise ProtocolError(f"cannot encode {_seen(msg)}: not a registered message type")
     name = cls.__name__
     try:
@@ -1717,11 +1792,12 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
             f"{max_body_bytes} (max_body_bytes); messages carry descriptors, not data",
             message_type=name,
         )
-    return [_HEADER, type_frame, body]
+    return [prefix + body]
 
 
 def decode(frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Message:
-    """Decode the three frames of one message (routing frames already stripped).
+    """Decode the frame of one message (routing frames already stripped): a sequence of
+    NUM_FRAMES frames, as ``identity, *frames = sock.recv_multipart()`` leaves them.
 
     Frames may be bytes, bytearray, memoryview or zmq.Frame. Raises ProtocolVersionError
     on a version mismatch and ProtocolError on anything else wrong; never another
@@ -1745,35 +1821,24 @@ def decode_as(
     return msg
 
 
-def _frame_view(frame: object, index: int) -> memoryview:
-    try:
-        view = memoryview(frame)  # type: ignore[arg-type]
-    except TypeError:
-        raise ProtocolError(
-            f"frame {index} is {_seen(frame)}, expected a bytes-like object"
-        ) from None
-    if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
-        raise ProtocolError(f"frame {index} is not a contiguous byte buffer")
-    return view
-
-
 def _decode(
     frames: Sequence[bytes], max_body_bytes: int, expected: type[Message] | None
 ) -> Message:
-    # The common case first: a list of three bytes (what recv_multipart returns) with
-    # this version's header and a registered type. Anything else takes the checks below,
+    # The common case first: one bytes frame (what recv_multipart returns) with this
+    # version's header and a registered type. Anything else takes the checks below,
     # which also write the error messages.
-    if type(frames) is list and len(frames) == _NUM_FRAMES:
-        header, type_frame, body = frames
-        if type(header) is bytes and type(type_frame) is bytes and type(body) is bytes:
-            cls = _REGISTRY_BY_FRAME.get(type_frame)
+    if type(frames) is list and len(frames) == NUM_FRAMES:
+        frame = frames[0]
+        if type(frame) is bytes and len(frame) > _HEADER_BYTES and frame.startswith(_HEADER):
+            body_at = _HEADER_BYTES + 1 + frame[_HEADER_BYTES]
+            cls = _REGISTRY_BY_NAME_BYTES.get(frame[_HEADER_BYTES + 1 : body_at])
             if (
-                header == _HEADER
-                and cls is not None
+                cls is not None
+                and body_at <= len(frame)
                 and (expected is None or cls is expected)
-                and len(body) <= max_body_bytes
+                and len(frame) - body_at <= max_body_bytes
             ):
-                return _decode_body(cls, body)
+                return _decode_body(cls, memoryview(frame)[body_at:])
     return _decode_checked(frames, max_body_bytes, expected)
 
 
@@ -1784,38 +1849,50 @@ def _decode_checked(
         count = len(frames)
     except Exception:  # TypeError, or whatever a hostile __len__ raises
         raise ProtocolError(f"expected a sequence of frames, got {_seen(frames)}") from None
-    if count != _NUM_FRAMES:
+    if count != NUM_FRAMES:
         raise ProtocolError(
-            f"expected {_NUM_FRAMES} frames (header, type, body) after routing frames "
-            f"are stripped, got {count}"
+            f"expected {NUM_FRAMES} frame (header, type, body) after routing frames are "
+            f"stripped, got {count}"
         )
     try:
-        header, type_frame, body = (_frame_view(frames[i], i) for i in range(_NUM_FRAMES))
-    except ProtocolError:
-        raise
+        frame = frames[0]
     except Exception as e:  # a hostile Sequence whose __getitem__ misbehaves
         raise ProtocolError(f"cannot read frames: {type(e).__name__}: {e}") from None
+    try:
+        view = memoryview(frame)  # type: ignore[arg-type]
+    except TypeError:
+        raise ProtocolError(f"frame 0 is {_seen(frame)}, expected a bytes-like object") from None
+    if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
+        raise ProtocolError("frame 0 is not a contiguous byte buffer")
+    view = view.cast("B")  # a bytearray or zmq.Frame may come as another 1-byte format
 
+    if view.nbytes < _HEADER_BYTES or view[:2].tobytes() != _MAGIC:
+        raise ProtocolError(
+            f"bad header: expected b'RP' + uint16 version, got "
+            f"{view[:16].tobytes()!r}{'...' if view.nbytes > 16 else ''} ({view.nbytes} bytes)"
+        )
     # Type name first only so a version error can say what the peer sent; the version
     # is still checked before the name is trusted for anything.
-    type_bytes = type_frame.tobytes() if type_frame.nbytes <= MAX_TYPE_NAME_BYTES else b""
-    type_name = type_bytes.decode("ascii") if _TYPE_NAME_RE.match(type_bytes) else None
+    name_len = view[_HEADER_BYTES] if view.nbytes > _HEADER_BYTES else 0
+    body_at = _HEADER_BYTES + 1 + name_len
+    type_bytes = view[_HEADER_BYTES + 1 : body_at].tobytes()
+    readable = (
+        1 <= name_len <= MAX_TYPE_NAME_BYTES
+        and len(type_bytes) == name_len
+        and _TYPE_NAME_RE.match(type_bytes) is not None
+    )
+    type_name = type_bytes.decode("ascii") if readable else None
 
-    if header.nbytes != _HEADER_BYTES or header[:2].tobytes() != _MAGIC:
-        raise ProtocolError(
-            f"bad header frame: expected {_HEADER_BYTES} bytes, b'RP' + uint16 version, "
-            f"got {header[:16].tobytes()!r}{'...' if header.nbytes > 16 else ''} "
-            f"({header.nbytes} bytes)"
-        )
-    version = int.from_bytes(header[2:4].tobytes(), "big")
+    version = int.from_bytes(view[2:_HEADER_BYTES].tobytes(), "big")
     if version != PROTOCOL_VERSION:
         raise ProtocolVersionError(version, PROTOCOL_VERSION, message_type=type_name)
 
     if type_name is None:
-        shown = type_frame[:MAX_TYPE_NAME_BYTES].tobytes()
         raise ProtocolError(
-            f"bad type frame: expected 1..{MAX_TYPE_NAME_BYTES} ASCII bytes "
-            f"[A-Za-z][A-Za-z0-9_]*, got {shown!r} ({type_frame.nbytes} bytes)"
+            f"bad type name: expected a length byte 1..{MAX_TYPE_NAME_BYTES} after the "
+            f"header, then that many ASCII bytes [A-Za-z][A-Za-z0-9_]*; got length "
+            f"{name_len if view.nbytes > _HEADER_BYTES else 'missing'} and "
+            f"{type_bytes[:MAX_TYPE_NAME_BYTES]!r} ({view.nbytes} bytes in the frame)"
         )
     cls = _REGISTRY.get(type_name)
     if cls is None:
@@ -1825,34 +1902,29 @@ def _decode_checked(
             f"expected a {expected.__name__} message, got {type_name}", message_type=type_name
         )
 
-    size = body.nbytes
+    size = view.nbytes - body_at
     if size > max_body_bytes:
         raise ProtocolError(
             f"{type_name} body is {size} bytes, more than the limit of {max_body_bytes} "
             "(max_body_bytes)",
             message_type=type_name,
         )
-    return _decode_body(cls, body)
+    return _decode_body(cls, view[body_at:])
 
 
-def _decode_body(cls: type[Message], body: bytes | memoryview) -> Message:
-    """The body of a message whose frames 0 and 1 were found valid."""
+def _decode_body(cls: type[Message], body: memoryview) -> Message:
+    """The body of a message whose header and type were found valid."""
     if _FAST_DECODE:
         try:
             msg = _DECODERS[cls].decode(body)
-            for spec in _ANY_FIELDS[cls]:
-                # msgspec takes any msgpack value for `Any` (ext types, any depth, int
-                # keys): hold those values to the reference's rules.
-                msgspec.structs.force_setattr(
-                    msg, spec.name, spec.rule.convert(getattr(msg, spec.name), True)
-                )
+            _recheck_any(cls, msg)
             return msg  # type: ignore[no-any-return]
         except Exception:
             pass  # refused: the reference decides, and names the problem
     return _decode_reference(cls, body)
 
 
-def _decode_reference(cls: type[Message], body: bytes | memoryview) -> Message:
+def _decode_reference(cls: type[Message], body: memoryview) -> Message:
     type_name = cls.__name__
     size = len(body)
     try:

@@ -44,6 +44,7 @@ import zmq
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
 from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
+    NUM_FRAMES,
     Ack,
     CancelJob,
     ErrorReply,
@@ -262,7 +263,7 @@ class Client:
                 raise CoordinatorUnavailable(self._address, self._timeout_s)
         # A DEALER gets no routing envelope, but tolerate an empty delimiter frame from a
         # coordinator that replies REQ-style.
-        if len(reply_frames) == 4 and len(reply_frames[0]) == 0:
+        if len(reply_frames) == NUM_FRAMES + 1 and len(reply_frames[0]) == 0:
             reply_frames = reply_frames[1:]
         req_name = type(request).__name__
         try:

@@ -65,12 +65,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from roundpipe.defaults import env_non_negative
 from roundpipe.shared.arena import Arena, ArenaError
 
 __all__ = [
     "COUNTERS_START",
+    "Counters",
     "EventTable",
     "EventTimeout",
     "fence",
@@ -315,3 +317,47 @@ class EventTable:
         """Drop this table's references into the arena mapping."""
         self._counters = None  # type: ignore[assignment]
         self._header = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Index arithmetic of a training job's event table for ``num_layers`` layers and M
+    microbatches (what each counter stands for: roundpipe.coordinator.layout). The
+    coordinator lays the table out with it; a worker rebuilds it from JobSetup, so both
+    name a counter the same way in their errors."""
+
+    num_layers: int
+    num_microbatches: int
+
+    def act(self, layer: int, mb: int) -> int:
+        return layer * self.num_microbatches + mb
+
+    def dact(self, layer: int, mb: int) -> int:
+        return (self.num_layers + layer) * self.num_microbatches + mb
+
+    def wgrad(self, layer: int) -> int:
+        return 2 * self.num_layers * self.num_microbatches + layer
+
+    def version(self, layer: int) -> int:
+        return 2 * self.num_layers * self.num_microbatches + self.num_layers + layer
+
+    @property
+    def total(self) -> int:
+        return 2 * self.num_layers * self.num_microbatches + 2 * self.num_layers
+
+    def label(self, index: int) -> str:
+        """Readable name of a counter, used in timeout errors."""
+        per_kind = self.num_layers * self.num_microbatches
+        if index < per_kind:
+            return (
+                f"act[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
+            )
+        if index < 2 * per_kind:
+            index -= per_kind
+            return (
+                f"dact[layer {index // self.num_microbatches}][mb {index % self.num_microbatches}]"
+            )
+        index -= 2 * per_kind
+        if index < self.num_layers:
+            return f"wgrad[layer {index}]"
+        return f"version[layer {index - self.num_layers}]"

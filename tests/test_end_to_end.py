@@ -122,7 +122,7 @@ def test_worker_of_another_protocol_version_is_rejected(cluster: LocalCluster) -
         compute_capability=None,
     )
     frames = encode(hello)
-    frames[0] = b"RP" + (999).to_bytes(2, "big")  # a header from protocol version 999
+    frames[0] = b"RP" + (999).to_bytes(2, "big") + frames[0][4:]  # from protocol version 999
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.address)

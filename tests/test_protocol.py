@@ -49,6 +49,7 @@ from roundpipe.protocol import (
     Reject,
     StageTask,
     Struct,
+    TaskDone,
     TensorRef,
     Welcome,
     decode,
@@ -60,7 +61,20 @@ from roundpipe.protocol import (
     wire,
 )
 
-_HDR = b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")  # frame 0 of this version
+_HDR = b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")  # the header of this version
+
+
+def _join(header: bytes, type_name: bytes, body: bytes) -> list[bytes]:
+    """The frame of a message from its three parts (the length byte written right)."""
+    return [header + bytes([len(type_name) % 256]) + type_name + body]
+
+
+def _parts(frames: list[bytes]) -> tuple[bytes, bytes, bytes]:
+    """A well-formed frame split back into header, type name and body."""
+    (frame,) = frames
+    body_at = 5 + frame[4]
+    return frame[:4], frame[5:body_at], frame[body_at:]
+
 
 # --------------------------------------------------------------------------- strategies
 #
@@ -213,12 +227,12 @@ def _stage_tasks(draw: st.DrawFn) -> StageTask:
     indices = draw(st.lists(st.integers(0, 2**20), min_size=1, max_size=3, unique=True))
     mbs = [draw(_microbatches(kind, start, stop, m)) for m in indices]
     per_kind = {"microbatches", "layer_start", "layer_stop", "kind", "loss_denominator"}
-    grad_fields = {"grads", "grad_waits", "grad_signals"}
+    grad_fields = {"grad_waits", "grad_signals"}
     base = draw(_builds_fields(StageTask, skip=per_kind | grad_fields))
     if kind != "forward":
         base.update(draw(_builds_fields(StageTask, only=grad_fields)))
     else:
-        base.update(grads=[], grad_waits=[], grad_signals=[])
+        base.update(grad_waits=[], grad_signals=[])
     return StageTask(
         **base,
         kind=kind,
@@ -243,6 +257,7 @@ def _job_setups(draw: st.DrawFn) -> JobSetup:
                     layer=st.integers(0, 200),
                     params=st.lists(refs, max_size=3),
                     params_odd=st.lists(refs, max_size=2),
+                    grads=st.lists(refs, max_size=2),
                 ),
                 max_size=3,
             )
@@ -294,19 +309,20 @@ any_message = st.sampled_from(_TYPE_NAMES).flatmap(lambda n: for_struct(MESSAGE_
 
 
 def _body(frames: list[bytes]) -> dict[str, Any]:
-    return msgpack.unpackb(frames[2])
+    return msgpack.unpackb(_parts(frames)[2])
 
 
 def _with_body(frames: list[bytes], body: Any) -> list[bytes]:
-    return [frames[0], frames[1], msgpack.packb(body, use_bin_type=True)]
+    header, type_name, _ = _parts(frames)
+    return _join(header, type_name, msgpack.packb(body, use_bin_type=True))
 
 
 def _frames(type_name: str, body: Any, version: int = PROTOCOL_VERSION) -> list[bytes]:
-    return [
+    return _join(
         b"RP" + struct.pack(">H", version),
         type_name.encode(),
         msgpack.packb(body, use_bin_type=True),
-    ]
+    )
 
 
 def _ref(**overrides: Any) -> TensorRef:
@@ -330,8 +346,8 @@ def _mb(index: int = 0, **overrides: Any) -> MicrobatchIO:
         labels=None,
         loss=None,
         saved=[LayerTensorRef(layer=3, ref=_ref(offset=100 * index + 48))],
-        waits=[EventWait(counter=3, at_least=2, label=f"act[1][{index}]")],
-        signals=[EventSignal(counter=9, value=3, label=f"act[5][{index}]")],
+        waits=[EventWait(counter=3, at_least=2)],
+        signals=[EventSignal(counter=9, value=3)],
     )
     kw.update(overrides)
     return MicrobatchIO(**kw)
@@ -347,9 +363,8 @@ def _stage_task(**overrides: Any) -> StageTask:
         layer_start=1,
         layer_stop=5,
         weight_version=2,
-        weight_waits=[EventWait(counter=1, at_least=2, label="version[1]")],
+        weight_waits=[EventWait(counter=1, at_least=2)],
         microbatches=[_mb(0), _mb(1)],
-        grads=[],
         grad_waits=[],
         grad_signals=[],
         loss_denominator=0,
@@ -374,9 +389,8 @@ def _backward_task(**overrides: Any) -> StageTask:
     kw: dict[str, Any] = dict(
         kind="backward",
         microbatches=mbs,
-        grads=[NamedTensorRef(name="layers.1.w", ref=_ref(arena="grads"))],
-        grad_waits=[EventWait(counter=20, at_least=1, label="grad_free[1]")],
-        grad_signals=[EventSignal(counter=21, value=1, label="grad[1]")],
+        grad_waits=[EventWait(counter=20, at_least=1)],
+        grad_signals=[EventSignal(counter=21, value=1)],
     )
     kw.update(overrides)
     return _stage_task(**kw)
@@ -463,16 +477,17 @@ def test_round_trip_every_message_type(type_name: str, data: st.DataObject) -> N
     cls = MESSAGE_TYPES[type_name]
     msg = data.draw(for_struct(cls))
     frames = encode(msg)
-    assert len(frames) == 3 and all(type(f) is bytes for f in frames)
-    assert frames[0] == b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")
-    assert frames[1] == type_name.encode("ascii")
+    assert len(frames) == 1 and type(frames[0]) is bytes
+    header, name, body = _parts(frames)
+    assert header == b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")
+    assert name == type_name.encode("ascii")
     back = decode(frames)
     assert type(back) is cls
     assert back == msg
     assert encode(back) == frames  # encoding is deterministic
     assert decode_as(frames, cls) == msg
     # What this encoder writes, the compiled decoder takes without the reference's help.
-    assert repr(wire._DECODERS[cls].decode(frames[2])) == repr(msg)  # type: ignore[attr-defined]
+    assert repr(wire._DECODERS[cls].decode(body)) == repr(msg)  # type: ignore[attr-defined]
 
 
 def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,6 +498,33 @@ def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) 
     for task in (_stage_task(), _backward_task(), _tail_task(layer_start=0)):
         assert decode(encode(task)) == task
     assert decode(encode(_hello())) == _hello()
+
+
+def test_records_that_hold_no_records_are_built_by_the_compiled_codec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Leaf records (most of what a coordinator builds) are constructed through the
+    compiled decoder; the reference only decides refusals and builds container records."""
+    tasks = [_stage_task(), _backward_task(), _tail_task(layer_start=0)]
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the reference path was used")
+
+    monkeypatch.setattr(wire, "_build", refuse)
+    assert _ref() == _ref(shape=[2, 3], stride=[3, 1])  # lists are stored as tuples
+    assert _hello() == decode(encode(_hello()))
+    done = TaskDone(job_id="j", task_id=1, attempt=0, worker_id=2, seconds=1, layer_times={})
+    assert type(done.seconds) is float  # as a receiver would see it
+    assert EventWait(counter=1, at_least=_Colour.RED).at_least.__class__ is int
+    with pytest.raises(AssertionError, match="reference path"):
+        _stage_task()  # holds records: built by the reference
+    monkeypatch.undo()
+    assert all(decode(encode(t)) == t for t in tasks)
+    # A refusal is decided and worded by the reference (as in test_cross_field_rules).
+    with pytest.raises(ProtocolError, match="field stride: expected tuple of 2 ints"):
+        _ref(stride=(1,))
+    with pytest.raises(ProtocolError, match="field counter: expected non-negative int"):
+        EventWait(counter=-1, at_least=0)
 
 
 def test_every_message_type_is_registered_and_exported() -> None:
@@ -542,6 +584,7 @@ def test_nested_records_travel_as_arrays() -> None:
             compute_dtype="bfloat16",
             arenas=[],
             layers=[layout],
+            num_microbatches=1,
         )
     )
     body = _body(frames)
@@ -707,17 +750,18 @@ def test_cross_field_rules() -> None:
         _hello(device="cpu", device_index=0)
     with pytest.raises(ProtocolError, match=r"field device_index: expected an int for a cuda"):
         _hello(device_index=None)
-    with pytest.raises(ProtocolError, match=r"layers\[0\]\.params\[0\]\.ref\.arena"):
-        JobSetup(
-            job_id="j",
-            model_config={},
-            lora=None,
-            compute_dtype="bfloat16",
-            arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
-            layers=[
-                LayerLayout(layer=0, params=[NamedTensorRef(name="w", ref=_ref(arena="nope"))])
-            ],
-        )
+    stray = [NamedTensorRef(name="w", ref=_ref(arena="nope"))]
+    for key in ("params", "grads"):
+        with pytest.raises(ProtocolError, match=rf"layers\[0\]\.{key}\[0\]\.ref\.arena"):
+            JobSetup(
+                job_id="j",
+                model_config={},
+                lora=None,
+                compute_dtype="bfloat16",
+                arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
+                layers=[LayerLayout(**{"layer": 0, "params": [], key: stray})],
+                num_microbatches=1,
+            )
 
 
 def _swap_mb(task: StageTask, **changes: Any) -> StageTask:
@@ -757,12 +801,12 @@ _KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
         "a layer strictly inside (1, 5)",
     ),
     (
-        lambda: _stage_task(grads=[NamedTensorRef(name="w", ref=_ref())]),
-        "grads",
+        lambda: _stage_task(grad_waits=[EventWait(counter=1, at_least=1)]),
+        "grad_waits",
         "an empty list for a forward task",
     ),
     (
-        lambda: _stage_task(grad_signals=[EventSignal(counter=1, value=1, label="g")]),
+        lambda: _stage_task(grad_signals=[EventSignal(counter=1, value=1)]),
         "grad_signals",
         "an empty list for a forward task",
     ),
@@ -898,7 +942,7 @@ def test_messages_are_frozen() -> None:
 
 def test_messages_own_their_containers() -> None:
     mbs = [_mb()]
-    waits = [EventWait(counter=1, at_least=1, label="a")]
+    waits = [EventWait(counter=1, at_least=1)]
     options: dict[str, Any] = {"x": [1]}
     task = _stage_task(microbatches=mbs, weight_waits=waits, options=options)
     mbs.append("garbage")  # type: ignore[arg-type]
@@ -935,7 +979,7 @@ def test_version_mismatch_and_reject_handshake(monkeypatch: pytest.MonkeyPatch) 
     # A worker of the next version says Hello to this coordinator.
     ours, theirs = PROTOCOL_VERSION, PROTOCOL_VERSION + 1
     hello = encode(_hello())
-    hello_next = [b"RP" + theirs.to_bytes(2, "big"), *hello[1:]]
+    hello_next = [b"RP" + theirs.to_bytes(2, "big") + hello[0][4:]]
     with pytest.raises(ProtocolVersionError) as info:
         decode(hello_next)
     err = info.value
@@ -976,30 +1020,32 @@ def test_decode_as_names_expected_type() -> None:
 @pytest.mark.parametrize(
     ("frames", "pattern"),
     [
-        ([], "expected 3 frames"),
-        ([_HDR, b"Ack"], "expected 3 frames"),
-        ([b"id", _HDR, b"Ack", b"\x80"], "expected 3 frames"),
+        ([], "expected 1 frame "),
+        ([*_join(_HDR, b"Ack", b"\x80"), b"\x80"], "expected 1 frame "),
+        ([b"id", *_join(_HDR, b"Ack", b"\x80")], "expected 1 frame "),
         (None, "expected a sequence of frames"),
-        ([_HDR, "Ack", b"\x80"], "frame 1 is 'Ack' \\(str\\)"),
-        ([_HDR, b"Ack", 5], "frame 2 is 5"),
-        ([b"RP\x00", b"Ack", b"\x80"], "bad header frame"),
-        ([b"RP\x00\x01\x00", b"Ack", b"\x80"], "bad header frame"),
-        ([b"XX\x00\x01", b"Ack", b"\x80"], "bad header frame"),
-        ([_HDR, b"", b"\x80"], "bad type frame"),
-        ([_HDR, b"A" * 65, b"\x80"], "bad type frame"),
-        ([_HDR, "Äck".encode(), b"\x80"], "bad type frame"),
-        ([_HDR, b"Nope", b"\x80"], "unknown message type 'Nope'"),
-        ([_HDR, b"Ack", b""], "malformed Ack body"),
-        ([_HDR, b"Ack", b"\x80\x00"], "malformed Ack body: ExtraData"),
-        ([_HDR, b"Ack", b"\x92\x01\x02"], "body: expected a map of fields"),
-        ([_HDR, b"Ack", b"\xdd\xff\xff\xff\xff"], "malformed Ack body"),
-        ([_HDR, b"Ack", b"\xd6\xff\x00\x00\x00\x01"], "malformed Ack body"),  # timestamp
-        ([_HDR, b"Ack", b"\xc7\x00\x05"], "malformed Ack body"),  # empty ext
-        ([_HDR, b"Ack", b"\x81\xa1a\xc1"], "malformed Ack body"),  # 0xc1 never used
-        ([_HDR, b"Ack", b"\x81\x01\x02"], "malformed Ack body"),  # int key
-        ([_HDR, b"Ack", b"\x81\xa1a\xa2\xff\xfe"], "malformed Ack body"),  # bad UTF-8
-        ([_HDR, b"Ack", b"\x91" * 100_000], "malformed Ack body"),  # deep nesting
-        ([_HDR, b"Ack", b"\x81\xc4\x01k\x01"], "field b'k'"),  # bin key
+        (["RP"], "frame 0 is 'RP' \\(str\\)"),
+        ([5], "frame 0 is 5"),
+        ([b"RP\x00"], "bad header"),
+        ([b"XX\x00\x01\x03Ack\x80"], "bad header"),
+        ([_HDR], "bad type name: .* got length missing"),
+        (_join(_HDR, b"", b"\x80"), "bad type name"),
+        (_join(_HDR, b"A" * 65, b"\x80"), "bad type name"),
+        (_join(_HDR, "Äck".encode(), b"\x80"), "bad type name"),
+        ([_HDR + b"\x09Ack"], "bad type name: .* got length 9 and b'Ack'"),  # cut short
+        ([_HDR + b"\x04Ack\x80"], "bad type name"),  # the length byte takes a body byte
+        (_join(_HDR, b"Nope", b"\x80"), "unknown message type 'Nope'"),
+        (_join(_HDR, b"Ack", b""), "malformed Ack body"),
+        (_join(_HDR, b"Ack", b"\x80\x00"), "malformed Ack body: ExtraData"),
+        (_join(_HDR, b"Ack", b"\x92\x01\x02"), "body: expected a map of fields"),
+        (_join(_HDR, b"Ack", b"\xdd\xff\xff\xff\xff"), "malformed Ack body"),
+        (_join(_HDR, b"Ack", b"\xd6\xff\x00\x00\x00\x01"), "malformed Ack body"),  # timestamp
+        (_join(_HDR, b"Ack", b"\xc7\x00\x05"), "malformed Ack body"),  # empty ext
+        (_join(_HDR, b"Ack", b"\x81\xa1a\xc1"), "malformed Ack body"),  # 0xc1 never used
+        (_join(_HDR, b"Ack", b"\x81\x01\x02"), "malformed Ack body"),  # int key
+        (_join(_HDR, b"Ack", b"\x81\xa1a\xa2\xff\xfe"), "malformed Ack body"),  # bad UTF-8
+        (_join(_HDR, b"Ack", b"\x91" * 100_000), "malformed Ack body"),  # deep nesting
+        (_join(_HDR, b"Ack", b"\x81\xc4\x01k\x01"), "field b'k'"),  # bin key
     ],
 )
 def test_malformed_frames(frames: Any, pattern: str) -> None:
@@ -1010,7 +1056,7 @@ def test_malformed_frames(frames: Any, pattern: str) -> None:
 
 class _HostileFrames:
     def __len__(self) -> int:
-        return 3
+        return 1
 
     def __getitem__(self, index: int) -> bytes:
         raise RuntimeError("boom")
@@ -1050,10 +1096,10 @@ def test_body_size_limits() -> None:
     frames = encode(Heartbeat(sender="w" * 100, seq=1, sent_at=0.0))
     err = _decode_error(frames, max_body_bytes=50)
     assert "max_body_bytes" in str(err) and "Heartbeat" in str(err)
-    assert decode(frames, max_body_bytes=len(frames[2])).seq == 1
+    assert decode(frames, max_body_bytes=len(_parts(frames)[2])).seq == 1
     with pytest.raises(ProtocolError, match="max_body_bytes"):
         encode(Heartbeat(sender="w" * 100, seq=1, sent_at=0.0), max_body_bytes=50)
-    huge = [_HDR, b"Ack", b"\x80" + b"\x00" * (16 * 2**20)]
+    huge = _join(_HDR, b"Ack", b"\x80" + b"\x00" * (16 * 2**20))
     assert "more than the limit" in str(_decode_error(huge))
 
 
@@ -1173,59 +1219,63 @@ def _mutate_structure(body: Any, rnd: random.Random) -> Any:
     return body
 
 
-def _mutate(frames: list[bytes], rnd: random.Random) -> tuple[Any, dict[str, Any]]:
-    """One mutated input (frames, decode kwargs) from a valid encoding."""
-    frames = list(frames)
-    op = rnd.randrange(15)
-    i = rnd.randrange(3)
-    if op == 0:  # flip bits
-        buf = bytearray(frames[i])
+def _damage(data: bytes, rnd: random.Random) -> bytes:
+    """Flip bits in, truncate, extend or overwrite a span of `data`."""
+    op = rnd.randrange(4)
+    if op == 1:
+        return data[: rnd.randrange(len(data) + 1)]
+    if op == 2:
+        return data + rnd.randbytes(rnd.randint(1, 8))
+    buf = bytearray(data)
+    if buf and op == 0:
         for _ in range(rnd.randint(1, 4)):
-            if buf:
-                buf[rnd.randrange(len(buf))] ^= 1 << rnd.randrange(8)
-        frames[i] = bytes(buf)
-    elif op == 1:  # truncate
-        frames[i] = frames[i][: rnd.randrange(len(frames[i]) + 1)]
-    elif op == 2:  # extend
-        frames[i] = frames[i] + rnd.randbytes(rnd.randint(1, 8))
-    elif op == 3:  # overwrite a random span with random bytes
-        buf = bytearray(frames[i])
-        if buf:
-            start = rnd.randrange(len(buf))
-            span = rnd.randint(1, 8)
-            buf[start : start + span] = rnd.randbytes(span)
-        frames[i] = bytes(buf)
+            buf[rnd.randrange(len(buf))] ^= 1 << rnd.randrange(8)
+    elif buf:
+        start = rnd.randrange(len(buf))
+        span = rnd.randint(1, 8)
+        buf[start : start + span] = rnd.randbytes(span)
+    return bytes(buf)
+
+
+def _mutate(frames: list[bytes], rnd: random.Random) -> tuple[Any, dict[str, Any]]:
+    """One mutated input (frames, decode kwargs) from a valid encoding. Most mutations
+    change one part (header, type name, body) and write the length byte to match;
+    op 0 damages the frame as a whole, length byte included."""
+    parts = list(_parts(frames))
+    op = rnd.randrange(15)
+    if op == 0:
+        return [_damage(frames[0], rnd)], {}
+    if op in (1, 2, 3):  # damage one part
+        i = rnd.randrange(3)
+        parts[i] = _damage(parts[i], rnd)
     elif op == 4:  # another protocol version
-        frames[0] = b"RP" + struct.pack(">H", rnd.choice([0, 1, 255, 65535]))
+        parts[0] = b"RP" + struct.pack(">H", rnd.choice([0, 1, 255, 65535]))
     elif op == 5:  # wrong frame counts
         choice = rnd.randrange(4)
         if choice == 0:
-            frames = frames[: rnd.randrange(3)]
-        elif choice == 1:
-            frames.append(rnd.randbytes(rnd.randrange(5)))
-        elif choice == 2:
-            frames.insert(0, b"\x00identity")
-        else:
-            frames = frames + frames
+            return [], {}
+        if choice == 1:
+            return [*frames, rnd.randbytes(rnd.randrange(5))], {}
+        if choice == 2:
+            return [b"\x00identity", *frames], {}
+        return [*frames, *frames], {}
     elif op == 6:  # the body of one type under another type's name
-        frames[1] = rnd.choice(_TYPE_NAMES).encode()
+        parts[1] = rnd.choice(_TYPE_NAMES).encode()
     elif op in (7, 8, 9, 10):  # structural change to the body: fields, types, signs
-        body = msgpack.unpackb(frames[2])
+        body = msgpack.unpackb(parts[2])
         for _ in range(rnd.randint(1, 3)):
             body = _mutate_structure(body, rnd)
-        frames[2] = msgpack.packb(body, use_bin_type=True)
+        parts[2] = msgpack.packb(body, use_bin_type=True)
     elif op == 11:  # a random msgpack object as body
-        frames[2] = msgpack.packb(_random_value(rnd), use_bin_type=True)
-    elif op == 12:  # frames that are not bytes, or not a sequence of frames
+        parts[2] = msgpack.packb(_random_value(rnd), use_bin_type=True)
+    elif op == 12:  # a frame that is not bytes, or not a sequence of frames
         bad = rnd.choice([None, 3, "RP", 1.5, object(), [b"x"]])
-        if rnd.random() < 0.2:
-            return bad, {}
-        frames[i] = bad  # type: ignore[call-overload]
+        return (bad, {}) if rnd.random() < 0.2 else ([bad], {})
     elif op == 13:  # small body limit
-        return frames, {"max_body_bytes": rnd.randrange(len(frames[2]) + 2)}
-    else:  # random bytes everywhere, valid header
-        frames = [frames[0], rnd.randbytes(rnd.randrange(10)), rnd.randbytes(rnd.randrange(40))]
-    return frames, {}
+        return frames, {"max_body_bytes": rnd.randrange(len(parts[2]) + 2)}
+    else:  # random bytes for type name and body, valid header
+        parts[1:] = [rnd.randbytes(rnd.randrange(10)), rnd.randbytes(rnd.randrange(40))]
+    return _join(*parts), {}
 
 
 def test_fuzz_mutated_valid_encodings() -> None:
@@ -1317,13 +1367,13 @@ def test_fuzz_random_frames() -> None:
     rnd = random.Random(seed)
     count = 0
     for _ in range(4000):
-        n = rnd.choice([0, 1, 2, 3, 3, 3, 3, 4])
-        frames: list[Any] = [rnd.randbytes(rnd.randrange(12)) for _ in range(n)]
-        if n == 3 and rnd.random() < 0.8:
-            frames[0] = b"RP" + struct.pack(">H", PROTOCOL_VERSION)
-            frames[1] = rnd.choice(_TYPE_NAMES).encode()
+        n = rnd.choice([0, 1, 1, 1, 1, 1, 2, 3])
+        frames: list[Any] = [rnd.randbytes(rnd.randrange(24)) for _ in range(n)]
+        if n == 1 and rnd.random() < 0.8:
+            body = frames[0]
             if rnd.random() < 0.6:
-                frames[2] = msgpack.packb(_random_value(rnd), use_bin_type=True)
+                body = msgpack.packb(_random_value(rnd), use_bin_type=True)
+            frames = _join(_HDR, rnd.choice(_TYPE_NAMES).encode(), body)
         try:
             _outcome(frames)
         except Exception as e:
@@ -1356,11 +1406,12 @@ def _serve_until_valid(sock: zmq.Socket[bytes], *, routed: bool) -> tuple[int, M
 
 _GARBAGE: list[list[bytes]] = [
     [b"hello"],
-    [_HDR, b"Heartbeat"],
-    [b"RP\x00\x09", b"Heartbeat", b"\x80"],
-    [_HDR, b"Heartbeat", b"\xff\xff\xff"],
-    [_HDR, b"Heartbeat", msgpack.packb({"sender": "w", "seq": -5, "sent_at": 0.0})],
-    [_HDR, b"NoSuchType", b"\x80"],
+    [_HDR + b"\x09Heart"],
+    _join(b"RP\x00\x09", b"Heartbeat", b"\x80"),
+    _join(_HDR, b"Heartbeat", b"\xff\xff\xff"),
+    _join(_HDR, b"Heartbeat", msgpack.packb({"sender": "w", "seq": -5, "sent_at": 0.0})),
+    _join(_HDR, b"NoSuchType", b"\x80"),
+    [*_join(_HDR, b"Ack", b"\x80"), b""],
     [b"", b"", b"", b"", b""],
 ]
 

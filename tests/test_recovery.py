@@ -32,7 +32,6 @@ def task(task_id: int) -> StageTask:
         weight_version=0,
         weight_waits=[],
         microbatches=[mb],
-        grads=[],
         grad_waits=[],
         grad_signals=[],
         loss_denominator=0,

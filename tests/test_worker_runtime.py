@@ -12,6 +12,7 @@ from runtime_helpers import tiny_spec
 
 from roundpipe.coordinator.trainer import Trainer
 from roundpipe.protocol import replace
+from roundpipe.shared.events import EventTimeout
 from roundpipe.worker.runtime import WorkerCore
 
 
@@ -90,6 +91,18 @@ def test_rerun_completes_what_a_dead_worker_left_unpublished(prepared) -> None:
     for name, ref in layout.grads[1].items():
         assert torch.equal(layout.view(ref), expected[name]), name
     assert first.task_id == tasks[-1].task_id
+
+
+def test_worker_timeout_names_the_counter_as_the_coordinator_does(prepared) -> None:
+    """Tasks refer to counters by index only; the worker names them from JobSetup."""
+    trainer, core, tasks = prepared
+    backward = replace(tasks[-1], wait_timeout_s=0.2)  # B[0:2]: no gradient from layer 2 yet
+    counter = backward.microbatches[0].waits[1].counter
+    assert counter == trainer.layout.counters.dact(2, 0)
+    with pytest.raises(
+        EventTimeout, match=rf"waiting for dact\[layer 2\]\[mb 0\] \(counter {counter}\)"
+    ):
+        core.run_task(backward)
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ from roundpipe.protocol import (
     name_to_dtype,
 )
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.events import EventTable
+from roundpipe.shared.events import Counters, EventTable
 from roundpipe.shared.model import LayeredModel
 from roundpipe.worker.executor import RngKey, StageExecutor
 from roundpipe.worker.faults import Fault
@@ -79,6 +79,8 @@ class JobState:
     weights: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(
         default_factory=dict
     )
+    # layer -> its gradient slots, name -> view (JobSetup's LayerLayout.grads)
+    grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         return self.arenas[ref.arena].view(ref)
@@ -119,6 +121,8 @@ class WorkerCore:
             dtype = name_to_dtype(setup.compute_dtype)
             executor = StageExecutor(model, self.device, dtype)
             events = EventTable(arenas[EVENTS_ARENA], DATA_START)
+            # Name counters in timeout errors the way the coordinator does.
+            events.set_labeler(Counters(len(setup.layers), setup.num_microbatches).label)
         except BaseException:
             for arena in arenas.values():
                 arena.close()
@@ -128,6 +132,7 @@ class WorkerCore:
             even = {p.name: state.view(p.ref) for p in layout.params}
             odd = {p.name: state.view(p.ref) for p in layout.params_odd}
             state.weights[layout.layer] = (even, odd)
+            state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
         self.jobs[setup.job_id] = state
         log.info(
             "[worker %d] job %s set up (%d layers)", self.worker_id, setup.job_id, model.num_layers
@@ -205,13 +210,17 @@ class WorkerCore:
                 state.view(mb.loss).fill_(loss)
             grads = result.weight_grads
             # Losses are read by the coordinator after TaskDone; no counter needed.
-        if task.grads:
+        slots = [
+            (name, dst)
+            for layer in range(start, stop)
+            for name, dst in state.grads.get(layer, {}).items()
+        ]
+        if task.kind != "forward" and slots:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
             if not self._published(state, task.grad_signals):  # Note [no rewrite after signal]
-                for slot in task.grads:
-                    dst = state.view(slot.ref)
-                    grad = grads.get(slot.name)
+                for name, dst in slots:
+                    grad = grads.get(name)
                     if grad is None:
                         dst.zero_()  # write every slot: a re-run must produce the same bytes
                     else:
