@@ -62,7 +62,7 @@ def sample_task(i: int) -> StageTask:
             offset=DATA_START + 2 * numel * slot,
             dtype="bfloat16",
             shape=(4, 2048, 2048),
-            stride=(2048 * 2048, 2048, 1),
+            stride=None,  # row-major, as every arena slot (ArenaAllocator.alloc)
         )
 
     def wait(counter: int) -> EventWait:

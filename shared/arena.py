@@ -328,14 +328,12 @@ class Arena:
         stride: Sequence[int] | None = None,
     ) -> TensorRef:
         """A descriptor for a tensor at ``offset`` (contiguous unless ``stride`` is given)."""
-        shape = tuple(int(s) for s in shape)
-        stride = tuple(int(s) for s in stride) if stride is not None else _contiguous(shape)
         ref = TensorRef(
             arena=self.name,
             offset=int(offset),
             dtype=dtype_to_name(dtype),
-            shape=shape,
-            stride=stride,
+            shape=tuple(int(s) for s in shape),
+            stride=tuple(int(s) for s in stride) if stride is not None else None,
         )
         self._check(ref, dtype)
         return ref
@@ -350,13 +348,16 @@ class Arena:
         extent = self._check(ref, dtype)
         itemsize = _itemsize(dtype)
         flat = self._bytes[ref.offset : ref.offset + _round_up(extent, itemsize)].view(dtype)
+        if ref.stride is None:
+            return flat.view(ref.shape)  # extent is exactly the elements of `shape`
         return flat.as_strided(ref.shape, ref.stride)
 
     def _check(self, ref: TensorRef, dtype: torch.dtype) -> int:
         itemsize = _itemsize(dtype)
-        if len(ref.shape) != len(ref.stride):
+        stride = ref.full_stride
+        if len(ref.shape) != len(stride):
             raise ArenaError(f"descriptor {ref}: shape and stride differ in length")
-        if any(s < 0 for s in ref.shape) or any(s < 0 for s in ref.stride):
+        if any(s < 0 for s in ref.shape) or any(s < 0 for s in stride):
             raise ArenaError(f"descriptor {ref}: negative sizes or strides are not allowed")
         if ref.offset % itemsize:
             raise ArenaError(
@@ -366,7 +367,7 @@ class Arena:
         if math.prod(ref.shape) == 0:
             extent = 0
         else:
-            extent = itemsize * (1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride)))
+            extent = itemsize * (1 + sum((n - 1) * s for n, s in zip(ref.shape, stride)))
         if ref.offset < DATA_START or ref.offset + extent > self.nbytes:
             raise ArenaError(
                 f"descriptor {ref} reaches bytes [{ref.offset}, {ref.offset + extent}) outside "
@@ -403,21 +404,13 @@ class ArenaAllocator:
             offset=offset,
             dtype=dtype_to_name(dtype),
             shape=shape,
-            stride=_contiguous(shape),
+            stride=None,  # row-major
         )
 
     @property
     def nbytes_needed(self) -> int:
         """Data bytes to pass to :meth:`Arena.create` so every allocation fits."""
         return max(self.used - DATA_START, 0)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -66,6 +66,12 @@ def test_strided_view(arena_dir: Path) -> None:
         base.copy_(torch.arange(24.0).view(6, 4))
         transposed = arena.view(arena.ref(DATA_START, torch.float32, (4, 6), stride=(1, 4)))
         assert torch.equal(transposed, base.t())
+        # stride None (row-major, what the allocator hands out) views the same bytes as
+        # the explicit row-major stride
+        explicit = arena.view(arena.ref(DATA_START, torch.float32, (6, 4), stride=(4, 1)))
+        assert arena.ref(DATA_START, torch.float32, (6, 4)).stride is None
+        assert base.is_contiguous() and base.data_ptr() == explicit.data_ptr()
+        assert torch.equal(base, explicit)
 
 
 def test_descriptors_are_bounds_checked(arena_dir: Path) -> None:

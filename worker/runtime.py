@@ -122,17 +122,17 @@ class WorkerCore:
             executor = StageExecutor(model, self.device, dtype)
             events = EventTable(arenas[EVENTS_ARENA], DATA_START)
             # Name counters in timeout errors the way the coordinator does.
-            events.set_labeler(Counters(len(setup.layers), setup.num_microbatches).label)
+            events.set_labeler(Counters(model.num_layers, setup.num_microbatches).label)
+            state = JobState(setup, model, executor, arenas, events)
+            for layout in setup.layers:
+                even = {p.name: state.view(p.ref) for p in layout.params}
+                odd = {p.name: state.view(p.ref) for p in layout.params_odd}
+                state.weights[layout.layer] = (even, odd)
+                state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
         except BaseException:
             for arena in arenas.values():
                 arena.close()
             raise
-        state = JobState(setup, model, executor, arenas, events)
-        for layout in setup.layers:
-            even = {p.name: state.view(p.ref) for p in layout.params}
-            odd = {p.name: state.view(p.ref) for p in layout.params_odd}
-            state.weights[layout.layer] = (even, odd)
-            state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
         self.jobs[setup.job_id] = state
         log.info(
             "[worker %d] job %s set up (%d layers)", self.worker_id, setup.job_id, model.num_layers
