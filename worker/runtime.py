@@ -85,6 +85,12 @@ class JobState:
     def view(self, ref: TensorRef) -> torch.Tensor:
         return self.arenas[ref.arena].view(ref)
 
+    def grad_slots(self, start: int, stop: int) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, slot view) of every gradient slot of layers [start, stop)."""
+        return [
+            (n, v) for layer in range(start, stop) for n, v in self.grads.get(layer, {}).items()
+        ]
+
     def close(self) -> None:
         self.events.close()
         self.weights.clear()
@@ -210,12 +216,8 @@ class WorkerCore:
                 state.view(mb.loss).fill_(loss)
             grads = result.weight_grads
             # Losses are read by the coordinator after TaskDone; no counter needed.
-        slots = [
-            (name, dst)
-            for layer in range(start, stop)
-            for name, dst in state.grads.get(layer, {}).items()
-        ]
-        if task.kind != "forward" and slots:
+        slots = state.grad_slots(start, stop) if task.kind != "forward" else []
+        if slots:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
             if not self._published(state, task.grad_signals):  # Note [no rewrite after signal]
