@@ -620,9 +620,16 @@ class Coordinator:
         with self._lock:
             hellos = [w.hello for w in self.workers.values()]
         gpus = [h.memory_bytes for h in hellos if h.device == "cuda"]
+        # The slowest direction of the slowest bus any worker measured (None: no bus).
+        buses = [
+            min(h.h2d_bytes_per_s, h.d2h_bytes_per_s)
+            for h in hellos
+            if h.h2d_bytes_per_s is not None and h.d2h_bytes_per_s is not None
+        ]
+        bandwidth = min(buses) if buses else None
         if gpus:
-            return gpu_hardware(len(hellos), min(gpus))
-        return cpu_hardware(max(1, len(hellos)))
+            return gpu_hardware(len(hellos), min(gpus), bandwidth)
+        return cpu_hardware(max(1, len(hellos)), bandwidth)
 
     def _record_plan(self, job: JobRecord, plan: Plan, why: str) -> None:
         job.plan = str(plan)  # the trainer has logged it, with why

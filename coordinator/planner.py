@@ -13,8 +13,11 @@ PCIe bandwidth, and predicts what it will do with the discrete-event simulator
 * ``ProfileAggregator``: measured per-layer times from ``TaskDone.layer_times``
   (exponential average, warm-up dropped) turned back into ``LayerCost``s.
 * ``plan_stages``: the search. A stage's time is
-  ``max(compute of M microbatches, host->device bytes / bandwidth, device->host bytes /
-  bandwidth)`` (uploads are prefetched, so they overlap compute); a stage fits when its
+  ``max(compute of M microbatches + one microbatch's activation upload, host->device bytes
+  / bandwidth, device->host bytes / bandwidth)``: what the worker's transfer engine
+  overlaps (roundpipe.worker.transfer): the weights are prefetched during the previous
+  task, microbatch m + 1 goes up while m computes and downloads run behind compute, so
+  only the first microbatch's input waits on the bus; a stage fits when its
   weights, gradients and working set plus the largest other stage's weights and
   gradients (the prefetched one) fit the memory limit. The search minimises
   ``max(stages, N) x slowest stage`` over stage-time caps (exact min-max partitions for
@@ -185,23 +188,30 @@ _CPU_TASK_OVERHEAD_S = 2e-3
 _NO_LIMIT = 1 << 60
 
 
-def cpu_hardware(num_workers: int) -> HardwareSpec:
-    """The planner's view of ``num_workers`` CPU workers."""
+def cpu_hardware(num_workers: int, bandwidth_bytes_per_s: float | None = None) -> HardwareSpec:
+    """The planner's view of ``num_workers`` CPU workers (behind an emulated bus of
+    ``bandwidth_bytes_per_s``, if they run with ``--emulate-pcie``)."""
     return HardwareSpec(
         num_workers=num_workers,
         memory_limit_bytes=_NO_LIMIT,
-        bandwidth_bytes_per_s=1e15,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s or 1e15,
         reserved_bytes=0,
         task_overhead_s=_CPU_TASK_OVERHEAD_S,
         flops_per_s=_CPU_FLOPS_PER_S,
     )
 
 
-def gpu_hardware(num_workers: int, memory_bytes: int) -> HardwareSpec:
+def gpu_hardware(
+    num_workers: int, memory_bytes: int, bandwidth_bytes_per_s: float | None = None
+) -> HardwareSpec:
     """``num_workers`` GPU workers with ``memory_bytes`` each (the smallest, if mixed),
-    behind PCIe 4.0 x16."""
+    behind the bus the workers measured at start-up (``Hello.h2d_bytes_per_s`` /
+    ``d2h_bytes_per_s``, the slowest), else PCIe 4.0 x16."""
+    extra = (
+        {} if bandwidth_bytes_per_s is None else {"bandwidth_bytes_per_s": bandwidth_bytes_per_s}
+    )
     return HardwareSpec(
-        num_workers=num_workers, memory_limit_bytes=memory_bytes, task_overhead_s=2e-4
+        num_workers=num_workers, memory_limit_bytes=memory_bytes, task_overhead_s=2e-4, **extra
     )
 
 
@@ -569,6 +579,9 @@ class _CostModel:
     def estimate(self, kind: str, a: int, b: int, label: str) -> StageEstimate:
         compute, up, down, resident, run = self.parts(kind, a, b)
         up_s, down_s = up / self.bw, down / self.bw
+        # The first microbatch's input is the one upload compute waits for; the weights
+        # came during the previous task, later microbatches during earlier ones.
+        first_input_s = (up - int(self._p[b] - self._p[a])) / self.m / self.bw
         return StageEstimate(
             kind=kind,
             start=a,
@@ -579,7 +592,7 @@ class _CostModel:
             download_bytes=down,
             upload_s=up_s,
             download_s=down_s,
-            time_s=max(compute, up_s, down_s) + self.hw.task_overhead_s,
+            time_s=max(compute + first_input_s, up_s, down_s) + self.hw.task_overhead_s,
             resident_bytes=resident,
             run_bytes=run,
             memory_bytes=0,  # filled in once the whole plan is known

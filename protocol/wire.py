@@ -233,7 +233,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 7
+PROTOCOL_VERSION: int = 8
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1252,6 +1252,11 @@ class Hello(Message):
     memory_bytes: NonNegInt
     #: CUDA compute capability "major.minor", e.g. "8.9"; None for a CPU worker
     compute_capability: str | None
+    #: host-to-device bytes/s measured at start-up (pinned; the emulated bus's setting
+    #: for a CPU worker with --emulate-pcie); None when nothing crosses a bus
+    h2d_bytes_per_s: PosFloat | None = None
+    #: device-to-host bytes/s, measured likewise
+    d2h_bytes_per_s: PosFloat | None = None
 
     def _check(self) -> None:
         if self.protocol_version != PROTOCOL_VERSION:
@@ -1570,8 +1575,18 @@ class TaskDone(Message):
     #: wall time of the whole task
     seconds: NonNegFloat
     #: measured time per layer and phase, keyed e.g. "12" or "12.fwd" (msgpack map keys
-    #: are str), for the planner
+    #: are str), for the planner (CUDA events on a GPU)
     layer_times: dict[str, NonNegFloat]
+    #: seconds of compute (without waiting for inputs or uploads)
+    compute_s: NonNegFloat = 0.0
+    #: seconds the bus spent on this task's uploads (weights, activations, labels)
+    upload_s: NonNegFloat = 0.0
+    #: seconds the bus spent on this task's downloads
+    download_s: NonNegFloat = 0.0
+    #: bytes uploaded
+    upload_bytes: NonNegInt = 0
+    #: bytes downloaded
+    download_bytes: NonNegInt = 0
 
 
 @_message

@@ -28,7 +28,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,12 +160,14 @@ def run_chaos(
     min_injected: int = 0,
     more: Callable[[int], tuple[list[FaultSpec], int]] | None = None,
     max_trials: int = 50,
+    worker_args: Sequence[str] = (),
 ) -> ChaosReport:
     """Reference run, then one job per trial with that trial's faults injected.
 
     With ``min_injected`` and ``more(i) -> (faults, seed)``, trials are added until that
     many faults have fired mid-job (a fault can miss: the job may end first, or an armed
-    worker never runs the matching task), at most ``max_trials`` in all.
+    worker never runs the matching task), at most ``max_trials`` in all. ``worker_args``
+    go to every worker (e.g. ``--emulate-pcie 2GB/s``: asynchronous copies under faults).
     """
     from roundpipe.coordinator.jobspec import model_config_from_spec
     from roundpipe.coordinator.trainer import default_plan
@@ -175,7 +177,10 @@ def run_chaos(
     layers = int(model_config_from_spec(spec.model).num_hidden_layers) + 2
     plan = str(default_plan(layers, num_workers))
     cluster = LocalCluster(
-        root, arena_dir, coordinator_args=["--worker-timeout", str(worker_timeout_s)]
+        root,
+        arena_dir,
+        coordinator_args=["--worker-timeout", str(worker_timeout_s)],
+        worker_args=worker_args,
     )
     names = iter(f"chaos-w{i}" for i in range(10_000))
     try:
@@ -398,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         "(needs output.checkpoint_every in the spec)",
     )
     parser.add_argument("--no-stop", action="store_true", help="only kills, no SIGSTOP hangs")
+    parser.add_argument(
+        "--emulate-pcie",
+        default=None,
+        metavar="BANDWIDTH",
+        help="run the workers' copies through an emulated bus (roundpipe-worker --emulate-pcie)",
+    )
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -426,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             num_workers=args.workers,
             trials=trials,
             seeds=seeds,
+            worker_args=["--emulate-pcie", args.emulate_pcie] if args.emulate_pcie else (),
         )
     finally:
         for f in arena_dir.iterdir():

@@ -47,6 +47,7 @@ class LocalCluster:
         coordinator_args: list[str] | None = None,
         client_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
+        worker_args: Sequence[str] = (),
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -55,6 +56,8 @@ class LocalCluster:
         self.state_dir = self.root / "state"
         self.coordinator_args = list(coordinator_args or [])
         self.env = dict(env or {})  # for every daemon, over OMP_NUM_THREADS=1
+        self.worker_args = list(worker_args)
+        """Options for every CPU worker, e.g. ``["--emulate-pcie", "2GB/s"]``."""
         self.daemons: list[Daemon] = []
         self.workers: dict[str, Daemon] = {}
         self.coordinator = self.start_coordinator()
@@ -104,7 +107,11 @@ class LocalCluster:
         """Start a worker: a CPU worker of ``threads`` threads, or on ``device`` given as
         worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``)."""
         env = {"ROUNDPIPE_FAULT": fault} if fault else {}
-        where = list(device) if device is not None else ["--cpu", "--threads", str(threads)]
+        where = (
+            list(device)
+            if device is not None
+            else ["--cpu", "--threads", str(threads), *self.worker_args]
+        )
         daemon = self._spawn(
             name,
             [

@@ -9,6 +9,7 @@ its gradient on W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import subprocess
@@ -137,20 +138,33 @@ def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
 
 
 class InProcessWorkers:
-    """N WorkerCores on threads, wired to a Trainer's dispatch/inbox (no sockets)."""
+    """N WorkerCores on threads, wired to a Trainer's dispatch/inbox (no sockets).
 
-    def __init__(self, trainer, num_workers: int):
+    ``engine`` makes each worker's transfer engine (default: the CPU one). Tasks are
+    started as the daemon starts them: TaskDone arrives when the last copy landed, the
+    next queued task is visible to the weight prefetch."""
+
+    def __init__(self, trainer, num_workers: int, engine=None):
         self.trainer = trainer
-        self.cores = [WorkerCore(i) for i in range(num_workers)]
+        self.cores = [
+            WorkerCore(i, transfer=engine() if engine is not None else None)
+            for i in range(num_workers)
+        ]
         self.queues: list[queue.Queue[StageTask | None]] = [queue.Queue() for _ in self.cores]
         setup = trainer.job_setup()
-        for core in self.cores:
+        for core, q in zip(self.cores, self.queues):
             core.setup_job(setup)
+            core.peek_next = functools.partial(self._peek, q)
         self.threads = [
             threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(num_workers)
         ]
         for t in self.threads:
             t.start()
+
+    @staticmethod
+    def _peek(q: queue.Queue) -> StageTask | None:
+        with q.mutex:
+            return q.queue[0] if q.queue else None
 
     def dispatch(self, task: StageTask, worker_id: int) -> None:
         self.queues[worker_id].put(task)
@@ -158,24 +172,31 @@ class InProcessWorkers:
     def workers(self) -> list[int]:
         return list(range(len(self.cores)))
 
+    def _failed(self, task: StageTask, i: int, exc: BaseException) -> TaskFailed:
+        return TaskFailed(
+            job_id=task.job_id,
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker_id=i,
+            error_type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            retryable=False,
+        )
+
     def _loop(self, i: int) -> None:
         core = self.cores[i]
         while (task := self.queues[i].get()) is not None:
+
+            def deliver(result, task=task) -> None:
+                if isinstance(result, BaseException):
+                    result = self._failed(task, i, result)
+                self.trainer.inbox.put(result)
+
             try:
-                self.trainer.inbox.put(core.run_task(task))
+                core.start_task(task, deliver)
             except Exception as exc:
-                self.trainer.inbox.put(
-                    TaskFailed(
-                        job_id=task.job_id,
-                        task_id=task.task_id,
-                        attempt=task.attempt,
-                        worker_id=i,
-                        error_type=type(exc).__name__,
-                        message=str(exc),
-                        traceback=traceback.format_exc(),
-                        retryable=False,
-                    )
-                )
+                self.trainer.inbox.put(self._failed(task, i, exc))
 
     def close(self) -> None:
         for q in self.queues:

@@ -6,6 +6,10 @@ Threads (only the I/O thread touches the DEALER socket):
                              JobTeardown / Shutdown, sends results queued by compute
     rp-compute               runs tasks one at a time (WorkerCore); results go back
                              through an inproc PUSH socket
+    rp-h2d / rp-d2h          the transfer engine's links (roundpipe.worker.transfer):
+                             copies, and the TaskDone of a task whose last copy landed
+                             (through the same PUSH socket, under a lock)
+    rp-prefetch-<task>       uploads the next queued task's weights
 
 Heartbeats come from the I/O thread, so a long task never makes the worker look dead.
 Exit codes: 0 after SIGTERM/SIGINT or a Shutdown message, 2 when the coordinator rejects
@@ -50,6 +54,7 @@ from roundpipe.protocol import (
 from roundpipe.protocol.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, WorkerCore
+from roundpipe.worker.transfer import TransferEngine, make_engine, parse_duration
 
 __all__ = ["WorkerDaemon", "main", "run"]
 
@@ -94,12 +99,17 @@ class WorkerDaemon:
         coordinator_timeout_s: float = 10.0,
         fault: Fault | None = None,
         memory_limit_bytes: int | None = None,
+        engine: TransferEngine | None = None,
     ):
         self.coordinator = coordinator
         self.device = torch.device(device)
         self.memory_limit_bytes = memory_limit_bytes
         """GPU memory cap (``--memory-limit``) already applied; reported in Hello so the
         coordinator plans for it."""
+        self.engine = engine if engine is not None else make_engine(self.device)
+        """One transfer engine for the worker's life (streams, links, pinned arenas)."""
+        self.bandwidth = self.engine.measure_bandwidth()
+        """(host-to-device, device-to-host) bytes/s, measured once at start-up."""
         self.name = name or f"{socket.gethostname()}-{self.device}".replace(":", "")
         self.handshake_timeout_s = handshake_timeout_s
         self.coordinator_timeout_s = coordinator_timeout_s
@@ -119,6 +129,8 @@ class WorkerDaemon:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             process_create_time=psutil.Process().create_time(),
+            h2d_bytes_per_s=self.bandwidth[0],
+            d2h_bytes_per_s=self.bandwidth[1],
         )
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
@@ -198,11 +210,12 @@ class WorkerDaemon:
                         self._stop.wait(backoff_s)
                         backoff_s = min(backoff_s * 2, 8.0)
         finally:
+            self.engine.close()
             self.ctx.term()
             log.info("[worker] %s stopped", self.name)
 
     def _session(self, welcome: Welcome) -> None:
-        core = WorkerCore(welcome.worker_id, self.device)
+        core = WorkerCore(welcome.worker_id, self.device, self.engine)
         core.fault = self.fault
         self.core = core
         threading.current_thread().name = f"rp-worker-{welcome.worker_id}"
@@ -217,6 +230,7 @@ class WorkerDaemon:
         core.should_abort = lambda: (
             self._stop.is_set() or session_over.is_set() or queue_.has_lower_than_running()
         )
+        core.peek_next = queue_.peek_task
         outbox_address = f"inproc://rp-worker-outbox-{id(self)}-{welcome.worker_id}"
         outbox = self.ctx.socket(zmq.PULL)
         outbox.bind(outbox_address)
@@ -293,8 +307,7 @@ class WorkerDaemon:
         outbox_address: str,
         session_over: threading.Event,
     ) -> None:
-        push = self.ctx.socket(zmq.PUSH)
-        push.connect(outbox_address)
+        outbox = _Outbox(self.ctx, outbox_address)
         try:
             while (item := queue_.next()) is not None:
                 if isinstance(item, JobSetup):
@@ -311,34 +324,44 @@ class WorkerDaemon:
                     queue_.drop_job(item.job_id)
                     core.teardown_job(item.job_id)
                     continue
+                task = item
                 try:
-                    result = core.run_task(item)
+                    # TaskDone goes out when the task's last copy has landed, perhaps from
+                    # a transfer thread after this returns; compute moves on meanwhile.
+                    core.start_task(
+                        task, lambda r, task=task: outbox.send(self._result(core, task, r))
+                    )
                 except TaskAborted as exc:
                     if self._stop.is_set() or session_over.is_set():
-                        push.send_multipart(encode(self._failed(core, item, exc, retryable=True)))
+                        outbox.send(self._failed(core, task, exc, retryable=True))
                         continue
                     # A lower-numbered task arrived while this one waited for inputs (a
                     # re-dispatched task of a dead worker, most likely). Run it first; this
                     # task is idempotent and simply runs again afterwards.
-                    log.info("[worker] task %d yields to an earlier task", item.task_id)
-                    queue_.put_task(item)
+                    log.info("[worker] task %d yields to an earlier task", task.task_id)
+                    queue_.put_task(task)
                     continue
                 except Exception as exc:
                     log.error(
                         "[worker] task %d (%s %d:%d, iteration %d) failed:\n%s",
-                        item.task_id,
-                        item.kind,
-                        item.layer_start,
-                        item.layer_stop,
-                        item.iteration,
+                        task.task_id,
+                        task.kind,
+                        task.layer_start,
+                        task.layer_stop,
+                        task.iteration,
                         traceback.format_exc(),
                     )
-                    result = self._failed(core, item, exc, retryable=False)
+                    outbox.send(self._failed(core, task, exc, retryable=False))
                 finally:
                     queue_.done_running()
-                push.send_multipart(encode(result))
         finally:
-            push.close(linger=1000)
+            outbox.close()
+
+    def _result(self, core: WorkerCore, task: StageTask, result) -> Message:
+        if isinstance(result, BaseException):
+            log.error("[worker] a copy of task %d failed: %r", task.task_id, result)
+            return self._failed(core, task, result, retryable=True)
+        return result
 
     @staticmethod
     def _failed(core: WorkerCore, task: StageTask, exc: BaseException, *, retryable: bool):
@@ -352,6 +375,32 @@ class WorkerDaemon:
             traceback=traceback.format_exc(),
             retryable=retryable,
         )
+
+
+class _Outbox:
+    """The compute side's PUSH socket to the I/O thread, shared by the compute thread and
+    the transfer threads that deliver TaskDone. A ZeroMQ socket is not thread-safe; a
+    lock serialises its use (and is the full memory barrier ZeroMQ asks for when a socket
+    changes threads)."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self._lock = threading.Lock()
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.connect(address)
+        self._closed = False
+
+    def send(self, msg: Message) -> None:
+        frames = encode(msg)
+        with self._lock:
+            if self._closed:
+                log.info("[worker] %s dropped: the session is over", type(msg).__name__)
+                return
+            self._push.send_multipart(frames)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._push.close(linger=1000)
 
 
 class _TaskQueue:
@@ -397,6 +446,11 @@ class _TaskQueue:
             task = heapq.heappop(self._heap)[2]
             self._running = task.task_id
             return task
+
+    def peek_task(self) -> StageTask | None:
+        """The task that would run next, without taking it (for the weight prefetch)."""
+        with self._cv:
+            return self._heap[0][2] if self._heap and not self._control else None
 
     def done_running(self) -> None:
         with self._cv:
@@ -453,8 +507,41 @@ def main(argv: list[str] | None = None) -> int:
         help="with --gpu: cap this worker's GPU memory, e.g. 24GiB (emulate a smaller card, "
         "or share one GPU between workers); the coordinator plans stages to fit it",
     )
+    parser.add_argument(
+        "--emulate-pcie",
+        default=None,
+        metavar="BANDWIDTH",
+        help="with --cpu: move data through an emulated bus of this bandwidth per direction "
+        "(e.g. 2GB/s): copy threads, priorities, prefetch and completion events exactly as "
+        "on a GPU, for tests and benchmarks on machines without one",
+    )
+    parser.add_argument(
+        "--emulate-latency",
+        default="10us",
+        metavar="DURATION",
+        help="with --emulate-pcie: fixed cost of each copy (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    emulate = None
+    if args.emulate_pcie is not None:
+        from roundpipe.coordinator.planner import parse_quantity
+
+        if args.gpu is not None:
+            print(
+                "roundpipe-worker: --emulate-pcie emulates a bus for a --cpu worker; a GPU "
+                "worker uses its real one",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            emulate = parse_quantity(args.emulate_pcie, what="--emulate-pcie")
+            latency = parse_duration(args.emulate_latency)
+            if not emulate > 0:
+                raise ValueError(f"--emulate-pcie must be positive, got {args.emulate_pcie!r}")
+        except ValueError as exc:
+            print(f"roundpipe-worker: {exc}", file=sys.stderr)
+            return 2
     memory_limit = None
     if args.memory_limit is not None:
         from roundpipe.coordinator.planner import parse_quantity
@@ -508,9 +595,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if fault is not None:
         log.warning("[worker] fault injection armed: %s=%s", FAULT_ENV, os.environ[FAULT_ENV])
+    try:
+        engine = make_engine(
+            device,
+            emulate_bandwidth=emulate,
+            emulate_latency_s=latency if emulate is not None else 0.0,
+            memory_limit_bytes=memory_limit,
+        )
+    except Exception as exc:  # noqa: BLE001 - e.g. no CUDA streams: say so and exit 2
+        print(f"roundpipe-worker: cannot start the transfer engine: {exc}", file=sys.stderr)
+        return 2
     daemon = WorkerDaemon(
         args.coordinator,
         device=device,
+        engine=engine,
         name=args.name,
         handshake_timeout_s=args.handshake_timeout,
         coordinator_timeout_s=args.coordinator_timeout,

@@ -10,7 +10,8 @@ Three task kinds, each over microbatches 0..M-1 in order (ARCHITECTURE.md sectio
 - ``tail``: forward + loss + backward of the last range in one go, no recompute.
 
 Weights arrive per task as ``name -> tensor`` (read-only views of shared memory on the
-CPU, uploaded copies on a GPU). They are bound to the meta-device skeleton only for the
+CPU, device copies made by the worker's transfer engine on a GPU: roundpipe.worker.transfer
+moves data, this module only computes). They are bound to the meta-device skeleton only for the
 duration of a call through ``torch.func.functional_call``; nothing is written into them
 and the skeleton holds no weights between tasks.
 
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,21 +48,30 @@ from torch.func import functional_call
 
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, count_label_tokens, shift_labels
 from roundpipe.shared.plan import Plan
+from roundpipe.worker.transfer import Stopwatch
 
 __all__ = [
     "DEFAULT_LOGITS_CHUNK_BYTES",
+    "GPU_LOGITS_CHUNK_TOKENS",
     "BackwardResult",
     "ForwardResult",
     "IterationResult",
     "RngKey",
     "StageExecutor",
+    "TailLabels",
     "TailResult",
     "chunked_lm_head_loss",
+    "tail_labels",
     "run_iteration",
 ]
 
 DEFAULT_LOGITS_CHUNK_BYTES = 128 * 1024 * 1024
-"""fp32 bytes of one chunk of logits: about 1000 tokens at a 32k vocabulary."""
+"""CPU: fp32 bytes of one chunk of logits, about 1000 tokens at a 32k vocabulary (a CPU
+runs a chunk no faster for being larger, and host memory is shared with everything)."""
+
+GPU_LOGITS_CHUNK_TOKENS = 4096
+"""GPU: tokens per chunk of logits, as the paper's library (2.5 GB of fp32 logits at a
+151,936 vocabulary): large enough that the head's matmuls run near peak."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,11 +111,39 @@ class BackwardResult:
 
 @dataclass
 class TailResult:
-    loss_sum: float
-    """Sum over microbatches of their normalised losses. Note [global loss normalisation]."""
-    microbatch_losses: list[float]
+    losses: torch.Tensor
+    """fp32 ``[M]`` on the device: each microbatch's normalised loss (Note [global loss
+    normalisation]). Reading it as numbers synchronises; the runtime downloads it."""
     grad_inputs: list[torch.Tensor] | None
     weight_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def microbatch_losses(self) -> list[float]:
+        return self.losses.tolist()
+
+    @property
+    def loss_sum(self) -> float:
+        return float(sum(self.microbatch_losses))
+
+
+@dataclass(frozen=True)
+class TailLabels:
+    """A microbatch's labels prepared on the host for the tail (no device sync needed).
+
+    ``shifted`` is ``[rows * seq]`` (next-token labels, -100 = no loss) and ``positions``
+    the indices where it is not -100, both on the compute device."""
+
+    shifted: torch.Tensor
+    positions: torch.Tensor
+    shape: tuple[int, int]
+
+
+def tail_labels(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shifted labels, label positions) of unshifted ``[rows, seq]`` labels, computed
+    where ``labels`` lives: the worker does it on the host views, so the GPU never waits
+    for a ``nonzero()`` whose size it must report back."""
+    shifted = shift_labels(labels).reshape(-1)
+    return shifted, (shifted != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 @dataclass
@@ -169,6 +206,7 @@ class StageExecutor:
         compute_dtype: torch.dtype = torch.float32,
         *,
         logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
+        logits_chunk_tokens: int | None = None,
     ) -> None:
         if compute_dtype not in _SUPPORTED_DTYPES:
             raise ValueError(
@@ -181,12 +219,18 @@ class StageExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype
-        self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
+        if logits_chunk_tokens is None and self.device.type == "cuda":
+            logits_chunk_tokens = GPU_LOGITS_CHUNK_TOKENS
+        if logits_chunk_tokens is not None:
+            if logits_chunk_tokens < 1:
+                raise ValueError(f"logits_chunk_tokens must be positive, got {logits_chunk_tokens}")
+            self.chunk_tokens = logits_chunk_tokens
+        else:
+            self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
-        # Per-layer forward seconds of the current task (the planner's profile); reset by
-        # the caller per task. Measured on the CPU only (see _run_layer).
-        self.time_layers = self.device.type == "cpu"
-        self.layer_forward_s: dict[int, float] = {}
+        # Times each layer's forward (the planner's profile) when the caller sets it per
+        # task: host clock on the CPU, CUDA events on a GPU (roundpipe.worker.transfer).
+        self.stopwatch: Stopwatch | None = None
 
     # ---------------------------------------------------------------- tasks
 
@@ -293,7 +337,8 @@ class StageExecutor:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
         ``labels[m]`` are unshifted token labels ``[rows, seq]`` (-100 = no loss), as
-        passed to HF's ``model(input_ids, labels=...)``. ``num_label_tokens`` is the
+        passed to HF's ``model(input_ids, labels=...)``, or the same prepared on the host
+        (``TailLabels``, what a GPU worker passes). ``num_label_tokens`` is the
         global batch's count (``count_label_tokens`` summed over all microbatches).
         ``on_grad_input`` streams input gradients as in ``backward``.
         """
@@ -324,30 +369,35 @@ class StageExecutor:
                 ctx: _StageContext | None = None
                 for layer in range(start, norm_layer):
                     h, ctx = self._run_layer(layer, h, bound, ctx, rng, m)
-                head_started = time.perf_counter()
+                watch = self.stopwatch
+                if watch is not None:  # norm + chunked head and loss (forward and backward)
+                    watch.start(norm_layer)
                 self._seed(rng, norm_layer, m)
                 norm_mod, _ = self.model.norm_part()
                 h = functional_call(norm_mod, bound.per_layer[norm_layer], (h,))
-                y = y.to(self.device, non_blocking=True)
-                if tuple(y.shape) != tuple(h.shape[:2]):
+                if isinstance(y, TailLabels):
+                    shape, shifted, positions = y.shape, y.shifted, y.positions
+                else:
+                    shape = tuple(y.shape)
+                    shifted, positions = tail_labels(y.to(self.device, non_blocking=True))
+                if tuple(shape) != tuple(h.shape[:2]):
                     raise ValueError(
-                        f"tail: labels of microbatch {m} have shape {tuple(y.shape)}, "
+                        f"tail: labels of microbatch {m} have shape {tuple(shape)}, "
                         f"hidden states {tuple(h.shape[:2])}"
                     )
                 loss, grad_h, grad_w = chunked_lm_head_loss(
                     h.detach().reshape(-1, h.shape[-1]),
                     bound.head,
-                    shift_labels(y).reshape(-1),
+                    shifted,
                     num_label_tokens=num_label_tokens,
                     chunk_tokens=self.chunk_tokens,
                     need_hidden_grad=h.requires_grad,
                     need_weight_grad=head_trainable,
+                    positions=positions,
                 )
                 losses.append(loss)
-                if self.time_layers:  # norm + chunked head and loss (forward and backward)
-                    self.layer_forward_s[norm_layer] = self.layer_forward_s.get(norm_layer, 0.0) + (
-                        time.perf_counter() - head_started
-                    )
+                if watch is not None:
+                    watch.stop(norm_layer)
                 if grad_w is not None:
                     _accumulate(acc, head_name, grad_w)
                 gx = None
@@ -365,8 +415,7 @@ class StageExecutor:
                 acc[name] = torch.zeros(
                     self._shape_of(name), dtype=torch.float32, device=self.device
                 )
-        mb_losses = torch.stack(losses).tolist()
-        return TailResult(float(sum(mb_losses)), mb_losses, grad_inputs, acc)
+        return TailResult(torch.stack(losses), grad_inputs, acc)
 
     # -------------------------------------------------------------- internals
 
@@ -461,15 +510,12 @@ class StageExecutor:
         rng: RngKey,
         m: int,
     ) -> tuple[torch.Tensor, _StageContext | None]:
-        if not self.time_layers:
+        watch = self.stopwatch
+        if watch is None:
             return self._compute_layer(layer, x, bound, ctx, rng, m)
-        # CPU only: host timestamps are exact there (the ops ran when they return). A GPU
-        # worker needs CUDA events instead; until then it reports no per-layer times.
-        started = time.perf_counter()
+        watch.start(layer)
         out = self._compute_layer(layer, x, bound, ctx, rng, m)
-        self.layer_forward_s[layer] = self.layer_forward_s.get(layer, 0.0) + (
-            time.perf_counter() - started
-        )
+        watch.stop(layer)
         return out
 
     def _compute_layer(
@@ -573,11 +619,13 @@ def chunked_lm_head_loss(
     chunk_tokens: int,
     need_hidden_grad: bool = True,
     need_weight_grad: bool = True,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Cross-entropy of ``hidden @ weight.T`` against already shifted ``labels``.
 
     hidden ``[T, H]`` (compute dtype), weight ``[V, H]``, labels ``[T]`` with -100 for
-    no loss. Returns (fp32 loss = sum of token losses / num_label_tokens, d loss / d
+    no loss. ``positions`` (the indices of labels that are not -100) may be given,
+    computed on the host, so that no ``nonzero()`` synchronises a GPU. Returns (fp32 loss = sum of token losses / num_label_tokens, d loss / d
     hidden in hidden's dtype or None, fp32 d loss / d weight or None). At most
     ``chunk_tokens`` rows of logits exist at a time. Note [chunked LM head].
     """
@@ -591,6 +639,7 @@ def chunked_lm_head_loss(
             chunk_tokens,
             need_hidden_grad,
             need_weight_grad,
+            positions,
         )
 
 
@@ -602,9 +651,10 @@ def _chunked_lm_head_loss(
     chunk_tokens: int,
     need_hidden_grad: bool,
     need_weight_grad: bool,
+    positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     dev = hidden.device
-    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = positions if positions is not None else (labels != IGNORE_INDEX).nonzero().squeeze(1)
     num_rows = rows.numel()
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     grad_h = torch.zeros_like(hidden) if need_hidden_grad else None

@@ -9,14 +9,21 @@ task reads its inputs from and writes its results to shared memory.
 Running a task, in order:
 
 1. wait for the weights' version counters (Note [weight-update ordering] in
-   roundpipe.coordinator.schedule), and bind the right params parity;
-2. stream microbatches: before microbatch m is read, wait for its counters; as soon as
-   its output (forward) or input gradient (backward, tail) exists, write it to its slot
-   and store its counters, so the next stage on another worker can start on it while
-   this one continues with m + 1;
-3. wait until the gradient slots are free, write the summed weight gradients (every slot
-   is written, zeros where a parameter got no gradient, so a re-run writes the same
-   bytes), and store the wgrad counters.
+   roundpipe.coordinator.schedule), and upload the right params parity, unless the
+   prefetcher already did while the previous task computed (Note [weight prefetch]);
+2. stream microbatches: before microbatch m is read, wait for its counters and upload
+   it (microbatch m + 1 is uploaded while m computes if its counters are already met);
+   as soon as its output (forward) or input gradient (backward, tail) exists, download
+   it to its slot, and store its counters once the copy has landed, so the next stage
+   on another worker can start on it while this one continues with m + 1;
+3. wait until the gradient slots are free, download the summed weight gradients (every
+   slot is written, zeros where a parameter got no gradient, so a re-run writes the same
+   bytes), and store the wgrad counters once they have landed;
+4. report TaskDone once every copy of the task has landed (the compute thread is free
+   to start the next task before that).
+
+All copies go through the worker's transfer engine (roundpipe.worker.transfer): views on
+a CPU worker, an emulated bus, or CUDA streams.
 
 A task is idempotent: re-running it (on this or another worker) reads the same inputs
 and computes the same bytes; counters never move backwards.
@@ -28,13 +35,25 @@ Note [no rewrite after signal]
     task's gradient) counters has reached its value, every byte it covers is already in
     place, and a second write could land on a slot that a later iteration already reuses
     (a gradient slot is refilled with g_{k+1} as soon as the optimizer consumed g_k). The
-    re-run only stores the counters that are still missing.
+    re-run only stores the counters that are still missing. A task that fails or aborts
+    first waits for its copies in flight, so the re-run sees what really landed.
+
+Note [weight prefetch]
+    While task k computes, the weights of the task queued next on this worker are
+    uploaded (one stage ahead; two stages resident) as soon as that task's version
+    waits are met, if the device has room. The upload is keyed by the task (job, id,
+    attempt, weight version, layer range) and used only by exactly that task: a
+    re-dispatched attempt, another task, or a torn-down job discards it. Its data is as
+    valid as an upload made when the task starts: the same version waits were met, and
+    the params parity it read is not rewritten before this task's iteration has
+    finished with it (Note [weight-update ordering], point 3).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,10 +71,17 @@ from roundpipe.protocol import (
     name_to_dtype,
 )
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.events import Counters, EventTable
+from roundpipe.shared.events import Counters, EventTable, fence
 from roundpipe.shared.model import LayeredModel
-from roundpipe.worker.executor import RngKey, StageExecutor
+from roundpipe.worker.executor import RngKey, StageExecutor, TailLabels, tail_labels
 from roundpipe.worker.faults import Fault
+from roundpipe.worker.transfer import (
+    Priority,
+    Transfer,
+    TransferEngine,
+    Upload,
+    make_engine,
+)
 
 __all__ = ["EVENTS_ARENA", "JobState", "WorkerCore", "TaskAborted"]
 
@@ -81,6 +107,8 @@ class JobState:
     )
     # layer -> its gradient slots, name -> view (JobSetup's LayerLayout.grads)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # copies of this job's tasks still in flight: teardown waits for them before unmapping
+    inflight: set[_TaskCopies] = field(default_factory=set)
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         return self.arenas[ref.arena].view(ref)
@@ -106,13 +134,24 @@ def model_config_dict(config) -> dict:
 class WorkerCore:
     """Executes StageTasks for the jobs set up on it. One task at a time."""
 
-    def __init__(self, worker_id: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        worker_id: int,
+        device: torch.device | str = "cpu",
+        transfer: TransferEngine | None = None,
+    ):
         self.worker_id = worker_id
         self.device = torch.device(device)
+        self._owns_engine = transfer is None
+        self.engine = transfer if transfer is not None else make_engine(self.device)
         self.jobs: dict[str, JobState] = {}
         self.should_abort: Callable[[], bool] = lambda: False
+        self.peek_next: Callable[[], StageTask | None] = lambda: None
+        """The task queued after the running one (the daemon's queue), for prefetch."""
+        self.prefetcher = _Prefetcher(self)
         self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
         self._waited_s = 0.0  # time the current task spent waiting for counters
+        self.last_compute_end = 0.0  # host clock when the last task's compute returned
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -126,6 +165,7 @@ class WorkerCore:
             model = LayeredModel.from_config(dict(setup.model_config), setup.lora)
             dtype = name_to_dtype(setup.compute_dtype)
             executor = StageExecutor(model, self.device, dtype)
+            self.engine.register(arenas.values())
             events = EventTable(arenas[EVENTS_ARENA], DATA_START)
             # Name counters in timeout errors the way the coordinator does.
             events.set_labeler(Counters(model.num_layers, setup.num_microbatches).label)
@@ -136,6 +176,7 @@ class WorkerCore:
                 state.weights[layout.layer] = (even, odd)
                 state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
         except BaseException:
+            self.engine.unregister(arenas.values())
             for arena in arenas.values():
                 arena.close()
             raise
@@ -145,18 +186,46 @@ class WorkerCore:
         )
 
     def teardown_job(self, job_id: str) -> None:
+        self.prefetcher.discard(job_id, wait=True)
         state = self.jobs.pop(job_id, None)
         if state is not None:
+            for copies in list(state.inflight):
+                copies.wait_all()
+            self.engine.unregister(state.arenas.values())
             state.close()
             log.info("[worker %d] job %s torn down", self.worker_id, job_id)
 
     def close(self) -> None:
+        self.prefetcher.discard(wait=True)
         for job_id in list(self.jobs):
             self.teardown_job(job_id)
+        if self._owns_engine:
+            self.engine.close()
 
     # -- tasks ------------------------------------------------------------------------
 
     def run_task(self, task: StageTask) -> TaskDone:
+        """Run a task and return its TaskDone once every copy has landed."""
+        box: list[TaskDone | BaseException] = []
+        landed = threading.Event()
+
+        def deliver(result: TaskDone | BaseException) -> None:
+            box.append(result)
+            landed.set()
+
+        self.start_task(task, deliver)
+        landed.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def start_task(
+        self, task: StageTask, deliver: Callable[[TaskDone | BaseException], None]
+    ) -> None:
+        """Compute a task on the calling thread; ``deliver`` gets its TaskDone (or the
+        error of a copy) once all its copies have landed, possibly on a transfer thread
+        after this returns. A compute error is raised here, after the task's copies in
+        flight have landed (Note [no rewrite after signal])."""
         state = self.jobs.get(task.job_id)
         if state is None:
             raise RuntimeError(
@@ -164,14 +233,73 @@ class WorkerCore:
             )
         started = time.perf_counter()
         self._waited_s = 0.0
-        state.executor.layer_forward_s = {}
+        copies = _TaskCopies()
+        state.inflight.add(copies)
+        watch = self.engine.stopwatch()
+        state.executor.stopwatch = watch
+        try:
+            self._compute(state, task, copies)
+        except BaseException:
+            copies.wait_all()
+            state.inflight.discard(copies)
+            raise
+        finally:
+            state.executor.stopwatch = None
+            self.last_compute_end = time.perf_counter()
+        waited_s = self._waited_s
+
+        def finish(error: BaseException | None) -> None:
+            state.inflight.discard(copies)
+            if error is not None:
+                deliver(error)
+                return
+            try:
+                done = self._task_done(task, state, watch, copies, started, waited_s)
+            except BaseException as exc:  # noqa: BLE001 - reported as the task's failure
+                deliver(exc)
+                return
+            deliver(done)
+
+        copies.when_all_landed(finish)
+
+    def _task_done(self, task, state, watch, copies, started, waited_s) -> TaskDone:
+        measured = watch.resolve()
+        compute_s = max(0.0, measured.pop(_TASK_KEY, 0.0) - waited_s)
+        return TaskDone(
+            job_id=task.job_id,
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker_id=self.worker_id,
+            seconds=time.perf_counter() - started,
+            layer_times=self._layer_times(task, measured, compute_s),
+            compute_s=compute_s,
+            upload_s=copies.upload_s,
+            download_s=copies.download_s,
+            upload_bytes=copies.upload_bytes,
+            download_bytes=copies.download_bytes,
+        )
+
+    def _compute(self, state: JobState, task: StageTask, copies: _TaskCopies) -> None:
         timeout = task.wait_timeout_s
         self._fault_point("start", task)
         for wait in task.weight_waits:
             self._wait(state, wait, timeout)
-        weights = self._weights(state, task)
+        upload = self.prefetcher.take(task)
+        if upload is None:
+            upload = self.engine.upload(self._weights(state, task), Priority.WEIGHT)
+        copies.add(upload, up=True)
+        nxt = self.peek_next()
+        if nxt is not None:
+            self.prefetcher.arm(nxt)  # Note [weight prefetch]
+        waited = time.perf_counter()
+        weights = upload.tensors()
+        self._waited_s += time.perf_counter() - waited
+        watch = state.executor.stopwatch
+        assert watch is not None
+        self._waited_s = 0.0  # from here on: waits inside the compute window
+        watch.start(_TASK_KEY)
         rng = RngKey(seed=task.seed, iteration=task.iteration)
-        feed = _MicrobatchFeed(self, state, task)
+        feed = _MicrobatchFeed(self, state, task, copies)
         ex = state.executor
         start, stop = task.layer_start, task.layer_stop
         if task.kind == "forward":
@@ -211,45 +339,57 @@ class WorkerCore:
                 on_grad_input=feed.write_output,
             )
             feed.write_grad_inputs(result.grad_inputs)
-            for mb, loss in zip(task.microbatches, result.microbatch_losses):
+            # Losses come down once per task; the coordinator reads them after TaskDone,
+            # so they need no counter.
+            pairs = []
+            for m, mb in enumerate(task.microbatches):
                 assert mb.loss is not None
-                state.view(mb.loss).fill_(loss)
+                dst = state.view(mb.loss)
+                pairs.append((result.losses[m : m + 1].reshape(dst.shape), dst))
+            copies.add(self.engine.download(pairs, Priority.WEIGHT), up=False)
             grads = result.weight_grads
-            # Losses are read by the coordinator after TaskDone; no counter needed.
+        watch.stop(_TASK_KEY)
         slots = state.grad_slots(start, stop) if task.kind != "forward" else []
         if slots:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
-            if not self._published(state, task.grad_signals):  # Note [no rewrite after signal]
+            signals = list(task.grad_signals)
+            if self._published(state, signals):  # Note [no rewrite after signal]
+                for sig in signals:
+                    self._signal(state, sig)
+            else:
+                pairs = []
                 for name, dst in slots:
                     grad = grads.get(name)
                     if grad is None:
                         dst.zero_()  # write every slot: a re-run must produce the same bytes
                     else:
-                        dst.copy_(grad)
-            for sig in task.grad_signals:
-                self._signal(state, sig)
+                        pairs.append((grad, dst))
+                # Weight gradients go behind activations (Note [priority-aware transfers]);
+                # their counters are stored once they have landed.
+                copies.add(
+                    self.engine.download(
+                        pairs, Priority.WEIGHT, then=lambda: self._signal_all(state, signals)
+                    ),
+                    up=False,
+                )
         self._fault_point("end", task)
-        seconds = time.perf_counter() - started
-        return TaskDone(
-            job_id=task.job_id,
-            task_id=task.task_id,
-            attempt=task.attempt,
-            worker_id=self.worker_id,
-            seconds=seconds,
-            layer_times=self._layer_times(task, state, seconds - self._waited_s),
-        )
+
+    def _signal_all(self, state: JobState, signals: Sequence[EventSignal]) -> None:
+        for sig in signals:
+            self._signal(state, sig)
 
     @staticmethod
-    def _layer_times(task: StageTask, state: JobState, busy_s: float) -> dict[str, float]:
+    def _layer_times(
+        task: StageTask, measured: dict[int, float], busy_s: float
+    ) -> dict[str, float]:
         """Per-layer seconds for the planner (roundpipe.coordinator.planner keys).
 
         Forward tasks: each layer's measured forward time (``"L.fwd"``). Backward and tail
-        tasks: autograd runs the whole stage at once, so the task's busy time (wall time
-        minus waiting for inputs) is split over its layers in proportion to their measured
-        forward (recompute) times (``"L"``).
+        tasks: autograd runs the whole stage at once, so the task's compute time (without
+        waiting for inputs or uploads) is split over its layers in proportion to their
+        measured forward (recompute) times (``"L"``). Measured with CUDA events on a GPU.
         """
-        measured = state.executor.layer_forward_s
         if not measured:
             return {}
         if task.kind == "forward":
@@ -300,12 +440,185 @@ class WorkerCore:
             self.fault.point(where, task=task, mb=mb)
 
 
-class _LazyInputs(Sequence):
-    """A sequence whose item m waits for microbatch m's counters before it is read."""
+_TASK_KEY = -1
+"""Stopwatch key of a task's whole compute (layer keys are >= 0)."""
 
-    def __init__(self, feed: _MicrobatchFeed, pick: Callable[[MicrobatchIO], TensorRef]):
+
+class _TaskCopies:
+    """The copies of one task: when all have landed, and what they cost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._transfers: list[tuple[Transfer, bool]] = []
+
+    def add(self, transfer: Transfer, *, up: bool) -> None:
+        with self._lock:
+            self._transfers.append((transfer, up))
+
+    def wait_all(self) -> None:
+        for t, _ in list(self._transfers):
+            try:
+                t.wait()
+            except Exception:  # noqa: BLE001 - the task fails anyway; its error is raised
+                pass
+
+    def when_all_landed(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(first copy error or None)`` once, after every copy landed."""
+        with self._lock:
+            transfers = [t for t, _ in self._transfers]
+        left = [len(transfers) + 1]  # +1: the registration itself, so it fires once
+        lock = threading.Lock()
+
+        def one_landed() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback(next((t.error for t in transfers if t.error is not None), None))
+
+        for t in transfers:
+            t.then(one_landed, always=True)
+        one_landed()
+
+    def _sum(self, up: bool, what: str) -> float:
+        return sum(getattr(t, what) for t, u in self._transfers if u == up)
+
+    @property
+    def upload_s(self) -> float:
+        return self._sum(True, "link_s")
+
+    @property
+    def download_s(self) -> float:
+        return self._sum(False, "link_s")
+
+    @property
+    def upload_bytes(self) -> int:
+        return int(self._sum(True, "nbytes"))
+
+    @property
+    def download_bytes(self) -> int:
+        return int(self._sum(False, "nbytes"))
+
+
+def _task_key(task: StageTask) -> tuple:
+    return (
+        task.job_id,
+        task.task_id,
+        task.attempt,
+        task.weight_version,
+        task.layer_start,
+        task.layer_stop,
+    )
+
+
+class _Prefetcher:
+    """Uploads the next queued task's weights while the current one computes.
+
+    Note [weight prefetch]. A small thread per armed task waits for the task's version
+    counters (they are often met already), then issues the upload at weight priority.
+    """
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._upload: Upload | None = None
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.used = 0
+        """Prefetched uploads a task used (for tests and logs)."""
+        self.discarded = 0
+        """Prefetched uploads thrown away: stale, for another task, or the job ended."""
+        self.last: Upload | None = None
+        """The most recent prefetched upload issued (for tests)."""
+
+    def arm(self, task: StageTask) -> None:
+        engine = self.core.engine
+        state = self.core.jobs.get(task.job_id)
+        key = _task_key(task)
+        if (
+            engine.kind == "cpu"
+            or state is None
+            or task.kind not in ("forward", "backward", "tail")
+        ):
+            return
+        with self._lock:
+            if self._key == key:
+                return
+        self.discard()
+        weights = self.core._weights(state, task)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        if not engine.memory_free_for(nbytes):
+            log.debug("[worker %d] no room to prefetch task %d", self.core.worker_id, task.task_id)
+            return
+        cancel = threading.Event()
+        thread = threading.Thread(
+            target=self._fetch,
+            args=(state, task, key, weights, cancel),
+            name=f"rp-prefetch-{task.task_id}",
+            daemon=True,
+        )
+        with self._lock:
+            self._key, self._upload, self._cancel, self._thread = key, None, cancel, thread
+        thread.start()
+
+    def _fetch(self, state, task, key, weights, cancel: threading.Event) -> None:
+        try:
+            for wait in task.weight_waits:
+                state.events.wait_at_least(
+                    wait.counter,
+                    wait.at_least,
+                    task.wait_timeout_s,
+                    should_abort=lambda: cancel.is_set() or self.core.should_abort(),
+                )
+        except Exception:  # noqa: BLE001 - cancelled or timed out: the task waits itself
+            return
+        with self._lock:
+            if cancel.is_set() or self._key != key:
+                return
+            self._upload = self.core.engine.upload(weights, Priority.WEIGHT)
+            self.last = self._upload
+
+    def take(self, task: StageTask) -> Upload | None:
+        """The prefetched upload of exactly this task, if it was issued; else None (and
+        whatever was prefetched is discarded)."""
+        key = _task_key(task)
+        with self._lock:
+            if self._key == key and self._upload is not None:
+                upload, self._key, self._upload = self._upload, None, None
+                self.used += 1
+                return upload
+        self.discard()
+        return None
+
+    def discard(self, job_id: str | None = None, *, wait: bool = False) -> None:
+        """Drop the armed prefetch (only if it belongs to ``job_id``, when given). With
+        ``wait``, return only once nothing of it touches the job's arenas any more (its
+        thread has stopped waiting on the event table, its copy has landed): a job's
+        arenas are unmapped right after."""
+        with self._lock:
+            if self._key is None or (job_id is not None and self._key[0] != job_id):
+                return
+            self._cancel.set()
+            upload, self._key, self._upload = self._upload, None, None
+            thread, self._thread = self._thread, None
+            self.discarded += 1
+        # No upload can be issued any more: _fetch issues under the lock, if not cancelled.
+        if wait:
+            if thread is not None:
+                thread.join()
+            if upload is not None:
+                upload.wait_landed()
+        if upload is not None:
+            upload.then(upload.discard, always=True)
+
+
+class _LazyInputs(Sequence):
+    """A sequence whose item m waits for microbatch m's counters, then uploads it."""
+
+    def __init__(self, feed: _MicrobatchFeed, what: str):
         self._feed = feed
-        self._pick = pick
+        self._what = what
 
     def __len__(self) -> int:
         return len(self._feed.task.microbatches)
@@ -313,42 +626,106 @@ class _LazyInputs(Sequence):
     def __getitem__(self, m):  # type: ignore[override]
         if isinstance(m, slice):
             return [self[i] for i in range(*m.indices(len(self)))]
-        mb = self._feed.ready(m)
-        return self._feed.state.view(self._pick(mb))
+        return self._feed.fetch(self._what, m)
+
+
+_PICK: dict[str, Callable[[MicrobatchIO], TensorRef]] = {
+    "input": lambda mb: mb.input,
+    "grad_output": lambda mb: mb.grad_output,
+    "labels": lambda mb: mb.labels,
+}
 
 
 class _MicrobatchFeed:
-    """Per-microbatch waits on the way in, writes and signals on the way out."""
+    """Per-microbatch waits and uploads on the way in, downloads and signals on the way
+    out (signals stored by the engine once the download has landed)."""
 
-    def __init__(self, core: WorkerCore, state: JobState, task: StageTask):
+    def __init__(self, core: WorkerCore, state: JobState, task: StageTask, copies: _TaskCopies):
         self.core = core
         self.state = state
         self.task = task
+        self.copies = copies
         self._ready: set[int] = set()
+        self._faulted: set[int] = set()
         self._written: set[int] = set()
+        self._uploads: dict[tuple[str, int], Upload] = {}
+        self._saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def ready(self, m: int) -> MicrobatchIO:
+    # -- in ---------------------------------------------------------------------------
+
+    def _wait_ready(self, m: int) -> MicrobatchIO:
         mb = self.task.microbatches[m]
         if m not in self._ready:
-            self.core._fault_point("mb", self.task, mb.index)
             for wait in mb.waits:
                 self.core._wait(self.state, wait, self.task.wait_timeout_s)
             self._ready.add(m)
         return mb
 
+    def _ready_now(self, m: int) -> bool:
+        """Whether microbatch m's counters are all met already (no waiting)."""
+        if m in self._ready:
+            return True
+        events = self.state.events
+        if all(events.read(w.counter) >= w.at_least for w in self.task.microbatches[m].waits):
+            fence()  # Note [event-table fences]: the counters before the data
+            self._ready.add(m)
+            return True
+        return False
+
+    def _upload(self, what: str, m: int) -> Upload:
+        mb = self.task.microbatches[m]
+        view = self.state.view(_PICK[what](mb))
+        if what == "labels":
+            # Label positions are found on the host: the device never syncs for them.
+            shifted, positions = tail_labels(view)
+            return self.core.engine.upload(
+                {"shifted": shifted, "positions": positions}, Priority.ACTIVATION
+            )
+        return self.core.engine.upload({"x": view}, Priority.ACTIVATION)
+
+    def fetch(self, what: str, m: int):
+        if m not in self._faulted:
+            self._faulted.add(m)
+            self.core._fault_point("mb", self.task, self.task.microbatches[m].index)
+        up = self._uploads.pop((what, m), None)
+        if up is None:
+            self._wait_ready(m)
+            up = self._upload(what, m)
+            self.copies.add(up, up=True)
+        # Look ahead: microbatch m + 1 goes up while m computes, if it is there already.
+        nxt = m + 1
+        if (
+            nxt < len(self.task.microbatches)
+            and (what, nxt) not in self._uploads
+            and self.core.engine.kind != "cpu"
+            and self._ready_now(nxt)
+        ):
+            ahead = self._upload(what, nxt)
+            self.copies.add(ahead, up=True)
+            self._uploads[(what, nxt)] = ahead
+        waited = time.perf_counter()
+        tensors = up.tensors()
+        self.core._waited_s += time.perf_counter() - waited
+        if what == "labels":
+            mb = self.task.microbatches[m]
+            rows_seq = tuple(self.state.view(mb.labels).shape)
+            return TailLabels(tensors["shifted"], tensors["positions"], rows_seq)  # type: ignore[arg-type]
+        return tensors["x"]
+
     def inputs(self) -> _LazyInputs:
-        return _LazyInputs(self, lambda mb: mb.input)
+        return _LazyInputs(self, "input")
 
     def grad_outputs(self) -> _LazyInputs:
-        return _LazyInputs(self, lambda mb: mb.grad_output)
+        return _LazyInputs(self, "grad_output")
 
     def labels(self) -> _LazyInputs:
-        return _LazyInputs(self, lambda mb: mb.labels)
+        return _LazyInputs(self, "labels")
+
+    # -- out --------------------------------------------------------------------------
 
     def _publish(self, m: int) -> None:
         for sig in self.task.microbatches[m].signals:
             self.core._signal(self.state, sig)
-        self._written.add(m)
 
     def _already_published(self, m: int) -> bool:
         return self.core._published(self.state, self.task.microbatches[m].signals)
@@ -356,23 +733,30 @@ class _MicrobatchFeed:
     def write_output(self, m: int, tensor: torch.Tensor) -> None:
         mb = self.task.microbatches[m]
         assert mb.output is not None
-        if not self._already_published(m):  # Note [no rewrite after signal]
-            self.state.view(mb.output).copy_(tensor)
-        self._publish(m)
+        self._written.add(m)
+        saved = self._saved.pop(m, [])
+        if self._already_published(m):  # Note [no rewrite after signal]
+            self._publish(m)
+            return
+        # Saved inputs travel with the output: one copy, one completion, then the
+        # microbatch's counters (its signals cover both).
+        pairs = saved + [(tensor, self.state.view(mb.output))]
+        self.copies.add(
+            self.core.engine.download(pairs, Priority.ACTIVATION, then=lambda: self._publish(m)),
+            up=False,
+        )
 
     def write_saved(self, layer: int, m: int, tensor: torch.Tensor) -> None:
-        # Saved inputs are published together with the microbatch's output (its signals
-        # list covers both), which comes later in the same microbatch.
-        if self._already_published(m):
-            return
         for saved in self.task.microbatches[m].saved:
             if saved.layer == layer:
-                self.state.view(saved.ref).copy_(tensor)
+                self._saved.setdefault(m, []).append((tensor, self.state.view(saved.ref)))
 
     def write_grad_inputs(self, grad_inputs: list[torch.Tensor] | None) -> None:
         for m, mb in enumerate(self.task.microbatches):
             if m in self._written:
                 continue
-            if mb.output is not None and grad_inputs is not None and not self._already_published(m):
-                self.state.view(mb.output).copy_(grad_inputs[m])
-            self._publish(m)
+            if mb.output is not None and grad_inputs is not None:
+                self.write_output(m, grad_inputs[m])
+            else:
+                self._written.add(m)
+                self._publish(m)

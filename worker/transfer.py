@@ -1,0 +1,711 @@
+"""Everything between shared memory and the device: one transfer engine per worker.
+
+The executor computes on device tensors and hands device tensors back; this module moves
+them. ``WorkerCore`` (roundpipe.worker.runtime) asks the engine to upload a stage's
+weights and each microbatch's activations, and to download outputs, saved inputs, input
+gradients, weight gradients and losses; the engine says when a copy has landed, and only
+then does the runtime store the event-table counter that covers it.
+
+Three backends, one interface (``TransferEngine``), chosen per worker
+(``make_engine`` and ``roundpipe-worker --gpu / --cpu [--emulate-pcie BW]``):
+
+``cpu``
+    Today's CPU worker: the "device" is host memory, an upload is the arena view itself
+    and a download is a copy done on the spot. No threads.
+``emulated``
+    A real asynchronous engine for machines without a GPU. Each direction of the bus is
+    a *link*: a thread that takes copies off a priority queue one chunk at a time, holds
+    each chunk for ``latency + bytes / bandwidth`` and only then copies it, so data that
+    is read before its completion was reported is visibly stale. Uploads land in private
+    tensors (a device's memory is not the arena). Completion callbacks run on the link
+    thread. Tests and the CPU benchmarks run the scheduling logic of the CUDA backend
+    through it: priorities, chunking, prefetch, completion-before-counter.
+``cuda``
+    Arenas registered in place once per worker (``cudaHostRegister``; unregistered at
+    teardown), so copies are DMA. Streams: compute (the compute thread's current
+    stream); activation upload (high priority); weight upload (low priority); download.
+    The same link threads issue the copies on those streams, keep at most a small window
+    of chunks in flight per direction, and wait for their CUDA events; completion
+    callbacks run there, never on the compute thread.
+
+Note [priority-aware transfers]
+    A copy engine serves copies roughly in the order they were issued, whatever the
+    stream's priority. If a stage's weights (hundreds of MB) were issued at once, the
+    next microbatch's activation (a few MB, on the critical path) would wait behind all
+    of them. So a link never issues more than ``window`` chunks ahead, and weight copies
+    are split into ``chunk_bytes`` pieces: an activation upload arriving while weights
+    stream in waits for at most ``window`` chunks. Downloads likewise put activations
+    (the next stage on another worker waits for them) before weight gradients (only the
+    optimizer waits for those, and it has a whole iteration).
+
+Note [counter after landing]
+    A download's completion callback is where the runtime stores the counter that
+    publishes the data, so a counter is never stored before its bytes are in the arena.
+    On a GPU the callback runs after the copy's CUDA event completed; on the emulated
+    link after the delayed copy was done. Within one priority a link completes copies in
+    the order they were queued, so a callback also knows every earlier copy of its
+    priority has landed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "CpuEngine",
+    "CudaEngine",
+    "EmulatedEngine",
+    "Priority",
+    "Stopwatch",
+    "Transfer",
+    "TransferEngine",
+    "TransferStats",
+    "Upload",
+    "make_engine",
+    "parse_duration",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Weight copies are split into pieces of this size. Note [priority-aware transfers]."""
+
+
+class Priority(IntEnum):
+    """Lower goes first on a link."""
+
+    ACTIVATION = 0
+    """Activations and their gradients: the next stage waits for them."""
+    WEIGHT = 1
+    """Weights (up) and weight gradients and losses (down)."""
+
+
+def parse_duration(text: str | float) -> float:
+    """``"20us"`` -> 2e-5, ``"1.5ms"`` -> 0.0015, ``"0.2s"`` / ``"0.2"`` -> 0.2 seconds."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s)?\s*", text)
+        if m is None:
+            raise ValueError(f"cannot read duration {text!r}: expected e.g. 20us, 1.5ms, 0.2s")
+        value = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m.group(2)]
+    if value < 0:
+        raise ValueError(f"a duration cannot be negative, got {text!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- handles
+
+
+class Transfer:
+    """Completion handle of one copy (of one or more tensors).
+
+    ``wait()`` blocks until every byte has landed and re-raises a copy's error;
+    callbacks added with ``then`` run once, on the link's thread, after landing (at
+    once, on the caller's thread, if it has already landed). A copy that failed runs
+    only the callbacks added with ``always=True``: a counter must never publish it.
+    """
+
+    def __init__(self, chunks: int, nbytes: int) -> None:
+        self._lock = threading.Lock()
+        self._left = chunks
+        self._finished = chunks == 0  # under _lock: callbacks taken (or none to take)
+        self._done = threading.Event()  # set after the callbacks ran: wait() sees their effects
+        self._callbacks: list[tuple[Callable[[], None], bool]] = []
+        self.nbytes = nbytes
+        self.error: BaseException | None = None
+        self.queued_at = time.perf_counter()
+        self.started_at: float | None = None
+        """When the link began the first chunk (host clock)."""
+        self.finished_at: float | None = None
+        """When the last chunk landed (host clock)."""
+        self.link_s = 0.0
+        """Seconds the link spent on this copy's chunks."""
+        if chunks == 0:
+            self.started_at = self.finished_at = self.queued_at
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"a {self.nbytes}-byte copy did not land within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+
+    def wait_landed(self) -> None:
+        """Block until the copy is over, successful or not (never raises)."""
+        self._done.wait()
+
+    def then(self, callback: Callable[[], None], *, always: bool = False) -> None:
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append((callback, always))
+                return
+        if always or self.error is None:
+            callback()
+
+    # -- link side ----------------------------------------------------------------
+
+    def _chunk_started(self, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = now
+
+    def _chunk_done(self, seconds: float, error: BaseException | None = None) -> None:
+        with self._lock:
+            self.link_s += seconds
+            if error is not None and self.error is None:
+                self.error = error
+            self._left -= 1
+            if self._left > 0:
+                return
+            self.finished_at = time.perf_counter()
+            callbacks, self._callbacks = self._callbacks, []
+            self._finished = True
+        for cb, always in callbacks:
+            if not (always or self.error is None):
+                continue
+            try:
+                cb()
+            except Exception:  # a callback's failure must not kill the link
+                log.exception("transfer completion callback failed")
+        self._done.set()
+
+
+class Upload(Transfer):
+    """An upload: ``tensors()`` gives the device tensors once they may be computed on."""
+
+    def __init__(self, engine: TransferEngine, dst: dict[str, torch.Tensor], chunks: int, nbytes):
+        super().__init__(chunks, nbytes)
+        self._engine = engine
+        self._dst = dst
+        self.cuda_event = None  # CUDA: recorded after the last chunk, on its stream
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The uploaded tensors, usable on the caller's (compute) stream."""
+        self._engine._ready_for_compute(self)
+        return self._dst
+
+    def discard(self) -> None:
+        """Drop the device copies. Call it once the upload has landed (``then``), so no
+        copy writes into freed memory."""
+        self._dst = {}
+
+
+@dataclass
+class TransferStats:
+    """Totals since the engine started (per task: difference of two snapshots)."""
+
+    upload_bytes: int = 0
+    download_bytes: int = 0
+    upload_s: float = 0.0
+    download_s: float = 0.0
+
+    def snapshot(self) -> TransferStats:
+        return TransferStats(self.upload_bytes, self.download_bytes, self.upload_s, self.download_s)
+
+    def since(self, earlier: TransferStats) -> TransferStats:
+        return TransferStats(
+            self.upload_bytes - earlier.upload_bytes,
+            self.download_bytes - earlier.download_bytes,
+            self.upload_s - earlier.upload_s,
+            self.download_s - earlier.download_s,
+        )
+
+
+class Stopwatch:
+    """Per-key compute time of one task (host clock; ``CudaStopwatch`` uses CUDA events)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self._open: dict[int, float] = {}
+
+    def start(self, key: int) -> None:
+        self._open[key] = time.perf_counter()
+
+    def stop(self, key: int) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - self._open.pop(key)
+
+    def resolve(self) -> dict[int, float]:
+        """Seconds per key; on a GPU only once the timed work has finished."""
+        return dict(self.seconds)
+
+
+# --------------------------------------------------------------------------- links
+
+
+@dataclass(order=True)
+class _Chunk:
+    priority: int
+    seq: int
+    src: torch.Tensor = field(compare=False)
+    dst: torch.Tensor = field(compare=False)
+    transfer: Transfer = field(compare=False)
+    after: Callable[[], None] | None = field(compare=False, default=None)
+    """CUDA: makes the link's stream wait for the producer of ``src`` (compute)."""
+
+
+class _Link(ABC):
+    """One direction of the bus: a thread serving chunks by (priority, arrival)."""
+
+    def __init__(self, name: str, window: int) -> None:
+        self.name = name
+        self.window = window
+        self._cv = threading.Condition()
+        self._heap: list[_Chunk] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self.busy_s = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(
+        self,
+        priority: int,
+        pieces: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        transfer,
+        after=None,
+    ) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"transfer link {self.name} is closed")
+            for src, dst in pieces:
+                heapq.heappush(
+                    self._heap, _Chunk(priority, next(self._seq), src, dst, transfer, after)
+                )
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        self._thread_setup()
+        inflight: list[tuple[_Chunk, object, float]] = []
+        while True:
+            with self._cv:
+                while not self._heap and not inflight and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._heap and not inflight:
+                    return
+                chunk = heapq.heappop(self._heap) if self._heap else None
+            if chunk is not None:
+                started = time.perf_counter()
+                chunk.transfer._chunk_started(started)
+                try:
+                    token = self._issue(chunk)
+                except BaseException as exc:  # noqa: BLE001 - reported through the handle
+                    chunk.transfer._chunk_done(time.perf_counter() - started, exc)
+                    continue
+                inflight.append((chunk, token, started))
+            # Issue up to ``window`` chunks ahead; finish the oldest when the window is
+            # full or nothing else is queued.
+            if inflight and (len(inflight) >= self.window or chunk is None):
+                done, token, started = inflight.pop(0)
+                error = None
+                try:
+                    self._finish(done, token)
+                except BaseException as exc:  # noqa: BLE001
+                    error = exc
+                seconds = time.perf_counter() - started
+                self.busy_s += seconds
+                done.transfer._chunk_done(seconds, error)
+
+    def _thread_setup(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def _issue(self, chunk: _Chunk) -> object:
+        """Start the chunk's copy; return what ``_finish`` needs."""
+
+    @abstractmethod
+    def _finish(self, chunk: _Chunk, token: object) -> None:
+        """Block until the chunk's copy has landed."""
+
+
+class _EmulatedLink(_Link):
+    """Takes each chunk's source bytes when the chunk starts (as DMA reads its source
+    during the copy), holds it for latency + bytes / bandwidth, and only then writes the
+    destination. So a consumer that reads before a producer's copy was reported landed
+    gets stale bytes, and its own copy does not wait long enough to hide it: which is
+    what the tests look for."""
+
+    def __init__(self, name: str, bandwidth: float, latency_s: float) -> None:
+        self.bandwidth = bandwidth
+        self.latency_s = latency_s
+        super().__init__(name, window=1)
+
+    def _issue(self, chunk: _Chunk) -> object:
+        nbytes = chunk.src.numel() * chunk.src.element_size()
+        if nbytes:
+            taken = chunk.src.clone()
+            time.sleep(self.latency_s + nbytes / self.bandwidth)
+            chunk.dst.copy_(taken)
+        return None
+
+    def _finish(self, chunk: _Chunk, token: object) -> None:
+        return None
+
+
+class _CudaLink(_Link):
+    def __init__(
+        self, name: str, device: torch.device, streams: Mapping[int, object], window: int
+    ) -> None:
+        self.device = device
+        self.streams = streams
+        super().__init__(name, window=window)
+
+    def _thread_setup(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def _issue(self, chunk: _Chunk) -> object:
+        stream = self.streams[chunk.priority]
+        with torch.cuda.stream(stream):
+            if chunk.after is not None:
+                chunk.after(stream)
+            chunk.dst.copy_(chunk.src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _finish(self, chunk: _Chunk, token: object) -> None:
+        token.synchronize()  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int):
+    """(src piece, dst piece) pairs of at most ``chunk_bytes`` over flat views."""
+    n = src.numel()
+    if n == 0:
+        return []
+    per = max(1, chunk_bytes // max(1, src.element_size()))
+    s, d = src.reshape(-1), dst.view(-1)
+    return [(s[i : i + per], d[i : i + per]) for i in range(0, n, per)]
+
+
+class TransferEngine(ABC):
+    """Moves tensors between the arenas (host) and the worker's device. See module doc."""
+
+    kind: str = "abstract"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
+
+    # -- arenas -----------------------------------------------------------------------
+
+    def register(self, arenas: Iterable) -> None:  # noqa: B027 - only CUDA pins
+        """Make the arenas DMA-able (CUDA: pin in place). Once per job and worker."""
+
+    def unregister(self, arenas: Iterable) -> None:  # noqa: B027
+        """Undo ``register`` (at job teardown)."""
+
+    # -- copies -----------------------------------------------------------------------
+
+    @abstractmethod
+    def upload(self, tensors: Mapping[str, torch.Tensor], priority: Priority) -> Upload:
+        """Start copying host tensors to the device; the handle gives the device tensors."""
+
+    @abstractmethod
+    def download(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        priority: Priority,
+        then: Callable[[], None] | None = None,
+    ) -> Transfer:
+        """Start copying (device tensor, host view) pairs; ``then`` runs once all landed.
+
+        The device tensors must not be written again by the caller. Note [counter after
+        landing]."""
+
+    def stopwatch(self) -> Stopwatch:
+        return Stopwatch()
+
+    def memory_free_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more device memory fits (for a prefetch)."""
+        return True
+
+    def measure_bandwidth(self) -> tuple[float | None, float | None]:
+        """(host-to-device, device-to-host) bytes/s, for Hello and the planner."""
+        return None, None
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+    def _ready_for_compute(self, upload: Upload) -> None:
+        upload.wait()
+
+    def _count(self, t: Transfer, up: bool) -> None:
+        def account() -> None:
+            with self._stats_lock:
+                if up:
+                    self.stats.upload_bytes += t.nbytes
+                    self.stats.upload_s += t.link_s
+                else:
+                    self.stats.download_bytes += t.nbytes
+                    self.stats.download_s += t.link_s
+
+        t.then(account, always=True)
+
+
+class CpuEngine(TransferEngine):
+    """The host is the device: uploads are the views, downloads copy at once."""
+
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def upload(self, tensors, priority):
+        return Upload(self, dict(tensors), 0, 0)
+
+    def download(self, pairs, priority, then=None):
+        for src, dst in pairs:
+            dst.copy_(src)
+        t = Transfer(0, 0)
+        if then is not None:
+            then()
+        return t
+
+
+class _LinkedEngine(TransferEngine):
+    """Shared by the emulated and CUDA engines: two links, chunked weight copies."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+        super().__init__(device)
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.h2d: _Link
+        self.d2h: _Link
+
+    def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def _pieces(self, pairs, priority):
+        out = []
+        for src, dst in pairs:
+            if priority == Priority.WEIGHT:
+                out += _split(src, dst, self.chunk_bytes)
+            elif src.numel():
+                out.append((src, dst))
+        return out
+
+    def upload(self, tensors, priority):
+        dst = {name: self._alloc(t) for name, t in tensors.items()}
+        pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
+        up = Upload(self, dst, len(pieces), sum(_nbytes(t) for t in tensors.values()))
+        self._count(up, True)
+        if pieces:
+            self.h2d.put(priority, pieces, up, self._after_host())
+        return up
+
+    def download(self, pairs, priority, then=None):
+        pieces = self._pieces(pairs, priority)
+        t = Transfer(len(pieces), sum(_nbytes(s) for s, _ in pairs))
+        keep = [s for s, _ in pairs]  # the device tensors live until their copy landed
+        t.then(keep.clear, always=True)
+        self._count(t, False)
+        if then is not None:
+            t.then(then)
+        if pieces:
+            self.d2h.put(priority, pieces, t, self._after_compute())
+        return t
+
+    def _after_host(self):
+        return None
+
+    def _after_compute(self):
+        return None
+
+    def close(self) -> None:
+        self.h2d.close()
+        self.d2h.close()
+
+
+class EmulatedEngine(_LinkedEngine):
+    """A PCIe bus in software: see the module doc."""
+
+    kind = "emulated"
+
+    def __init__(
+        self,
+        bandwidth_bytes_per_s: float,
+        latency_s: float = 10e-6,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        memory_limit_bytes: int | None = None,
+    ) -> None:
+        if not bandwidth_bytes_per_s > 0:
+            raise ValueError(f"emulated bandwidth must be positive, got {bandwidth_bytes_per_s}")
+        if latency_s < 0:
+            raise ValueError(f"emulated latency must be >= 0, got {latency_s}")
+        super().__init__(torch.device("cpu"), chunk_bytes)
+        self.bandwidth = float(bandwidth_bytes_per_s)
+        self.latency_s = latency_s
+        self.memory_limit_bytes = memory_limit_bytes
+        self.h2d = _EmulatedLink("rp-h2d-emulated", self.bandwidth, latency_s)
+        self.d2h = _EmulatedLink("rp-d2h-emulated", self.bandwidth, latency_s)
+
+    def measure_bandwidth(self):
+        return self.bandwidth, self.bandwidth
+
+
+class CudaEngine(_LinkedEngine):
+    """Pinned arenas, four streams, CUDA events. See the module doc."""
+
+    kind = "cuda"
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = 2,
+        memory_limit_bytes: int | None = None,
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CudaEngine needs a cuda device, got {device}")
+        super().__init__(device, chunk_bytes)
+        self.memory_limit_bytes = memory_limit_bytes
+        with torch.cuda.device(device):
+            lo, hi = torch.cuda.Stream.priority_range()  # (lowest, highest) numerically
+            self.activation_up = torch.cuda.Stream(device, priority=hi)
+            self.weight_up = torch.cuda.Stream(device, priority=lo)
+            self.down = torch.cuda.Stream(device)
+        self.h2d = _CudaLink(
+            "rp-h2d",
+            device,
+            {Priority.ACTIVATION: self.activation_up, Priority.WEIGHT: self.weight_up},
+            window,
+        )
+        self.d2h = _CudaLink("rp-d2h", device, {p: self.down for p in Priority}, window)
+        self._pinned: dict[int, int] = {}
+
+    def register(self, arenas):
+        from roundpipe.shared.cuda import pin_arena
+
+        for arena in arenas:
+            if id(arena) not in self._pinned and pin_arena(arena):
+                self._pinned[id(arena)] = 1
+
+    def unregister(self, arenas):
+        from roundpipe.shared.cuda import unpin_arena
+
+        for arena in arenas:
+            if self._pinned.pop(id(arena), None):
+                unpin_arena(arena)
+
+    def _after_compute(self):
+        # A download reads what the compute stream produced: the download stream waits
+        # for the compute work queued so far (on the device, not the host).
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return lambda stream: stream.wait_event(event)
+
+    def _ready_for_compute(self, upload: Upload) -> None:
+        # Uploads are complete on the host side once the link saw their events finish;
+        # the compute stream may use them at once. record_stream keeps the allocator from
+        # handing their blocks to another stream while the compute stream still reads.
+        upload.wait()
+        stream = torch.cuda.current_stream(self.device)
+        for t in upload._dst.values():
+            t.record_stream(stream)
+
+    def stopwatch(self) -> Stopwatch:
+        return CudaStopwatch(self.device)
+
+    def memory_free_for(self, nbytes: int) -> bool:
+        free, total = torch.cuda.mem_get_info(self.device)
+        limit = self.memory_limit_bytes or total
+        return torch.cuda.memory_allocated(self.device) + nbytes <= limit and nbytes <= free
+
+    def measure_bandwidth(self, nbytes: int = 64 << 20, reps: int = 5):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        rates = []
+        for src, dst in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            rates.append(nbytes * reps / (start.elapsed_time(end) / 1e3))
+        return rates[0], rates[1]
+
+
+class CudaStopwatch(Stopwatch):
+    """Per-key compute time from CUDA events on the current stream (no host sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self._pairs: list[tuple[int, object, object]] = []
+        self._starts: dict[int, object] = {}
+
+    def start(self, key: int) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._starts[key] = ev
+
+    def stop(self, key: int) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._pairs.append((key, self._starts.pop(key), ev))
+
+    def resolve(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for key, a, b in self._pairs:
+            b.synchronize()  # type: ignore[attr-defined]
+            out[key] = out.get(key, 0.0) + a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
+        return out
+
+
+def make_engine(
+    device: torch.device | str,
+    *,
+    emulate_bandwidth: float | None = None,
+    emulate_latency_s: float = 10e-6,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    memory_limit_bytes: int | None = None,
+) -> TransferEngine:
+    """The engine for a worker on ``device``; ``emulate_bandwidth`` picks the emulated bus
+    (CPU workers only)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if emulate_bandwidth is not None:
+            raise ValueError("--emulate-pcie emulates a bus for a CPU worker; a GPU has one")
+        return CudaEngine(device, chunk_bytes=chunk_bytes, memory_limit_bytes=memory_limit_bytes)
+    if emulate_bandwidth is not None:
+        return EmulatedEngine(
+            emulate_bandwidth,
+            emulate_latency_s,
+            chunk_bytes=chunk_bytes,
+            memory_limit_bytes=memory_limit_bytes,
+        )
+    return CpuEngine()
