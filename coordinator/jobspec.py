@@ -46,6 +46,7 @@ __all__ = [
     "DATA_FORMATS",
     "DTYPES",
     "SCHEDULES",
+    "TOKENIZER_FILES",
     "BatchSpec",
     "DataSpec",
     "FieldError",
@@ -56,6 +57,7 @@ __all__ = [
     "OptimizerSpec",
     "OutputSpec",
     "TrainSpec",
+    "has_tokenizer_files",
     "load_job_spec",
     "model_config_from_spec",
     "validate_against_model",
@@ -364,8 +366,18 @@ class JobSpec:
 
     @property
     def tokenizer_path(self) -> str | None:
-        """Tokenizer directory the data pipeline uses, or ``None`` if there is none."""
-        return self.data.tokenizer or self.model.tokenizer or self.model.path
+        """Tokenizer directory the data pipeline uses, or ``None`` if there is none:
+        ``data.tokenizer``, else ``model.tokenizer``, else the model directory if it
+        holds tokenizer files. (transformers 5 "loads" a tokenizer from a directory
+        without any, an empty one whose EOS id is 0; using it would put token 0
+        between the documents of token data.)"""
+        explicit = self.data.tokenizer or self.model.tokenizer
+        if explicit is not None:
+            return explicit
+        path = self.model.path
+        if isinstance(path, str) and has_tokenizer_files(path):
+            return path
+        return None
 
     # -- conversions --
 
@@ -596,11 +608,13 @@ def _check_dir(e: _Errors, path: str, v: Any, what: str) -> bool:
     return True
 
 
-def _has_tokenizer_files(d: str) -> bool:
-    return any(
-        os.path.isfile(os.path.join(d, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    )
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a tokenizer directory holds at least one."""
+
+
+def has_tokenizer_files(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer (one of ``TOKENIZER_FILES``)."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
 
 
 def _validate(spec: JobSpec) -> list[FieldError]:
@@ -669,10 +683,12 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     if m.tokenizer is not None and _check_dir(
         e, "model.tokenizer", m.tokenizer, "a tokenizer directory"
     ):
-        if not _has_tokenizer_files(m.tokenizer):
+        if not has_tokenizer_files(m.tokenizer):
             e.add(
                 "model.tokenizer",
-                f"{m.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+                f"{m.tokenizer!r} holds no tokenizer files (none of "
+                + ", ".join(TOKENIZER_FILES)
+                + ")",
             )
     if m.resume_from is not None and _check_dir(
         e, "model.resume_from", m.resume_from, "a checkpoint directory"
@@ -776,10 +792,12 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
     if d.tokenizer is not None and _check_dir(
         e, "data.tokenizer", d.tokenizer, "a tokenizer directory"
     ):
-        if not _has_tokenizer_files(d.tokenizer):
+        if not has_tokenizer_files(d.tokenizer):
             e.add(
                 "data.tokenizer",
-                f"{d.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+                f"{d.tokenizer!r} holds no tokenizer files (none of "
+                + ", ".join(TOKENIZER_FILES)
+                + ")",
             )
     format_ok = _check_choice(e, "data.format", d.format, DATA_FORMATS)
     if d.path is None:
@@ -805,19 +823,22 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
         return
     if fmt == "jsonl_tokens":
         return  # token ids need no tokenizer (one is used for EOS/pad ids if present)
-    tok = spec.tokenizer_path
-    if tok is None:
+    if spec.tokenizer_path is not None:
+        return
+    model_dir = spec.model.path
+    if isinstance(model_dir, str):
+        if os.path.isdir(model_dir):  # else model.path has its own error already
+            e.add(
+                "data.tokenizer",
+                f"data {d.path!r} is text ({fmt}) and needs a tokenizer, but model directory "
+                f"{model_dir!r} holds no tokenizer files; set data.tokenizer",
+            )
+    else:
         e.add(
             "data.tokenizer",
             f"data {d.path!r} is text ({fmt}) and needs a tokenizer; set data.tokenizer "
             "or model.tokenizer (an architecture model has no directory to take one from)",
         )
-    elif d.tokenizer is None and spec.model.tokenizer is None and isinstance(tok, str):
-        if os.path.isdir(tok) and not _has_tokenizer_files(tok):
-            e.add(
-                "data.tokenizer",
-                f"model directory {tok!r} holds no tokenizer files; set data.tokenizer",
-            )
 
 
 def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:

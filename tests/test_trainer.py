@@ -133,6 +133,49 @@ def test_lora_default_targets_train_and_export(tmp_path, arena_dir, arch) -> Non
     assert_params_match(exported, lora_only, rtol=0)  # the export is exactly the weights
 
 
+def test_model_dir_without_tokenizer_trains_token_data_and_exports_no_tokenizer(
+    tmp_path, arena_dir
+) -> None:
+    """A model directory without tokenizer files and pre-tokenised data: the documents
+    are concatenated without a separator (no token 0 between them), and the exported
+    model carries no (empty) tokenizer."""
+    import json
+
+    from roundpipe.coordinator.jobspec import TOKENIZER_FILES, JobSpec
+    from roundpipe.shared.model import LayeredModel
+
+    layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
+    layered.to_hf_model(layered.init_weights(0)).save_pretrained(str(tmp_path / "model"))
+    docs = [[1 + (7 * i + j) % 500 for j in range(20 + i)] for i in range(12)]
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+    spec = JobSpec.from_dict(
+        {
+            "model": {"path": str(tmp_path / "model")},
+            "data": {"path": str(data), "seq_len": 32, "shuffle": False},
+            "batch": {"microbatch_size": 2, "num_microbatches": 2},
+            "train": {"steps": 2, "staleness": 0, "dtype": "float32"},
+            "output": {"dir": str(tmp_path / "out")},
+        }
+    )
+    trainer = new_trainer(spec, arena_dir)
+    pool = None
+    try:
+        trainer.prepare(2)
+        stream = [t for d in docs for t in d]
+        rows = trainer.dataset.tokens[:, :32].reshape(-1)[: len(stream)].tolist()
+        assert rows == stream  # no separator anywhere
+        pool = InProcessWorkers(trainer, 2)
+        trainer.run(pool.dispatch, pool.workers)
+        out = trainer.export()
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+    assert (out / "model.safetensors").is_file()
+    assert not [f for f in TOKENIZER_FILES if (out / f).exists()]
+
+
 # -- planning (Note [re-planning], Note [slot pools]) ---------------------------------
 
 
