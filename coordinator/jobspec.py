@@ -45,7 +45,9 @@ __all__ = [
     "ARCHITECTURES",
     "DATA_FORMATS",
     "DTYPES",
+    "HF_NO_DECAY",
     "SCHEDULES",
+    "SCHEDULE_CONVENTIONS",
     "TOKENIZER_FILES",
     "BatchSpec",
     "DataSpec",
@@ -67,6 +69,14 @@ ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
 DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
+SCHEDULE_CONVENTIONS = ("hf", "one_based")
+"""Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
+Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
+
+HF_NO_DECAY = ("bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""The Hugging Face Trainer's rule (``Trainer.get_decay_parameter_names``): no weight
+decay for biases and normalisation weights (``input_layernorm``, ``model.norm``,
+``q_norm``, ...). The default of ``optimizer.no_decay``."""
 
 # Keys a transformers config accepts without their being dataclass fields: older names
 # that transformers 5 still folds into the new ones (rope_theta -> rope_parameters).
@@ -280,7 +290,12 @@ class OptimizerSpec:
     eps: float = 1e-8
     """Adam epsilon (> 0)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (>= 0), applied to every trainable parameter."""
+    """Decoupled weight decay (>= 0), applied to every trainable parameter that
+    ``no_decay`` does not exempt."""
+    no_decay: tuple[str, ...] = HF_NO_DECAY
+    """Regular expressions; a trainable tensor whose lower-cased name one of them matches
+    (``re.search``) gets no weight decay. Default: the Hugging Face Trainer's rule (biases
+    and norm weights); ``[]`` decays every tensor (plain ``torch.optim.AdamW``)."""
     grad_clip: float | None = None
     """Clip gradients to this global L2 norm (> 0); ``None``: no clipping. Clipping
     makes the optimizer wait for all of a step's gradients before updating any layer."""
@@ -289,10 +304,16 @@ class OptimizerSpec:
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to ``lr`` (>= 0, at most ``train.steps``)."""
     min_lr_ratio: float = 0.0
-    """``linear``/``cosine`` decay to ``min_lr_ratio * lr`` at the last step, in [0, 1]."""
+    """``linear``/``cosine`` decay to ``min_lr_ratio * lr``, in [0, 1]."""
+    schedule_convention: str = "hf"
+    """One of ``SCHEDULE_CONVENTIONS``: ``hf`` gives the Hugging Face Trainer's learning
+    rate at every step (``get_*_schedule_with_warmup``, stepped after each optimizer
+    step); ``one_based`` shifts it one step earlier (warmup reaches ``lr`` at step
+    ``warmup_steps``, linear/cosine reach the minimum at the last step)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))
+        object.__setattr__(self, "no_decay", _freeze_seq(self.no_decay))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -854,6 +875,24 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
         e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    _check_choice(e, "optimizer.schedule_convention", o.schedule_convention, SCHEDULE_CONVENTIONS)
+    nd = o.no_decay
+    if not (isinstance(nd, tuple) and all(isinstance(x, str) and x for x in nd)):
+        e.bad(
+            "optimizer.no_decay",
+            nd,
+            "a list of name patterns (regular expressions), e.g. [bias, norm]; [] for none",
+        )
+    else:
+        for pattern in nd:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                e.add(
+                    "optimizer.no_decay",
+                    f"{pattern!r} is not a valid regular expression ({exc}); expected "
+                    "name patterns such as 'bias' or '(?:^|\\.)norm\\.'",
+                )
     if _check_int(e, "optimizer.warmup_steps", o.warmup_steps, lo=0) and steps is not None:
         if o.warmup_steps > steps:
             e.add(

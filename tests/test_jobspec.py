@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from roundpipe.coordinator.jobspec import (
+    HF_NO_DECAY,
     DataSpec,
     JobSpec,
     JobSpecError,
@@ -126,6 +127,8 @@ BAD_FIELDS: list[tuple[str, Any, str]] = [
     ("optimizer.warmup_steps", -1, "integer >= 0"),
     ("optimizer.warmup_steps", 11, "more than train.steps"),
     ("optimizer.min_lr_ratio", 1.5, "[0, 1]"),
+    ("optimizer.schedule_convention", "torch", "one of 'hf', 'one_based'"),
+    ("optimizer.no_decay", "bias", "a list of name patterns"),
     ("output.checkpoint_every", -1, "integer >= 0"),
     ("output.keep_last", None, "integer >= 0"),
     ("lora.r", 0, "integer >= 1"),
@@ -307,3 +310,20 @@ def test_demo_spec_is_valid() -> None:
     assert cfg.vocab_size == len(tok["model"]["vocab"])
     validate_against_model(spec, cfg, vocab_size_needed=cfg.vocab_size)
     assert JobSpec.from_dict(copy.deepcopy(spec.to_dict())) == spec
+
+
+def test_optimizer_porting_settings(files: dict[str, Path]) -> None:
+    d = good(files)
+    spec = JobSpec.from_dict(d)
+    assert spec.optimizer.schedule_convention == "hf"  # the Hugging Face Trainer's lrs
+    assert spec.optimizer.no_decay == HF_NO_DECAY  # biases and norms: no weight decay
+    d["optimizer"].update(no_decay=[], schedule_convention="one_based")
+    spec = JobSpec.from_dict(d)
+    assert spec.optimizer.no_decay == () and JobSpec.from_dict(spec.to_dict()) == spec
+    d["optimizer"]["no_decay"] = ["bias", "norm(", ""]
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    assert "a list of name patterns" in errors_of(exc)["optimizer.no_decay"]
+    d["optimizer"]["no_decay"] = ["bias", "norm("]
+    with pytest.raises(JobSpecError, match=r"'norm\(' is not a valid regular expression"):
+        JobSpec.from_dict(d)
