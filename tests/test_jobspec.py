@@ -327,3 +327,28 @@ def test_optimizer_porting_settings(files: dict[str, Path]) -> None:
     d["optimizer"]["no_decay"] = ["bias", "norm("]
     with pytest.raises(JobSpecError, match=r"'norm\(' is not a valid regular expression"):
         JobSpec.from_dict(d)
+
+
+def test_hf_trainer_names_get_hints_to_our_fields(files: dict[str, Path]) -> None:
+    """TrainingArguments / peft / LLaMA-Factory names, in any section or at the top level,
+    point at the field that means the same, with its full path when it lives elsewhere."""
+    d = good(files)
+    d["lora"] = {"lora_target": "all-linear", "lora_rank": 8}
+    d["train"]["gradient_accumulation_steps"] = 4
+    d["batch"]["per_device_train_batch_size"] = 2
+    d["optimizer"]["warmup_ratio"] = 0.1
+    d["learning_rate"] = 1e-4
+    d["num_train_epochs"] = 3
+    d["bf16"] = True
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert "did you mean 'target_modules'?" in errs["lora.lora_target"]
+    assert "did you mean 'r'?" in errs["lora.lora_rank"]
+    assert "did you mean 'batch.num_microbatches'?" in errs["train.gradient_accumulation_steps"]
+    assert "did you mean 'microbatch_size'?" in errs["batch.per_device_train_batch_size"]
+    assert "'warmup_steps'? a step count" in errs["optimizer.warmup_ratio"]
+    assert "did you mean 'optimizer.lr'?" in errs["learning_rate"]
+    assert "optimizer steps, not epochs" in errs["num_train_epochs"]
+    assert "'train.dtype'? dtype: bfloat16" in errs["bf16"]
+    assert len(errs) == 8
