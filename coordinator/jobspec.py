@@ -713,6 +713,9 @@ def _validate(spec: JobSpec) -> list[FieldError]:
     _check_output(e, spec.output)
     if model_config is not None and _is_int(spec.data.seq_len):
         e.items.extend(_model_errors(spec, model_config, None))
+    if spec.model.resume_from is not None and not e.items:
+        # Only on an otherwise valid spec: the comparisons below assume valid values.
+        _check_resume(e, spec)
     return e.items
 
 
@@ -827,6 +830,103 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
         detail = " ".join(str(exc).split())
         e.add("model.config", f"transformers rejected the config: {detail}")
         return None
+
+
+def _resume_manifest(e: _Errors, path: str) -> tuple[str, int, dict[str, Any]] | None:
+    """(checkpoint directory, step, manifest) of the checkpoint ``model.resume_from``
+    names, read without checksums (the coordinator verifies the files when it loads
+    them). None if it cannot be told here: a damaged ``latest`` may still leave an older
+    good checkpoint, which the coordinator finds."""
+    from roundpipe.coordinator.checkpoint import (
+        MANIFEST,
+        CheckpointDir,
+        CheckpointError,
+        read_manifest,
+    )
+
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        try:
+            info = read_manifest(p)
+        except CheckpointError as exc:
+            e.add("model.resume_from", str(exc))
+            return None
+    else:
+        root = p if (p / "latest").is_file() else p / "checkpoints"
+        name = CheckpointDir(root).pointer()
+        if name is None:
+            return None
+        try:
+            info = read_manifest(root / name)
+        except CheckpointError:
+            return None
+    spec = info.manifest.get("spec")
+    return (str(info.path), info.step, spec) if isinstance(spec, dict) else None
+
+
+def _check_resume(e: _Errors, spec: JobSpec) -> None:
+    """Refuse, before submit, a resume the trainer could not continue: a checkpoint past
+    ``train.steps``, another global batch size, other rows or row order, another kind of
+    model. The trainer checks the same when it loads the checkpoint; this only moves
+    the error to validation."""
+    assert spec.model.resume_from is not None
+    found = _resume_manifest(e, spec.model.resume_from)
+    if found is None:
+        return
+    where, step, old = found
+    ckpt = f"checkpoint {where!r} (step {step})"
+
+    def old_value(section: str, key: str) -> Any:
+        value = old.get(section)
+        return value.get(key) if isinstance(value, dict) else None
+
+    if spec.train.steps < step:
+        e.add(
+            "train.steps",
+            f"got {spec.train.steps}, but model.resume_from is {ckpt}; expected at least "
+            f"{step}: train.steps counts the checkpoint's steps too, so set it above {step} "
+            "to train further",
+        )
+    mb, nm = old_value("batch", "microbatch_size"), old_value("batch", "num_microbatches")
+    if _is_int(mb) and _is_int(nm) and mb * nm != spec.global_batch_size:
+        e.add(
+            "batch",
+            f"got microbatch_size {spec.batch.microbatch_size} x num_microbatches "
+            f"{spec.batch.num_microbatches} = {spec.global_batch_size} rows per step, but "
+            f"{ckpt} was trained with {mb} x {nm} = {mb * nm}; the data cursor continues "
+            f"only with {mb * nm} rows per step (any split of them, e.g. {mb} x {nm})",
+        )
+    for key in ("seq_len", "packing", "shuffle"):
+        before, now = old_value("data", key), getattr(spec.data, key)
+        if before is not None and before != now:
+            e.add(
+                f"data.{key}",
+                f"got {now!r}, but {ckpt} was trained with {before!r}; resuming needs the "
+                "same rows in the same order",
+            )
+    old_train_seed = old_value("train", "seed")
+    old_data_seed = old_value("data", "seed")
+    before_seed = old_train_seed if old_data_seed is None else old_data_seed
+    if spec.data.shuffle and _is_int(before_seed) and before_seed != spec.data_seed:
+        e.add(
+            "data.seed",
+            f"the shuffle seed is {spec.data_seed} (data.seed, else train.seed), but {ckpt} "
+            f"shuffled with {before_seed}; set data.seed: {before_seed} to resume its order",
+        )
+    old_lora = old.get("lora")
+    if (old_lora is None) != (spec.lora is None):
+        has = "LoRA adapters" if old_lora is not None else "a fully fine-tuned model"
+        want = "LoRA (a lora section)" if spec.lora is not None else "full fine-tuning"
+        e.add("model.resume_from", f"{ckpt} holds {has}, but this spec asks for {want}")
+    elif isinstance(old_lora, dict) and spec.lora is not None:
+        for key in ("r", "target_modules"):
+            before = old_lora.get(key)
+            now = _plain(getattr(spec.lora, key))
+            if before is not None and before != now:
+                e.add(
+                    f"lora.{key}",
+                    f"got {now!r}, but the adapters of {ckpt} have {before!r}",
+                )
 
 
 def _check_lora(e: _Errors, lora: LoraSpec) -> None:

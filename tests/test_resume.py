@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import json
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from runtime_helpers import InProcessWorkers, assert_params_match, oracle_train, tiny_spec
 
 from roundpipe.client import RoundPipeError
@@ -42,7 +44,7 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.trainer import JobCancelled, JobPaused, Trainer
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -215,10 +217,46 @@ def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path, arena_di
     d = spec.to_dict()
     d["model"]["resume_from"] = str(tmp_path / "first")  # an output dir will do
     d["output"]["dir"] = str(tmp_path / "second")
+    assert_resume_refused_at_validation(d, tmp_path)
     second = train(JobSpec.from_dict(d), arena_dir, job_id="job-second")
     assert_bitwise(second, reference(1, 2))
     info = CheckpointDir(tmp_path / "second" / "checkpoints").find_latest("job-second")
     assert info.step == 5 and info.manifest["resumed_from"].endswith(step_name(3))
+
+
+def assert_resume_refused_at_validation(good: dict, tmp_path: Path) -> None:
+    """A resume that cannot continue the checkpoint (step 3 of 2 x 3 rows, shuffled with
+    seed 7, full fine-tuning) is refused by validation, so `roundpipe submit`
+    reports it before anything is sent; another split of the same 6 rows is fine."""
+    from roundpipe import cli
+
+    def problems(**changes: dict) -> dict[str, str]:
+        d = copy.deepcopy(good)
+        for section, fields in changes.items():
+            d[section] = None if fields is None else {**(d.get(section) or {}), **fields}
+        try:
+            JobSpec.from_dict(d)
+        except JobSpecError as exc:
+            return {e.path: e.message for e in exc.errors}
+        return {}
+
+    assert problems(batch={"microbatch_size": 3, "num_microbatches": 2}) == {}
+    errs = problems(train={"steps": 2}, batch={"num_microbatches": 4})
+    assert "expected at least 3" in errs["train.steps"]
+    assert "2 x num_microbatches 4 = 8 rows per step" in errs["batch"]
+    assert "trained with 2 x 3 = 6" in errs["batch"]
+    errs = problems(data={"seq_len": 64, "seed": 8})
+    assert "got 64, but checkpoint" in errs["data.seq_len"]
+    assert "set data.seed: 7" in errs["data.seed"]
+    errs = problems(lora=LORA)
+    assert "holds a fully fine-tuned model" in errs["model.resume_from"]
+
+    bad = copy.deepcopy(good)
+    bad["batch"]["num_microbatches"] = 4
+    spec_file = tmp_path / "resume.yaml"
+    spec_file.write_text(yaml.safe_dump(bad))
+    rc = cli.main(["submit", str(spec_file), "--address", "ipc:///nonexistent/rp.sock"])
+    assert rc == 2  # refused by validation: no coordinator was needed to say why
 
 
 def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
