@@ -87,7 +87,9 @@ def test_activation_downloads_go_before_weight_gradients() -> None:
     try:
         order: list[str] = []
         grads = e.download(
-            [(torch.ones(2 * MB), torch.zeros(2 * MB))], Priority.WEIGHT, then=lambda: order.append("g")
+            [(torch.ones(2 * MB), torch.zeros(2 * MB))],
+            Priority.WEIGHT,
+            then=lambda: order.append("g"),
         )
         act = e.download(
             [(torch.ones(10), torch.zeros(10))], Priority.ACTIVATION, then=lambda: order.append("a")
@@ -252,7 +254,9 @@ def _train(spec, arena_dir: Path, namespace: str, engine) -> dict[str, torch.Ten
         trainer.prepare(2)
         pool = InProcessWorkers(trainer, 2, engine=engine)
         trainer.run(pool.dispatch, pool.workers)
-        return {n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()}
+        return {
+            n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()
+        }
     finally:
         if pool is not None:
             pool.close()
