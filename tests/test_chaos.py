@@ -131,3 +131,33 @@ def test_job_waits_with_no_worker_and_continues_when_one_joins(
         assert _bitwise_equal(Path(spec.output.dir), tmp_path / "faulty")
     finally:
         assert cluster.stop() == []
+
+
+def test_worker_faults_on_an_emulated_bus_leave_the_result_bitwise_unchanged(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """The same chaos with every copy asynchronous (roundpipe-worker --emulate-pcie): a
+    worker killed or frozen with copies in flight loses nothing and publishes nothing
+    early."""
+    seed = chaos_seed()
+    rng = random.Random(seed)
+    spec = tiny_spec(tmp_path / "out", steps=16, staleness=1)
+
+    def more(_: int) -> tuple[list[FaultSpec], int]:
+        return random_faults(rng, 2, spec), rng.randrange(1, 10**6)
+
+    report = run_chaos(
+        spec,
+        root=tmp_path,
+        arena_dir=arena_dir,
+        num_workers=3,
+        trials=[],
+        seeds=[],
+        min_injected=6,
+        more=more,
+        max_trials=8,
+        worker_args=["--emulate-pcie", "100MB/s", "--emulate-latency", "1ms"],
+    )
+    print(report.table())
+    assert report.injected >= 6, f"only {report.injected} faults fired (seed {seed})"
+    assert report.ok, f"seed {seed}\n{report.table()}"
