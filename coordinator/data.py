@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.coordinator.jobspec import TOKENIZER_FILES, has_tokenizer_files
+
 if TYPE_CHECKING:
     from roundpipe.coordinator.jobspec import JobSpec
 
@@ -217,10 +219,19 @@ def _read_paragraphs(f: Any, path: str) -> Iterator[tuple[int, str]]:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """``AutoTokenizer.from_pretrained(path, local_files_only=True)`` with clear errors."""
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)`` with clear errors.
+
+    A directory without tokenizer files is refused: transformers 5 would return an
+    empty tokenizer (EOS id 0) instead of failing.
+    """
     p = os.fspath(path)
     if not os.path.isdir(p):
         raise DataError(f"tokenizer directory not found: {p}")
+    if not has_tokenizer_files(p):
+        raise DataError(
+            f"cannot load a tokenizer from {p}: it holds no tokenizer files (none of "
+            f"{', '.join(TOKENIZER_FILES)}); set data.tokenizer to a tokenizer directory"
+        )
     from transformers import AutoTokenizer  # lazy: slow import, unneeded for token data
 
     try:
@@ -363,15 +374,14 @@ def build_dataset_from_spec(spec: JobSpec) -> PackedDataset:
     d = spec.data
     assert d.path is not None, "a validated spec has data.path"
     fmt = resolve_format(d.path, d.format, d.text_field)
-    tok_dir = spec.tokenizer_path
-    if fmt == "jsonl_tokens" and tok_dir is not None and not os.path.isdir(tok_dir):
-        tok_dir = None  # only wanted for EOS/pad ids; token data works without
     return build_dataset(
         d.path,
         seq_len=d.seq_len,
         format=fmt,
         text_field=d.text_field,
-        tokenizer=tok_dir,
+        # Only a tokenizer that exists (a model directory without tokenizer files gives
+        # None): token data then has no separator between documents, as documented.
+        tokenizer=spec.tokenizer_path,
         packing=d.packing,
     )
 

@@ -45,7 +45,10 @@ __all__ = [
     "ARCHITECTURES",
     "DATA_FORMATS",
     "DTYPES",
+    "HF_NO_DECAY",
     "SCHEDULES",
+    "SCHEDULE_CONVENTIONS",
+    "TOKENIZER_FILES",
     "BatchSpec",
     "DataSpec",
     "FieldError",
@@ -56,6 +59,7 @@ __all__ = [
     "OptimizerSpec",
     "OutputSpec",
     "TrainSpec",
+    "has_tokenizer_files",
     "load_job_spec",
     "model_config_from_spec",
     "validate_against_model",
@@ -65,6 +69,14 @@ ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
 DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
+SCHEDULE_CONVENTIONS = ("hf", "one_based")
+"""Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
+Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
+
+HF_NO_DECAY = ("bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""The Hugging Face Trainer's rule (``Trainer.get_decay_parameter_names``): no weight
+decay for biases and normalisation weights (``input_layernorm``, ``model.norm``,
+``q_norm``, ...). The default of ``optimizer.no_decay``."""
 
 # Keys a transformers config accepts without their being dataclass fields: older names
 # that transformers 5 still folds into the new ones (rope_theta -> rope_parameters).
@@ -278,7 +290,12 @@ class OptimizerSpec:
     eps: float = 1e-8
     """Adam epsilon (> 0)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (>= 0), applied to every trainable parameter."""
+    """Decoupled weight decay (>= 0), applied to every trainable parameter that
+    ``no_decay`` does not exempt."""
+    no_decay: tuple[str, ...] = HF_NO_DECAY
+    """Regular expressions; a trainable tensor whose lower-cased name one of them matches
+    (``re.search``) gets no weight decay. Default: the Hugging Face Trainer's rule (biases
+    and norm weights); ``[]`` decays every tensor (plain ``torch.optim.AdamW``)."""
     grad_clip: float | None = None
     """Clip gradients to this global L2 norm (> 0); ``None``: no clipping. Clipping
     makes the optimizer wait for all of a step's gradients before updating any layer."""
@@ -287,10 +304,16 @@ class OptimizerSpec:
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to ``lr`` (>= 0, at most ``train.steps``)."""
     min_lr_ratio: float = 0.0
-    """``linear``/``cosine`` decay to ``min_lr_ratio * lr`` at the last step, in [0, 1]."""
+    """``linear``/``cosine`` decay to ``min_lr_ratio * lr``, in [0, 1]."""
+    schedule_convention: str = "hf"
+    """One of ``SCHEDULE_CONVENTIONS``: ``hf`` gives the Hugging Face Trainer's learning
+    rate at every step (``get_*_schedule_with_warmup``, stepped after each optimizer
+    step); ``one_based`` shifts it one step earlier (warmup reaches ``lr`` at step
+    ``warmup_steps``, linear/cosine reach the minimum at the last step)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))
+        object.__setattr__(self, "no_decay", _freeze_seq(self.no_decay))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,8 +387,18 @@ class JobSpec:
 
     @property
     def tokenizer_path(self) -> str | None:
-        """Tokenizer directory the data pipeline uses, or ``None`` if there is none."""
-        return self.data.tokenizer or self.model.tokenizer or self.model.path
+        """Tokenizer directory the data pipeline uses, or ``None`` if there is none:
+        ``data.tokenizer``, else ``model.tokenizer``, else the model directory if it
+        holds tokenizer files. (transformers 5 "loads" a tokenizer from a directory
+        without any, an empty one whose EOS id is 0; using it would put token 0
+        between the documents of token data.)"""
+        explicit = self.data.tokenizer or self.model.tokenizer
+        if explicit is not None:
+            return explicit
+        path = self.model.path
+        if isinstance(path, str) and has_tokenizer_files(path):
+            return path
+        return None
 
     # -- conversions --
 
@@ -461,36 +494,78 @@ def _check_keys(errors: _Errors, path: str, raw: Mapping[str, Any], allowed: lis
         if key in allowed:
             continue
         where = f"{path}.{key}" if path else str(key)
-        alias = _ALIASES.get(str(key))
-        hint = [alias] if alias in allowed else difflib.get_close_matches(str(key), allowed, n=1)
-        guess = f" (did you mean {hint[0]!r}?)" if hint else ""
-        errors.add(where, f"unknown field{guess}; expected one of: {', '.join(allowed)}")
+        hint = ""
+        known = _ALIASES.get(str(key).lower())
+        if known is not None:
+            target, note = known
+            section, _, name = target.partition(".")
+            # Within the right section the field name says it; elsewhere the full path.
+            shown = name if section == path and name else target
+            hint = f" (did you mean {shown!r}?{' ' + note if note else ''})"
+        else:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            if close:
+                hint = f" (did you mean {close[0]!r}?)"
+        errors.add(where, f"unknown field{hint}; expected one of: {', '.join(allowed)}")
 
 
-# Names that Hugging Face Trainer/PEFT users reach for, mapped to ours, for the
-# "did you mean" hint (spelling similarity alone does not find lr for learning_rate).
-_ALIASES = {
-    "learning_rate": "lr",
-    "max_grad_norm": "grad_clip",
-    "clip_grad_norm": "grad_clip",
-    "lr_scheduler_type": "schedule",
-    "scheduler": "schedule",
-    "warmup": "warmup_steps",
-    "max_seq_len": "seq_len",
-    "max_length": "seq_len",
-    "seq_length": "seq_len",
-    "batch_size": "microbatch_size",
-    "per_device_train_batch_size": "microbatch_size",
-    "gradient_accumulation_steps": "num_microbatches",
-    "max_steps": "steps",
-    "num_steps": "steps",
-    "lora_r": "r",
-    "rank": "r",
-    "lora_alpha": "alpha",
-    "lora_dropout": "dropout",
-    "output_dir": "dir",
-    "save_steps": "checkpoint_every",
-    "save_total_limit": "keep_last",
+# Names that users of the Hugging Face Trainer (TrainingArguments), peft (LoraConfig),
+# TRL and LLaMA-Factory reach for, mapped to the job-spec field that means the same
+# (section.field) and a note where the value is not taken as is. Spelling similarity
+# alone does not find lr for learning_rate, nor another section. docs/coming-from-hf.md
+# has the full mapping.
+_ALIASES: dict[str, tuple[str, str]] = {
+    # TrainingArguments
+    "learning_rate": ("optimizer.lr", ""),
+    "weight_decay": ("optimizer.weight_decay", ""),
+    "adam_beta1": ("optimizer.betas", "as betas: [beta1, beta2]"),
+    "adam_beta2": ("optimizer.betas", "as betas: [beta1, beta2]"),
+    "adam_epsilon": ("optimizer.eps", ""),
+    "max_grad_norm": ("optimizer.grad_clip", ""),
+    "clip_grad_norm": ("optimizer.grad_clip", ""),
+    "lr_scheduler_type": ("optimizer.schedule", ""),
+    "scheduler": ("optimizer.schedule", ""),
+    "warmup": ("optimizer.warmup_steps", ""),
+    "warmup_ratio": ("optimizer.warmup_steps", "a step count: warmup_ratio * train.steps"),
+    "optim": ("optimizer", "the optimizer is always AdamW, set in the optimizer section"),
+    "per_device_train_batch_size": ("batch.microbatch_size", ""),
+    "train_batch_size": ("batch.microbatch_size", ""),
+    "batch_size": ("batch.microbatch_size", ""),
+    "gradient_accumulation_steps": ("batch.num_microbatches", ""),
+    "max_steps": ("train.steps", ""),
+    "num_steps": ("train.steps", ""),
+    "num_train_epochs": (
+        "train.steps",
+        "optimizer steps, not epochs: epochs * rows / (microbatch_size * num_microbatches)",
+    ),
+    "seed": ("train.seed", ""),
+    "data_seed": ("data.seed", ""),
+    "bf16": ("train.dtype", "dtype: bfloat16"),
+    "fp16": ("train.dtype", "dtype: float16"),
+    "torch_dtype": ("train.dtype", ""),
+    "output_dir": ("output.dir", ""),
+    "save_steps": ("output.checkpoint_every", ""),
+    "save_total_limit": ("output.keep_last", ""),
+    "resume_from_checkpoint": ("model.resume_from", ""),
+    "model_name_or_path": ("model.path", "a local directory; nothing is downloaded"),
+    "tokenizer_name": ("data.tokenizer", "a local directory"),
+    # data (TRL, LLaMA-Factory)
+    "max_seq_len": ("data.seq_len", ""),
+    "max_seq_length": ("data.seq_len", ""),
+    "max_length": ("data.seq_len", ""),
+    "seq_length": ("data.seq_len", ""),
+    "cutoff_len": ("data.seq_len", ""),
+    "dataset_text_field": ("data.text_field", ""),
+    "train_file": ("data.path", ""),
+    "dataset": ("data.path", "a local file"),
+    # LoRA (peft LoraConfig, LLaMA-Factory)
+    "lora_r": ("lora.r", ""),
+    "lora_rank": ("lora.r", ""),
+    "rank": ("lora.r", ""),
+    "lora_alpha": ("lora.alpha", ""),
+    "lora_dropout": ("lora.dropout", ""),
+    "lora_target": ("lora.target_modules", ""),
+    "target_modules": ("lora.target_modules", ""),
 }
 
 
@@ -596,11 +671,13 @@ def _check_dir(e: _Errors, path: str, v: Any, what: str) -> bool:
     return True
 
 
-def _has_tokenizer_files(d: str) -> bool:
-    return any(
-        os.path.isfile(os.path.join(d, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    )
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a tokenizer directory holds at least one."""
+
+
+def has_tokenizer_files(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer (one of ``TOKENIZER_FILES``)."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
 
 
 def _validate(spec: JobSpec) -> list[FieldError]:
@@ -669,10 +746,12 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     if m.tokenizer is not None and _check_dir(
         e, "model.tokenizer", m.tokenizer, "a tokenizer directory"
     ):
-        if not _has_tokenizer_files(m.tokenizer):
+        if not has_tokenizer_files(m.tokenizer):
             e.add(
                 "model.tokenizer",
-                f"{m.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+                f"{m.tokenizer!r} holds no tokenizer files (none of "
+                + ", ".join(TOKENIZER_FILES)
+                + ")",
             )
     if m.resume_from is not None and _check_dir(
         e, "model.resume_from", m.resume_from, "a checkpoint directory"
@@ -776,10 +855,12 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
     if d.tokenizer is not None and _check_dir(
         e, "data.tokenizer", d.tokenizer, "a tokenizer directory"
     ):
-        if not _has_tokenizer_files(d.tokenizer):
+        if not has_tokenizer_files(d.tokenizer):
             e.add(
                 "data.tokenizer",
-                f"{d.tokenizer!r} holds no tokenizer.json or tokenizer_config.json",
+                f"{d.tokenizer!r} holds no tokenizer files (none of "
+                + ", ".join(TOKENIZER_FILES)
+                + ")",
             )
     format_ok = _check_choice(e, "data.format", d.format, DATA_FORMATS)
     if d.path is None:
@@ -805,19 +886,22 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
         return
     if fmt == "jsonl_tokens":
         return  # token ids need no tokenizer (one is used for EOS/pad ids if present)
-    tok = spec.tokenizer_path
-    if tok is None:
+    if spec.tokenizer_path is not None:
+        return
+    model_dir = spec.model.path
+    if isinstance(model_dir, str):
+        if os.path.isdir(model_dir):  # else model.path has its own error already
+            e.add(
+                "data.tokenizer",
+                f"data {d.path!r} is text ({fmt}) and needs a tokenizer, but model directory "
+                f"{model_dir!r} holds no tokenizer files; set data.tokenizer",
+            )
+    else:
         e.add(
             "data.tokenizer",
             f"data {d.path!r} is text ({fmt}) and needs a tokenizer; set data.tokenizer "
             "or model.tokenizer (an architecture model has no directory to take one from)",
         )
-    elif d.tokenizer is None and spec.model.tokenizer is None and isinstance(tok, str):
-        if os.path.isdir(tok) and not _has_tokenizer_files(tok):
-            e.add(
-                "data.tokenizer",
-                f"model directory {tok!r} holds no tokenizer files; set data.tokenizer",
-            )
 
 
 def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
@@ -833,6 +917,24 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
         e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    _check_choice(e, "optimizer.schedule_convention", o.schedule_convention, SCHEDULE_CONVENTIONS)
+    nd = o.no_decay
+    if not (isinstance(nd, tuple) and all(isinstance(x, str) and x for x in nd)):
+        e.bad(
+            "optimizer.no_decay",
+            nd,
+            "a list of name patterns (regular expressions), e.g. [bias, norm]; [] for none",
+        )
+    else:
+        for pattern in nd:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                e.add(
+                    "optimizer.no_decay",
+                    f"{pattern!r} is not a valid regular expression ({exc}); expected "
+                    "name patterns such as 'bias' or '(?:^|\\.)norm\\.'",
+                )
     if _check_int(e, "optimizer.warmup_steps", o.warmup_steps, lo=0) and steps is not None:
         if o.warmup_steps > steps:
             e.add(

@@ -13,7 +13,9 @@ Exactness. AdamW is elementwise per parameter tensor, so splitting the parameter
 per-layer optimizers changes no arithmetic: with the same ``impl`` (below) the masters
 are bitwise equal to one ``torch.optim.AdamW`` over the whole model fed the same
 gradients and learning rates. Weight decay is decoupled (``p *= 1 - lr * wd``) and
-applies to every trainable tensor, exactly as ``torch.optim.AdamW(model.parameters())``.
+applies to every trainable tensor except those ``no_decay`` exempts (by default in the
+job spec: biases and norm weights, as the Hugging Face Trainer), exactly as a
+``torch.optim.AdamW`` with those two parameter groups.
 
 Global-norm clipping is the one step that is not per layer: the norm covers every
 gradient of the step, so with ``grad_clip`` set the coordinator must wait for the whole
@@ -47,21 +49,27 @@ stepped from two threads at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.coordinator.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS
+
 if TYPE_CHECKING:
     from roundpipe.coordinator.jobspec import JobSpec, OptimizerSpec
 
 __all__ = [
+    "HF_NO_DECAY",
     "IMPLS",
+    "SCHEDULE_CONVENTIONS",
     "LRSchedule",
     "LayerwiseAdamW",
     "OptimizerStepError",
     "clip_coefficient",
+    "decays",
     "global_grad_norm",
 ]
 
@@ -80,15 +88,27 @@ class OptimizerStepError(RuntimeError):
 class LRSchedule:
     """Learning rate as a pure function of the optimizer step.
 
-    Steps count from 1: step 1 is the first optimizer step (the first gradient applied).
+    Optimizer steps count from 1: step 1 is the first optimizer step (the first gradient
+    applied). The schedule itself is a factor ``f(c)`` of a schedule position ``c``, with
+    *W* = ``warmup_steps``, *T* = ``total_steps``, *m* = ``min_lr_ratio``:
 
-    * warmup (any schedule, if ``warmup_steps > 0``): ``lr * step / warmup_steps`` for
-      ``step <= warmup_steps``, so it rises linearly from 0 and reaches ``lr`` at
-      ``step == warmup_steps``;
-    * then ``constant``: ``lr``;
-    * ``linear``/``cosine``: decay from ``lr`` (just after warmup) to
-      ``min_lr_ratio * lr`` at ``step == total_steps``, linearly or along a half cosine;
-      steps beyond ``total_steps`` stay at the minimum.
+    * warmup (any schedule, if ``W > 0``): ``f(c) = c / W`` for ``c < W``, rising
+      linearly from 0;
+    * then ``constant``: 1;
+    * ``linear``: ``m + (1 - m) * (T - c) / (T - W)``; ``cosine``:
+      ``m + (1 - m) * (1 + cos(pi * p)) / 2`` with ``p = (c - W) / (T - W)``; positions
+      beyond *T* stay at the minimum ``m``.
+
+    These are transformers' ``get_{constant,linear,cosine}_schedule_with_warmup`` (and
+    ``get_cosine_with_min_lr_schedule_with_warmup``) factors, computed in the same
+    order. ``convention`` says which position step *s* uses:
+
+    * ``"hf"`` (default): ``c = s - 1``, as the Hugging Face Trainer, which calls
+      ``scheduler.step()`` after each optimizer step: with warmup, step 1 has lr 0 and
+      step ``W + 1`` the peak; linear/cosine have not quite reached the minimum at the
+      last step. Learning rates equal the Trainer's step for step.
+    * ``"one_based"``: ``c = s``: step 1 already has ``lr / W``, step *W* the peak, and
+      linear/cosine reach ``m * lr`` exactly at the last step.
     """
 
     lr: float
@@ -98,14 +118,21 @@ class LRSchedule:
     warmup_steps: int = 0
     """Steps of linear warmup (0: none)."""
     total_steps: int = 1
-    """Step at which linear/cosine reach their minimum (``train.steps``)."""
+    """Schedule length *T*: where linear/cosine reach their minimum (``train.steps``)."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of ``lr``."""
+    convention: str = "hf"
+    """Which schedule position an optimizer step uses: one of ``SCHEDULE_CONVENTIONS``."""
 
     def __post_init__(self) -> None:
         # Internal API: the job spec has already told the user about bad values.
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"unknown schedule {self.schedule!r}")
+        if self.convention not in SCHEDULE_CONVENTIONS:
+            raise ValueError(
+                f"unknown schedule convention {self.convention!r}; expected one of "
+                f"{', '.join(SCHEDULE_CONVENTIONS)}"
+            )
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.total_steps >= 1):
             raise ValueError(f"bad schedule parameters: {self}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -119,23 +146,46 @@ class LRSchedule:
             warmup_steps=optimizer.warmup_steps,
             total_steps=total_steps,
             min_lr_ratio=float(optimizer.min_lr_ratio),
+            convention=optimizer.schedule_convention,
         )
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (>= 1)."""
         if step < 1:
             raise ValueError(f"optimizer steps count from 1, got {step}")
+        if self.convention == "hf":
+            return self.lr * self.factor(step - 1)
         if step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
+            # Warmup ends at step W itself, also when W == total_steps.
+            return self.lr * (float(step) / float(self.warmup_steps))
+        return self.lr * self.factor(step)
+
+    def factor(self, position: int) -> float:
+        """The schedule's multiplier of ``lr`` at schedule position ``position`` (>= 0)."""
+        w, t, m = self.warmup_steps, self.total_steps, self.min_lr_ratio
+        if position < w:
+            return float(position) / float(w)
         if self.schedule == "constant":
-            return self.lr
-        span = self.total_steps - self.warmup_steps
-        progress = 1.0 if span <= 0 else min(1.0, (step - self.warmup_steps) / span)
+            return 1.0
+        span = max(1, t - w)
         if self.schedule == "linear":
-            factor = 1.0 - progress
+            decay = max(0.0, float(t - position) / float(span))
         else:
-            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
+            progress = min(1.0, float(position - w) / float(span))
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        # transformers' order of operations (factor * (1 - rate) + rate), so that with
+        # the hf convention the learning rates are bitwise the Trainer's.
+        return decay * (1 - m) + m
+
+
+# --------------------------------------------------------------------------- weight decay
+
+
+def decays(name: str, no_decay: Iterable[str | re.Pattern[str]]) -> bool:
+    """Whether the tensor ``name`` gets weight decay: no pattern of ``no_decay`` is
+    found (``re.search``) in the lower-cased name, as the Hugging Face Trainer matches."""
+    lowered = name.lower()
+    return not any(re.search(p, lowered) for p in no_decay)
 
 
 # --------------------------------------------------------------------------- clipping
@@ -174,7 +224,7 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 class _Layer:
     """One layer's torch optimizer and bookkeeping."""
 
-    __slots__ = ("names", "params", "opt", "group", "step", "scratch")
+    __slots__ = ("names", "params", "opt", "step", "scratch")
 
     def __init__(
         self, names: list[str], params: list[torch.Tensor], opt: torch.optim.AdamW
@@ -182,7 +232,6 @@ class _Layer:
         self.names = names
         self.params = params
         self.opt = opt
-        self.group = opt.param_groups[0]
         self.step = 0  # last optimizer step applied to this layer
         self.scratch: dict[str, torch.Tensor] = {}
 
@@ -193,6 +242,11 @@ class LayerwiseAdamW:
     Construct with :meth:`from_spec` or directly. ``moments``, if given, supplies the
     state buffers ``{layer: {name: (exp_avg, exp_avg_sq)}}`` (e.g. views into the optim
     arena); they are zeroed here. Otherwise they are allocated here, once.
+
+    ``no_decay``: regular expressions; a tensor whose lower-cased name any of them
+    matches (``re.search``) gets no weight decay (see :func:`decays`). Each layer's
+    torch optimizer then has two parameter groups, as the Hugging Face Trainer builds
+    them, so the arithmetic per tensor stays that of one whole-model AdamW.
     """
 
     def __init__(
@@ -206,9 +260,13 @@ class LayerwiseAdamW:
         grad_clip: float | None = None,
         impl: str = "fused",
         moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
+        no_decay: Sequence[str] = (),
     ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        patterns = [re.compile(p) for p in no_decay]
+        self.decayed: set[str] = set()
+        """Names of the tensors that get weight decay."""
         self.schedule = schedule
         self.grad_clip = grad_clip
         self.impl = impl
@@ -224,8 +282,14 @@ class LayerwiseAdamW:
                         f"master {layer}/{name} must be a float32 CPU tensor without "
                         f"requires_grad, got {p.dtype} on {p.device} (requires_grad={p.requires_grad})"
                     )
+            decayed = [p for n, p in zip(names, params) if decays(n, patterns)]
+            exempt = [p for n, p in zip(names, params) if not decays(n, patterns)]
+            self.decayed.update(n for n in names if decays(n, patterns))
+            groups = [{"params": decayed}] if decayed else []
+            if exempt:
+                groups.append({"params": exempt, "weight_decay": 0.0})
             opt = torch.optim.AdamW(
-                params,
+                groups,
                 lr=schedule.lr,
                 betas=betas,
                 eps=eps,
@@ -283,6 +347,7 @@ class LayerwiseAdamW:
             grad_clip=None if o.grad_clip is None else float(o.grad_clip),
             impl=impl,
             moments=moments,
+            no_decay=o.no_decay,
         )
 
     @property
@@ -367,7 +432,8 @@ class LayerwiseAdamW:
                 g.mul_(coef)
 
         lr = self.schedule.lr_at(step)
-        entry.group["lr"] = lr
+        for group in entry.opt.param_groups:
+            group["lr"] = lr
         for p, g in zip(entry.params, grad_list):
             p.grad = g
         try:

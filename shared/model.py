@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "ALL_LINEAR",
     "SUPPORTED_ARCHITECTURES",
     "IGNORE_INDEX",
     "LayeredModel",
@@ -67,6 +68,10 @@ _MODEL_TYPE_TO_ARCH = {
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (Hugging Face's convention)."""
+
+ALL_LINEAR = "all-linear"
+"""LoRA ``target_modules`` shorthand, with peft's meaning: every linear layer except the
+output layer (the LM head), resolved by peft for each model."""
 
 _PEFT_PREFIX = "base_model.model."
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -103,7 +108,8 @@ class LoraSettings:
     dropout: float = 0.0
     """Dropout on the adapter input (reproduced on recompute, see the executor)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Module names (peft semantics) inside decoder layers that receive adapters."""
+    """Module names (peft semantics) inside decoder layers that receive adapters, or
+    ``("all-linear",)`` (``ALL_LINEAR``, also given as the bare string): peft's shorthand."""
 
     def __post_init__(self) -> None:
         tm = self.target_modules
@@ -141,11 +147,18 @@ class LoraSettings:
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
+        targets: str | list[str] = list(self.target_modules)
+        if self.target_modules == (ALL_LINEAR,):
+            # peft knows the shorthand only as a bare string; in a list it is taken as a
+            # module name and matches nothing ("Target modules {'all-linear'} not found").
+            # As a string peft resolves it per model: every linear layer but the output
+            # layer, and on transformers-5 MoE models the fused experts and the router.
+            targets = ALL_LINEAR
         return LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
-            target_modules=list(self.target_modules),
+            target_modules=targets,
             bias="none",
             task_type="CAUSAL_LM",
         )

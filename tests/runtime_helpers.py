@@ -2,9 +2,10 @@
 
 The oracle is a plain PyTorch training loop over the *transformers* model (not the
 layered one): same initial weights, same batches and microbatching, loss normalised over
-the global batch, ``torch.optim.AdamW`` with the same kernel and the same learning-rate
-schedule. ``staleness`` reproduces the design's weight-update ordering: iteration k takes
-its gradient on W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
+the global batch, ``torch.optim.AdamW`` with the same kernel, the same parameter groups
+(``optimizer.no_decay``) and the same learning-rate schedule. ``staleness`` reproduces
+the design's weight-update ordering: iteration k takes its gradient on
+W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.optimizer import LRSchedule
+from roundpipe.coordinator.optimizer import LRSchedule, decays
 from roundpipe.protocol import StageTask, TaskFailed
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 from roundpipe.worker.runtime import WorkerCore
@@ -101,8 +102,17 @@ def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
     grad_model = layered.to_hf_model(layered.init_weights(spec.init_seed))
     params = dict(model.named_parameters())
     trainable = {n: p for n, p in params.items() if p.requires_grad}
+    # Two parameter groups, as the Hugging Face Trainer builds them: optimizer.no_decay
+    # exempts biases and norm weights from weight decay.
+    groups = [
+        {"params": [p for n, p in trainable.items() if decays(n, spec.optimizer.no_decay)]},
+        {
+            "params": [p for n, p in trainable.items() if not decays(n, spec.optimizer.no_decay)],
+            "weight_decay": 0.0,
+        },
+    ]
     opt = torch.optim.AdamW(
-        list(trainable.values()),
+        [g for g in groups if g["params"]],
         lr=spec.optimizer.lr,
         betas=spec.optimizer.betas,
         eps=spec.optimizer.eps,

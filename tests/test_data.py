@@ -22,7 +22,7 @@ from roundpipe.coordinator.data import (
     read_documents,
     resolve_format,
 )
-from roundpipe.coordinator.jobspec import load_job_spec
+from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 EOS, PAD = 0, 99
@@ -86,6 +86,36 @@ def test_pretokenised_and_text_formats(tmp_path: Path) -> None:
     t.write_text("first para\nstill first\n\n\nsecond\n\n")
     assert resolve_format(t) == "text"
     assert list(read_documents(t)) == [(1, "first para\nstill first"), (5, "second")]
+
+
+def test_token_data_with_a_model_dir_without_tokenizer_files(tmp_path: Path) -> None:
+    """No tokenizer files next to the model: no tokenizer at all, so documents of token
+    data are concatenated without a separator (transformers 5 would otherwise hand out
+    an empty tokenizer whose EOS id 0 lands between the documents)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "vocab_size": 64, "max_position_embeddings": 32})
+    )
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    spec = JobSpec.from_dict(
+        {"model": {"path": str(model)}, "data": {"path": str(data), "seq_len": 5}}
+    )
+    assert spec.tokenizer_path is None
+    ds = build_dataset_from_spec(spec)
+    assert rows_of(ds) == [[5, 6, 7, 8, 9]]
+    assert ds.eos_token_id is None and ds.pad_token_id == 0
+    with pytest.raises(
+        DataError, match=r"cannot load a tokenizer from .*model: it holds no tokenizer files"
+    ):
+        load_tokenizer(model)
+    # With the tokenizer files there, its EOS separates the documents again.
+    for f in (DEMO_DIR / "tokenizer").iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    spec = JobSpec.from_dict(spec.to_dict())
+    eos = load_tokenizer(model).eos_token_id
+    assert spec.tokenizer_path == str(model)
+    assert rows_of(build_dataset_from_spec(spec)) == [[5, 6, 7, eos, 8], [9, eos]]
 
 
 def test_format_detection(tmp_path: Path) -> None:

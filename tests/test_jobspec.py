@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from roundpipe.coordinator.jobspec import (
+    HF_NO_DECAY,
     DataSpec,
     JobSpec,
     JobSpecError,
@@ -126,6 +127,8 @@ BAD_FIELDS: list[tuple[str, Any, str]] = [
     ("optimizer.warmup_steps", -1, "integer >= 0"),
     ("optimizer.warmup_steps", 11, "more than train.steps"),
     ("optimizer.min_lr_ratio", 1.5, "[0, 1]"),
+    ("optimizer.schedule_convention", "torch", "one of 'hf', 'one_based'"),
+    ("optimizer.no_decay", "bias", "a list of name patterns"),
     ("output.checkpoint_every", -1, "integer >= 0"),
     ("output.keep_last", None, "integer >= 0"),
     ("lora.r", 0, "integer >= 1"),
@@ -307,3 +310,45 @@ def test_demo_spec_is_valid() -> None:
     assert cfg.vocab_size == len(tok["model"]["vocab"])
     validate_against_model(spec, cfg, vocab_size_needed=cfg.vocab_size)
     assert JobSpec.from_dict(copy.deepcopy(spec.to_dict())) == spec
+
+
+def test_optimizer_porting_settings(files: dict[str, Path]) -> None:
+    d = good(files)
+    spec = JobSpec.from_dict(d)
+    assert spec.optimizer.schedule_convention == "hf"  # the Hugging Face Trainer's lrs
+    assert spec.optimizer.no_decay == HF_NO_DECAY  # biases and norms: no weight decay
+    d["optimizer"].update(no_decay=[], schedule_convention="one_based")
+    spec = JobSpec.from_dict(d)
+    assert spec.optimizer.no_decay == () and JobSpec.from_dict(spec.to_dict()) == spec
+    d["optimizer"]["no_decay"] = ["bias", "norm(", ""]
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    assert "a list of name patterns" in errors_of(exc)["optimizer.no_decay"]
+    d["optimizer"]["no_decay"] = ["bias", "norm("]
+    with pytest.raises(JobSpecError, match=r"'norm\(' is not a valid regular expression"):
+        JobSpec.from_dict(d)
+
+
+def test_hf_trainer_names_get_hints_to_our_fields(files: dict[str, Path]) -> None:
+    """TrainingArguments / peft / LLaMA-Factory names, in any section or at the top level,
+    point at the field that means the same, with its full path when it lives elsewhere."""
+    d = good(files)
+    d["lora"] = {"lora_target": "all-linear", "lora_rank": 8}
+    d["train"]["gradient_accumulation_steps"] = 4
+    d["batch"]["per_device_train_batch_size"] = 2
+    d["optimizer"]["warmup_ratio"] = 0.1
+    d["learning_rate"] = 1e-4
+    d["num_train_epochs"] = 3
+    d["bf16"] = True
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert "did you mean 'target_modules'?" in errs["lora.lora_target"]
+    assert "did you mean 'r'?" in errs["lora.lora_rank"]
+    assert "did you mean 'batch.num_microbatches'?" in errs["train.gradient_accumulation_steps"]
+    assert "did you mean 'microbatch_size'?" in errs["batch.per_device_train_batch_size"]
+    assert "'warmup_steps'? a step count" in errs["optimizer.warmup_ratio"]
+    assert "did you mean 'optimizer.lr'?" in errs["learning_rate"]
+    assert "optimizer steps, not epochs" in errs["num_train_epochs"]
+    assert "'train.dtype'? dtype: bfloat16" in errs["bf16"]
+    assert len(errs) == 8

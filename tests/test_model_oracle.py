@@ -200,3 +200,55 @@ def test_dropout_recompute_matches_forward(lora: bool) -> None:
     again = run_iteration(model, make_plan("whole", 6, ""), weights, mbs, ex, rng=key)
     assert again.loss == fused.loss
     assert all(torch.equal(again.grads[n], fused.grads[n]) for n in fused.grads)
+
+
+def _arena_views(weights: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The same weights as views of one flat buffer, as a worker gets them from an arena
+    (views share one autograd version counter)."""
+    flat = torch.cat([t.reshape(-1) for per in weights.values() for t in per.values()])
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for layer, per in weights.items():
+        out[layer] = {}
+        for name, t in per.items():
+            out[layer][name] = flat[offset : offset + t.numel()].view(t.shape)
+            offset += t.numel()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_all_linear_default_matches_peft(arch: str) -> None:
+    """target_modules all-linear (the job spec's default) has peft's meaning on every
+    architecture, including Qwen3-MoE, where peft adapts the fused experts and the router
+    through parametrizations, and the staged run equals peft with arena-like weights."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch)
+    lora = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    model = LayeredModel.from_config(config, lora)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's own notes on transformers-5 MoE models
+        direct = get_peft_model(
+            AutoModelForCausalLM.from_config(config),
+            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+        )
+    expected = {n for n, p in direct.named_parameters() if p.requires_grad}
+    assert set(model.trainable_names) == expected
+    assert not any("lm_head" in n for n in expected)
+    # The list form (what a job spec's list or a JobSetup carries) means the same.
+    listed = LayeredModel.from_config(config, dict(lora, target_modules=["all-linear"]))
+    assert listed.trainable_names == model.trainable_names
+
+    weights = model.init_weights(seed=11)
+    perturb_lora(weights, seed=5)
+    ids, labels = batch(seed=3)
+    ref_loss, ref_grads = hf_reference(model, weights, ids, labels)
+    plan = make_plan("uneven", model.num_layers, "all-linear")
+    res = run_iteration(
+        model, plan, _arena_views(weights), split_rows(ids, labels, 3), StageExecutor(model)
+    )
+    assert abs(res.loss - ref_loss) <= TOL * abs(ref_loss)
+    assert_grads_close(res.grads, ref_grads, TOL, f"all-linear {arch}")

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import safetensors.torch
 import torch
 from torch import nn
 
+from roundpipe.coordinator.jobspec import HF_NO_DECAY
 from roundpipe.coordinator.optimizer import (
     IMPLS,
     LayerwiseAdamW,
     LRSchedule,
     OptimizerStepError,
     clip_coefficient,
+    decays,
     global_grad_norm,
 )
 
@@ -68,11 +71,20 @@ def batch(step: int) -> torch.Tensor:
 SCHEDULE = LRSchedule(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
 
 
-def run_both(impl: str, steps: int, grad_clip: float | None) -> tuple[nn.ModuleList, Arena]:
-    """Train a reference model with torch.optim.AdamW and a copy with LayerwiseAdamW."""
+def run_both(
+    impl: str, steps: int, grad_clip: float | None, no_decay: tuple[str, ...] = ()
+) -> tuple[nn.ModuleList, Arena]:
+    """Train a reference model with torch.optim.AdamW and a copy with LayerwiseAdamW.
+
+    With ``no_decay`` the reference has two parameter groups, built as the Hugging Face
+    Trainer builds them (``get_decay_parameter_names``'s name rule)."""
     ref = make_model()
     flags = {"fused": impl == "fused", "foreach": impl == "foreach"}
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=SCHEDULE.lr, weight_decay=0.1, **flags)
+    named = [(f"{i}.{n}", p) for i, m in enumerate(ref) for n, p in m.named_parameters()]
+    exempt = [p for n, p in named if any(re.search(x, n.lower()) for x in no_decay)]
+    decayed = [p for n, p in named if not any(re.search(x, n.lower()) for x in no_decay)]
+    groups = [{"params": decayed}] + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
+    ref_opt = torch.optim.AdamW(groups, lr=SCHEDULE.lr, weight_decay=0.1, **flags)
 
     worker = make_model()  # computes gradients from the masters, like a worker would
     masters = Arena(worker)
@@ -85,7 +97,12 @@ def run_both(impl: str, steps: int, grad_clip: float | None) -> tuple[nn.ModuleL
         for name, p in m.named_parameters():
             masters.views[layer][name].copy_(p.detach())
     opt = LayerwiseAdamW(
-        masters.views, schedule=SCHEDULE, weight_decay=0.1, grad_clip=grad_clip, impl=impl
+        masters.views,
+        schedule=SCHEDULE,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        impl=impl,
+        no_decay=no_decay,
     )
     ptrs = {(i, n): t.data_ptr() for i, d in masters.views.items() for n, t in d.items()}
 
@@ -135,9 +152,10 @@ def max_diff(ref: nn.ModuleList, masters: Arena) -> float:
     )
 
 
+@pytest.mark.parametrize("no_decay", [(), HF_NO_DECAY])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_layerwise_equals_whole_model_adamw_bitwise(impl: str) -> None:
-    ref, masters = run_both(impl, steps=6, grad_clip=None)
+def test_layerwise_equals_whole_model_adamw_bitwise(impl: str, no_decay: tuple[str, ...]) -> None:
+    ref, masters = run_both(impl, steps=6, grad_clip=None, no_decay=no_decay)
     for layer, m in enumerate(ref):
         for name, p in m.named_parameters():
             assert torch.equal(p.detach(), masters.views[layer][name]), (impl, layer, name)
@@ -157,27 +175,127 @@ def test_global_norm_matches_torch() -> None:
 
 
 def test_schedules_at_known_steps() -> None:
-    const = LRSchedule(lr=1.0)
+    """The one_based convention: step s is schedule position s (warmup peaks at W)."""
+    const = LRSchedule(lr=1.0, convention="one_based")
     assert [const.lr_at(s) for s in (1, 50, 10**6)] == [1.0, 1.0, 1.0]
-    warm = LRSchedule(lr=2.0, warmup_steps=4)
+    warm = LRSchedule(lr=2.0, warmup_steps=4, convention="one_based")
     assert [warm.lr_at(s) for s in (1, 2, 4, 5)] == [0.5, 1.0, 2.0, 2.0]
 
-    lin = LRSchedule(lr=1.0, schedule="linear", warmup_steps=10, total_steps=110)
+    lin = LRSchedule(
+        lr=1.0, schedule="linear", warmup_steps=10, total_steps=110, convention="one_based"
+    )
     assert lin.lr_at(5) == pytest.approx(0.5)
     assert lin.lr_at(10) == pytest.approx(1.0)
     assert lin.lr_at(60) == pytest.approx(0.5)
     assert lin.lr_at(110) == pytest.approx(0.0)
 
-    cos = LRSchedule(lr=1.0, schedule="cosine", warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    cos = LRSchedule(
+        lr=1.0,
+        schedule="cosine",
+        warmup_steps=10,
+        total_steps=110,
+        min_lr_ratio=0.1,
+        convention="one_based",
+    )
     assert cos.lr_at(10) == pytest.approx(1.0)
     assert cos.lr_at(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
     assert cos.lr_at(60) == pytest.approx(0.55)
     assert cos.lr_at(110) == pytest.approx(0.1)
     assert cos.lr_at(500) == pytest.approx(0.1)  # stays at the minimum
-    nowarm = LRSchedule(lr=1.0, schedule="cosine", total_steps=4)
+    nowarm = LRSchedule(lr=1.0, schedule="cosine", total_steps=4, convention="one_based")
     assert nowarm.lr_at(4) == pytest.approx(0.0) and nowarm.lr_at(1) < 1.0
+    # Warmup over the whole run still peaks at its last step.
+    assert LRSchedule(lr=1.0, schedule="linear", warmup_steps=3, total_steps=3).lr_at(3) < 1.0
+    full = LRSchedule(
+        lr=1.0, schedule="linear", warmup_steps=3, total_steps=3, convention="one_based"
+    )
+    assert full.lr_at(3) == 1.0
     with pytest.raises(ValueError, match="count from 1"):
         cos.lr_at(0)
+    with pytest.raises(ValueError, match="unknown schedule convention 'torch'"):
+        LRSchedule(lr=1.0, convention="torch")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "min_lr_ratio"),
+    [
+        ("constant", 3, 0.0),
+        ("constant", 0, 0.0),
+        ("linear", 3, 0.0),
+        ("linear", 0, 0.0),
+        ("cosine", 3, 0.0),
+        ("cosine", 2, 0.1),
+    ],
+)
+def test_hf_convention_equals_transformers_schedulers(
+    schedule: str, warmup: int, min_lr_ratio: float
+) -> None:
+    """The default (hf) convention gives, bitwise, the learning rate that transformers'
+    get_*_schedule_with_warmup sets for each optimizer step when it is stepped after
+    every optimizer step (the Trainer's loop): lr 0 at step 1 of a warmup."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    total, lr = 11, 3e-4
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)
+    if schedule == "constant":
+        hf = get_constant_schedule_with_warmup(opt, warmup)
+    elif schedule == "linear":
+        hf = get_linear_schedule_with_warmup(opt, warmup, total)
+    elif min_lr_ratio:
+        hf = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, warmup, total, min_lr_rate=min_lr_ratio
+        )
+    else:
+        hf = get_cosine_schedule_with_warmup(opt, warmup, total)
+    ours = LRSchedule(
+        lr=lr,
+        schedule=schedule,
+        warmup_steps=warmup,
+        total_steps=total,
+        min_lr_ratio=min_lr_ratio,
+    )
+    assert ours.convention == "hf"
+    for step in range(1, total + 1):
+        assert ours.lr_at(step) == opt.param_groups[0]["lr"], step  # the lr step uses
+        opt.step()
+        hf.step()
+    if warmup:
+        assert ours.lr_at(1) == 0.0 and ours.lr_at(warmup + 1) == lr
+
+
+def test_no_decay_default_is_the_hf_trainers_rule() -> None:
+    """HF_NO_DECAY picks the tensors the Trainer's get_decay_parameter_names leaves out:
+    biases and every norm weight, on the supported architectures."""
+    from model_helpers import ARCHS, tiny_config
+    from transformers import AutoModelForCausalLM, Trainer
+
+    for arch in ARCHS:
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, attention_bias=True))
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        hf = set(Trainer.get_decay_parameter_names(None, model))
+        ours = {n for n in names if decays(n, HF_NO_DECAY)}
+        assert ours == hf, arch
+        exempt = set(names) - ours
+        assert any(".bias" in n for n in exempt) and "model.norm.weight" in exempt
+        assert any("q_norm" in n or "input_layernorm" in n for n in exempt)
+    masters = {
+        0: {"a.weight": torch.ones(2), "a.bias": torch.ones(2)},
+        1: {"norm.weight": torch.ones(2)},
+    }
+    opt = LayerwiseAdamW(
+        masters, schedule=LRSchedule(lr=0.5), weight_decay=0.5, no_decay=HF_NO_DECAY
+    )
+    assert opt.decayed == {"a.weight"}
+    opt.step_layer(0, {"a.weight": torch.zeros(2), "a.bias": torch.zeros(2)}, 1)
+    opt.step_layer(1, {"norm.weight": torch.zeros(2)}, 1)
+    # Zero gradients: only decoupled decay moves a weight, by a factor 1 - lr * wd.
+    assert masters[0]["a.weight"].eq(0.75).all()
+    assert masters[0]["a.bias"].eq(1).all() and masters[1]["norm.weight"].eq(1).all()
 
 
 def test_state_dict_round_trip_continues_identically() -> None:

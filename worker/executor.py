@@ -462,7 +462,7 @@ class StageExecutor:
                     )
                 # A fresh alias per task: never touches the caller's tensor (its
                 # requires_grad flag or its read-only storage).
-                leaf = t.to(self.device, non_blocking=True).detach()
+                leaf = _own_version(t.to(self.device, non_blocking=True))
                 if grad and spec.trainable:
                     leaf.requires_grad_(True)
                     trainable.append((spec.name, leaf))
@@ -586,6 +586,23 @@ class StageExecutor:
     def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
         devices = [self.device.index] if self.device.type == "cuda" else []
         return torch.random.fork_rng(devices=devices)
+
+
+def _own_version(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t``'s memory with its own autograd version counter.
+
+    Weights arrive as views of one arena buffer, and views share their base's version
+    counter. peft's LoRA on a parameter (fused MoE experts, the router; what all-linear
+    picks on Qwen3-MoE) registers a parametrization at every forward, which calls
+    ``set_`` on the weight: a version bump that, through the shared counter, would
+    invalidate every other weight autograd saved earlier in the same pass ("modified by
+    an inplace operation"). A tensor made by ``set_`` onto the storage is not a view, so
+    a bump stays with that one weight. No data is copied.
+    """
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return alias
 
 
 def _emit(
