@@ -87,8 +87,17 @@ class FieldError:
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
+MAX_SPEC_BYTES = 1024 * 1024
+"""Largest job spec: a YAML file, or a SubmitJob message. A spec names files and holds
+settings; a megabyte of it is a mistake or an attack, not a job."""
+
+MAX_LISTED_PROBLEMS = 50
+"""Problems a JobSpecError's message lists; the rest are counted (``errors`` has all)."""
+
+
 class JobSpecError(ValueError):
-    """A job spec is invalid. ``errors`` lists every problem found, not just the first."""
+    """A job spec is invalid. ``errors`` lists every problem found, not just the first;
+    the message lists the first MAX_LISTED_PROBLEMS and counts the rest."""
 
     def __init__(self, errors: list[FieldError], source: str | None = None) -> None:
         self.errors = list(errors)
@@ -96,8 +105,17 @@ class JobSpecError(ValueError):
         where = f" in {source}" if source else ""
         n = len(self.errors)
         lines = [f"invalid job spec{where} ({n} problem{'s' if n != 1 else ''}):"]
-        lines += [f"  - {e}" for e in self.errors]
+        lines += [f"  - {_clip(str(e))}" for e in self.errors[:MAX_LISTED_PROBLEMS]]
+        if n > MAX_LISTED_PROBLEMS:
+            lines.append(f"  ... and {n - MAX_LISTED_PROBLEMS} more problems not shown")
         super().__init__("\n".join(lines))
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    # One problem's line: a key of a megabyte must not make a megabyte message.
+    return (
+        text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+    )
 
 
 class _Errors:

@@ -198,6 +198,8 @@ class Trainer:
         self.plan_history: list[tuple[int, str, str]] = []
         """(first iteration, plan, why) for every plan the job has used."""
         self._replan_attempts = 0
+        self.prepared = False
+        """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
 
     # -- preparation ------------------------------------------------------------------
 
@@ -292,6 +294,7 @@ class Trainer:
         if source is not None:
             self._restore(source)
         self._plan_chosen(self.start_step + 1, why)
+        self.prepared = True
 
     def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
         """The job's first plan and why: the spec's, or the planner's cold start."""

@@ -233,7 +233,10 @@ class Client:
 
     def _request(self, request: Message, *expected: type[_M]) -> _M | ErrorReply:
         """Send `request`, return its reply: one of `expected`, or an ErrorReply."""
-        frames = encode(request)
+        try:
+            frames = encode(request)
+        except ProtocolError as exc:  # e.g. a spec too large for one message
+            raise RoundPipeError(f"cannot send {type(request).__name__}: {exc}") from None
         with self._lock:
             if self._closed:
                 raise RoundPipeError("this Client is closed")
@@ -330,18 +333,36 @@ class Client:
         return reply
 
     def jobs(self) -> list[JobStatus]:
-        """Every job the coordinator knows, oldest first."""
-        reply = self._request(ListJobs(), JobList)
-        if isinstance(reply, ErrorReply):
-            raise RoundPipeError(f"cannot list jobs: {reply.message}", code=reply.code)
-        return list(reply.jobs)
+        """Every job the coordinator knows, oldest first (asked for page by page: each
+        reply holds at most MAX_REPLY_BYTES of them)."""
+        jobs: list[JobStatus] = []
+        start: int | None = 0
+        while start is not None:
+            reply = self._request(ListJobs(start=start), JobList)
+            if isinstance(reply, ErrorReply):
+                raise RoundPipeError(f"cannot list jobs: {reply.message}", code=reply.code)
+            jobs.extend(reply.jobs)
+            if reply.next_start is not None and reply.next_start <= start:
+                raise RoundPipeError(
+                    f"the coordinator at {self._address} sent a job page that does not "
+                    f"advance (from {start} to {reply.next_start})"
+                )
+            start = reply.next_start
+        return jobs
 
     def workers(self) -> list[WorkerInfo]:
-        """Every worker the coordinator knows (including lost ones), by worker id."""
-        reply = self._request(ListWorkers(), WorkerList)
-        if isinstance(reply, ErrorReply):
-            raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
-        return list(reply.workers)
+        """Every worker the coordinator knows, by worker id (page by page, like jobs)."""
+        workers: list[WorkerInfo] = []
+        after = 0
+        while True:
+            reply = self._request(ListWorkers(after=after), WorkerList)
+            if isinstance(reply, ErrorReply):
+                raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
+            page = [w for w in reply.workers if w.worker_id > after]
+            workers.extend(page)
+            if not (reply.more and page):  # a page that does not advance ends the walk
+                return workers
+            after = page[-1].worker_id
 
     def cancel(self, job_id: str) -> None:
         """Ask the coordinator to cancel a job. Returns once the request is accepted;
@@ -352,8 +373,9 @@ class Client:
 
     def resume(self, job_id: str) -> None:
         """Queue a paused, failed or cancelled job again; it continues from its newest
-        checkpoint (from the start if it has none). Raises :class:`RoundPipeError` (code
-        ``"bad_state"``) for a job that is queued, running or has succeeded."""
+        checkpoint (from the start if it has none). A queued or running job is left as it
+        is (nothing to do). Raises :class:`RoundPipeError` (code ``"bad_state"``) for a
+        job that has succeeded."""
         reply = self._request(ResumeJob(job_id=job_id), Ack)
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
