@@ -606,7 +606,11 @@ class Coordinator:
             with self._lock:
                 busy = self._active is not None and self._active.state == "running"
                 workers = sorted(
-                    (w for w in self.workers.values() if w.worker_id > msg.after),
+                    (
+                        w
+                        for w in self.workers.values()
+                        if msg.after is None or w.worker_id > msg.after
+                    ),
                     key=lambda w: w.worker_id,
                 )
                 page, more = _page(

@@ -1728,9 +1728,9 @@ class JobList(Message):
 class ListWorkers(Message):
     """Ask for one page of the workers, by worker id."""
 
-    #: only workers with a larger worker_id (0: from the first): the last worker_id of
-    #: the previous page
-    after: NonNegInt = 0
+    #: only workers with a larger worker_id (None: from the first): the last worker_id
+    #: of the previous page
+    after: NonNegInt | None = None
 
 
 @_struct

@@ -353,12 +353,12 @@ class Client:
     def workers(self) -> list[WorkerInfo]:
         """Every worker the coordinator knows, by worker id (page by page, like jobs)."""
         workers: list[WorkerInfo] = []
-        after = 0
+        after: int | None = None
         while True:
             reply = self._request(ListWorkers(after=after), WorkerList)
             if isinstance(reply, ErrorReply):
                 raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
-            page = [w for w in reply.workers if w.worker_id > after]
+            page = [w for w in reply.workers if after is None or w.worker_id > after]
             workers.extend(page)
             if not (reply.more and page):  # a page that does not advance ends the walk
                 return workers
