@@ -6,9 +6,10 @@ Threads (only the I/O thread touches the ROUTER socket):
                            socket (outgoing messages from other threads); answers client
                            requests; tracks workers; forwards task results to the job.
                            Only cheap work runs here, so heartbeats are never starved
-    rp-admission           validates submitted (and resumed) job specs -- file checks,
-                           reading the data -- and answers SubmitJob / ResumeJob through
-                           its own inproc PUSH
+    rp-admission           answers SubmitJob / ResumeJob through its own inproc PUSH; the
+                           validation itself (file checks, reading the data) runs in a
+                           child process (coordinator.admission), so not even the GIL
+                           ties it to the I/O thread
     rp-job                 runs queued jobs one at a time through a Trainer; sends
                            JobSetup / StageTask / JobTeardown through its own inproc PUSH
     rp-optimizer-<job>     the Trainer's layer-wise AdamW
@@ -54,6 +55,7 @@ from pathlib import Path
 import psutil
 import zmq
 
+from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
@@ -138,7 +140,9 @@ class WorkerEntry:
 @dataclass
 class JobRecord:
     job_id: str
-    spec: JobSpec | None  # None: the stored spec no longer validates (see message)
+    # None: not built yet (validated in the admission child; the job thread builds it),
+    # or a stored spec that no longer validates (see message)
+    spec: JobSpec | None
     spec_dict: dict = field(default_factory=dict)
     state: str = "queued"
     message: str = ""
@@ -224,6 +228,9 @@ class Coordinator:
         self._admissions: queue.Queue[tuple[bytes, Message] | None] = queue.Queue(
             MAX_PENDING_ADMISSIONS
         )
+        # Set by serve(); without it (a coordinator driven by tests) specs are validated
+        # in-process.
+        self.validator: SpecValidator | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -333,6 +340,7 @@ class Coordinator:
     def serve(self) -> None:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
+        self.validator = SpecValidator()
         admission_thread = threading.Thread(
             target=self._admission_loop, name="rp-admission", daemon=True
         )
@@ -375,6 +383,7 @@ class Coordinator:
             except queue.Full:
                 pass  # it sees _stop within its poll interval
             admission_thread.join(timeout=60)
+            self.validator.close()
             job_thread.join(timeout=60)
             self.router.close()
             self.outbox.close()
@@ -648,27 +657,38 @@ class Coordinator:
                 more = first + len(page) < len(events)
         return Progress(job_id=job.job_id, events=page, done=done and not more)
 
+    def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
+        """(the JobSpec if it was built here, the normalised spec dict). Raises
+        JobSpecError or ValidationUnavailable."""
+        if self.validator is not None:
+            return None, self.validator.validate(spec)
+        built = JobSpec.from_dict(spec)
+        return built, built.to_dict()
+
     def _submit(self, msg: SubmitJob) -> Message:
         try:
-            spec = JobSpec.from_dict(dict(msg.spec))
+            spec, spec_dict = self._validated(dict(msg.spec))
         except JobSpecError as exc:
             return ErrorReply(code="bad_spec", message=str(exc))
+        except ValidationUnavailable as exc:
+            return ErrorReply(code="spec_check_failed", message=str(exc))
         job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         job_dir = self.state_dir / "jobs" / job_id
         job_dir.mkdir(parents=True, exist_ok=True)
-        output = Path(spec.output.dir) if spec.output.dir else job_dir / "output"
-        spec_dict = spec.to_dict()
+        out_dir = spec_dict["output"]["dir"]
+        output = Path(out_dir) if out_dir else job_dir / "output"
+        steps = spec_dict["train"]["steps"]
         record = JobRecord(
             job_id,
             spec,
             spec_dict=spec_dict,
-            total_steps=spec.train.steps,
+            total_steps=steps,
             output_dir=str(output),
             log_path=job_dir / "job.log",
         )
         assert self.store is not None
         try:
-            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=spec.train.steps)
+            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=steps)
         except JobStoreError as exc:
             log.error("[coordinator] job not accepted: %s", exc)
             return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
@@ -676,7 +696,7 @@ class Coordinator:
             self.jobs[job_id] = record
             self._queue.append(job_id)
             self._job_wakeup.notify_all()
-        log.info("[coordinator] job %s queued (%d steps)", job_id, spec.train.steps)
+        log.info("[coordinator] job %s queued (%d steps)", job_id, steps)
         return JobAccepted(job_id=job_id)
 
     def _cancel(self, job_id: str) -> Message:
@@ -703,6 +723,15 @@ class Coordinator:
             job = self.jobs.get(job_id)
             if job is None:
                 return _unknown(job_id)
+            check = job.spec is None and job.state not in ("queued", "running", "succeeded")
+        if check:  # outside the lock: it reads the job's files
+            try:
+                self._validated(job.spec_dict)
+            except JobSpecError as exc:
+                return ErrorReply(code="bad_spec", message=f"job {job_id} cannot run again: {exc}")
+            except ValidationUnavailable as exc:
+                return ErrorReply(code="spec_check_failed", message=str(exc))
+        with self._lock:
             if job.state in ("queued", "running"):
                 # What the caller wants is already happening: a no-op, not an error (a
                 # job resumed automatically after a coordinator restart is "queued" or
@@ -714,13 +743,6 @@ class Coordinator:
                     message=f"job {job_id} has already succeeded; to train further, submit a "
                     f"new job with model.resume_from: {job.output_dir} and a larger train.steps",
                 )
-            if job.spec is None:
-                try:
-                    job.spec = JobSpec.from_dict(job.spec_dict)
-                except JobSpecError as exc:
-                    return ErrorReply(
-                        code="bad_spec", message=f"job {job_id} cannot run again: {exc}"
-                    )
             where = (
                 f"from checkpoint step {job.checkpoint_step}"
                 if job.checkpoint_step
@@ -792,7 +814,16 @@ class Coordinator:
 
     def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
         handler = _job_log_handler(job)
-        assert job.spec is not None
+        if job.spec is None:
+            # Validated at submission, in the admission child; built (and so checked
+            # again: its files may have changed since) here, off the I/O thread.
+            try:
+                job.spec = JobSpec.from_dict(job.spec_dict)
+            except JobSpecError as exc:
+                self._set_state(job, "failed", f"the job's spec is no longer valid: {exc}")
+                logging.getLogger("roundpipe").removeHandler(handler)
+                handler.close()
+                return
         trainer = Trainer(
             job.job_id,
             job.spec,

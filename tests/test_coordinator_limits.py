@@ -236,3 +236,52 @@ def test_unknown_job_id_of_megabytes_gets_a_short_error(cluster: LocalCluster) -
     assert isinstance(reply, ErrorReply) and reply.code == "unknown_job"
     assert len(reply.message) < 1000
     _alive(cluster)
+
+
+def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir: Path) -> None:
+    """A data file of blank lines takes seconds to validate. That ran on the I/O thread:
+    no reply and no heartbeat read meanwhile, so both workers were declared lost and
+    SIGKILLed. Now validation runs on the admission thread."""
+    from runtime_helpers import tiny_spec
+
+    data = tmp_path / "blank.jsonl"
+    with open(data, "wb") as f:
+        f.write(b"\n" * (60 * 2**20))
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    spec["data"]["path"] = str(data)
+    cluster = LocalCluster(tmp_path / "c", arena_dir, coordinator_args=["--worker-timeout", "2"])
+    try:
+        cluster.add_worker("w1")
+        cluster.add_worker("w2")
+        cluster.wait_for_workers(2)
+        before = {w.worker_id for w in cluster.client.workers()}
+        sock = _dealer(cluster.address)
+        try:
+            started = time.monotonic()
+            sock.send_multipart(encode(SubmitJob(spec=spec)))
+            latencies = []
+            while not sock.poll(0):
+                asked = time.monotonic()
+                assert {w.worker_id for w in cluster.client.workers()} == before
+                latencies.append(time.monotonic() - asked)
+                assert time.monotonic() - started < 120, cluster.logs()
+                time.sleep(0.05)
+            took = time.monotonic() - started
+            reply = decode(sock.recv_multipart())
+        finally:
+            sock.close()
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+        assert "empty dataset" in reply.message
+        latencies.sort()
+        median = latencies[len(latencies) // 2]
+        print(
+            f"validation took {took:.1f}s; {len(latencies)} ListWorkers meanwhile, median "
+            f"{median * 1e3:.1f} ms, slowest {latencies[-1] * 1e3:.0f} ms"
+        )
+        assert took > 2, "validation was too quick to show a stall; make the file larger"
+        # Before: one request, answered when the validation ended (seconds later).
+        assert len(latencies) >= 10 and median < 0.1
+        assert all(w.alive() for w in cluster.workers.values()), cluster.logs()
+        assert "lost" not in cluster.coordinator.tail(20_000)
+    finally:
+        cluster.stop()

@@ -1,0 +1,112 @@
+"""Job-spec validation in a child process, so that it can never stall the coordinator.
+
+Validating a spec reads files: the model's ``config.json``, the tokenizer, the whole data
+file (to find it empty, not UTF-8, or using token ids the model does not have). In a
+thread of the coordinator that work still competes for the GIL with the I/O thread, and
+some of it holds the GIL for the whole of one C call (``json.load`` of a large config):
+a 60 MB data file of blank lines delayed replies and heartbeats by seconds. In its own
+process it delays nothing but the submission it belongs to.
+
+:class:`SpecValidator` keeps one spawned child (started on first use, reused, replaced
+when it dies or overruns its time limit). ``validate(spec)`` returns the normalised spec
+dict (``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.jobspec.JobSpecError`
+with every problem the child found, exactly as ``JobSpec.from_dict`` would have.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
+
+__all__ = ["SpecValidator", "ValidationUnavailable", "check_spec"]
+
+log = logging.getLogger(__name__)
+
+VALIDATION_TIMEOUT_S = 300.0
+"""Longest one validation may take before its child is killed and the spec refused."""
+
+
+class ValidationUnavailable(RuntimeError):
+    """The validating process died or overran its time limit; the message says which."""
+
+
+def check_spec(spec: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """What the child runs: ``(normalised spec, [])`` or ``(None, [(path, message)...])``.
+
+    Plain values only cross the process boundary (a JobSpecError does not pickle back
+    into itself: its constructor takes the problem list, not the message)."""
+    try:
+        return JobSpec.from_dict(spec).to_dict(), []
+    except JobSpecError as exc:
+        return None, [(e.path, e.message) for e in exc.errors]
+
+
+def _child_init() -> None:
+    # The child only reads files; never let it reach the hub or use every core.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
+class SpecValidator:
+    """Validates specs in one child process, one at a time."""
+
+    def __init__(self, timeout_s: float = VALIDATION_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn, never fork: the coordinator has threads and a ZeroMQ context.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_child_init,
+            )
+        return self._pool
+
+    def _discard(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()  # an overrunning child would otherwise keep running
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def validate(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            future = self._executor().submit(check_spec, dict(spec))
+            try:
+                normalised, errors = future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._discard()
+                raise ValidationUnavailable(
+                    f"checking the job spec took longer than {self.timeout_s:.0f} s and was "
+                    "stopped; is its data file enormous, or on a hung file system?"
+                ) from None
+            except BrokenProcessPool:
+                self._discard()
+                raise ValidationUnavailable(
+                    "the process checking the job spec died (out of memory?) before it "
+                    "finished; the spec was not accepted"
+                ) from None
+        if normalised is None:
+            raise JobSpecError([FieldError(path, message) for path, message in errors])
+        return normalised
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
