@@ -26,7 +26,7 @@ from typing import Any
 
 from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
 
-__all__ = ["SpecValidator", "ValidationUnavailable", "check_spec"]
+__all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +38,50 @@ class ValidationUnavailable(RuntimeError):
     """The validating process died or overran its time limit; the message says which."""
 
 
+def validate_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """Everything a job is checked for before it is accepted: ``JobSpec.from_dict``, then
+    the checks that read the whole data file, exactly as the trainer does when the job
+    starts (``build_dataset_from_spec``, ``validate_against_model``): an empty dataset,
+    bytes that are not UTF-8 or lines that do not parse on any line, token ids beyond
+    the model's ``vocab_size``. Without them such a job was accepted and failed once
+    started, leaving an empty checkpoints/ directory. Raises JobSpecError."""
+    from roundpipe.coordinator.data import DataError, build_dataset_from_spec
+    from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
+
+    job = JobSpec.from_dict(spec)
+    try:
+        dataset = build_dataset_from_spec(job)
+    except DataError as exc:
+        raise JobSpecError([FieldError("data", str(exc))]) from None
+    try:
+        config = model_config_from_spec(job.model)
+    except Exception as exc:  # transformers raises several types for a bad config
+        detail = " ".join(str(exc).split())
+        raise JobSpecError([FieldError("model", f"cannot build its config: {detail}")]) from None
+    validate_against_model(job, config, vocab_size_needed=dataset.vocab_size_needed)
+    return job
+
+
 def check_spec(spec: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
     """What the child runs: ``(normalised spec, [])`` or ``(None, [(path, message)...])``.
 
     Plain values only cross the process boundary (a JobSpecError does not pickle back
     into itself: its constructor takes the problem list, not the message)."""
     try:
-        return JobSpec.from_dict(spec).to_dict(), []
+        return validate_spec(spec).to_dict(), []
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
+    finally:
+        _release_freed_memory()  # the dataset was built and dropped: give it back
+
+
+def _release_freed_memory() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _child_init() -> None:

@@ -55,7 +55,7 @@ from pathlib import Path
 import psutil
 import zmq
 
-from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable
+from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
@@ -662,7 +662,7 @@ class Coordinator:
         JobSpecError or ValidationUnavailable."""
         if self.validator is not None:
             return None, self.validator.validate(spec)
-        built = JobSpec.from_dict(spec)
+        built = validate_spec(spec)
         return built, built.to_dict()
 
     def _submit(self, msg: SubmitJob) -> Message:
