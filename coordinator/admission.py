@@ -38,13 +38,15 @@ class ValidationUnavailable(RuntimeError):
     """The validating process died or overran its time limit; the message says which."""
 
 
-def validate_spec(spec: Mapping[str, Any]) -> JobSpec:
+def validate_spec(spec: Mapping[str, Any], arena_dir: str | None = None) -> JobSpec:
     """Everything a job is checked for before it is accepted: ``JobSpec.from_dict``, then
     the checks that read the whole data file, exactly as the trainer does when the job
     starts (``build_dataset_from_spec``, ``validate_against_model``): an empty dataset,
     bytes that are not UTF-8 or lines that do not parse on any line, token ids beyond
     the model's ``vocab_size``. Without them such a job was accepted and failed once
-    started, leaving an empty checkpoints/ directory. Raises JobSpecError."""
+    started, leaving an empty checkpoints/ directory. Last, the host memory the job
+    needs under any plan against what the machine (and ``arena_dir``) has. Raises
+    JobSpecError."""
     from roundpipe.coordinator.data import DataError, build_dataset_from_spec
     from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
 
@@ -59,16 +61,52 @@ def validate_spec(spec: Mapping[str, Any]) -> JobSpec:
         detail = " ".join(str(exc).split())
         raise JobSpecError([FieldError("model", f"cannot build its config: {detail}")]) from None
     validate_against_model(job, config, vocab_size_needed=dataset.vocab_size_needed)
+    _check_least_memory(job, config, arena_dir)
     return job
 
 
-def check_spec(spec: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+def _check_least_memory(job: JobSpec, config: Any, arena_dir: str | None) -> None:
+    """Refuse a job that cannot fit this machine under any plan: its layout for the plan
+    with the fewest activation slots (the whole model as one tail stage) is sized, not
+    created. The trainer checks the real plan's figure before it allocates."""
+    import torch
+
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import (
+        InsufficientMemory,
+        check_host_memory,
+        host_memory_needed,
+    )
+    from roundpipe.shared.model import LayeredModel
+    from roundpipe.shared.plan import Plan
+
+    lora = job.lora.model_settings() if job.lora is not None else None
+    model = LayeredModel(config, lora)
+    layout = JobLayout.plan_layout(
+        model,
+        Plan(forward=(), tail=(0, model.num_layers), backward=()),
+        compute_dtype=getattr(torch, job.train.dtype),
+        microbatch_rows=job.batch.microbatch_size,
+        seq_len=job.data.seq_len,
+        num_microbatches=job.batch.num_microbatches,
+    )
+    try:
+        check_host_memory(
+            host_memory_needed(layout), arena_dir, what="this job, whatever its plan,"
+        )
+    except InsufficientMemory as exc:
+        raise JobSpecError([FieldError("", str(exc))]) from None
+
+
+def check_spec(
+    spec: Mapping[str, Any], arena_dir: str | None = None
+) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
     """What the child runs: ``(normalised spec, [])`` or ``(None, [(path, message)...])``.
 
     Plain values only cross the process boundary (a JobSpecError does not pickle back
     into itself: its constructor takes the problem list, not the message)."""
     try:
-        return validate_spec(spec).to_dict(), []
+        return validate_spec(spec, arena_dir).to_dict(), []
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
     finally:
@@ -98,7 +136,12 @@ def _child_init() -> None:
 class SpecValidator:
     """Validates specs in one child process, one at a time."""
 
-    def __init__(self, timeout_s: float = VALIDATION_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        arena_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = VALIDATION_TIMEOUT_S,
+    ) -> None:
+        self.arena_dir = None if arena_dir is None else os.fspath(arena_dir)
         self.timeout_s = timeout_s
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -123,7 +166,7 @@ class SpecValidator:
 
     def validate(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         with self._lock:
-            future = self._executor().submit(check_spec, dict(spec))
+            future = self._executor().submit(check_spec, dict(spec), self.arena_dir)
             try:
                 normalised, errors = future.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError:

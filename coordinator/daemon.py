@@ -340,7 +340,7 @@ class Coordinator:
     def serve(self) -> None:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
-        self.validator = SpecValidator()
+        self.validator = SpecValidator(self.arena_dir)
         admission_thread = threading.Thread(
             target=self._admission_loop, name="rp-admission", daemon=True
         )
@@ -662,7 +662,7 @@ class Coordinator:
         JobSpecError or ValidationUnavailable."""
         if self.validator is not None:
             return None, self.validator.validate(spec)
-        built = validate_spec(spec)
+        built = validate_spec(spec, str(self.arena_dir))
         return built, built.to_dict()
 
     def _submit(self, msg: SubmitJob) -> Message:

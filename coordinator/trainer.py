@@ -89,6 +89,7 @@ from roundpipe.coordinator.checkpoint import (
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.planner import (
     HardwareSpec,
@@ -250,6 +251,12 @@ class Trainer:
             num_microbatches=spec.batch.num_microbatches,
             **capacity,
         )
+        # Admission control: refuse before any arena, master or moment exists, with the
+        # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        try:
+            check_host_memory(host_memory_needed(layout), self.arena_dir)
+        except InsufficientMemory as exc:
+            raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
         # fp32 masters (coordinator memory) and W_0 in params parity 0.

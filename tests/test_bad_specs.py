@@ -14,9 +14,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
-from runtime_helpers import DEMO_DATA, tiny_spec
+from runtime_helpers import DEMO_DATA, TINY_QWEN3, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES
@@ -133,3 +134,57 @@ def test_data_problems_are_found_at_submit(
     assert "rejected the job" in result.stderr and expect in result.stderr, result.stderr
     assert len(cluster.client.jobs()) == jobs_before  # nothing accepted
     assert not (tmp_path / "out").exists()  # no empty checkpoints/ left behind
+
+
+# --------------------------------------------------------------------------- memory
+
+BIG_CONTEXT = {
+    **TINY_QWEN3,
+    "hidden_size": 1024,
+    "head_dim": 256,
+    "max_position_embeddings": 65536,
+}
+
+
+def _memory_spec(tmp_path: Path, rows: int, microbatches: int) -> Path:
+    spec = tiny_spec(tmp_path / "out", config=BIG_CONTEXT, plan="F[0:2] T[2:6] B[0:2]").to_dict()
+    spec["data"]["seq_len"] = 65536
+    spec["batch"] = {"microbatch_size": rows, "num_microbatches": microbatches}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_job_that_cannot_fit_under_any_plan_is_refused_at_submit(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    # The io arena alone (token ids and labels of every microbatch, both parities):
+    # 2 x 16 bytes x 64 rows x 65536 tokens = 128 MiB per microbatch; ask for 4x the RAM.
+    per_microbatch = 2 * 16 * 64 * 65536
+    microbatches = 4 * psutil.virtual_memory().available // per_microbatch + 1
+    result = _submit(_memory_spec(tmp_path, 64, microbatches), cluster.address)
+    assert result.returncode == 2, result.stderr + cluster.logs()
+    assert "whatever its plan" in result.stderr and "GiB of host memory" in result.stderr
+    assert "is available on this machine" in result.stderr
+
+
+def test_job_whose_plan_does_not_fit_fails_before_allocating(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """seq_len 65536 on a small model: its activation slots (1 GiB per microbatch slot
+    here) are sized, checked against the machine and refused; nothing is allocated."""
+    cluster.add_worker("w-memory")
+    cluster.wait_for_workers(1)
+    per_boundary = 2 * 4 * 65536 * 1024 * 4  # parities x rows x tokens x hidden x fp32
+    microbatches = 4 * psutil.virtual_memory().available // per_boundary + 1
+    path = _memory_spec(tmp_path, 4, microbatches)
+    result = subprocess.run(
+        [*CLI, "submit", str(path), "--wait", "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stderr + cluster.logs()
+    assert "failed at 0/" in result.stderr and "GiB of host memory (arenas" in result.stderr
+    assert "is available on this machine" in result.stderr
+    assert not [p for p in cluster.arena_dir.iterdir() if p.name.startswith("rp.")]
