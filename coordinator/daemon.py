@@ -500,7 +500,10 @@ class Coordinator:
                 if item is None:
                     return
                 identity, msg = item
-                push.send_multipart([identity, *encode_reply(self._answer(msg))])
+                try:
+                    push.send_multipart([identity, *encode_reply(self._answer(msg))])
+                except Exception:  # this thread must outlive any one submission
+                    log.exception("[coordinator] answering a %s failed", type(msg).__name__)
         finally:
             push.close(linger=1000)
 
