@@ -133,6 +133,16 @@ def _child_init() -> None:
         pass
 
 
+def _warm_up() -> None:
+    # What every validation imports (seconds on a small machine): done once, when the
+    # coordinator starts, not inside the first client's submission.
+    import transformers  # noqa: F401
+
+    import roundpipe.coordinator.data  # noqa: F401
+    import roundpipe.coordinator.layout  # noqa: F401
+    import roundpipe.shared.model  # noqa: F401
+
+
 class SpecValidator:
     """Validates specs in one child process, one at a time."""
 
@@ -163,6 +173,11 @@ class SpecValidator:
         for proc in list(getattr(pool, "_processes", {}).values()):
             proc.kill()  # an overrunning child would otherwise keep running
         pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self) -> None:
+        """Start the child and its imports now (without waiting for them)."""
+        with self._lock:
+            self._executor().submit(_warm_up)
 
     def validate(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         with self._lock:

@@ -341,6 +341,7 @@ class Coordinator:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
         self.validator = SpecValidator(self.arena_dir)
+        self.validator.start()
         admission_thread = threading.Thread(
             target=self._admission_loop, name="rp-admission", daemon=True
         )

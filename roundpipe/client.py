@@ -18,7 +18,9 @@ socket to it and sends one request (the three frames of
 :func:`roundpipe.protocol.encode`) at a time, each answered by exactly one reply, in order.
 A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
 the socket is then closed and a fresh one connected, so a reply that arrives late can
-never be taken for the answer to a later request.
+never be taken for the answer to a later request. ``submit`` and ``resume`` wait at least
+:data:`~roundpipe.defaults.SUBMIT_TIMEOUT_S` (120 s): the coordinator reads the job's
+whole data file before it answers.
 
 Errors. An :class:`~roundpipe.protocol.ErrorReply` from the coordinator becomes a typed
 exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
@@ -42,7 +44,7 @@ from typing import Any, TypeVar
 import zmq
 
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
+from roundpipe.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
     NUM_FRAMES,
     Ack,
@@ -231,8 +233,12 @@ class Client:
 
     # -- one request, one reply --
 
-    def _request(self, request: Message, *expected: type[_M]) -> _M | ErrorReply:
-        """Send `request`, return its reply: one of `expected`, or an ErrorReply."""
+    def _request(
+        self, request: Message, *expected: type[_M], timeout_s: float | None = None
+    ) -> _M | ErrorReply:
+        """Send `request`, return its reply (one of `expected`, or an ErrorReply) within
+        ``timeout_s`` (default: the client's)."""
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         try:
             frames = encode(request)
         except ProtocolError as exc:  # e.g. a spec too large for one message
@@ -250,7 +256,7 @@ class Client:
             assert sock is not None
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                ready = sock.poll(timeout=int(self._timeout_s * 1000), flags=zmq.POLLIN)
+                ready = sock.poll(timeout=int(timeout_s * 1000), flags=zmq.POLLIN)
                 reply_frames = sock.recv_multipart(flags=zmq.NOBLOCK) if ready else None
             except zmq.Again:
                 reply_frames = None
@@ -263,7 +269,7 @@ class Client:
                 # The request (or its late reply) is still queued on this socket; start
                 # over with a fresh one so the next request cannot read a stale reply.
                 self._replace_socket(sock)
-                raise CoordinatorUnavailable(self._address, self._timeout_s)
+                raise CoordinatorUnavailable(self._address, timeout_s)
         # A DEALER gets no routing envelope, but tolerate an empty delimiter frame from a
         # coordinator that replies REQ-style.
         if len(reply_frames) == NUM_FRAMES + 1 and len(reply_frames[0]) == 0:
@@ -287,6 +293,11 @@ class Client:
             f"expected {names} or ErrorReply, got {type(reply).__name__}"
         )
 
+    def _ping(self) -> None:
+        """A cheap request with the client's own timeout, before one that may take long
+        to answer: a coordinator that is not running is reported as fast as ever."""
+        self._request(ListWorkers(after=2**62), WorkerList)
+
     @staticmethod
     def _job_error(reply: ErrorReply, job_id: str) -> RoundPipeError:
         if reply.code in _UNKNOWN_JOB_CODES:
@@ -304,7 +315,13 @@ class Client:
         is sent) and :class:`JobRejected` if the coordinator refuses it.
         """
         job_spec = _as_job_spec(spec)
-        reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted)
+        self._ping()
+        # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
+        reply = self._request(
+            SubmitJob(spec=job_spec.to_dict()),
+            JobAccepted,
+            timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S),
+        )
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
@@ -376,7 +393,10 @@ class Client:
         checkpoint (from the start if it has none). A queued or running job is left as it
         is (nothing to do). Raises :class:`RoundPipeError` (code ``"bad_state"``) for a
         job that has succeeded."""
-        reply = self._request(ResumeJob(job_id=job_id), Ack)
+        self._ping()
+        reply = self._request(
+            ResumeJob(job_id=job_id), Ack, timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S)
+        )
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 

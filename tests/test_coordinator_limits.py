@@ -246,7 +246,7 @@ def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir
 
     data = tmp_path / "blank.jsonl"
     with open(data, "wb") as f:
-        f.write(b"\n" * (60 * 2**20))
+        f.write(b"\n" * (40 * 2**20))
     spec = tiny_spec(tmp_path / "out").to_dict()
     spec["data"]["path"] = str(data)
     cluster = LocalCluster(tmp_path / "c", arena_dir, coordinator_args=["--worker-timeout", "2"])

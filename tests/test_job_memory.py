@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 # ~2.6M parameters: a job that kept its optimizer state would add ~32 MiB.
 MODEL = {**TINY_QWEN3, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
-JOBS = 7
+JOBS = 6
 KEPT_PER_JOB_MIB = 12.4 * 2.6e6 / 2**20
 
 

@@ -462,7 +462,7 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     "already running (bad_state)" with rc 1)."""
     cluster.add_worker("w1")
     cluster.wait_for_workers(1)
-    spec = make_spec(tmp_path / "out", every=2, steps=16, staleness=0)
+    spec = make_spec(tmp_path / "out", every=2, steps=10, staleness=0)
     job = cluster.client.submit(spec)
     ckpts = CheckpointDir(tmp_path / "out" / "checkpoints")
     wait_for(cluster, "checkpoint 2", lambda: (ckpts.pointer() or "") >= step_name(2))
@@ -490,4 +490,4 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     cluster.add_worker("w2")
     assert job.wait(timeout_s=240).state == "succeeded", cluster.logs()
     steps = [e.step for e in job.progress(timeout_s=30)]
-    assert steps == list(range(1, 17))
+    assert steps == list(range(1, 11))
