@@ -239,7 +239,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 8
+PROTOCOL_VERSION: int = 9
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
