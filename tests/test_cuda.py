@@ -160,42 +160,27 @@ def test_cuda_stopwatch_and_bandwidth_measure_something() -> None:
 def test_gpu_worker_core_matches_the_cpu_worker(tmp_path: Path, arena_dir: Path) -> None:
     """Every task of an iteration on a GPU WorkerCore (CUDA engine, prefetch) gives the
     CPU worker's loss and gradients (fp32, within float noise)."""
-    from runtime_helpers import tiny_spec
+    from runtime_helpers import first_iteration
 
-    from roundpipe.coordinator.trainer import Trainer
     from roundpipe.worker.runtime import WorkerCore
 
     results = []
     for device in ("cpu", "cuda:0"):
-        spec = tiny_spec(tmp_path / device, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
-        trainer = Trainer(
-            "job-gpu",
-            spec,
-            arena_dir=arena_dir,
-            namespace=f"gpu{device[:3]}",
-            output_dir=tmp_path / device,
-            wait_timeout_s=60,
+        trainer, tasks = first_iteration(
+            tmp_path / device, arena_dir, "job-gpu", f"gpu{device[:3]}"
         )
-        trainer.prepare(1)
         layout = trainer.layout
-        batch = trainer.loader.batch_for_step(1)
-        for m, (ids, labels) in enumerate(batch.microbatches):
-            layout.view(layout.input_ids[(1, m)]).copy_(ids)
-            layout.view(layout.labels[(1, m)]).copy_(labels)
-            layout.events.signal(layout.counters.act(0, m), 1)
+        num_mb = len(tasks[0].microbatches)
         core = WorkerCore(0, device)
         try:
             core.setup_job(trainer.job_setup())
-            tasks = trainer.schedule.tasks(1, batch.num_label_tokens, 0)
             queue = list(tasks)
             core.peek_next = lambda queue=queue: queue[0] if queue else None
             dones = []
             while queue:
                 dones.append(core.run_task(queue.pop(0)))
             assert all(d.layer_times for d in dones)  # CUDA-event timings reach the planner
-            losses = [
-                layout.view(layout.loss[(1, m)]).item() for m in range(len(batch.microbatches))
-            ]
+            losses = [layout.view(layout.loss[(1, m)]).item() for m in range(num_mb)]
             grads = {
                 n: v.clone()
                 for layer in range(trainer.model.num_layers)
