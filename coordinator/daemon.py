@@ -4,7 +4,12 @@ Threads (only the I/O thread touches the ROUTER socket):
 
     rp-coordinator (I/O)   polls the ROUTER (workers and clients) and an inproc PULL
                            socket (outgoing messages from other threads); answers client
-                           requests; tracks workers; forwards task results to the job
+                           requests; tracks workers; forwards task results to the job.
+                           Only cheap work runs here, so heartbeats are never starved
+    rp-admission           answers SubmitJob / ResumeJob through its own inproc PUSH; the
+                           validation itself (file checks, reading the data) runs in a
+                           child process (coordinator.admission), so not even the GIL
+                           ties it to the I/O thread
     rp-job                 runs queued jobs one at a time through a Trainer; sends
                            JobSetup / StageTask / JobTeardown through its own inproc PUSH
     rp-optimizer-<job>     the Trainer's layer-wise AdamW
@@ -12,6 +17,13 @@ Threads (only the I/O thread touches the ROUTER socket):
 One ROUTER socket at ``--address`` serves both workers and clients (both use DEALER
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
 and gets exactly one reply. Signal handlers only set a flag.
+
+Nothing a peer sends can end the I/O loop: the socket refuses frames over
+``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); lists are answered a page of
+at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to ``MAX_TEXT_CHARS`` (with
+a count of what was cut), so every reply is encodable; a reply that still cannot be
+encoded becomes an ErrorReply; and any exception while handling one message is logged
+and the loop goes on with the next.
 
 Jobs are durable (roundpipe.coordinator.jobstore): every job and state change goes to
 ``<state-dir>/jobs.sqlite3``. On start the coordinator loads them; jobs that were running
@@ -25,9 +37,11 @@ job without cancelling it: it stays queued and resumes on the next start.
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import logging
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -41,12 +55,15 @@ from pathlib import Path
 import psutil
 import zmq
 
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
+from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.sdnotify import Notifier
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     Ack,
     CancelJob,
@@ -63,6 +80,7 @@ from roundpipe.protocol import (
     ListWorkers,
     Message,
     Progress,
+    ProgressEvent,
     ProtocolError,
     ProtocolVersionError,
     Reject,
@@ -75,6 +93,7 @@ from roundpipe.protocol import (
     WorkerList,
     decode,
     encode,
+    encoded_size,
 )
 from roundpipe.protocol.polling import poll_spinning
 from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
@@ -90,6 +109,23 @@ _OUTBOX = "inproc://rp-coordinator-outbox"
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 STOPPED_STATES = (*FINAL_STATES, "paused")  # no progress until someone acts
 
+MAX_FRAME_BYTES = DEFAULT_MAX_BODY_BYTES + 256
+"""ZMQ_MAXMSGSIZE of the ROUTER: libzmq drops the connection of a peer sending a larger
+frame instead of reading it into memory first (decode would refuse its body anyway;
+256 bytes cover header and type name)."""
+MAX_TEXT_CHARS = 16 * 1024
+"""Longest free text (an error, a job's message) in a reply; the rest is cut, and the
+cut says how much was left out. A JobSpecError with 160,000 problems is 20 MB."""
+MAX_NAME_CHARS = 256
+"""Longest worker name or device name shown in WorkerInfo (they come from the worker's
+Hello, whose only bound is the frame size)."""
+PROGRESS_EVENT_BYTES = 64
+"""Upper bound of one ProgressEvent's encoded size (six numbers: at most 55 bytes), so
+a Progress page holds MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES events."""
+MAX_PENDING_ADMISSIONS = 32
+"""Submissions/resumes waiting for the admission thread; more are refused as busy, so a
+flood of SubmitJobs cannot grow the coordinator."""
+
 
 @dataclass
 class WorkerEntry:
@@ -104,7 +140,9 @@ class WorkerEntry:
 @dataclass
 class JobRecord:
     job_id: str
-    spec: JobSpec | None  # None: the stored spec no longer validates (see message)
+    # None: not built yet (validated in the admission child; the job thread builds it),
+    # or a stored spec that no longer validates (see message)
+    spec: JobSpec | None
     spec_dict: dict = field(default_factory=dict)
     state: str = "queued"
     message: str = ""
@@ -118,23 +156,33 @@ class JobRecord:
     cancel_requested: bool = False
     log_path: Path | None = None
     submitted_at: float = field(default_factory=time.time)
+    # The events of the job's last run, kept when its trainer is dropped at the end (the
+    # trainer's own list while it runs). Empty after a coordinator restart.
+    progress: list[ProgressEvent] = field(default_factory=list)
 
     def status(self) -> JobStatus:
         t = self.trainer
+        # Until the trainer has restored its checkpoint, its step is 0: show the step the
+        # job resumes from (kept in self.step) instead.
+        live = t is not None and t.prepared
         return JobStatus(
             job_id=self.job_id,
             state=self.state,
-            step=t.step if t is not None else self.step,
+            step=t.step if live else self.step,
             total_steps=self.total_steps,
-            loss=t.last_loss if t is not None else self.loss,
-            message=(
+            loss=t.last_loss if live else self.loss,
+            message=bounded_text(
                 "waiting for a worker to connect (tasks parked)"
-                if t is not None and t.waiting_for_workers and self.state == "running"
+                if live and t.waiting_for_workers and self.state == "running"
                 else self.message
             ),
             output_dir=self.output_dir,
             plan=self.plan or "",
         )
+
+    def events(self) -> list[ProgressEvent]:
+        t = self.trainer
+        return t.progress if t is not None else self.progress
 
 
 class AddressInUse(RuntimeError):
@@ -176,6 +224,13 @@ class Coordinator:
         self._job_wakeup = threading.Condition(self._lock)
         self._active: JobRecord | None = None
         self.store: JobStore | None = None
+        # (identity, request) for the admission thread; bounded (MAX_PENDING_ADMISSIONS).
+        self._admissions: queue.Queue[tuple[bytes, Message] | None] = queue.Queue(
+            MAX_PENDING_ADMISSIONS
+        )
+        # Set by serve(); without it (a coordinator driven by tests) specs are validated
+        # in-process.
+        self.validator: SpecValidator | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -194,6 +249,7 @@ class Coordinator:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             self.router.bind(self.address)
         except zmq.ZMQError as exc:
@@ -217,6 +273,10 @@ class Coordinator:
         interrupted = self.store.recover()
         for stored in self.store.all():
             job = self._record_from_store(stored)
+            if job.state == "queued":
+                # It resumes from its newest checkpoint: show that step until it runs
+                # (the stored step may be later, from a shutdown between checkpoints).
+                job.step = job.checkpoint_step or 0
             self.jobs[job.job_id] = job
             if job.state == "queued":
                 if job.spec is None:
@@ -234,10 +294,13 @@ class Coordinator:
 
     def _record_from_store(self, stored: StoredJob) -> JobRecord:
         spec, message = None, stored.message
-        try:
-            spec = JobSpec.from_dict(stored.spec)
-        except JobSpecError as exc:
-            if stored.state not in FINAL_STATES:
+        # A job in a final state never runs unless resumed, and _resume validates its
+        # spec then: validating (reading the data of) every old job here would make a
+        # long history cost minutes at every start.
+        if stored.state not in FINAL_STATES:
+            try:
+                spec = JobSpec.from_dict(stored.spec)
+            except JobSpecError as exc:
                 message = f"the job's spec is no longer valid: {exc}"
         return JobRecord(
             stored.job_id,
@@ -258,7 +321,7 @@ class Coordinator:
     def _set_state(self, job: JobRecord, state: str, message: str, **extra) -> None:
         """Change a job's state in memory and in the store (the store first)."""
         t = job.trainer
-        if t is not None:
+        if t is not None and t.prepared:  # before, its step is 0, not the job's
             job.step, job.loss = t.step, t.last_loss
         if self.store is not None:
             try:
@@ -277,6 +340,12 @@ class Coordinator:
     def serve(self) -> None:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
+        self.validator = SpecValidator(self.arena_dir)
+        self.validator.start()
+        admission_thread = threading.Thread(
+            target=self._admission_loop, name="rp-admission", daemon=True
+        )
+        admission_thread.start()
         log.info("[coordinator] roundpipe-coordinator ready on %s", self.address)
         notifier = Notifier()  # systemd Type=notify; a no-op elsewhere (coordinator.sdnotify)
         notifier.ready(f"listening on {self.address}")
@@ -288,20 +357,34 @@ class Coordinator:
             while not self._stop.is_set():
                 notifier.watchdog_tick()  # from this loop: a wedged loop gets restarted
                 for sock, _ in poll_spinning(poller, 100):
-                    if sock is self.router:
-                        self._on_router()
-                    else:
-                        frames = self.outbox.recv_multipart()
-                        self._send(frames[0], frames[1:])
+                    try:
+                        if sock is self.router:
+                            self._on_router()
+                        else:
+                            frames = self.outbox.recv_multipart()
+                            self._send(frames[0], frames[1:])
+                    except Exception:
+                        # Whatever one message did, the loop must go on: it alone
+                        # answers every client and keeps every worker alive.
+                        log.exception("[coordinator] handling a message failed; it is dropped")
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
-                    self._check_workers()
+                    try:
+                        self._check_workers()
+                    except Exception:
+                        log.exception("[coordinator] checking the workers failed")
         finally:
             notifier.stopping()
             self._stop.set()
             active = self._active
             if active is not None and active.trainer is not None:
                 active.trainer.cancel()
+            try:
+                self._admissions.put_nowait(None)  # wakes the admission thread to exit
+            except queue.Full:
+                pass  # it sees _stop within its poll interval
+            admission_thread.join(timeout=60)
+            self.validator.close()
             job_thread.join(timeout=60)
             self.router.close()
             self.outbox.close()
@@ -321,6 +404,10 @@ class Coordinator:
             log.warning("[coordinator] peer %r is not reading; message dropped", identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
             log.warning("[coordinator] cannot reach peer %r: %s", identity, exc)
+
+    def _reply(self, identity: bytes, reply: Message) -> None:
+        """Send a reply; one that cannot be encoded becomes an ErrorReply saying so."""
+        self._send(identity, encode_reply(reply))
 
     def _on_router(self) -> None:
         identity, *frames = self.router.recv_multipart()
@@ -344,7 +431,7 @@ class Coordinator:
             return
         except ProtocolError as exc:
             log.warning("[coordinator] malformed message from %r dropped: %s", identity, exc)
-            self._send(identity, encode(ErrorReply(code="protocol_error", message=str(exc))))
+            self._reply(identity, ErrorReply(code="protocol_error", message=str(exc)))
             return
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
@@ -364,14 +451,62 @@ class Coordinator:
             else:
                 # Answer, so the worker can tell a lost coordinator from a quiet one.
                 reply = Heartbeat(sender="coordinator", seq=msg.seq, sent_at=time.time())
-            self._send(identity, encode(reply))
+            self._reply(identity, reply)
+        elif isinstance(msg, (SubmitJob, ResumeJob)):
+            self._admit(identity, msg, len(frames[0]) if len(frames) == 1 else 0)
         else:
-            try:
-                reply = self._on_request(msg)
-            except Exception as exc:  # a bug in a handler must not kill the daemon
-                log.exception("[coordinator] request %s failed", type(msg).__name__)
-                reply = ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}")
-            self._send(identity, encode(reply))
+            self._reply(identity, self._answer(msg))
+
+    def _answer(self, msg: Message) -> Message:
+        try:
+            return self._on_request(msg)
+        except Exception as exc:  # a bug in a handler must not kill the daemon
+            log.exception("[coordinator] request %s failed", type(msg).__name__)
+            return ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+
+    def _admit(self, identity: bytes, msg: SubmitJob | ResumeJob, size: int) -> None:
+        """Hand a submission or resume to the admission thread: validating a spec reads
+        files (the data, the model's config) and must not hold up this loop."""
+        if isinstance(msg, SubmitJob) and size > MAX_SPEC_BYTES:
+            self._reply(
+                identity,
+                ErrorReply(
+                    code="bad_spec",
+                    message=f"the job spec is {size} bytes, more than the limit of "
+                    f"{MAX_SPEC_BYTES}; a spec names files, it does not hold data",
+                ),
+            )
+            return
+        try:
+            self._admissions.put_nowait((identity, msg))
+        except queue.Full:
+            self._reply(
+                identity,
+                ErrorReply(
+                    code="busy",
+                    message=f"the coordinator is still checking {MAX_PENDING_ADMISSIONS} "
+                    "submitted jobs; try again in a moment",
+                ),
+            )
+
+    def _admission_loop(self) -> None:
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(_OUTBOX + self.coordinator_id)
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._admissions.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                identity, msg = item
+                try:
+                    push.send_multipart([identity, *encode_reply(self._answer(msg))])
+                except Exception:  # this thread must outlive any one submission
+                    log.exception("[coordinator] answering a %s failed", type(msg).__name__)
+        finally:
+            push.close(linger=1000)
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         with self._lock:
@@ -382,11 +517,11 @@ class Coordinator:
         log.info(
             "[coordinator] worker %d joined: %s (%s %s, pid %d on %s)",
             wid,
-            hello.worker_name,
+            bounded_text(hello.worker_name, MAX_NAME_CHARS),
             hello.device,
-            hello.device_name,
+            bounded_text(hello.device_name, MAX_NAME_CHARS),
             hello.pid,
-            hello.hostname,
+            bounded_text(hello.hostname, MAX_NAME_CHARS),
         )
         self._send(
             identity,
@@ -468,65 +603,96 @@ class Coordinator:
                 job = self.jobs.get(msg.job_id)
                 return job.status() if job else _unknown(msg.job_id)
         if isinstance(msg, GetProgress):
-            with self._lock:
-                job = self.jobs.get(msg.job_id)
-                if job is None:
-                    return _unknown(msg.job_id)
-                events = []
-                if job.trainer is not None:
-                    with job.trainer.progress_lock:
-                        events = [e for e in job.trainer.progress if e.seq > msg.after_seq]
-                return Progress(job_id=job.job_id, events=events, done=job.state in STOPPED_STATES)
+            return self._progress(msg)
         if isinstance(msg, CancelJob):
             return self._cancel(msg.job_id)
         if isinstance(msg, ResumeJob):
             return self._resume(msg.job_id)
         if isinstance(msg, ListJobs):
             with self._lock:
-                return JobList(jobs=[j.status() for j in self.jobs.values()])
+                total = len(self.jobs)
+                jobs = itertools.islice(self.jobs.values(), msg.start, None)
+                page, more = _page(j.status() for j in jobs)
+            next_start = msg.start + len(page) if more else None
+            return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
             with self._lock:
                 busy = self._active is not None and self._active.state == "running"
-                return WorkerList(
-                    workers=[
-                        WorkerInfo(
-                            worker_id=w.worker_id,
-                            name=w.hello.worker_name,
-                            device=w.hello.device,
-                            device_name=w.hello.device_name,
-                            memory_bytes=w.hello.memory_bytes,
-                            state="busy" if busy else "idle",
-                            tasks_done=w.tasks_done,
-                        )
+                workers = sorted(
+                    (
+                        w
                         for w in self.workers.values()
-                    ]
+                        if msg.after is None or w.worker_id > msg.after
+                    ),
+                    key=lambda w: w.worker_id,
                 )
+                page, more = _page(
+                    WorkerInfo(
+                        worker_id=w.worker_id,
+                        name=bounded_text(w.hello.worker_name, MAX_NAME_CHARS),
+                        device=w.hello.device,
+                        device_name=bounded_text(w.hello.device_name, MAX_NAME_CHARS),
+                        memory_bytes=w.hello.memory_bytes,
+                        state="busy" if busy else "idle",
+                        tasks_done=w.tasks_done,
+                    )
+                    for w in workers
+                )
+            return WorkerList(workers=page, more=more)
         return ErrorReply(
             code="unexpected_message",
             message=f"{type(msg).__name__} is not a request a coordinator answers",
         )
 
+    def _progress(self, msg: GetProgress) -> Message:
+        with self._lock:
+            job = self.jobs.get(msg.job_id)
+            if job is None:
+                return _unknown(msg.job_id)
+            done = job.state in STOPPED_STATES
+            trainer = job.trainer
+            lock = trainer.progress_lock if trainer is not None else threading.Lock()
+            with lock:
+                events = job.events()
+                # Events are in seq order: find the page by bisection, not by a scan of
+                # a history of maybe hundreds of thousands of steps on every poll.
+                first = bisect.bisect_right(events, msg.after_seq, key=lambda e: e.seq)
+                page = events[first : first + MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES]
+                more = first + len(page) < len(events)
+        return Progress(job_id=job.job_id, events=page, done=done and not more)
+
+    def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
+        """(the JobSpec if it was built here, the normalised spec dict). Raises
+        JobSpecError or ValidationUnavailable."""
+        if self.validator is not None:
+            return None, self.validator.validate(spec)
+        built = validate_spec(spec, str(self.arena_dir))
+        return built, built.to_dict()
+
     def _submit(self, msg: SubmitJob) -> Message:
         try:
-            spec = JobSpec.from_dict(dict(msg.spec))
+            spec, spec_dict = self._validated(dict(msg.spec))
         except JobSpecError as exc:
             return ErrorReply(code="bad_spec", message=str(exc))
+        except ValidationUnavailable as exc:
+            return ErrorReply(code="spec_check_failed", message=str(exc))
         job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         job_dir = self.state_dir / "jobs" / job_id
         job_dir.mkdir(parents=True, exist_ok=True)
-        output = Path(spec.output.dir) if spec.output.dir else job_dir / "output"
-        spec_dict = spec.to_dict()
+        out_dir = spec_dict["output"]["dir"]
+        output = Path(out_dir) if out_dir else job_dir / "output"
+        steps = spec_dict["train"]["steps"]
         record = JobRecord(
             job_id,
             spec,
             spec_dict=spec_dict,
-            total_steps=spec.train.steps,
+            total_steps=steps,
             output_dir=str(output),
             log_path=job_dir / "job.log",
         )
         assert self.store is not None
         try:
-            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=spec.train.steps)
+            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=steps)
         except JobStoreError as exc:
             log.error("[coordinator] job not accepted: %s", exc)
             return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
@@ -534,7 +700,7 @@ class Coordinator:
             self.jobs[job_id] = record
             self._queue.append(job_id)
             self._job_wakeup.notify_all()
-        log.info("[coordinator] job %s queued (%d steps)", job_id, spec.train.steps)
+        log.info("[coordinator] job %s queued (%d steps)", job_id, steps)
         return JobAccepted(job_id=job_id)
 
     def _cancel(self, job_id: str) -> Message:
@@ -561,21 +727,26 @@ class Coordinator:
             job = self.jobs.get(job_id)
             if job is None:
                 return _unknown(job_id)
+            check = job.spec is None and job.state not in ("queued", "running", "succeeded")
+        if check:  # outside the lock: it reads the job's files
+            try:
+                self._validated(job.spec_dict)
+            except JobSpecError as exc:
+                return ErrorReply(code="bad_spec", message=f"job {job_id} cannot run again: {exc}")
+            except ValidationUnavailable as exc:
+                return ErrorReply(code="spec_check_failed", message=str(exc))
+        with self._lock:
             if job.state in ("queued", "running"):
-                return ErrorReply(code="bad_state", message=f"job {job_id} is already {job.state}")
+                # What the caller wants is already happening: a no-op, not an error (a
+                # job resumed automatically after a coordinator restart is "queued" or
+                # "running" before its owner thinks of resuming it).
+                return Ack()
             if job.state == "succeeded":
                 return ErrorReply(
                     code="bad_state",
                     message=f"job {job_id} has already succeeded; to train further, submit a "
                     f"new job with model.resume_from: {job.output_dir} and a larger train.steps",
                 )
-            if job.spec is None:
-                try:
-                    job.spec = JobSpec.from_dict(job.spec_dict)
-                except JobSpecError as exc:
-                    return ErrorReply(
-                        code="bad_spec", message=f"job {job_id} cannot run again: {exc}"
-                    )
             where = (
                 f"from checkpoint step {job.checkpoint_step}"
                 if job.checkpoint_step
@@ -583,6 +754,7 @@ class Coordinator:
             )
             job.cancel_requested = False
             job.trainer = None
+            job.step = job.checkpoint_step or 0  # where it continues, until it runs
             self._set_state(job, "queued", f"resume requested; continues {where}")
             self._queue.append(job_id)
             self._job_wakeup.notify_all()
@@ -653,7 +825,16 @@ class Coordinator:
 
     def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
         handler = _job_log_handler(job)
-        assert job.spec is not None
+        if job.spec is None:
+            # Validated at submission, in the admission child; built (and so checked
+            # again: its files may have changed since) here, off the I/O thread.
+            try:
+                job.spec = JobSpec.from_dict(job.spec_dict)
+            except JobSpecError as exc:
+                self._set_state(job, "failed", f"the job's spec is no longer valid: {exc}")
+                logging.getLogger("roundpipe").removeHandler(handler)
+                handler.close()
+                return
         trainer = Trainer(
             job.job_id,
             job.spec,
@@ -743,9 +924,29 @@ class Coordinator:
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()
             self._set_state(job, state, message)
+            # Release the job's memory (masters, AdamW moments, dataset, model: ~12 bytes
+            # per parameter) now: only its step, loss and progress events stay.
+            with self._lock:
+                if trainer.prepared:
+                    job.step, job.loss = trainer.step, trainer.last_loss
+                job.progress = trainer.progress
+                job.trainer = None
+            trainer = None  # the last reference (the closures above share it)
+            _release_freed_memory()
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise: a job's tensors
+    are freed, but the coordinator's RSS would stay at its peak)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def _local_process(hello: Hello) -> psutil.Process | None:
@@ -793,7 +994,58 @@ def _fence_local(hello: Hello) -> None:
 
 
 def _unknown(job_id: str) -> ErrorReply:
-    return ErrorReply(code="unknown_job", message=f"no job {job_id!r} on this coordinator")
+    return ErrorReply(
+        code="unknown_job",
+        message=f"no job {bounded_text(job_id, MAX_NAME_CHARS)!r} on this coordinator",
+    )
+
+
+def bounded_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters, else its beginning (cut at a line
+    end where there is one) and a note of how many lines and characters were left out."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    cut = head.rfind("\n")
+    if cut > limit // 2:
+        head = head[:cut]
+    rest = text[len(head) :]
+    lines = rest.count("\n")
+    what = f"{len(rest)} more characters" + (f", {lines} more lines" if lines else "")
+    return f"{head}\n... ({what} not shown)"
+
+
+def encode_reply(reply: Message) -> list[bytes]:
+    """``encode(reply)``, with error texts bounded; a reply that cannot be encoded (a bug:
+    every list reply is paged) becomes an ErrorReply that says what happened."""
+    if isinstance(reply, ErrorReply) and len(reply.message) > MAX_TEXT_CHARS:
+        reply = ErrorReply(code=reply.code, message=bounded_text(reply.message))
+    try:
+        return encode(reply)
+    except ProtocolError as exc:
+        log.error("[coordinator] cannot send a %s: %s", type(reply).__name__, exc)
+        return encode(
+            ErrorReply(
+                code="internal_error",
+                message=bounded_text(
+                    f"the coordinator could not encode its {type(reply).__name__} reply: {exc}"
+                ),
+            )
+        )
+
+
+def _page(items) -> tuple[list, bool]:
+    """The items that fit into one reply of MAX_REPLY_BYTES (at least one, so a page
+    always advances), and whether any are left."""
+    page: list = []
+    used = 0
+    for item in items:
+        size = encoded_size(item)
+        if page and used + size > MAX_REPLY_BYTES:
+            return page, True
+        page.append(item)
+        used += size
+    return page, False
 
 
 def _namespace_for(address: str) -> str:

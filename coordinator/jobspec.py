@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,17 @@ class FieldError:
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
+MAX_SPEC_BYTES = 1024 * 1024
+"""Largest job spec: a YAML file, or a SubmitJob message. A spec names files and holds
+settings; a megabyte of it is a mistake or an attack, not a job."""
+
+MAX_LISTED_PROBLEMS = 50
+"""Problems a JobSpecError's message lists; the rest are counted (``errors`` has all)."""
+
+
 class JobSpecError(ValueError):
-    """A job spec is invalid. ``errors`` lists every problem found, not just the first."""
+    """A job spec is invalid. ``errors`` lists every problem found, not just the first;
+    the message lists the first MAX_LISTED_PROBLEMS and counts the rest."""
 
     def __init__(self, errors: list[FieldError], source: str | None = None) -> None:
         self.errors = list(errors)
@@ -108,8 +118,17 @@ class JobSpecError(ValueError):
         where = f" in {source}" if source else ""
         n = len(self.errors)
         lines = [f"invalid job spec{where} ({n} problem{'s' if n != 1 else ''}):"]
-        lines += [f"  - {e}" for e in self.errors]
+        lines += [f"  - {_clip(str(e))}" for e in self.errors[:MAX_LISTED_PROBLEMS]]
+        if n > MAX_LISTED_PROBLEMS:
+            lines.append(f"  ... and {n - MAX_LISTED_PROBLEMS} more problems not shown")
         super().__init__("\n".join(lines))
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    # One problem's line: a key of a megabyte must not make a megabyte message.
+    return (
+        text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+    )
 
 
 class _Errors:
@@ -125,9 +144,14 @@ class _Errors:
         self.add(path, f"got {_show(given)}; expected {expected}")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
+
 def _show(value: Any) -> str:
-    # Tuples only exist after normalisation; the user wrote a list.
-    text = repr(list(value)) if isinstance(value, tuple) else repr(value)
+    # Tuples only exist after normalisation; the user wrote a list. reprlib, not repr: a
+    # value of shared sublists (YAML aliases) can be exponentially long when written out.
+    text = _REPR.repr(list(value)) if isinstance(value, tuple) else _REPR.repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
     kind = "list" if isinstance(value, tuple) else type(value).__name__
@@ -591,22 +615,141 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
-    """Read and validate a YAML job spec; relative paths in it are relative to the file."""
-    spec_path = Path(path).expanduser().resolve()
+MAX_SPEC_NODES = 100_000
+"""Most values (scalars, lists, maps) a YAML spec may expand to, aliases expanded. A real
+spec has a few hundred; ten nested aliases of ten make 10**10 (the "billion laughs"),
+which PyYAML builds as shared objects but everything after it copies out, to gigabytes."""
+
+
+class _SpecYamlError(Exception):
+    """A problem of the YAML text itself, with its line; becomes a JobSpecError."""
+
+
+def _where(mark: yaml.Mark | None) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+
+
+def _construct_mapping_once(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    # YAML says keys are unique, but PyYAML keeps the last of duplicates silently: an
+    # `lr:` written twice would train with whichever came last.
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<:` merges: PyYAML's own rules apply
+        key = loader.construct_object(key_node, deep=False)
+        try:
+            first = seen.get(key)
+        except TypeError:
+            continue  # an unhashable key: PyYAML reports it below
+        if first is not None:
+            raise _SpecYamlError(
+                f"duplicate key {key!r} at {_where(key_node.start_mark)} (first at "
+                f"{_where(first.start_mark)}); each key may appear once in a mapping: "
+                "remove one of them"
+            )
+        seen[key] = key_node
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping_once)
+_YamlLoader.construct_mapping = _construct_mapping_once  # type: ignore[assignment,method-assign]
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes ``root`` stands for once every alias is expanded, stopping as soon
+    as that passes MAX_SPEC_NODES (each distinct node is sized once, so this is cheap)."""
+    sizes: dict[int, int] = {}
+    # Iterative post-order walk: a deeply nested document must not hit the recursion limit.
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            sizes[id(node)] = 1
+            continue
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        total = 1 + sum(sizes.get(id(c), 1) for c in children)
+        if total > MAX_SPEC_NODES:
+            raise _SpecYamlError(
+                f"the value at {_where(node.start_mark)} expands to more than "
+                f"{MAX_SPEC_NODES} values (aliases of aliases); a job spec needs a few "
+                "hundred: write the values out, or use fewer aliases"
+            )
+        sizes[id(node)] = total
+    return sizes.get(id(root), 0)
+
+
+def _parse_yaml(text: str) -> Any:
+    loader = _YamlLoader(text)  # a SafeLoader subclass: no code runs
     try:
-        text = spec_path.read_text(encoding="utf-8")
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a YAML job spec; relative paths in it are relative to the file.
+
+    Refused with a JobSpecError, before any validation: a file over MAX_SPEC_BYTES, text
+    that is not UTF-8, invalid YAML, a key repeated in a mapping, aliases that expand to
+    more than MAX_SPEC_NODES values."""
+    spec_path = Path(path).expanduser().resolve()
+    source = str(spec_path)
+    try:
+        with open(spec_path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise JobSpecError(
-            [FieldError("", f"cannot read job spec file {str(spec_path)!r}: {exc.strerror}")]
+            [FieldError("", f"cannot read job spec file {source!r}: {exc.strerror}")]
+        ) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise JobSpecError(
+            [
+                FieldError(
+                    "",
+                    f"the file is larger than {MAX_SPEC_BYTES} bytes; a job spec names "
+                    "files and holds settings, not data (is this the data file?)",
+                )
+            ],
+            source,
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise JobSpecError(
+            [
+                FieldError(
+                    "",
+                    f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line} (offset "
+                    f"{exc.start}) cannot be decoded ({exc.reason}); save the file as UTF-8",
+                )
+            ],
+            source,
         ) from None
     try:
-        data = yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no code runs
+        data = _parse_yaml(text)
+    except _SpecYamlError as exc:
+        raise JobSpecError([FieldError("", str(exc))], source) from None
     except yaml.YAMLError as exc:
-        raise JobSpecError([FieldError("", f"not valid YAML: {exc}")], str(spec_path)) from None
+        raise JobSpecError([FieldError("", f"not valid YAML: {exc}")], source) from None
+    except RecursionError:
+        raise JobSpecError([FieldError("", "not valid YAML: nested too deeply")], source) from None
     if data is None:
         data = {}
-    return JobSpec.from_dict(data, base_dir=spec_path.parent, source=str(spec_path))
+    return JobSpec.from_dict(data, base_dir=spec_path.parent, source=source)
 
 
 # --------------------------------------------------------------------------- validation

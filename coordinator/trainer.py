@@ -89,6 +89,7 @@ from roundpipe.coordinator.checkpoint import (
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.planner import (
     HardwareSpec,
@@ -198,6 +199,8 @@ class Trainer:
         self.plan_history: list[tuple[int, str, str]] = []
         """(first iteration, plan, why) for every plan the job has used."""
         self._replan_attempts = 0
+        self.prepared = False
+        """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
 
     # -- preparation ------------------------------------------------------------------
 
@@ -248,6 +251,12 @@ class Trainer:
             num_microbatches=spec.batch.num_microbatches,
             **capacity,
         )
+        # Admission control: refuse before any arena, master or moment exists, with the
+        # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        try:
+            check_host_memory(host_memory_needed(layout), self.arena_dir)
+        except InsufficientMemory as exc:
+            raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
         # fp32 masters (coordinator memory) and W_0 in params parity 0.
@@ -292,6 +301,7 @@ class Trainer:
         if source is not None:
             self._restore(source)
         self._plan_chosen(self.start_step + 1, why)
+        self.prepared = True
 
     def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
         """The job's first plan and why: the spec's, or the planner's cold start."""

@@ -130,12 +130,16 @@ Client API (K -> C requests, C -> K replies)
     CancelJob    K -> C   cancel a job;                   reply Ack or ErrorReply
     ResumeJob    K -> C   re-queue a stopped job from its newest checkpoint;
                                                           reply Ack or ErrorReply
-    ListJobs     K -> C   all jobs;                       reply JobList
-    JobList      C -> K   a JobStatus per job
-    ListWorkers  K -> C   all workers;                    reply WorkerList
-    WorkerList   C -> K   a WorkerInfo per worker
+    ListJobs     K -> C   one page of jobs, from a position;  reply JobList
+    JobList      C -> K   a JobStatus per job of the page, where the next page starts
+    ListWorkers  K -> C   one page of workers, after an id;   reply WorkerList
+    WorkerList   C -> K   a WorkerInfo per worker of the page, whether more follow
     GetProgress  K -> C   progress events after a seq;    reply Progress or ErrorReply
-    Progress     C -> K   ProgressEvents in seq order, and whether the job has ended
+    Progress     C -> K   a page of ProgressEvents in seq order, whether the job has ended
+
+Replies are bounded: the coordinator fills a page up to :data:`MAX_REPLY_BYTES` (at least
+one item), so no amount of history, no number of workers and no length of a peer's
+strings can make a reply the encoder refuses; the client asks for the next page.
     ErrorReply   C -> K   a request failed: machine-readable code and a message
     Ack          C -> K   a request succeeded and has nothing to return
 
@@ -175,6 +179,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_MAX_BODY_BYTES",
+    "MAX_REPLY_BYTES",
     "MAX_ANY_DEPTH",
     "MAX_TYPE_NAME_BYTES",
     "NUM_FRAMES",
@@ -185,6 +190,7 @@ __all__ = [
     "Struct",
     "Message",
     "encode",
+    "encoded_size",
     "decode",
     "decode_as",
     "replace",
@@ -233,12 +239,17 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 8
+PROTOCOL_VERSION: int = 9
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
 """Largest body :func:`decode` accepts unless told otherwise. Messages carry descriptors,
 never tensor data, so even a JobSetup for a large MoE model stays far below this."""
+
+MAX_REPLY_BYTES: int = 1024 * 1024
+"""Budget of one page of a list reply (JobList, WorkerList, Progress): the coordinator
+adds items while their encoded size fits (always at least one). Far below
+DEFAULT_MAX_BODY_BYTES, so a page is always encodable, and small enough to answer fast."""
 
 MAX_ANY_DEPTH: int = 32
 """Deepest nesting of lists/maps inside a field typed ``Any`` (job specs, options).
@@ -1709,20 +1720,32 @@ class ResumeJob(Message):
 
 @_message
 class ListJobs(Message):
-    """Ask for every job's status."""
+    """Ask for one page of the jobs' statuses, in submission order."""
+
+    #: position (0 = the oldest job) of the first job wanted: JobList.next_start of the
+    #: previous page
+    start: NonNegInt = 0
 
 
 @_message
 class JobList(Message):
-    """Every job the coordinator knows."""
+    """One page of the jobs the coordinator knows (at most MAX_REPLY_BYTES of them)."""
 
-    #: one status per job, oldest first
+    #: one status per job, oldest first, from ListJobs.start on
     jobs: list[JobStatus]
+    #: ListJobs.start of the next page; None when this page holds the last job
+    next_start: NonNegInt | None = None
+    #: how many jobs the coordinator knows in all
+    total: NonNegInt = 0
 
 
 @_message
 class ListWorkers(Message):
-    """Ask for every worker."""
+    """Ask for one page of the workers, by worker id."""
+
+    #: only workers with a larger worker_id (None: from the first): the last worker_id
+    #: of the previous page
+    after: NonNegInt | None = None
 
 
 @_struct
@@ -1747,10 +1770,12 @@ class WorkerInfo(Struct):
 
 @_message
 class WorkerList(Message):
-    """Every worker the coordinator knows."""
+    """One page of the workers the coordinator knows (at most MAX_REPLY_BYTES of them)."""
 
-    #: one entry per worker, by worker_id
+    #: one entry per worker, by worker_id, ids > ListWorkers.after
     workers: list[WorkerInfo]
+    #: True if workers with larger ids follow: ask again with after = the last id here
+    more: bool = False
 
 
 @_message
@@ -1787,9 +1812,10 @@ class Progress(Message):
 
     #: job id
     job_id: Name
-    #: events with seq > GetProgress.after_seq, in seq order
+    #: events with seq > GetProgress.after_seq, in seq order; a page of at most
+    #: MAX_REPLY_BYTES: ask again after the last seq for the rest
     events: list[ProgressEvent]
-    #: True once the job has ended (no more events will come)
+    #: True once the job has ended and this page holds its last event
     done: bool
 
 
@@ -1845,6 +1871,15 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
             message_type=name,
         )
     return [prefix + body]
+
+
+def encoded_size(record: Struct) -> int:
+    """Bytes ``record`` takes inside a body (a message as a map, a record as an array):
+    what a sender filling a page up to MAX_REPLY_BYTES adds per item."""
+    try:
+        return len(_ENCODER.encode(record))
+    except Exception as e:
+        raise ProtocolError(f"cannot encode {_seen(record)}: {type(e).__name__}: {e}") from e
 
 
 def decode(frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Message:

@@ -18,7 +18,9 @@ socket to it and sends one request (the three frames of
 :func:`roundpipe.protocol.encode`) at a time, each answered by exactly one reply, in order.
 A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
 the socket is then closed and a fresh one connected, so a reply that arrives late can
-never be taken for the answer to a later request.
+never be taken for the answer to a later request. ``submit`` and ``resume`` wait at least
+:data:`~roundpipe.defaults.SUBMIT_TIMEOUT_S` (120 s): the coordinator reads the job's
+whole data file before it answers.
 
 Errors. An :class:`~roundpipe.protocol.ErrorReply` from the coordinator becomes a typed
 exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
@@ -42,7 +44,7 @@ from typing import Any, TypeVar
 import zmq
 
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
+from roundpipe.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
     NUM_FRAMES,
     Ack,
@@ -231,9 +233,16 @@ class Client:
 
     # -- one request, one reply --
 
-    def _request(self, request: Message, *expected: type[_M]) -> _M | ErrorReply:
-        """Send `request`, return its reply: one of `expected`, or an ErrorReply."""
-        frames = encode(request)
+    def _request(
+        self, request: Message, *expected: type[_M], timeout_s: float | None = None
+    ) -> _M | ErrorReply:
+        """Send `request`, return its reply (one of `expected`, or an ErrorReply) within
+        ``timeout_s`` (default: the client's)."""
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        try:
+            frames = encode(request)
+        except ProtocolError as exc:  # e.g. a spec too large for one message
+            raise RoundPipeError(f"cannot send {type(request).__name__}: {exc}") from None
         with self._lock:
             if self._closed:
                 raise RoundPipeError("this Client is closed")
@@ -247,7 +256,7 @@ class Client:
             assert sock is not None
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                ready = sock.poll(timeout=int(self._timeout_s * 1000), flags=zmq.POLLIN)
+                ready = sock.poll(timeout=int(timeout_s * 1000), flags=zmq.POLLIN)
                 reply_frames = sock.recv_multipart(flags=zmq.NOBLOCK) if ready else None
             except zmq.Again:
                 reply_frames = None
@@ -260,7 +269,7 @@ class Client:
                 # The request (or its late reply) is still queued on this socket; start
                 # over with a fresh one so the next request cannot read a stale reply.
                 self._replace_socket(sock)
-                raise CoordinatorUnavailable(self._address, self._timeout_s)
+                raise CoordinatorUnavailable(self._address, timeout_s)
         # A DEALER gets no routing envelope, but tolerate an empty delimiter frame from a
         # coordinator that replies REQ-style.
         if len(reply_frames) == NUM_FRAMES + 1 and len(reply_frames[0]) == 0:
@@ -284,6 +293,11 @@ class Client:
             f"expected {names} or ErrorReply, got {type(reply).__name__}"
         )
 
+    def _ping(self) -> None:
+        """A cheap request with the client's own timeout, before one that may take long
+        to answer: a coordinator that is not running is reported as fast as ever."""
+        self._request(ListWorkers(after=2**62), WorkerList)
+
     @staticmethod
     def _job_error(reply: ErrorReply, job_id: str) -> RoundPipeError:
         if reply.code in _UNKNOWN_JOB_CODES:
@@ -301,7 +315,13 @@ class Client:
         is sent) and :class:`JobRejected` if the coordinator refuses it.
         """
         job_spec = _as_job_spec(spec)
-        reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted)
+        self._ping()
+        # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
+        reply = self._request(
+            SubmitJob(spec=job_spec.to_dict()),
+            JobAccepted,
+            timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S),
+        )
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
@@ -330,18 +350,36 @@ class Client:
         return reply
 
     def jobs(self) -> list[JobStatus]:
-        """Every job the coordinator knows, oldest first."""
-        reply = self._request(ListJobs(), JobList)
-        if isinstance(reply, ErrorReply):
-            raise RoundPipeError(f"cannot list jobs: {reply.message}", code=reply.code)
-        return list(reply.jobs)
+        """Every job the coordinator knows, oldest first (asked for page by page: each
+        reply holds at most MAX_REPLY_BYTES of them)."""
+        jobs: list[JobStatus] = []
+        start: int | None = 0
+        while start is not None:
+            reply = self._request(ListJobs(start=start), JobList)
+            if isinstance(reply, ErrorReply):
+                raise RoundPipeError(f"cannot list jobs: {reply.message}", code=reply.code)
+            jobs.extend(reply.jobs)
+            if reply.next_start is not None and reply.next_start <= start:
+                raise RoundPipeError(
+                    f"the coordinator at {self._address} sent a job page that does not "
+                    f"advance (from {start} to {reply.next_start})"
+                )
+            start = reply.next_start
+        return jobs
 
     def workers(self) -> list[WorkerInfo]:
-        """Every worker the coordinator knows (including lost ones), by worker id."""
-        reply = self._request(ListWorkers(), WorkerList)
-        if isinstance(reply, ErrorReply):
-            raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
-        return list(reply.workers)
+        """Every worker the coordinator knows, by worker id (page by page, like jobs)."""
+        workers: list[WorkerInfo] = []
+        after: int | None = None
+        while True:
+            reply = self._request(ListWorkers(after=after), WorkerList)
+            if isinstance(reply, ErrorReply):
+                raise RoundPipeError(f"cannot list workers: {reply.message}", code=reply.code)
+            page = [w for w in reply.workers if after is None or w.worker_id > after]
+            workers.extend(page)
+            if not (reply.more and page):  # a page that does not advance ends the walk
+                return workers
+            after = page[-1].worker_id
 
     def cancel(self, job_id: str) -> None:
         """Ask the coordinator to cancel a job. Returns once the request is accepted;
@@ -352,9 +390,13 @@ class Client:
 
     def resume(self, job_id: str) -> None:
         """Queue a paused, failed or cancelled job again; it continues from its newest
-        checkpoint (from the start if it has none). Raises :class:`RoundPipeError` (code
-        ``"bad_state"``) for a job that is queued, running or has succeeded."""
-        reply = self._request(ResumeJob(job_id=job_id), Ack)
+        checkpoint (from the start if it has none). A queued or running job is left as it
+        is (nothing to do). Raises :class:`RoundPipeError` (code ``"bad_state"``) for a
+        job that has succeeded."""
+        self._ping()
+        reply = self._request(
+            ResumeJob(job_id=job_id), Ack, timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S)
+        )
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 

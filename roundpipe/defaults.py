@@ -21,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "CLIENT_TIMEOUT_S",
+    "SUBMIT_TIMEOUT_S",
     "DEFAULT_ADDRESS",
     "FALLBACK_ADDRESS",
     "default_address",
@@ -62,6 +63,11 @@ CLIENT_TIMEOUT_S: float = 10.0
 """Seconds a client waits for the coordinator's reply to one request before it reports
 the coordinator unavailable. Every request is answered without waiting for training
 work, so this only trips when no coordinator is listening (or it is wedged)."""
+
+SUBMIT_TIMEOUT_S: float = 120.0
+"""The least a client waits for the reply to a SubmitJob or ResumeJob: before accepting a
+job the coordinator reads (and tokenizes) its whole data file, so that an empty, broken
+or mismatched dataset is refused at submit rather than after the job started."""
 
 
 def env_non_negative(name: str, default: float, unit: str, off: str) -> float:

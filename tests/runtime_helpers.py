@@ -241,3 +241,30 @@ def assert_import_fails(module: str, env: dict[str, str], message: str) -> None:
     )
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def first_iteration(
+    tmp_path: Path, arena_dir: Path, job_id: str, namespace: str, wait_timeout_s: float = 30
+):
+    """A prepared one-worker trainer of a small fixed plan whose iteration 1 can run
+    without the coordinator: its batch written, its inputs signalled. Returns (trainer,
+    iteration 1's tasks); the caller closes the trainer."""
+    from roundpipe.coordinator.trainer import Trainer
+
+    spec = tiny_spec(tmp_path, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
+    trainer = Trainer(
+        job_id,
+        spec,
+        arena_dir=arena_dir,
+        namespace=namespace,
+        output_dir=tmp_path,
+        wait_timeout_s=wait_timeout_s,
+    )
+    trainer.prepare(1)
+    layout = trainer.layout
+    batch = trainer.loader.batch_for_step(1)
+    for m, (ids, labels) in enumerate(batch.microbatches):
+        layout.view(layout.input_ids[(1, m)]).copy_(ids)
+        layout.view(layout.labels[(1, m)]).copy_(labels)
+        layout.events.signal(layout.counters.act(0, m), 1)
+    return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)

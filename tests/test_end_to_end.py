@@ -249,3 +249,37 @@ def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "demo"))
     assert model.config.model_type == "qwen3"
+
+
+def test_emulated_bus_workers_match_cpu_workers_bitwise(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Real daemons with `--emulate-pcie`: every copy asynchronous, prefetch on, TaskDone
+    after the last copy landed; the exported model equals the CPU workers' bit for bit."""
+    arena_dir = Path("/dev/shm") / f"rp-e2e-emu-{os.getpid()}"
+    arena_dir.mkdir()
+    emulated = LocalCluster(
+        tmp_path / "emu",
+        arena_dir,
+        coordinator_args=["--wait-timeout", "120"],
+        worker_args=["--emulate-pcie", "50MB/s", "--emulate-latency", "2ms"],
+    )
+    try:
+        emulated.add_worker("e1")
+        emulated.add_worker("e2")
+        emulated.wait_for_workers(2)
+        plan = "F[0:2,2:4] T[4:6] B[2:4,0:2]"
+        runs = {}
+        for name, c in (("cpu", cluster), ("emulated", emulated)):
+            spec = tiny_spec(tmp_path / name, staleness=1, plan=plan)
+            status = c.client.submit(spec).wait(timeout_s=300)
+            assert status.state == "succeeded", f"{name}: {status.message}\n{c.logs()}"
+            runs[name] = load_output(Path(spec.output.dir), lora=False)
+        for n, value in runs["cpu"].items():
+            assert torch.equal(value, runs["emulated"][n]), n
+    finally:
+        leaked = emulated.stop()
+        for entry in arena_dir.iterdir():
+            entry.unlink()
+        arena_dir.rmdir()
+        assert leaked == [], f"arenas leaked: {leaked}"

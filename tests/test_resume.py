@@ -488,3 +488,44 @@ def test_full_output_fs_pauses_job_and_cli_resume_finishes_it(
         (small_fs / "out" / "checkpoints" / step_name(4) / "checkpoint.json").read_text()
     )
     assert manifest["job_id"] == job.job_id
+
+
+@pytest.mark.slow
+def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """After a coordinator crash the interrupted job is resumed automatically. While it
+    waits (here: for a worker) its status shows the checkpoint step it resumes from (it
+    showed 0), and `roundpipe resume` on it succeeds without doing anything (it said
+    "already running (bad_state)" with rc 1)."""
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    spec = make_spec(tmp_path / "out", every=2, steps=10, staleness=0)
+    job = cluster.client.submit(spec)
+    ckpts = CheckpointDir(tmp_path / "out" / "checkpoints")
+    wait_for(cluster, "checkpoint 2", lambda: (ckpts.pointer() or "") >= step_name(2))
+    cluster.coordinator.proc.send_signal(signal.SIGKILL)
+    cluster.coordinator.proc.wait(timeout=30)
+    cluster.signal_worker("w1", signal.SIGKILL)  # no worker: the job waits before running
+    cluster.workers["w1"].proc.wait(timeout=30)
+    latest = ckpts.find_latest(job.job_id)
+    assert latest is not None
+    cluster.start_coordinator()
+    wait_for(cluster, "the job to be resumed", lambda: job.status().state == "running")
+    status = job.status()
+    assert status.step == latest.step >= 2, status
+    cli = [sys.executable, "-m", "roundpipe.cli"]
+    result = subprocess.run(
+        [*cli, "resume", job.job_id, "--address", cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"job {job.job_id} running" in result.stderr
+    assert job.status().step == latest.step
+    # A worker arrives: the job continues from that step and finishes.
+    cluster.add_worker("w2")
+    assert job.wait(timeout_s=240).state == "succeeded", cluster.logs()
+    steps = [e.step for e in job.progress(timeout_s=30)]
+    assert steps == list(range(1, 11))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import InProcessWorkers, tiny_spec
+from runtime_helpers import InProcessWorkers, first_iteration, tiny_spec
 
 from roundpipe.coordinator.trainer import Trainer
 from roundpipe.shared.arena import DATA_START, Arena
@@ -87,7 +87,9 @@ def test_activation_downloads_go_before_weight_gradients() -> None:
     try:
         order: list[str] = []
         grads = e.download(
-            [(torch.ones(2 * MB), torch.zeros(2 * MB))], Priority.WEIGHT, then=lambda: order.append("g")
+            [(torch.ones(2 * MB), torch.zeros(2 * MB))],
+            Priority.WEIGHT,
+            then=lambda: order.append("g"),
         )
         act = e.download(
             [(torch.ones(10), torch.zeros(10))], Priority.ACTIVATION, then=lambda: order.append("a")
@@ -167,23 +169,7 @@ def test_parse_duration_and_engine_choice() -> None:
 
 
 def _prepared(tmp_path: Path, arena_dir: Path, namespace: str):
-    spec = tiny_spec(tmp_path, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
-    trainer = Trainer(
-        "job-tx",
-        spec,
-        arena_dir=arena_dir,
-        namespace=namespace,
-        output_dir=tmp_path,
-        wait_timeout_s=30,
-    )
-    trainer.prepare(1)
-    layout = trainer.layout
-    batch = trainer.loader.batch_for_step(1)
-    for m, (ids, labels) in enumerate(batch.microbatches):
-        layout.view(layout.input_ids[(1, m)]).copy_(ids)
-        layout.view(layout.labels[(1, m)]).copy_(labels)
-        layout.events.signal(layout.counters.act(0, m), 1)
-    return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)
+    return first_iteration(tmp_path, arena_dir, "job-tx", namespace)
 
 
 def test_next_task_weights_upload_while_the_current_task_computes(
@@ -252,7 +238,9 @@ def _train(spec, arena_dir: Path, namespace: str, engine) -> dict[str, torch.Ten
         trainer.prepare(2)
         pool = InProcessWorkers(trainer, 2, engine=engine)
         trainer.run(pool.dispatch, pool.workers)
-        return {n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()}
+        return {
+            n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()
+        }
     finally:
         if pool is not None:
             pool.close()

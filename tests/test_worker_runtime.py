@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import tiny_spec
+from runtime_helpers import first_iteration
 
-from roundpipe.coordinator.trainer import Trainer
 from roundpipe.protocol import replace
 from roundpipe.shared.events import EventTimeout
 from roundpipe.worker.runtime import WorkerCore
@@ -18,25 +17,9 @@ from roundpipe.worker.runtime import WorkerCore
 
 @pytest.fixture
 def prepared(tmp_path: Path, arena_dir: Path):
-    spec = tiny_spec(tmp_path, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
-    trainer = Trainer(
-        "job-rt",
-        spec,
-        arena_dir=arena_dir,
-        namespace="rttest",
-        output_dir=tmp_path,
-        wait_timeout_s=5,
-    )
-    trainer.prepare(1)
-    layout = trainer.layout
-    batch = trainer.loader.batch_for_step(1)
-    for m, (ids, labels) in enumerate(batch.microbatches):
-        layout.view(layout.input_ids[(1, m)]).copy_(ids)
-        layout.view(layout.labels[(1, m)]).copy_(labels)
-        layout.events.signal(layout.counters.act(0, m), 1)
+    trainer, tasks = first_iteration(tmp_path, arena_dir, "job-rt", "rttest", 5)
     core = WorkerCore(1)
     core.setup_job(trainer.job_setup())
-    tasks = trainer.schedule.tasks(1, batch.num_label_tokens, 0)
     yield trainer, core, tasks
     core.close()
     trainer.close()

@@ -149,6 +149,9 @@ class WorkerCore:
         self.peek_next: Callable[[], StageTask | None] = lambda: None
         """The task queued after the running one (the daemon's queue), for prefetch."""
         self.prefetcher = _Prefetcher(self)
+        self.overlap = True
+        """False: every copy is waited for where it is issued and nothing is fetched
+        ahead (transfers, then compute): the serial baseline of benchmarks/overlap.py."""
         self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
         self._waited_s = 0.0  # time the current task spent waiting for counters
         self.last_compute_end = 0.0  # host clock when the last task's compute returned
@@ -288,7 +291,7 @@ class WorkerCore:
         if upload is None:
             upload = self.engine.upload(self._weights(state, task), Priority.WEIGHT)
         copies.add(upload, up=True)
-        nxt = self.peek_next()
+        nxt = self.peek_next() if self.overlap else None
         if nxt is not None:
             self.prefetcher.arm(nxt)  # Note [weight prefetch]
         waited = time.perf_counter()
@@ -695,7 +698,8 @@ class _MicrobatchFeed:
         # Look ahead: microbatch m + 1 goes up while m computes, if it is there already.
         nxt = m + 1
         if (
-            nxt < len(self.task.microbatches)
+            self.core.overlap
+            and nxt < len(self.task.microbatches)
             and (what, nxt) not in self._uploads
             and self.core.engine.kind != "cpu"
             and self._ready_now(nxt)
@@ -741,10 +745,10 @@ class _MicrobatchFeed:
         # Saved inputs travel with the output: one copy, one completion, then the
         # microbatch's counters (its signals cover both).
         pairs = saved + [(tensor, self.state.view(mb.output))]
-        self.copies.add(
-            self.core.engine.download(pairs, Priority.ACTIVATION, then=lambda: self._publish(m)),
-            up=False,
-        )
+        copy = self.core.engine.download(pairs, Priority.ACTIVATION, then=lambda: self._publish(m))
+        self.copies.add(copy, up=False)
+        if not self.core.overlap:
+            copy.wait()
 
     def write_saved(self, layer: int, m: int, tensor: torch.Tensor) -> None:
         for saved in self.task.microbatches[m].saved:

@@ -1,0 +1,205 @@
+"""Job-spec validation in a child process, so that it can never stall the coordinator.
+
+Validating a spec reads files: the model's ``config.json``, the tokenizer, the whole data
+file (to find it empty, not UTF-8, or using token ids the model does not have). In a
+thread of the coordinator that work still competes for the GIL with the I/O thread, and
+some of it holds the GIL for the whole of one C call (``json.load`` of a large config):
+a 60 MB data file of blank lines delayed replies and heartbeats by seconds. In its own
+process it delays nothing but the submission it belongs to.
+
+:class:`SpecValidator` keeps one spawned child (started on first use, reused, replaced
+when it dies or overruns its time limit). ``validate(spec)`` returns the normalised spec
+dict (``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.jobspec.JobSpecError`
+with every problem the child found, exactly as ``JobSpec.from_dict`` would have.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
+
+__all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
+
+log = logging.getLogger(__name__)
+
+VALIDATION_TIMEOUT_S = 300.0
+"""Longest one validation may take before its child is killed and the spec refused."""
+
+
+class ValidationUnavailable(RuntimeError):
+    """The validating process died or overran its time limit; the message says which."""
+
+
+def validate_spec(spec: Mapping[str, Any], arena_dir: str | None = None) -> JobSpec:
+    """Everything a job is checked for before it is accepted: ``JobSpec.from_dict``, then
+    the checks that read the whole data file, exactly as the trainer does when the job
+    starts (``build_dataset_from_spec``, ``validate_against_model``): an empty dataset,
+    bytes that are not UTF-8 or lines that do not parse on any line, token ids beyond
+    the model's ``vocab_size``. Without them such a job was accepted and failed once
+    started, leaving an empty checkpoints/ directory. Last, the host memory the job
+    needs under any plan against what the machine (and ``arena_dir``) has. Raises
+    JobSpecError."""
+    from roundpipe.coordinator.data import DataError, build_dataset_from_spec
+    from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
+
+    job = JobSpec.from_dict(spec)
+    try:
+        dataset = build_dataset_from_spec(job)
+    except DataError as exc:
+        raise JobSpecError([FieldError("data", str(exc))]) from None
+    try:
+        config = model_config_from_spec(job.model)
+    except Exception as exc:  # transformers raises several types for a bad config
+        detail = " ".join(str(exc).split())
+        raise JobSpecError([FieldError("model", f"cannot build its config: {detail}")]) from None
+    validate_against_model(job, config, vocab_size_needed=dataset.vocab_size_needed)
+    _check_least_memory(job, config, arena_dir)
+    return job
+
+
+def _check_least_memory(job: JobSpec, config: Any, arena_dir: str | None) -> None:
+    """Refuse a job that cannot fit this machine under any plan: its layout for the plan
+    with the fewest activation slots (the whole model as one tail stage) is sized, not
+    created. The trainer checks the real plan's figure before it allocates."""
+    import torch
+
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import (
+        InsufficientMemory,
+        check_host_memory,
+        host_memory_needed,
+    )
+    from roundpipe.shared.model import LayeredModel
+    from roundpipe.shared.plan import Plan
+
+    lora = job.lora.model_settings() if job.lora is not None else None
+    model = LayeredModel(config, lora)
+    layout = JobLayout.plan_layout(
+        model,
+        Plan(forward=(), tail=(0, model.num_layers), backward=()),
+        compute_dtype=getattr(torch, job.train.dtype),
+        microbatch_rows=job.batch.microbatch_size,
+        seq_len=job.data.seq_len,
+        num_microbatches=job.batch.num_microbatches,
+    )
+    try:
+        check_host_memory(
+            host_memory_needed(layout), arena_dir, what="this job, whatever its plan,"
+        )
+    except InsufficientMemory as exc:
+        raise JobSpecError([FieldError("", str(exc))]) from None
+
+
+def check_spec(
+    spec: Mapping[str, Any], arena_dir: str | None = None
+) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """What the child runs: ``(normalised spec, [])`` or ``(None, [(path, message)...])``.
+
+    Plain values only cross the process boundary (a JobSpecError does not pickle back
+    into itself: its constructor takes the problem list, not the message)."""
+    try:
+        return validate_spec(spec, arena_dir).to_dict(), []
+    except JobSpecError as exc:
+        return None, [(e.path, e.message) for e in exc.errors]
+    finally:
+        _release_freed_memory()  # the dataset was built and dropped: give it back
+
+
+def _release_freed_memory() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_init() -> None:
+    # The child only reads files; never let it reach the hub or use every core.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
+def _warm_up() -> None:
+    # What every validation imports (seconds on a small machine): done once, when the
+    # coordinator starts, not inside the first client's submission.
+    import transformers  # noqa: F401
+
+    import roundpipe.coordinator.data  # noqa: F401
+    import roundpipe.coordinator.layout  # noqa: F401
+    import roundpipe.shared.model  # noqa: F401
+
+
+class SpecValidator:
+    """Validates specs in one child process, one at a time."""
+
+    def __init__(
+        self,
+        arena_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = VALIDATION_TIMEOUT_S,
+    ) -> None:
+        self.arena_dir = None if arena_dir is None else os.fspath(arena_dir)
+        self.timeout_s = timeout_s
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn, never fork: the coordinator has threads and a ZeroMQ context.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_child_init,
+            )
+        return self._pool
+
+    def _discard(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()  # an overrunning child would otherwise keep running
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self) -> None:
+        """Start the child and its imports now (without waiting for them)."""
+        with self._lock:
+            self._executor().submit(_warm_up)
+
+    def validate(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            future = self._executor().submit(check_spec, dict(spec), self.arena_dir)
+            try:
+                normalised, errors = future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._discard()
+                raise ValidationUnavailable(
+                    f"checking the job spec took longer than {self.timeout_s:.0f} s and was "
+                    "stopped; is its data file enormous, or on a hung file system?"
+                ) from None
+            except BrokenProcessPool:
+                self._discard()
+                raise ValidationUnavailable(
+                    "the process checking the job spec died (out of memory?) before it "
+                    "finished; the spec was not accepted"
+                ) from None
+        if normalised is None:
+            raise JobSpecError([FieldError(path, message) for path, message in errors])
+        return normalised
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()

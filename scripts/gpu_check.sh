@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, for the rare session with a GPU machine (DEVELOPERS.md).
+#
+#   bash scripts/gpu_check.sh [--out DIR] [--smoke] [--quick]
+#
+# Steps, each under its own timeout, each writing a log (and JSON where it has figures)
+# under DIR (default: $OUT, else ./gpu-check-out):
+#   env         nvidia-smi, torch / transformers versions, /dev/shm, ulimit -l, cores, memory
+#   cuda-tests  pytest tests/test_cuda.py tests/test_transfer.py
+#   bandwidth   benchmarks/bandwidth.py: pinned vs pageable copies, the engine's start-up test
+#   parity      scripts/gpu_parity.py: a tiny job on a GPU worker vs CPU-worker losses
+#   overlap     benchmarks/overlap.py (CPU, emulated bus)
+#   throughput  benchmarks/gpu_throughput.py, Qwen3-1.7B shape (skipped with --quick)
+# summary.json lists every step with its exit status and seconds.
+#
+# The GPU machine has no package registry: wheels fetched beforehand into .whl/
+# (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
+# --smoke rehearses the whole script on a machine without a GPU (CPU workers, tiny sizes);
+# tests/test_gpu_check.py runs it so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out=${OUT:-gpu-check-out}
+smoke=0
+quick=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out) out=$2; shift 2 ;;
+    --smoke) smoke=1; shift ;;
+    --quick) quick=1; shift ;;
+    *) echo "gpu_check.sh: unknown option $1 (see the header of this script)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+export GPU_CHECK_OUT=$out
+export PYTHONUNBUFFERED=1
+
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import zmq, msgspec" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 2; }
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# Without an installed checkout (the bare GPU machine), install this tree, offline.
+if ! python3 -c "import roundpipe.worker.transfer" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/rp-site . \
+    || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
+  export PYTHONPATH=/tmp/rp-site:${PYTHONPATH:-}
+fi
+
+summary=()
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local started=$SECONDS
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$out/$name.log"
+  echo "== $name: exit $rc in $((SECONDS - started))s"
+  summary+=("{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $((SECONDS - started))}")
+}
+
+step env 60 python3 - <<'PY'
+import json, os, platform, shutil, subprocess, sys
+def run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable: {exc}"
+import psutil, torch, transformers
+info = {
+    "python": sys.version.split()[0],
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "cuda_available": torch.cuda.is_available(),
+    "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    "transformers": transformers.__version__,
+    "nvidia_smi": run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current", "--format=csv,noheader"]),
+    "dev_shm_bytes": shutil.disk_usage("/dev/shm").total,
+    "ulimit_l": run(["bash", "-c", "ulimit -l"]),
+    "cores": os.cpu_count(),
+    "memory_bytes": psutil.virtual_memory().total,
+    "platform": platform.platform(),
+}
+print(json.dumps(info, indent=1))
+json.dump(info, open(os.path.join(os.environ["GPU_CHECK_OUT"], "env.json"), "w"), indent=1)
+PY
+
+if [ $smoke -eq 1 ]; then
+  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py
+  step bandwidth 120 python3 benchmarks/bandwidth.py --smoke
+  step parity 600 python3 scripts/gpu_parity.py --smoke --steps 3 --json "$out/parity.json"
+  step overlap 600 python3 benchmarks/overlap.py --smoke
+  [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py --smoke
+else
+  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
+  step bandwidth 120 python3 benchmarks/bandwidth.py
+  step parity 600 python3 scripts/gpu_parity.py --json "$out/parity.json"
+  step overlap 600 python3 benchmarks/overlap.py --iterations 2
+  [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py \
+    --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1
+fi
+
+{
+  echo "["
+  for i in "${!summary[@]}"; do
+    sep=","; [ "$i" -eq $((${#summary[@]} - 1)) ] && sep=""
+    echo "  ${summary[$i]}$sep"
+  done
+  echo "]"
+} >"$out/summary.json"
+cat "$out/summary.json"
+failed=$(grep -c '"exit": [1-9]' "$out/summary.json")
+echo "gpu_check.sh: $failed step(s) failed; logs in $out"
+[ "$failed" -eq 0 ]

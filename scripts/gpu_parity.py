@@ -1,0 +1,101 @@
+"""A tiny job trained on a device worker must give the losses of a CPU worker.
+
+Runs the same small Qwen3-shaped fp32 job twice through real daemons: once on one CPU
+worker (the reference), once on the worker given by ``--device`` (default ``--gpu 0``;
+``--smoke`` uses a CPU worker behind the emulated bus instead, so the script runs without
+a GPU). Prints both loss curves, writes them as JSON (``--json``), and exits 1 if any
+step's loss differs by more than ``--rtol`` (relative).
+
+Usage: python scripts/gpu_parity.py [--device "--gpu 0"] [--json out.json] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.jobspec import JobSpec
+
+DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
+
+
+def spec(out: Path, steps: int) -> JobSpec:
+    return JobSpec.from_dict(
+        {
+            "model": {
+                "architecture": "qwen3",
+                "config": {
+                    "hidden_size": 128,
+                    "intermediate_size": 352,
+                    "num_hidden_layers": 4,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 32,
+                    "vocab_size": 512,
+                    "max_position_embeddings": 512,
+                },
+                "init_seed": 0,
+                "tokenizer": str(DEMO / "tokenizer"),
+            },
+            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": 128, "seed": 1},
+            "batch": {"microbatch_size": 2, "num_microbatches": 3},
+            "train": {"steps": steps, "staleness": 0, "dtype": "float32", "seed": 0},
+            "optimizer": {"lr": 1e-3, "schedule": "constant"},
+            "output": {"dir": str(out)},
+        }
+    )
+
+
+def losses(root: Path, worker: list[str], steps: int) -> list[float]:
+    arena_dir = Path(tempfile.mkdtemp(prefix="rp-parity-", dir="/dev/shm"))
+    cluster = LocalCluster(root, arena_dir, client_timeout_s=60)
+    try:
+        cluster.add_worker("w0", device=worker)
+        cluster.wait_for_workers(1)
+        handle = cluster.client.submit(spec(root / "out", steps))
+        curve = [e.loss for e in handle.progress(timeout_s=600)]
+        status = handle.wait(timeout_s=600)
+        if status.state != "succeeded":
+            raise RuntimeError(f"{worker}: job {status.state}: {status.message}\n{cluster.logs()}")
+        return curve
+    finally:
+        cluster.stop()
+        for f in arena_dir.iterdir():
+            f.unlink()
+        arena_dir.rmdir()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="--gpu 0", help="worker options of the device run")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rtol", type=float, default=1e-3)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU worker on an emulated bus")
+    args = parser.parse_args()
+    device = shlex.split(args.device)
+    if args.smoke:
+        device = ["--cpu", "--threads", "1", "--emulate-pcie", "200MB/s"]
+    root = Path(tempfile.mkdtemp(prefix="rp-parity-"))
+    reference = losses(root / "cpu", ["--cpu", "--threads", "1"], args.steps)
+    measured = losses(root / "device", device, args.steps)
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, measured))
+    ok = len(reference) == len(measured) == args.steps and worst <= args.rtol
+    print(f"{'step':>4} {'cpu worker':>12} {'device worker':>14}")
+    for i, (a, b) in enumerate(zip(reference, measured), start=1):
+        print(f"{i:4d} {a:12.6f} {b:14.6f}")
+    print(f"RESULT parity={'ok' if ok else 'FAIL'} worst_rel_diff={worst:.2e}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"device": device, "cpu": reference, "measured": measured, "ok": ok})
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

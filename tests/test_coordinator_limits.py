@@ -1,0 +1,287 @@
+"""Nothing a peer sends can crash or stall the coordinator (ARCHITECTURE.md section 9).
+
+Each test plays one of the routes that used to end the coordinator's I/O loop (an
+oversized reply, encoded outside any error handler) against a real coordinator process
+over its real socket, then checks the coordinator still answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from roundpipe.client import Client
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.daemon import MAX_NAME_CHARS, MAX_TEXT_CHARS, Coordinator, JobRecord
+from roundpipe.coordinator.jobspec import MAX_LISTED_PROBLEMS, MAX_SPEC_BYTES
+from roundpipe.coordinator.jobstore import JobStore
+from roundpipe.protocol import (
+    MAX_REPLY_BYTES,
+    ErrorReply,
+    GetJobStatus,
+    Hello,
+    ListWorkers,
+    Message,
+    ProgressEvent,
+    SubmitJob,
+    Welcome,
+    WorkerList,
+    decode,
+    encode,
+)
+
+CLI = [sys.executable, "-m", "roundpipe.cli"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("limits")
+    arena_dir = Path("/dev/shm") / f"rp-limits-{os.getpid()}"
+    arena_dir.mkdir()
+    c = LocalCluster(root, arena_dir)
+    try:
+        c.wait_for_workers(0)
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+        assert c.coordinator.proc.returncode == 0, c.logs()
+
+
+def _dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _ask(address: str, frames: list[bytes], timeout_ms: int = 30_000) -> Message | None:
+    sock = _dealer(address)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(timeout_ms):
+            return None
+        return decode(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+def _alive(cluster: LocalCluster) -> None:
+    assert cluster.coordinator.alive(), cluster.logs()
+    cluster.client.workers()  # answers
+
+
+def test_spec_with_many_unknown_keys_gets_a_bounded_error(cluster: LocalCluster) -> None:
+    # ~0.9 MB of unknown keys: the full error text would be ~12 MB.
+    spec = {"model": {f"k{i:06d}": 0 for i in range(90_000)}}
+    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+    assert len(reply.message) <= MAX_TEXT_CHARS + 200
+    assert f"and {90_000 + 2 - MAX_LISTED_PROBLEMS} more problems not shown" in reply.message
+    _alive(cluster)
+
+
+def test_spec_over_the_size_limit_is_refused_unread(cluster: LocalCluster) -> None:
+    spec = {"model": {"path": "x" * (2 * MAX_SPEC_BYTES)}}
+    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+    assert "more than the limit" in reply.message and len(reply.message) < 500
+    _alive(cluster)
+
+
+def test_frame_over_the_socket_limit_is_dropped_before_it_is_read(cluster: LocalCluster) -> None:
+    # ZMQ_MAXMSGSIZE: libzmq closes the connection instead of buffering 40 MiB; without
+    # it the coordinator read the whole frame and answered a protocol_error.
+    frame = encode(SubmitJob(spec={}))[0] + b"\0" * (40 * 2**20)
+    assert _ask(cluster.address, [frame], timeout_ms=3000) is None
+    _alive(cluster)
+
+
+def test_fake_hellos_with_huge_names_then_list_workers(cluster: LocalCluster) -> None:
+    socks = []
+    try:
+        for i in range(2):
+            hello = Hello(
+                worker_name=f"fake{i}-" + "n" * 4_000_000,
+                hostname="not-this-host",  # heartbeats decide, not the pid
+                pid=1,
+                process_create_time=0.0,
+                device="cpu",
+                device_index=None,
+                device_name="d" * 4_000_000,
+                memory_bytes=1,
+                compute_capability=None,
+            )
+            sock = _dealer(cluster.address)
+            socks.append(sock)
+            sock.send_multipart(encode(hello))
+            assert sock.poll(30_000) and isinstance(decode(sock.recv_multipart()), Welcome)
+        # Both are listed (within their heartbeat timeout), with their names cut.
+        workers = cluster.client.workers()
+        fakes = [w for w in workers if w.name.startswith("fake")]
+        assert len(fakes) == 2, workers
+        assert all(len(w.name) <= MAX_NAME_CHARS + 100 for w in fakes)
+        assert all(len(w.device_name) <= MAX_NAME_CHARS + 100 for w in fakes)
+        reply = _ask(cluster.address, encode(ListWorkers()))
+        assert isinstance(reply, WorkerList)
+    finally:
+        for sock in socks:
+            sock.close()
+    _alive(cluster)
+
+
+def _store_with_history(state_dir: Path, count: int, path_chars: int) -> list[str]:
+    """A job store holding ``count`` finished jobs whose output paths are long, written
+    in one transaction (through JobStore, one fsync per job would take minutes)."""
+    JobStore.in_state_dir(state_dir).close()  # creates the schema
+    now = time.time()
+    ids = [f"job-old-{i:06d}" for i in range(count)]
+    rows = [
+        (
+            job_id,
+            '{"model": {"path": "/gone"}}',
+            "succeeded",
+            "model written",
+            "/out/" + "p" * path_chars + f"/{job_id}",
+            3,
+            3,
+            1.5,
+            3,
+            now,
+            now,
+            "F[0:2] T[2:4] B[0:2]",
+        )
+        for job_id in ids
+    ]
+    db = sqlite3.connect(state_dir / JobStore.FILENAME)
+    with db:
+        db.executemany(
+            "INSERT INTO jobs (job_id, spec, state, message, output_dir, step, total_steps, "
+            "loss, checkpoint_step, created_at, updated_at, plan) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+    db.close()
+    return ids
+
+
+def test_long_job_history_is_listed_page_by_page(tmp_path: Path, arena_dir: Path) -> None:
+    """~4,800 jobs with 3.5 KB output paths made a 17 MB JobList: `roundpipe jobs`
+    killed the (restarted) coordinator on every call."""
+    root = tmp_path / "c"
+    (root / "state").mkdir(parents=True)
+    ids = _store_with_history(root / "state", 5_000, 3_500)
+    cluster = LocalCluster(root, arena_dir)
+    try:
+        result = subprocess.run(
+            [*CLI, "jobs", "--json", "--address", cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:] + cluster.logs()
+        listed = json.loads(result.stdout)
+        assert [j["job_id"] for j in listed] == ids
+        assert all(j["step"] == 3 and j["state"] == "succeeded" for j in listed)
+        # The client walked several pages, each within the reply budget.
+        assert len(ids) * 3_500 > 3 * MAX_REPLY_BYTES
+        _alive(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) -> None:
+    """GetProgress on a job of 300,000 steps: a reply of ~15 MB before, one page now. The
+    coordinator runs in this process (a real socket) so the test can hand it a history
+    that would take hours to train."""
+    address = f"ipc://{tmp_path}/c.sock"
+    c = Coordinator(address, tmp_path / "state", arena_dir)
+    c.bind()
+    steps = 300_000
+    job = JobRecord("job-long", None, state="succeeded", total_steps=steps, step=steps)
+    job.progress = [
+        ProgressEvent(seq=k, step=k, loss=1.0 / k, tokens_per_s=1e6, lr=3e-4, time=float(k))
+        for k in range(1, steps + 1)
+    ]
+    c.jobs[job.job_id] = job
+    server = threading.Thread(target=c.serve, daemon=True)
+    server.start()
+    try:
+        with Client(address, timeout_s=30) as client:
+            first = client.get_progress(job.job_id)
+            assert 0 < len(first.events) < steps and not first.done
+            assert len(encode(first)[0]) <= MAX_REPLY_BYTES
+            seen = [e.step for e in client.job(job.job_id).progress(timeout_s=120)]
+            assert seen == list(range(1, steps + 1))
+            assert client.get_progress(job.job_id, after_seq=steps).done
+    finally:
+        c.stop()
+        server.join(timeout=30)
+    assert not server.is_alive()
+
+
+def test_unknown_job_id_of_megabytes_gets_a_short_error(cluster: LocalCluster) -> None:
+    reply = _ask(cluster.address, encode(GetJobStatus(job_id="j" * 15_000_000)))
+    assert isinstance(reply, ErrorReply) and reply.code == "unknown_job"
+    assert len(reply.message) < 1000
+    _alive(cluster)
+
+
+def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir: Path) -> None:
+    """A data file of blank lines takes seconds to validate. That ran on the I/O thread:
+    no reply and no heartbeat read meanwhile, so both workers were declared lost and
+    SIGKILLed. Now validation runs on the admission thread."""
+    from runtime_helpers import tiny_spec
+
+    data = tmp_path / "blank.jsonl"
+    with open(data, "wb") as f:
+        f.write(b"\n" * (40 * 2**20))
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    spec["data"]["path"] = str(data)
+    cluster = LocalCluster(tmp_path / "c", arena_dir, coordinator_args=["--worker-timeout", "2"])
+    try:
+        cluster.add_worker("w1")
+        cluster.add_worker("w2")
+        cluster.wait_for_workers(2)
+        before = {w.worker_id for w in cluster.client.workers()}
+        sock = _dealer(cluster.address)
+        try:
+            started = time.monotonic()
+            sock.send_multipart(encode(SubmitJob(spec=spec)))
+            latencies = []
+            while not sock.poll(0):
+                asked = time.monotonic()
+                assert {w.worker_id for w in cluster.client.workers()} == before
+                latencies.append(time.monotonic() - asked)
+                assert time.monotonic() - started < 120, cluster.logs()
+                time.sleep(0.05)
+            took = time.monotonic() - started
+            reply = decode(sock.recv_multipart())
+        finally:
+            sock.close()
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+        assert "empty dataset" in reply.message
+        latencies.sort()
+        median = latencies[len(latencies) // 2]
+        print(
+            f"validation took {took:.1f}s; {len(latencies)} ListWorkers meanwhile, median "
+            f"{median * 1e3:.1f} ms, slowest {latencies[-1] * 1e3:.0f} ms"
+        )
+        assert took > 2, "validation was too quick to show a stall; make the file larger"
+        # Before: one request, answered when the validation ended (seconds later).
+        assert len(latencies) >= 10 and median < 0.1
+        assert all(w.alive() for w in cluster.workers.values()), cluster.logs()
+        assert "lost" not in cluster.coordinator.tail(20_000)
+    finally:
+        cluster.stop()
