@@ -581,6 +581,11 @@ class Trainer:
                 last_time = self._report(
                     completed_iterations, tokens_per_step, last_time, on_progress
                 )
+                # Forget finished iterations: a long job must not grow per step.
+                tail_task.pop(completed_iterations, None)
+                for done in [i for i, n in pending_per_iteration.items() if n == 0]:
+                    if done <= completed_iterations:
+                        del pending_per_iteration[done]
 
         def handle_next() -> None:
             self._handle(self._next_message(), unfinished, pending_per_iteration)
