@@ -10,9 +10,11 @@ W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -268,3 +270,21 @@ def first_iteration(
         layout.view(layout.labels[(1, m)]).copy_(labels)
         layout.events.signal(layout.counters.act(0, m), 1)
     return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)
+
+
+@contextlib.contextmanager
+def coordinator_only(root: Path, name: str):
+    """A LocalCluster with no workers (arenas in a private /dev/shm folder), stopped and
+    cleaned up afterwards; the coordinator must exit 0."""
+    from roundpipe.cluster import LocalCluster
+
+    arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
+    arena_dir.mkdir()
+    c = LocalCluster(root, arena_dir)
+    try:
+        c.wait_for_workers(0)
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+        assert c.coordinator.proc.returncode == 0, c.logs()

@@ -6,9 +6,7 @@ the whole data file are found by the coordinator before it accepts the job."""
 
 from __future__ import annotations
 
-import os
 import resource
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from runtime_helpers import DEMO_DATA, TINY_QWEN3, tiny_spec
+from runtime_helpers import DEMO_DATA, TINY_QWEN3, coordinator_only, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES
@@ -90,16 +88,8 @@ def test_spec_file_over_the_size_limit(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
-    root = tmp_path_factory.mktemp("badspecs")
-    arena_dir = Path("/dev/shm") / f"rp-badspecs-{os.getpid()}"
-    arena_dir.mkdir()
-    c = LocalCluster(root, arena_dir)
-    try:
-        c.wait_for_workers(0)
+    with coordinator_only(tmp_path_factory.mktemp("badspecs"), "badspecs") as c:
         yield c
-    finally:
-        c.stop()
-        shutil.rmtree(arena_dir, ignore_errors=True)
 
 
 def _data_case(tmp_path: Path, name: str) -> tuple[Path, str]:

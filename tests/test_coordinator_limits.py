@@ -8,8 +8,6 @@ over its real socket, then checks the coordinator still answers.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from runtime_helpers import coordinator_only
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
@@ -46,17 +45,8 @@ CLI = [sys.executable, "-m", "roundpipe.cli"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
-    root = tmp_path_factory.mktemp("limits")
-    arena_dir = Path("/dev/shm") / f"rp-limits-{os.getpid()}"
-    arena_dir.mkdir()
-    c = LocalCluster(root, arena_dir)
-    try:
-        c.wait_for_workers(0)
+    with coordinator_only(tmp_path_factory.mktemp("limits"), "limits") as c:
         yield c
-    finally:
-        c.stop()
-        shutil.rmtree(arena_dir, ignore_errors=True)
-        assert c.coordinator.proc.returncode == 0, c.logs()
 
 
 def _dealer(address: str) -> zmq.Socket:

@@ -539,11 +539,7 @@ class _Prefetcher:
         engine = self.core.engine
         state = self.core.jobs.get(task.job_id)
         key = _task_key(task)
-        if (
-            engine.kind == "cpu"
-            or state is None
-            or task.kind not in ("forward", "backward", "tail")
-        ):
+        if engine.kind == "cpu" or state is None:  # a CPU worker's "upload" is a view
             return
         with self._lock:
             if self._key == key:
@@ -711,9 +707,9 @@ class _MicrobatchFeed:
         tensors = up.tensors()
         self.core._waited_s += time.perf_counter() - waited
         if what == "labels":
-            mb = self.task.microbatches[m]
-            rows_seq = tuple(self.state.view(mb.labels).shape)
-            return TailLabels(tensors["shifted"], tensors["positions"], rows_seq)  # type: ignore[arg-type]
+            labels = self.task.microbatches[m].labels
+            assert labels is not None
+            return TailLabels(tensors["shifted"], tensors["positions"], tuple(labels.shape))
         return tensors["x"]
 
     def inputs(self) -> _LazyInputs:

@@ -71,7 +71,6 @@ __all__ = [
     "Stopwatch",
     "Transfer",
     "TransferEngine",
-    "TransferStats",
     "Upload",
     "make_engine",
     "parse_duration",
@@ -192,7 +191,6 @@ class Upload(Transfer):
         super().__init__(chunks, nbytes)
         self._engine = engine
         self._dst = dst
-        self.cuda_event = None  # CUDA: recorded after the last chunk, on its stream
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The uploaded tensors, usable on the caller's (compute) stream."""
@@ -203,27 +201,6 @@ class Upload(Transfer):
         """Drop the device copies. Call it once the upload has landed (``then``), so no
         copy writes into freed memory."""
         self._dst = {}
-
-
-@dataclass
-class TransferStats:
-    """Totals since the engine started (per task: difference of two snapshots)."""
-
-    upload_bytes: int = 0
-    download_bytes: int = 0
-    upload_s: float = 0.0
-    download_s: float = 0.0
-
-    def snapshot(self) -> TransferStats:
-        return TransferStats(self.upload_bytes, self.download_bytes, self.upload_s, self.download_s)
-
-    def since(self, earlier: TransferStats) -> TransferStats:
-        return TransferStats(
-            self.upload_bytes - earlier.upload_bytes,
-            self.download_bytes - earlier.download_bytes,
-            self.upload_s - earlier.upload_s,
-            self.download_s - earlier.download_s,
-        )
 
 
 class Stopwatch:
@@ -268,7 +245,6 @@ class _Link(ABC):
         self._heap: list[_Chunk] = []
         self._seq = itertools.count()
         self._closed = False
-        self.busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -322,9 +298,7 @@ class _Link(ABC):
                     self._finish(done, token)
                 except BaseException as exc:  # noqa: BLE001
                     error = exc
-                seconds = time.perf_counter() - started
-                self.busy_s += seconds
-                done.transfer._chunk_done(seconds, error)
+                done.transfer._chunk_done(time.perf_counter() - started, error)
 
     def _thread_setup(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -411,8 +385,6 @@ class TransferEngine(ABC):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stats = TransferStats()
-        self._stats_lock = threading.Lock()
 
     # -- arenas -----------------------------------------------------------------------
 
@@ -456,18 +428,6 @@ class TransferEngine(ABC):
 
     def _ready_for_compute(self, upload: Upload) -> None:
         upload.wait()
-
-    def _count(self, t: Transfer, up: bool) -> None:
-        def account() -> None:
-            with self._stats_lock:
-                if up:
-                    self.stats.upload_bytes += t.nbytes
-                    self.stats.upload_s += t.link_s
-                else:
-                    self.stats.download_bytes += t.nbytes
-                    self.stats.download_s += t.link_s
-
-        t.then(account, always=True)
 
 
 class CpuEngine(TransferEngine):
@@ -517,7 +477,6 @@ class _LinkedEngine(TransferEngine):
         dst = {name: self._alloc(t) for name, t in tensors.items()}
         pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
         up = Upload(self, dst, len(pieces), sum(_nbytes(t) for t in tensors.values()))
-        self._count(up, True)
         if pieces:
             self.h2d.put(priority, pieces, up, self._after_host())
         return up
@@ -527,7 +486,6 @@ class _LinkedEngine(TransferEngine):
         t = Transfer(len(pieces), sum(_nbytes(s) for s, _ in pairs))
         keep = [s for s, _ in pairs]  # the device tensors live until their copy landed
         t.then(keep.clear, always=True)
-        self._count(t, False)
         if then is not None:
             t.then(then)
         if pieces:
@@ -556,7 +514,6 @@ class EmulatedEngine(_LinkedEngine):
         latency_s: float = 10e-6,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        memory_limit_bytes: int | None = None,
     ) -> None:
         if not bandwidth_bytes_per_s > 0:
             raise ValueError(f"emulated bandwidth must be positive, got {bandwidth_bytes_per_s}")
@@ -565,7 +522,6 @@ class EmulatedEngine(_LinkedEngine):
         super().__init__(torch.device("cpu"), chunk_bytes)
         self.bandwidth = float(bandwidth_bytes_per_s)
         self.latency_s = latency_s
-        self.memory_limit_bytes = memory_limit_bytes
         self.h2d = _EmulatedLink("rp-h2d-emulated", self.bandwidth, latency_s)
         self.d2h = _EmulatedLink("rp-d2h-emulated", self.bandwidth, latency_s)
 
@@ -602,20 +558,21 @@ class CudaEngine(_LinkedEngine):
             window,
         )
         self.d2h = _CudaLink("rp-d2h", device, {p: self.down for p in Priority}, window)
-        self._pinned: dict[int, int] = {}
+        self._pinned: set[int] = set()  # id() of the arenas this engine registered
 
     def register(self, arenas):
         from roundpipe.shared.cuda import pin_arena
 
         for arena in arenas:
             if id(arena) not in self._pinned and pin_arena(arena):
-                self._pinned[id(arena)] = 1
+                self._pinned.add(id(arena))
 
     def unregister(self, arenas):
         from roundpipe.shared.cuda import unpin_arena
 
         for arena in arenas:
-            if self._pinned.pop(id(arena), None):
+            if id(arena) in self._pinned:
+                self._pinned.discard(id(arena))
                 unpin_arena(arena)
 
     def _after_compute(self):
@@ -702,10 +659,5 @@ def make_engine(
             raise ValueError("--emulate-pcie emulates a bus for a CPU worker; a GPU has one")
         return CudaEngine(device, chunk_bytes=chunk_bytes, memory_limit_bytes=memory_limit_bytes)
     if emulate_bandwidth is not None:
-        return EmulatedEngine(
-            emulate_bandwidth,
-            emulate_latency_s,
-            chunk_bytes=chunk_bytes,
-            memory_limit_bytes=memory_limit_bytes,
-        )
+        return EmulatedEngine(emulate_bandwidth, emulate_latency_s, chunk_bytes=chunk_bytes)
     return CpuEngine()
