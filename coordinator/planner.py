@@ -139,6 +139,11 @@ class HardwareSpec:
     """Peak dense matmul throughput of one worker, for cold-start cost estimates
     (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
 
+    @property
+    def gpu_memory_limited(self) -> bool:
+        """Whether stages must fit a memory limit (GPU workers; CPU workers have none)."""
+        return self.memory_limit_bytes < _NO_LIMIT
+
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
@@ -1722,6 +1727,33 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
     return LayeredModel.from_config({"model_type": args.architecture, **overrides}, lora)
 
 
+def _host_memory(
+    model: LayeredModel, plan: Plan, args: argparse.Namespace, num_microbatches: int
+) -> tuple[Any, int]:
+    """The job's host memory under ``plan`` (what admission control checks) and the
+    model's parameter count."""
+    import torch
+
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import host_memory_needed
+
+    layout = JobLayout.plan_layout(
+        model,
+        plan,
+        compute_dtype=getattr(torch, args.dtype),
+        microbatch_rows=args.microbatch_size,
+        seq_len=args.seq_len,
+        num_microbatches=num_microbatches,
+    )
+    params = sum(
+        spec.numel
+        for layer in range(model.num_layers)
+        for spec in model.layer_params(layer)
+        if spec.tied_to is None
+    )
+    return host_memory_needed(layout), max(1, params)
+
+
 def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The arguments of ``roundpipe plan`` (on ``parser``, e.g. a CLI sub-parser)."""
     p = parser or argparse.ArgumentParser(
@@ -1835,6 +1867,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             baselines.append(
                 bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
             )
+    host, params = _host_memory(model, result.plan, args, m)
     header = (
         f"SIMULATED PREDICTION (cost model + schedule simulator, not a measurement): "
         f"{model.architecture}, {model.num_layers} layers"
@@ -1854,6 +1887,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "per_worker_memory": list(result.per_worker_memory),
             "stages": [asdict(e) for e in result.stages],
             "notes": list(result.notes),
+            "host_memory": {
+                "arenas": host.arenas,
+                "masters": host.masters,
+                "moments": host.moments,
+                "total": host.total,
+                "bytes_per_parameter": host.total / params,
+            },
             "baselines": [
                 {
                     "schedule": b.schedule,
@@ -1871,6 +1911,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
         return 0
     print(header)
     print(describe(result))
+    print(
+        f"this job needs {host.describe()}, {host.total / params:.1f} bytes per parameter "
+        f"({params:,} parameters); the coordinator refuses a job that does not fit"
+    )
     for b in baselines:
         tps = b.simulation.tokens_per_s or 0.0
         print(
