@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     emulate = None
     if args.emulate_pcie is not None:
-        from roundpipe.coordinator.planner import parse_quantity
+        from roundpipe.shared.units import parse_quantity
 
         if args.gpu is not None:
             print(
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     memory_limit = None
     if args.memory_limit is not None:
-        from roundpipe.coordinator.planner import parse_quantity
+        from roundpipe.shared.units import parse_quantity
 
         if args.gpu is None:
             print(

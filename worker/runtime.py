@@ -51,7 +51,6 @@ Note [weight prefetch]
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -132,11 +131,6 @@ class JobState:
         self.weights.clear()
         for arena in self.arenas.values():
             arena.close()
-
-
-def model_config_dict(config) -> dict:
-    """A transformers config as a plain, msgpack-able dict (what JobSetup carries)."""
-    return json.loads(config.to_json_string(use_diff=False))
 
 
 class WorkerCore:
