@@ -269,9 +269,7 @@ def _text_of(rec: records.Record, name: str) -> str:
         raise DataError(f"{rec.where}: no {name!r} field (its keys: {_keys(rec.fields)})")
     text = rec.fields[name]
     if not isinstance(text, str):
-        raise DataError(
-            f"{rec.where}: field {name!r} is {type(text).__name__}; expected a string"
-        )
+        raise DataError(f"{rec.where}: field {name!r} is {type(text).__name__}; expected a string")
     return text
 
 

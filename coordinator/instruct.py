@@ -99,7 +99,12 @@ def _ids(enc: Any) -> list[int]:
 
 
 def render_chat(
-    tokenizer: Any, messages: Any, where: str, *, loss_on: str = "assistant", field: str = "messages"
+    tokenizer: Any,
+    messages: Any,
+    where: str,
+    *,
+    loss_on: str = "assistant",
+    field: str = "messages",
 ) -> tuple[list[int], list[int]]:
     """``(ids, labels)`` of one conversation. Note the module docstring for the mask."""
     messages = _check_messages(messages, where, field)

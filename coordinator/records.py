@@ -131,9 +131,7 @@ def parse_json_object(line: str, path: str, lineno: int) -> dict[str, Any]:
             f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
         ) from None
     if not isinstance(record, dict):
-        raise RecordError(
-            f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}"
-        )
+        raise RecordError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
     return record
 
 

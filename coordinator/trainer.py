@@ -606,9 +606,7 @@ class Trainer:
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
-                for m, (ids, labels) in enumerate(batch.microbatches):
-                    layout.view(layout.input_ids[(parity, m)]).copy_(ids)
-                    layout.view(layout.labels[(parity, m)]).copy_(labels)
+                layout.write_batch(parity, batch)
                 assert layout.events is not None
                 for m in range(layout.num_microbatches):
                     layout.events.signal(layout.counters.act(0, m), k)
