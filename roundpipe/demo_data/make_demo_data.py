@@ -191,7 +191,10 @@ def _question(rng: random.Random) -> tuple[str, str]:
         )
     if kind == 1:
         i = rng.randrange(7)
-        return f"What day comes after {DAYS[i]}?", f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}."
+        return (
+            f"What day comes after {DAYS[i]}?",
+            f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}.",
+        )
     if kind == 2:
         i = rng.randrange(12)
         return f"What comes after {MONTHS[i]}?", f"After {MONTHS[i]} comes {MONTHS[(i + 1) % 12]}."
