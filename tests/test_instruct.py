@@ -289,3 +289,51 @@ def test_training_on_chat_rows_through_the_runtime_matches_a_plain_loop(
     d["data"].update(path=str(DEMO / "demo_chat.jsonl"), format="chat", loss_on="assistant")
     spec = JobSpec.from_dict(d)
     assert_params_match(train_in_process(spec, arena_dir, 2), oracle_train(spec))
+
+
+# ------------------------------------------------------------------ CLI and demo
+
+
+def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) -> None:
+    from roundpipe import cli
+    from roundpipe.demo import CHAT_DEMO_SPEC_PATH, demo_spec
+
+    assert cli.main(["data", "inspect", str(CHAT_DEMO_SPEC_PATH)]) == 0
+    out = capsys.readouterr().out
+    spec = demo_spec(spec_path=CHAT_DEMO_SPEC_PATH, output_dir=tmp_path)
+    from roundpipe.coordinator.data import build_dataset_from_spec
+
+    ds = build_dataset_from_spec(spec)
+    assert f"rows:           {ds.num_rows} of 256 tokens" in out
+    assert f"trained tokens: {ds.num_trained_tokens} " in out
+    assert "format:         chat  (loss_on: assistant, packing: documents)" in out
+    # Row 0: assistant answers (and their end-of-turn token) are marked, questions not.
+    first = CHATS[0]
+    assert f"[[{first[1]['content']}<|im_end|>]]" in out
+    assert f"[[{first[0]['content']}" not in out and first[0]["content"] in out
+    assert " | " in out  # several conversations share the row
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    d = spec.to_dict()
+    d["data"]["path"] = str(bad)
+    (tmp_path / "bad.yaml").write_text(json.dumps(d))
+    assert cli.main(["data", "inspect", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:1: the conversation has no assistant turn" in err
+    assert "Traceback" not in err
+
+
+def test_chat_demo_spec_is_valid_and_sized_to_its_tokenizer(tmp_path: Path) -> None:
+    from roundpipe import cli
+    from roundpipe.coordinator.data import build_dataset_from_spec
+    from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
+    from roundpipe.demo import CHAT_DEMO_SPEC_PATH, demo_spec
+
+    spec = demo_spec(spec_path=CHAT_DEMO_SPEC_PATH, output_dir=tmp_path)
+    assert spec.model.config["vocab_size"] == len(chat_tokenizer())
+    assert spec.data.format == "chat" and spec.data.loss_on == "assistant"
+    ds = build_dataset_from_spec(spec)
+    validate_against_model(
+        spec, model_config_from_spec(spec.model), vocab_size_needed=ds.vocab_size_needed
+    )
+    assert cli.main(["demo", "--chat", "--spec", str(CHAT_DEMO_SPEC_PATH)]) == 2
