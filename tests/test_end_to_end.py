@@ -251,6 +251,30 @@ def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
     assert model.config.model_type == "qwen3"
 
 
+def test_chat_demo_trains_on_assistant_turns(tmp_path: Path) -> None:
+    """`roundpipe demo --chat`: the bundled conversations, assistant-only loss, packed
+    conversations kept apart, through real daemons; the loss falls and the exported
+    tokenizer keeps its chat template."""
+    result = subprocess.run(
+        [sys.executable, "-m", "roundpipe.cli", "demo", "--chat", "--cpu", "--workers", "2"]
+        + ["--steps", "20", "--output", str(tmp_path / "chat")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in result.stderr.replace("\r", "\n").splitlines()
+        if line.startswith("step ")
+    ]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 1.0, losses
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "chat"), local_files_only=True)
+    assert "generation" in tok.chat_template  # the template with its assistant markers
+
+
 def test_emulated_bus_workers_match_cpu_workers_bitwise(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
