@@ -292,6 +292,9 @@ def test_demo_data_is_what_the_generator_makes(tmp_path: Path) -> None:
         "demo_corpus.jsonl",
         "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json",
+        "demo_chat.jsonl",
+        "chat_tokenizer/tokenizer.json",
+        "chat_tokenizer/tokenizer_config.json",
     ]:
         assert filecmp.cmp(tmp_path / name, DEMO_DIR / name, shallow=False), name
 

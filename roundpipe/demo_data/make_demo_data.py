@@ -41,6 +41,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHAT_VOCAB_SIZE",
@@ -261,6 +262,10 @@ def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE
         raise RuntimeError(
             f"trained vocabulary has {tok.get_vocab_size()} entries, not {vocab_size}"
         )
+    _save(tok, out_dir, eos_token=EOS_TOKEN)
+
+
+def _save(tok: Any, out_dir: Path, **settings: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     # Written by hand rather than by transformers' save_pretrained so that the file does
@@ -268,10 +273,11 @@ def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE
     # 5.x resolve (5.x maps it onto its tokenizers backend).
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
+        "eos_token": settings.pop("eos_token"),
         "pad_token": PAD_TOKEN,
         "model_max_length": 1024,
         "clean_up_tokenization_spaces": False,
+        **settings,
     }
     with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
         json.dump(config, f, indent=2)
@@ -286,19 +292,7 @@ def make_chat_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
     tok.add_special_tokens([AddedToken(t, special=True) for t in (TURN_START, TURN_END)])
     if tok.get_vocab_size() != CHAT_VOCAB_SIZE:
         raise RuntimeError(f"chat vocabulary has {tok.get_vocab_size()} entries")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": TURN_END,
-        "pad_token": PAD_TOKEN,
-        "model_max_length": 1024,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
+    _save(tok, out_dir, eos_token=TURN_END, chat_template=CHAT_TEMPLATE)
 
 
 def main(argv: list[str] | None = None) -> None:
