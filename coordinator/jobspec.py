@@ -71,6 +71,7 @@ DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_co
 DATA_PACKING = ("documents", "concat", "none")
 DATA_LOSS_ON = ("assistant", "all")
 DATA_OVERLONG = ("truncate", "refuse")
+_PACKING_ALIASES: dict[Any, str] = {True: "documents", False: "none"}
 DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -1068,6 +1069,8 @@ def _check_resume(e: _Errors, spec: JobSpec) -> None:
         )
     for key in ("seq_len", "packing", "shuffle"):
         before, now = old_value("data", key), getattr(spec.data, key)
+        if key == "packing":  # true and documents (false and none) are one setting
+            before, now = _PACKING_ALIASES.get(before, before), _PACKING_ALIASES.get(now, now)
         if before is not None and before != now:
             e.add(
                 f"data.{key}",
