@@ -45,8 +45,12 @@ class InstructError(ValueError):
     """An instruction record cannot be rendered; the message names where and the fix."""
 
 
-def has_generation_markers(template: str | None) -> bool:
-    return bool(template) and _GENERATION_RE.search(template) is not None
+def has_generation_markers(template: str | dict[str, str] | None) -> bool:
+    """Whether the template (or the default of a tokenizer's named templates) marks the
+    assistant's tokens with ``{% generation %}``."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    return isinstance(template, str) and _GENERATION_RE.search(template) is not None
 
 
 def load_chat_template(tokenizer: Any, path: str | None) -> None:
@@ -178,6 +182,7 @@ def render_prompt_completion(
             tail.append(eos_token_id)
         ids = head + tail
     elif isinstance(prompt, list) and isinstance(completion, list):
+        load_chat_template(tokenizer, None)  # a clear error if the tokenizer has none
         p = _check_messages(prompt, where, pf)
         c = _check_messages(completion, where, cf)
         head = _ids(_render(tokenizer, p, where, add_generation_prompt=True))

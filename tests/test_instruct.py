@@ -214,6 +214,15 @@ def test_bad_chat_records_name_file_line_and_fix(
         build_dataset(f, seq_len=256, tokenizer=chat_tokenizer(), format="chat")
 
 
+def test_a_tokenizer_without_chat_template_asks_for_one(tmp_path: Path) -> None:
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}])
+    q, a = CHATS[0][:1], CHATS[0][1:2]
+    pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": q, "completion": a}])
+    for f in (chat, pc):
+        with pytest.raises(DataError, match="has no chat template; set data.chat_template"):
+            build_dataset(f, seq_len=256, tokenizer=str(DEMO / "tokenizer"))
+
+
 def test_overlong_records_are_truncated_or_refused(tmp_path: Path) -> None:
     long_answer = {"role": "assistant", "content": " ".join(["one two three"] * 80)}
     long = [{"role": "user", "content": "Count."}, long_answer]
