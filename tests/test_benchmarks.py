@@ -64,3 +64,23 @@ def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
     assert "skipped: needs CUDA" in rows["paper"]
     last = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT vs_paper=nan mfu=\d+\.\d{3}", last), last
+
+
+@pytest.mark.slow
+def test_packing_benchmark_smoke() -> None:
+    """`packing.py --smoke`: three modes on the same conversations; documents packing
+    gives the unpacked loss in fewer rows."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "packing.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    table = [line.split() for line in out.splitlines()]
+    rows = {f[0]: f for f in table if len(f) == 7 and f[1].isdigit()}
+    assert set(rows) == {"none", "documents", "concat"}, out
+    assert int(rows["documents"][1]) < int(rows["none"][1])
+    assert "documents loss equals none: True" in out
+    assert re.search(r"^RESULT documents_over_none_step_time=[0-9.]+$", out.splitlines()[-1])
