@@ -346,3 +346,22 @@ def test_chat_demo_spec_is_valid_and_sized_to_its_tokenizer(tmp_path: Path) -> N
         spec, model_config_from_spec(spec.model), vocab_size_needed=ds.vocab_size_needed
     )
     assert cli.main(["demo", "--chat", "--spec", str(CHAT_DEMO_SPEC_PATH)]) == 2
+
+
+def test_export_carries_the_chat_template_file(tmp_path: Path, arena_dir: Path) -> None:
+    """Trained with data.chat_template on a tokenizer that has none: the exported
+    tokenizer holds that template, so the model chats the way it was trained."""
+    from test_trainer import new_trainer
+    from transformers import AutoTokenizer
+
+    d = tiny_spec(tmp_path, steps=2, seq_len=128).to_dict()
+    template = DEMO / "chat_template.jinja"
+    d["data"].update(path=str(DEMO / "demo_chat.jsonl"), chat_template=str(template))
+    trainer = new_trainer(JobSpec.from_dict(d), arena_dir)
+    try:
+        trainer.prepare(1)
+        trainer.export(tmp_path / "export")
+    finally:
+        trainer.close()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
+    assert tok.chat_template == template.read_text()
