@@ -168,9 +168,9 @@ def plain_loop(
             synchronize()
             start = time.perf_counter()
         batch = loader.batch_for_step(k)
-        for ids, labels in batch.microbatches:
-            ids, labels = ids.to(device), labels.to(device)
-            loss = model(input_ids=ids, labels=labels).loss
+        for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
+            ids, labels, pos = ids.to(device), labels.to(device), pos.to(device)
+            loss = model(input_ids=ids, labels=labels, position_ids=pos).loss
             (loss * count_label_tokens(labels) / batch.num_label_tokens).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

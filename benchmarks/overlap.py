@@ -110,9 +110,8 @@ class Bench:
         self.next_iteration += 1
         layout = self.layout
         batch = self.trainer.loader.batch_for_step(k)
-        for m, (ids, labels) in enumerate(batch.microbatches):
-            layout.view(layout.input_ids[(k % 2, m)]).copy_(ids)
-            layout.view(layout.labels[(k % 2, m)]).copy_(labels)
+        layout.write_batch(k % 2, batch)
+        for m in range(layout.num_microbatches):
             layout.events.signal(layout.counters.act(0, m), k)
         for layer in range(self.trainer.model.num_layers):
             layout.events.signal(layout.counters.version(layer), k - 1)  # "the optimizer"

@@ -2,32 +2,53 @@
 
 Pipeline (all in the coordinator, once per job; the rows are small next to the model):
 
-    file ──read_documents──> documents ──tokenize──> token ids (+ EOS after each document)
-         ──pack──> PackedDataset: rows [num_rows, seq_len] + real length of each row
+    file ──read──> documents ──tokenize / render──> token ids + labels (+ EOS after text)
+         ──pack──> PackedDataset: rows [num_rows, seq_len] of ids, labels, position ids
          ──DataLoader.batch_for_step(step)──> GlobalBatch: microbatch_size * num_microbatches
                                               rows, split into microbatches
 
-Input formats (``resolve_format`` picks one for ``format="auto"``):
+Input formats (``resolve_format`` picks one for ``format="auto"``); records come from
+JSONL, Parquet or a ``datasets`` folder (roundpipe.coordinator.records), column names
+from ``Columns``:
 
-* ``jsonl_text``: one JSON object per line, the document in ``text_field``;
-* ``jsonl_tokens``: one JSON object per line with ``input_ids`` (a list of ints), taken
-  as is: no tokenizer runs (one is still used, if available, for the EOS and pad ids);
+* ``jsonl_text``: the document in the ``text`` column; loss on every token;
+* ``jsonl_tokens``: ``input_ids`` (a list of ints), taken as is: no tokenizer runs (one
+  is still used, if available, for the EOS and pad ids); optional ``labels`` of the same
+  length (-100 = no loss) are used as given, else the loss covers every token;
+* ``chat``: ``messages`` rendered with the chat template, loss on assistant turns
+  (``loss_on: assistant``) or everything (``all``); roundpipe.coordinator.instruct;
+* ``prompt_completion``: ``prompt`` and ``completion`` (strings or message lists), loss
+  on the completion (or everything with ``loss_on: all``);
 * ``text``: UTF-8 text; documents are separated by one or more blank lines.
 Blank lines in JSONL files are skipped; empty documents are skipped.
 
-Rows. With ``packing`` (default) the documents, each followed by EOS (unless it already
-ends with EOS), are concatenated into one token stream cut into rows of ``seq_len``;
-attention is not masked at document boundaries, as usual for packed causal-LM training.
-The final partial row is kept, right-padded with the pad id (EOS if the tokenizer has no
-pad) and labelled ``IGNORE_INDEX`` (-100) in the padding, so no token is lost; a final
-remainder of fewer than 2 tokens is dropped, since it holds nothing to predict. Without
-packing every document starts a new row; a document longer than ``seq_len`` continues in
-further rows, and the last row of each document is padded the same way.
+Labelled records (chat, prompt_completion, token records with labels) are *whole*: one
+longer than ``seq_len`` is cut to ``seq_len`` (``overlong: truncate``, counted and
+logged; dropped if no trained token is left) or refused (``overlong: refuse``), and
+with packing a whole record never straddles two rows. Text documents are cut anywhere.
 
-Labels are the input ids themselves, unshifted, with padding set to -100: the Hugging
-Face convention, where the loss shifts by one so that position t predicts token t+1.
+Packing (``packing``):
+
+* ``documents`` (default, ``true``): documents are concatenated into full rows, but each
+  attends only to itself: the position ids restart at 0 at every document start (and at
+  every row start), which the model turns into a block-diagonal causal mask and
+  per-document rotary positions (transformers' packed-sequence detection, see Note
+  [packed documents] in roundpipe.worker.executor), and the first token of each document
+  gets no label, since the token before it belongs to another document. A packed run
+  therefore equals the unpacked run of the same documents.
+* ``concat``: the old behaviour: one token stream, attention across document boundaries,
+  positions 0..seq_len-1 in every row.
+* ``none`` (``false``): every document starts a new row; a text document longer than
+  ``seq_len`` continues in further rows; the last row of each is padded.
+The final partial row is kept, right-padded with the pad id (EOS if the tokenizer has no
+pad) and labelled ``IGNORE_INDEX`` (-100) in the padding; a final remainder of fewer than
+2 tokens is dropped, since it holds nothing to predict.
+
+Labels are unshifted, with padding and masked tokens set to -100: the Hugging Face
+convention, where the loss shifts by one so that position t predicts token t+1.
 ``GlobalBatch.num_label_tokens`` counts the tokens such a loss predicts (labels[:, 1:]
-that are not -100), the denominator for normalising the loss over the global batch.
+that are not -100), the denominator for normalising the loss over the global batch, so
+masked tokens never count in it.
 
 Order. Rows form an endless stream of epochs; each epoch is a fresh permutation drawn
 from ``(seed, epoch)`` (or the file order without shuffling), and step s (counted from
@@ -44,7 +65,6 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
-import json
 import logging
 import os
 import random
@@ -55,6 +75,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.coordinator import records
+from roundpipe.coordinator.instruct import (
+    LOSS_ON,
+    InstructError,
+    load_chat_template,
+    render_chat,
+    render_prompt_completion,
+)
 from roundpipe.coordinator.jobspec import TOKENIZER_FILES, has_tokenizer_files
 
 if TYPE_CHECKING:
@@ -62,6 +90,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IGNORE_INDEX",
+    "OVERLONG",
+    "PACKING",
+    "Columns",
     "DataError",
     "DataLoader",
     "GlobalBatch",
@@ -69,6 +100,7 @@ __all__ = [
     "build_dataset",
     "build_dataset_from_spec",
     "load_tokenizer",
+    "packing_mode",
     "read_documents",
     "resolve_format",
 ]
@@ -76,11 +108,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-"""Label of positions that carry no loss (padding), as torch's cross_entropy expects."""
+"""Label of positions that carry no loss (padding, masked tokens), as torch's
+cross_entropy expects."""
 
 _TEXT_EXTS = (".txt", ".text", ".md")
-_JSONL_EXTS = (".jsonl", ".ndjson", ".json")
-_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text")
+_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
+_SUPERVISED = ("chat", "prompt_completion")
+PACKING = ("documents", "concat", "none")
+OVERLONG = ("truncate", "refuse")
 _TOKENIZE_CHUNK = 1024  # documents per tokenizer call: batched for speed, bounded memory
 _STATE_VERSION = 1
 
@@ -90,130 +125,185 @@ class DataError(ValueError):
     (and the line number, for a bad JSONL line)."""
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Which record fields (JSON keys, Parquet / datasets columns) hold what."""
+
+    text: str = "text"
+    messages: str = "messages"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    input_ids: str = "input_ids"
+    labels: str = "labels"
+
+
+def packing_mode(packing: bool | str) -> str:
+    """``documents`` / ``concat`` / ``none`` for a ``data.packing`` value (``true`` is
+    ``documents``, ``false`` is ``none``)."""
+    if packing is True:
+        return "documents"
+    if packing is False:
+        return "none"
+    if packing not in PACKING:
+        raise DataError(f"unknown packing {packing!r}; expected true, false or one of {PACKING}")
+    return str(packing)
+
+
 # --------------------------------------------------------------------------- reading
 
 
-def _open_data(path: str | os.PathLike[str]) -> Any:
-    p = os.fspath(path)
+def _check_path(p: str) -> None:
     if not os.path.exists(p):
         raise DataError(f"data file not found: {p}")
-    if not os.path.isfile(p):
+    if os.path.isdir(p):
+        if records.record_source(p) is None:
+            raise DataError(
+                f"data folder {p} is neither saved by datasets (save_to_disk) nor holds "
+                ".parquet/.arrow shards; point data.path at a data file or such a folder"
+            )
+    elif not os.path.isfile(p):
         raise DataError(f"data path is not a regular file: {p}")
+
+
+def _records(p: str, split: str) -> Iterator[records.Record]:
     try:
-        return open(p, "rb")  # bytes: decode per line, so a bad byte has a line number
-    except OSError as exc:
-        raise DataError(f"cannot read data file {p}: {exc.strerror}") from None
+        yield from records.read_records(p, split=split)
+    except records.RecordError as exc:
+        raise DataError(str(exc)) from None
 
 
-def _decode(raw: bytes, path: str, lineno: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
-
-
-def _parse_record(line: str, path: str, lineno: int) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
-        ) from None
-    if not isinstance(record, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-    return record
+def _keys(fields: dict[str, Any]) -> str:
+    return ", ".join(map(repr, list(fields)[:8])) or "none"
 
 
 def resolve_format(
-    path: str | os.PathLike[str], format: str = "auto", text_field: str = "text"
+    path: str | os.PathLike[str],
+    format: str = "auto",
+    text_field: str = "text",
+    *,
+    columns: Columns | None = None,
+    split: str = "train",
 ) -> str:
     """The concrete format of ``path``: ``format`` itself unless it is ``"auto"``.
 
-    ``auto`` goes by extension (see ``_TEXT_EXTS``/``_JSONL_EXTS``) and, for JSONL, by
-    the first record: ``input_ids`` means pre-tokenised, ``text_field`` means text.
+    ``auto``: ``.txt``/``.text``/``.md`` is text; for record sources (JSONL, Parquet,
+    datasets folders) the first record's columns decide: ``messages`` -> chat,
+    ``prompt`` + ``completion`` -> prompt_completion, ``input_ids`` -> jsonl_tokens,
+    the text column -> jsonl_text. A record matching more than one is refused.
     """
     p = os.fspath(path)
+    cols = columns or Columns(text=text_field)
     if format not in _FORMATS:
         raise DataError(f"unknown data format {format!r}; expected one of {', '.join(_FORMATS)}")
     if format != "auto":
         return format
-    ext = Path(p).suffix.lower()
-    if ext in _TEXT_EXTS:
+    _check_path(p)
+    if not os.path.isdir(p) and Path(p).suffix.lower() in _TEXT_EXTS:
         return "text"
-    if ext not in _JSONL_EXTS:
+    if records.record_source(p) is None:
+        ext = Path(p).suffix.lower()
         raise DataError(
             f"cannot tell the format of {p} from its extension {ext or '(none)'!r}; "
-            f"set data.format to one of jsonl_text, jsonl_tokens, text"
+            f"set data.format to one of {', '.join(_FORMATS[1:])}"
         )
-    with _open_data(p) as f:
-        for lineno, raw in enumerate(f, 1):
-            line = _decode(raw, p, lineno).strip()
-            if not line:
-                continue
-            record = _parse_record(line, p, lineno)
-            if "input_ids" in record:
-                return "jsonl_tokens"
-            if text_field in record:
-                return "jsonl_text"
-            keys = ", ".join(map(repr, list(record)[:8])) or "none"
-            raise DataError(
-                f"{p}:{lineno}: record has neither the text field {text_field!r} nor "
-                f"'input_ids' (its keys: {keys}); set data.text_field"
-            )
-    raise DataError(f"empty dataset: {p} holds no records")
+    first = next(iter(_records(p, split)), None)
+    if first is None:
+        raise DataError(f"empty dataset: {p} holds no records")
+    f = first.fields
+    found = [
+        name
+        for name, present in (
+            ("chat", cols.messages in f),
+            ("prompt_completion", cols.prompt in f and cols.completion in f),
+            ("jsonl_tokens", cols.input_ids in f),
+            ("jsonl_text", cols.text in f),
+        )
+        if present
+    ]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise DataError(
+            f"{first.where}: the record fits more than one format ({', '.join(found)}; its "
+            f"keys: {_keys(f)}); set data.format"
+        )
+    raise DataError(
+        f"{first.where}: record has neither the text field {cols.text!r} nor "
+        f"{cols.input_ids!r}, {cols.messages!r} or {cols.prompt!r}+{cols.completion!r} "
+        f"(its keys: {_keys(f)}); set data.text_field / data.columns or data.format"
+    )
 
 
 def read_documents(
-    path: str | os.PathLike[str], format: str = "auto", text_field: str = "text"
-) -> Iterator[tuple[int, str | list[int]]]:
-    """Yield ``(line_number, document)``: a ``str``, or a ``list[int]`` for jsonl_tokens.
+    path: str | os.PathLike[str],
+    format: str = "auto",
+    text_field: str = "text",
+    *,
+    columns: Columns | None = None,
+    split: str = "train",
+) -> Iterator[tuple[int | str, str | list[int]]]:
+    """Yield ``(where, document)`` for the unlabelled formats: a ``str`` (text,
+    jsonl_text) or a ``list[int]`` (jsonl_tokens). ``where`` is the line number for text
+    files, ``path:line`` / ``path row N`` for records.
 
     Raises DataError naming the path and line for malformed input.
     """
     p = os.fspath(path)
-    fmt = resolve_format(p, format, text_field)
-    with _open_data(p) as f:
-        if fmt == "text":
-            yield from _read_paragraphs(f, p)
-            return
-        for lineno, raw in enumerate(f, 1):
-            line = _decode(raw, p, lineno).strip()
-            if not line:
-                continue
-            record = _parse_record(line, p, lineno)
-            if fmt == "jsonl_text":
-                if text_field not in record:
-                    keys = ", ".join(map(repr, list(record)[:8])) or "none"
-                    raise DataError(f"{p}:{lineno}: no {text_field!r} field (its keys: {keys})")
-                text = record[text_field]
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{p}:{lineno}: field {text_field!r} is {type(text).__name__}; expected a string"
-                    )
-                yield lineno, text
-            else:
-                ids = record.get("input_ids")
-                if not isinstance(ids, list) or not all(
-                    type(t) is int and 0 <= t < 2**31 for t in ids
-                ):
-                    raise DataError(
-                        f"{p}:{lineno}: 'input_ids' must be a list of integers in [0, 2**31)"
-                    )
-                yield lineno, ids
+    cols = columns or Columns(text=text_field)
+    fmt = resolve_format(p, format, text_field, columns=cols, split=split)
+    _check_path(p)
+    if fmt == "text":
+        yield from _read_paragraphs(p)
+        return
+    for rec in _records(p, split):
+        if fmt == "jsonl_text":
+            yield rec.where, _text_of(rec, cols.text)
+        elif fmt == "jsonl_tokens":
+            yield rec.where, _token_list(rec, cols.input_ids)
+        else:
+            raise DataError(f"read_documents reads unlabelled formats, not {fmt}")
 
 
-def _read_paragraphs(f: Any, path: str) -> Iterator[tuple[int, str]]:
+def _text_of(rec: records.Record, name: str) -> str:
+    if name not in rec.fields:
+        raise DataError(f"{rec.where}: no {name!r} field (its keys: {_keys(rec.fields)})")
+    text = rec.fields[name]
+    if not isinstance(text, str):
+        raise DataError(f"{rec.where}: field {name!r} is {type(text).__name__}; expected a string")
+    return text
+
+
+def _token_list(rec: records.Record, name: str, *, labels: bool = False) -> list[int]:
+    ids = rec.fields.get(name)
+    ok = isinstance(ids, list) and all(
+        type(t) is int and (0 <= t < 2**31 or (labels and t == IGNORE_INDEX)) for t in ids
+    )
+    if not ok:
+        what = "integers in [0, 2**31) or -100" if labels else "integers in [0, 2**31)"
+        raise DataError(f"{rec.where}: {name!r} must be a list of {what}")
+    return list(ids)
+
+
+def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"cannot read data file {path}: {exc.strerror}") from None
     lines: list[str] = []
     start = 0
-    for lineno, raw in enumerate(f, 1):
-        line = _decode(raw, path, lineno)
-        if line.strip():
-            if not lines:
-                start = lineno
-            lines.append(line)
-        elif lines:
-            yield start, "".join(lines).strip()
-            lines = []
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = records.decode_line(raw, path, lineno)
+            except records.RecordError as exc:
+                raise DataError(str(exc)) from None
+            if line.strip():
+                if not lines:
+                    start = lineno
+                lines.append(line)
+            elif lines:
+                yield start, "".join(lines).strip()
+                lines = []
     if lines:
         yield start, "".join(lines).strip()
 
@@ -255,13 +345,30 @@ class PackedDataset:
     """Id written into padding (its label is IGNORE_INDEX, so its value never matters
     for the loss; it must only be a valid embedding index)."""
     eos_token_id: int | None
-    """Separator appended after each document; ``None``: token data without a tokenizer."""
+    """Separator appended after each text document; ``None``: token data without a
+    tokenizer."""
     num_documents: int
     """Documents read (empty ones skipped)."""
     source: str
     """The data file."""
     max_token_id: int = field(default=-1)
     """Largest real token id; see ``vocab_size_needed``."""
+    labels: torch.Tensor | None = None
+    """int32 ``[num_rows, seq_len]``, unshifted, -100 = no loss; ``None``: the tokens,
+    with padding set to -100."""
+    positions: torch.Tensor | None = None
+    """int32 ``[num_rows, seq_len]``: position ids (restarting per document with
+    ``packing: documents``); ``None``: 0..seq_len-1 in every row."""
+    packing: str = "concat"
+    """How the rows were packed (``PACKING``)."""
+
+    def __post_init__(self) -> None:
+        if self.labels is None:
+            pad = torch.arange(self.seq_len).unsqueeze(0) >= self.lengths.unsqueeze(1)
+            object.__setattr__(self, "labels", self.tokens.masked_fill(pad, IGNORE_INDEX))
+        if self.positions is None:
+            rows = torch.arange(self.seq_len, dtype=torch.int32).expand(self.num_rows, -1)
+            object.__setattr__(self, "positions", rows.contiguous())
 
     @property
     def seq_len(self) -> int:
@@ -280,6 +387,12 @@ class PackedDataset:
         return int(self.lengths.sum())
 
     @property
+    def num_trained_tokens(self) -> int:
+        """Tokens a shifted causal-LM loss predicts over all rows (labels[:, 1:] != -100)."""
+        assert self.labels is not None
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
     def vocab_size_needed(self) -> int:
         """One more than the largest token id: the model's vocab_size must be >= this."""
         return max(self.max_token_id, self.pad_token_id) + 1
@@ -287,21 +400,44 @@ class PackedDataset:
     @functools.cached_property
     def fingerprint(self) -> str:
         """Hash of the rows: a checkpointed data cursor only resumes on the same rows."""
+        assert self.labels is not None and self.positions is not None
         h = hashlib.sha256()
         h.update(f"{self.seq_len}:{self.num_rows}:".encode())
         h.update(self.tokens.numpy().tobytes())
         h.update(self.lengths.numpy().tobytes())
+        # Text rows packed the old way hash as before (a cursor saved then still resumes).
+        if not torch.equal(self.labels, _default_labels(self.tokens, self.lengths)):
+            h.update(b"labels:" + self.labels.numpy().tobytes())
+        if self.packing == "documents":
+            h.update(b"positions:" + self.positions.numpy().tobytes())
         return h.hexdigest()[:32]
 
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, both int64 ``[len(index), seq_len]``, for row ``index``."""
-        input_ids = self.tokens.index_select(0, index).long()
-        labels = input_ids.clone()
-        pad = torch.arange(self.seq_len).unsqueeze(0) >= self.lengths.index_select(
-            0, index
-        ).unsqueeze(1)
-        labels[pad] = IGNORE_INDEX
-        return input_ids, labels
+        assert self.labels is not None
+        return (
+            self.tokens.index_select(0, index).long(),
+            self.labels.index_select(0, index).long(),
+        )
+
+    def position_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """int64 ``[len(index), seq_len]``: the position ids of rows ``index``."""
+        assert self.positions is not None
+        return self.positions.index_select(0, index).long()
+
+
+def _default_labels(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    pad = torch.arange(tokens.shape[1]).unsqueeze(0) >= lengths.unsqueeze(1)
+    return tokens.masked_fill(pad, IGNORE_INDEX)
+
+
+@dataclass
+class _Doc:
+    ids: list[int]
+    labels: list[int]
+    where: str
+    whole: bool
+    """A labelled record: cut to seq_len (or refused) and never split across rows."""
 
 
 def build_dataset(
@@ -311,39 +447,77 @@ def build_dataset(
     format: str = "auto",
     text_field: str = "text",
     tokenizer: Any = None,
-    packing: bool = True,
+    packing: bool | str = True,
+    columns: Columns | None = None,
+    loss_on: str = "assistant",
+    chat_template: str | None = None,
+    overlong: str = "truncate",
+    split: str = "train",
 ) -> PackedDataset:
     """Read, tokenize and pack ``path`` into rows of ``seq_len`` tokens.
 
     ``tokenizer`` is a tokenizer directory or an already loaded tokenizer (anything with
-    ``__call__`` returning ``input_ids`` and an ``eos_token_id``). It is required for
-    text formats; for ``jsonl_tokens`` it is optional and only supplies EOS/pad ids.
-    Raises DataError for a missing/malformed file, a missing tokenizer, or an empty result.
+    ``__call__`` returning ``input_ids`` and an ``eos_token_id``; chat data needs
+    ``apply_chat_template``). It is required for text and instruction formats; for
+    ``jsonl_tokens`` it is optional and only supplies EOS/pad ids. Raises DataError for a
+    missing/malformed file or record, a missing tokenizer, or an empty result.
     """
     p = os.path.abspath(os.fspath(path))
+    cols = columns or Columns(text=text_field)
+    mode = packing_mode(packing)
     if seq_len < 2:
         raise DataError(f"seq_len must be >= 2, got {seq_len}")
-    fmt = resolve_format(p, format, text_field)
+    if loss_on not in LOSS_ON:
+        raise DataError(f"unknown loss_on {loss_on!r}; expected one of {', '.join(LOSS_ON)}")
+    if overlong not in OVERLONG:
+        raise DataError(f"unknown overlong {overlong!r}; expected one of {', '.join(OVERLONG)}")
+    fmt = resolve_format(p, format, cols.text, columns=cols, split=split)
+    _check_path(p)
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     if tokenizer is None and fmt != "jsonl_tokens":
-        raise DataError(f"{p} is text ({fmt}) and needs a tokenizer; none was given")
+        raise DataError(f"{p} is {fmt} data and needs a tokenizer; none was given")
     eos = None if tokenizer is None else tokenizer.eos_token_id
-    if eos is None and fmt != "jsonl_tokens":
+    if eos is None and fmt in ("text", "jsonl_text"):
         raise DataError("the tokenizer has no EOS token, which separates documents; use another")
+    if fmt == "chat" or (fmt == "prompt_completion" and chat_template is not None):
+        try:
+            load_chat_template(tokenizer, chat_template)
+        except InstructError as exc:
+            raise DataError(str(exc)) from None
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos if eos is not None else 0)
 
-    packer = _Packer(seq_len, pad, packing)
-    num_docs = 0
-    for ids in _token_documents(read_documents(p, fmt, text_field), tokenizer):
-        if not ids:
+    packer = _Packer(seq_len, pad, mode)
+    num_docs = cut = dropped = 0
+    docs = _documents(p, fmt, cols, split, tokenizer, loss_on, eos)
+    for doc in docs:
+        if not doc.ids:
             continue
-        if eos is not None and ids[-1] != eos:
-            ids.append(eos)
-        packer.add(ids)
+        if doc.whole and len(doc.ids) > seq_len:
+            if overlong == "refuse":
+                raise DataError(
+                    f"{doc.where}: the record has {len(doc.ids)} tokens, more than data.seq_len "
+                    f"= {seq_len}; raise seq_len, shorten or drop the record, or set "
+                    "data.overlong: truncate"
+                )
+            doc.ids, doc.labels = doc.ids[:seq_len], doc.labels[:seq_len]
+            cut += 1
+            if all(y == IGNORE_INDEX for y in doc.labels[1:]):
+                dropped += 1  # nothing left to train on
+                continue
+        packer.add(doc)
         num_docs += 1
-    tokens, lengths, max_id = packer.finish()
+    if cut:
+        logger.warning(
+            "[data] %s: %d record(s) longer than seq_len %d were truncated (%d of them "
+            "dropped: no trained token left); data.overlong: refuse makes this an error",
+            p,
+            cut,
+            seq_len,
+            dropped,
+        )
+    tokens, labels, positions, lengths, max_id = packer.finish()
     if tokens.shape[0] == 0:
         what = "no documents" if num_docs == 0 else "fewer than 2 tokens"
         raise DataError(f"empty dataset: {p} yields {what}")
@@ -355,16 +529,22 @@ def build_dataset(
         num_documents=num_docs,
         source=p,
         max_token_id=max_id,
+        labels=labels,
+        positions=positions,
+        packing=mode,
     )
+    if ds.num_trained_tokens == 0:
+        raise DataError(f"{p}: no token carries a label, so there is nothing to train on")
     logger.info(
-        "[data] %s: %d documents, %d tokens, %d rows of %d (%s, %s)",
+        "[data] %s: %d documents, %d tokens (%d trained), %d rows of %d (%s, packing %s)",
         p,
         num_docs,
         ds.num_tokens,
+        ds.num_trained_tokens,
         ds.num_rows,
         seq_len,
         fmt,
-        "packed" if packing else "unpacked",
+        mode,
     )
     return ds
 
@@ -373,7 +553,8 @@ def build_dataset_from_spec(spec: JobSpec) -> PackedDataset:
     """``build_dataset`` with the settings of a validated job spec."""
     d = spec.data
     assert d.path is not None, "a validated spec has data.path"
-    fmt = resolve_format(d.path, d.format, d.text_field)
+    cols = columns_of(spec)
+    fmt = resolve_format(d.path, d.format, d.text_field, columns=cols, split=d.split)
     return build_dataset(
         d.path,
         seq_len=d.seq_len,
@@ -383,11 +564,89 @@ def build_dataset_from_spec(spec: JobSpec) -> PackedDataset:
         # None): token data then has no separator between documents, as documented.
         tokenizer=spec.tokenizer_path,
         packing=d.packing,
+        columns=cols,
+        loss_on=d.loss_on,
+        chat_template=d.chat_template,
+        overlong=d.overlong,
+        split=d.split,
     )
 
 
+def columns_of(spec: JobSpec) -> Columns:
+    """The record columns a spec names (``data.text_field`` and ``data.columns``)."""
+    return Columns(**{"text": spec.data.text_field, **dict(spec.data.columns or {})})
+
+
+def _documents(
+    p: str, fmt: str, cols: Columns, split: str, tokenizer: Any, loss_on: str, eos: int | None
+) -> Iterator[_Doc]:
+    if fmt in ("text", "jsonl_text", "jsonl_tokens"):
+        has_labels = fmt == "jsonl_tokens" and _first_has(p, split, cols.labels)
+        if has_labels:
+            yield from _labelled_tokens(p, split, cols)
+            return
+        for ids in _token_documents(read_documents(p, fmt, columns=cols, split=split), tokenizer):
+            if eos is not None and ids and ids[-1] != eos:
+                ids.append(eos)
+            yield _Doc(ids, list(ids), p, whole=False)
+        return
+    for rec in _records(p, split):
+        try:
+            if fmt == "chat":
+                if cols.messages not in rec.fields:
+                    raise DataError(
+                        f"{rec.where}: no {cols.messages!r} field (its keys: "
+                        f"{_keys(rec.fields)}); set data.columns.messages"
+                    )
+                ids, labels = render_chat(
+                    tokenizer, rec.fields[cols.messages], rec.where, loss_on=loss_on,
+                    field=cols.messages,
+                )  # fmt: skip
+            else:
+                missing = [c for c in (cols.prompt, cols.completion) if c not in rec.fields]
+                if missing:
+                    raise DataError(
+                        f"{rec.where}: no {' or '.join(map(repr, missing))} field (its keys: "
+                        f"{_keys(rec.fields)}); set data.columns.prompt / .completion"
+                    )
+                ids, labels = render_prompt_completion(
+                    tokenizer,
+                    rec.fields[cols.prompt],
+                    rec.fields[cols.completion],
+                    rec.where,
+                    loss_on=loss_on,
+                    eos_token_id=eos,
+                    fields=(cols.prompt, cols.completion),
+                )
+        except InstructError as exc:
+            raise DataError(str(exc)) from None
+        yield _Doc(ids, labels, rec.where, whole=True)
+
+
+def _first_has(p: str, split: str, name: str) -> bool:
+    first = next(iter(_records(p, split)), None)
+    return first is not None and name in first.fields
+
+
+def _labelled_tokens(p: str, split: str, cols: Columns) -> Iterator[_Doc]:
+    for rec in _records(p, split):
+        ids = _token_list(rec, cols.input_ids)
+        if cols.labels not in rec.fields:
+            raise DataError(
+                f"{rec.where}: no {cols.labels!r} (the first record has them, so every "
+                "record needs them)"
+            )
+        labels = _token_list(rec, cols.labels, labels=True)
+        if len(labels) != len(ids):
+            raise DataError(
+                f"{rec.where}: {len(labels)} labels for {len(ids)} input_ids; they must "
+                "have the same length (-100 where no loss)"
+            )
+        yield _Doc(ids, labels, rec.where, whole=True)
+
+
 def _token_documents(
-    docs: Iterator[tuple[int, str | list[int]]], tokenizer: Any
+    docs: Iterator[tuple[int | str, str | list[int]]], tokenizer: Any
 ) -> Iterator[list[int]]:
     batch: list[str] = []
     for _, doc in docs:
@@ -413,55 +672,98 @@ def _tokenize(tokenizer: Any, texts: list[str]) -> Iterator[list[int]]:
 
 
 class _Packer:
-    """Accumulates documents into a flat int32 buffer of whole rows."""
+    """Accumulates documents into flat int32 buffers (ids, labels, positions) of whole
+    rows. See the module docstring for the three packing modes."""
 
-    def __init__(self, seq_len: int, pad: int, packing: bool) -> None:
+    def __init__(self, seq_len: int, pad: int, mode: str) -> None:
         self.seq_len = seq_len
         self.pad = pad
-        self.packing = packing
-        self.flat = array.array("i")
+        self.mode = mode
+        self.ids = array.array("i")
+        self.labels = array.array("i")
+        self.positions = array.array("i")
         self.lengths = array.array("i")
         self.max_id = -1
-        assert self.flat.itemsize == 4, "int32 rows assume a 4-byte C int"
+        assert self.ids.itemsize == 4, "int32 rows assume a 4-byte C int"
 
-    def add(self, ids: list[int]) -> None:
-        self.max_id = max(self.max_id, max(ids))
-        if self.packing:
-            self.flat.extend(ids)
+    @property
+    def _used(self) -> int:
+        """Tokens already in the open (last, unfinished) row."""
+        return len(self.ids) - len(self.lengths) * self.seq_len
+
+    def add(self, doc: _Doc) -> None:
+        self.max_id = max(self.max_id, max(doc.ids))
+        s = self.seq_len
+        if self.mode == "concat":
+            self.ids.extend(doc.ids)
+            self.labels.extend(doc.labels)
+            return  # positions: 0..s-1 in every row, set in finish
+        if self.mode == "none" or (doc.whole and self._used + len(doc.ids) > s):
+            self._close_row()
+        start = 0
+        while start < len(doc.ids):
+            take = min(s - self._used, len(doc.ids) - start)
+            ids = doc.ids[start : start + take]
+            labels = doc.labels[start : start + take]
+            if self._used > 0:
+                # The token before this one belongs to another document: nothing of it
+                # may predict this one (labels are unshifted: labels[t] is what t-1
+                # predicts).
+                labels = [IGNORE_INDEX, *labels[1:]]
+            self.ids.extend(ids)
+            self.labels.extend(labels)
+            self.positions.extend(range(take))
+            start += take
+            if self._used == s:
+                self.lengths.append(s)  # a long document continues in the next row
+        if self.mode == "none":
+            self._close_row()
+
+    def _close_row(self) -> None:
+        """Pad the open row (if any) to seq_len; a row of < 2 real tokens is dropped."""
+        used = self._used
+        if used == 0:
             return
-        s = self.seq_len
-        for start in range(0, len(ids), s):
-            chunk = ids[start : start + s]
-            if len(chunk) < 2:
-                continue  # nothing to predict in a 1-token row
-            self.flat.extend(chunk)
-            self.flat.extend([self.pad] * (s - len(chunk)))
-            self.lengths.append(len(chunk))
+        if used < 2:
+            del self.ids[-used:], self.labels[-used:], self.positions[-used:]
+            return
+        rest = self.seq_len - used
+        self.ids.extend([self.pad] * rest)
+        self.labels.extend([IGNORE_INDEX] * rest)
+        # Padding continues the last document's positions: a row holding one document
+        # keeps plain 0..s-1 positions (SDPA's is_causal fast path); pads carry no label
+        # and no real token attends to them (causal).
+        self.positions.extend(range(used, self.seq_len))
+        self.lengths.append(used)
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         s = self.seq_len
-        if self.packing:
-            total = len(self.flat)
-            full, rem = divmod(total, s)
+        if self.mode == "concat":
+            full, rem = divmod(len(self.ids), s)
             self.lengths.extend([s] * full)
             if rem >= 2:
-                self.flat.extend([self.pad] * (s - rem))
+                self.ids.extend([self.pad] * (s - rem))
+                self.labels.extend([IGNORE_INDEX] * (s - rem))
                 self.lengths.append(rem)
             else:
-                del self.flat[full * s :]
+                del self.ids[full * s :], self.labels[full * s :]
+            self.positions = array.array("i", list(range(s)) * len(self.lengths))
+        else:
+            self._close_row()
         rows = len(self.lengths)
-        flat = (
-            torch.frombuffer(self.flat, dtype=torch.int32)
-            if rows
-            else torch.empty(0, dtype=torch.int32)
+        return (
+            _tensor(self.ids, (rows, s)),
+            _tensor(self.labels, (rows, s)),
+            _tensor(self.positions, (rows, s)),
+            _tensor(self.lengths, (rows,)),
+            self.max_id,
         )
-        tokens = flat.clone().view(rows, s)  # clone: own the memory, not the array's
-        lengths = (
-            torch.frombuffer(self.lengths, dtype=torch.int32).clone()
-            if rows
-            else torch.empty(0, dtype=torch.int32)
-        )
-        return tokens, lengths, self.max_id
+
+
+def _tensor(buf: array.array, shape: tuple[int, ...]) -> torch.Tensor:
+    if not shape[0]:
+        return torch.empty(shape, dtype=torch.int32)
+    return torch.frombuffer(buf, dtype=torch.int32).clone().view(shape)  # own the memory
 
 
 # --------------------------------------------------------------------------- batches
@@ -480,9 +782,12 @@ class GlobalBatch:
     input_ids: torch.Tensor
     """int64 ``[G, seq_len]``."""
     labels: torch.Tensor
-    """int64 ``[G, seq_len]``: ``input_ids`` with padding set to IGNORE_INDEX (unshifted)."""
+    """int64 ``[G, seq_len]``: unshifted labels, -100 in padding and masked tokens."""
     microbatch_size: int
     """Rows per microbatch."""
+    position_ids: torch.Tensor | None = None
+    """int64 ``[G, seq_len]``: position ids (restarting per document with packing
+    ``documents``); ``None``: 0..seq_len-1 in every row."""
 
     @property
     def microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -490,6 +795,15 @@ class GlobalBatch:
         return list(
             zip(self.input_ids.split(self.microbatch_size), self.labels.split(self.microbatch_size))
         )
+
+    @property
+    def microbatch_position_ids(self) -> list[torch.Tensor]:
+        """``[position_ids]`` per microbatch, each ``[microbatch_size, seq_len]``."""
+        pos = self.position_ids
+        if pos is None:
+            seq = self.input_ids.shape[1]
+            pos = torch.arange(seq).expand(self.input_ids.shape[0], seq)
+        return list(pos.split(self.microbatch_size))
 
     @property
     def num_label_tokens(self) -> int:
@@ -595,6 +909,7 @@ class DataLoader:
             input_ids=input_ids,
             labels=labels,
             microbatch_size=self.microbatch_size,
+            position_ids=self.dataset.position_ids(index),
         )
 
     def next_batch(self) -> GlobalBatch:

@@ -67,7 +67,12 @@ __all__ = [
 ]
 
 ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
-DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text")
+DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
+DATA_PACKING = ("documents", "concat", "none")
+DATA_LOSS_ON = ("assistant", "all")
+DATA_OVERLONG = ("truncate", "refuse")
+_PACKING_ALIASES: dict[Any, str] = {True: "documents", False: "none"}
+DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
@@ -241,13 +246,29 @@ class DataSpec:
     """Training data and how it becomes fixed-length rows."""
 
     path: str | None = None
-    """Local data file (required): ``.jsonl`` of text or of token ids, or ``.txt``."""
+    """Local data (required): a ``.jsonl`` or ``.parquet`` file of records, a ``.txt``
+    file, or a folder saved by ``datasets`` (``save_to_disk``) or of Parquet / Arrow
+    shards."""
     format: str = "auto"
-    """One of ``DATA_FORMATS``. ``auto``: ``.txt``/``.text``/``.md`` is plain text;
-    ``.jsonl``/``.ndjson``/``.json`` is ``jsonl_tokens`` if its first record has
-    ``input_ids``, else ``jsonl_text``."""
+    """One of ``DATA_FORMATS``. ``auto``: ``.txt``/``.text``/``.md`` is plain text; for
+    records the first one decides: ``messages`` -> ``chat``, ``prompt`` + ``completion``
+    -> ``prompt_completion``, ``input_ids`` -> ``jsonl_tokens``, else ``jsonl_text``."""
     text_field: str = "text"
     """Field holding the document text in ``jsonl_text`` records."""
+    columns: dict[str, str] | None = None
+    """Other record field names, e.g. ``{messages: conversation}``; keys from
+    ``DATA_COLUMNS``, defaults the key itself."""
+    split: str = "train"
+    """The split of a saved ``DatasetDict`` to train on."""
+    loss_on: str = "assistant"
+    """``chat``: ``assistant`` trains on assistant turns only; ``prompt_completion``: on
+    the completion only; ``all``: every token. Other formats train on every token (or
+    on their ``labels``)."""
+    chat_template: str | None = None
+    """A Jinja chat template file, for a tokenizer without one (or to replace its own)."""
+    overlong: str = "truncate"
+    """A labelled record longer than ``seq_len``: ``truncate`` it (dropped if nothing
+    trained remains) or ``refuse`` the data."""
     tokenizer: str | None = None
     """Local tokenizer directory; ``None`` uses the model's (``model.tokenizer``, else
     ``model.path``)."""
@@ -257,13 +278,15 @@ class DataSpec:
     """Shuffle rows, with a fresh seeded order every epoch."""
     seed: int | None = None
     """Seed of the shuffle; ``None`` uses ``train.seed``."""
-    packing: bool = True
-    """Concatenate documents (EOS between them) into full rows; ``False``: each document
-    starts a new row and its last row is padded."""
+    packing: bool | str = True
+    """``documents`` (or ``true``): documents share rows but each attends only to itself,
+    with positions restarting per document; ``concat``: one stream, attention across
+    documents; ``none`` (or ``false``): each document starts a new row, padded."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", _abs_path(self.path))
         object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
+        object.__setattr__(self, "chat_template", _abs_path(self.chat_template))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -580,6 +603,11 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "seq_length": ("data.seq_len", ""),
     "cutoff_len": ("data.seq_len", ""),
     "dataset_text_field": ("data.text_field", ""),
+    "assistant_only_loss": ("data.loss_on", "assistant (true) or all (false)"),
+    "completion_only_loss": ("data.loss_on", "assistant (true: completion only) or all"),
+    "chat_template_path": ("data.chat_template", "a Jinja template file"),
+    "padding_free": ("data.packing", "documents: packed rows, no cross-document attention"),
+    "packing_strategy": ("data.packing", "documents (TRL's bfd) or concat (wrapped)"),
     "train_file": ("data.path", ""),
     "dataset": ("data.path", "a local file"),
     # LoRA (peft LoraConfig, LLaMA-Factory)
@@ -1041,6 +1069,8 @@ def _check_resume(e: _Errors, spec: JobSpec) -> None:
         )
     for key in ("seq_len", "packing", "shuffle"):
         before, now = old_value("data", key), getattr(spec.data, key)
+        if key == "packing":  # true and documents (false and none) are one setting
+            before, now = _PACKING_ALIASES.get(before, before), _PACKING_ALIASES.get(now, now)
         if before is not None and before != now:
             e.add(
                 f"data.{key}",
@@ -1091,7 +1121,26 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
         _check_int(e, "data.seed", d.seed, lo=0)
     _check_int(e, "data.seq_len", d.seq_len, lo=2)
     _check_bool(e, "data.shuffle", d.shuffle)
-    _check_bool(e, "data.packing", d.packing)
+    if not isinstance(d.packing, bool) and d.packing not in DATA_PACKING:
+        e.bad("data.packing", d.packing, "true or false, or one of " + ", ".join(DATA_PACKING))
+    _check_choice(e, "data.loss_on", d.loss_on, DATA_LOSS_ON)
+    _check_choice(e, "data.overlong", d.overlong, DATA_OVERLONG)
+    if not isinstance(d.split, str) or not d.split:
+        e.bad("data.split", d.split, "a split name, e.g. train")
+    columns_ok = d.columns is None or (
+        isinstance(d.columns, dict)
+        and all(k in DATA_COLUMNS and isinstance(v, str) and v for k, v in d.columns.items())
+    )
+    if not columns_ok:
+        e.bad(
+            "data.columns",
+            d.columns,
+            "a mapping from " + ", ".join(DATA_COLUMNS) + " to record field names",
+        )
+    if d.chat_template is not None and not (
+        isinstance(d.chat_template, str) and os.path.isfile(d.chat_template)
+    ):
+        e.add("data.chat_template", f"{d.chat_template!r} is not a file; expected a Jinja template")
     text_field_ok = isinstance(d.text_field, str) and d.text_field != ""
     if not text_field_ok:
         e.bad("data.text_field", d.text_field, "a non-empty field name")
@@ -1107,23 +1156,25 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
             )
     format_ok = _check_choice(e, "data.format", d.format, DATA_FORMATS)
     if d.path is None:
-        e.add("data.path", "missing; expected a path to a local .jsonl or .txt file")
+        e.add("data.path", "missing; expected a path to a local .jsonl, .parquet or .txt file")
         return
     if not isinstance(d.path, str) or not d.path:
-        e.bad("data.path", d.path, "a path to a local .jsonl or .txt file")
+        e.bad("data.path", d.path, "a path to a local .jsonl, .parquet or .txt file")
         return
     if not os.path.exists(d.path):
         e.add("data.path", f"data file {d.path!r} does not exist")
         return
-    if not os.path.isfile(d.path):
+    if not (os.path.isfile(d.path) or os.path.isdir(d.path)):
         e.add("data.path", f"{d.path!r} is not a regular file; expected a .jsonl or .txt file")
         return
-    if not (format_ok and text_field_ok):
+    if not (format_ok and text_field_ok and columns_ok):
         return  # format detection would only repeat those errors
-    from roundpipe.coordinator.data import DataError, resolve_format
+    from roundpipe.coordinator.data import DataError, columns_of, resolve_format
 
     try:
-        fmt = resolve_format(d.path, d.format, d.text_field)
+        fmt = resolve_format(
+            d.path, d.format, d.text_field, columns=columns_of(spec), split=d.split
+        )
     except DataError as exc:
         e.add("data.format" if d.format == "auto" else "data.path", str(exc))
         return

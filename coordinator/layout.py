@@ -14,7 +14,8 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
     dacts   per gradient boundary b, per parity, per microbatch: [rows, seq, hidden]
               gradient w.r.t. the hidden state entering layer b (compute dtype)
     io      per parity, per microbatch: input_ids [rows, seq] int64, labels [rows, seq]
-              int64, loss contribution [1] fp32
+              int64, position_ids [rows, seq] int64 (restarting per packed document),
+              loss contribution [1] fp32
     events  the event table (roundpipe.shared.events) at DATA_START
 
 Activation boundaries are the layers that start a forward stage, the tail or a backward
@@ -54,6 +55,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -62,6 +64,9 @@ from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator
 from roundpipe.shared.events import Counters, EventTable, table_nbytes
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
+
+if TYPE_CHECKING:
+    from roundpipe.coordinator.data import GlobalBatch
 
 __all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
 
@@ -88,6 +93,7 @@ class JobLayout:
     dact_slots: list[TensorRef]  # the dacts pool
     input_ids: dict[tuple[int, int], TensorRef]  # (parity, mb)
     labels: dict[tuple[int, int], TensorRef]
+    position_ids: dict[tuple[int, int], TensorRef]
     loss: dict[tuple[int, int], TensorRef]
     sizes: dict[str, int]
     arenas: dict[str, Arena] = field(default_factory=dict)
@@ -147,12 +153,13 @@ class JobLayout:
             allocs["dacts"].alloc(compute_dtype, hidden)
             for _ in range(dact_capacity * per_boundary)
         ]
-        input_ids, labels, loss = {}, {}, {}
+        input_ids, labels, position_ids, loss = {}, {}, {}, {}
         for parity in (0, 1):
             for mb in range(num_microbatches):
                 rows = (microbatch_rows, seq_len)
                 input_ids[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 labels[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
+                position_ids[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 loss[(parity, mb)] = allocs["io"].alloc(torch.float32, (1,))
         counters = Counters(model.num_layers, num_microbatches)
         sizes = {name: a.nbytes_needed for name, a in allocs.items()}
@@ -171,6 +178,7 @@ class JobLayout:
             dact_slots=dact_slots,
             input_ids=input_ids,
             labels=labels,
+            position_ids=position_ids,
             loss=loss,
             sizes=sizes,
         )
@@ -260,6 +268,15 @@ class JobLayout:
         for arena in self.arenas.values():
             arena.destroy()
         self.arenas.clear()
+
+    def write_batch(self, parity: int, batch: GlobalBatch) -> None:
+        """Copy ``batch``'s token ids, labels and position ids into the io slots of
+        ``parity`` (the caller then signals act[0][m])."""
+        positions = batch.microbatch_position_ids
+        for m, (ids, labels) in enumerate(batch.microbatches):
+            self.view(self.input_ids[(parity, m)]).copy_(ids)
+            self.view(self.labels[(parity, m)]).copy_(labels)
+            self.view(self.position_ids[(parity, m)]).copy_(positions[m])
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         return self.arenas[ref.arena].view(ref)

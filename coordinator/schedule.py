@@ -174,6 +174,7 @@ class ScheduleBuilder:
                     saved=[LayerTensorRef(layer=b, ref=self.layout.acts[(b, p, m)]) for b in inner],
                     waits=[self._wait(c.act(start, m), k)],
                     signals=signals,
+                    position_ids=self.layout.position_ids[(p, m)],
                 )
             )
         return StageTask(
@@ -191,7 +192,9 @@ class ScheduleBuilder:
         for m in range(self.layout.num_microbatches):
             waits = [self._wait(c.act(start, m), k)]
             if start != 0:
-                waits.append(self._wait(c.act(0, m), k))  # labels come with the batch
+                # Labels come with the batch. (Position ids do too, but every stage reads
+                # them after waiting for its input, which follows act[0] transitively.)
+                waits.append(self._wait(c.act(0, m), k))
             mbs.append(
                 MicrobatchIO(
                     index=m,
@@ -203,6 +206,7 @@ class ScheduleBuilder:
                     saved=[],
                     waits=waits,
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
+                    position_ids=self.layout.position_ids[(p, m)],
                 )
             )
         return StageTask(
@@ -227,6 +231,7 @@ class ScheduleBuilder:
                     saved=[],
                     waits=[self._wait(c.act(start, m), k), self._wait(c.dact(stop, m), k)],
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
+                    position_ids=self.layout.position_ids[(p, m)],
                 )
             )
         return StageTask(

@@ -605,9 +605,7 @@ class Trainer:
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
-                for m, (ids, labels) in enumerate(batch.microbatches):
-                    layout.view(layout.input_ids[(parity, m)]).copy_(ids)
-                    layout.view(layout.labels[(parity, m)]).copy_(labels)
+                layout.write_batch(parity, batch)
                 assert layout.events is not None
                 for m in range(layout.num_microbatches):
                     layout.events.signal(layout.counters.act(0, m), k)
@@ -963,7 +961,13 @@ class Trainer:
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
             from roundpipe.coordinator.data import load_tokenizer
 
-            load_tokenizer(tokenizer_dir).save_pretrained(str(directory))
+            tokenizer = load_tokenizer(tokenizer_dir)
+            if self.spec.data.chat_template is not None:
+                # The exported model chats with the template it was trained on.
+                from roundpipe.coordinator.instruct import load_chat_template
+
+                load_chat_template(tokenizer, self.spec.data.chat_template)
+            tokenizer.save_pretrained(str(directory))
 
     def _write_base_model(self, base_model, base_dir: Path) -> None:
         tmp = base_dir.parent / f".tmp-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"

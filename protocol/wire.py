@@ -239,7 +239,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 9
+PROTOCOL_VERSION: int = 10
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1405,6 +1405,10 @@ class MicrobatchIO(Struct):
     waits: list[EventWait]
     #: counters to store once this microbatch's outputs are written
     signals: list[EventSignal]
+    #: position ids [rows, seq] int64 of the microbatch (restarting at every packed
+    #: document: the model's rotary positions and its block-diagonal causal mask);
+    #: None: 0..seq-1 in every row. Written with the batch, like the token ids.
+    position_ids: TensorRef | None = None
 
     def _check(self) -> None:
         if self.loss is not None and self.loss.dtype != "float32":

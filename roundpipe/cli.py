@@ -459,14 +459,28 @@ def _follow_log(path: Path, handle: JobHandle, *, poll_s: float) -> int:
             f.close()
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from roundpipe.demo import run_demo
+def _cmd_data_help(args: argparse.Namespace) -> int:
+    print(f"{PROG} data: name a command: inspect SPEC.yaml (see `{PROG} data -h`)", file=sys.stderr)
+    return 2
 
+
+def _cmd_data_inspect(args: argparse.Namespace) -> int:
+    from roundpipe.inspect_data import inspect_data
+
+    return inspect_data(args.spec, row=args.row)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from roundpipe.demo import CHAT_DEMO_SPEC_PATH, run_demo
+
+    if args.chat and args.spec is not None:
+        print(f"{PROG} demo: error: --chat and --spec exclude each other", file=sys.stderr)
+        return 2
     return run_demo(
         num_workers=args.workers,
         steps=args.steps,
         output_dir=args.output,
-        spec_path=args.spec,
+        spec_path=CHAT_DEMO_SPEC_PATH if args.chat else args.spec,
         timeout_s=args.timeout_s,
         cpu=args.cpu,
     )
@@ -600,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of workers (default: one per CUDA GPU, else 2 CPU workers)",
     )
     p.add_argument("--cpu", action="store_true", help="use CPU workers even if CUDA is there")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="fine-tune on the bundled conversations instead, with the loss on the "
+        "assistant's turns only (roundpipe/demo_data/demo_chat_job.yaml)",
+    )
     p.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="optimizer steps")
     p.add_argument(
         "--output",
@@ -616,6 +636,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="give up if the demo job has not ended after this many seconds",
     )
+    p = add("data", _cmd_data_help, "look at a job's training data (see `roundpipe data -h`)")
+    data_sub = p.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
+    p = data_sub.add_parser(
+        "inspect",
+        help="count a job's rows, tokens and trained tokens; show one row with the trained "
+        "tokens marked",
+        description="Build the job's rows as the coordinator will and print how many "
+        "documents, rows, tokens and trained tokens they hold, then one rendered row with "
+        "every trained token in [[...]] and | where a packed document starts.",
+    )
+    p.add_argument("spec", metavar="SPEC.yaml", help="job spec file (see docs/job-spec.md)")
+    p.add_argument("--row", type=int, default=0, metavar="N", help="the row to show (default 0)")
+    p.set_defaults(func=_cmd_data_inspect)
+
     from roundpipe.coordinator.planner import build_plan_parser
 
     p = add(

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_OUTPUT_DIR",
     "DEFAULT_STARTUP_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
+    "CHAT_DEMO_SPEC_PATH",
     "DEMO_SPEC_PATH",
     "DemoError",
     "demo_spec",
@@ -45,6 +46,9 @@ __all__ = [
 
 DEMO_SPEC_PATH = Path(__file__).parent / "demo_data" / "demo_job.yaml"
 """The bundled demo job."""
+
+CHAT_DEMO_SPEC_PATH = Path(__file__).parent / "demo_data" / "demo_chat_job.yaml"
+"""The bundled chat demo job (``roundpipe demo --chat``): assistant-only loss."""
 
 DEFAULT_OUTPUT_DIR = "roundpipe-demo-output"
 """Where the demo's model goes, relative to the current directory."""

@@ -134,8 +134,10 @@ def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
         grad_model.zero_grad(set_to_none=True)
         batch = loader.batch_for_step(k)
         total = batch.num_label_tokens
-        for ids, labels in batch.microbatches:
-            out = grad_model(input_ids=ids, labels=labels)
+        for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
+            # Position ids restart per packed document: transformers then masks
+            # attention block-diagonally, as the runtime does.
+            out = grad_model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False)
             (out.loss * (count_label_tokens(labels) / total)).backward()
         grad_params = dict(grad_model.named_parameters())
         for n, p in trainable.items():
@@ -266,9 +268,8 @@ def first_iteration(
     trainer.prepare(1)
     layout = trainer.layout
     batch = trainer.loader.batch_for_step(1)
-    for m, (ids, labels) in enumerate(batch.microbatches):
-        layout.view(layout.input_ids[(1, m)]).copy_(ids)
-        layout.view(layout.labels[(1, m)]).copy_(labels)
+    layout.write_batch(1, batch)
+    for m in range(layout.num_microbatches):
         layout.events.signal(layout.counters.act(0, m), 1)
     return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)
 

@@ -43,24 +43,41 @@ def test_model_flops_match_the_published_parameter_counts(tmp_path: Path) -> Non
     assert 7.4e9 < frozen < 7.6e9  # 8.03B minus the 0.53B input embedding
 
 
-@pytest.mark.slow
-def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
-    """`gpu_throughput.py --smoke`: the runtime with 1 and 2 CPU workers and the plain loop
-    report tokens/s; the paper's library (CUDA only) is skipped with a reason."""
+def _smoke(script: str) -> str:
+    """stdout of ``benchmarks/SCRIPT --smoke``, which must exit 0."""
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--smoke"],
+        [sys.executable, str(BENCHMARKS / script), "--smoke"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {
-        line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("tiny ")
-    }
-    assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
+    """`gpu_throughput.py --smoke`: the runtime with 1 and 2 CPU workers and the plain loop
+    report tokens/s; the paper's library (CUDA only) is skipped with a reason."""
+    stdout = _smoke("gpu_throughput.py")
+    rows = {line.split()[1]: line for line in stdout.splitlines() if line.startswith("tiny ")}
+    assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, stdout
     for system in ("runtime-1w", "runtime-2w", "plain"):
         assert float(rows[system].split()[2]) > 0, rows[system]
     assert "plan F[" in rows["runtime-2w"]
     assert "skipped: needs CUDA" in rows["paper"]
-    last = result.stdout.strip().splitlines()[-1]
+    last = stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT vs_paper=nan mfu=\d+\.\d{3}", last), last
+
+
+@pytest.mark.slow
+def test_packing_benchmark_smoke() -> None:
+    """`packing.py --smoke`: three modes on the same conversations; documents packing
+    gives the unpacked loss in fewer rows."""
+    out = _smoke("packing.py")
+    table = [line.split() for line in out.splitlines()]
+    rows = {f[0]: f for f in table if len(f) == 7 and f[1].isdigit()}
+    assert set(rows) == {"none", "documents", "concat"}, out
+    assert int(rows["documents"][1]) < int(rows["none"][1])
+    assert "documents loss equals none: True" in out
+    assert re.search(r"^RESULT documents_over_none_step_time=[0-9.]+$", out.splitlines()[-1])

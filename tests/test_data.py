@@ -292,5 +292,32 @@ def test_demo_data_is_what_the_generator_makes(tmp_path: Path) -> None:
         "demo_corpus.jsonl",
         "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json",
+        "demo_chat.jsonl",
+        "chat_tokenizer/tokenizer.json",
+        "chat_tokenizer/tokenizer_config.json",
     ]:
         assert filecmp.cmp(tmp_path / name, DEMO_DIR / name, shallow=False), name
+
+
+def test_packing_modes_positions_and_labels(tmp_path: Path) -> None:
+    """documents: positions restart per document (and per row), the first label of each
+    later document is dropped; concat: the old stream, plain positions, every label."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "ab"}, {"text": "cde"}, {"text": "fghi"}])
+    a, b, c, d, e, f_, g, h, i = (ord(x) for x in "abcdefghi")
+    docs = build_dataset(f, seq_len=6, tokenizer=CharTokenizer(), packing="documents")
+    assert rows_of(docs) == [[a, b, EOS, c, d, e], [EOS, f_, g, h, i, EOS]]
+    assert docs.positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 4]]
+    assert docs.labels.tolist() == [
+        [a, b, EOS, IGNORE_INDEX, d, e],
+        [EOS, IGNORE_INDEX, g, h, i, EOS],
+    ]
+    concat = build_dataset(f, seq_len=6, tokenizer=CharTokenizer(), packing="concat")
+    assert torch.equal(concat.tokens, docs.tokens)
+    assert concat.positions.tolist() == [list(range(6))] * 2
+    assert torch.equal(concat.labels, concat.tokens)
+    assert concat.fingerprint != docs.fingerprint
+    loader = DataLoader(docs, microbatch_size=1, num_microbatches=2, shuffle=False)
+    batch = loader.batch_for_step(1)
+    assert torch.equal(torch.cat(batch.microbatch_position_ids), docs.positions.long())
+    # Masked labels never count in the loss normaliser.
+    assert batch.num_label_tokens == 8 == docs.num_trained_tokens

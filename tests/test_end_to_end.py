@@ -220,20 +220,10 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     assert logs.returncode == 0 and "step 3 loss" in logs.stdout
 
 
-def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
-    """`roundpipe demo`: its own daemons, the shipped dataset, a falling loss, exit 0."""
+def _assert_demo_loss_falls(args: list[str]) -> None:
+    """`roundpipe demo --cpu --workers 2 ARGS` exits 0 and its loss falls by more than 1."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "roundpipe.cli",
-            "demo",
-            "--cpu",
-            "--workers",
-            "2",
-            "--output",
-            str(tmp_path / "demo"),
-        ],
+        [sys.executable, "-m", "roundpipe.cli", "demo", "--cpu", "--workers", "2", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -241,14 +231,30 @@ def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [
         float(line.split("loss ")[1].split()[0])
-        for line in result.stderr.splitlines()
+        for line in result.stderr.replace("\r", "\n").splitlines()
         if line.startswith("step ")
     ]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 1.0, losses
+
+
+def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:
+    """`roundpipe demo`: its own daemons, the shipped dataset, a falling loss, exit 0."""
+    _assert_demo_loss_falls(["--output", str(tmp_path / "demo")])
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "demo"))
     assert model.config.model_type == "qwen3"
+
+
+def test_chat_demo_trains_on_assistant_turns(tmp_path: Path) -> None:
+    """`roundpipe demo --chat`: the bundled conversations, assistant-only loss, packed
+    conversations kept apart, through real daemons; the loss falls and the exported
+    tokenizer keeps its chat template."""
+    _assert_demo_loss_falls(["--chat", "--steps", "20", "--output", str(tmp_path / "chat")])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "chat"), local_files_only=True)
+    assert "generation" in tok.chat_template  # the template with its assistant markers
 
 
 def test_emulated_bus_workers_match_cpu_workers_bitwise(

@@ -46,14 +46,20 @@ def run_runtime(spec: JobSpec, arena_dir: Path) -> tuple[list[float], dict[str, 
 
 
 class _Rows(torch.utils.data.Dataset):
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        self.input_ids, self.labels = input_ids, labels
+    def __init__(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor
+    ) -> None:
+        self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
+        return {
+            "input_ids": self.input_ids[i],
+            "labels": self.labels[i],
+            "position_ids": self.position_ids[i],  # restart per packed document
+        }
 
 
 def run_hf_trainer(spec: JobSpec, output_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -63,9 +69,15 @@ def run_hf_trainer(spec: JobSpec, output_dir: Path) -> tuple[list[float], dict[s
 
     layered = LayeredModel(model_config_from_spec(spec.model))
     model = layered.hf_model(spec.init_seed)  # the runtime's initial weights
+    # No KV cache: with one, transformers skips its packed-document mask (position ids).
+    model.config.use_cache = False
     loader = DataLoader.from_spec(spec, build_dataset_from_spec(spec))
     batches = [loader.batch_for_step(k) for k in range(1, spec.train.steps + 1)]
-    rows = _Rows(torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches]))
+    rows = _Rows(
+        torch.cat([b.input_ids for b in batches]),
+        torch.cat([b.labels for b in batches]),
+        torch.cat([torch.cat(b.microbatch_position_ids) for b in batches]),
+    )
     o = spec.optimizer
     args = TrainingArguments(
         output_dir=str(output_dir),

@@ -250,6 +250,8 @@ def assert_resume_refused_at_validation(good: dict, tmp_path: Path) -> None:
     assert "set data.seed: 7" in errs["data.seed"]
     errs = problems(lora=LORA)
     assert "holds a fully fine-tuned model" in errs["model.resume_from"]
+    assert problems(data={"packing": "documents"}) == {}  # the same as true
+    assert "trained with 'documents'" in problems(data={"packing": "concat"})["data.packing"]
 
     bad = copy.deepcopy(good)
     bad["batch"]["num_microbatches"] = 4

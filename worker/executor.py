@@ -28,6 +28,17 @@ Note [global loss normalisation]
     over microbatches this is HF's mean loss of the full batch, and gradients equal one
     full-batch step.
 
+Note [packed documents]
+    Each microbatch may come with position ids ``[rows, seq]`` (None: 0..seq-1). They
+    restart at 0 where a packed document starts (roundpipe.coordinator.data), and every
+    decoder layer gets them twice: as rotary positions, so a document's positions are
+    those it would have alone, and through transformers' ``create_causal_mask``, whose
+    packed-sequence detection (a position that does not follow its predecessor starts a
+    new sequence) turns them into a block-diagonal causal mask for the model's own
+    attention implementation (SDPA, eager, flash). Together a document's hidden states
+    equal those of the same document alone in a row, so a packed run equals the
+    unpacked one. Plain 0..seq-1 positions give no mask at all (SDPA's is_causal).
+
 Note [chunked LM head]
     The LM head and cross-entropy run over chunks of (label-carrying) tokens: the chunk's
     logits are computed, reduced to its loss, turned in place into d(loss)/d(logits), and
@@ -165,12 +176,23 @@ class _Bound:
 
 
 class _StageContext:
-    """Positions, rotary tables and masks for one microbatch shape, built on first use."""
+    """Positions, rotary tables and masks of one microbatch, built on first use.
+    Note [packed documents]."""
 
-    def __init__(self, executor: StageExecutor, h: torch.Tensor) -> None:
+    def __init__(
+        self, executor: StageExecutor, h: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> None:
         ex = executor
-        seq = h.shape[1]
-        self.position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+        rows, seq = h.shape[0], h.shape[1]
+        if position_ids is None:
+            self.position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
+        else:
+            if tuple(position_ids.shape) != (rows, seq):
+                raise ValueError(
+                    f"position_ids {tuple(position_ids.shape)} do not match the microbatch "
+                    f"[{rows}, {seq}]"
+                )
+            self.position_ids = position_ids.to(h.device, torch.int64, non_blocking=True)
         self.position_embeddings = ex._rotary(h, self.position_ids)
         self._h = h
         self._ex = ex
@@ -185,7 +207,8 @@ class _StageContext:
 
             fn = create_sliding_window_causal_mask if kind == "sliding" else create_causal_mask
             # No padding mask: rows are packed / right-padded and causal, so pads never
-            # reach real tokens; with SDPA this yields None (is_causal), exactly as HF.
+            # reach real tokens; with SDPA and plain positions this yields None
+            # (is_causal), exactly as HF. Packed documents: Note [packed documents].
             self._masks[kind] = fn(
                 config=self._ex.model.config,
                 inputs_embeds=self._h,
@@ -246,6 +269,7 @@ class StageExecutor:
         save_layers: Sequence[int] | frozenset[int] | set[int] = (),
         *,
         rng: RngKey = RngKey(),
+        position_ids: Sequence[torch.Tensor | None] | None = None,
         on_output: Callable[[int, torch.Tensor], None] | None = None,
         on_saved: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> ForwardResult:
@@ -255,6 +279,7 @@ class StageExecutor:
         ``[rows, seq, hidden]`` in the compute dtype. The input of each layer of the range
         that is in ``save_layers`` is kept. With ``on_output(m, t)`` / ``on_saved(layer,
         m, t)`` tensors are handed over as soon as they exist instead of being returned.
+        ``position_ids[m]`` are microbatch m's position ids (Note [packed documents]).
         """
         self._check_range(start, stop, tail=False)
         keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
@@ -270,7 +295,7 @@ class StageExecutor:
                             on_saved(layer, m, x)
                         else:
                             result.saved[layer].append(x)
-                    x, ctx = self._run_layer(layer, x, bound, ctx, rng, m)
+                    x, ctx = self._run_layer(layer, x, bound, ctx, rng, m, position_ids)
                 if on_output is not None:
                     on_output(m, x)
                 else:
@@ -288,6 +313,7 @@ class StageExecutor:
         grad_outputs: Sequence[torch.Tensor],
         *,
         rng: RngKey = RngKey(),
+        position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
@@ -319,7 +345,7 @@ class StageExecutor:
                 out = x
                 ctx: _StageContext | None = None
                 for layer in range(start, stop):
-                    out, ctx = self._run_layer(layer, out, bound, ctx, rng, m)
+                    out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, position_ids)
                 gx = self._backprop(out, g, x if start > 0 else None, bound, acc)
                 _emit(grad_inputs, on_grad_input, m, gx)
                 del out, ctx
@@ -335,6 +361,7 @@ class StageExecutor:
         num_label_tokens: int,
         *,
         rng: RngKey = RngKey(),
+        position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
@@ -371,7 +398,7 @@ class StageExecutor:
                 h = x
                 ctx: _StageContext | None = None
                 for layer in range(start, norm_layer):
-                    h, ctx = self._run_layer(layer, h, bound, ctx, rng, m)
+                    h, ctx = self._run_layer(layer, h, bound, ctx, rng, m, position_ids)
                 watch = self.stopwatch
                 if watch is not None:  # norm + chunked head and loss (forward and backward)
                     watch.start(norm_layer)
@@ -512,14 +539,15 @@ class StageExecutor:
         ctx: _StageContext | None,
         rng: RngKey,
         m: int,
+        positions: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, _StageContext | None]:
         if self.before_layer is not None:
             self.before_layer()
         watch = self.stopwatch
         if watch is None:
-            return self._compute_layer(layer, x, bound, ctx, rng, m)
+            return self._compute_layer(layer, x, bound, ctx, rng, m, positions)
         watch.start(layer)
-        out = self._compute_layer(layer, x, bound, ctx, rng, m)
+        out = self._compute_layer(layer, x, bound, ctx, rng, m, positions)
         watch.stop(layer)
         return out
 
@@ -531,6 +559,7 @@ class StageExecutor:
         ctx: _StageContext | None,
         rng: RngKey,
         m: int,
+        positions: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, _StageContext | None]:
         self._seed(rng, layer, m)
         model = self.model
@@ -539,7 +568,7 @@ class StageExecutor:
             mod, _ = model.embed_part()
             return functional_call(mod, params, (x,)), ctx
         if ctx is None:
-            ctx = _StageContext(self, x)
+            ctx = _StageContext(self, x, None if positions is None else positions[m])
         mod, _ = model.decoder_part(layer)
         out = functional_call(
             mod,
@@ -727,6 +756,7 @@ def run_iteration(
     executor: StageExecutor,
     *,
     rng: RngKey = RngKey(),
+    position_ids: Sequence[torch.Tensor] | None = None,
 ) -> IterationResult:
     """Reference driver: one iteration's F stages, T, then B stages, in order.
 
@@ -734,6 +764,7 @@ def run_iteration(
     inputs (plus the hidden states handed to the next stage), backward stages start from
     those, and each task gets only its range's weights (cast to the compute dtype, as the
     params arena holds them). Tied gradients are summed into their owner.
+    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]).
     """
     plan.validate(model.num_layers)
     if not microbatches:
@@ -748,7 +779,9 @@ def run_iteration(
     acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
     x: list[torch.Tensor] = ids
     for a, b in plan.forward:
-        res = executor.forward(a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng)
+        res = executor.forward(
+            a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng, position_ids=position_ids
+        )
         acts.update(res.saved)
         x = res.outputs
     grads: dict[str, torch.Tensor] = {}
@@ -760,13 +793,24 @@ def run_iteration(
             grads[n] = g
 
     t0, t1 = plan.tail
-    tail = executor.tail(t0, t1, model.range_weights(cast, t0, t1), x, labels, num_tokens, rng=rng)
+    tail = executor.tail(
+        t0,
+        t1,
+        model.range_weights(cast, t0, t1),
+        x,
+        labels,
+        num_tokens,
+        rng=rng,
+        position_ids=position_ids,
+    )
     collect(tail.weight_grads)
     dx = tail.grad_inputs
     for a, b in plan.backward:
         saved = ids if a == 0 else acts[a]
         assert dx is not None
-        res = executor.backward(a, b, model.range_weights(cast, a, b), saved, dx, rng=rng)
+        res = executor.backward(
+            a, b, model.range_weights(cast, a, b), saved, dx, rng=rng, position_ids=position_ids
+        )
         collect(res.weight_grads)
         dx = res.grad_inputs
     for tied, owner in model.tied_params.items():

@@ -338,6 +338,7 @@ class WorkerCore:
                 feed.inputs(),
                 save,
                 rng=rng,
+                position_ids=feed.position_ids(),
                 on_output=feed.write_output,
                 on_saved=feed.write_saved,
             )
@@ -350,6 +351,7 @@ class WorkerCore:
                 feed.inputs(),
                 feed.grad_outputs(),
                 rng=rng,
+                position_ids=feed.position_ids(),
                 on_grad_input=feed.write_output,
             )
             feed.write_grad_inputs(result.grad_inputs)
@@ -363,6 +365,7 @@ class WorkerCore:
                 feed.labels(),
                 task.loss_denominator,
                 rng=rng,
+                position_ids=feed.position_ids(),
                 on_grad_input=feed.write_output,
             )
             feed.write_grad_inputs(result.grad_inputs)
@@ -658,10 +661,11 @@ class _LazyInputs(Sequence):
         return self._feed.fetch(self._what, m)
 
 
-_PICK: dict[str, Callable[[MicrobatchIO], TensorRef]] = {
+_PICK: dict[str, Callable[[MicrobatchIO], TensorRef | None]] = {
     "input": lambda mb: mb.input,
     "grad_output": lambda mb: mb.grad_output,
     "labels": lambda mb: mb.labels,
+    "position_ids": lambda mb: mb.position_ids,
 }
 
 
@@ -703,7 +707,9 @@ class _MicrobatchFeed:
 
     def _upload(self, what: str, m: int) -> Upload:
         mb = self.task.microbatches[m]
-        view = self.state.view(_PICK[what](mb))
+        ref = _PICK[what](mb)
+        assert ref is not None, what
+        view = self.state.view(ref)
         if what == "labels":
             # Label positions are found on the host: the device never syncs for them.
             shifted, positions = tail_labels(view)
@@ -750,6 +756,12 @@ class _MicrobatchFeed:
 
     def labels(self) -> _LazyInputs:
         return _LazyInputs(self, "labels")
+
+    def position_ids(self) -> _LazyInputs | None:
+        """Fetched only when a decoder layer needs them (Note [packed documents])."""
+        if any(mb.position_ids is None for mb in self.task.microbatches):
+            return None
+        return _LazyInputs(self, "position_ids")
 
     # -- out --------------------------------------------------------------------------
 

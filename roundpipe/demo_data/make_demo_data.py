@@ -15,6 +15,16 @@ Outputs, next to this file:
                              PreTrainedTokenizerFast settings: eos ``<|endoftext|>``,
                              pad ``<|pad|>``; loads with
                              ``AutoTokenizer.from_pretrained(dir, local_files_only=True)``
+    demo_chat.jsonl          ``NUM_CONVERSATIONS`` conversations, {"messages": [...]}
+                             per line: questions about the corpus' facts, one to three
+                             turns, some with a system message (``roundpipe demo --chat``)
+    chat_tokenizer/          the same BPE plus ``<|im_start|>`` / ``<|im_end|>`` (vocabulary
+                             ``CHAT_VOCAB_SIZE``) and a ChatML-style chat template with
+                             ``{% generation %}`` markers (assistant-only loss); eos
+                             ``<|im_end|>``
+
+``chat_template.jinja`` (a template for the plain demo tokenizer, ``data.chat_template``)
+is written by hand, like the job specs.
 
 The output is deterministic: a fixed seed drives every random choice, and the BPE
 trainer is deterministic for a fixed input. Run from anywhere:
@@ -31,14 +41,46 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NUM_DOCUMENTS", "SEED", "VOCAB_SIZE", "generate_documents", "main", "train_tokenizer"]
+__all__ = [
+    "CHAT_VOCAB_SIZE",
+    "NUM_CONVERSATIONS",
+    "NUM_DOCUMENTS",
+    "SEED",
+    "VOCAB_SIZE",
+    "generate_conversations",
+    "generate_documents",
+    "main",
+    "make_chat_tokenizer",
+    "train_tokenizer",
+]
 
 SEED = 20260101
 NUM_DOCUMENTS = 1600
 VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+NUM_CONVERSATIONS = 400
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+CHAT_VOCAB_SIZE = VOCAB_SIZE + 2
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role not in ('system', 'user', 'assistant') %}"
+    "{{- raise_exception('role ' ~ message.role ~ ' is not one of system, user, assistant') }}"
+    "{%- endif %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message.content ~ '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML-style: each turn is ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``; the assistant's
+content and its ``<|im_end|>`` are the generation (the trained tokens)."""
 
 NUMBERS = [
     "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
@@ -140,6 +182,53 @@ def _animals(rng: random.Random) -> list[str]:
 TOPICS = [_counting, _arithmetic, _days, _months, _colours, _animals]
 
 
+def _question(rng: random.Random) -> tuple[str, str]:
+    """One (question, answer) pair about the corpus' facts."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        a, b = rng.randrange(0, 11), rng.randrange(0, 11)
+        return f"What is {NUMBERS[a]} plus {NUMBERS[b]}?", _cap(
+            f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}."
+        )
+    if kind == 1:
+        i = rng.randrange(7)
+        return (
+            f"What day comes after {DAYS[i]}?",
+            f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}.",
+        )
+    if kind == 2:
+        i = rng.randrange(12)
+        return f"What comes after {MONTHS[i]}?", f"After {MONTHS[i]} comes {MONTHS[(i + 1) % 12]}."
+    if kind == 3:
+        (a, b), c = rng.choice(list(MIXES.items()))
+        return f"What do {a} and {b} make?", f"Mixing {a} and {b} gives {c}."
+    name = rng.choice(sorted(ANIMALS))
+    legs, sound = ANIMALS[name]
+    if kind == 4:
+        article = "An" if name[0] in "aeiou" else "A"
+        return f"How many legs does a {name} have?", f"{article} {name} has {NUMBERS[legs]} legs."
+    return f"What does the {name} say?", f"The {name} says {sound}."
+
+
+def generate_conversations(
+    num_conversations: int = NUM_CONVERSATIONS, seed: int = SEED
+) -> list[list[dict[str, str]]]:
+    """``num_conversations`` chats of one to three question/answer turns, a third of them
+    opening with a system message; identical for identical arguments."""
+    rng = random.Random(f"{seed}:chat")
+    chats = []
+    for _ in range(num_conversations):
+        messages = []
+        if rng.random() < 1 / 3:
+            messages.append({"role": "system", "content": "You answer in one short sentence."})
+        for _ in range(rng.randrange(1, 4)):
+            question, answer = _question(rng)
+            messages.append({"role": "user", "content": question})
+            messages.append({"role": "assistant", "content": answer})
+        chats.append(messages)
+    return chats
+
+
 def generate_documents(num_documents: int = NUM_DOCUMENTS, seed: int = SEED) -> list[str]:
     """Return ``num_documents`` short paragraphs, identical for identical arguments."""
     rng = random.Random(seed)
@@ -173,6 +262,10 @@ def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE
         raise RuntimeError(
             f"trained vocabulary has {tok.get_vocab_size()} entries, not {vocab_size}"
         )
+    _save(tok, out_dir, eos_token=EOS_TOKEN)
+
+
+def _save(tok: Any, out_dir: Path, **settings: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     # Written by hand rather than by transformers' save_pretrained so that the file does
@@ -180,14 +273,26 @@ def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE
     # 5.x resolve (5.x maps it onto its tokenizers backend).
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
+        "eos_token": settings.pop("eos_token"),
         "pad_token": PAD_TOKEN,
         "model_max_length": 1024,
         "clean_up_tokenization_spaces": False,
+        **settings,
     }
     with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+
+def make_chat_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
+    """The demo BPE plus the two turn markers and ``CHAT_TEMPLATE``, in ``out_dir``."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (TURN_START, TURN_END)])
+    if tok.get_vocab_size() != CHAT_VOCAB_SIZE:
+        raise RuntimeError(f"chat vocabulary has {tok.get_vocab_size()} entries")
+    _save(tok, out_dir, eos_token=TURN_END, chat_template=CHAT_TEMPLATE)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,7 +305,15 @@ def main(argv: list[str] | None = None) -> None:
         for doc in docs:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     train_tokenizer(docs, args.out / "tokenizer")
-    print(f"wrote {len(docs)} documents and a {VOCAB_SIZE}-token tokenizer to {args.out}")
+    chats = generate_conversations()
+    with open(args.out / "demo_chat.jsonl", "w", encoding="utf-8", newline="\n") as f:
+        for messages in chats:
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    make_chat_tokenizer(args.out / "tokenizer", args.out / "chat_tokenizer")
+    print(
+        f"wrote {len(docs)} documents, a {VOCAB_SIZE}-token tokenizer, {len(chats)} "
+        f"conversations and a {CHAT_VOCAB_SIZE}-token chat tokenizer to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""Instruction records -> token ids and labels, with the loss only where the model speaks.
+
+Two record shapes (``data.format``):
+
+* ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the
+  tokenizer's chat template (``apply_chat_template``; ``data.chat_template`` supplies one
+  when the tokenizer has none). With ``loss_on: assistant`` only assistant turns carry
+  labels. A template with ``{% generation %}`` markers gives the mask directly
+  (``return_assistant_tokens_mask=True``, exactly transformers' mask); for one without,
+  the mask is found by rendering the conversation turn by turn: the tokens an assistant
+  message adds after the rendered history with its generation prompt are the turn's.
+* ``prompt_completion``: ``{"prompt": ..., "completion": ...}``, both strings or both
+  message lists. Strings: ``tokenizer(prompt)`` then ``completion`` without special
+  tokens, then EOS; messages: the prompt rendered with its generation prompt, then the
+  rest of ``prompt + completion``. With ``loss_on: assistant`` the labels cover the
+  completion only.
+
+Labels are unshifted (the Hugging Face convention): ``labels[t] = ids[t]`` where trained,
+``IGNORE_INDEX`` elsewhere. Every problem raises InstructError naming the record's file
+and line (or row) and what to change.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LOSS_ON",
+    "InstructError",
+    "has_generation_markers",
+    "load_chat_template",
+    "render_chat",
+    "render_prompt_completion",
+]
+
+IGNORE_INDEX = -100
+LOSS_ON = ("assistant", "all")
+_GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class InstructError(ValueError):
+    """An instruction record cannot be rendered; the message names where and the fix."""
+
+
+def has_generation_markers(template: str | dict[str, str] | None) -> bool:
+    """Whether the template (or the default of a tokenizer's named templates) marks the
+    assistant's tokens with ``{% generation %}``."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    return isinstance(template, str) and _GENERATION_RE.search(template) is not None
+
+
+def load_chat_template(tokenizer: Any, path: str | None) -> None:
+    """Give ``tokenizer`` the template in file ``path`` (if any); InstructError if it
+    ends up with none."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tokenizer.chat_template = f.read()
+        except OSError as exc:
+            raise InstructError(f"cannot read chat template {path}: {exc.strerror}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise InstructError(
+            f"{name} has no chat template; set data.chat_template to a Jinja template file "
+            "(roundpipe/demo_data/chat_template.jinja is one)"
+        )
+
+
+def _check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise InstructError(
+            f"{where}: {field!r} must be a non-empty list of {{'role', 'content'}} messages, "
+            f"got {type(messages).__name__}"
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InstructError(
+                f"{where}: {field}[{i}] must be an object with a string 'role' (and "
+                f"'content'), got {m!r:.80}"
+            )
+        if "content" not in m:
+            raise InstructError(f"{where}: {field}[{i}] ({m['role']}) has no 'content'")
+    return messages
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str, **kw: Any) -> Any:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+    except Exception as exc:  # jinja2's TemplateError (raise_exception), TypeError, ...
+        roles = ", ".join(sorted({str(m.get("role")) for m in messages}))
+        raise InstructError(
+            f"{where}: the chat template rejects this conversation (roles: {roles}): "
+            f"{' '.join(str(exc).split())}; fix the record or use a template that accepts it"
+        ) from None
+
+
+def _ids(enc: Any) -> list[int]:
+    return [int(t) for t in enc["input_ids"]]
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Any,
+    where: str,
+    *,
+    loss_on: str = "assistant",
+    field: str = "messages",
+) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of one conversation. Note the module docstring for the mask."""
+    messages = _check_messages(messages, where, field)
+    if loss_on == "all":
+        ids = _ids(_render(tokenizer, messages, where))
+        return ids, list(ids)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise InstructError(
+            f"{where}: the conversation has no assistant turn, so nothing would be trained "
+            "(with data.loss_on: assistant); add one, drop the record, or set data.loss_on: all"
+        )
+    if has_generation_markers(tokenizer.chat_template):
+        enc = _render(tokenizer, messages, where, return_assistant_tokens_mask=True)
+        ids = _ids(enc)
+        mask = enc["assistant_masks"]
+    else:
+        ids, mask = _turn_by_turn_mask(tokenizer, messages, where)
+    labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    if all(y == IGNORE_INDEX for y in labels):
+        raise InstructError(
+            f"{where}: the chat template renders no assistant tokens (empty assistant "
+            "content?); fix the record or set data.loss_on: all"
+        )
+    return ids, labels
+
+
+def _turn_by_turn_mask(
+    tokenizer: Any, messages: list[dict[str, Any]], where: str
+) -> tuple[list[int], list[int]]:
+    ids = _ids(_render(tokenizer, messages, where))
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _ids(_render(tokenizer, messages[:i], where, add_generation_prompt=True))
+        upto = _ids(_render(tokenizer, messages[: i + 1], where))
+        if upto[: len(before)] != before or ids[: len(upto)] != upto:
+            raise InstructError(
+                f"{where}: the chat template does not render this conversation turn by "
+                "turn (an earlier turn changes once later ones follow), so the assistant "
+                "tokens cannot be found; use a template with {% generation %} markers "
+                "(data.chat_template) or data.loss_on: all"
+            )
+        for t in range(len(before), len(upto)):
+            mask[t] = 1
+    return ids, mask
+
+
+def render_prompt_completion(
+    tokenizer: Any,
+    prompt: Any,
+    completion: Any,
+    where: str,
+    *,
+    loss_on: str = "assistant",
+    eos_token_id: int | None = None,
+    fields: Sequence[str] = ("prompt", "completion"),
+) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of one prompt/completion pair; labels on the completion only
+    (or everything with ``loss_on: all``)."""
+    pf, cf = fields
+    if isinstance(prompt, str) and isinstance(completion, str):
+        head = [int(t) for t in tokenizer([prompt], verbose=False)["input_ids"][0]]
+        tail = [
+            int(t)
+            for t in tokenizer([completion], add_special_tokens=False, verbose=False)["input_ids"][
+                0
+            ]
+        ]
+        if eos_token_id is not None and (not tail or tail[-1] != eos_token_id):
+            tail.append(eos_token_id)
+        ids = head + tail
+    elif isinstance(prompt, list) and isinstance(completion, list):
+        load_chat_template(tokenizer, None)  # a clear error if the tokenizer has none
+        p = _check_messages(prompt, where, pf)
+        c = _check_messages(completion, where, cf)
+        head = _ids(_render(tokenizer, p, where, add_generation_prompt=True))
+        ids = _ids(_render(tokenizer, p + c, where))
+        if ids[: len(head)] != head:
+            raise InstructError(
+                f"{where}: the chat template renders the prompt differently once the "
+                "completion follows, so the completion's tokens cannot be found; use a "
+                "template that renders turn by turn, or data.loss_on: all"
+            )
+    else:
+        raise InstructError(
+            f"{where}: {pf!r} and {cf!r} must both be strings or both be message lists, got "
+            f"{type(prompt).__name__} and {type(completion).__name__}"
+        )
+    if len(ids) == len(head):
+        raise InstructError(f"{where}: the completion is empty; nothing would be trained")
+    if loss_on == "all":
+        return ids, list(ids)
+    return ids, [IGNORE_INDEX] * len(head) + ids[len(head) :]
