@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.coordinator.jobspec import TOKENIZER_FILES, has_tokenizer_files
+from roundpipe.coordinator.paths import open_for_read
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.jobspec import JobSpec
@@ -100,7 +101,9 @@ def _open_data(path: str | os.PathLike[str]) -> Any:
     if not os.path.isfile(p):
         raise DataError(f"data path is not a regular file: {p}")
     try:
-        return open(p, "rb")  # bytes: decode per line, so a bad byte has a line number
+        # Bytes: decode per line, so a bad byte has a line number. In the coordinator no
+        # symbolic link is followed: the path was resolved when the job was accepted.
+        return open_for_read(p)
     except OSError as exc:
         raise DataError(f"cannot read data file {p}: {exc.strerror}") from None
 
