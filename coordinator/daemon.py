@@ -696,7 +696,9 @@ class Coordinator:
         job_dir = self.state_dir / "jobs" / job_id
         job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         out_dir = spec_dict["output"]["dir"]
-        output = Path(out_dir) if out_dir else job_dir / "output"
+        # Resolved, as the spec's paths are: the output must lie below a write root
+        # even where the state directory is reached through a link.
+        output = Path(out_dir) if out_dir else Path(os.path.realpath(job_dir)) / "output"
         steps = spec_dict["train"]["steps"]
         record = JobRecord(
             job_id,

@@ -66,6 +66,9 @@ DEMO_DATA_DIR = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_dat
 if not DEMO_DATA_DIR.is_dir():  # installed layout: roundpipe/coordinator -> roundpipe/demo_data
     DEMO_DATA_DIR = Path(__file__).resolve().parent.parent / "demo_data"
 
+MAX_TREE_ENTRIES = 100_000
+"""Most entries a directory named by a spec may hold (each is checked for links out)."""
+
 ENV_ALLOW_READ = "ROUNDPIPE_ALLOW_READ"
 ENV_ALLOW_WRITE = "ROUNDPIPE_ALLOW_WRITE"
 
@@ -247,8 +250,39 @@ class PathPolicy:
     def check_read(self, value: str, field: str = "") -> str:
         """The resolved path of ``value`` if it lies below a read root; else PathRefused.
         Nothing is opened; the message names no file content and does not say whether
-        an outside path exists."""
-        return self._check(value, field, self.read_roots, "--allow-read", "read")
+        an outside path exists. A directory (a model, a tokenizer, a checkpoint) must
+        not hold a symbolic link that leads out of the roots either: the libraries that
+        load it open its files by name (``model.safetensors`` linked to another user's
+        weights would otherwise be trained on and exported)."""
+        resolved = self._check(value, field, self.read_roots, "--allow-read", "read")
+        if os.path.isdir(resolved):
+            self._check_tree(resolved, field)
+        return resolved
+
+    def _check_tree(self, directory: str, field: str) -> None:
+        seen = 0
+        for top, dirs, files in os.walk(directory):  # links are not descended into
+            for name in dirs + files:
+                seen += 1
+                if seen > MAX_TREE_ENTRIES:
+                    raise PathRefused(
+                        field,
+                        f"access refused to {directory!r}: it holds more than "
+                        f"{MAX_TREE_ENTRIES} entries; name the model, tokenizer or "
+                        "checkpoint directory itself",
+                    )
+                path = os.path.join(top, name)
+                if os.path.islink(path) and not any(
+                    _within(os.path.realpath(path), r) for r in self.read_roots
+                ):
+                    raise PathRefused(
+                        field,
+                        f"access refused to {directory!r}: it holds a symbolic link "
+                        f"{os.path.relpath(path, directory)!r} that leads out of every "
+                        "directory this coordinator may read; replace it by the file, "
+                        "or ask the operator to add the target's directory with "
+                        "--allow-read DIR",
+                    )
 
     def check_write(self, value: str, field: str = "") -> str:
         return self._check(value, field, self.write_roots, "--allow-write", "write to")

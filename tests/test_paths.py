@@ -79,6 +79,19 @@ def test_dotdot_and_outward_symlinks_are_refused(tree: Path) -> None:
         policy.check_write(str(tree / "read" / "out"), "output.dir")
 
 
+def test_a_directory_holding_a_link_out_is_refused(tree: Path) -> None:
+    """A model directory in the root whose weights file links to someone else's."""
+    model = tree / "read" / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "sub" / "model.safetensors").symlink_to(tree / "secret" / "secret.json")
+    with pytest.raises(PathRefused, match="holds a symbolic link 'sub/model.safetensors'"):
+        _policy(tree).check_read(str(model), "model.path")
+    (model / "sub" / "model.safetensors").unlink()
+    (model / "sub" / "model.safetensors").symlink_to(tree / "read" / "ok.jsonl")  # inside
+    assert _policy(tree).check_read(str(model), "model.path") == str(model)
+
+
 def test_output_is_created_private_and_never_through_a_link(tree: Path) -> None:
     policy = _policy(tree)
     out = policy.prepare_output(tree / "write" / "a" / "b")
