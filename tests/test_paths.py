@@ -17,15 +17,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from runtime_helpers import DEMO_DATA, tiny_spec
 
 from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.checkpoint import CheckpointDir, save_tensors
 from roundpipe.coordinator.jobspec import JobSpecError
 from roundpipe.coordinator.paths import (
+    GROUP_MODES,
+    PRIVATE_MODES,
     PathPolicy,
     PathRefused,
+    modes,
     open_no_symlinks,
+    set_modes,
 )
 from roundpipe.protocol import ErrorReply, JobAccepted, Message, SubmitJob, decode, encode
 
@@ -138,6 +144,30 @@ def test_confine_spec_lists_every_refused_path(tree: Path) -> None:
             }
         )
     assert sorted(e.path for e in err.value.errors) == ["data.path", "model.path", "output.dir"]
+
+
+@pytest.mark.parametrize("chosen", [PRIVATE_MODES, GROUP_MODES], ids=["private", "group"])
+def test_checkpoint_modes_come_from_the_code_not_the_umask(tmp_path: Path, chosen) -> None:
+    """Under a lax umask (022, which wrote state.safetensors 0644), a checkpoint's files
+    and directories get the chosen modes: 0600/0700, or 0640/0750 with --group-access."""
+    saved = os.umask(0o022)
+    try:
+        set_modes(chosen)
+        os.umask(0o022)
+
+        def fill(d: Path) -> None:
+            (d / "training_state").mkdir(mode=modes().dir)
+            save_tensors(d / "training_state" / "state.safetensors", {"w": torch.zeros(3)})
+
+        written = CheckpointDir(tmp_path / "checkpoints").write(1, fill, {"job_id": "j"})
+    finally:
+        set_modes(PRIVATE_MODES)
+        os.umask(saved)
+    entries = [tmp_path / "checkpoints", *(tmp_path / "checkpoints").rglob("*")]
+    assert written / "training_state" / "state.safetensors" in entries
+    for p in entries:
+        expected = chosen.dir if p.is_dir() else chosen.file
+        assert stat.S_IMODE(p.stat().st_mode) == expected, p
 
 
 # --------------------------------------------------------------------------- the coordinator
