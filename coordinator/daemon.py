@@ -680,9 +680,10 @@ class Coordinator:
         JobSpecError or ValidationUnavailable. Paths outside the allowed roots are
         refused first, before anything is opened."""
         spec = self.paths.confine_spec(spec)
+        hardware = self._hardware() if self._live_workers() else None
         if self.validator is not None:
-            return None, self.validator.validate(spec)
-        built = validate_spec(spec, str(self.arena_dir))
+            return None, self.validator.validate(spec, hardware)
+        built = validate_spec(spec, str(self.arena_dir), hardware)
         return built, built.to_dict()
 
     def _submit(self, msg: SubmitJob) -> Message:
