@@ -21,6 +21,7 @@ import torch
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.paths import spec_read_dirs
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 
 
@@ -97,6 +98,8 @@ def run_runtime(
         coordinator_args=["--threads", str(coordinator_threads), "--log-level", "WARNING"],
         client_timeout_s=60,
         env=env,
+        allow_read=spec_read_dirs(spec),
+        allow_write=[Path(spec.output.dir or root).parent],
     )
     try:
         workers = [

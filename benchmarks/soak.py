@@ -201,7 +201,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rp-soak-"))
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-soak-", dir="/dev/shm"))
-    cluster = LocalCluster(root / "cluster", arena_dir)
+    cluster = LocalCluster(root / "cluster", arena_dir, allow_write=[root])
     try:
         cluster.add_worker("w1")
         cluster.add_worker("w2")

@@ -184,9 +184,12 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _child_init() -> None:
+def _child_init(strict_reads: bool) -> None:
     # The child only reads files; never let it reach the hub or use every core.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from roundpipe.coordinator.paths import set_strict_reads
+
+    set_strict_reads(strict_reads)
     try:
         import torch
 
@@ -212,8 +215,13 @@ class SpecValidator:
         self,
         arena_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = VALIDATION_TIMEOUT_S,
+        *,
+        strict_reads: bool = False,
     ) -> None:
         self.arena_dir = None if arena_dir is None else os.fspath(arena_dir)
+        # The coordinator gives the child specs whose paths it resolved: the child then
+        # opens data files without following links (coordinator.paths.open_for_read).
+        self.strict_reads = strict_reads
         self.timeout_s = timeout_s
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -225,6 +233,7 @@ class SpecValidator:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_child_init,
+                initargs=(self.strict_reads,),
             )
         return self._pool
 

@@ -58,9 +58,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+
+from roundpipe.coordinator.paths import modes
 
 __all__ = [
     "FORMAT",
@@ -117,8 +119,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _create(path: Path) -> BinaryIO:
+    """A new file of this process's private mode (0600 by default, whatever the umask),
+    never through a symbolic link left at ``path``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    return os.fdopen(os.open(path, flags, modes().file), "wb")
+
+
 def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with _create(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -218,7 +227,7 @@ def save_tensors(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with _create(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for t in order:
@@ -368,7 +377,7 @@ class CheckpointDir:
         """Create the directory, remove stale temporaries, and prove a synced write works.
 
         Raises OSError (with the path) for an unwritable or full directory."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         self.remove_stale()
         probe = self._temp_path("tmp", "probe")
         try:
@@ -450,11 +459,11 @@ class CheckpointDir:
         ``step`` and ``files`` added. On any error the temporary directory is removed,
         ``latest`` is untouched, and the error propagates (I/O errors as OSError)."""
         name = step_name(step)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         tmp = self._temp_path("tmp", name)
         trash = None
         try:
-            tmp.mkdir()
+            tmp.mkdir(mode=modes().dir)
             try:
                 fill(tmp)
             except Exception as exc:

@@ -58,6 +58,14 @@ import zmq
 from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.paths import (
+    GROUP_MODES,
+    PRIVATE_MODES,
+    PathPolicy,
+    modes,
+    set_modes,
+    set_strict_reads,
+)
 from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.sdnotify import Notifier
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
@@ -201,10 +209,14 @@ class Coordinator:
         namespace: str | None = None,
         wait_timeout_s: float = 600.0,
         worker_timeout_s: float = WORKER_LOST_AFTER_S,
+        paths: PathPolicy | None = None,
     ):
         self.address = address
         self.worker_timeout_s = worker_timeout_s
         self.state_dir = Path(state_dir)
+        # Where job specs may read and write (coordinator.paths); by default only the
+        # job outputs in the state directory and the shipped demo data.
+        self.paths = paths or PathPolicy.for_coordinator(self.state_dir)
         self.arena_dir = Path(arena_dir) if arena_dir is not None else default_arena_dir()
         # Arena files carry the namespace: coordinators on different addresses never
         # clean up each other's leftovers.
@@ -236,8 +248,10 @@ class Coordinator:
 
     def bind(self) -> None:
         """Bind the ROUTER; refuse an address another coordinator is serving."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        (self.state_dir / "jobs").mkdir(exist_ok=True)
+        self.state_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        (self.state_dir / "jobs").mkdir(mode=modes().dir, exist_ok=True)
+        log.info("[coordinator] job paths: %s", self.paths.describe())
+        self.paths.warn_about_open_roots()
         self.store = JobStore.in_state_dir(self.state_dir)
         if not self.arena_dir.is_dir():
             raise FileNotFoundError(
@@ -299,7 +313,7 @@ class Coordinator:
         # long history cost minutes at every start.
         if stored.state not in FINAL_STATES:
             try:
-                spec = JobSpec.from_dict(stored.spec)
+                spec = JobSpec.from_dict(self.paths.confine_spec(stored.spec))
             except JobSpecError as exc:
                 message = f"the job's spec is no longer valid: {exc}"
         return JobRecord(
@@ -340,7 +354,7 @@ class Coordinator:
     def serve(self) -> None:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
         job_thread.start()
-        self.validator = SpecValidator(self.arena_dir)
+        self.validator = SpecValidator(self.arena_dir, strict_reads=True)
         self.validator.start()
         admission_thread = threading.Thread(
             target=self._admission_loop, name="rp-admission", daemon=True
@@ -663,7 +677,9 @@ class Coordinator:
 
     def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
         """(the JobSpec if it was built here, the normalised spec dict). Raises
-        JobSpecError or ValidationUnavailable."""
+        JobSpecError or ValidationUnavailable. Paths outside the allowed roots are
+        refused first, before anything is opened."""
+        spec = self.paths.confine_spec(spec)
         hardware = self._hardware() if self._live_workers() else None
         if self.validator is not None:
             return None, self.validator.validate(spec, hardware)
@@ -679,9 +695,11 @@ class Coordinator:
             return ErrorReply(code="spec_check_failed", message=str(exc))
         job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         job_dir = self.state_dir / "jobs" / job_id
-        job_dir.mkdir(parents=True, exist_ok=True)
+        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         out_dir = spec_dict["output"]["dir"]
-        output = Path(out_dir) if out_dir else job_dir / "output"
+        # Resolved, as the spec's paths are: the output must lie below a write root
+        # even where the state directory is reached through a link.
+        output = Path(out_dir) if out_dir else Path(os.path.realpath(job_dir)) / "output"
         steps = spec_dict["train"]["steps"]
         record = JobRecord(
             job_id,
@@ -830,7 +848,7 @@ class Coordinator:
             # Validated at submission, in the admission child; built (and so checked
             # again: its files may have changed since) here, off the I/O thread.
             try:
-                job.spec = JobSpec.from_dict(job.spec_dict)
+                job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
             except JobSpecError as exc:
                 self._set_state(job, "failed", f"the job's spec is no longer valid: {exc}")
                 logging.getLogger("roundpipe").removeHandler(handler)
@@ -843,6 +861,7 @@ class Coordinator:
             namespace=self.namespace,
             output_dir=Path(job.output_dir or "."),
             wait_timeout_s=self.wait_timeout_s,
+            paths=self.paths,
             on_plan=lambda plan, why: self._record_plan(job, plan, why),
         )
         job.trainer = trainer
@@ -1077,6 +1096,8 @@ class _JobThreads(logging.Filter):
 
 def _job_log_handler(job: JobRecord) -> logging.Handler:
     assert job.log_path is not None
+    # Created with the private mode whatever the umask: a job log names the job's files.
+    os.close(os.open(job.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, modes().file))
     handler = logging.FileHandler(job.log_path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     handler.addFilter(_JobThreads(job.job_id))
@@ -1120,8 +1141,36 @@ def main(argv: list[str] | None = None) -> int:
         help="torch CPU threads for the optimizer (default: torch's choice, all cores); "
         "lower it when CPU workers share this machine",
     )
+    parser.add_argument(
+        "--allow-read",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory below which job specs may name data, models, tokenizers and "
+        "checkpoints (repeatable; also $ROUNDPIPE_ALLOW_READ, ':'-separated). Always "
+        "allowed: write roots, STATE_DIR/jobs and the shipped demo data",
+    )
+    parser.add_argument(
+        "--allow-write",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory below which job specs may name output directories (repeatable; "
+        "also $ROUNDPIPE_ALLOW_WRITE). Always allowed: STATE_DIR/jobs",
+    )
+    parser.add_argument(
+        "--group-access",
+        action="store_true",
+        default=os.environ.get("ROUNDPIPE_GROUP_ACCESS", "") not in ("", "0"),
+        help="write files 0640 and directories 0750 (the coordinator's group may read "
+        "results) instead of 0600/0700 (also $ROUNDPIPE_GROUP_ACCESS=1)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    # Everything this process writes (state, checkpoints, exports, logs) is private by
+    # default; spec paths were resolved when accepted, so reads follow no new links.
+    set_modes(GROUP_MODES if args.group_access else PRIVATE_MODES)
+    set_strict_reads(True)
     if args.threads:
         import torch
 
@@ -1138,12 +1187,14 @@ def main(argv: list[str] | None = None) -> int:
     # inside the first client request, which would then miss the client's timeout.
     import transformers  # noqa: F401
 
+    state_dir = args.state_dir or default_state_dir()
     coordinator = Coordinator(
         args.address,
-        args.state_dir or default_state_dir(),
+        state_dir,
         args.arena_dir,
         wait_timeout_s=args.wait_timeout,
         worker_timeout_s=args.worker_timeout,
+        paths=PathPolicy.for_coordinator(state_dir, args.allow_read, args.allow_write),
     )
     try:
         coordinator.bind()

@@ -84,6 +84,7 @@ from roundpipe.coordinator.instruct import (
     render_prompt_completion,
 )
 from roundpipe.coordinator.jobspec import TOKENIZER_FILES, has_tokenizer_files
+from roundpipe.coordinator.paths import open_for_read
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.jobspec import JobSpec
@@ -286,7 +287,7 @@ def _token_list(rec: records.Record, name: str, *, labels: bool = False) -> list
 
 def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
     try:
-        f = open(path, "rb")
+        f = open_for_read(path)  # no symbolic link followed in the coordinator
     except OSError as exc:
         raise DataError(f"cannot read data file {path}: {exc.strerror}") from None
     lines: list[str] = []

@@ -971,7 +971,9 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             )
             return None
         try:
-            with open(cfg_file, encoding="utf-8") as f:
+            from roundpipe.coordinator.paths import open_for_read
+
+            with open_for_read(cfg_file) as f:
                 cfg = json.load(f)
         except (OSError, ValueError) as exc:
             e.add("model.path", f"cannot read {cfg_file!r}: {exc}")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from roundpipe.coordinator.paths import open_for_read
+
 __all__ = [
     "JSONL_EXTS",
     "PARQUET_EXTS",
@@ -105,7 +107,9 @@ def first_record(path: str, *, split: str = "train") -> Record | None:
 
 def _jsonl(path: str) -> Iterator[Record]:
     try:
-        f = open(path, "rb")  # bytes: decode per line, so a bad byte has a line number
+        # Bytes: decode per line, so a bad byte has a line number. In the coordinator no
+        # symbolic link is followed: the path was resolved when the job was accepted.
+        f = open_for_read(path)
     except OSError as exc:
         raise RecordError(f"cannot read data file {path}: {exc.strerror}") from None
     with f:

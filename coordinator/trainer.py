@@ -91,6 +91,7 @@ from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, valid
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
 from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
 from roundpipe.coordinator.planner import (
     HardwareSpec,
     ProfileAggregator,
@@ -163,8 +164,12 @@ class Trainer:
         optimizer_impl: str = "fused",
         recovery_policy: RecoveryPolicy | None = None,
         on_plan: Callable[[Plan, str], None] | None = None,
+        paths: PathPolicy | None = None,
     ):
         self.job_id = job_id
+        self.paths = paths
+        """The coordinator's allowed roots: checked again before the job's files are
+        opened and before every write into its output (None: not confined)."""
         self.spec = spec
         self.arena_dir = Path(arena_dir)
         self.namespace = namespace
@@ -212,6 +217,12 @@ class Trainer:
         Raises JobPaused if the output directory cannot be written (checked first, so a
         bad directory costs nothing), JobFailed if a checkpoint does not fit the job.
         """
+        if self.paths is not None:
+            try:
+                self.paths.recheck(self.spec.to_dict())
+            except PathRefused as exc:
+                raise JobFailed(str(exc)) from None
+            self._confirm_output()
         try:
             self.checkpoints.ensure_writable()
         except OSError as exc:
@@ -804,9 +815,20 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
+    def _confirm_output(self) -> None:
+        """Before writing into the output directory: it is still a directory below a
+        write root that only the coordinator can change (coordinator.paths)."""
+        if self.paths is None:
+            return
+        try:
+            self.paths.prepare_output(self.output_dir)
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
+
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint after ``step`` (call only at a cut: Note [checkpoint cut])
         and prune to ``output.keep_last``. Raises JobPaused if it cannot be written."""
+        self._confirm_output()
         started = time.perf_counter()
         try:
             path = self.checkpoints.write(
@@ -844,7 +866,7 @@ class Trainer:
                 assert previous is not None
                 state[f"prev/{name}"] = self.layout.view(previous)
         state["rng/torch_cpu"] = torch.get_rng_state()
-        (directory / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         save_tensors(directory / STATE_FILE, state, {"format": "roundpipe-training-state"})
 
     def _manifest(self, step: int) -> dict:
@@ -968,12 +990,14 @@ class Trainer:
 
                 load_chat_template(tokenizer, self.spec.data.chat_template)
             tokenizer.save_pretrained(str(directory))
+        restrict_tree(directory)  # whatever the umask: full weights are private
 
     def _write_base_model(self, base_model, base_dir: Path) -> None:
         tmp = base_dir.parent / f".tmp-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
         trash = base_dir.parent / f".trash-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             base_model.save_pretrained(str(tmp))
+            restrict_tree(tmp)
             for file in tmp.iterdir():
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
@@ -990,8 +1014,9 @@ class Trainer:
         ``directory`` (default: the output directory). Raises JobPaused if it cannot be
         written (the final checkpoint holds the same model)."""
         directory = self.output_dir if directory is None else Path(directory)
+        self._confirm_output()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=modes().dir, parents=True, exist_ok=True)
             self.write_hf_model(directory)
         except Exception as exc:
             os_error = as_os_error(exc, directory)

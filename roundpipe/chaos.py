@@ -34,6 +34,7 @@ from pathlib import Path
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.paths import spec_read_dirs
 
 __all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]
 
@@ -181,6 +182,8 @@ def run_chaos(
         arena_dir,
         coordinator_args=["--worker-timeout", str(worker_timeout_s)],
         worker_args=worker_args,
+        allow_read=spec_read_dirs(spec),
+        allow_write=[root],
     )
     names = iter(f"chaos-w{i}" for i in range(10_000))
     try:

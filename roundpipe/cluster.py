@@ -48,13 +48,22 @@ class LocalCluster:
         client_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
         worker_args: Sequence[str] = (),
+        allow_read: Sequence[str | os.PathLike[str]] = (),
+        allow_write: Sequence[str | os.PathLike[str]] = (),
     ):
+        """``allow_read`` / ``allow_write``: the coordinator's ``--allow-read`` /
+        ``--allow-write`` roots (docs/deploy.md), besides ``$ROUNDPIPE_ALLOW_READ`` /
+        ``$ROUNDPIPE_ALLOW_WRITE`` and its own ``state/jobs``."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.arena_dir = Path(arena_dir)
         self.address = f"ipc://{self.root}/coordinator.sock"
         self.state_dir = self.root / "state"
-        self.coordinator_args = list(coordinator_args or [])
+        roots = [("--allow-read", p) for p in allow_read] + [
+            ("--allow-write", p) for p in allow_write
+        ]
+        self.coordinator_args = [str(x) for pair in roots for x in pair]
+        self.coordinator_args += list(coordinator_args or [])
         self.env = dict(env or {})  # for every daemon, over OMP_NUM_THREADS=1
         self.worker_args = list(worker_args)
         """Options for every CPU worker, e.g. ``["--emulate-pcie", "2GB/s"]``."""

@@ -32,6 +32,7 @@ from typing import IO
 from roundpipe.cli import watch_job
 from roundpipe.client import Client, CoordinatorUnavailable, RoundPipeError
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.paths import spec_read_dirs
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -328,7 +329,14 @@ def run_demo(
         worker_threads = ["--threads", str(max(1, cores // cpu_workers))] if cpu_workers else []
         if cpu_workers:
             coordinator_args["--threads"] = "1"
-        argv = coordinator_cmd + [x for kv in coordinator_args.items() for x in kv]
+        # The demo's coordinator is private to this user (its address is in a fresh
+        # temporary directory): it may read what the spec names and write its output
+        # directory, which is created here so that it can be the write root.
+        out_dir = Path(spec.output.dir or state_dir / "jobs")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        roots = [("--allow-read", d) for d in spec_read_dirs(spec)]
+        roots.append(("--allow-write", str(out_dir)))
+        argv = coordinator_cmd + [x for kv in [*coordinator_args.items(), *roots] for x in kv]
         daemons.append(_start("coordinator", argv, tmp / "coordinator.log"))
         for i, device_args in enumerate(devices):
             name = f"demo-worker-{i}"

@@ -22,6 +22,22 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def allowed_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every coordinator a test starts may read and write below pytest's temporary root
+    (where the tests put their data and outputs): a coordinator's paths are confined to
+    configured roots (coordinator.paths), and LocalCluster's children inherit this."""
+    base = tmp_path_factory.getbasetemp()
+    saved = {k: os.environ.get(k) for k in ("ROUNDPIPE_ALLOW_READ", "ROUNDPIPE_ALLOW_WRITE")}
+    os.environ["ROUNDPIPE_ALLOW_READ"] = os.environ["ROUNDPIPE_ALLOW_WRITE"] = str(base)
+    yield base
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture
 def arena_dir(tmp_path: Path) -> Iterator[Path]:
     """A fresh arena directory (RAM-backed when /dev/shm is usable) removed afterwards."""

@@ -748,6 +748,8 @@ def fake_daemon_main() -> None:
     if role == "coordinator":
         for flag in ("--address", "--state-dir", "--arena-dir", "--log-level"):
             parser.add_argument(flag, required=True)
+        for flag in ("--allow-read", "--allow-write"):  # the job's paths
+            parser.add_argument(flag, action="append", required=True)
         ns = parser.parse_args(args)
         arena = Path(ns.arena_dir) / "rp-fake-arena-0"
         arena.write_bytes(b"\0" * 4096)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,6 +56,92 @@ def test_units_verify(tmp_path: Path) -> None:
     worker = (DEPLOY / "roundpipe-worker@.service").read_text()
     assert "--gpu %i" in worker and "After=roundpipe-coordinator.service" in worker
     assert "Restart=always" in worker
+
+
+def _directives(unit: Path) -> dict[str, list[str]]:
+    """Key -> values of a unit file's [Service] section (continuation lines joined)."""
+    text = unit.read_text().replace("\\\n", " ")
+    section, found = "", {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]":
+            key, _, value = line.partition("=")
+            found.setdefault(key, []).append(value)
+    return found
+
+
+HARDENING = {
+    "UMask": "0077",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "NoNewPrivileges": "yes",
+    "CapabilityBoundingSet": "",
+    "RestrictNamespaces": "yes",
+    "RestrictSUIDSGID": "yes",
+    "LockPersonality": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes",
+    "SystemCallArchitectures": "native",
+    "DevicePolicy": "closed",
+}
+
+
+@pytest.mark.parametrize("name", ["roundpipe-coordinator.service", "roundpipe-worker@.service"])
+def test_units_are_hardened_but_keep_dev_shm_and_ipc_shared(name: str) -> None:
+    found = _directives(DEPLOY / name)
+    for key, value in HARDENING.items():
+        assert found.get(key) == [value], (key, found.get(key))
+    assert "AF_UNIX" in found["RestrictAddressFamilies"][0]
+    assert found["SystemCallFilter"][0] == "@system-service"
+    # RemoveIPC= would delete the arenas in /dev/shm (files of the shared service user)
+    # whenever one of the units stops; nothing may make /dev/shm private.
+    assert "RemoveIPC" not in found or found["RemoveIPC"] == ["no"]
+    for key in ("TemporaryFileSystem", "InaccessiblePaths", "ReadOnlyPaths"):
+        assert not any("/dev" in v for v in found.get(key, [])), key
+    env = (DEPLOY / "roundpipe.env").read_text()
+    if name.startswith("roundpipe-coordinator"):
+        assert found["MemoryDenyWriteExecute"] == ["yes"] and found["PrivateDevices"] == ["yes"]
+        # Every write root of roundpipe.env is writable under ProtectSystem=strict.
+        writable = {p.lstrip("-") for v in found["ReadWritePaths"] for p in v.split()}
+        for line in env.splitlines():
+            if line.startswith("ROUNDPIPE_ALLOW_WRITE="):
+                for root in line.partition("=")[2].split(":"):
+                    assert root in writable, (root, writable)
+    else:  # the GPU: its device nodes, not a private /dev
+        assert "PrivateDevices" not in found
+        allowed = " ".join(found["DeviceAllow"])
+        assert "char-nvidia-frontend rw" in allowed and "char-nvidia-uvm rw" in allowed
+
+
+SECURITY_LIMITS = {"roundpipe-coordinator.service": 4.0, "roundpipe-worker@3.service": 4.0}
+"""Highest `systemd-analyze security` exposure each unit may have; docs/deploy.md records
+the scores and why each setting that remains open does."""
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_units_security_exposure(tmp_path: Path) -> None:
+    for unit in DEPLOY.glob("*.service"):
+        shutil.copy(unit, tmp_path / unit.name)
+    shutil.copy(tmp_path / "roundpipe-worker@.service", tmp_path / "roundpipe-worker@3.service")
+    for name, limit in SECURITY_LIMITS.items():
+        result = subprocess.run(
+            ["systemd-analyze", "security", "--offline=yes", "--no-pager", name],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+        if score is None:
+            pytest.skip(f"systemd-analyze security gave no score: {result.stderr[-300:]}")
+        assert float(score.group(1)) <= limit, result.stdout
 
 
 def _fake_notify_socket(tmp_path: Path) -> tuple[socket.socket, str]:
