@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
@@ -94,9 +93,7 @@ def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: LocalCluster, tmp_
     spec = tiny_spec(tmp_path).to_dict()
     spec["batch"]["num_microbatches"] = 0
     spec["data"]["path"] = str(tmp_path / "missing.jsonl")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
+    sock = cluster.dealer()
     try:
         sock.send_multipart(encode(SubmitJob(spec=spec)))
         assert sock.poll(20_000)
@@ -123,9 +120,7 @@ def test_worker_of_another_protocol_version_is_rejected(cluster: LocalCluster) -
     )
     frames = encode(hello)
     frames[0] = b"RP" + (999).to_bytes(2, "big") + frames[0][4:]  # from protocol version 999
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
+    sock = cluster.dealer("worker")
     try:
         sock.send_multipart(frames)
         assert sock.poll(20_000)
