@@ -43,6 +43,7 @@ __all__ = [
     "apply_connect_keys",
     "authorized_keys",
     "check_name",
+    "config_dir",
     "connect_keys",
     "default_keys_dir",
     "init_keys",
@@ -92,7 +93,8 @@ def default_keys_dir() -> Path:
     return Path(explicit).expanduser() if explicit else default_state_dir() / "keys"
 
 
-def _config_dir() -> Path:
+def config_dir() -> Path:
+    """Where a user's own keys live: ``$XDG_CONFIG_HOME/roundpipe`` (``~/.config/roundpipe``)."""
     xdg = os.environ.get("XDG_CONFIG_HOME")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".config"
     return base / "roundpipe"
@@ -266,7 +268,7 @@ def connect_keys(
     is configured anywhere (the connection then uses no CURVE: fine for an ipc://
     coordinator without keys, refused by one with keys)."""
     explicit = key is not None or os.environ.get("ROUNDPIPE_KEY")
-    key_path = Path(key or os.environ.get("ROUNDPIPE_KEY") or _config_dir() / "client.key_secret")
+    key_path = Path(key or os.environ.get("ROUNDPIPE_KEY") or config_dir() / "client.key_secret")
     if not key_path.expanduser().exists():
         if explicit:
             raise KeyError_(
@@ -281,7 +283,7 @@ def connect_keys(
         if coordinator_key is not None
         else [Path(os.environ["ROUNDPIPE_COORDINATOR_KEY"])]
         if os.environ.get("ROUNDPIPE_COORDINATOR_KEY")
-        else [_config_dir() / f"{COORDINATOR}.key", default_keys_dir() / f"{COORDINATOR}.key"]
+        else [config_dir() / f"{COORDINATOR}.key", default_keys_dir() / f"{COORDINATOR}.key"]
     )
     for server_path in candidates:
         server_path = server_path.expanduser()
