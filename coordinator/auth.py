@@ -166,11 +166,27 @@ class Authenticator:
             status, user_id, text = b"500", b"", b"internal error"
         sock.send_multipart([*envelope, version, request_id, status, text, user_id, b""])
 
+    def on_handshake_failed(self, monitor: zmq.Socket) -> None:
+        """Log (rate-limited) one handshake that failed before authentication: a peer
+        without a key, or one that does not speak ZMTP at all."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)
+        self.refusals.warning(
+            "no-key",
+            "refused a connection that failed the %s handshake (no key, or not a "
+            "RoundPipe peer): %s",
+            "CURVE" if self.server_keys is not None else "",
+            event.get("event"),
+        )
+
     def _decide(self, mechanism: bytes, credentials: list[bytes], address: str):
         if self.server_keys is not None:
             if mechanism != b"CURVE" or len(credentials) != 1:
                 self.refusals.warning(
-                    "no-key", "refused a connection without a CURVE key from %s", address or "?"
+                    "no-key",
+                    "refused a connection that failed the CURVE handshake (no key) from %s",
+                    address or "?",
                 )
                 return b"400", b"", b"a key is required"
             self.reload()

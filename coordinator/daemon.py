@@ -56,7 +56,13 @@ import psutil
 import zmq
 
 from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
-from roundpipe.coordinator.auth import ZAP_ENDPOINT, Authenticator, AuthSetupError, Peer
+from roundpipe.coordinator.auth import (
+    ZAP_ENDPOINT,
+    Authenticator,
+    AuthSetupError,
+    Peer,
+    RateLimitedLog,
+)
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
@@ -218,6 +224,7 @@ class Coordinator:
         # Default: <state-dir>/keys (roundpipe.shared.keys); read at bind().
         self.keys_dir = Path(keys_dir) if keys_dir is not None else Path(state_dir) / "keys"
         self.auth: Authenticator | None = None
+        self._noisy = RateLimitedLog()  # log lines a peer can provoke at will
         self.worker_timeout_s = worker_timeout_s
         self.state_dir = Path(state_dir)
         self.arena_dir = Path(arena_dir) if arena_dir is not None else default_arena_dir()
@@ -275,6 +282,11 @@ class Coordinator:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.auth.configure(self.router)
+        # A peer that fails the handshake before the ZAP handler is asked (no key at all:
+        # the wrong mechanism; garbage instead of a greeting) shows up only here.
+        self.handshake_events = self.router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         try:
             self.router.bind(self.address)
             if self.address.startswith("ipc://"):
@@ -387,6 +399,7 @@ class Coordinator:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
         poller.register(self.zap, zmq.POLLIN)
+        poller.register(self.handshake_events, zmq.POLLIN)
         next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
         try:
             while not self._stop.is_set():
@@ -398,6 +411,9 @@ class Coordinator:
                         elif sock is self.zap:
                             assert self.auth is not None
                             self.auth.handle_zap(self.zap)
+                        elif sock is self.handshake_events:
+                            assert self.auth is not None
+                            self.auth.on_handshake_failed(self.handshake_events)
                         else:
                             frames = self.outbox.recv_multipart()
                             self._send(frames[0], frames[1:])
@@ -426,6 +442,8 @@ class Coordinator:
             admission_thread.join(timeout=60)
             self.validator.close()
             job_thread.join(timeout=60)
+            self.router.disable_monitor()
+            self.handshake_events.close()
             self.router.close()
             self.outbox.close()
             self.zap.close()
@@ -442,9 +460,11 @@ class Coordinator:
         try:
             self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("[coordinator] peer %r is not reading; message dropped", identity)
+            # Rate-limited: a peer that floods requests and never reads would otherwise
+            # write a log line per request.
+            self._noisy.warning("not-reading", "peer %r is not reading; message dropped", identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
-            log.warning("[coordinator] cannot reach peer %r: %s", identity, exc)
+            self._noisy.warning("unreachable", "cannot reach peer %r: %s", identity, exc)
 
     def _reply(self, identity: bytes, reply: Message) -> None:
         """Send a reply; one that cannot be encoded becomes an ErrorReply saying so."""

@@ -182,8 +182,13 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(tiny_spec(tmp_path / "cli-out", steps=3).to_yaml())
     cli = [sys.executable, "-m", "roundpipe.cli"]
+    # As a user would: a client key of their own (not the cluster's admin key).
+    if not (cluster.keys_dir / "cli-user.key_secret").exists():
+        cluster.add_key("cli-user", "client")
+    env = {**os.environ, **cluster.key_env("cli-user")}
     result = subprocess.run(
         [*cli, "submit", str(spec_path), "--wait", "--address", cluster.address],
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -194,6 +199,7 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     assert (tmp_path / "cli-out" / "model.safetensors").exists()
     status = subprocess.run(
         [*cli, "status", job_id, "--address", cluster.address],
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -203,7 +209,11 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     plan_line = [line for line in status.stdout.splitlines() if line.startswith("plan:")]
     assert plan_line and Plan.parse(plan_line[0].split(":", 1)[1].strip())
     jobs = subprocess.run(
-        [*cli, "jobs", "--address", cluster.address], capture_output=True, text=True, timeout=60
+        [*cli, "jobs", "--address", cluster.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert job_id in jobs.stdout
     logs = subprocess.run(
