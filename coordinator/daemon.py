@@ -485,8 +485,8 @@ class Coordinator:
         try:
             msg = decode(frames)
         except ProtocolVersionError as exc:
-            log.warning(
-                "[coordinator] rejected a peer speaking protocol %s: %s", exc.seen_version, exc
+            self._noisy.warning(
+                "version", "rejected a peer speaking protocol %s: %s", exc.seen_version, exc
             )
             self._send(
                 identity,

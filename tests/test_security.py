@@ -40,7 +40,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.shared.keys import apply_connect_keys, connect_keys, new_key_pair
 
-WORKER_TIMEOUT_S = 2
+WORKER_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
