@@ -18,6 +18,15 @@ One ROUTER socket at ``--address`` serves both workers and clients (both use DEA
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
 and gets exactly one reply. Signal handlers only set a flag.
 
+Every connection is authenticated before its first message (roundpipe.coordinator.auth:
+CurveZMQ keys, or ipc:// peer credentials; the ZAP handler runs on the I/O thread).
+Each message is handled as its sender's identity and role allow: jobs belong to their
+submitter (others, unless admin, are told the job does not exist); ``Hello`` and
+heartbeats need a worker role; ``TaskDone``/``TaskFailed`` count only from the
+registered worker they name, on its connection, for a task dispatched to it; a lost
+worker is SIGKILLed only if its process is provably the worker's
+(Note [no fencing by hearsay]).
+
 Nothing a peer sends can end the I/O loop: the socket refuses frames over
 ``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); lists are answered a page of
 at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to ``MAX_TEXT_CHARS`` (with

@@ -32,6 +32,11 @@ Example, a heartbeat at version 2::
   the peer's identity frame (and a REQ peer an empty delimiter frame); the socket layer
   strips them before calling :func:`decode` and adds them back after :func:`encode`
   (``[identity, *encode(msg)]``).
+- Who sends a message is not part of it: the connection is authenticated below the
+  protocol (CurveZMQ on tcp://, peer credentials or CurveZMQ on ipc://;
+  roundpipe.coordinator.auth), and the coordinator decides what a message may do from
+  the sender's identity and role, never from a field it carries (``worker_id``,
+  ``pid``).
 - Body values use msgpack's native types only: nil, bool, int (-2**63 .. 2**64-1),
   float, str (UTF-8), bin (bytes), array, map with str keys. No ext types (timestamps
   included). A list or tuple is an array.
@@ -1823,7 +1828,9 @@ class Progress(Message):
 class ErrorReply(Message):
     """A client request failed."""
 
-    #: machine-readable code, e.g. "not_found", "invalid_spec", "bad_request", "internal"
+    #: machine-readable code, e.g. "unknown_job", "bad_spec", "protocol_error",
+    #: "internal_error", "forbidden" (the sender's role may not send this request),
+    #: "bad_hello" (a worker's hardware report is impossible), "unknown_worker"
     code: Name
     #: human-readable explanation
     message: str

@@ -7,8 +7,9 @@ loss and where the model went, then stops every process and checks that the coor
 removed its shared-memory arenas.
 
 Everything private lives in one temporary directory: the coordinator's state directory,
-its ``ipc://`` socket (a file, so it never collides with another coordinator), and the
-daemons' logs. Arenas go to a fresh directory under /dev/shm when it is writable. Both are
+its ``ipc://`` socket (a file, so it never collides with another coordinator), a
+throwaway key set (keys are on, as in production: docs/deploy.md), and the daemons'
+logs. Arenas go to a fresh directory under /dev/shm when it is writable. Both are
 removed at the end, also after a failure or Ctrl-C.
 """
 

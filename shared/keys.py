@@ -19,8 +19,8 @@ The file name (without ``.key``) is the identity: jobs belong to it, logs name i
 A client or worker finds its keys in ``--key`` / ``$ROUNDPIPE_KEY`` (its own
 ``*.key_secret``; default ``~/.config/roundpipe/client.key_secret``) and
 ``--coordinator-key`` / ``$ROUNDPIPE_COORDINATOR_KEY`` (the coordinator's public
-``coordinator.key``; default ``~/.config/roundpipe/coordinator.key``, else the one in
-``$ROUNDPIPE_KEYS_DIR``).
+``coordinator.key``; default ``~/.config/roundpipe/coordinator.key``, else
+``/etc/roundpipe/coordinator.key``, else the one in ``$ROUNDPIPE_KEYS_DIR``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ ROLES = ("client", "worker", "admin")
 
 COORDINATOR = "coordinator"
 AUTHORIZED = "authorized"
+SYSTEM_COORDINATOR_KEY = Path("/etc/roundpipe/coordinator.key")
+"""Where a shared server publishes its coordinator's public key for every user."""
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ROLE_LINE = re.compile(r'^\s+role\s*=\s*"([^"]*)"\s*$', re.MULTILINE)
 
@@ -283,7 +285,11 @@ def connect_keys(
         if coordinator_key is not None
         else [Path(os.environ["ROUNDPIPE_COORDINATOR_KEY"])]
         if os.environ.get("ROUNDPIPE_COORDINATOR_KEY")
-        else [config_dir() / f"{COORDINATOR}.key", default_keys_dir() / f"{COORDINATOR}.key"]
+        else [
+            config_dir() / f"{COORDINATOR}.key",
+            SYSTEM_COORDINATOR_KEY,
+            default_keys_dir() / f"{COORDINATOR}.key",
+        ]
     )
     for server_path in candidates:
         server_path = server_path.expanduser()
