@@ -271,7 +271,7 @@ def connect_keys(
     coordinator without keys, refused by one with keys)."""
     explicit = key is not None or os.environ.get("ROUNDPIPE_KEY")
     key_path = Path(key or os.environ.get("ROUNDPIPE_KEY") or config_dir() / "client.key_secret")
-    if not key_path.expanduser().exists():
+    if not _exists(key_path.expanduser()):
         if explicit:
             raise KeyError_(
                 f"key file {key_path} does not exist (--key / ROUNDPIPE_KEY); create one with "
@@ -293,7 +293,7 @@ def connect_keys(
     )
     for server_path in candidates:
         server_path = server_path.expanduser()
-        if server_path.exists():
+        if _exists(server_path):
             server, _ = _load(server_path, secret=False)
             assert secret is not None
             return ConnectKeys(public, secret, server, key_path, server_path)
@@ -302,6 +302,15 @@ def connect_keys(
         "copy the coordinator's coordinator.key there or point --coordinator-key / "
         "ROUNDPIPE_COORDINATOR_KEY at it"
     )
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a path this user may not even look at (another user's
+    home) does not, for the purpose of finding a default key."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def apply_connect_keys(sock: zmq.Socket, keys: ConnectKeys | None) -> None:
