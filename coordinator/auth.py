@@ -171,21 +171,20 @@ class Authenticator:
         without a key, or one that does not speak ZMTP at all."""
         from zmq.utils.monitor import recv_monitor_message
 
-        event = recv_monitor_message(monitor)
-        self.refusals.warning(
-            "no-key",
-            "refused a connection that failed the %s handshake (no key, or not a "
-            "RoundPipe peer): %s",
-            "CURVE" if self.server_keys is not None else "",
-            event.get("event"),
+        event = recv_monitor_message(monitor).get("event")
+        why = (
+            "it offered another security mechanism (no key?)"
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            else "it does not speak ZMTP"
         )
+        self.refusals.warning("no-key", "refused a connection that failed the handshake: %s", why)
 
     def _decide(self, mechanism: bytes, credentials: list[bytes], address: str):
         if self.server_keys is not None:
             if mechanism != b"CURVE" or len(credentials) != 1:
                 self.refusals.warning(
                     "no-key",
-                    "refused a connection that failed the CURVE handshake (no key) from %s",
+                    "refused a connection that failed the handshake: no CURVE key (from %s)",
                     address or "?",
                 )
                 return b"400", b"", b"a key is required"
