@@ -84,12 +84,14 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    GetJobLog,
     GetJobStatus,
     GetProgress,
     Heartbeat,
     Hello,
     JobAccepted,
     JobList,
+    JobLog,
     JobStatus,
     JobTeardown,
     ListJobs,
@@ -139,6 +141,9 @@ Hello, whose only bound is the frame size)."""
 PROGRESS_EVENT_BYTES = 64
 """Upper bound of one ProgressEvent's encoded size (six numbers: at most 55 bytes), so
 a Progress page holds MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES events."""
+LOG_PIECE_BYTES = 256 * 1024
+"""Most bytes of a job's log in one JobLog reply (well under MAX_REPLY_BYTES even if
+every byte became a 3-byte replacement character; a small read on the I/O thread)."""
 MAX_PENDING_ADMISSIONS = 32
 """Submissions/resumes waiting for the admission thread; more are refused as busy, so a
 flood of SubmitJobs cannot grow the coordinator."""
@@ -769,6 +774,8 @@ class Coordinator:
                 return job.status()
         if isinstance(msg, GetProgress):
             return self._progress(msg, peer)
+        if isinstance(msg, GetJobLog):
+            return self._job_log(msg, peer)
         if isinstance(msg, CancelJob):
             return self._cancel(msg.job_id, peer)
         if isinstance(msg, ResumeJob):
@@ -825,6 +832,32 @@ class Coordinator:
                 page = events[first : first + MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES]
                 more = first + len(page) < len(events)
         return Progress(job_id=job.job_id, events=page, done=done and not more)
+
+    def _job_log(self, msg: GetJobLog, peer: Peer) -> Message:
+        """A piece of the job's log file, for its owner or an admin: the way a user who
+        may not read the coordinator's files reads the log of a job of theirs."""
+        job = self._job_of(msg.job_id, peer)
+        if job is None:
+            return _unknown(msg.job_id)
+        if job.log_path is None:
+            return JobLog(job_id=job.job_id, offset=msg.offset, text="", next_offset=msg.offset)
+        try:
+            with open(job.log_path, "rb") as f:
+                f.seek(msg.offset)
+                data = f.read(LOG_PIECE_BYTES + 1)
+        except FileNotFoundError:
+            data = b""  # a queued job has no log yet
+        more = len(data) > LOG_PIECE_BYTES
+        data = data[:LOG_PIECE_BYTES]
+        if more and b"\n" in data:
+            data = data[: data.rindex(b"\n") + 1]  # whole lines: no character cut in two
+        return JobLog(
+            job_id=job.job_id,
+            offset=msg.offset,
+            text=data.decode("utf-8", errors="replace"),
+            next_offset=msg.offset + len(data),
+            more=more,
+        )
 
     def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
         """(the JobSpec if it was built here, the normalised spec dict). Raises

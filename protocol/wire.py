@@ -141,6 +141,8 @@ Client API (K -> C requests, C -> K replies)
     WorkerList   C -> K   a WorkerInfo per worker of the page, whether more follow
     GetProgress  K -> C   progress events after a seq;    reply Progress or ErrorReply
     Progress     C -> K   a page of ProgressEvents in seq order, whether the job has ended
+    GetJobLog    K -> C   a job's log from a byte offset; reply JobLog or ErrorReply
+    JobLog       C -> K   up to 256 KiB of the log (whole lines), where the next piece starts
 
 Replies are bounded: the coordinator fills a page up to :data:`MAX_REPLY_BYTES` (at least
 one item), so no amount of history, no number of workers and no length of a peer's
@@ -236,15 +238,17 @@ __all__ = [
     "ResumeJob",
     "ListJobs",
     "JobList",
+    "JobLog",
     "ListWorkers",
     "WorkerList",
+    "GetJobLog",
     "GetProgress",
     "Progress",
     "ErrorReply",
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 9
+PROTOCOL_VERSION: int = 10
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1791,6 +1795,33 @@ class GetProgress(Message):
     job_id: Name
     #: return events with seq > after_seq; 0 for all (seqs start at 1)
     after_seq: NonNegInt
+
+
+@_message
+class GetJobLog(Message):
+    """Ask for a piece of a job's log (the coordinator's log lines of that job); only its
+    owner or an admin gets it."""
+
+    #: job id
+    job_id: Name
+    #: byte offset in the log to read from; 0 for the beginning
+    offset: NonNegInt = 0
+
+
+@_message
+class JobLog(Message):
+    """A piece of a job's log, at most MAX_REPLY_BYTES; ask again from `next_offset`."""
+
+    #: job id
+    job_id: Name
+    #: byte offset of `text` in the log
+    offset: NonNegInt
+    #: the log from `offset`, whole lines where a line fits (UTF-8; bad bytes replaced)
+    text: str
+    #: where the next piece starts: `offset` plus the bytes `text` was decoded from
+    next_offset: NonNegInt
+    #: True if the log held more than this piece when it was read
+    more: bool = False
 
 
 @_struct

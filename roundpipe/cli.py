@@ -8,7 +8,7 @@
     roundpipe workers                    # every worker, as a table
     roundpipe cancel JOB
     roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
-    roundpipe logs JOB [--follow]        # the coordinator's log of one job
+    roundpipe logs JOB [--follow]        # a job's log, from the coordinator (owner/admin)
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
     roundpipe keys init|new|add|list|remove   # CurveZMQ keys and who may connect
 
@@ -48,7 +48,7 @@ from roundpipe.client import (
     RoundPipeError,
 )
 from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address, default_state_dir
+from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.protocol import JobStatus, ProgressEvent, WorkerInfo
 
 __all__ = ["ProgressPrinter", "main", "watch_job"]
@@ -406,8 +406,10 @@ def job_log_path(state_dir: str | os.PathLike[str], job_id: str) -> Path:
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
-    path = job_log_path(state_dir, args.job)
+    if args.state_dir is None:
+        with _client(args) as client:
+            return _remote_log(client, args.job, follow=args.follow, poll_s=args.poll)
+    path = job_log_path(args.state_dir, args.job)
     if not args.follow:
         try:
             f = open(path, encoding="utf-8", errors="replace")
@@ -423,6 +425,27 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         return EXIT_OK
     with _client(args) as client:
         return _follow_log(path, client.job(args.job), poll_s=args.poll)
+
+
+def _remote_log(client: Client, job_id: str, *, follow: bool, poll_s: float) -> int:
+    """Print a job's log as the coordinator sends it (GetJobLog), so that its owner can
+    read it without access to the coordinator's files; with ``follow``, until the job
+    has stopped and the log is drained."""
+    offset = 0
+    ended = False
+    while True:
+        piece = client.job_log(job_id, offset)
+        sys.stdout.write(piece.text)
+        sys.stdout.flush()
+        offset = piece.next_offset
+        if piece.more:
+            continue
+        if not follow or ended:
+            return EXIT_OK
+        # Read once more after the job has stopped: its last lines may have just landed.
+        ended = client.status(job_id).state in STOPPED_STATES
+        if not ended:
+            time.sleep(poll_s)
 
 
 def _copy_new(src: IO[str], dst: IO[str]) -> bool:
@@ -600,8 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         default=None,
         metavar="DIR",
-        help="the coordinator's state directory (default: $ROUNDPIPE_STATE_DIR, else "
-        "$XDG_STATE_HOME/roundpipe, else ~/.local/state/roundpipe)",
+        help="read the log file in this state directory of the coordinator directly, "
+        "instead of asking the coordinator (which gives a job's log only to its owner "
+        "or an admin)",
     )
     p.add_argument(
         "-f",

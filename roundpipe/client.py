@@ -59,10 +59,12 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    GetJobLog,
     GetJobStatus,
     GetProgress,
     JobAccepted,
     JobList,
+    JobLog,
     JobStatus,
     ListJobs,
     ListWorkers,
@@ -422,6 +424,14 @@ class Client:
         coordinator returns, and whether the job has ended. :meth:`JobHandle.progress`
         is the convenient form."""
         reply = self._request(GetProgress(job_id=job_id, after_seq=after_seq), Progress)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+        return reply
+
+    def job_log(self, job_id: str, offset: int = 0) -> JobLog:
+        """One piece of a job's log from byte ``offset`` (at most 256 KiB; ask again
+        from ``next_offset`` while ``more``). Only the job's owner or an admin gets it."""
+        reply = self._request(GetJobLog(job_id=job_id, offset=offset), JobLog)
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
         return reply

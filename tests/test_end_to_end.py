@@ -223,6 +223,25 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
         timeout=60,
     )
     assert logs.returncode == 0 and "step 3 loss" in logs.stdout
+    # Without --state-dir the log comes from the coordinator, to its owner only.
+    remote = subprocess.run(
+        [*cli, "logs", job_id, "--address", cluster.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert remote.returncode == 0 and remote.stdout == logs.stdout
+    if not (cluster.keys_dir / "cli-other.key_secret").exists():
+        cluster.add_key("cli-other", "client")
+    other = subprocess.run(
+        [*cli, "logs", job_id, "--address", cluster.address],
+        env={**os.environ, **cluster.key_env("cli-other")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert other.returncode == 1 and "unknown job" in other.stderr and other.stdout == ""
 
 
 def test_demo_trains_visibly_and_cleans_up(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def test_jobs_belong_to_their_submitter(cluster: LocalCluster, tmp_path: Path) -
     bob = cluster.client_as("bob")
     try:
         assert handle.job_id not in [j.job_id for j in bob.jobs()]
-        for attack in (bob.status, bob.cancel, bob.resume, bob.get_progress):
+        for attack in (bob.status, bob.cancel, bob.resume, bob.get_progress, bob.job_log):
             with pytest.raises(UnknownJob):
                 attack(handle.job_id)
         # A raw request from bob's key: the same "no such job" as for an id that does
@@ -199,7 +199,9 @@ def test_jobs_belong_to_their_submitter(cluster: LocalCluster, tmp_path: Path) -
         assert len(reply) == 1 and isinstance(reply[0], ErrorReply)
         assert reply[0].code == "unknown_job"
         assert handle.status().state == "running"
-        # The owner and the admin see it; alice sees only her own jobs.
+        # The owner and the admin see it (and its log); alice sees only her own jobs.
+        assert "[trainer]" in alice.job_log(handle.job_id).text
+        assert "[trainer]" in cluster.client.job_log(handle.job_id).text
         assert handle.job_id in [j.job_id for j in alice.jobs()]
         assert handle.job_id in [j.job_id for j in cluster.client.jobs()]
         bob_job = bob.submit(tiny_spec(tmp_path / "bob", steps=2))
