@@ -181,66 +181,38 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     """`roundpipe submit SPEC.yaml --wait` against real daemons, then status/jobs/logs."""
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(tiny_spec(tmp_path / "cli-out", steps=3).to_yaml())
-    cli = [sys.executable, "-m", "roundpipe.cli"]
-    # As a user would: a client key of their own (not the cluster's admin key).
-    if not (cluster.keys_dir / "cli-user.key_secret").exists():
-        cluster.add_key("cli-user", "client")
-    env = {**os.environ, **cluster.key_env("cli-user")}
-    result = subprocess.run(
-        [*cli, "submit", str(spec_path), "--wait", "--address", cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def cli(*args: str, user: str | None = "cli-user", timeout: float = 60):
+        """`roundpipe ARGS` as identity `user` (a client key of its own, as a user
+        would have; None: no key configured)."""
+        if user is not None and not (cluster.keys_dir / f"{user}.key_secret").exists():
+            cluster.add_key(user, "client")
+        return subprocess.run(
+            [sys.executable, "-m", "roundpipe.cli", *args],
+            env={**os.environ, **(cluster.key_env(user) if user else {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    address = ["--address", cluster.address]
+    result = cli("submit", str(spec_path), "--wait", *address, timeout=300)
     assert result.returncode == 0, result.stderr + cluster.logs()
     job_id = result.stdout.strip().splitlines()[0]
     assert "step 3/3" in result.stderr and "succeeded" in result.stderr
     assert (tmp_path / "cli-out" / "model.safetensors").exists()
-    status = subprocess.run(
-        [*cli, "status", job_id, "--address", cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = cli("status", job_id, *address)
     assert status.returncode == 0 and "succeeded" in status.stdout
     # The plan the coordinator chose is stored with the job and shown (Note [re-planning]).
     plan_line = [line for line in status.stdout.splitlines() if line.startswith("plan:")]
     assert plan_line and Plan.parse(plan_line[0].split(":", 1)[1].strip())
-    jobs = subprocess.run(
-        [*cli, "jobs", "--address", cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert job_id in jobs.stdout
-    logs = subprocess.run(
-        [*cli, "logs", job_id, "--state-dir", str(cluster.state_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    assert job_id in cli("jobs", *address).stdout
+    logs = cli("logs", job_id, "--state-dir", str(cluster.state_dir), user=None)
     assert logs.returncode == 0 and "step 3 loss" in logs.stdout
     # Without --state-dir the log comes from the coordinator, to its owner only.
-    remote = subprocess.run(
-        [*cli, "logs", job_id, "--address", cluster.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    remote = cli("logs", job_id, *address)
     assert remote.returncode == 0 and remote.stdout == logs.stdout
-    if not (cluster.keys_dir / "cli-other.key_secret").exists():
-        cluster.add_key("cli-other", "client")
-    other = subprocess.run(
-        [*cli, "logs", job_id, "--address", cluster.address],
-        env={**os.environ, **cluster.key_env("cli-other")},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    other = cli("logs", job_id, *address, user="cli-other")
     assert other.returncode == 1 and "unknown job" in other.stderr and other.stdout == ""
 
 
