@@ -18,6 +18,15 @@ One ROUTER socket at ``--address`` serves both workers and clients (both use DEA
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
 and gets exactly one reply. Signal handlers only set a flag.
 
+Every connection is authenticated before its first message (roundpipe.coordinator.auth:
+CurveZMQ keys, or ipc:// peer credentials; the ZAP handler runs on the I/O thread).
+Each message is handled as its sender's identity and role allow: jobs belong to their
+submitter (others, unless admin, are told the job does not exist); ``Hello`` and
+heartbeats need a worker role; ``TaskDone``/``TaskFailed`` count only from the
+registered worker they name, on its connection, for a task dispatched to it; a lost
+worker is SIGKILLed only if its process is provably the worker's
+(Note [no fencing by hearsay]).
+
 Nothing a peer sends can end the I/O loop: the socket refuses frames over
 ``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); lists are answered a page of
 at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to ``MAX_TEXT_CHARS`` (with
@@ -56,6 +65,13 @@ import psutil
 import zmq
 
 from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
+from roundpipe.coordinator.auth import (
+    ZAP_ENDPOINT,
+    Authenticator,
+    AuthSetupError,
+    Peer,
+    RateLimitedLog,
+)
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.paths import (
@@ -76,12 +92,14 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    GetJobLog,
     GetJobStatus,
     GetProgress,
     Heartbeat,
     Hello,
     JobAccepted,
     JobList,
+    JobLog,
     JobStatus,
     JobTeardown,
     ListJobs,
@@ -105,6 +123,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.protocol.polling import poll_spinning
 from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
+from roundpipe.shared.keys import KeyError_
 from roundpipe.shared.plan import Plan
 
 __all__ = ["Coordinator", "main"]
@@ -130,6 +149,9 @@ Hello, whose only bound is the frame size)."""
 PROGRESS_EVENT_BYTES = 64
 """Upper bound of one ProgressEvent's encoded size (six numbers: at most 55 bytes), so
 a Progress page holds MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES events."""
+LOG_PIECE_BYTES = 256 * 1024
+"""Most bytes of a job's log in one JobLog reply (well under MAX_REPLY_BYTES even if
+every byte became a 3-byte replacement character; a small read on the I/O thread)."""
 MAX_PENDING_ADMISSIONS = 32
 """Submissions/resumes waiting for the admission thread; more are refused as busy, so a
 flood of SubmitJobs cannot grow the coordinator."""
@@ -141,6 +163,13 @@ class WorkerEntry:
     identity: bytes
     hello: Hello
     last_seen: float
+    # The authenticated identity (key name) that registered it: its messages must come
+    # from that identity on this connection.
+    peer_name: str = ""
+    # The worker's process, when the coordinator can prove which one it is (its own
+    # child, or the pid the kernel reported for its ipc connection); only such a process
+    # is ever signalled. See Note [no fencing by hearsay].
+    process: psutil.Process | None = None
     state: str = "idle"
     tasks_done: int = 0
 
@@ -164,6 +193,8 @@ class JobRecord:
     cancel_requested: bool = False
     log_path: Path | None = None
     submitted_at: float = field(default_factory=time.time)
+    # The identity that submitted it: only it (and admins) may see or change the job.
+    owner: str = ""
     # The events of the job's last run, kept when its trainer is dropped at the end (the
     # trainer's own list while it runs). Empty after a coordinator restart.
     progress: list[ProgressEvent] = field(default_factory=list)
@@ -210,8 +241,13 @@ class Coordinator:
         wait_timeout_s: float = 600.0,
         worker_timeout_s: float = WORKER_LOST_AFTER_S,
         paths: PathPolicy | None = None,
+        keys_dir: str | Path | None = None,
     ):
         self.address = address
+        # Default: <state-dir>/keys (roundpipe.shared.keys); read at bind().
+        self.keys_dir = Path(keys_dir) if keys_dir is not None else Path(state_dir) / "keys"
+        self.auth: Authenticator | None = None
+        self._noisy = RateLimitedLog()  # log lines a peer can provoke at will
         self.worker_timeout_s = worker_timeout_s
         self.state_dir = Path(state_dir)
         # Where job specs may read and write (coordinator.paths); by default only the
@@ -236,8 +272,11 @@ class Coordinator:
         self._job_wakeup = threading.Condition(self._lock)
         self._active: JobRecord | None = None
         self.store: JobStore | None = None
-        # (identity, request) for the admission thread; bounded (MAX_PENDING_ADMISSIONS).
-        self._admissions: queue.Queue[tuple[bytes, Message] | None] = queue.Queue(
+        # Which worker each dispatched task went to: (job id, task id) -> worker id. A
+        # TaskDone/TaskFailed is accepted only from that worker.
+        self._assigned: dict[tuple[str, int], int] = {}
+        # (identity, request, peer) for the admission thread; bounded.
+        self._admissions: queue.Queue[tuple[bytes, Message, Peer] | None] = queue.Queue(
             MAX_PENDING_ADMISSIONS
         )
         # Set by serve(); without it (a coordinator driven by tests) specs are validated
@@ -257,17 +296,33 @@ class Coordinator:
             raise FileNotFoundError(
                 f"arena directory {self.arena_dir} does not exist (set --arena-dir)"
             )
-        if self.address.startswith("ipc://") and _someone_answers(self.ctx, self.address):
+        self.auth = Authenticator(self.address, self.keys_dir)  # AuthSetupError: no keys
+        if self.address.startswith("ipc://") and _someone_listens(self.address):
             # ZeroMQ would silently take over an ipc path; check for a live owner first.
             raise AddressInUse(f"another coordinator is already serving {self.address}")
+        # The ZAP handler must be bound before any peer connects: libzmq refuses every
+        # handshake while ZAP_DOMAIN is set and no handler listens.
+        self.zap = self.ctx.socket(zmq.ROUTER)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind(ZAP_ENDPOINT)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.auth.configure(self.router)
+        # A peer that fails the handshake before the ZAP handler is asked (no key at all:
+        # the wrong mechanism; garbage instead of a greeting) shows up only here.
+        self.handshake_events = self.router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         try:
             self.router.bind(self.address)
+            if self.address.startswith("ipc://"):
+                # Owner and group may connect, whatever the umask (docs/deploy.md).
+                os.chmod(self.address[len("ipc://") :], 0o660)
         except zmq.ZMQError as exc:
             self.router.close()
+            self.zap.close()
             if exc.errno == zmq.EADDRINUSE:
                 raise AddressInUse(
                     f"address {self.address} is in use (another coordinator?); stop it or "
@@ -330,6 +385,7 @@ class Coordinator:
             plan=stored.plan,
             log_path=self.state_dir / "jobs" / stored.job_id / "job.log",
             submitted_at=stored.created_at,
+            owner=stored.owner,
         )
 
     def _set_state(self, job: JobRecord, state: str, message: str, **extra) -> None:
@@ -360,12 +416,18 @@ class Coordinator:
             target=self._admission_loop, name="rp-admission", daemon=True
         )
         admission_thread.start()
-        log.info("[coordinator] roundpipe-coordinator ready on %s", self.address)
+        log.info(
+            "[coordinator] roundpipe-coordinator ready on %s (authentication: %s)",
+            self.address,
+            self.auth.mode if self.auth else "none",
+        )
         notifier = Notifier()  # systemd Type=notify; a no-op elsewhere (coordinator.sdnotify)
         notifier.ready(f"listening on {self.address}")
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
+        poller.register(self.zap, zmq.POLLIN)
+        poller.register(self.handshake_events, zmq.POLLIN)
         next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
         try:
             while not self._stop.is_set():
@@ -374,6 +436,12 @@ class Coordinator:
                     try:
                         if sock is self.router:
                             self._on_router()
+                        elif sock is self.zap:
+                            assert self.auth is not None
+                            self.auth.handle_zap(self.zap)
+                        elif sock is self.handshake_events:
+                            assert self.auth is not None
+                            self.auth.on_handshake_failed(self.handshake_events)
                         else:
                             frames = self.outbox.recv_multipart()
                             self._send(frames[0], frames[1:])
@@ -384,6 +452,8 @@ class Coordinator:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
                     try:
+                        assert self.auth is not None
+                        self.auth.reload()  # a removed key is refused from now on
                         self._check_workers()
                     except Exception:
                         log.exception("[coordinator] checking the workers failed")
@@ -400,8 +470,11 @@ class Coordinator:
             admission_thread.join(timeout=60)
             self.validator.close()
             job_thread.join(timeout=60)
+            self.router.disable_monitor()
+            self.handshake_events.close()
             self.router.close()
             self.outbox.close()
+            self.zap.close()
             self.ctx.term()
             notifier.close()
             log.info("[coordinator] stopped")
@@ -415,21 +488,33 @@ class Coordinator:
         try:
             self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("[coordinator] peer %r is not reading; message dropped", identity)
+            # Rate-limited: a peer that floods requests and never reads would otherwise
+            # write a log line per request.
+            self._noisy.warning("not-reading", "peer %r is not reading; message dropped", identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
-            log.warning("[coordinator] cannot reach peer %r: %s", identity, exc)
+            self._noisy.warning("unreachable", "cannot reach peer %r: %s", identity, exc)
 
     def _reply(self, identity: bytes, reply: Message) -> None:
         """Send a reply; one that cannot be encoded becomes an ErrorReply saying so."""
         self._send(identity, encode_reply(reply))
 
     def _on_router(self) -> None:
-        identity, *frames = self.router.recv_multipart()
+        parts = self.router.recv_multipart(copy=False)
+        identity = parts[0].bytes
+        assert self.auth is not None
+        peer = self.auth.peer(parts[-1])
+        if peer is None:
+            # Authenticated at connect time, but its key has since been removed.
+            self.auth.refusals.warning(
+                "revoked", "dropped a message from an identity no longer authorised"
+            )
+            return
+        frames = [p.bytes for p in parts[1:]]
         try:
             msg = decode(frames)
         except ProtocolVersionError as exc:
-            log.warning(
-                "[coordinator] rejected a peer speaking protocol %s: %s", exc.seen_version, exc
+            self._noisy.warning(
+                "version", "rejected a peer speaking protocol %s: %s", exc.seen_version, exc
             )
             self._send(
                 identity,
@@ -444,19 +529,67 @@ class Coordinator:
             )
             return
         except ProtocolError as exc:
-            log.warning("[coordinator] malformed message from %r dropped: %s", identity, exc)
+            self.auth.refusals.warning(
+                "malformed", "malformed message from %s dropped: %s", peer.name, exc
+            )
             self._reply(identity, ErrorReply(code="protocol_error", message=str(exc)))
             return
+        if isinstance(msg, (Hello, Heartbeat, TaskDone, TaskFailed)):
+            self._on_worker_message(identity, peer, msg)
+        elif not peer.client:
+            self._forbid(identity, peer, msg)
+        elif isinstance(msg, (SubmitJob, ResumeJob)):
+            self._admit(identity, msg, peer, len(frames[0]) if len(frames) == 1 else 0)
+        else:
+            self._reply(identity, self._answer(msg, peer))
+
+    def _forbid(self, identity: bytes, peer: Peer, msg: Message) -> None:
+        self.auth.refusals.warning(  # type: ignore[union-attr]
+            "forbidden",
+            "refused a %s from %s (role %s)",
+            type(msg).__name__,
+            peer.name,
+            "/".join(sorted(peer.roles)),
+        )
+        needs = "worker" if isinstance(msg, (Hello, Heartbeat)) else "client or admin"
+        self._reply(
+            identity,
+            ErrorReply(
+                code="forbidden",
+                message=f"identity {peer.name!r} may not send {type(msg).__name__}: that "
+                f"needs a {needs} key (`roundpipe keys add NAME --role ...` on the "
+                "coordinator's host)",
+            ),
+        )
+
+    def _on_worker_message(
+        self, identity: bytes, peer: Peer, msg: Hello | Heartbeat | TaskDone | TaskFailed
+    ) -> None:
+        """Worker-only messages: from a worker-role identity, and (except Hello) from the
+        registered worker on its own connection."""
+        if not peer.worker:
+            if isinstance(msg, (Hello, Heartbeat)):
+                self._forbid(identity, peer, msg)
+            else:  # results get no reply: just drop them
+                self.auth.refusals.warning(  # type: ignore[union-attr]
+                    "forged-result",
+                    "dropped a %s from non-worker %s",
+                    type(msg).__name__,
+                    peer.name,
+                )
+            return
         if isinstance(msg, Hello):
-            self._on_hello(identity, msg)
-        elif isinstance(msg, (TaskDone, TaskFailed)):
-            self._on_task_result(identity, msg)
-        elif isinstance(msg, Heartbeat):
-            with self._lock:
-                wid = self._by_identity.get(identity)
-                if wid is not None:
-                    self.workers[wid].last_seen = time.monotonic()
-            if wid is None:
+            self._on_hello(identity, peer, msg)
+            return
+        with self._lock:
+            wid = self._by_identity.get(identity)
+            entry = self.workers.get(wid) if wid is not None else None
+            if entry is not None and entry.peer_name != peer.name:
+                entry = None
+            if entry is not None:
+                entry.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            if entry is None:
                 # A worker of a previous coordinator instance (its socket reconnected by
                 # itself): make it shake hands again so it gets a worker id and the jobs.
                 reply: Message = ErrorReply(
@@ -466,19 +599,17 @@ class Coordinator:
                 # Answer, so the worker can tell a lost coordinator from a quiet one.
                 reply = Heartbeat(sender="coordinator", seq=msg.seq, sent_at=time.time())
             self._reply(identity, reply)
-        elif isinstance(msg, (SubmitJob, ResumeJob)):
-            self._admit(identity, msg, len(frames[0]) if len(frames) == 1 else 0)
-        else:
-            self._reply(identity, self._answer(msg))
+            return
+        self._on_task_result(entry, msg)
 
-    def _answer(self, msg: Message) -> Message:
+    def _answer(self, msg: Message, peer: Peer) -> Message:
         try:
-            return self._on_request(msg)
+            return self._on_request(msg, peer)
         except Exception as exc:  # a bug in a handler must not kill the daemon
             log.exception("[coordinator] request %s failed", type(msg).__name__)
             return ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}")
 
-    def _admit(self, identity: bytes, msg: SubmitJob | ResumeJob, size: int) -> None:
+    def _admit(self, identity: bytes, msg: SubmitJob | ResumeJob, peer: Peer, size: int) -> None:
         """Hand a submission or resume to the admission thread: validating a spec reads
         files (the data, the model's config) and must not hold up this loop."""
         if isinstance(msg, SubmitJob) and size > MAX_SPEC_BYTES:
@@ -492,7 +623,7 @@ class Coordinator:
             )
             return
         try:
-            self._admissions.put_nowait((identity, msg))
+            self._admissions.put_nowait((identity, msg, peer))
         except queue.Full:
             self._reply(
                 identity,
@@ -514,28 +645,43 @@ class Coordinator:
                     continue
                 if item is None:
                     return
-                identity, msg = item
+                identity, msg, peer = item
                 try:
-                    push.send_multipart([identity, *encode_reply(self._answer(msg))])
+                    push.send_multipart([identity, *encode_reply(self._answer(msg, peer))])
                 except Exception:  # this thread must outlive any one submission
                     log.exception("[coordinator] answering a %s failed", type(msg).__name__)
         finally:
             push.close(linger=1000)
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+    def _on_hello(self, identity: bytes, peer: Peer, hello: Hello) -> None:
+        problem = implausible_hardware(hello)
+        if problem is not None:
+            self.auth.refusals.warning(  # type: ignore[union-attr]
+                "bad-hello", "refused worker %s: %s", peer.name, problem
+            )
+            self._reply(
+                identity,
+                ErrorReply(code="bad_hello", message=f"this worker was refused: {problem}"),
+            )
+            return
+        process = _provable_worker_process(hello, peer)
         with self._lock:
             wid = self._by_identity.get(identity) or next(self._worker_ids)
-            self.workers[wid] = WorkerEntry(wid, identity, hello, time.monotonic())
+            self.workers[wid] = WorkerEntry(
+                wid, identity, hello, time.monotonic(), peer_name=peer.name, process=process
+            )
             self._by_identity[identity] = wid
             active = self._active
         log.info(
-            "[coordinator] worker %d joined: %s (%s %s, pid %d on %s)",
+            "[coordinator] worker %d joined: %s (%s %s, pid %d on %s, identity %s; %s)",
             wid,
             bounded_text(hello.worker_name, MAX_NAME_CHARS),
             hello.device,
             bounded_text(hello.device_name, MAX_NAME_CHARS),
             hello.pid,
             bounded_text(hello.hostname, MAX_NAME_CHARS),
+            peer.name,
+            "process verified" if process is not None else "process not provable: never signalled",
         )
         self._send(
             identity,
@@ -554,15 +700,28 @@ class Coordinator:
             self._send(identity, encode(active.trainer.job_setup()))
             active.trainer.inbox.put("worker-joined")
 
-    def _on_task_result(self, identity: bytes, msg: TaskDone | TaskFailed) -> None:
+    def _on_task_result(self, entry: WorkerEntry | None, msg: TaskDone | TaskFailed) -> None:
+        """Forward a result to the job, if it comes from the registered worker the task
+        was assigned to (on that worker's connection) and names that worker."""
         with self._lock:
-            wid = self._by_identity.get(identity)
-            if wid is not None:
-                entry = self.workers[wid]
-                entry.last_seen = time.monotonic()
+            assigned = self._assigned.get((msg.job_id, msg.task_id))
+            if entry is None or msg.worker_id != entry.worker_id or assigned != entry.worker_id:
+                accepted = False
+            else:
+                accepted = True
                 if isinstance(msg, TaskDone):
                     entry.tasks_done += 1
+                    del self._assigned[(msg.job_id, msg.task_id)]
             active = self._active
+        if not accepted:
+            self.auth.refusals.warning(  # type: ignore[union-attr]
+                "stray-result",
+                "dropped a %s for task %d of %s: not from the worker it was assigned to",
+                type(msg).__name__,
+                msg.task_id,
+                bounded_text(msg.job_id, MAX_NAME_CHARS),
+            )
+            return
         if active is not None and active.trainer is not None and active.job_id == msg.job_id:
             active.trainer.inbox.put(msg)
 
@@ -573,7 +732,7 @@ class Coordinator:
         lost: list[tuple[WorkerEntry, str]] = []
         with self._lock:
             for wid, entry in list(self.workers.items()):
-                if _local_process_gone(entry.hello):
+                if _process_gone(entry.process):
                     reason = "process exited"
                 elif now - entry.last_seen > self.worker_timeout_s:
                     reason = f"no heartbeat for {self.worker_timeout_s:.0f}s"
@@ -590,7 +749,7 @@ class Coordinator:
                 entry.hello.worker_name,
                 reason,
             )
-            _fence_local(entry.hello)  # a frozen process must never wake up and write
+            _fence(entry)  # a frozen process must never wake up and write
             if active is not None and active.trainer is not None:
                 active.trainer.inbox.put(f"worker-lost:{entry.worker_id}:{reason}")
 
@@ -607,26 +766,39 @@ class Coordinator:
                 entry.hello.worker_name,
                 reason,
             )
-            _fence_local(entry.hello)
+            _fence(entry)
 
-    def _on_request(self, msg: Message) -> Message:
+    def _job_of(self, job_id: str, peer: Peer) -> JobRecord | None:
+        """The job, if ``peer`` may see it: its owner or an admin. Anyone else is told
+        there is no such job, exactly as for an id that does not exist."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+        if job is None or not (peer.admin or job.owner == peer.name):
+            return None
+        return job
+
+    def _on_request(self, msg: Message, peer: Peer) -> Message:
         if isinstance(msg, SubmitJob):
-            return self._submit(msg)
+            return self._submit(msg, peer)
         if isinstance(msg, GetJobStatus):
+            job = self._job_of(msg.job_id, peer)
+            if job is None:
+                return _unknown(msg.job_id)
             with self._lock:
-                job = self.jobs.get(msg.job_id)
-                return job.status() if job else _unknown(msg.job_id)
+                return job.status()
         if isinstance(msg, GetProgress):
-            return self._progress(msg)
+            return self._progress(msg, peer)
+        if isinstance(msg, GetJobLog):
+            return self._job_log(msg, peer)
         if isinstance(msg, CancelJob):
-            return self._cancel(msg.job_id)
+            return self._cancel(msg.job_id, peer)
         if isinstance(msg, ResumeJob):
-            return self._resume(msg.job_id)
+            return self._resume(msg.job_id, peer)
         if isinstance(msg, ListJobs):
             with self._lock:
-                total = len(self.jobs)
-                jobs = itertools.islice(self.jobs.values(), msg.start, None)
-                page, more = _page(j.status() for j in jobs)
+                visible = [j for j in self.jobs.values() if peer.admin or j.owner == peer.name]
+                total = len(visible)
+                page, more = _page(j.status() for j in visible[msg.start :])
             next_start = msg.start + len(page) if more else None
             return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
@@ -658,11 +830,11 @@ class Coordinator:
             message=f"{type(msg).__name__} is not a request a coordinator answers",
         )
 
-    def _progress(self, msg: GetProgress) -> Message:
+    def _progress(self, msg: GetProgress, peer: Peer) -> Message:
+        job = self._job_of(msg.job_id, peer)
+        if job is None:
+            return _unknown(msg.job_id)
         with self._lock:
-            job = self.jobs.get(msg.job_id)
-            if job is None:
-                return _unknown(msg.job_id)
             done = job.state in STOPPED_STATES
             trainer = job.trainer
             lock = trainer.progress_lock if trainer is not None else threading.Lock()
@@ -675,6 +847,32 @@ class Coordinator:
                 more = first + len(page) < len(events)
         return Progress(job_id=job.job_id, events=page, done=done and not more)
 
+    def _job_log(self, msg: GetJobLog, peer: Peer) -> Message:
+        """A piece of the job's log file, for its owner or an admin: the way a user who
+        may not read the coordinator's files reads the log of a job of theirs."""
+        job = self._job_of(msg.job_id, peer)
+        if job is None:
+            return _unknown(msg.job_id)
+        if job.log_path is None:
+            return JobLog(job_id=job.job_id, offset=msg.offset, text="", next_offset=msg.offset)
+        try:
+            with open(job.log_path, "rb") as f:
+                f.seek(msg.offset)
+                data = f.read(LOG_PIECE_BYTES + 1)
+        except FileNotFoundError:
+            data = b""  # a queued job has no log yet
+        more = len(data) > LOG_PIECE_BYTES
+        data = data[:LOG_PIECE_BYTES]
+        if more and b"\n" in data:
+            data = data[: data.rindex(b"\n") + 1]  # whole lines: no character cut in two
+        return JobLog(
+            job_id=job.job_id,
+            offset=msg.offset,
+            text=data.decode("utf-8", errors="replace"),
+            next_offset=msg.offset + len(data),
+            more=more,
+        )
+
     def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
         """(the JobSpec if it was built here, the normalised spec dict). Raises
         JobSpecError or ValidationUnavailable. Paths outside the allowed roots are
@@ -686,7 +884,7 @@ class Coordinator:
         built = validate_spec(spec, str(self.arena_dir), hardware)
         return built, built.to_dict()
 
-    def _submit(self, msg: SubmitJob) -> Message:
+    def _submit(self, msg: SubmitJob, peer: Peer) -> Message:
         try:
             spec, spec_dict = self._validated(dict(msg.spec))
         except JobSpecError as exc:
@@ -708,10 +906,13 @@ class Coordinator:
             total_steps=steps,
             output_dir=str(output),
             log_path=job_dir / "job.log",
+            owner=peer.name,
         )
         assert self.store is not None
         try:
-            self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=steps)
+            self.store.add(
+                job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=peer.name
+            )
         except JobStoreError as exc:
             log.error("[coordinator] job not accepted: %s", exc)
             return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
@@ -719,14 +920,15 @@ class Coordinator:
             self.jobs[job_id] = record
             self._queue.append(job_id)
             self._job_wakeup.notify_all()
-        log.info("[coordinator] job %s queued (%d steps)", job_id, steps)
+        log.info("[coordinator] job %s of %s queued (%d steps)", job_id, peer.name, steps)
         return JobAccepted(job_id=job_id)
 
-    def _cancel(self, job_id: str) -> Message:
+    def _cancel(self, job_id: str, peer: Peer) -> Message:
+        job = self._job_of(job_id, peer)
+        if job is None:
+            return _unknown(job_id)
+        log.info("[coordinator] %s asks to cancel job %s", peer.name, job_id)
         with self._lock:
-            job = self.jobs.get(job_id)
-            if job is None:
-                return _unknown(job_id)
             if job.state in FINAL_STATES:
                 return Ack()
             job.cancel_requested = True
@@ -741,11 +943,11 @@ class Coordinator:
             trainer.cancel()
         return Ack()
 
-    def _resume(self, job_id: str) -> Message:
+    def _resume(self, job_id: str, peer: Peer) -> Message:
+        job = self._job_of(job_id, peer)
+        if job is None:
+            return _unknown(job_id)
         with self._lock:
-            job = self.jobs.get(job_id)
-            if job is None:
-                return _unknown(job_id)
             check = job.spec is None and job.state not in ("queued", "running", "succeeded")
         if check:  # outside the lock: it reads the job's files
             try:
@@ -876,6 +1078,8 @@ class Coordinator:
                     "[coordinator] task %d not sent: worker %d is gone", task.task_id, worker_id
                 )
                 return
+            with self._lock:
+                self._assigned[(task.job_id, task.task_id)] = worker_id
             push.send_multipart([identity, *encode(task)])
 
         def on_checkpoint(step: int, path: Path) -> None:
@@ -951,6 +1155,8 @@ class Coordinator:
                     job.step, job.loss = trainer.step, trainer.last_loss
                 job.progress = trainer.progress
                 job.trainer = None
+                for key in [k for k in self._assigned if k[0] == job.job_id]:
+                    del self._assigned[key]
             trainer = None  # the last reference (the closures above share it)
             _release_freed_memory()
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
@@ -969,48 +1175,89 @@ def _release_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
-def _local_process(hello: Hello) -> psutil.Process | None:
-    """The worker's process if it runs on this host and is the same process (pid reuse
-    is ruled out by the start time), else None."""
-    if hello.hostname != socket.gethostname():
-        return None
-    try:
-        proc = psutil.Process(hello.pid)
-        if abs(proc.create_time() - hello.process_create_time) > 0.05:
-            return None
-        return proc
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return None
+# Note [no fencing by hearsay]
+# A lost worker that still runs must never wake up and write into a job's arenas, so the
+# coordinator SIGKILLs it. But a Hello's pid is only what the peer claims: a fake Hello
+# naming another process (a root daemon, a real worker, the coordinator itself) made the
+# coordinator kill that process. The coordinator therefore signals only a process it can
+# prove is the worker: its own child, or the process the kernel reports at the other end
+# of the worker's ipc:// connection (SO_PEERCRED). Any other lost worker is dropped (its
+# connection forgotten, its tasks re-dispatched), not killed. The start time, taken by
+# the coordinator itself, rules out a pid reused later.
 
 
-def _local_process_gone(hello: Hello) -> bool:
-    if hello.hostname != socket.gethostname():
-        return False  # remote: heartbeats decide
+def _provable_worker_process(hello: Hello, peer: Peer) -> psutil.Process | None:
+    """The worker's process if the coordinator can prove which it is, else None."""
     try:
         proc = psutil.Process(hello.pid)
-        return (
-            abs(proc.create_time() - hello.process_create_time) > 0.05
-            or proc.status() == psutil.STATUS_ZOMBIE
-        )
+        proc.create_time()  # cached by psutil: is_running() later compares against it
+        if peer.pid is not None and peer.pid == hello.pid:
+            return proc  # the kernel says this process is on the other end
+        if proc.ppid() == os.getpid():
+            return proc  # our own child (a worker this coordinator started)
+    except psutil.Error:
+        pass
+    return None
+
+
+def _process_gone(proc: psutil.Process | None) -> bool:
+    if proc is None:
+        return False  # not provably ours: heartbeats decide
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
     except psutil.AccessDenied:
         return False
 
 
-def _fence_local(hello: Hello) -> None:
-    """SIGKILL a lost worker that still runs on this host (frozen or stuck)."""
-    proc = _local_process(hello)
-    if proc is not None:
-        try:
+def _fence(entry: WorkerEntry) -> None:
+    """SIGKILL a lost worker that still runs, if its process is provably the worker's
+    (Note [no fencing by hearsay]); otherwise it is only dropped."""
+    proc = entry.process
+    if proc is None:
+        log.warning(
+            "[coordinator] worker %d (%s) dropped, not killed: its process cannot be "
+            "verified (not a child, not on an ipc:// connection)",
+            entry.worker_id,
+            bounded_text(entry.hello.worker_name, MAX_NAME_CHARS),
+        )
+        return
+    try:
+        if proc.is_running():  # same pid and start time: the same process
             proc.send_signal(signal.SIGKILL)
             log.warning(
                 "[coordinator] fenced worker process %d (%s) with SIGKILL",
-                hello.pid,
-                hello.worker_name,
+                proc.pid,
+                bounded_text(entry.hello.worker_name, MAX_NAME_CHARS),
             )
-        except psutil.Error:
-            pass
+    except psutil.Error:
+        pass
+
+
+MIN_WORKER_MEMORY_BYTES = 64 * 2**20
+MAX_WORKER_MEMORY_BYTES = 2**50  # 1 PiB
+MIN_BUS_BYTES_PER_S = 1e6
+MAX_BUS_BYTES_PER_S = 1e13
+
+
+def implausible_hardware(hello: Hello) -> str | None:
+    """Why a worker's hardware report cannot be true (None if it can): the planner plans
+    every job for the smallest worker, so one absurd report would make every job
+    unplannable or over-committed."""
+    if not MIN_WORKER_MEMORY_BYTES <= hello.memory_bytes <= MAX_WORKER_MEMORY_BYTES:
+        return (
+            f"it reports {hello.memory_bytes} bytes of {hello.device} memory; a worker "
+            f"needs between {MIN_WORKER_MEMORY_BYTES} and {MAX_WORKER_MEMORY_BYTES}"
+        )
+    for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+        value = getattr(hello, name)
+        if value is not None and not MIN_BUS_BYTES_PER_S <= value <= MAX_BUS_BYTES_PER_S:
+            return (
+                f"it reports {name} = {value:g}; a real bus moves between "
+                f"{MIN_BUS_BYTES_PER_S:g} and {MAX_BUS_BYTES_PER_S:g} bytes/s"
+            )
+    return None
 
 
 def _unknown(job_id: str) -> ErrorReply:
@@ -1074,13 +1321,17 @@ def _namespace_for(address: str) -> str:
     return "c" + hashlib.sha1(address.encode()).hexdigest()[:10]
 
 
-def _someone_answers(ctx: zmq.Context, address: str) -> bool:
-    probe = ctx.socket(zmq.DEALER)
-    probe.setsockopt(zmq.LINGER, 0)
+def _someone_listens(address: str) -> bool:
+    """Whether a process accepts connections on an ipc:// path (asked of the kernel, not
+    with a request: a coordinator with keys would not answer an unauthenticated one)."""
+    path = address[len("ipc://") :]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.connect(address)
-        probe.send_multipart(encode(ListWorkers()))
-        return bool(probe.poll(500))
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
     finally:
         probe.close()
 
@@ -1120,6 +1371,13 @@ def main(argv: list[str] | None = None) -> int:
         "--arena-dir",
         default=None,
         help="RAM-backed directory for shared-memory arenas (default /dev/shm)",
+    )
+    parser.add_argument(
+        "--keys-dir",
+        default=None,
+        help="CurveZMQ keys: coordinator.key_secret and authorized/ (default "
+        "$ROUNDPIPE_KEYS_DIR, else STATE_DIR/keys; create with `roundpipe keys init`); "
+        "required for tcp://, optional for ipc:// (see docs/deploy.md)",
     )
     parser.add_argument(
         "--worker-timeout",
@@ -1188,6 +1446,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers  # noqa: F401
 
     state_dir = args.state_dir or default_state_dir()
+    keys_dir = args.keys_dir or os.environ.get("ROUNDPIPE_KEYS_DIR") or Path(state_dir) / "keys"
     coordinator = Coordinator(
         args.address,
         state_dir,
@@ -1195,10 +1454,18 @@ def main(argv: list[str] | None = None) -> int:
         wait_timeout_s=args.wait_timeout,
         worker_timeout_s=args.worker_timeout,
         paths=PathPolicy.for_coordinator(state_dir, args.allow_read, args.allow_write),
+        keys_dir=keys_dir,
     )
     try:
         coordinator.bind()
-    except (AddressInUse, FileNotFoundError, JobStoreError, zmq.ZMQError) as exc:
+    except (
+        AddressInUse,
+        AuthSetupError,
+        FileNotFoundError,
+        JobStoreError,
+        KeyError_,
+        zmq.ZMQError,
+    ) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):

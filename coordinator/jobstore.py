@@ -36,7 +36,7 @@ from typing import Any
 
 __all__ = ["SCHEMA_VERSION", "JobStore", "JobStoreError", "StoredJob"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 
 _SCHEMA = """
@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     checkpoint_step INTEGER,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
-    plan TEXT
+    plan TEXT,
+    owner TEXT NOT NULL DEFAULT ''
 )
 """
 
@@ -70,6 +71,7 @@ _COLUMNS = (
     "created_at",
     "updated_at",
     "plan",
+    "owner",
 )
 _UPDATABLE = frozenset(
     {"state", "message", "output_dir", "step", "total_steps", "loss", "checkpoint_step", "plan"}
@@ -96,6 +98,9 @@ class StoredJob:
     created_at: float
     updated_at: float
     plan: str | None = None
+    # The identity that submitted it ('' for a job stored before identities existed:
+    # only admins see those).
+    owner: str = ""
 
 
 class JobStore:
@@ -120,8 +125,11 @@ class JobStore:
                     f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
                 )
             self._db.execute(_SCHEMA)
-            if version == 1:  # the one migration so far: v2 added the plan column
+            # Migrations: v2 added the plan column, v3 the owner.
+            if 1 <= version < 2:
                 self._db.execute("ALTER TABLE jobs ADD COLUMN plan TEXT")
+            if 1 <= version < 3:
+                self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise JobStoreError(
@@ -157,6 +165,7 @@ class JobStore:
         message: str = "",
         output_dir: str | None = None,
         total_steps: int = 0,
+        owner: str = "",
     ) -> StoredJob:
         """Record a new job."""
         if state not in STATES:
@@ -164,8 +173,8 @@ class JobStore:
         now = time.time()
         self._execute(
             "INSERT INTO jobs (job_id, spec, state, message, output_dir, step, total_steps, "
-            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?)",
-            (job_id, json.dumps(spec), state, message, output_dir, total_steps, now, now),
+            "created_at, updated_at, owner) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+            (job_id, json.dumps(spec), state, message, output_dir, total_steps, now, now, owner),
         )
         job = self.get(job_id)
         assert job is not None

@@ -32,6 +32,11 @@ Example, a heartbeat at version 2::
   the peer's identity frame (and a REQ peer an empty delimiter frame); the socket layer
   strips them before calling :func:`decode` and adds them back after :func:`encode`
   (``[identity, *encode(msg)]``).
+- Who sends a message is not part of it: the connection is authenticated below the
+  protocol (CurveZMQ on tcp://, peer credentials or CurveZMQ on ipc://;
+  roundpipe.coordinator.auth), and the coordinator decides what a message may do from
+  the sender's identity and role, never from a field it carries (``worker_id``,
+  ``pid``).
 - Body values use msgpack's native types only: nil, bool, int (-2**63 .. 2**64-1),
   float, str (UTF-8), bin (bytes), array, map with str keys. No ext types (timestamps
   included). A list or tuple is an array.
@@ -136,6 +141,8 @@ Client API (K -> C requests, C -> K replies)
     WorkerList   C -> K   a WorkerInfo per worker of the page, whether more follow
     GetProgress  K -> C   progress events after a seq;    reply Progress or ErrorReply
     Progress     C -> K   a page of ProgressEvents in seq order, whether the job has ended
+    GetJobLog    K -> C   a job's log from a byte offset; reply JobLog or ErrorReply
+    JobLog       C -> K   up to 256 KiB of the log (whole lines), where the next piece starts
 
 Replies are bounded: the coordinator fills a page up to :data:`MAX_REPLY_BYTES` (at least
 one item), so no amount of history, no number of workers and no length of a peer's
@@ -231,8 +238,10 @@ __all__ = [
     "ResumeJob",
     "ListJobs",
     "JobList",
+    "JobLog",
     "ListWorkers",
     "WorkerList",
+    "GetJobLog",
     "GetProgress",
     "Progress",
     "ErrorReply",
@@ -1792,6 +1801,33 @@ class GetProgress(Message):
     after_seq: NonNegInt
 
 
+@_message
+class GetJobLog(Message):
+    """Ask for a piece of a job's log (the coordinator's log lines of that job); only its
+    owner or an admin gets it."""
+
+    #: job id
+    job_id: Name
+    #: byte offset in the log to read from; 0 for the beginning
+    offset: NonNegInt = 0
+
+
+@_message
+class JobLog(Message):
+    """A piece of a job's log, at most MAX_REPLY_BYTES; ask again from `next_offset`."""
+
+    #: job id
+    job_id: Name
+    #: byte offset of `text` in the log
+    offset: NonNegInt
+    #: the log from `offset`, whole lines where a line fits (UTF-8; bad bytes replaced)
+    text: str
+    #: where the next piece starts: `offset` plus the bytes `text` was decoded from
+    next_offset: NonNegInt
+    #: True if the log held more than this piece when it was read
+    more: bool = False
+
+
 @_struct
 class ProgressEvent(Struct):
     """One optimizer step of a job."""
@@ -1827,7 +1863,9 @@ class Progress(Message):
 class ErrorReply(Message):
     """A client request failed."""
 
-    #: machine-readable code, e.g. "not_found", "invalid_spec", "bad_request", "internal"
+    #: machine-readable code, e.g. "unknown_job", "bad_spec", "protocol_error",
+    #: "internal_error", "forbidden" (the sender's role may not send this request),
+    #: "bad_hello" (a worker's hardware report is impossible), "unknown_worker"
     code: Name
     #: human-readable explanation
     message: str

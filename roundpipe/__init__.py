@@ -26,6 +26,7 @@ __all__ = [
     "JobRejected",
     "JobSpec",
     "JobSpecError",
+    "NotAuthorized",
     "RoundPipeError",
     "UnknownJob",
     "__version__",
@@ -37,6 +38,7 @@ _LAZY = {
     "CoordinatorUnavailable": "roundpipe.client",
     "JobHandle": "roundpipe.client",
     "JobRejected": "roundpipe.client",
+    "NotAuthorized": "roundpipe.client",
     "RoundPipeError": "roundpipe.client",
     "UnknownJob": "roundpipe.client",
     "JobSpec": "roundpipe.coordinator.jobspec",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
         CoordinatorUnavailable,
         JobHandle,
         JobRejected,
+        NotAuthorized,
         RoundPipeError,
         UnknownJob,
     )

@@ -8,8 +8,13 @@
     roundpipe workers                    # every worker, as a table
     roundpipe cancel JOB
     roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
-    roundpipe logs JOB [--follow]        # the coordinator's log of one job
+    roundpipe logs JOB [--follow]        # a job's log, from the coordinator (owner/admin)
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
+    roundpipe keys init|new|add|list|remove   # CurveZMQ keys and who may connect
+
+Every subcommand that talks to a coordinator connects with ``--key`` /
+``$ROUNDPIPE_KEY`` and ``--coordinator-key`` / ``$ROUNDPIPE_COORDINATOR_KEY`` (see
+roundpipe.shared.keys and docs/deploy.md, "Keys and access").
 
 Every subcommand that talks to a coordinator takes ``--address`` (default
 ``$ROUNDPIPE_ADDRESS``, else ``tcp://127.0.0.1:7420``). Errors are one line on stderr
@@ -43,7 +48,7 @@ from roundpipe.client import (
     RoundPipeError,
 )
 from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address, default_state_dir
+from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.protocol import JobStatus, ProgressEvent, WorkerInfo
 
 __all__ = ["ProgressPrinter", "main", "watch_job"]
@@ -262,7 +267,12 @@ def _report_final(result: WatchResult) -> int:
 
 def _client(args: argparse.Namespace) -> Client:
     try:
-        return Client(args.address, timeout_s=args.timeout)
+        return Client(
+            args.address,
+            timeout_s=args.timeout,
+            key=args.key,
+            coordinator_key=args.coordinator_key,
+        )
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
 
@@ -396,8 +406,10 @@ def job_log_path(state_dir: str | os.PathLike[str], job_id: str) -> Path:
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
-    path = job_log_path(state_dir, args.job)
+    if args.state_dir is None:
+        with _client(args) as client:
+            return _remote_log(client, args.job, follow=args.follow, poll_s=args.poll)
+    path = job_log_path(args.state_dir, args.job)
     if not args.follow:
         try:
             f = open(path, encoding="utf-8", errors="replace")
@@ -413,6 +425,27 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         return EXIT_OK
     with _client(args) as client:
         return _follow_log(path, client.job(args.job), poll_s=args.poll)
+
+
+def _remote_log(client: Client, job_id: str, *, follow: bool, poll_s: float) -> int:
+    """Print a job's log as the coordinator sends it (GetJobLog), so that its owner can
+    read it without access to the coordinator's files; with ``follow``, until the job
+    has stopped and the log is drained."""
+    offset = 0
+    ended = False
+    while True:
+        piece = client.job_log(job_id, offset)
+        sys.stdout.write(piece.text)
+        sys.stdout.flush()
+        offset = piece.next_offset
+        if piece.more:
+            continue
+        if not follow or ended:
+            return EXIT_OK
+        # Read once more after the job has stopped: its last lines may have just landed.
+        ended = client.status(job_id).state in STOPPED_STATES
+        if not ended:
+            time.sleep(poll_s)
 
 
 def _copy_new(src: IO[str], dst: IO[str]) -> bool:
@@ -536,6 +569,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for each coordinator reply (default: {CLIENT_TIMEOUT_S:g})",
     )
+    conn.add_argument(
+        "--key",
+        default=None,
+        metavar="FILE",
+        help="your key pair, *.key_secret (default: $ROUNDPIPE_KEY, else "
+        "~/.config/roundpipe/client.key_secret)",
+    )
+    conn.add_argument(
+        "--coordinator-key",
+        default=None,
+        metavar="FILE",
+        help="the coordinator's public key (default: $ROUNDPIPE_COORDINATOR_KEY, else "
+        "~/.config/roundpipe/coordinator.key)",
+    )
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -590,8 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         default=None,
         metavar="DIR",
-        help="the coordinator's state directory (default: $ROUNDPIPE_STATE_DIR, else "
-        "$XDG_STATE_HOME/roundpipe, else ~/.local/state/roundpipe)",
+        help="read the log file in this state directory of the coordinator directly, "
+        "instead of asking the coordinator (which gives a job's log only to its owner "
+        "or an admin)",
     )
     p.add_argument(
         "-f",
@@ -650,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row", type=int, default=0, metavar="N", help="the row to show (default 0)")
     p.set_defaults(func=_cmd_data_inspect)
 
+    _add_keys_parser(add)
     from roundpipe.coordinator.planner import build_plan_parser
 
     p = add(
@@ -668,6 +717,107 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("chaos_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
+
+
+def _add_keys_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
+    from roundpipe.shared.keys import ROLES
+
+    keys = add("keys", _cmd_keys, "create and authorise CurveZMQ keys (docs/deploy.md)")
+    keys_dir = argparse.ArgumentParser(add_help=False)
+    keys_dir.add_argument(
+        "--keys-dir",
+        default=None,
+        metavar="DIR",
+        help="the coordinator's key directory (default: $ROUNDPIPE_KEYS_DIR, else STATE_DIR/keys)",
+    )
+    sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    sub.add_parser(
+        "init",
+        parents=[keys_dir],
+        help="create the coordinator's key pair, authorized/ and a worker key",
+    )
+    p = sub.add_parser("new", help="create your own key pair to send to the admin")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where to write client.key_secret and client.key (default: ~/.config/roundpipe)",
+    )
+    p = sub.add_parser("add", parents=[keys_dir], help="authorise an identity with a role")
+    p.add_argument("name", metavar="NAME", help="the identity (jobs belong to it)")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument(
+        "--public-key",
+        default=None,
+        metavar="FILE",
+        help="the user's public key (from `roundpipe keys new`); without it a new pair is "
+        "made and its secret written to --out",
+    )
+    p.add_argument(
+        "--out", default=".", metavar="DIR", help="where a new NAME.key_secret goes (default .)"
+    )
+    sub.add_parser("list", parents=[keys_dir], help="list authorised identities and roles")
+    p = sub.add_parser("remove", parents=[keys_dir], help="withdraw an identity's key")
+    p.add_argument("name", metavar="NAME")
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from roundpipe.shared import keys
+
+    try:
+        if args.keys_command == "new":
+            out = Path(args.out).expanduser() if args.out else keys.config_dir()
+            secret = keys.new_key_pair(out)
+            print(f"your key pair: {secret} (keep it; mode 0600)")
+            print(
+                f"send {secret.with_suffix('.key')} to the coordinator's admin, who runs "
+                "`roundpipe keys add YOURNAME --role client --public-key FILE`; put the "
+                f"coordinator's coordinator.key in {keys.config_dir()}"
+            )
+            return EXIT_OK
+        keys_dir = Path(args.keys_dir).expanduser() if args.keys_dir else keys.default_keys_dir()
+        if args.keys_command == "init":
+            made = keys.init_keys(keys_dir)
+            for path in made:
+                print(f"wrote {path}")
+            print(
+                f"clients and workers need {keys_dir / 'coordinator.key'} (public); workers on "
+                f"this host connect with {keys_dir / 'worker.key_secret'} (ROUNDPIPE_KEY); "
+                "authorise users with `roundpipe keys add NAME --role client|admin`"
+            )
+        elif args.keys_command == "add":
+            path = keys.add_key(
+                keys_dir,
+                args.name,
+                args.role,
+                public_key=Path(args.public_key) if args.public_key else None,
+                out_dir=Path(args.out),
+            )
+            if args.public_key:
+                print(f"authorised {args.name} ({args.role}): {path}")
+            else:
+                print(
+                    f"authorised {args.name} ({args.role}); its key pair is {path}: give it to "
+                    f"{args.name} over a private channel, with {keys_dir / 'coordinator.key'}"
+                )
+        elif args.keys_command == "list":
+            listed = keys.authorized_keys(keys_dir)
+            rows = [(k.name, k.role, k.public_key.decode()[:12] + "...") for k in listed]
+            print(_table(("NAME", "ROLE", "PUBLIC KEY"), rows) if rows else "no authorised keys")
+            skipped = {p.stem for p in (keys_dir / keys.AUTHORIZED).glob("*.key")} - {
+                k.name for k in listed
+            }
+            for name in sorted(skipped):
+                _error(
+                    f"{name}.key is ignored: not a public key with a role (client, worker, admin)"
+                )
+        elif args.keys_command == "remove":
+            path = keys.remove_key(keys_dir, args.name)
+            print(f"removed {path}; the coordinator refuses {args.name} from its next message on")
+    except (keys.KeyError_, OSError) as exc:
+        _error(str(exc))
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -28,6 +28,15 @@ exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
 else. A spec that fails validation on the client raises
 :class:`~roundpipe.coordinator.jobspec.JobSpecError` before any request is sent.
 
+Authentication. A coordinator with keys (every tcp:// one) accepts only clients whose
+CurveZMQ key it has authorised (docs/deploy.md, "Keys and access"). The client connects
+with ``key`` / ``$ROUNDPIPE_KEY`` (default ``~/.config/roundpipe/client.key_secret``) and
+the coordinator's public key ``coordinator_key`` / ``$ROUNDPIPE_COORDINATOR_KEY``
+(default ``~/.config/roundpipe/coordinator.key``); see :mod:`roundpipe.shared.keys`. A
+refused handshake raises :class:`NotAuthorized` at once, not a timeout. Jobs belong to
+the identity that submitted them: another client (not an admin) is told they do not
+exist.
+
 A :class:`Client` may be shared between threads (requests are serialised by a lock), but
 it must not be used across ``fork()``: create a new one in the child.
 """
@@ -50,10 +59,12 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    GetJobLog,
     GetJobStatus,
     GetProgress,
     JobAccepted,
     JobList,
+    JobLog,
     JobStatus,
     ListJobs,
     ListWorkers,
@@ -69,6 +80,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.shared.keys import ConnectKeys, apply_connect_keys, connect_keys
 
 __all__ = [
     "FINAL_STATES",
@@ -77,6 +89,7 @@ __all__ = [
     "JobHandle",
     "JobRejected",
     "JobSpecError",
+    "NotAuthorized",
     "RoundPipeError",
     "STOPPED_STATES",
     "UnknownJob",
@@ -128,6 +141,18 @@ class CoordinatorUnavailable(RoundPipeError):
         self.timeout_s = timeout_s
 
 
+class NotAuthorized(RoundPipeError):
+    """The coordinator refused this client's handshake (no key, or a key it has not
+    authorised) or its role (code ``"forbidden"``)."""
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
 class UnknownJob(RoundPipeError):
     """The coordinator knows no job with this id."""
 
@@ -172,10 +197,20 @@ class Client:
     :meth:`close`.
     """
 
-    def __init__(self, address: str | None = None, *, timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_s: float = CLIENT_TIMEOUT_S,
+        key: str | os.PathLike[str] | None = None,
+        coordinator_key: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self._address = _check_address(default_address() if address is None else address)
+        # KeyError_ (a ValueError) for a configured key file that is missing or broken.
+        self._keys: ConnectKeys | None = connect_keys(key, coordinator_key)
+        self._monitor: zmq.Socket | None = None
         self._timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._context = zmq.Context.instance()
@@ -201,24 +236,67 @@ class Client:
         # Never block close() on unsent requests: a request the coordinator did not take
         # is reported as a timeout, not retried behind the caller's back.
         sock.setsockopt(zmq.LINGER, 0)
+        apply_connect_keys(sock, self._keys)
+        # A refused handshake is silent on the socket itself; its monitor tells.
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
             sock.connect(self._address)
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            self._close_socket(sock)
             raise ValueError(f"invalid coordinator address {self._address!r}: {exc}") from None
         self._socket = sock
 
-    def _replace_socket(self, sock: zmq.Socket[bytes]) -> None:
+    def _close_socket(self, sock: zmq.Socket[bytes]) -> None:
+        if self._monitor is not None:
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         sock.close(linger=0)
+
+    def _replace_socket(self, sock: zmq.Socket[bytes]) -> None:
+        self._close_socket(sock)
         self._socket = None
         self._connect()
+
+    def _wait_reply(self, sock: zmq.Socket[bytes], timeout_s: float) -> list[bytes] | None:
+        """The reply frames within ``timeout_s``; None on timeout. Raises NotAuthorized
+        as soon as the coordinator refuses the handshake."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(timeout=max(1, int(left * 1000))))
+            if sock in ready:
+                return sock.recv_multipart(flags=zmq.NOBLOCK)
+            if self._monitor is not None and self._monitor in ready:
+                self._monitor.recv_multipart()  # a handshake-failed event
+                raise NotAuthorized(self._refused_text())
+        return None
+
+    def _refused_text(self) -> str:
+        if self._keys is None:
+            return (
+                f"the coordinator at {self._address} refused this client: it needs a key. "
+                "Create one with `roundpipe keys new`, have the coordinator's admin authorise "
+                "it (`roundpipe keys add NAME --role client --public-key FILE`), and put the "
+                "coordinator's public key at ~/.config/roundpipe/coordinator.key (or set "
+                "ROUNDPIPE_KEY / ROUNDPIPE_COORDINATOR_KEY)"
+            )
+        return (
+            f"the coordinator at {self._address} refused this client's key "
+            f"{self._keys.key_path} (public key {self._keys.public_key.decode()[:12]}...): it "
+            "is not authorised there, or " + str(self._keys.server_key_path) + " is not that "
+            "coordinator's public key; ask its admin to `roundpipe keys add` yours"
+        )
 
     def close(self) -> None:
         """Close the socket. Idempotent; the client cannot be used afterwards."""
         with self._lock:
             self._closed = True
             if self._socket is not None:
-                self._socket.close(linger=0)
+                self._close_socket(self._socket)
                 self._socket = None
 
     def __enter__(self) -> Client:
@@ -256,8 +334,7 @@ class Client:
             assert sock is not None
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                ready = sock.poll(timeout=int(timeout_s * 1000), flags=zmq.POLLIN)
-                reply_frames = sock.recv_multipart(flags=zmq.NOBLOCK) if ready else None
+                reply_frames = self._wait_reply(sock, timeout_s)
             except zmq.Again:
                 reply_frames = None
             except BaseException:
@@ -285,6 +362,8 @@ class Client:
             raise RoundPipeError(
                 f"malformed reply from the coordinator at {self._address} to {req_name}: {exc}"
             ) from None
+        if isinstance(reply, ErrorReply) and reply.code == "forbidden":
+            raise NotAuthorized(reply.message, code=reply.code)
         if isinstance(reply, ErrorReply) or isinstance(reply, expected):
             return reply
         names = " or ".join(t.__name__ for t in expected)
@@ -345,6 +424,14 @@ class Client:
         coordinator returns, and whether the job has ended. :meth:`JobHandle.progress`
         is the convenient form."""
         reply = self._request(GetProgress(job_id=job_id, after_seq=after_seq), Progress)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+        return reply
+
+    def job_log(self, job_id: str, offset: int = 0) -> JobLog:
+        """One piece of a job's log from byte ``offset`` (at most 256 KiB; ask again
+        from ``next_offset`` while ``more``). Only the job's owner or an admin gets it."""
+        reply = self._request(GetJobLog(job_id=job_id, offset=offset), JobLog)
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
         return reply

@@ -4,6 +4,13 @@ benchmarks and tests (``roundpipe demo`` has its own launcher with progress disp
 Every daemon is a real process started with ``sys.executable -m ...`` and logging to a
 file in ``root``. Workers can be added, killed (SIGKILL), frozen (SIGSTOP) and thawed at
 any time; ``stop()`` terminates everything with deadlines and reports arenas left behind.
+
+Authentication is on, as in production: the cluster makes a throwaway key set in
+``root/keys`` (``roundpipe keys init``: the coordinator's pair and a ``worker`` key, plus
+an ``admin`` key that ``client`` uses). :meth:`LocalCluster.add_key` authorises more
+identities; :meth:`LocalCluster.key_env` gives the environment a ``roundpipe`` command
+needs to connect as one of them. ``keys=False`` runs the coordinator without keys (its
+ipc:// socket then authenticates peers by their uid).
 """
 
 from __future__ import annotations
@@ -17,7 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
+
 from roundpipe.client import Client
+from roundpipe.shared.keys import (
+    COORDINATOR,
+    ConnectKeys,
+    add_key,
+    apply_connect_keys,
+    connect_keys,
+    init_keys,
+)
 
 __all__ = ["Daemon", "LocalCluster"]
 
@@ -50,6 +67,7 @@ class LocalCluster:
         worker_args: Sequence[str] = (),
         allow_read: Sequence[str | os.PathLike[str]] = (),
         allow_write: Sequence[str | os.PathLike[str]] = (),
+        keys: bool = True,
     ):
         """``allow_read`` / ``allow_write``: the coordinator's ``--allow-read`` /
         ``--allow-write`` roots (docs/deploy.md), besides ``$ROUNDPIPE_ALLOW_READ`` /
@@ -69,8 +87,53 @@ class LocalCluster:
         """Options for every CPU worker, e.g. ``["--emulate-pcie", "2GB/s"]``."""
         self.daemons: list[Daemon] = []
         self.workers: dict[str, Daemon] = {}
+        self.keys_dir: Path | None = self.root / "keys" if keys else None
+        if self.keys_dir is not None and not (self.keys_dir / f"{COORDINATOR}.key").exists():
+            init_keys(self.keys_dir)
+            add_key(self.keys_dir, "admin", "admin", out_dir=self.keys_dir)
         self.coordinator = self.start_coordinator()
-        self.client = Client(self.address, timeout_s=client_timeout_s)
+        self.client = self.client_as("admin", timeout_s=client_timeout_s)
+
+    def add_key(self, name: str, role: str) -> Path:
+        """Authorise a new identity; returns its key pair (``*.key_secret``)."""
+        assert self.keys_dir is not None, "this cluster runs without keys"
+        return add_key(self.keys_dir, name, role, out_dir=self.keys_dir)
+
+    def key_env(self, name: str) -> dict[str, str]:
+        """Environment variables that make a client or worker connect as ``name``."""
+        if self.keys_dir is None:
+            return {}
+        return {
+            "ROUNDPIPE_KEY": str(self.keys_dir / f"{name}.key_secret"),
+            "ROUNDPIPE_COORDINATOR_KEY": str(self.keys_dir / f"{COORDINATOR}.key"),
+        }
+
+    def dealer(self, name: str | None = "admin") -> zmq.Socket:
+        """A raw DEALER socket connected as identity ``name`` (None: with no key), for
+        tests that send hand-made frames."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if name is not None and self.keys_dir is not None:
+            apply_connect_keys(sock, self._keys(name))
+        sock.connect(self.address)
+        return sock
+
+    def _keys(self, name: str) -> ConnectKeys | None:
+        env = self.key_env(name)
+        if not env:
+            return None
+        return connect_keys(env["ROUNDPIPE_KEY"], env["ROUNDPIPE_COORDINATOR_KEY"])
+
+    def client_as(self, name: str, timeout_s: float = 30.0) -> Client:
+        """A Client connecting as identity ``name`` (see :meth:`add_key`)."""
+        if self.keys_dir is None:
+            return Client(self.address, timeout_s=timeout_s)
+        return Client(
+            self.address,
+            timeout_s=timeout_s,
+            key=self.keys_dir / f"{name}.key_secret",
+            coordinator_key=self.keys_dir / f"{COORDINATOR}.key",
+        )
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Daemon:
         log_path = self.root / f"{name}.log"
@@ -99,6 +162,7 @@ class LocalCluster:
                 str(self.arena_dir),
                 "--threads",
                 "1",
+                *(["--keys-dir", str(self.keys_dir)] if self.keys_dir is not None else []),
                 *self.coordinator_args,
             ],
         )
@@ -116,6 +180,7 @@ class LocalCluster:
         """Start a worker: a CPU worker of ``threads`` threads, or on ``device`` given as
         worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``)."""
         env = {"ROUNDPIPE_FAULT": fault} if fault else {}
+        env.update(self.key_env("worker"))
         where = (
             list(device)
             if device is not None

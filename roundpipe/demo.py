@@ -7,8 +7,9 @@ loss and where the model went, then stops every process and checks that the coor
 removed its shared-memory arenas.
 
 Everything private lives in one temporary directory: the coordinator's state directory,
-its ``ipc://`` socket (a file, so it never collides with another coordinator), and the
-daemons' logs. Arenas go to a fresh directory under /dev/shm when it is writable. Both are
+its ``ipc://`` socket (a file, so it never collides with another coordinator), a
+throwaway key set (keys are on, as in production: docs/deploy.md), and the daemons'
+logs. Arenas go to a fresh directory under /dev/shm when it is writable. Both are
 removed at the end, also after a failure or Ctrl-C.
 """
 
@@ -33,6 +34,7 @@ from roundpipe.cli import watch_job
 from roundpipe.client import Client, CoordinatorUnavailable, RoundPipeError
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
 from roundpipe.coordinator.paths import spec_read_dirs
+from roundpipe.shared.keys import add_key, init_keys
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -154,8 +156,10 @@ def _pick_address(tmp: Path) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def _start(name: str, argv: Sequence[str], log_path: Path) -> _Daemon:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _start(
+    name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+) -> _Daemon:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "wb") as log:
         # The child gets its own copy of the descriptor; ours can close at once.
         process = subprocess.Popen(
@@ -189,11 +193,15 @@ def _exited(daemons: Sequence[_Daemon]) -> list[_Daemon]:
 
 
 def _wait_for_workers(
-    address: str, daemons: Sequence[_Daemon], num_workers: int, timeout_s: float
+    address: str,
+    daemons: Sequence[_Daemon],
+    num_workers: int,
+    timeout_s: float,
+    keys: dict[str, Path],
 ) -> None:
     deadline = time.monotonic() + timeout_s
     seen = 0
-    with Client(address, timeout_s=2.0) as client:
+    with Client(address, timeout_s=2.0, **keys) as client:
         while True:
             dead = _exited(daemons)
             if dead:
@@ -313,12 +321,25 @@ def run_demo(
         arena_dir = _make_arena_dir(tmp)
         state_dir.mkdir()
         address = _pick_address(tmp)
+        # Keys on, as in production: a throwaway set, gone with the temporary directory.
+        keys_dir = tmp / "keys"
+        init_keys(keys_dir)
+        add_key(keys_dir, "demo", "client", out_dir=keys_dir)
+        client_keys = {
+            "key": keys_dir / "demo.key_secret",
+            "coordinator_key": keys_dir / "coordinator.key",
+        }
+        worker_env = {
+            "ROUNDPIPE_KEY": str(keys_dir / "worker.key_secret"),
+            "ROUNDPIPE_COORDINATOR_KEY": str(keys_dir / "coordinator.key"),
+        }
         kind = "CPU" if devices[0] == ["--cpu"] else "GPU"
         say(f"starting a coordinator at {address} and {len(devices)} {kind} worker(s)")
         coordinator_args = {
             "--address": address,
             "--state-dir": str(state_dir),
             "--arena-dir": str(arena_dir),
+            "--keys-dir": str(keys_dir),
             "--log-level": "INFO",
         }
         cpu_workers = sum(1 for d in devices if d == ["--cpu"])
@@ -348,12 +369,13 @@ def run_demo(
                     + ["--coordinator", address, "--name", name, "--log-level", "INFO"]
                     + (worker_threads if device_args == ["--cpu"] else []),
                     tmp / f"{name}.log",
+                    worker_env,
                 )
             )
-        _wait_for_workers(address, daemons, len(devices), startup_timeout_s)
+        _wait_for_workers(address, daemons, len(devices), startup_timeout_s, client_keys)
         say("workers ready; submitting the demo job")
 
-        with Client(address) as client:
+        with Client(address, **client_keys) as client:
             handle = client.submit(spec)
             job_log = state_dir / "jobs" / handle.job_id / "job.log"
             say(f"job {handle.job_id}: {spec.train.steps} steps")

@@ -6,6 +6,7 @@ the whole data file are found by the coordinator before it accepts the job."""
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -23,13 +24,14 @@ from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES
 CLI = [sys.executable, "-m", "roundpipe.cli"]
 
 
-def _submit(spec_path: Path, address: str, *, limit_as: int | None = None):
+def _submit(spec_path: Path, address: str, *, limit_as: int | None = None, env: dict | None = None):
     def limit() -> None:
         if limit_as is not None:
             resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
 
     return subprocess.run(
         [*CLI, "submit", str(spec_path), "--address", address],
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -119,7 +121,7 @@ def test_data_problems_are_found_at_submit(
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     jobs_before = len(cluster.client.jobs())
-    result = _submit(path, cluster.address)
+    result = _submit(path, cluster.address, env=cluster.key_env("admin"))
     assert result.returncode == 2, result.stderr + cluster.logs()
     assert "rejected the job" in result.stderr and expect in result.stderr, result.stderr
     assert len(cluster.client.jobs()) == jobs_before  # nothing accepted
@@ -152,7 +154,9 @@ def test_job_that_cannot_fit_under_any_plan_is_refused_at_submit(
     # 2 x 16 bytes x 64 rows x 65536 tokens = 128 MiB per microbatch; ask for 4x the RAM.
     per_microbatch = 2 * 16 * 64 * 65536
     microbatches = 4 * psutil.virtual_memory().available // per_microbatch + 1
-    result = _submit(_memory_spec(tmp_path, 64, microbatches), cluster.address)
+    result = _submit(
+        _memory_spec(tmp_path, 64, microbatches), cluster.address, env=cluster.key_env("admin")
+    )
     assert result.returncode == 2, result.stderr + cluster.logs()
     assert "whatever its plan" in result.stderr and "GiB of host memory" in result.stderr
     assert "is available on this machine" in result.stderr
@@ -170,6 +174,7 @@ def test_job_whose_plan_does_not_fit_fails_before_allocating(
     path = _memory_spec(tmp_path, 4, microbatches)
     result = subprocess.run(
         [*CLI, "submit", str(path), "--wait", "--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin")},
         capture_output=True,
         text=True,
         timeout=180,

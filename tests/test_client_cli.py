@@ -182,6 +182,7 @@ class FakeCoordinator:
         self.heartbeat_senders: dict[str, float] = {}
         self.max_events = max_events
         self.delay_next_s = 0.0
+        self.server_keys: tuple[bytes, bytes] | None = None  # CURVE (public, secret)
         self.jobs: dict[str, _FakeJob] = {}
         self.requests: list[Message] = []
         self._stop = threading.Event()
@@ -206,6 +207,11 @@ class FakeCoordinator:
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.server_keys is not None:
+            # A CURVE server with no ZAP handler: any client key completes the handshake
+            # (the real coordinator checks keys; this fake only needs to speak CURVE).
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = self.server_keys
         sock.bind(self.address)
         self._ready.set()
         try:
@@ -746,7 +752,7 @@ def fake_daemon_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads")  # the demo sizes CPU threads for both daemons
     if role == "coordinator":
-        for flag in ("--address", "--state-dir", "--arena-dir", "--log-level"):
+        for flag in ("--address", "--state-dir", "--arena-dir", "--log-level", "--keys-dir"):
             parser.add_argument(flag, required=True)
         for flag in ("--allow-read", "--allow-write"):  # the job's paths
             parser.add_argument(flag, action="append", required=True)
@@ -754,6 +760,9 @@ def fake_daemon_main() -> None:
         arena = Path(ns.arena_dir) / "rp-fake-arena-0"
         arena.write_bytes(b"\0" * 4096)
         fake = FakeCoordinator(ns.address, state_dir=Path(ns.state_dir), workers=[])
+        from roundpipe.shared.keys import coordinator_key_pair
+
+        fake.server_keys = coordinator_key_pair(Path(ns.keys_dir))
         print(f"roundpipe-coordinator ready on {ns.address}", file=sys.stderr, flush=True)
         fake.serve_until(stop)
         if not os.environ.get("FAKE_LEAVE_ARENA"):
@@ -766,8 +775,11 @@ def fake_daemon_main() -> None:
         for flag in ("--coordinator", "--name", "--log-level"):
             parser.add_argument(flag, required=True)
         ns = parser.parse_args(args)
+        from roundpipe.shared.keys import apply_connect_keys, connect_keys
+
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        apply_connect_keys(sock, connect_keys())  # ROUNDPIPE_KEY from the demo
         sock.connect(ns.coordinator)
         seq = 0
         while not stop.wait(0.1):

@@ -8,6 +8,7 @@ over its real socket, then checks the coordinator still answers.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 from runtime_helpers import coordinator_only
 
 from roundpipe.client import Client
@@ -49,15 +49,10 @@ def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
         yield c
 
 
-def _dealer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
-
-
-def _ask(address: str, frames: list[bytes], timeout_ms: int = 30_000) -> Message | None:
-    sock = _dealer(address)
+def _ask(
+    cluster: LocalCluster, frames: list[bytes], timeout_ms: int = 30_000, as_: str = "admin"
+) -> Message | None:
+    sock = cluster.dealer(as_)
     try:
         sock.send_multipart(frames)
         if not sock.poll(timeout_ms):
@@ -75,7 +70,7 @@ def _alive(cluster: LocalCluster) -> None:
 def test_spec_with_many_unknown_keys_gets_a_bounded_error(cluster: LocalCluster) -> None:
     # ~0.9 MB of unknown keys: the full error text would be ~12 MB.
     spec = {"model": {f"k{i:06d}": 0 for i in range(90_000)}}
-    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    reply = _ask(cluster, encode(SubmitJob(spec=spec)))
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert len(reply.message) <= MAX_TEXT_CHARS + 200
     assert f"and {90_000 + 2 - MAX_LISTED_PROBLEMS} more problems not shown" in reply.message
@@ -84,7 +79,7 @@ def test_spec_with_many_unknown_keys_gets_a_bounded_error(cluster: LocalCluster)
 
 def test_spec_over_the_size_limit_is_refused_unread(cluster: LocalCluster) -> None:
     spec = {"model": {"path": "x" * (2 * MAX_SPEC_BYTES)}}
-    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    reply = _ask(cluster, encode(SubmitJob(spec=spec)))
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert "more than the limit" in reply.message and len(reply.message) < 500
     _alive(cluster)
@@ -94,7 +89,7 @@ def test_frame_over_the_socket_limit_is_dropped_before_it_is_read(cluster: Local
     # ZMQ_MAXMSGSIZE: libzmq closes the connection instead of buffering 40 MiB; without
     # it the coordinator read the whole frame and answered a protocol_error.
     frame = encode(SubmitJob(spec={}))[0] + b"\0" * (40 * 2**20)
-    assert _ask(cluster.address, [frame], timeout_ms=3000) is None
+    assert _ask(cluster, [frame], timeout_ms=3000) is None
     _alive(cluster)
 
 
@@ -110,10 +105,10 @@ def test_fake_hellos_with_huge_names_then_list_workers(cluster: LocalCluster) ->
                 device="cpu",
                 device_index=None,
                 device_name="d" * 4_000_000,
-                memory_bytes=1,
+                memory_bytes=2**34,
                 compute_capability=None,
             )
-            sock = _dealer(cluster.address)
+            sock = cluster.dealer("worker")
             socks.append(sock)
             sock.send_multipart(encode(hello))
             assert sock.poll(30_000) and isinstance(decode(sock.recv_multipart()), Welcome)
@@ -123,7 +118,7 @@ def test_fake_hellos_with_huge_names_then_list_workers(cluster: LocalCluster) ->
         assert len(fakes) == 2, workers
         assert all(len(w.name) <= MAX_NAME_CHARS + 100 for w in fakes)
         assert all(len(w.device_name) <= MAX_NAME_CHARS + 100 for w in fakes)
-        reply = _ask(cluster.address, encode(ListWorkers()))
+        reply = _ask(cluster, encode(ListWorkers()))
         assert isinstance(reply, WorkerList)
     finally:
         for sock in socks:
@@ -176,6 +171,7 @@ def test_long_job_history_is_listed_page_by_page(tmp_path: Path, arena_dir: Path
     try:
         result = subprocess.run(
             [*CLI, "jobs", "--json", "--address", cluster.address],
+            env={**os.environ, **cluster.key_env("admin")},
             capture_output=True,
             text=True,
             timeout=120,
@@ -222,7 +218,7 @@ def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) 
 
 
 def test_unknown_job_id_of_megabytes_gets_a_short_error(cluster: LocalCluster) -> None:
-    reply = _ask(cluster.address, encode(GetJobStatus(job_id="j" * 15_000_000)))
+    reply = _ask(cluster, encode(GetJobStatus(job_id="j" * 15_000_000)))
     assert isinstance(reply, ErrorReply) and reply.code == "unknown_job"
     assert len(reply.message) < 1000
     _alive(cluster)
@@ -245,7 +241,7 @@ def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir
         cluster.add_worker("w2")
         cluster.wait_for_workers(2)
         before = {w.worker_id for w in cluster.client.workers()}
-        sock = _dealer(cluster.address)
+        sock = cluster.dealer()
         try:
             started = time.monotonic()
             sock.send_multipart(encode(SubmitJob(spec=spec)))
@@ -277,7 +273,7 @@ def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir
         cluster.stop()
 
 
-def _fake_gpu_worker(address: str, memory_bytes: int) -> zmq.Socket:
+def _fake_gpu_worker(cluster: LocalCluster, memory_bytes: int):
     hello = Hello(
         worker_name="small-gpu",
         hostname="not-this-host",
@@ -289,7 +285,7 @@ def _fake_gpu_worker(address: str, memory_bytes: int) -> zmq.Socket:
         memory_bytes=memory_bytes,
         compute_capability="8.9",
     )
-    sock = _dealer(address)
+    sock = cluster.dealer("worker")
     sock.send_multipart(encode(hello))
     assert sock.poll(30_000) and isinstance(decode(sock.recv_multipart()), Welcome)
     return sock
@@ -304,22 +300,22 @@ def test_job_that_fits_no_connected_gpu_is_refused_at_submit(tmp_path: Path) -> 
     # The fake workers send no heartbeats: keep them registered for the whole test.
     slow_loss = ["--worker-timeout", "600"]
     with coordinator_only(tmp_path / "c", "gpu-admission", slow_loss) as cluster:
-        sock = _fake_gpu_worker(cluster.address, memory_bytes=2**30 + 4096)
+        sock = _fake_gpu_worker(cluster, memory_bytes=2**30 + 4096)
         try:
-            reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+            reply = _ask(cluster, encode(SubmitJob(spec=spec)))
             assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
             assert "cannot run on the connected GPU workers (1.0 GiB each)" in reply.message
             assert "does not fit one GPU" in reply.message, reply.message
             pinned = {**spec, "train": {**spec["train"], "plan": "F[0:3] T[3:6] B[0:3]"}}
-            reply = _ask(cluster.address, encode(SubmitJob(spec=pinned)))
+            reply = _ask(cluster, encode(SubmitJob(spec=pinned)))
             assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
             assert "train.plan" in reply.message and "needs about" in reply.message
         finally:
             sock.close()
-        sock = _fake_gpu_worker(cluster.address, memory_bytes=8 * 2**30)
+        sock = _fake_gpu_worker(cluster, memory_bytes=8 * 2**30)
         try:
             # A 8 GiB GPU connected too: the planner plans for the smallest, still refused.
-            reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+            reply = _ask(cluster, encode(SubmitJob(spec=spec)))
             assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
         finally:
             sock.close()
@@ -329,6 +325,6 @@ def test_plan_that_does_not_match_the_model_is_refused_at_submit(cluster: LocalC
     from runtime_helpers import tiny_spec
 
     spec = tiny_spec(cluster.root / "out", plan="F[0:2] T[2:4] B[0:2]").to_dict()
-    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    reply = _ask(cluster, encode(SubmitJob(spec=spec)))
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert "train.plan" in reply.message and "last layer" in reply.message, reply.message

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
@@ -94,9 +93,7 @@ def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: LocalCluster, tmp_
     spec = tiny_spec(tmp_path).to_dict()
     spec["batch"]["num_microbatches"] = 0
     spec["data"]["path"] = str(tmp_path / "missing.jsonl")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
+    sock = cluster.dealer()
     try:
         sock.send_multipart(encode(SubmitJob(spec=spec)))
         assert sock.poll(20_000)
@@ -123,9 +120,7 @@ def test_worker_of_another_protocol_version_is_rejected(cluster: LocalCluster) -
     )
     frames = encode(hello)
     frames[0] = b"RP" + (999).to_bytes(2, "big") + frames[0][4:]  # from protocol version 999
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
+    sock = cluster.dealer("worker")
     try:
         sock.send_multipart(frames)
         assert sock.poll(20_000)
@@ -186,38 +181,39 @@ def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_p
     """`roundpipe submit SPEC.yaml --wait` against real daemons, then status/jobs/logs."""
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(tiny_spec(tmp_path / "cli-out", steps=3).to_yaml())
-    cli = [sys.executable, "-m", "roundpipe.cli"]
-    result = subprocess.run(
-        [*cli, "submit", str(spec_path), "--wait", "--address", cluster.address],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def cli(*args: str, user: str | None = "cli-user", timeout: float = 60):
+        """`roundpipe ARGS` as identity `user` (a client key of its own, as a user
+        would have; None: no key configured)."""
+        if user is not None and not (cluster.keys_dir / f"{user}.key_secret").exists():
+            cluster.add_key(user, "client")
+        return subprocess.run(
+            [sys.executable, "-m", "roundpipe.cli", *args],
+            env={**os.environ, **(cluster.key_env(user) if user else {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    address = ["--address", cluster.address]
+    result = cli("submit", str(spec_path), "--wait", *address, timeout=300)
     assert result.returncode == 0, result.stderr + cluster.logs()
     job_id = result.stdout.strip().splitlines()[0]
     assert "step 3/3" in result.stderr and "succeeded" in result.stderr
     assert (tmp_path / "cli-out" / "model.safetensors").exists()
-    status = subprocess.run(
-        [*cli, "status", job_id, "--address", cluster.address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = cli("status", job_id, *address)
     assert status.returncode == 0 and "succeeded" in status.stdout
     # The plan the coordinator chose is stored with the job and shown (Note [re-planning]).
     plan_line = [line for line in status.stdout.splitlines() if line.startswith("plan:")]
     assert plan_line and Plan.parse(plan_line[0].split(":", 1)[1].strip())
-    jobs = subprocess.run(
-        [*cli, "jobs", "--address", cluster.address], capture_output=True, text=True, timeout=60
-    )
-    assert job_id in jobs.stdout
-    logs = subprocess.run(
-        [*cli, "logs", job_id, "--state-dir", str(cluster.state_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    assert job_id in cli("jobs", *address).stdout
+    logs = cli("logs", job_id, "--state-dir", str(cluster.state_dir), user=None)
     assert logs.returncode == 0 and "step 3 loss" in logs.stdout
+    # Without --state-dir the log comes from the coordinator, to its owner only.
+    remote = cli("logs", job_id, *address)
+    assert remote.returncode == 0 and remote.stdout == logs.stdout
+    other = cli("logs", job_id, *address, user="cli-other")
+    assert other.returncode == 1 and "unknown job" in other.stderr and other.stdout == ""
 
 
 def _assert_demo_loss_falls(args: list[str]) -> None:

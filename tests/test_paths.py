@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from runtime_helpers import DEMO_DATA, tiny_spec
 
 from roundpipe.cluster import LocalCluster
@@ -192,6 +191,7 @@ def confined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCl
     )
     try:
         cluster.wait_for_workers(0)
+        cluster.add_key("user", "client")  # the attacker: an ordinary authenticated user
         yield cluster, base
     finally:
         cluster.stop()
@@ -201,11 +201,9 @@ def confined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCl
         assert cluster.coordinator.proc.returncode == 0, cluster.logs()
 
 
-def _submit_raw(address: str, spec: dict) -> Message:
+def _submit_raw(cluster: LocalCluster, spec: dict) -> Message:
     """What a hostile client sends: no local validation, any paths."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = cluster.dealer("user")
     try:
         sock.send_multipart(encode(SubmitJob(spec=spec)))
         assert sock.poll(120_000), "the coordinator did not answer"
@@ -224,7 +222,7 @@ def _spec(base: Path, **paths: str) -> dict:
 
 def _refused(cluster: LocalCluster, spec: dict, field: str, flag: str) -> str:
     jobs = len(cluster.client.jobs())
-    reply = _submit_raw(cluster.address, spec)
+    reply = _submit_raw(cluster, spec)
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert f"{field}: access refused" in reply.message and flag in reply.message, reply.message
     assert SECRET not in reply.message
@@ -281,7 +279,7 @@ def test_coordinator_refuses_writes_outside_its_roots(confined) -> None:
 def test_link_planted_after_acceptance_fails_the_job_and_writes_nothing(confined) -> None:
     cluster, base = confined
     out = base / "write" / "race"
-    reply = _submit_raw(cluster.address, _spec(base, output__dir=str(out)))
+    reply = _submit_raw(cluster, _spec(base, output__dir=str(out)))
     assert isinstance(reply, JobAccepted), reply  # queued: there is no worker yet
     out.symlink_to(base / "victim")  # planted between the check and the job's start
     cluster.add_worker("w-race")
@@ -301,7 +299,7 @@ def test_output_swapped_for_a_link_mid_job_stops_the_writes(confined) -> None:
     spec = _spec(base, output__dir=str(out))
     spec["train"]["steps"] = 400
     spec["output"]["checkpoint_every"] = 1
-    reply = _submit_raw(cluster.address, spec)
+    reply = _submit_raw(cluster, spec)
     assert isinstance(reply, JobAccepted), reply
     if not cluster.workers:
         cluster.add_worker("w-swap")
@@ -323,7 +321,7 @@ def test_job_files_are_private(confined) -> None:
     out = base / "write" / "private"
     spec = _spec(base, output__dir=str(out))
     spec["output"]["checkpoint_every"] = 1
-    reply = _submit_raw(cluster.address, spec)
+    reply = _submit_raw(cluster, spec)
     assert isinstance(reply, JobAccepted), reply
     cluster.add_worker("w-private")
     status = cluster.client.job(reply.job_id).wait(timeout_s=180)

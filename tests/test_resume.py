@@ -472,6 +472,7 @@ def test_full_output_fs_pauses_job_and_cli_resume_finishes_it(
     cli = [sys.executable, "-m", "roundpipe.cli"]
     result = subprocess.run(
         [*cli, "resume", job.job_id, "--wait", "--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin")},
         capture_output=True,
         text=True,
         timeout=240,
@@ -481,6 +482,7 @@ def test_full_output_fs_pauses_job_and_cli_resume_finishes_it(
     assert_params_match(load_output(small_fs / "out"), oracle_train(spec))
     again = subprocess.run(
         [*cli, "resume", job.job_id, "--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin")},
         capture_output=True,
         text=True,
         timeout=60,
@@ -519,6 +521,7 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     cli = [sys.executable, "-m", "roundpipe.cli"]
     result = subprocess.run(
         [*cli, "resume", job.job_id, "--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin")},
         capture_output=True,
         text=True,
         timeout=60,

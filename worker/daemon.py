@@ -52,6 +52,7 @@ from roundpipe.protocol import (
     encode,
 )
 from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.keys import ConnectKeys, KeyError_, apply_connect_keys, connect_keys
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
 from roundpipe.worker.transfer import TransferEngine, make_engine, parse_duration
@@ -100,8 +101,12 @@ class WorkerDaemon:
         fault: Fault | None = None,
         memory_limit_bytes: int | None = None,
         engine: TransferEngine | None = None,
+        keys: ConnectKeys | None = None,
     ):
         self.coordinator = coordinator
+        self.keys = keys
+        """CurveZMQ keys (a worker-role key and the coordinator's public key); None for
+        an ipc:// coordinator without keys."""
         self.device = torch.device(device)
         self.memory_limit_bytes = memory_limit_bytes
         """GPU memory cap (``--memory-limit``) already applied; reported in Hello so the
@@ -155,6 +160,7 @@ class WorkerDaemon:
         """Open a fresh DEALER socket and shake hands; raise HandshakeError on failure."""
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        apply_connect_keys(self.sock, self.keys)
         self.sock.connect(self.coordinator)
         self.sock.send_multipart(encode(self._hello()))
         deadline = time.monotonic() + timeout_s
@@ -181,7 +187,12 @@ class WorkerDaemon:
         raise HandshakeError(
             f"no answer from a coordinator at {self.coordinator} within {timeout_s:.0f}s; "
             "is roundpipe-coordinator running there? (--coordinator / ROUNDPIPE_ADDRESS; "
-            "--handshake-timeout)"
+            "--handshake-timeout) Does it know this worker's key? "
+            + (
+                f"(using {self.keys.key_path}; it must be authorised with role worker)"
+                if self.keys is not None
+                else "(none configured: --key / ROUNDPIPE_KEY)"
+            )
         )
 
     # -- sessions ---------------------------------------------------------------------
@@ -492,6 +503,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", default=None, help="worker name shown in `roundpipe workers`")
     parser.add_argument(
+        "--key",
+        default=None,
+        help="this worker's key pair (a *.key_secret authorised with role worker; default "
+        "$ROUNDPIPE_KEY, else ~/.config/roundpipe/client.key_secret)",
+    )
+    parser.add_argument(
+        "--coordinator-key",
+        default=None,
+        help="the coordinator's public key (default $ROUNDPIPE_COORDINATOR_KEY, else "
+        "~/.config/roundpipe/coordinator.key, else $ROUNDPIPE_KEYS_DIR/coordinator.key)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -599,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
+        keys = connect_keys(args.key, args.coordinator_key)
+    except KeyError_ as exc:
+        print(f"roundpipe-worker: {exc}", file=sys.stderr)
+        return 2
+    try:
         fault = parse_fault(os.environ.get(FAULT_ENV))
     except ValueError as exc:
         print(f"roundpipe-worker: {exc}", file=sys.stderr)
@@ -624,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator_timeout_s=args.coordinator_timeout,
         fault=fault,
         memory_limit_bytes=memory_limit,
+        keys=keys,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
