@@ -239,7 +239,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 9
+PROTOCOL_VERSION: int = 10
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1598,6 +1598,11 @@ class TaskDone(Message):
     upload_bytes: NonNegInt = 0
     #: bytes downloaded
     download_bytes: NonNegInt = 0
+    #: the worker's time.time() when it began the task (0: not reported); the
+    #: coordinator's timeline places the task by it (same host clock)
+    started_at: NonNegFloat = 0.0
+    #: seconds blocked on event counters (weight versions, inputs, free gradient slots)
+    wait_s: NonNegFloat = 0.0
 
 
 @_message

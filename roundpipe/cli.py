@@ -9,6 +9,7 @@
     roundpipe cancel JOB
     roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
     roundpipe logs JOB [--follow]        # the coordinator's log of one job
+    roundpipe timeline JOB -o t.png      # the measured pipeline as a picture
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
 
 Every subcommand that talks to a coordinator takes ``--address`` (default
@@ -587,6 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--poll", type=_positive_float, default=0.5, help=argparse.SUPPRESS)
 
+    # observability: the measured pipeline as a picture (roundpipe.timeline_plot)
+    p = add("timeline", _cmd_timeline, "draw a job's measured pipeline timeline as a PNG", conn)
+    p.add_argument("job", metavar="JOB", help="job id, or a job's output directory")
+    p.add_argument("--steps", default=None, metavar="A:B", help="steps A..B (default: last 3)")
+    p.add_argument("-o", "--output", default="timeline.png", metavar="FILE.png")
+
     p = add(
         "demo",
         _cmd_demo,
@@ -634,6 +641,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("chaos_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from roundpipe.timeline_plot import draw_job_timeline, parse_steps
+
+    try:
+        steps = parse_steps(args.steps) if args.steps else None
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    output_dir = Path(args.job)
+    job = f"job in {output_dir}"
+    if not (output_dir / "timeline").is_dir():  # a job id: its output directory
+        with _client(args) as client:
+            status = client.status(args.job)
+        if not status.output_dir:
+            raise RoundPipeError(f"job {args.job} has no output directory yet ({status.state})")
+        output_dir, job = Path(status.output_dir), f"job {args.job}"
+    try:
+        path, drawn, _ = draw_job_timeline(output_dir, Path(args.output), job=job, steps=steps)
+    except (FileNotFoundError, ValueError) as exc:
+        raise RoundPipeError(str(exc)) from None
+    print(f"steps {drawn[0]}-{drawn[1]} of {job} drawn to {path}")
+    return EXIT_OK
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
