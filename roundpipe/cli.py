@@ -297,11 +297,30 @@ def _cmd_status(args: argparse.Namespace) -> int:
     ]
     if status.plan:
         rows.append(("plan", status.plan))
+    rows += _figure_rows(status)  # observability
     if status.message:
         rows.append(("message", status.message))
     for key, value in rows:
         print(f"{key + ':':<8} {value}")
     return EXIT_OK
+
+
+def _figure_rows(status: JobStatus) -> list[tuple[str, str]]:
+    """Throughput, bubble, optimizer lag and busy workers of a running job."""
+    rows = []
+    if status.tokens_per_s is not None:
+        rows.append(("speed", _format_rate(status.tokens_per_s)))
+    if status.bubble_fraction is not None:
+        rows.append(("bubble", f"{100 * status.bubble_fraction:.1f}% (measured, latest step)"))
+    if status.state == "running":
+        rows.append(("opt lag", f"{status.optimizer_lag_steps} step(s)"))
+    if status.worker_busy:
+        busy = ", ".join(
+            f"w{w} {100 * b:.0f}%"
+            for w, b in sorted(status.worker_busy.items(), key=lambda i: int(i[0]))
+        )
+        rows.append(("busy", busy))
+    return rows
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
@@ -334,6 +353,13 @@ def _device_text(worker: WorkerInfo) -> str:
     return f"{worker.device} ({name})"
 
 
+def _bandwidth_text(worker: WorkerInfo) -> str:
+    """Measured bus bandwidth, ``"24.1 / 25.3 GB/s"``; ``-`` when nothing crosses a bus."""
+    if worker.h2d_bytes_per_s is None or worker.d2h_bytes_per_s is None:
+        return "-"
+    return f"{worker.h2d_bytes_per_s / 1e9:.1f} / {worker.d2h_bytes_per_s / 1e9:.1f} GB/s"
+
+
 def _cmd_workers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         workers = client.workers()
@@ -349,12 +375,15 @@ def _cmd_workers(args: argparse.Namespace) -> int:
             w.name,
             _device_text(w),
             _format_bytes(w.memory_bytes),
+            _bandwidth_text(w),
             w.state,
             str(w.tasks_done),
+            w.current_task or "-",
         )
         for w in workers
     ]
-    print(_table(("ID", "NAME", "DEVICE", "MEMORY", "STATE", "TASKS"), rows))
+    headers = ("ID", "NAME", "DEVICE", "MEMORY CAP", "H2D / D2H", "STATE", "TASKS", "CURRENT TASK")
+    print(_table(headers, rows))
     return EXIT_OK
 
 
