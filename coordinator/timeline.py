@@ -327,6 +327,8 @@ class TimelineRecorder:
     def close(self) -> None:
         """Settle the last step, finish the trace segment and the TensorBoard file."""
         with self._lock:
+            if self._writer is not None:
+                self._writer.stay_in_segment()  # what is left belongs to the last one
             for k in sorted(self._steps):
                 if self._steps[k].bubble is None and self._steps[k].iteration_end is not None:
                     self._settle(k)
@@ -400,6 +402,7 @@ class _TraceWriter:
         self._file = None
         self._first = True
         self._segment_start = 0
+        self._next_segment: int | None = None  # opened by the next event after a step
         self._failed = False
 
     def begin(self, first_step: int) -> None:
@@ -454,7 +457,17 @@ class _TraceWriter:
     def _ts(self, t: float) -> float:
         return round((t - self.t0) * 1e6, 1)
 
+    def stay_in_segment(self) -> None:
+        self._next_segment = None
+
+    def _roll(self) -> None:
+        # A new segment opens lazily, so that the job's last step leaves no empty one.
+        if self._next_segment is not None:
+            first, self._next_segment = self._next_segment, None
+            self._open(first)
+
     def _emit(self, event: dict) -> None:
+        self._roll()
         if self._file is None:
             return
         try:
@@ -464,6 +477,7 @@ class _TraceWriter:
         self._first = False
 
     def task(self, r: TaskRecord, layer_start: int, layer_stop: int) -> None:
+        self._roll()  # before naming the worker's lane in the segment
         if self._file is None:
             return
         if r.worker not in self._named_workers:
@@ -536,7 +550,7 @@ class _TraceWriter:
             }
         )
         if event.step - self._segment_start + 1 >= self.segment_steps:
-            self._open(event.step + 1)
+            self._next_segment = event.step + 1
 
     def bubble(self, step: int, t: float, bubble: float, busy: dict[int, float]) -> None:
         self._emit(
