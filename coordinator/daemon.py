@@ -1133,10 +1133,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--metrics-address",
-        default=None,
+        default=os.environ.get("ROUNDPIPE_METRICS_ADDRESS") or None,
         metavar="HOST:PORT",
-        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (default: off; "
-        "see docs/observability.md)",
+        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (default: "
+        "$ROUNDPIPE_METRICS_ADDRESS, else off; see docs/observability.md)",
     )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
