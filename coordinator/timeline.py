@@ -200,6 +200,7 @@ class TimelineRecorder:
         """Newest step the optimizer has applied to every layer."""
         self._optimizer_layers_left: dict[int, int] = {}
         self.num_optimizer_layers = 0
+        self._live_workers: int | None = None
         self._t0 = time.time()
         self._writer: _TraceWriter | None = None
         if trace_dir is not None:
@@ -298,9 +299,12 @@ class TimelineRecorder:
             if figures.iteration_end is not None:
                 self.latest_optimizer_lag_s = max(0.0, end - figures.iteration_end)
 
-    def iteration_done(self, k: int) -> None:
-        """Every task of iteration k has completed: step k-1's window is settled."""
+    def iteration_done(self, k: int, num_workers: int | None = None) -> None:
+        """Every task of iteration k has completed: step k-1's window is settled.
+        ``num_workers``: the workers live now (default: those that completed a task)."""
         with self._lock:
+            if num_workers:
+                self._live_workers = num_workers
             self._settle(k - 1)
             self._forget_before(k - self.keep_steps)
 
@@ -370,7 +374,8 @@ class TimelineRecorder:
         hi = figures.iteration_end
         if hi <= lo:
             return
-        bubble, busy = bubble_in_window(self._tasks, (lo, hi), max(1, self.num_workers))
+        workers = self._live_workers or self.num_workers
+        bubble, busy = bubble_in_window(self._tasks, (lo, hi), max(1, workers))
         figures.bubble, figures.busy = bubble, busy
         self.latest_bubble, self.latest_bubble_step, self.latest_busy = bubble, k, busy
         if self._writer is not None:

@@ -735,7 +735,9 @@ class Trainer:
             return  # a duplicate completion (a re-run finishing late)
         pending[task.iteration] -= 1
         if pending[task.iteration] == 0:
-            self.timeline.iteration_done(task.iteration)  # observability
+            self.timeline.iteration_done(
+                task.iteration, len(tracker.live_workers())
+            )  # observability
         if self.profile is not None:
             self.profile.record_done(task, msg)
             if pending[task.iteration] == 0:

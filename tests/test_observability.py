@@ -90,14 +90,15 @@ def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Pa
     handle = cluster.client.submit(JobSpec.from_dict(spec))
     job = handle.job_id
 
-    # Scrape while the job runs, until a step's bubble has been measured.
+    # Scrape while the job runs, until a step's bubble and optimizer lag are measured.
     during = None
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         status = handle.status()
         assert status.state in ("queued", "running"), status
         samples = scrape(url)
-        if ("roundpipe_job_bubble_fraction", frozenset({("job", job)})) in samples:
+        measured = ("roundpipe_job_bubble_fraction", "roundpipe_job_optimizer_lag_seconds")
+        if all((name, frozenset({("job", job)})) in samples for name in measured):
             during = samples
             status_after = handle.status()
             break
@@ -109,6 +110,10 @@ def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Pa
     assert one(during, "roundpipe_job_total_steps", job=job) == 14
     bubble = one(during, "roundpipe_job_bubble_fraction", job=job)
     assert 0.0 <= bubble < 1.0
+    assert 0 <= one(during, "roundpipe_job_optimizer_lag_steps", job=job) <= 2  # staleness 1
+    assert one(during, "roundpipe_job_optimizer_lag_seconds", job=job) >= 0
+    assert one(during, "roundpipe_job_task_retries_total", job=job) == 0
+    assert one(during, "roundpipe_job_step_seconds", job=job) > 0
     assert one(during, "roundpipe_arena_bytes") > 0
     assert one(during, "roundpipe_host_memory_total_bytes") > one(
         during, "roundpipe_host_memory_available_bytes"
