@@ -273,17 +273,33 @@ def first_iteration(
     return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)
 
 
-@contextlib.contextmanager
 def coordinator_only(root: Path, name: str, coordinator_args: Sequence[str] = ()):
-    """A LocalCluster with no workers (arenas in a private /dev/shm folder), stopped and
-    cleaned up afterwards; the coordinator must exit 0."""
+    """A LocalCluster with no workers (see ``cpu_cluster``)."""
+    return cpu_cluster(root, name, coordinator_args)
+
+
+@contextlib.contextmanager
+def cpu_cluster(
+    root: Path,
+    name: str,
+    coordinator_args: Sequence[str] = (),
+    *,
+    num_workers: int = 0,
+    worker_args: Sequence[str] = (),
+):
+    """A LocalCluster with ``num_workers`` CPU workers, connected (arenas in a private
+    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0."""
     from roundpipe.cluster import LocalCluster
 
     arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(root, arena_dir, coordinator_args=list(coordinator_args))
+    c = LocalCluster(
+        root, arena_dir, coordinator_args=list(coordinator_args), worker_args=worker_args
+    )
     try:
-        c.wait_for_workers(0)
+        for i in range(num_workers):
+            c.add_worker(f"w{i + 1}")
+        c.wait_for_workers(num_workers)
         yield c
     finally:
         c.stop()

@@ -5,7 +5,6 @@ scalars read back, and the status / workers commands (docs/observability.md)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.request
@@ -13,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import tiny_spec
+from runtime_helpers import cpu_cluster, tiny_spec
 
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster
@@ -27,25 +26,14 @@ _SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})? (?P<value>\S+)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
-    root = tmp_path_factory.mktemp("obs")
-    arena_dir = Path("/dev/shm") / f"rp-obs-{os.getpid()}"
-    arena_dir.mkdir()
-    c = LocalCluster(
-        root,
-        arena_dir,
-        coordinator_args=["--wait-timeout", "120", "--metrics-address", "127.0.0.1:0"],
+    with cpu_cluster(
+        tmp_path_factory.mktemp("obs"),
+        "obs",
+        ["--wait-timeout", "120", "--metrics-address", "127.0.0.1:0"],
+        num_workers=2,
         worker_args=["--emulate-pcie", "4GB/s"],  # so that bytes and bandwidth are real
-    )
-    c.add_worker("w1")
-    c.add_worker("w2")
-    try:
-        c.wait_for_workers(2)
+    ) as c:
         yield c
-    finally:
-        c.stop()
-        for entry in arena_dir.iterdir():
-            entry.unlink()
-        arena_dir.rmdir()
 
 
 def metrics_url(cluster: LocalCluster) -> str:
