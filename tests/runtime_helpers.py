@@ -96,8 +96,9 @@ def tiny_spec(
     return JobSpec.from_dict(spec)
 
 
-def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
-    """Final parameters (by name) of the plain single-process loop."""
+def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Final parameters (by name) of the plain single-process loop; ``grad_norms``, if
+    given, receives each step's global gradient norm (before clipping)."""
     config = model_config_from_spec(spec.model)
     lora = spec.lora.model_settings() if spec.lora is not None else None
     layered = LayeredModel(config, lora)
@@ -141,6 +142,10 @@ def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
         for n, p in trainable.items():
             g = grad_params[n].grad
             p.grad = torch.zeros_like(p) if g is None else g.detach().clone()
+        if grad_norms is not None:
+            grad_norms.append(
+                float(torch.nn.utils.get_total_norm(p.grad for p in trainable.values()))
+            )
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(trainable.values()), spec.optimizer.grad_clip)
         for group in opt.param_groups:

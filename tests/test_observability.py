@@ -5,6 +5,7 @@ scalars read back, and the status / workers commands (docs/observability.md)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -12,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import cpu_cluster, tiny_spec
+from runtime_helpers import InProcessWorkers, cpu_cluster, oracle_train, tiny_spec
 
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.timeline import TRACE_DIR, read_trace, trace_files
+from roundpipe.coordinator.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -197,3 +199,40 @@ def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Pa
         assert value == pytest.approx(events[s].loss, rel=1e-6)
     norms = [s.value for s in acc.Scalars("train/grad_norm")]
     assert len(norms) == 14 and all(n > 0 for n in norms)
+
+
+def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
+    """The logged gradient norm is the plain loop's global norm of each step (before
+    clipping), with clipping on and off."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for clip in (None, 0.5):
+        raw = tiny_spec(tmp_path / f"out-{clip}", steps=3, grad_clip=clip).to_dict()
+        raw["output"]["tensorboard"] = True
+        spec = JobSpec.from_dict(raw)
+        expected: list[float] = []
+        oracle_train(spec, grad_norms=expected)
+        arena_dir = Path("/dev/shm") / f"rp-tbnorm-{os.getpid()}"
+        arena_dir.mkdir(exist_ok=True)
+        trainer = Trainer(
+            "job-tb",
+            spec,
+            arena_dir=arena_dir,
+            namespace="tbnorm",
+            output_dir=Path(spec.output.dir),
+            wait_timeout_s=60,
+        )
+        pool = None
+        try:
+            trainer.prepare(2)
+            pool = InProcessWorkers(trainer, 2)
+            trainer.run(pool.dispatch, pool.workers)
+        finally:
+            if pool is not None:
+                pool.close()
+            trainer.close()
+            arena_dir.rmdir()
+        acc = EventAccumulator(str(Path(spec.output.dir) / "tensorboard"))
+        acc.Reload()
+        logged = [s.value for s in acc.Scalars("train/grad_norm")]
+        assert logged == pytest.approx(expected, rel=1e-4), clip
