@@ -125,6 +125,7 @@ def draw_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import patheffects
     from matplotlib.patches import Patch
 
     if lanes is None:
@@ -167,9 +168,11 @@ def draw_timeline(
                 b.label,
                 ha="center",
                 va="center",
-                fontsize=7,
+                fontsize=8,
                 color="white",
                 clip_on=True,
+                # Outlined, so the label reads on the colour and on the hatching alike.
+                path_effects=[patheffects.withStroke(linewidth=1.5, foreground="#222222")],
             )
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(lanes)
