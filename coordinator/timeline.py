@@ -216,7 +216,16 @@ class TimelineRecorder:
         if tensorboard_dir is not None:
             from roundpipe.coordinator.tensorboard import ScalarWriter
 
-            self._tensorboard = ScalarWriter(Path(tensorboard_dir))
+            try:
+                self._tensorboard = ScalarWriter(Path(tensorboard_dir))
+            except OSError as exc:  # an aid, like the trace: the job goes on without it
+                log.warning(
+                    "[timeline] job %s: cannot write TensorBoard scalars to %s (%s); the job "
+                    "runs without them",
+                    job_id,
+                    tensorboard_dir,
+                    exc,
+                )
 
     @classmethod
     def for_job(cls, trainer, num_optimizer_layers: int) -> TimelineRecorder:

@@ -681,7 +681,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from None
     output_dir = Path(args.job)
     job = f"job in {output_dir}"
-    if not (output_dir / "timeline").is_dir():  # a job id: its output directory
+    if not output_dir.is_dir():  # a job id: ask for its output directory
         with _client(args) as client:
             status = client.status(args.job)
         if not status.output_dir:

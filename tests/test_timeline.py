@@ -176,3 +176,24 @@ def test_parse_steps() -> None:
     for bad in ("5:3", "0:2", "a:b", "1:2:3"):
         with pytest.raises(ValueError, match="--steps"):
             parse_steps(bad)
+
+
+def test_timeline_command_without_a_trace(tmp_path: Path, capsys) -> None:
+    rc = cli_main(["timeline", str(tmp_path), "-o", str(tmp_path / "t.png")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "no timeline trace in" in err and "output.timeline is false" in err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_timeline_command_draws_a_trace(tmp_path: Path, capsys) -> None:
+    recorder = TimelineRecorder("j", tmp_path / "timeline")
+    recorder.start(1, PLAN, num_optimizer_layers=3)
+    feed(recorder, range(1, 6), t0=1000.0)
+    recorder.close()
+    png = tmp_path / "t.png"
+    assert cli_main(["timeline", str(tmp_path), "-o", str(png)]) == 0  # the last 3 steps
+    assert "steps 3-5 of job in" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["timeline", str(tmp_path), "--steps", "7:9", "-o", str(png)]) == 1
+    assert "holds no task of steps 7-9" in capsys.readouterr().err
