@@ -649,13 +649,18 @@ class Trace:
     """Wall-clock time of ``ts == 0``, of the newest run."""
 
 
-def read_trace(directory: Path, steps: Sequence[int] | None = None) -> Trace:
+def read_trace(
+    directory: Path, steps: Sequence[int] | None = None, *, newest_segments: int | None = None
+) -> Trace:
     """Read the trace segments in ``directory`` (complete or still being written).
 
-    ``steps``: keep only the events of these steps. Times are converted to the newest
-    run's origin. Raises FileNotFoundError if there is no trace.
+    ``steps``: keep only the events of these steps; ``newest_segments``: read only that
+    many of the newest files (enough to find the latest steps of a long job). Times are
+    converted to the newest run's origin. Raises FileNotFoundError if there is no trace.
     """
     files = trace_files(directory)
+    if newest_segments is not None:
+        files = files[-newest_segments:]
     if not files:
         raise FileNotFoundError(
             f"no timeline trace in {directory} (is it a job's output directory? a job writes "

@@ -226,7 +226,7 @@ def draw_job_timeline(
 
     directory = Path(output_dir) / TRACE_DIR
     if steps is None:
-        recorded = sorted(read_trace(directory).steps)
+        recorded = sorted(read_trace(directory, newest_segments=2).steps)
         if not recorded:
             raise ValueError(f"the trace in {directory} holds no complete step yet")
         steps = (max(recorded[0], recorded[-1] - 2), recorded[-1])
