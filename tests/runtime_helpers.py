@@ -225,6 +225,31 @@ class InProcessWorkers:
             core.close()
 
 
+def run_in_process(spec: JobSpec, arena_dir: Path, num_workers: int = 2, job_id: str = "job-ip"):
+    """Run a job through a Trainer on ``num_workers`` in-process workers; return its
+    progress events (the trainer is closed: its output directory holds the rest)."""
+    from roundpipe.coordinator.trainer import Trainer
+
+    trainer = Trainer(
+        job_id,
+        spec,
+        arena_dir=arena_dir,
+        namespace=job_id,
+        output_dir=Path(spec.output.dir),
+        wait_timeout_s=60,
+    )
+    pool = None
+    try:
+        trainer.prepare(num_workers)
+        pool = InProcessWorkers(trainer, num_workers)
+        trainer.run(pool.dispatch, pool.workers)
+        return list(trainer.progress)
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+
+
 def assert_params_match(
     runtime: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor], rtol: float = 1e-5
 ) -> None:

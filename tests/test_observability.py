@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import InProcessWorkers, cpu_cluster, oracle_train, tiny_spec
+from runtime_helpers import cpu_cluster, oracle_train, run_in_process, tiny_spec
 
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.timeline import TRACE_DIR, read_trace, trace_files
-from roundpipe.coordinator.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -215,23 +214,9 @@ def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
         oracle_train(spec, grad_norms=expected)
         arena_dir = Path("/dev/shm") / f"rp-tbnorm-{os.getpid()}"
         arena_dir.mkdir(exist_ok=True)
-        trainer = Trainer(
-            "job-tb",
-            spec,
-            arena_dir=arena_dir,
-            namespace="tbnorm",
-            output_dir=Path(spec.output.dir),
-            wait_timeout_s=60,
-        )
-        pool = None
         try:
-            trainer.prepare(2)
-            pool = InProcessWorkers(trainer, 2)
-            trainer.run(pool.dispatch, pool.workers)
+            run_in_process(spec, arena_dir)
         finally:
-            if pool is not None:
-                pool.close()
-            trainer.close()
             arena_dir.rmdir()
         acc = EventAccumulator(str(Path(spec.output.dir) / "tensorboard"))
         acc.Reload()
