@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,17 +85,27 @@ def run_runtime(
     env: dict[str, str] | None = None,
     timeout_s: float = 3600,
     stop_after: int | None = None,
+    coordinator_args: Sequence[str] = (),
+    while_running: Callable[[LocalCluster], None] | None = None,
 ) -> RuntimeRun:
     """Start a ``LocalCluster`` with one worker per entry of ``worker_args`` (device
     options, e.g. ``["--cpu", "--threads", "1"]`` or ``["--gpu", "0", "--memory-limit",
     "24GiB"]``), run ``spec`` and measure the steps after ``warmup``: to the end, or with
     ``stop_after`` until that step, then cancel the job (a large model's final checkpoint
-    would cost minutes and tens of GB of disk)."""
+    would cost minutes and tens of GB of disk). ``coordinator_args`` go to the
+    coordinator; ``while_running(cluster)`` is called once the job is submitted (e.g. to
+    start a metrics scraper)."""
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-bench-", dir="/dev/shm"))
     cluster = LocalCluster(
         root,
         arena_dir,
-        coordinator_args=["--threads", str(coordinator_threads), "--log-level", "WARNING"],
+        coordinator_args=[
+            "--threads",
+            str(coordinator_threads),
+            "--log-level",
+            "WARNING",
+            *coordinator_args,
+        ],
         client_timeout_s=60,
         env=env,
         allow_read=spec_read_dirs(spec),
@@ -108,6 +118,8 @@ def run_runtime(
         cluster.wait_for_workers(len(workers), timeout_s=300)
         with GpuMemorySampler() as memory:
             job = cluster.client.submit(spec)
+            if while_running is not None:
+                while_running(cluster)
             events = []
             for event in job.progress(timeout_s=timeout_s):
                 events.append(event)

@@ -13,18 +13,36 @@ The model is one where compute dominates (Qwen3-shaped, hidden 512, 8 layers, se
 `RESULT ratio_1w=<x> ratio_2w=<y>` (runtime tokens/s / plain tokens/s). Target on a
 2-core machine: ratio_1w >= 0.85.
 
+With ``--observability`` it measures instead what the observability features cost
+(docs/observability.md), 2 CPU workers, runs alternating off / on ``--repeats`` times:
+
+  off        output.timeline false, no TensorBoard, no metrics endpoint
+  on         timeline trace + TensorBoard scalars (with the extra gradient-norm pass) +
+             --metrics-address, scraped over HTTP every second while the job runs
+
+and, in-process, the cost of the recorder's hooks per call times the calls per step.
+Last line `RESULT observability_overhead=<on/off step time - 1> hooks_share=<x>`
+(target: at most 0.02).
+
 Usage: python benchmarks/cpu_overhead.py [--steps 8] [--warmup 2] [--threads 2]
+       python benchmarks/cpu_overhead.py --observability [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
+import statistics
 import tempfile
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from common import plain_loop, run_runtime
 
 from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.shared.plan import Plan
 
 DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 CONFIG = {
@@ -39,7 +57,9 @@ CONFIG = {
 }
 
 
-def make_spec(steps: int, num_microbatches: int, out: Path) -> JobSpec:
+def make_spec(
+    steps: int, num_microbatches: int, out: Path, *, observability: bool = True
+) -> JobSpec:
     return JobSpec.from_dict(
         {
             "model": {
@@ -52,7 +72,7 @@ def make_spec(steps: int, num_microbatches: int, out: Path) -> JobSpec:
             "batch": {"microbatch_size": 1, "num_microbatches": num_microbatches},
             "train": {"steps": steps, "staleness": 1, "dtype": "float32", "seed": 0},
             "optimizer": {"lr": 1e-4, "schedule": "constant"},
-            "output": {"dir": str(out)},
+            "output": {"dir": str(out), "timeline": observability, "tensorboard": observability},
         }
     )
 
@@ -70,14 +90,121 @@ def runtime(spec: JobSpec, workers: int, threads_each: int, warmup: int, root: P
     return run.tokens_per_s
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape_every_second(address: str, stop: threading.Event, count: list[int]):
+    def scraper(cluster) -> None:
+        def loop() -> None:
+            while not stop.wait(1.0):
+                try:
+                    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+                        r.read()
+                    count[0] += 1
+                except OSError:
+                    pass
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    return scraper
+
+
+def hooks_cost(spec: JobSpec, calls: int = 20000) -> tuple[float, float]:
+    """(seconds per task_done, per optimizer_layer) of a recorder writing a trace."""
+    from types import SimpleNamespace
+
+    from roundpipe.coordinator.timeline import TimelineRecorder
+    from roundpipe.protocol import TaskDone
+
+    with tempfile.TemporaryDirectory() as d:
+        recorder = TimelineRecorder("bench", Path(d), keep_steps=64)
+        recorder.start(1, Plan.parse("F[0:5] T[5:10] B[0:5]"), num_optimizer_layers=10)
+        done = TaskDone(
+            job_id="bench", task_id=0, attempt=0, worker_id=1, seconds=0.1, layer_times={}
+        )
+        task = SimpleNamespace(iteration=1, kind="forward", layer_start=0, layer_stop=5, task_id=0)
+        t = time.perf_counter()
+        for i in range(calls):
+            task.iteration = 1 + i // 10
+            recorder.task_done(done, task)
+        per_task = (time.perf_counter() - t) / calls
+        t = time.perf_counter()
+        for i in range(calls):
+            recorder.optimizer_layer(1 + i // 10, i % 10, 0.0, 0.0)
+        per_layer = (time.perf_counter() - t) / calls
+        recorder.close()
+    return per_task, per_layer
+
+
+def observability(args: argparse.Namespace, root: Path) -> None:
+    threads_each = max(1, args.threads // 2)
+    off_s: list[float] = []
+    on_s: list[float] = []
+    scrapes = [0]
+    for r in range(args.repeats):
+        for on in (False, True):
+            spec = make_spec(
+                args.steps, args.microbatches, root / f"out-{r}-{on}", observability=on
+            )
+            stop = threading.Event()
+            address = f"127.0.0.1:{_free_port()}"
+            run = run_runtime(
+                spec,
+                [["--cpu", "--threads", str(threads_each)]] * 2,
+                warmup=args.warmup,
+                root=root / f"obs-{r}-{on}",
+                coordinator_threads=threads_each,
+                env={"OMP_NUM_THREADS": str(threads_each)},
+                coordinator_args=["--metrics-address", address] if on else [],
+                while_running=_scrape_every_second(address, stop, scrapes) if on else None,
+            )
+            stop.set()
+            (on_s if on else off_s).extend(run.step_s)
+    spec = make_spec(args.steps, args.microbatches, root / "hooks")
+    per_task, per_layer = hooks_cost(spec)
+    # Calls per step of this job: one per task of its plan, one per layer (with the
+    # embedding and the head).
+    num_tasks = len(Plan.parse(run.plan).stages())
+    step_off = statistics.median(off_s)
+    step_on = statistics.median(on_s)
+    hooks_s = num_tasks * per_task + (CONFIG["num_hidden_layers"] + 2) * per_layer
+    print(
+        f"model: qwen3 hidden 512 x 8 layers, seq 512, {args.microbatches} microbatches, "
+        f"2 CPU workers x {threads_each} thread(s), {args.repeats} off/on pairs, "
+        f"{len(off_s)} + {len(on_s)} timed steps, {scrapes[0]} scrapes"
+    )
+    print(f"{'observability':40} {'median step s':>14} {'ratio':>8}")
+    print(f"{'off':40} {step_off:14.3f} {1.0:8.3f}")
+    print(f"{'on (timeline, TensorBoard, metrics)':40} {step_on:14.3f} {step_on / step_off:8.3f}")
+    print(
+        f"recorder hooks in-process: {per_task * 1e6:.1f} us per task, "
+        f"{per_layer * 1e6:.1f} us per optimizer layer: {hooks_s * 1e3:.3f} ms per step "
+        f"= {hooks_s / step_off:.2e} of a step"
+    )
+    print(
+        f"RESULT observability_overhead={step_on / step_off - 1:.3f} "
+        f"hooks_share={hooks_s / step_off:.2e}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="total compute threads")
     parser.add_argument("--microbatches", type=int, default=3)
+    parser.add_argument(
+        "--observability", action="store_true", help="measure timeline/metrics/TensorBoard cost"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="off/on pairs (--observability)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rp-bench-"))
+    if args.observability:
+        observability(args, root)
+        return
     spec = make_spec(args.steps, args.microbatches, root / "out")
     plain = plain_loop(spec, warmup=args.warmup, threads=args.threads)
     one = runtime(spec, 1, args.threads, args.warmup, root)

@@ -74,6 +74,7 @@ from roundpipe.coordinator.auth import (
 )
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.metrics import MetricsServer, current_tasks, job_figures
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -204,6 +205,8 @@ class JobRecord:
         # Until the trainer has restored its checkpoint, its step is 0: show the step the
         # job resumes from (kept in self.step) instead.
         live = t is not None and t.prepared
+        # observability: throughput, bubble, optimizer lag, busy workers (coordinator.metrics)
+        figures = job_figures(t) if live else None
         return JobStatus(
             job_id=self.job_id,
             state=self.state,
@@ -217,6 +220,10 @@ class JobRecord:
             ),
             output_dir=self.output_dir,
             plan=self.plan or "",
+            tokens_per_s=figures.tokens_per_s if figures else None,
+            bubble_fraction=figures.bubble_fraction if figures else None,
+            optimizer_lag_steps=figures.optimizer_lag_steps if figures else 0,
+            worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
         )
 
     def events(self) -> list[ProgressEvent]:
@@ -803,7 +810,8 @@ class Coordinator:
             return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
             with self._lock:
-                busy = self._active is not None and self._active.state == "running"
+                active = self._active
+                running = current_tasks(active.trainer if active is not None else None)
                 workers = sorted(
                     (
                         w
@@ -819,8 +827,11 @@ class Coordinator:
                         device=w.hello.device,
                         device_name=bounded_text(w.hello.device_name, MAX_NAME_CHARS),
                         memory_bytes=w.hello.memory_bytes,
-                        state="busy" if busy else "idle",
+                        state="busy" if w.worker_id in running else "idle",
                         tasks_done=w.tasks_done,
+                        h2d_bytes_per_s=w.hello.h2d_bytes_per_s,
+                        d2h_bytes_per_s=w.hello.d2h_bytes_per_s,
+                        current_task=running.get(w.worker_id, ""),
                     )
                     for w in workers
                 )
@@ -1423,6 +1434,13 @@ def main(argv: list[str] | None = None) -> int:
         help="write files 0640 and directories 0750 (the coordinator's group may read "
         "results) instead of 0600/0700 (also $ROUNDPIPE_GROUP_ACCESS=1)",
     )
+    parser.add_argument(
+        "--metrics-address",
+        default=os.environ.get("ROUNDPIPE_METRICS_ADDRESS") or None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (default: "
+        "$ROUNDPIPE_METRICS_ADDRESS, else off; see docs/observability.md)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     # Everything this process writes (state, checkpoints, exports, logs) is private by
@@ -1468,9 +1486,18 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
         return 2
+    metrics = None
+    if args.metrics_address:  # observability (coordinator.metrics)
+        try:
+            metrics = MetricsServer(coordinator, args.metrics_address)
+        except (ValueError, OSError) as exc:
+            print(f"roundpipe-coordinator: --metrics-address: {exc}", file=sys.stderr)
+            return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: coordinator.stop())
     coordinator.serve()
+    if metrics is not None:
+        metrics.close()
     return 0
 
 

@@ -375,6 +375,12 @@ class OutputSpec:
     checkpoint is always written."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (>= 0); 0 keeps all."""
+    timeline: bool = True
+    """Record the pipeline timeline as Chrome-trace JSON in ``<dir>/timeline/``
+    (``roundpipe timeline`` draws it; docs/observability.md)."""
+    tensorboard: bool = False
+    """Write loss, learning rate, tokens/s, gradient norm and bubble fraction as
+    TensorBoard scalars to ``<dir>/tensorboard/``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", _abs_path(self.dir))
@@ -1249,6 +1255,8 @@ def _check_output(e: _Errors, o: OutputSpec) -> None:
             e.add("output.dir", f"{o.dir!r} exists and is not a directory")
     _check_int(e, "output.checkpoint_every", o.checkpoint_every, lo=0)
     _check_int(e, "output.keep_last", o.keep_last, lo=0)
+    _check_bool(e, "output.timeline", o.timeline)
+    _check_bool(e, "output.tensorboard", o.tensorboard)
 
 
 # --------------------------------------------------------------------------- model config

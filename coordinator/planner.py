@@ -1772,6 +1772,12 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     )
     p.add_argument("--compare", action="store_true", help="also simulate GPipe/1F1B, stages bound")
     p.add_argument("--grid", action="store_true", help="print the simulated schedule per worker")
+    p.add_argument(
+        "--timeline",
+        default=None,
+        metavar="FILE.png",
+        help="draw the simulated schedule as `roundpipe timeline` draws a measured one",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
@@ -1833,6 +1839,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
             )
     host, params = _host_memory(model, result.plan, args, m)
+    drawn = None
+    if args.timeline:  # observability: the prediction as a picture (roundpipe.timeline_plot)
+        from roundpipe.timeline_plot import draw_plan_timeline
+
+        what = f"{model.architecture}, {hw.num_workers} workers, {m} microbatches"
+        drawn = draw_plan_timeline(result, args.timeline, describe=what)
     header = (
         f"SIMULATED PREDICTION (cost model + schedule simulator, not a measurement): "
         f"{model.architecture}, {model.num_layers} layers"
@@ -1890,6 +1902,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.grid:
         print("schedule (one line per worker; '|' separates tasks):")
         print(result.simulation.grid(iteration=result.simulation.iterations))
+    if drawn is not None:
+        print(f"timeline drawn to {drawn}")
     return 0
 
 

@@ -103,7 +103,7 @@ class SimEvent:
     """Index into the stage list of the simulation."""
     microbatch: int | None
     """None for once-per-task work (uploads, downloads)."""
-    what: Literal["compute", "upload", "download"]
+    what: Literal["compute", "upload", "download", "optimizer"]
     start: float
     end: float
     label: str
@@ -134,6 +134,9 @@ class SimResult:
     tokens_per_s: float | None
     events: list[SimEvent] = field(repr=False)
     window: tuple[float, float] = (0.0, 0.0)
+    optimizer_events: list[SimEvent] = field(default_factory=list, repr=False)
+    """The CPU optimizer's updates (RoundPipe with ``optimizer_s``): one per tail or
+    backward stage and iteration, ``worker`` -1, ``what`` ``"optimizer"``."""
 
     @property
     def makespan(self) -> float:
@@ -327,6 +330,7 @@ def simulate_roundpipe(
     opt_free = 0.0
     opt_end: dict[tuple[int, int], float] = {}  # (iteration, chunk stage) -> time
     prev_mb_end: list[float] = []
+    optimizer_events: list[SimEvent] = []
     for k in range(1, iterations + 1):
         gate = iteration_ends[k - 3] if k >= 3 else 0.0
         version = max(k - 1 - staleness, 0)
@@ -372,11 +376,17 @@ def simulate_roundpipe(
                 o_start = max(opt_free, d_end)
                 opt_free = o_start + st.optimizer_s
                 opt_end[(k, s)] = opt_free
+                if st.optimizer_s > 0:
+                    optimizer_events.append(
+                        SimEvent(-1, k, s, None, "optimizer", o_start, opt_free, labels[s])
+                    )
             iter_end = max(iter_end, end)
         iteration_ends.append(iter_end)
-    return _summarise(
+    result = _summarise(
         "roundpipe", n, m_count, iteration_ends, events, tokens_per_iteration=tokens_per_iteration
     )
+    result.optimizer_events = optimizer_events
+    return result
 
 
 # ------------------------------------------------------------------- GPipe / 1F1B

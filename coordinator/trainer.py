@@ -102,6 +102,7 @@ from roundpipe.coordinator.planner import (
 )
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
+from roundpipe.coordinator.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
 from roundpipe.shared.plan import Plan
@@ -205,6 +206,8 @@ class Trainer:
         self._replan_attempts = 0
         self.prepared = False
         """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
+        # observability: replaced by a recording one when run() starts
+        self.timeline = TimelineRecorder(job_id)
 
     # -- preparation ------------------------------------------------------------------
 
@@ -351,6 +354,7 @@ class Trainer:
 
     def _plan_chosen(self, iteration: int, why: str) -> None:
         self.plan_history.append((iteration, str(self.plan), why))
+        self.timeline.set_plan(self.plan)  # observability: stage labels
         log.info(
             "[trainer] job %s: plan %s from step %d (%s)", self.job_id, self.plan, iteration, why
         )
@@ -563,6 +567,8 @@ class Trainer:
         assert self.layout is not None
         layout, spec = self.layout, self.spec
         steps = spec.train.steps
+        # observability: timeline, measured bubble, TensorBoard (coordinator.timeline)
+        self.timeline = TimelineRecorder.for_job(self, len(self.masters))
         optimizer_thread = threading.Thread(
             target=self._optimizer_loop, name=f"rp-optimizer-{self.job_id}", daemon=True
         )
@@ -683,6 +689,7 @@ class Trainer:
         )
         with self.progress_lock:
             self.progress.append(event)
+        self.timeline.step_reported(event)  # observability
         if on_progress is not None:
             on_progress(event)
         log.info("[trainer] job %s step %d loss %.4f", self.job_id, k, loss)
@@ -732,9 +739,14 @@ class Trainer:
             return
         tracker.completed(msg)
         task = unfinished.pop(msg.task_id, None)
+        self.timeline.task_done(msg, task)  # observability
         if task is None:
             return  # a duplicate completion (a re-run finishing late)
         pending[task.iteration] -= 1
+        if pending[task.iteration] == 0:
+            self.timeline.iteration_done(
+                task.iteration, len(tracker.live_workers())
+            )  # observability
         if self.profile is not None:
             self.profile.record_done(task, msg)
             if pending[task.iteration] == 0:
@@ -778,7 +790,10 @@ class Trainer:
             out = {
                 name: layout.view(layout.params[layer][name][k % 2]) for name in self.masters[layer]
             }
+            self.timeline.layer_grads(k, grads)  # observability: grad norm (TensorBoard)
+            started = time.time()
             self.optimizer.step_layer(layer, grads, k, clip_coef=coef, out=out)
+            self.timeline.optimizer_layer(k, layer, started, time.time())  # observability
             events.signal(c.version(layer), k)
 
     def _wait_grads(self, layer: int, k: int) -> None:
@@ -1029,6 +1044,7 @@ class Trainer:
 
     def close(self) -> None:
         self._cancel.set()
+        self.timeline.close()  # observability: settle the last step, finish the trace
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None

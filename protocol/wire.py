@@ -1611,6 +1611,11 @@ class TaskDone(Message):
     upload_bytes: NonNegInt = 0
     #: bytes downloaded
     download_bytes: NonNegInt = 0
+    #: the worker's time.time() when it began the task (0: not reported); the
+    #: coordinator's timeline places the task by it (same host clock)
+    started_at: NonNegFloat = 0.0
+    #: seconds blocked on event counters (weight versions, inputs, free gradient slots)
+    wait_s: NonNegFloat = 0.0
 
 
 @_message
@@ -1712,6 +1717,15 @@ class JobStatus(Message):
     #: the stage partition in use (Plan string form, e.g. "F[0:4] T[4:6] B[2:4,0:2]"),
     #: empty until the job has been planned
     plan: str = ""
+    #: training throughput of the latest step (None: no step yet or not running)
+    tokens_per_s: NonNegFloat | None = None
+    #: measured share of worker time not computing in the newest settled step
+    #: (roundpipe.coordinator.timeline); None until measured
+    bubble_fraction: NonNegFloat | None = None
+    #: steps the pipeline has finished that the optimizer has not applied yet
+    optimizer_lag_steps: NonNegInt = 0
+    #: per worker id (as a string): share of the newest settled step spent computing
+    worker_busy: dict[str, NonNegFloat] = field(default_factory=dict)
 
 
 @_message
@@ -1779,6 +1793,12 @@ class WorkerInfo(Struct):
     state: Literal["idle", "busy", "lost"]
     #: tasks completed since it joined
     tasks_done: NonNegInt
+    #: Hello.h2d_bytes_per_s: host-to-device bandwidth measured at start-up
+    h2d_bytes_per_s: PosFloat | None = None
+    #: Hello.d2h_bytes_per_s
+    d2h_bytes_per_s: PosFloat | None = None
+    #: the task it runs now, e.g. "step 12 B1 [0:2]"; empty when idle
+    current_task: str = ""
 
 
 @_message

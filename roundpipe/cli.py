@@ -9,6 +9,7 @@
     roundpipe cancel JOB
     roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
     roundpipe logs JOB [--follow]        # a job's log, from the coordinator (owner/admin)
+    roundpipe timeline JOB -o t.png      # the measured pipeline as a picture
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
     roundpipe keys init|new|add|list|remove   # CurveZMQ keys and who may connect
 
@@ -306,11 +307,30 @@ def _cmd_status(args: argparse.Namespace) -> int:
     ]
     if status.plan:
         rows.append(("plan", status.plan))
+    rows += _figure_rows(status)  # observability
     if status.message:
         rows.append(("message", status.message))
     for key, value in rows:
         print(f"{key + ':':<8} {value}")
     return EXIT_OK
+
+
+def _figure_rows(status: JobStatus) -> list[tuple[str, str]]:
+    """Throughput, bubble, optimizer lag and busy workers of a running job."""
+    rows = []
+    if status.tokens_per_s is not None:
+        rows.append(("speed", _format_rate(status.tokens_per_s)))
+    if status.bubble_fraction is not None:
+        rows.append(("bubble", f"{100 * status.bubble_fraction:.1f}% (measured, latest step)"))
+    if status.state == "running":
+        rows.append(("opt lag", f"{status.optimizer_lag_steps} step(s)"))
+    if status.worker_busy:
+        busy = ", ".join(
+            f"w{w} {100 * b:.0f}%"
+            for w, b in sorted(status.worker_busy.items(), key=lambda i: int(i[0]))
+        )
+        rows.append(("busy", busy))
+    return rows
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
@@ -343,6 +363,13 @@ def _device_text(worker: WorkerInfo) -> str:
     return f"{worker.device} ({name})"
 
 
+def _bandwidth_text(worker: WorkerInfo) -> str:
+    """Measured bus bandwidth, ``"24.1 / 25.3 GB/s"``; ``-`` when nothing crosses a bus."""
+    if worker.h2d_bytes_per_s is None or worker.d2h_bytes_per_s is None:
+        return "-"
+    return f"{worker.h2d_bytes_per_s / 1e9:.1f} / {worker.d2h_bytes_per_s / 1e9:.1f} GB/s"
+
+
 def _cmd_workers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         workers = client.workers()
@@ -358,12 +385,15 @@ def _cmd_workers(args: argparse.Namespace) -> int:
             w.name,
             _device_text(w),
             _format_bytes(w.memory_bytes),
+            _bandwidth_text(w),
             w.state,
             str(w.tasks_done),
+            w.current_task or "-",
         )
         for w in workers
     ]
-    print(_table(("ID", "NAME", "DEVICE", "MEMORY", "STATE", "TASKS"), rows))
+    headers = ("ID", "NAME", "DEVICE", "MEMORY CAP", "H2D / D2H", "STATE", "TASKS", "CURRENT TASK")
+    print(_table(headers, rows))
     return EXIT_OK
 
 
@@ -649,6 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--poll", type=_positive_float, default=0.5, help=argparse.SUPPRESS)
 
+    # observability: the measured pipeline as a picture (roundpipe.timeline_plot)
+    p = add("timeline", _cmd_timeline, "draw a job's measured pipeline timeline as a PNG", conn)
+    p.add_argument("job", metavar="JOB", help="job id, or a job's output directory")
+    p.add_argument("--steps", default=None, metavar="A:B", help="steps A..B (default: last 3)")
+    p.add_argument("-o", "--output", default="timeline.png", metavar="FILE.png")
+
     p = add(
         "demo",
         _cmd_demo,
@@ -817,6 +853,28 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     except (keys.KeyError_, OSError) as exc:
         _error(str(exc))
         return EXIT_FAILURE
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from roundpipe.timeline_plot import draw_job_timeline, parse_steps
+
+    try:
+        steps = parse_steps(args.steps) if args.steps else None
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    output_dir = Path(args.job)
+    job = f"job in {output_dir}"
+    if not output_dir.is_dir():  # a job id: ask for its output directory
+        with _client(args) as client:
+            status = client.status(args.job)
+        if not status.output_dir:
+            raise RoundPipeError(f"job {args.job} has no output directory yet ({status.state})")
+        output_dir, job = Path(status.output_dir), f"job {args.job}"
+    try:
+        path, drawn, _ = draw_job_timeline(output_dir, Path(args.output), job=job, steps=steps)
+    except (FileNotFoundError, ValueError) as exc:
+        raise RoundPipeError(str(exc)) from None
+    print(f"steps {drawn[0]}-{drawn[1]} of {job} drawn to {path}")
     return EXIT_OK
 
 

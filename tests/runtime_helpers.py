@@ -96,8 +96,9 @@ def tiny_spec(
     return JobSpec.from_dict(spec)
 
 
-def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
-    """Final parameters (by name) of the plain single-process loop."""
+def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Final parameters (by name) of the plain single-process loop; ``grad_norms``, if
+    given, receives each step's global gradient norm (before clipping)."""
     config = model_config_from_spec(spec.model)
     lora = spec.lora.model_settings() if spec.lora is not None else None
     layered = LayeredModel(config, lora)
@@ -143,6 +144,10 @@ def oracle_train(spec: JobSpec) -> dict[str, torch.Tensor]:
         for n, p in trainable.items():
             g = grad_params[n].grad
             p.grad = torch.zeros_like(p) if g is None else g.detach().clone()
+        if grad_norms is not None:
+            grad_norms.append(
+                float(torch.nn.utils.get_total_norm(p.grad for p in trainable.values()))
+            )
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(trainable.values()), spec.optimizer.grad_clip)
         for group in opt.param_groups:
@@ -222,6 +227,31 @@ class InProcessWorkers:
             core.close()
 
 
+def run_in_process(spec: JobSpec, arena_dir: Path, num_workers: int = 2, job_id: str = "job-ip"):
+    """Run a job through a Trainer on ``num_workers`` in-process workers; return its
+    progress events (the trainer is closed: its output directory holds the rest)."""
+    from roundpipe.coordinator.trainer import Trainer
+
+    trainer = Trainer(
+        job_id,
+        spec,
+        arena_dir=arena_dir,
+        namespace=job_id,
+        output_dir=Path(spec.output.dir),
+        wait_timeout_s=60,
+    )
+    pool = None
+    try:
+        trainer.prepare(num_workers)
+        pool = InProcessWorkers(trainer, num_workers)
+        trainer.run(pool.dispatch, pool.workers)
+        return list(trainer.progress)
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+
+
 def assert_params_match(
     runtime: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor], rtol: float = 1e-5
 ) -> None:
@@ -274,17 +304,33 @@ def first_iteration(
     return trainer, trainer.schedule.tasks(1, batch.num_label_tokens, 0)
 
 
-@contextlib.contextmanager
 def coordinator_only(root: Path, name: str, coordinator_args: Sequence[str] = ()):
-    """A LocalCluster with no workers (arenas in a private /dev/shm folder), stopped and
-    cleaned up afterwards; the coordinator must exit 0."""
+    """A LocalCluster with no workers (see ``cpu_cluster``)."""
+    return cpu_cluster(root, name, coordinator_args)
+
+
+@contextlib.contextmanager
+def cpu_cluster(
+    root: Path,
+    name: str,
+    coordinator_args: Sequence[str] = (),
+    *,
+    num_workers: int = 0,
+    worker_args: Sequence[str] = (),
+):
+    """A LocalCluster with ``num_workers`` CPU workers, connected (arenas in a private
+    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0."""
     from roundpipe.cluster import LocalCluster
 
     arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(root, arena_dir, coordinator_args=list(coordinator_args))
+    c = LocalCluster(
+        root, arena_dir, coordinator_args=list(coordinator_args), worker_args=worker_args
+    )
     try:
-        c.wait_for_workers(0)
+        for i in range(num_workers):
+            c.add_worker(f"w{i + 1}")
+        c.wait_for_workers(num_workers)
         yield c
     finally:
         c.stop()

@@ -167,6 +167,9 @@ class FakeCoordinator:
                     memory_bytes=24 * 2**30,
                     state="busy",
                     tasks_done=42,
+                    h2d_bytes_per_s=24.1e9,
+                    d2h_bytes_per_s=25.3e9,
+                    current_task="step 12 B1 [0:2]",
                 ),
                 WorkerInfo(
                     worker_id=1,
@@ -628,12 +631,17 @@ def test_cli_workers_table(capsys, fake: FakeCoordinator) -> None:
     rc, out, _ = _run(capsys, "workers", "--address", fake.address)
     assert rc == 0
     header, row0, row1 = out.strip().splitlines()
-    assert header.split() == ["ID", "NAME", "DEVICE", "MEMORY", "STATE", "TASKS"]
+    assert header.split() == (
+        ["ID", "NAME", "DEVICE", "MEMORY", "CAP", "H2D", "/", "D2H", "STATE", "TASKS"]
+        + ["CURRENT", "TASK"]
+    )
     assert "rp-worker-0" in row0
     assert "cuda (NVIDIA GeForce RTX 4090)" in row0
     assert "24.0 GiB" in row0
-    assert row0.split()[-2:] == ["busy", "42"]
-    assert row1.split()[-2:] == ["idle", "0"]
+    assert "  24.1 / 25.3 GB/s  " in row0
+    assert row0.split()[-6:] == ["busy", "42", "step", "12", "B1", "[0:2]"]
+    assert header.index("CURRENT TASK") == row0.index("step 12")  # columns line up
+    assert row1.split()[-3:] == ["idle", "0", "-"]
     assert "  cpu (16 cores)  " in row1
     fake.static_workers = []
     rc, out, _ = _run(capsys, "workers", "--address", fake.address)

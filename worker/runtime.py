@@ -156,6 +156,8 @@ class WorkerCore:
         ahead (transfers, then compute): the serial baseline of benchmarks/overlap.py."""
         self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
         self._waited_s = 0.0  # time the current task spent waiting for counters
+        self._waited_before_s = 0.0  # ... before its compute window (weights)
+        self._waited_in_compute_s = 0.0  # ... inside the window (comes off compute_s)
         # Jobs whose JobTeardown has arrived but not yet been carried out: their running
         # task stops at the next layer (interrupt_job, from the daemon's I/O thread).
         self._interrupted: set[str] = set()
@@ -257,7 +259,8 @@ class WorkerCore:
                 f"task {task.task_id} of job {task.job_id!r} arrived before the job's setup"
             )
         started = time.perf_counter()
-        self._waited_s = 0.0
+        started_at = time.time()  # wall clock, for the coordinator's timeline
+        self._waited_s = self._waited_before_s = self._waited_in_compute_s = 0.0
         copies = _TaskCopies()
         state.inflight.add(copies)
         watch = self.engine.stopwatch()
@@ -273,7 +276,8 @@ class WorkerCore:
             state.executor.stopwatch = None
             state.executor.before_layer = None
             self.last_compute_end = time.perf_counter()
-        waited_s = self._waited_s
+        waited_in_compute_s = self._waited_in_compute_s
+        wait_s = self._waited_before_s + self._waited_s
 
         def finish(error: BaseException | None) -> None:
             state.inflight.discard(copies)
@@ -281,7 +285,9 @@ class WorkerCore:
                 deliver(error)
                 return
             try:
-                done = self._task_done(task, state, watch, copies, started, waited_s)
+                done = self._task_done(
+                    task, state, watch, copies, started, waited_in_compute_s, started_at, wait_s
+                )
             except BaseException as exc:  # noqa: BLE001 - reported as the task's failure
                 deliver(exc)
                 return
@@ -289,7 +295,9 @@ class WorkerCore:
 
         copies.when_all_landed(finish)
 
-    def _task_done(self, task, state, watch, copies, started, waited_s) -> TaskDone:
+    def _task_done(
+        self, task, state, watch, copies, started, waited_s, started_at, wait_s
+    ) -> TaskDone:
         measured = watch.resolve()
         compute_s = max(0.0, measured.pop(_TASK_KEY, 0.0) - waited_s)
         return TaskDone(
@@ -304,6 +312,8 @@ class WorkerCore:
             download_s=copies.download_s,
             upload_bytes=copies.upload_bytes,
             download_bytes=copies.download_bytes,
+            started_at=started_at,
+            wait_s=wait_s,
         )
 
     def _compute(self, state: JobState, task: StageTask, copies: _TaskCopies) -> None:
@@ -323,6 +333,7 @@ class WorkerCore:
         self._waited_s += time.perf_counter() - waited
         watch = state.executor.stopwatch
         assert watch is not None
+        self._waited_before_s = self._waited_s
         self._waited_s = 0.0  # from here on: waits inside the compute window
         watch.start(_TASK_KEY)
         rng = RngKey(seed=task.seed, iteration=task.iteration)
@@ -379,6 +390,9 @@ class WorkerCore:
             copies.add(self.engine.download(pairs, Priority.WEIGHT), up=False)
             grads = result.weight_grads
         watch.stop(_TASK_KEY)
+        # Only waits inside the stopwatch's window come off compute_s; the gradient-slot
+        # waits below are after it (they still count in the task's wait_s).
+        self._waited_in_compute_s = self._waited_s
         slots = state.grad_slots(start, stop) if task.kind != "forward" else []
         if slots:
             for wait in task.grad_waits:

@@ -1,0 +1,224 @@
+"""Observability with real daemons: Prometheus metrics scraped over HTTP during a job and
+checked against the job's own figures, the timeline trace and its picture, TensorBoard
+scalars read back, and the status / workers commands (docs/observability.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from runtime_helpers import cpu_cluster, oracle_train, run_in_process, tiny_spec
+
+from roundpipe.cli import main as cli_main
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.timeline import TRACE_DIR, read_trace, trace_files
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30  # long enough to still run when `roundpipe status` is asked, early on
+_SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    with cpu_cluster(
+        tmp_path_factory.mktemp("obs"),
+        "obs",
+        ["--wait-timeout", "120", "--metrics-address", "127.0.0.1:0"],
+        num_workers=2,
+        worker_args=["--emulate-pcie", "4GB/s"],  # so that bytes and bandwidth are real
+    ) as c:
+        yield c
+
+
+def metrics_url(cluster: LocalCluster) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = re.search(
+            r"Prometheus metrics on (http://\S+/metrics)", cluster.coordinator.tail(20000)
+        )
+        if m:
+            return m.group(1)
+        time.sleep(0.1)
+    raise AssertionError(f"the coordinator did not log its metrics address\n{cluster.logs()}")
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """{(metric name, labels): value} of one scrape."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, line
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group("labels") or ""))
+        samples[(m.group("name"), labels)] = float(m.group("value"))
+    return samples
+
+
+def one(samples: dict, name: str, **labels: str) -> float:
+    want = frozenset(labels.items())
+    found = [v for (n, ls), v in samples.items() if n == name and want <= ls]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Path, capsys) -> None:
+    url = metrics_url(cluster)
+    spec = tiny_spec(tmp_path / "out", steps=STEPS, staleness=1).to_dict()
+    spec["output"]["tensorboard"] = True
+    handle = cluster.client.submit(JobSpec.from_dict(spec))
+    job = handle.job_id
+
+    # Scrape while the job runs, until a step's bubble and optimizer lag are measured.
+    during = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        status = handle.status()
+        assert status.state in ("queued", "running"), status
+        samples = scrape(url)
+        measured = ("roundpipe_job_bubble_fraction", "roundpipe_job_optimizer_lag_seconds")
+        if all((name, frozenset({("job", job)})) in samples for name in measured):
+            during = samples
+            status_after = handle.status()
+            break
+        time.sleep(0.05)
+    assert during is not None, cluster.logs()
+    assert one(during, "roundpipe_jobs", state="running") == 1
+    step = one(during, "roundpipe_job_step", job=job)
+    assert 1 <= step <= status_after.step
+    assert one(during, "roundpipe_job_total_steps", job=job) == STEPS
+    bubble = one(during, "roundpipe_job_bubble_fraction", job=job)
+    assert 0.0 <= bubble < 1.0
+    assert 0 <= one(during, "roundpipe_job_optimizer_lag_steps", job=job) <= 2  # staleness 1
+    assert one(during, "roundpipe_job_optimizer_lag_seconds", job=job) >= 0
+    assert one(during, "roundpipe_job_task_retries_total", job=job) == 0
+    assert one(during, "roundpipe_job_step_seconds", job=job) > 0
+    assert one(during, "roundpipe_arena_bytes") > 0
+    assert one(during, "roundpipe_host_memory_total_bytes") > one(
+        during, "roundpipe_host_memory_available_bytes"
+    )
+    workers = {w.worker_id: w for w in cluster.client.workers()}
+    for worker_id in workers:
+        labels = {"worker": str(worker_id)}
+        assert one(during, "roundpipe_worker_heartbeat_age_seconds", **labels) < 5
+        assert one(during, "roundpipe_worker_tasks_done_total", **labels) >= 0
+        assert 0.0 <= one(during, "roundpipe_worker_busy_fraction", **labels) <= 1.0
+        states = [
+            one(during, "roundpipe_worker_state", **labels, state=s)
+            for s in ("idle", "busy", "lost")
+        ]
+        assert sorted(states) == [0.0, 0.0, 1.0]
+    assert (
+        sum(
+            one(during, "roundpipe_job_worker_upload_bytes_total", job=job, worker=str(w))
+            for w in workers
+        )
+        > 0
+    )
+
+    # `roundpipe status` and `roundpipe workers` while it runs.
+    assert cli_main(["status", job, "--address", cluster.address]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^state: +running$", out, re.M), out
+    assert re.search(r"^speed: +[\d.]+k? tok/s$", out, re.M), out
+    assert re.search(r"^bubble: +[\d.]+% \(measured", out, re.M), out
+    assert re.search(r"^opt lag: +\d+ step", out, re.M), out
+    assert re.search(r"^busy: +w\d+ \d+%, w\d+ \d+%$", out, re.M), out
+    assert cli_main(["workers", "--address", cluster.address]) == 0
+    out = capsys.readouterr().out
+    assert "4.0 / 4.0 GB/s" in out, out
+
+    status = handle.wait(timeout_s=300)
+    assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+    events = {e.step: e for e in handle.progress(timeout_s=30)}
+    assert sorted(events) == list(range(1, STEPS + 1))
+    # The scraped loss and rate are those of a step the job reported.
+    loss = one(during, "roundpipe_job_loss", job=job)
+    assert events[int(step)].loss == loss
+    rate = one(during, "roundpipe_job_tokens_per_second", job=job)
+    assert rate in {events[s].tokens_per_s for s in (int(step), int(step) - 1) if s in events}
+
+    # The trace: complete JSON, one lane per worker plus the optimizer, every step.
+    out_dir = Path(status.output_dir)
+    files = trace_files(out_dir / TRACE_DIR)
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    lanes = {e["tid"] for e in slices}
+    assert lanes == {0} | {w + 1 for w in workers}, lanes
+    names = {e["name"] for e in slices if e["tid"] != 0}
+    assert {"F0", "T", "B0"} <= names, names
+    trace = read_trace(out_dir / TRACE_DIR)
+    assert sorted(trace.steps) == list(range(1, STEPS + 1))
+    assert all("bubble_fraction" in trace.steps[s] for s in range(1, STEPS + 1))
+    assert bubble in {trace.steps[s]["bubble_fraction"] for s in trace.steps}
+    for s, info in trace.steps.items():
+        assert info["loss"] == events[s].loss
+    per_step_tasks = {}
+    for e in trace.tasks:
+        if e["tid"] != 0:
+            per_step_tasks[e["args"]["step"]] = per_step_tasks.get(e["args"]["step"], 0) + 1
+    assert len(set(per_step_tasks.values())) == 1  # every step: all of its tasks
+
+    # The picture, through the CLI, by job id.
+    png = tmp_path / "timeline.png"
+    assert (
+        cli_main(["timeline", job, "--steps", "5:7", "-o", str(png), "--address", cluster.address])
+        == 0
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "steps 5-7" in capsys.readouterr().out
+
+    # TensorBoard scalars, read back.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/tokens_per_s",
+        "train/grad_norm",
+        "pipeline/bubble_fraction",
+    } <= tags
+    losses = {s.step: s.value for s in acc.Scalars("train/loss")}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for s, value in losses.items():
+        assert value == pytest.approx(events[s].loss, rel=1e-6)
+    norms = [s.value for s in acc.Scalars("train/grad_norm")]
+    assert len(norms) == STEPS and all(n > 0 for n in norms)
+
+
+def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
+    """The logged gradient norm is the plain loop's global norm of each step (before
+    clipping), with clipping on and off."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for clip in (None, 0.5):
+        raw = tiny_spec(tmp_path / f"out-{clip}", steps=3, grad_clip=clip).to_dict()
+        raw["output"]["tensorboard"] = True
+        spec = JobSpec.from_dict(raw)
+        expected: list[float] = []
+        oracle_train(spec, grad_norms=expected)
+        arena_dir = Path("/dev/shm") / f"rp-tbnorm-{os.getpid()}"
+        arena_dir.mkdir(exist_ok=True)
+        try:
+            run_in_process(spec, arena_dir)
+        finally:
+            arena_dir.rmdir()
+        acc = EventAccumulator(str(Path(spec.output.dir) / "tensorboard"))
+        acc.Reload()
+        logged = [s.value for s in acc.Scalars("train/grad_norm")]
+        assert logged == pytest.approx(expected, rel=1e-4), clip
