@@ -853,6 +853,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     except (keys.KeyError_, OSError) as exc:
         _error(str(exc))
         return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
