@@ -334,6 +334,10 @@ class OptimizerSpec:
     rate at every step (``get_*_schedule_with_warmup``, stepped after each optimizer
     step); ``one_based`` shifts it one step earlier (warmup reaches ``lr`` at step
     ``warmup_steps``, linear/cosine reach the minimum at the last step)."""
+    threads: int = 0
+    """Threads the coordinator steps the optimizer with (>= 0); 0: half the cores it
+    may run on, at most 16, leaving the rest to the workers' host-side work. Results do
+    not depend on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))
@@ -1186,6 +1190,7 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
             )
     if not (_is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1):
         e.bad("optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+    _check_int(e, "optimizer.threads", o.threads, lo=0)
 
 
 def _check_output(e: _Errors, o: OutputSpec) -> None:

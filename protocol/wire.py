@@ -239,7 +239,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 9
+PROTOCOL_VERSION: int = 10
 """Bump on any change to any message (see "Version rule" above)."""
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -1804,6 +1804,10 @@ class ProgressEvent(Struct):
     lr: float
     #: time.time() when the step completed
     time: float
+    #: seconds the coordinator's optimizer spent updating the weights (not waiting for
+    #: gradients) in the newest optimizer step finished when this event was made: this
+    #: step, or under staleness 1 usually the one before; 0.0 before any
+    optimizer_s: NonNegFloat = 0.0
 
 
 @_message

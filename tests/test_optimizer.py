@@ -12,12 +12,15 @@ from torch import nn
 
 from roundpipe.coordinator.jobspec import HF_NO_DECAY
 from roundpipe.coordinator.optimizer import (
+    CHUNK_NUMEL,
+    CHUNKS_PER_UNIT,
     IMPLS,
     LayerwiseAdamW,
     LRSchedule,
     OptimizerStepError,
     clip_coefficient,
     decays,
+    default_threads,
     global_grad_norm,
 )
 
@@ -384,3 +387,105 @@ def test_step_errors() -> None:
         clipped.step_layer(0, g, 1)
     with pytest.raises(ValueError, match="float32 CPU tensor"):
         LayerwiseAdamW({0: {"w": torch.zeros(3, dtype=torch.bfloat16)}}, schedule=LRSchedule(lr=1))
+
+
+# -- the chunked multi-threaded path (Note [chunked fused AdamW]) -----------------------
+
+
+def _big_layers() -> dict[int, dict[str, torch.Tensor]]:
+    """Tensors of several chunks with ragged tails, small ones, and a no-decay norm."""
+    torch.manual_seed(11)
+    shapes = {
+        0: {"embed.weight": (97, 512)},  # 3 chunks and a tail
+        1: {"up.weight": (3 * CHUNK_NUMEL + 129,), "up.bias": (129,), "norm.weight": (64,)},
+        2: {"down.weight": (CHUNKS_PER_UNIT + 3, CHUNK_NUMEL // 8), "down.bias": (7,)},
+    }
+    return {i: {n: torch.randn(s) for n, s in d.items()} for i, d in shapes.items()}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("grad_clip", [None, 0.5])
+def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
+    threads: int, grad_clip: float | None
+) -> None:
+    """Today's per-layer loop (a torch.optim.AdamW(fused=True) per layer, then a cast into
+    the params buffer) against step_layers over groups of layers, over several steps."""
+    sched = LRSchedule(lr=1e-2, schedule="cosine", warmup_steps=1, total_steps=5)
+    ref_w, new_w = _big_layers(), _big_layers()
+    ref_opts = {}
+    for layer, tensors in ref_w.items():
+        on = [t for n, t in tensors.items() if decays(n, HF_NO_DECAY)]
+        off = [t for n, t in tensors.items() if not decays(n, HF_NO_DECAY)]
+        groups = [{"params": on}] + ([{"params": off, "weight_decay": 0.0}] if off else [])
+        ref_opts[layer] = torch.optim.AdamW(groups, lr=sched.lr, weight_decay=0.1, fused=True)
+    opt = LayerwiseAdamW(
+        new_w,
+        schedule=sched,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        no_decay=HF_NO_DECAY,
+        threads=threads,
+    )
+    ref_out = {
+        i: {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in d.items()}
+        for i, d in ref_w.items()
+    }
+    new_out = {
+        i: {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in d.items()}
+        for i, d in new_w.items()
+    }
+    try:
+        for step in range(1, 6):
+            torch.manual_seed(100 + step)
+            grads = {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in ref_w.items()}
+            coef = None
+            if grad_clip is not None:
+                coef = clip_coefficient(global_grad_norm(grads), grad_clip)
+            # Reference: today's loop, last layer first.
+            for layer in sorted(ref_w, reverse=True):
+                for name, t in ref_w[layer].items():
+                    g = grads[layer][name].clone()
+                    t.grad = g.mul_(coef) if coef is not None else g
+                for group in ref_opts[layer].param_groups:
+                    group["lr"] = sched.lr_at(step)
+                ref_opts[layer].step()
+                for name, t in ref_w[layer].items():
+                    t.grad = None
+                    ref_out[layer][name].copy_(t)
+            # New: layer 2 alone, then layers 0 and 1 as one group.
+            done: list[int] = []
+            for group in ([2], [0, 1]):
+                opt.step_layers(
+                    {layer: {n: g.clone() for n, g in grads[layer].items()} for layer in group},
+                    step,
+                    clip_coef=coef,
+                    outs={layer: new_out[layer] for layer in group},
+                    on_layer_done=done.append,
+                )
+            assert done == [2, 0, 1]
+            for layer, tensors in ref_w.items():
+                for name, t in tensors.items():
+                    assert torch.equal(t, new_w[layer][name]), (step, layer, name)
+                    assert torch.equal(ref_out[layer][name], new_out[layer][name])
+                    state = ref_opts[layer].state[t]
+                    ours = opt.state_dict()["tensors"]
+                    assert torch.equal(state["exp_avg"], ours[f"{layer}.{name}.exp_avg"])
+                    assert torch.equal(state["exp_avg_sq"], ours[f"{layer}.{name}.exp_avg_sq"])
+    finally:
+        opt.close()
+
+
+def test_step_layers_checks_everything_before_touching_anything() -> None:
+    w = _big_layers()
+    before = {i: {n: t.clone() for n, t in d.items()} for i, d in w.items()}
+    opt = LayerwiseAdamW(w, schedule=LRSchedule(lr=0.1), threads=2)
+    good = {n: torch.ones_like(t) for n, t in w[0].items()}
+    with pytest.raises(OptimizerStepError, match="layer 1: gradients missing"):
+        opt.step_layers({0: good, 1: {}}, 1)
+    assert all(torch.equal(before[i][n], t) for i, d in w.items() for n, t in d.items())
+    assert opt.last_step(0) == 0
+    opt.close()
+
+
+def test_default_threads_leave_cores_to_the_workers() -> None:
+    assert [default_threads(c) for c in (1, 2, 3, 8, 16, 64)] == [1, 1, 1, 4, 8, 16]

@@ -43,6 +43,8 @@ def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tenso
         pool = InProcessWorkers(trainer, num_workers)
         trainer.run(pool.dispatch, pool.workers)
         assert [e.step for e in trainer.progress] == list(range(1, spec.train.steps + 1))
+        # The optimizer's busy time reaches the progress (0 only before its first step).
+        assert trainer.progress[-1].optimizer_s > 0
         return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
     finally:
         if pool is not None:
