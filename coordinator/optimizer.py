@@ -28,9 +28,9 @@ followed by AdamW to within float rounding of the norm (1e-6 relative).
 ``impl`` picks the AdamW kernel:
 
 * ``"fused"`` (default): torch's fused CPU AdamW kernel (what ``torch.optim.AdamW(
-  fused=True)`` runs), called on cache-sized chunks by ``threads`` threads with the
-  compute-dtype cast done per chunk in the same pass (Note [chunked fused AdamW]);
-  bitwise equal to ``torch.optim.AdamW(fused=True)``.
+  fused=True)`` runs), called on cache-sized chunks by a team of ``threads`` threads,
+  with the compute-dtype cast done per chunk in the same pass (Note [chunked fused
+  AdamW]); bitwise equal to ``torch.optim.AdamW(fused=True)``.
 * ``"foreach"``: torch's multi-tensor implementation (several passes over memory).
 * ``"for-loop"``: the single-tensor reference; what ``torch.optim.AdamW`` uses on CPU
   when neither ``fused`` nor ``foreach`` is given.
@@ -45,7 +45,7 @@ first use.
 
 Threads. ``step_layers`` steps a group of ready layers in one multi-threaded pass, lowest
 layer first, reporting each layer as soon as it is written. The optimizer is driven from
-one thread (the trainer's optimizer thread); its own pool does the parallel work.
+one thread (the trainer's optimizer thread), whose intra-op team does the parallel work.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +70,6 @@ __all__ = [
     "SCHEDULE_CONVENTIONS",
     "LRSchedule",
     "CHUNK_NUMEL",
-    "CHUNKS_PER_UNIT",
     "LayerwiseAdamW",
     "OptimizerStepError",
     "clip_coefficient",
@@ -231,18 +229,19 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The "fused" path calls torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
 # ``torch.optim.AdamW(fused=True)`` calls) on flat chunks of CHUNK_NUMEL elements rather
-# than on whole tensors, and casts each unit of chunks into the params arena right after
-# updating it, while the masters are still in cache: one pass over memory instead of two.
-# The kernel is elementwise, and chunks start at multiples of CHUNK_NUMEL (a multiple of
-# every SIMD width), so every element goes through the same vector or scalar code as in
-# one call over the whole tensor: the results are bitwise those of torch.optim.AdamW(
-# fused=True) (tests/test_optimizer.py compares). A chunk is no larger than torch's
-# parallel grain (32768), so each kernel call runs in the calling thread: the thread
-# count is exactly ``threads`` (our pool), never torch's intra-op pool on top of it.
-CHUNK_NUMEL = 16384
-CHUNKS_PER_UNIT = 16
-"""A unit of work: up to 16 chunks (256K parameters, about 4.5 MiB moved with the cast)
-of one tensor, stepped and cast by one thread."""
+# than on whole tensors, and casts each chunk into the params arena right after updating
+# it, while its masters are still in cache: one pass over memory instead of two. Each
+# call runs on torch's intra-op OpenMP team, sized to ``threads`` (torch.set_num_threads:
+# process-wide, but the coordinator process's only heavy compute is the optimizer), so a
+# group of ready layers is one multi-threaded pass. The kernel is elementwise and splits its work between threads at arbitrary
+# 16-element boundaries, so its results cannot depend on where a range starts: chunking
+# changes no bit (tests/test_optimizer.py compares against torch.optim.AdamW(fused=True)).
+# Why not a pool of Python threads each stepping its own chunks: every kernel call forks
+# an OpenMP team of its own (the kernel's grain is 0), so the pool would oversubscribe
+# the cores; and the call overhead (about 10-20 us) wants chunks far larger than a
+# thread-private cache anyway. 1M elements (4 MiB of masters) amortises it to ~2% and
+# keeps a chunk's masters within a server's L3 until the cast re-reads them.
+CHUNK_NUMEL = 1 << 20
 
 
 def default_threads(cpus: int | None = None) -> int:
@@ -256,20 +255,6 @@ def default_threads(cpus: int | None = None) -> int:
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
     return max(1, min(16, cpus // 2))
-
-
-class _Unit:
-    """Chunks ``[first, stop)`` of tensor ``index`` of a layer, with their persistent
-    master and moment views."""
-
-    __slots__ = ("index", "first", "stop", "weight_decay", "params", "exp_avgs", "exp_avg_sqs")
-
-    def __init__(
-        self, index: int, first: int, stop: int, weight_decay: float, chunks: tuple
-    ) -> None:
-        self.index, self.first, self.stop = index, first, stop
-        self.weight_decay = weight_decay
-        self.params, self.exp_avgs, self.exp_avg_sqs = (c[first:stop] for c in chunks)
 
 
 def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
@@ -287,7 +272,8 @@ class _Layer:
         "exp_avg_sqs",
         "steps",
         "opt",
-        "units",
+        "chunks",
+        "decayed",
         "step",
         "scratch",
         "views",
@@ -300,7 +286,8 @@ class _Layer:
         self.exp_avg_sqs: list[torch.Tensor] = []
         self.steps: list[torch.Tensor] = []  # torch's per-tensor step counts
         self.opt: torch.optim.AdamW | None = None  # "foreach" / "for-loop" only
-        self.units: list[_Unit] = []  # "fused" only
+        self.chunks: list[tuple[int, int]] = []  # "fused" only: (tensor index, chunk)
+        self.decayed: list[bool] = []
         self.step = 0  # last optimizer step applied to this layer
         self.scratch: dict[str, torch.Tensor] = {}
         # Chunk views of gradient / out tensors, keyed by (role, index): rebuilt only
@@ -308,6 +295,7 @@ class _Layer:
         self.views: dict[tuple[str, int], tuple[tuple, list[torch.Tensor]]] = {}
 
     def chunk_views(self, role: str, index: int, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t``'s CHUNK_NUMEL chunks (flat views), cached per role and tensor index."""
         key = (t.data_ptr(), t.dtype, t.shape)
         cached = self.views.get((role, index))
         if cached is None or cached[0] != key:
@@ -327,9 +315,12 @@ class LayerwiseAdamW:
     per tensor stays that of one whole-model AdamW with two parameter groups, as the
     Hugging Face Trainer builds them.
 
-    ``threads`` (``impl="fused"``): threads that step the units of the layers handed to
-    one :meth:`step_layers` call (Note [chunked fused AdamW]); default
-    :func:`default_threads`. Call :meth:`close` to stop them.
+    ``threads`` (``impl="fused"``): the size of the intra-op thread team that steps the
+    layers handed to one :meth:`step_layers` call (Note [chunked fused AdamW]); default
+    :func:`default_threads`. It is torch's process-wide setting (``torch.set_num_threads``),
+    applied when a step begins: in the coordinator process, whose only heavy compute is
+    the optimizer, it is the optimizer's thread count (with several jobs at once, the one
+    stepping last sets it).
     """
 
     def __init__(
@@ -360,7 +351,6 @@ class LayerwiseAdamW:
         self.grad_clip = grad_clip
         self.impl = impl
         self.threads = threads or default_threads()
-        self._pool: ThreadPoolExecutor | None = None
         # torch keeps the step count in float32, or float64 for the non-fused kernels
         # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
         step_dtype = (
@@ -403,13 +393,11 @@ class LayerwiseAdamW:
                 entry.steps.append(torch.zeros((), dtype=step_dtype))
             decayed = [decays(n, patterns) for n in names]
             self.decayed.update(n for n, d in zip(names, decayed) if d)
+            entry.decayed = decayed
             if impl == "fused":
                 for i, p in enumerate(entry.params):
-                    chunks = (_chunks(p), _chunks(entry.exp_avgs[i]), _chunks(entry.exp_avg_sqs[i]))
-                    wd = weight_decay if decayed[i] else 0.0
-                    for first in range(0, len(chunks[0]), CHUNKS_PER_UNIT):
-                        stop = min(first + CHUNKS_PER_UNIT, len(chunks[0]))
-                        entry.units.append(_Unit(i, first, stop, wd, chunks))
+                    num_chunks = -(-p.numel() // CHUNK_NUMEL)
+                    entry.chunks += [(i, j) for j in range(num_chunks)]
             else:
                 entry.opt = self._torch_optimizer(entry, decayed)
             self._layers[layer] = entry
@@ -476,12 +464,6 @@ class LayerwiseAdamW:
         """Last step applied to ``layer`` (0: none yet)."""
         return self._layers[layer].step
 
-    def close(self) -> None:
-        """Stop the worker threads (a later step starts them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
     def step_layer(
         self,
         layer: int,
@@ -541,32 +523,13 @@ class LayerwiseAdamW:
                 self._step_reference(entry, grad_list, coef, lr)
                 self._finish(layer, entry, step, out_list, on_layer_done)
             return lr
-        for entry in entries:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        for layer, entry, (grad_list, out_list) in zip(layers, entries, plans):
             for t in entry.steps:
                 t.add_(1)  # as torch.optim.adam._fused_adam does before the kernel
-        jobs = []
-        for entry, (grad_list, out_list) in zip(entries, plans):
-            work = [self._unit_job(entry, u, grad_list, out_list, coef, lr) for u in entry.units]
-            jobs.append(work)
-        if self.threads == 1:
-            for layer, entry, work, (_, out_list) in zip(layers, entries, jobs, plans):
-                for job in work:
-                    job()
-                self._finish(layer, entry, step, out_list, on_layer_done)
-            return lr
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="rp-adamw")
-        futures = [[self._pool.submit(job) for job in work] for work in jobs]
-        try:
-            for layer, entry, pending, (_, out_list) in zip(layers, entries, futures, plans):
-                for f in pending:
-                    f.result()
-                self._finish(layer, entry, step, out_list, on_layer_done)
-        finally:
-            for pending in futures:  # never return while a thread still writes
-                for f in pending:
-                    f.cancel()
-                wait(pending)
+            self._step_chunks(entry, grad_list, out_list, coef, lr)
+            self._finish(layer, entry, step, out_list, on_layer_done)
         return lr
 
     # -- step internals --
@@ -639,47 +602,40 @@ class LayerwiseAdamW:
         )
         return grad_list, out_list
 
-    def _unit_job(
+    def _step_chunks(
         self,
         entry: _Layer,
-        unit: _Unit,
         grad_list: list[torch.Tensor],
         out_list: list[torch.Tensor | None],
         coef: torch.Tensor | None,
         lr: float,
-    ) -> Callable[[], None]:
-        """One unit's clip, AdamW and cast, in one pass (Note [chunked fused AdamW])."""
-        i = unit.index
-        g = entry.chunk_views("grad", i, grad_list[i])[unit.first : unit.stop]
-        out = out_list[i]
-        o = None
-        if out is not None and out.is_contiguous():
-            o = entry.chunk_views("out", i, out)[unit.first : unit.stop]
+    ) -> None:
+        """Clip, AdamW and cast chunk by chunk (Note [chunked fused AdamW])."""
         beta1, beta2 = self.betas
-        steps = [entry.steps[i]] * len(g)
-
-        def job() -> None:
+        views = entry.chunk_views
+        for i, j in entry.chunks:
+            p = views("param", i, entry.params[i])[j]
+            g = views("grad", i, grad_list[i])[j]
             if coef is not None:
-                torch._foreach_mul_(g, coef)
+                g.mul_(coef)
             torch._fused_adamw_(
-                unit.params,
-                g,
-                unit.exp_avgs,
-                unit.exp_avg_sqs,
+                [p],
+                [g],
+                [views("exp_avg", i, entry.exp_avgs[i])[j]],
+                [views("exp_avg_sq", i, entry.exp_avg_sqs[i])[j]],
                 [],
-                steps,
+                [entry.steps[i]],
                 amsgrad=False,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
-                weight_decay=unit.weight_decay,
+                weight_decay=self.weight_decay if entry.decayed[i] else 0.0,
                 eps=self.eps,
                 maximize=False,
             )
-            if o is not None:
-                torch._foreach_copy_(o, unit.params)
-
-        return job
+            out = out_list[i]
+            if out is not None and out.is_contiguous():
+                views("out", i, out)[j].copy_(p)
 
     def _step_reference(
         self, entry: _Layer, grad_list: list[torch.Tensor], coef: torch.Tensor | None, lr: float

@@ -652,7 +652,6 @@ class Trainer:
             with self._optimizer_cv:
                 self._optimizer_cv.notify_all()
             optimizer_thread.join(timeout=30)
-            self.optimizer.close()
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,

@@ -13,7 +13,6 @@ from torch import nn
 from roundpipe.coordinator.jobspec import HF_NO_DECAY
 from roundpipe.coordinator.optimizer import (
     CHUNK_NUMEL,
-    CHUNKS_PER_UNIT,
     IMPLS,
     LayerwiseAdamW,
     LRSchedule,
@@ -396,9 +395,9 @@ def _big_layers() -> dict[int, dict[str, torch.Tensor]]:
     """Tensors of several chunks with ragged tails, small ones, and a no-decay norm."""
     torch.manual_seed(11)
     shapes = {
-        0: {"embed.weight": (97, 512)},  # 3 chunks and a tail
-        1: {"up.weight": (3 * CHUNK_NUMEL + 129,), "up.bias": (129,), "norm.weight": (64,)},
-        2: {"down.weight": (CHUNKS_PER_UNIT + 3, CHUNK_NUMEL // 8), "down.bias": (7,)},
+        0: {"embed.weight": (2 * CHUNK_NUMEL // 512 + 1, 512)},  # 2 chunks and a tail
+        1: {"up.weight": (CHUNK_NUMEL + 129,), "up.bias": (129,), "norm.weight": (64,)},
+        2: {"down.weight": (9, CHUNK_NUMEL // 8 + 1), "down.bias": (7,)},
     }
     return {i: {n: torch.randn(s) for n, s in d.items()} for i, d in shapes.items()}
 
@@ -410,6 +409,7 @@ def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
 ) -> None:
     """Today's per-layer loop (a torch.optim.AdamW(fused=True) per layer, then a cast into
     the params buffer) against step_layers over groups of layers, over several steps."""
+    default = torch.get_num_threads()
     sched = LRSchedule(lr=1e-2, schedule="cosine", warmup_steps=1, total_steps=5)
     ref_w, new_w = _big_layers(), _big_layers()
     ref_opts = {}
@@ -472,19 +472,28 @@ def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
                     assert torch.equal(state["exp_avg"], ours[f"{layer}.{name}.exp_avg"])
                     assert torch.equal(state["exp_avg_sq"], ours[f"{layer}.{name}.exp_avg_sq"])
     finally:
-        opt.close()
+        torch.set_num_threads(default)
 
 
 def test_step_layers_checks_everything_before_touching_anything() -> None:
     w = _big_layers()
     before = {i: {n: t.clone() for n, t in d.items()} for i, d in w.items()}
-    opt = LayerwiseAdamW(w, schedule=LRSchedule(lr=0.1), threads=2)
+    opt = LayerwiseAdamW(w, schedule=LRSchedule(lr=0.1))
     good = {n: torch.ones_like(t) for n, t in w[0].items()}
     with pytest.raises(OptimizerStepError, match="layer 1: gradients missing"):
         opt.step_layers({0: good, 1: {}}, 1)
     assert all(torch.equal(before[i][n], t) for i, d in w.items() for n, t in d.items())
     assert opt.last_step(0) == 0
-    opt.close()
+
+
+def test_threads_sets_the_intra_op_team() -> None:
+    default = torch.get_num_threads()
+    try:
+        opt = LayerwiseAdamW({0: {"w": torch.zeros(3)}}, schedule=LRSchedule(lr=0.1), threads=3)
+        opt.step_layer(0, {"w": torch.ones(3)}, 1)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(default)
 
 
 def test_default_threads_leave_cores_to_the_workers() -> None:
