@@ -64,3 +64,20 @@ def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
     assert "skipped: needs CUDA" in rows["paper"]
     last = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT vs_paper=nan mfu=\d+\.\d{3}", last), last
+
+
+def test_optimizer_benchmark_smoke() -> None:
+    """`optimizer.py --smoke --no-paper`: every system of the table runs and the RESULT
+    line carries both ratios (no timing asserted)."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "optimizer.py"), "--smoke", "--no-paper"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
+    assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy"} <= rows
+    assert "paper        skipped (--no-paper)" in result.stdout
+    assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
