@@ -4,7 +4,7 @@ Every system does one AdamW step over the same Qwen3-1.7B-shaped decoder layers 
 masters, fp32 gradients, fp32 moments) *and* writes the updated weights in the compute
 dtype (bf16), as the runtime must before a layer's new version is published:
 
-  runtime     this runtime's path: LayerwiseAdamW.step_layers over all layers (chunked
+  runtime     this runtime's path: LayerwiseOptimizer.step_layers over all layers (chunked
               fused AdamW with the cast in the same pass, a team of ``--threads``)
   runtime-dft the same with the default thread count (half the cores)
   torch-fused one torch.optim.AdamW(fused=True) over all parameters, then a cast per tensor
@@ -227,7 +227,7 @@ def main() -> None:
         paper_child(args)
         return
 
-    from roundpipe.coordinator.optimizer import LayerwiseAdamW, LRSchedule, default_threads
+    from roundpipe.coordinator.optimizer import LayerwiseOptimizer, LRSchedule, default_threads
 
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or cores
@@ -243,7 +243,7 @@ def main() -> None:
     schedule = LRSchedule(lr=lr)
 
     def runtime_path(n: int) -> Callable[[], None]:
-        opt = LayerwiseAdamW(
+        opt = LayerwiseOptimizer(
             buffers.masters,
             schedule=schedule,
             weight_decay=wd,

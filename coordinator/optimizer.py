@@ -4,7 +4,7 @@ The coordinator updates each layer as soon as that layer's gradient of step k is
 complete (``wgrad[l] >= k``), last layers first, while other layers' backward tasks are
 still running; see Note [weight-update ordering] (ARCHITECTURE.md section 5). So the
 optimizer is not one object over the whole model but one ``torch.optim.AdamW`` per
-layer, driven by ``LayerwiseAdamW.step_layer(layer, grads, step)``. This module keeps
+layer, driven by ``LayerwiseOptimizer.step_layer(layer, grads, step)``. This module keeps
 no counters: ``step_layer`` returns after the masters, the moments and the ``out``
 copy (params[k % 2]) are fully written, and only then may the caller publish
 ``version[l] = k`` (and free the grads slot for the next iteration).
@@ -69,8 +69,9 @@ __all__ = [
     "IMPLS",
     "SCHEDULE_CONVENTIONS",
     "LRSchedule",
+    "ALGORITHMS",
     "CHUNK_NUMEL",
-    "LayerwiseAdamW",
+    "LayerwiseOptimizer",
     "OptimizerStepError",
     "clip_coefficient",
     "decays",
@@ -79,6 +80,7 @@ __all__ = [
 ]
 
 IMPLS = ("fused", "foreach", "for-loop")
+ALGORITHMS = ("adamw", "sgd")
 _STATE_VERSION = 1
 
 
@@ -268,8 +270,7 @@ class _Layer:
     __slots__ = (
         "names",
         "params",
-        "exp_avgs",
-        "exp_avg_sqs",
+        "state",
         "steps",
         "opt",
         "chunks",
@@ -282,8 +283,8 @@ class _Layer:
     def __init__(self, names: list[str], params: list[torch.Tensor]) -> None:
         self.names = names
         self.params = params
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []
+        # Per state kind (ALGORITHM_STATE), one buffer per tensor.
+        self.state: dict[str, list[torch.Tensor]] = {}
         self.steps: list[torch.Tensor] = []  # torch's per-tensor step counts
         self.opt: torch.optim.AdamW | None = None  # "foreach" / "for-loop" only
         self.chunks: list[tuple[int, int]] = []  # "fused" only: (tensor index, chunk)
@@ -303,8 +304,13 @@ class _Layer:
         return cached[1]
 
 
-class LayerwiseAdamW:
-    """AdamW over ``{layer: {name: fp32 master tensor}}``, stepped layer by layer.
+class LayerwiseOptimizer:
+    """AdamW (or SGD) over ``{layer: {name: fp32 master tensor}}``, stepped layer by layer.
+
+    ``algorithm="sgd"``: torch.optim.SGD's update (fused kernel, same chunked path) with
+    ``momentum`` and ``nesterov``, no dampening; its ``weight_decay`` is SGD's (added to
+    the gradient), under the same ``no_decay`` groups. ``betas`` and ``eps`` are unused.
+    Bitwise equal to ``torch.optim.SGD(fused=True)``.
 
     Construct with :meth:`from_spec` or directly. ``moments``, if given, supplies the
     state buffers ``{layer: {name: (exp_avg, exp_avg_sq)}}`` (e.g. views into the optim
@@ -336,9 +342,16 @@ class LayerwiseAdamW:
         moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
         no_decay: Sequence[str] = (),
         threads: int | None = None,
+        algorithm: str = "adamw",
+        momentum: float = 0.0,
+        nesterov: bool = False,
     ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == "sgd" and (impl != "fused" or moments is not None):
+            raise ValueError("sgd runs on the fused path with its own momentum buffers only")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         patterns = [re.compile(p) for p in no_decay]
@@ -350,6 +363,17 @@ class LayerwiseAdamW:
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
         self.impl = impl
+        self.algorithm = algorithm
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.kinds: tuple[str, ...] = (
+            ("exp_avg", "exp_avg_sq")
+            if algorithm == "adamw"
+            else ("momentum_buffer",)
+            if momentum
+            else ()
+        )
+        """The state buffers each tensor has, as named in :meth:`state_dict`."""
         self.threads = threads or default_threads()
         # torch keeps the step count in float32, or float64 for the non-fused kernels
         # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
@@ -364,6 +388,7 @@ class LayerwiseAdamW:
                 raise ValueError(f"layer {layer} has no trainable tensors; leave it out")
             names = list(tensors)
             entry = _Layer(names, [tensors[n] for n in names])
+            entry.state = {kind: [] for kind in self.kinds}
             given = None if moments is None else moments.get(layer)
             for name, p in zip(names, entry.params):
                 if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
@@ -374,8 +399,8 @@ class LayerwiseAdamW:
                 if impl == "fused" and not p.is_contiguous():
                     raise ValueError(f"master {layer}/{name} must be contiguous")
                 if given is not None:
-                    exp_avg, exp_avg_sq = given[name]
-                    for buf in (exp_avg, exp_avg_sq):
+                    bufs = given[name]
+                    for buf in bufs:
                         if (
                             buf.shape != p.shape
                             or buf.dtype != torch.float32
@@ -387,9 +412,9 @@ class LayerwiseAdamW:
                             )
                         buf.zero_()
                 else:
-                    exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
-                entry.exp_avgs.append(exp_avg)
-                entry.exp_avg_sqs.append(exp_avg_sq)
+                    bufs = tuple(torch.zeros_like(p) for _ in self.kinds)
+                for kind, buf in zip(self.kinds, bufs):
+                    entry.state[kind].append(buf)
                 entry.steps.append(torch.zeros((), dtype=step_dtype))
             decayed = [decays(n, patterns) for n in names]
             self.decayed.update(n for n, d in zip(names, decayed) if d)
@@ -422,8 +447,8 @@ class LayerwiseAdamW:
         for i, p in enumerate(entry.params):
             opt.state[p] = {
                 "step": entry.steps[i],
-                "exp_avg": entry.exp_avgs[i],
-                "exp_avg_sq": entry.exp_avg_sqs[i],
+                "exp_avg": entry.state["exp_avg"][i],
+                "exp_avg_sq": entry.state["exp_avg_sq"][i],
             }
         return opt
 
@@ -435,7 +460,7 @@ class LayerwiseAdamW:
         *,
         impl: str = "fused",
         moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
-    ) -> LayerwiseAdamW:
+    ) -> LayerwiseOptimizer:
         """The optimizer a job spec describes (schedule over ``train.steps``)."""
         o = spec.optimizer
         return cls(
@@ -449,6 +474,9 @@ class LayerwiseAdamW:
             moments=moments,
             no_decay=o.no_decay,
             threads=o.threads or None,
+            algorithm=o.name,
+            momentum=float(o.momentum),
+            nesterov=bool(o.nesterov),
         )
 
     @property
@@ -613,26 +641,44 @@ class LayerwiseAdamW:
         """Clip, AdamW and cast chunk by chunk (Note [chunked fused AdamW])."""
         beta1, beta2 = self.betas
         views = entry.chunk_views
+        first_step = entry.step == 0  # torch's SGD starts its momentum buffer as the gradient
         for i, j in entry.chunks:
             p = views("param", i, entry.params[i])[j]
             g = views("grad", i, grad_list[i])[j]
+            state = [views(kind, i, entry.state[kind][i])[j] for kind in self.kinds]
+            weight_decay = self.weight_decay if entry.decayed[i] else 0.0
             if coef is not None:
                 g.mul_(coef)
-            torch._fused_adamw_(
-                [p],
-                [g],
-                [views("exp_avg", i, entry.exp_avgs[i])[j]],
-                [views("exp_avg_sq", i, entry.exp_avg_sqs[i])[j]],
-                [],
-                [entry.steps[i]],
-                amsgrad=False,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=self.weight_decay if entry.decayed[i] else 0.0,
-                eps=self.eps,
-                maximize=False,
-            )
+            if self.algorithm == "adamw":
+                torch._fused_adamw_(
+                    [p],
+                    [g],
+                    [state[0]],
+                    [state[1]],
+                    [],
+                    [entry.steps[i]],
+                    amsgrad=False,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=weight_decay,
+                    eps=self.eps,
+                    maximize=False,
+                )
+            else:
+                # The call torch.optim.SGD(fused=True) makes (torch.optim.sgd._fused_sgd).
+                torch._fused_sgd_(
+                    [p],
+                    [g],
+                    state,
+                    weight_decay=weight_decay,
+                    momentum=self.momentum,
+                    lr=lr,
+                    dampening=0.0,
+                    nesterov=self.nesterov,
+                    maximize=False,
+                    is_first_step=first_step,
+                )
             out = out_list[i]
             if out is not None and out.is_contiguous():
                 views("out", i, out)[j].copy_(p)
@@ -685,9 +731,9 @@ class LayerwiseAdamW:
         for layer in self.layers:
             entry = self._layers[layer]
             steps[layer] = entry.step
-            for i, name in enumerate(entry.names):
-                tensors[f"{layer}.{name}.exp_avg"] = entry.exp_avgs[i]
-                tensors[f"{layer}.{name}.exp_avg_sq"] = entry.exp_avg_sqs[i]
+            for kind, bufs in entry.state.items():
+                for name, buf in zip(entry.names, bufs):
+                    tensors[f"{layer}.{name}.{kind}"] = buf
         return {"version": _STATE_VERSION, "steps": steps, "tensors": tensors}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -704,7 +750,7 @@ class LayerwiseAdamW:
             f"{layer}.{name}.{kind}"
             for layer, entry in self._layers.items()
             for name in entry.names
-            for kind in ("exp_avg", "exp_avg_sq")
+            for kind in self.kinds
         }
         if set(tensors) != expected:
             missing = sorted(expected - set(tensors))[:5]
@@ -714,10 +760,8 @@ class LayerwiseAdamW:
             )
         for layer, entry in self._layers.items():
             for i, (name, p) in enumerate(zip(entry.names, entry.params)):
-                for kind, buf in (
-                    ("exp_avg", entry.exp_avgs[i]),
-                    ("exp_avg_sq", entry.exp_avg_sqs[i]),
-                ):
+                for kind in self.kinds:
+                    buf = entry.state[kind][i]
                     src = tensors[f"{layer}.{name}.{kind}"]
                     if src.shape != p.shape:
                         raise ValueError(

@@ -90,7 +90,7 @@ from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
-from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.planner import (
     HardwareSpec,
     ProfileAggregator,
@@ -272,7 +272,7 @@ class Trainer:
                 if name in trainable:
                     self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
         del weights
-        self.optimizer = LayerwiseAdamW.from_spec(spec, self.masters, impl=self.optimizer_impl)
+        self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
             layout=layout,
             job_id=self.job_id,
@@ -458,7 +458,7 @@ class Trainer:
                 f"{kind}/{name}"
                 for names in self.masters.values()
                 for name in names
-                for kind in ("master", "exp_avg", "exp_avg_sq", "prev")
+                for kind in ("master", "prev", *self.optimizer.kinds)
             }
             saved = {k for k in keys if not k.startswith("rng/")}
             if saved != expected:
@@ -884,8 +884,8 @@ class Trainer:
         for layer in sorted(self.masters):
             for name, master in self.masters[layer].items():
                 state[f"master/{name}"] = master
-                state[f"exp_avg/{name}"] = moments[f"{layer}.{name}.exp_avg"]
-                state[f"exp_avg_sq/{name}"] = moments[f"{layer}.{name}.exp_avg_sq"]
+                for kind in self.optimizer.kinds:  # AdamW's moments, SGD's momentum
+                    state[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
                 previous = self.layout.params[layer][name][(step - 1) % 2]
                 assert previous is not None
                 state[f"prev/{name}"] = self.layout.view(previous)

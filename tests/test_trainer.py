@@ -226,6 +226,13 @@ def test_a_pinned_plan_is_never_replanned(tmp_path, arena_dir) -> None:
         trainer.close()
 
 
+def test_sgd_with_momentum_matches_oracle(tmp_path, arena_dir) -> None:
+    """optimizer.name: sgd through the same layer-wise path, against torch.optim.SGD."""
+    sgd = {"name": "sgd", "momentum": 0.9, "nesterov": True, "lr": 0.05}
+    spec = tiny_spec(tmp_path, staleness=1, steps=4, optimizer=sgd)
+    assert_params_match(train_in_process(spec, arena_dir, 2), oracle_train(spec))
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_switching_plan_mid_run_matches_oracle(tmp_path, arena_dir, staleness) -> None:
     """The switch itself (drain, re-assign the pools, new tasks) changes no number."""
