@@ -10,18 +10,21 @@ tokens), 2 CPU workers of one thread each:
   simulator  the planner's plan for the job, simulated at staleness 0 and 1 with the
              planner's cost model (roundpipe.coordinator.simulator)
   runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
-             over the steps after the warm-up; with the demo's global-norm clipping
-             (which makes the optimizer wait for the whole step) and without
+             over the steps after the warm-up, mean of ``--repeats`` interleaved runs;
+             with the demo's global-norm clipping (which makes the optimizer wait for
+             the whole step) and without
 
 Prints a table and last ``RESULT sync_vs_async=<staleness-0 tokens/s / staleness-1
 tokens/s>`` for the runtime without clipping (the plain synchronous case).
 
-Usage: python benchmarks/sync_mode.py [--steps 24] [--warmup 4] [--no-runtime]
+Usage: python benchmarks/sync_mode.py [--steps 24] [--warmup 4] [--repeats 2]
+       [--no-clip-runs] [--no-runtime]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
+    parser.add_argument("--no-clip-runs", action="store_true", help="skip the clipped runs")
     parser.add_argument("--no-runtime", action="store_true", help="the simulator only")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rp-bench-sync-"))
@@ -85,22 +90,25 @@ def main() -> None:
     sim = simulate(demo_spec(1, None, args.steps, root / "sim"), args.workers)
     rows.append(("simulator", sim[0], sim[1]))
     cpu = ["--cpu", "--threads", "1"]
-    for clip in (None, 1.0) if not args.no_runtime else ():
-        rates = {}
-        for staleness in (0, 1):
-            name = f"s{staleness}-clip{clip}"
-            run = run_runtime(
-                demo_spec(staleness, clip, args.steps, root / name / "out"),
-                [cpu] * args.workers,
-                warmup=args.warmup,
-                root=root / name,
-                coordinator_threads=1,
-                env={"OMP_NUM_THREADS": "1"},
-            )
-            rates[staleness] = run.tokens_per_s
-            print(f"# runtime {name}: plan {run.plan}")
+    clips = [] if args.no_runtime else [None] if args.no_clip_runs else [None, 1.0]
+    for clip in clips:
+        rates: dict[int, list[float]] = {0: [], 1: []}
+        # Interleaved, so that a change in the machine's load hits both alike.
+        for r in range(args.repeats):
+            for staleness in (0, 1):
+                name = f"s{staleness}-clip{clip}-{r}"
+                run = run_runtime(
+                    demo_spec(staleness, clip, args.steps, root / name / "out"),
+                    [cpu] * args.workers,
+                    warmup=args.warmup,
+                    root=root / name,
+                    coordinator_threads=1,
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+                rates[staleness].append(run.tokens_per_s)
+                print(f"# runtime {name}: plan {run.plan}, {run.tokens_per_s:.0f} tokens/s")
         label = "runtime" if clip is None else f"runtime, clip {clip}"
-        rows.append((label, rates[0], rates[1]))
+        rows.append((label, statistics.mean(rates[0]), statistics.mean(rates[1])))
     print(f"{'system':22} {'staleness 0':>12} {'staleness 1':>12} {'0 / 1':>7}  (tokens/s)")
     for label, s0, s1 in rows:
         print(f"{label:22} {s0:12.0f} {s1:12.0f} {s0 / s1:7.2f}")

@@ -406,6 +406,16 @@ def _big_layers() -> dict[int, dict[str, torch.Tensor]]:
     return {i: {n: torch.randn(s) for n, s in d.items()} for i, d in shapes.items()}
 
 
+def _random_grads(
+    w: dict[int, dict[str, torch.Tensor]], seed: int, grad_clip: float | None
+) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+    """Gradients like ``w``'s tensors, and the clip coefficient over them (if clipping)."""
+    torch.manual_seed(seed)
+    grads = {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in w.items()}
+    coef = None if grad_clip is None else clip_coefficient(global_grad_norm(grads), grad_clip)
+    return grads, coef
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("grad_clip", [None, 0.5])
 def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
@@ -440,11 +450,7 @@ def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
     }
     try:
         for step in range(1, 6):
-            torch.manual_seed(100 + step)
-            grads = {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in ref_w.items()}
-            coef = None
-            if grad_clip is not None:
-                coef = clip_coefficient(global_grad_norm(grads), grad_clip)
+            grads, coef = _random_grads(ref_w, 100 + step, grad_clip)
             # Reference: today's loop, last layer first.
             for layer in sorted(ref_w, reverse=True):
                 for name, t in ref_w[layer].items():
@@ -543,11 +549,7 @@ def test_sgd_is_bitwise_torch_sgd(momentum: float, nesterov: bool, grad_clip: fl
     )
     assert opt.kinds == (("momentum_buffer",) if momentum else ())
     for step in range(1, 6):
-        torch.manual_seed(200 + step)
-        grads = {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in ours_w.items()}
-        coef = None
-        if grad_clip is not None:
-            coef = clip_coefficient(global_grad_norm(grads), grad_clip)
+        grads, coef = _random_grads(ours_w, 200 + step, grad_clip)
         for w, ref in refs:
             for layer, d in w.items():
                 for name, t in d.items():
