@@ -81,3 +81,18 @@ def test_optimizer_benchmark_smoke() -> None:
     assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy"} <= rows
     assert "paper        skipped (--no-paper)" in result.stdout
     assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
+
+
+@pytest.mark.slow
+def test_sync_mode_benchmark_simulator_part() -> None:
+    """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job
+    (the runtime part, real daemons for minutes, is for the docs' figures)."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sync_mode.py"), "--no-runtime"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", result.stdout, re.M), result.stdout
+    assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", result.stdout.splitlines()[-1])
