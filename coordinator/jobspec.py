@@ -347,9 +347,9 @@ class OptimizerSpec:
     nesterov: bool = False
     """Nesterov momentum (``name: sgd`` with ``momentum`` > 0 only)."""
     threads: int = 0
-    """Threads the coordinator steps the optimizer with (>= 0); 0: half the cores it
-    may run on, at most 16, leaving the rest to the workers' host-side work. Results do
-    not depend on it."""
+    """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
+    ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
+    the workers' host-side work). Results do not depend on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))

@@ -247,7 +247,8 @@ CHUNK_NUMEL = 1 << 20
 
 
 def default_threads(cpus: int | None = None) -> int:
-    """Optimizer threads when the job spec leaves ``optimizer.threads`` at 0: half the
+    """The coordinator's optimizer threads unless ``--threads`` or the job spec's
+    ``optimizer.threads`` says otherwise: half the
     cores this process may run on (the rest stay with the workers' host-side work:
     copies, pinning, CPU workers' compute), at least 1, at most 16 (memory bandwidth,
     the bound, is saturated well before that on common hosts)."""
@@ -321,12 +322,13 @@ class LayerwiseOptimizer:
     per tensor stays that of one whole-model AdamW with two parameter groups, as the
     Hugging Face Trainer builds them.
 
-    ``threads`` (``impl="fused"``): the size of the intra-op thread team that steps the
-    layers handed to one :meth:`step_layers` call (Note [chunked fused AdamW]); default
-    :func:`default_threads`. It is torch's process-wide setting (``torch.set_num_threads``),
-    applied when a step begins: in the coordinator process, whose only heavy compute is
-    the optimizer, it is the optimizer's thread count (with several jobs at once, the one
-    stepping last sets it).
+    ``threads``: the size of the intra-op thread team that steps the layers handed to one
+    :meth:`step_layers` call (Note [chunked fused AdamW]). It is torch's process-wide
+    setting (``torch.set_num_threads``), applied when a step begins: in the coordinator
+    process, whose only heavy compute is the optimizer, it is the optimizer's thread count
+    (with several jobs at once, the one stepping last sets it). ``None``: leave torch's
+    setting as it is (the coordinator daemon sets it from ``--threads``, by default
+    :func:`default_threads`).
     """
 
     def __init__(
@@ -374,7 +376,7 @@ class LayerwiseOptimizer:
             else ()
         )
         """The state buffers each tensor has, as named in :meth:`state_dict`."""
-        self.threads = threads or default_threads()
+        self.threads = threads
         # torch keeps the step count in float32, or float64 for the non-fused kernels
         # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
         step_dtype = (
@@ -551,7 +553,7 @@ class LayerwiseOptimizer:
                 self._step_reference(entry, grad_list, coef, lr)
                 self._finish(layer, entry, step, out_list, on_layer_done)
             return lr
-        if torch.get_num_threads() != self.threads:
+        if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         for layer, entry, (grad_list, out_list) in zip(layers, entries, plans):
             for t in entry.steps:
