@@ -16,18 +16,21 @@ dtype (bf16), as the runtime must before a layer's new version is published:
               its own process, with its own site directory (``--paper-site``; installed
               there with pip if missing), loading that subpackage alone: the package's
               ``__init__`` needs a GPU, and its import name is also ``roundpipe``.
-  copy        a large tensor copy (torch, all intra-op threads): the bandwidth bound.
+  copy        a large tensor copy (256 MiB) and an in-place update of one (torch): the
+  in-place    bandwidth bound is the faster of the two (bytes read plus bytes written).
 
 GB/s counts the bytes AdamW with the cast must move per parameter, the same for every
 system: read+write master, moment and second moment (24), read the gradient (4), write
 the bf16 weight (2): 30 bytes. Copy GB/s counts bytes read plus bytes written. Each
 system is timed in interleaved rounds after a warm-up; the table shows the best round
-(the machine may be shared) and the median.
+(the machine may be shared) and the median. Every system in this process runs with
+``--threads`` torch threads (default: every core), except runtime-dft; so does the
+paper's process (OMP_NUM_THREADS).
 
 Usage: python benchmarks/optimizer.py [--layers 6] [--scale 0.5] [--rounds 5]
        [--threads N] [--paper-site DIR] [--smoke]
 
-Last line: ``RESULT optimizer_vs_bound=<runtime GB/s / copy GB/s>
+Last line: ``RESULT optimizer_vs_bound=<runtime GB/s / bound GB/s>
 vs_torch_fused=<runtime params/s / torch-fused params/s>``.
 """
 
@@ -121,21 +124,33 @@ def torch_adamw(items, lr: float, wd: float) -> torch.optim.AdamW:
     return opt
 
 
-def copy_bandwidth(numel: int) -> Callable[[], None]:
+def copy_kernel(numel: int) -> Callable[[], None]:
+    """A streaming copy: reads 4 bytes and writes 4 bytes per element."""
     src, dst = torch.randn(numel), torch.empty(numel)
     return lambda: dst.copy_(src)
 
 
-def time_rounds(systems: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each system, interleaved rounds after one warm-up call each."""
-    for fn in systems.values():
-        fn()
+def in_place_kernel(numel: int) -> Callable[[], None]:
+    """A streaming in-place update: reads and writes 4 bytes per element, without the
+    copy's read-for-ownership of the destination (AdamW's arrays are updated in place)."""
+    t = torch.randn(numel)
+    return lambda: t.add_(1.0)
+
+
+def time_rounds(
+    systems: dict[str, tuple[Callable[[], object], int]], rounds: int
+) -> dict[str, list[float]]:
+    """Seconds per call of each ``name: (fn, torch threads)``, interleaved rounds after one
+    warm-up call each. Each call runs with its own torch thread count (set untimed: the
+    runtime's optimizer sets it too, but only when it differs)."""
     times: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(rounds):
-        for name, fn in systems.items():
+    for r in range(rounds + 1):
+        for name, (fn, threads) in systems.items():
+            torch.set_num_threads(threads)
             start = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
+            if r:  # round 0 is the warm-up
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -169,7 +184,7 @@ def paper_child(args: argparse.Namespace) -> None:
         for p, *_, out in items:
             out.copy_(p)
 
-    times = time_rounds({"paper": step}, args.rounds)["paper"]
+    times = time_rounds({"paper": (step, torch.get_num_threads())}, args.rounds)["paper"]
     print(json.dumps({"times": times, "num_params": buffers.num_params}))
 
 
@@ -188,7 +203,12 @@ def run_paper(args: argparse.Namespace) -> tuple[list[float] | None, str]:
         if install.returncode != 0 or not (site / "roundpipe" / "optim").is_dir():
             tail = (install.stderr.strip().splitlines() or ["no output"])[-1]
             return None, f"unavailable: pip could not install roundpipe==0.1.1 ({tail})"
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(site / "torch_extensions"))
+    threads = args.threads or len(os.sched_getaffinity(0))
+    env = dict(
+        os.environ,
+        TORCH_EXTENSIONS_DIR=str(site / "torch_extensions"),
+        OMP_NUM_THREADS=str(threads),  # its kernel's OpenMP team: the same thread count
+    )
     child = subprocess.run(
         [sys.executable, __file__, "--paper-child", "--paper-site", str(site)]
         + ["--layers", str(args.layers), "--scale", str(args.scale)]
@@ -286,19 +306,22 @@ def main() -> None:
 
     copy_numel = 64 * 1024 * 1024 if not args.smoke else 4 * 1024 * 1024
     ours, ours_default = runtime_path(threads), runtime_path(default_threads())
-    systems: dict[str, Callable[[], object]] = {
-        "runtime": ours,
-        "runtime-dft": ours_default,
-        "torch-fused": torch_fused,
-        "loop": loop,
-        "copy": copy_bandwidth(copy_numel),
+    systems: dict[str, tuple[Callable[[], object], int]] = {
+        "runtime": (ours, threads),
+        "runtime-dft": (ours_default, default_threads()),
+        "torch-fused": (torch_fused, threads),
+        "loop": (loop, threads),
+        "copy": (copy_kernel(copy_numel), threads),
+        "in-place": (in_place_kernel(copy_numel), threads),
     }
     times = time_rounds(systems, args.rounds)
     if paper_times is not None:
         times["paper"] = paper_times
 
     n = buffers.num_params
-    copy_gbs = 2 * 4 * copy_numel / min(times["copy"]) / 1e9
+    # The bound: the better of the two streaming kernels (both count bytes read + written).
+    stream_gbs = {k: 2 * 4 * copy_numel / min(times[k]) / 1e9 for k in ("copy", "in-place")}
+    copy_gbs = max(stream_gbs.values())
     print(
         f"# {args.layers} Qwen3-1.7B-shaped layers x{args.scale} ({n / 1e6:.1f}M params), "
         f"{cores} cores, runtime threads {threads} (default {default_threads()}), "
@@ -319,11 +342,11 @@ def main() -> None:
             f"{name:12} {best * 1e3:9.1f} {median * 1e3:10.1f} {n / best / 1e6:10.0f} "
             f"{gbs:7.1f} {gbs / copy_gbs:9.2f}"
         )
-    best_copy = min(times["copy"])
-    print(
-        f"{'copy':12} {best_copy * 1e3:9.1f} {statistics.median(times['copy']) * 1e3:10.1f} "
-        f"{'':>10} {copy_gbs:7.1f} {1.0:9.2f}"
-    )
+    for name, gbs in stream_gbs.items():
+        print(
+            f"{name:12} {min(times[name]) * 1e3:9.1f} {statistics.median(times[name]) * 1e3:10.1f} "
+            f"{'':>10} {gbs:7.1f} {gbs / copy_gbs:9.2f}"
+        )
     print(f"# took {time.perf_counter() - started:.0f}s")
     vs_bound = rates["runtime"] * BYTES_PER_PARAM / 1e9 / copy_gbs
     vs_fused = rates["runtime"] / rates["torch-fused"]

@@ -78,7 +78,7 @@ def test_optimizer_benchmark_smoke() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
-    assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy"} <= rows
+    assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy", "in-place"} <= rows
     assert "paper        skipped (--no-paper)" in result.stdout
     assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
 
