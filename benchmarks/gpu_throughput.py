@@ -51,8 +51,8 @@ from pathlib import Path
 from common import plain_loop, run_runtime
 
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.planner import parse_quantity
 from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.units import parse_quantity
 
 HERE = Path(__file__).resolve().parent
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

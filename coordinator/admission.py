@@ -22,9 +22,13 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
+
+if TYPE_CHECKING:
+    from roundpipe.coordinator.planner import HardwareSpec
+    from roundpipe.shared.model import LayeredModel
 
 __all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
 
@@ -38,15 +42,18 @@ class ValidationUnavailable(RuntimeError):
     """The validating process died or overran its time limit; the message says which."""
 
 
-def validate_spec(spec: Mapping[str, Any], arena_dir: str | None = None) -> JobSpec:
+def validate_spec(
+    spec: Mapping[str, Any], arena_dir: str | None = None, hardware: HardwareSpec | None = None
+) -> JobSpec:
     """Everything a job is checked for before it is accepted: ``JobSpec.from_dict``, then
     the checks that read the whole data file, exactly as the trainer does when the job
     starts (``build_dataset_from_spec``, ``validate_against_model``): an empty dataset,
     bytes that are not UTF-8 or lines that do not parse on any line, token ids beyond
     the model's ``vocab_size``. Without them such a job was accepted and failed once
     started, leaving an empty checkpoints/ directory. Last, the host memory the job
-    needs under any plan against what the machine (and ``arena_dir``) has. Raises
-    JobSpecError."""
+    needs under any plan against what the machine (and ``arena_dir``) has, and, when
+    ``hardware`` describes connected GPU workers, whether any plan fits their memory.
+    Raises JobSpecError."""
     from roundpipe.coordinator.data import DataError, build_dataset_from_spec
     from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
 
@@ -61,11 +68,23 @@ def validate_spec(spec: Mapping[str, Any], arena_dir: str | None = None) -> JobS
         detail = " ".join(str(exc).split())
         raise JobSpecError([FieldError("model", f"cannot build its config: {detail}")]) from None
     validate_against_model(job, config, vocab_size_needed=dataset.vocab_size_needed)
-    _check_least_memory(job, config, arena_dir)
+    from roundpipe.shared.model import LayeredModel
+
+    model = LayeredModel(config, job.lora.model_settings() if job.lora is not None else None)
+    if job.train.plan:
+        from roundpipe.shared.plan import Plan
+
+        try:
+            Plan.parse(job.train.plan).validate(model.num_layers)
+        except ValueError as exc:
+            raise JobSpecError([FieldError("train.plan", str(exc))]) from None
+    _check_least_memory(job, model, arena_dir)
+    if hardware is not None and hardware.gpu_memory_limited:
+        _check_gpu_memory(job, model, hardware)
     return job
 
 
-def _check_least_memory(job: JobSpec, config: Any, arena_dir: str | None) -> None:
+def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None) -> None:
     """Refuse a job that cannot fit this machine under any plan: its layout for the plan
     with the fewest activation slots (the whole model as one tail stage) is sized, not
     created. The trainer checks the real plan's figure before it allocates."""
@@ -77,11 +96,8 @@ def _check_least_memory(job: JobSpec, config: Any, arena_dir: str | None) -> Non
         check_host_memory,
         host_memory_needed,
     )
-    from roundpipe.shared.model import LayeredModel
     from roundpipe.shared.plan import Plan
 
-    lora = job.lora.model_settings() if job.lora is not None else None
-    model = LayeredModel(config, lora)
     layout = JobLayout.plan_layout(
         model,
         Plan(forward=(), tail=(0, model.num_layers), backward=()),
@@ -98,15 +114,61 @@ def _check_least_memory(job: JobSpec, config: Any, arena_dir: str | None) -> Non
         raise JobSpecError([FieldError("", str(exc))]) from None
 
 
+def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec) -> None:
+    """Refuse a job that no plan fits on the connected GPU workers (the planner's cost
+    model: each stage's weights, gradients and working memory, plus the prefetched next
+    stage, on the smallest GPU). The trainer plans again, for real, when the job starts."""
+    import torch
+
+    from roundpipe.coordinator.planner import (
+        estimate_costs,
+        evaluate_plan,
+        format_bytes,
+        plan_stages,
+    )
+    from roundpipe.shared.plan import Plan
+
+    costs = estimate_costs(
+        model,
+        microbatch_rows=job.batch.microbatch_size,
+        seq_len=job.data.seq_len,
+        compute_dtype=getattr(torch, job.train.dtype),
+        flops_per_s=hardware.flops_per_s,
+    )
+    m, limit = job.batch.num_microbatches, hardware.memory_limit_bytes
+    where = f"the connected GPU workers ({format_bytes(limit)} each)"
+    if job.train.plan:
+        result = evaluate_plan(
+            Plan.parse(job.train.plan), costs, hardware, m, staleness=job.train.staleness
+        )
+        need = max(result.per_worker_memory)
+        if need > limit:
+            raise JobSpecError(
+                [
+                    FieldError(
+                        "train.plan",
+                        f"needs about {format_bytes(need)} on one GPU, more than {where} "
+                        "have; leave train.plan out to let the planner cut smaller stages, "
+                        "or use a shorter data.seq_len or a smaller batch.microbatch_size",
+                    )
+                ]
+            )
+        return
+    try:
+        plan_stages(costs, hardware, m, staleness=job.train.staleness)
+    except ValueError as exc:
+        raise JobSpecError([FieldError("", f"cannot run on {where}: {exc}")]) from None
+
+
 def check_spec(
-    spec: Mapping[str, Any], arena_dir: str | None = None
+    spec: Mapping[str, Any], arena_dir: str | None = None, hardware: HardwareSpec | None = None
 ) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
     """What the child runs: ``(normalised spec, [])`` or ``(None, [(path, message)...])``.
 
     Plain values only cross the process boundary (a JobSpecError does not pickle back
     into itself: its constructor takes the problem list, not the message)."""
     try:
-        return validate_spec(spec, arena_dir).to_dict(), []
+        return validate_spec(spec, arena_dir, hardware).to_dict(), []
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
     finally:
@@ -179,9 +241,12 @@ class SpecValidator:
         with self._lock:
             self._executor().submit(_warm_up)
 
-    def validate(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+    def validate(
+        self, spec: Mapping[str, Any], hardware: HardwareSpec | None = None
+    ) -> dict[str, Any]:
+        """The normalised spec; ``hardware``: the workers connected now, if any."""
         with self._lock:
-            future = self._executor().submit(check_spec, dict(spec), self.arena_dir)
+            future = self._executor().submit(check_spec, dict(spec), self.arena_dir, hardware)
             try:
                 normalised, errors = future.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError:

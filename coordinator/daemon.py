@@ -664,9 +664,10 @@ class Coordinator:
     def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
         """(the JobSpec if it was built here, the normalised spec dict). Raises
         JobSpecError or ValidationUnavailable."""
+        hardware = self._hardware() if self._live_workers() else None
         if self.validator is not None:
-            return None, self.validator.validate(spec)
-        built = validate_spec(spec, str(self.arena_dir))
+            return None, self.validator.validate(spec, hardware)
+        built = validate_spec(spec, str(self.arena_dir), hardware)
         return built, built.to_dict()
 
     def _submit(self, msg: SubmitJob) -> Message:

@@ -32,7 +32,6 @@ import argparse
 import heapq
 import json
 import math
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -47,6 +46,7 @@ from roundpipe.coordinator.simulator import (
     simulate_roundpipe,
 )
 from roundpipe.shared.plan import Plan
+from roundpipe.shared.units import GiB, MiB, format_bytes, parse_quantity
 
 if TYPE_CHECKING:
     from roundpipe.shared.model import LayeredModel
@@ -74,7 +74,6 @@ __all__ = [
     "run_plan_command",
 ]
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -138,6 +137,11 @@ class HardwareSpec:
     flops_per_s: float = 82.6e12
     """Peak dense matmul throughput of one worker, for cold-start cost estimates
     (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
+
+    @property
+    def gpu_memory_limited(self) -> bool:
+        """Whether stages must fit a memory limit (GPU workers; CPU workers have none)."""
+        return self.memory_limit_bytes < _NO_LIMIT
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -300,40 +304,6 @@ class PlanResult:
 
 
 # =============================================================================== parsing
-
-_QTY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
-_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_BIN = {"ki": KiB, "mi": MiB, "gi": GiB, "ti": 1 << 40}
-
-
-def parse_quantity(text: str | float | int, *, what: str = "quantity") -> float:
-    """``"24GiB"`` -> 25769803776, ``"25GB/s"`` -> 25e9, ``"165T"`` -> 1.65e14, ``"3e9"``.
-
-    K/M/G/T/P are powers of 1000, Ki/Mi/Gi/Ti powers of 1024; a trailing ``B``, ``/s``,
-    ``B/s`` or ``FLOPS`` is ignored.
-    """
-    if isinstance(text, (int, float)):
-        return float(text)
-    m = _QTY_RE.match(text)
-    if m is None:
-        raise ValueError(f"cannot read {what} {text!r}: expected e.g. 24GiB, 25GB/s, 165T")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    for tail in ("flops", "/s", "b"):
-        if unit.endswith(tail):
-            unit = unit[: -len(tail)]
-    if unit in _BIN:
-        return value * _BIN[unit]
-    if unit in _SUFFIX:
-        return value * _SUFFIX[unit]
-    raise ValueError(f"cannot read {what} {text!r}: unknown unit {m.group(2)!r}")
-
-
-def format_bytes(n: float) -> str:
-    """``25769803776`` -> ``"24.0 GiB"``."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _format_s(s: float) -> str:
@@ -1722,6 +1692,33 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
     return LayeredModel.from_config({"model_type": args.architecture, **overrides}, lora)
 
 
+def _host_memory(
+    model: LayeredModel, plan: Plan, args: argparse.Namespace, num_microbatches: int
+) -> tuple[Any, int]:
+    """The job's host memory under ``plan`` (what admission control checks) and the
+    model's parameter count."""
+    import torch
+
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import host_memory_needed
+
+    layout = JobLayout.plan_layout(
+        model,
+        plan,
+        compute_dtype=getattr(torch, args.dtype),
+        microbatch_rows=args.microbatch_size,
+        seq_len=args.seq_len,
+        num_microbatches=num_microbatches,
+    )
+    params = sum(
+        spec.numel
+        for layer in range(model.num_layers)
+        for spec in model.layer_params(layer)
+        if spec.tied_to is None
+    )
+    return host_memory_needed(layout), max(1, params)
+
+
 def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The arguments of ``roundpipe plan`` (on ``parser``, e.g. a CLI sub-parser)."""
     p = parser or argparse.ArgumentParser(
@@ -1835,6 +1832,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             baselines.append(
                 bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
             )
+    host, params = _host_memory(model, result.plan, args, m)
     header = (
         f"SIMULATED PREDICTION (cost model + schedule simulator, not a measurement): "
         f"{model.architecture}, {model.num_layers} layers"
@@ -1854,6 +1852,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "per_worker_memory": list(result.per_worker_memory),
             "stages": [asdict(e) for e in result.stages],
             "notes": list(result.notes),
+            "host_memory": {
+                "arenas": host.arenas,
+                "masters": host.masters,
+                "moments": host.moments,
+                "total": host.total,
+                "bytes_per_parameter": host.total / params,
+            },
             "baselines": [
                 {
                     "schedule": b.schedule,
@@ -1871,6 +1876,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
         return 0
     print(header)
     print(describe(result))
+    print(
+        f"this job needs {host.describe()}, {host.total / params:.1f} bytes per parameter "
+        f"({params:,} parameters); the coordinator refuses a job that does not fit"
+    )
     for b in baselines:
         tps = b.simulation.tokens_per_s or 0.0
         print(

@@ -102,9 +102,8 @@ from roundpipe.coordinator.planner import (
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
-from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.model import LayeredModel, model_config_dict
 from roundpipe.shared.plan import Plan
-from roundpipe.worker.runtime import model_config_dict
 
 __all__ = ["JobCancelled", "JobFailed", "JobPaused", "Trainer", "default_plan"]
 

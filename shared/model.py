@@ -53,6 +53,7 @@ __all__ = [
     "ParamSpec",
     "count_label_tokens",
     "shift_labels",
+    "model_config_dict",
 ]
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -635,3 +636,8 @@ class _SafetensorsDir:
                 return None
             parts.append(t)
         return torch.stack(parts)
+
+
+def model_config_dict(config: Any) -> dict:
+    """A transformers config as a plain, msgpack-able dict (what JobSetup carries)."""
+    return json.loads(config.to_json_string(use_diff=False))

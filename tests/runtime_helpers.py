@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,14 +283,14 @@ def first_iteration(
 
 
 @contextlib.contextmanager
-def coordinator_only(root: Path, name: str):
+def coordinator_only(root: Path, name: str, coordinator_args: Sequence[str] = ()):
     """A LocalCluster with no workers (arenas in a private /dev/shm folder), stopped and
     cleaned up afterwards; the coordinator must exit 0."""
     from roundpipe.cluster import LocalCluster
 
     arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(root, arena_dir)
+    c = LocalCluster(root, arena_dir, coordinator_args=list(coordinator_args))
     try:
         c.wait_for_workers(0)
         yield c

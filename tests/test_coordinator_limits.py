@@ -275,3 +275,60 @@ def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir
         assert "lost" not in cluster.coordinator.tail(20_000)
     finally:
         cluster.stop()
+
+
+def _fake_gpu_worker(address: str, memory_bytes: int) -> zmq.Socket:
+    hello = Hello(
+        worker_name="small-gpu",
+        hostname="not-this-host",
+        pid=1,
+        process_create_time=0.0,
+        device="cuda",
+        device_index=0,
+        device_name="a small GPU",
+        memory_bytes=memory_bytes,
+        compute_capability="8.9",
+    )
+    sock = _dealer(address)
+    sock.send_multipart(encode(hello))
+    assert sock.poll(30_000) and isinstance(decode(sock.recv_multipart()), Welcome)
+    return sock
+
+
+def test_job_that_fits_no_connected_gpu_is_refused_at_submit(tmp_path: Path) -> None:
+    """With GPU workers connected, a job no plan fits on them is refused at submit with
+    the planner's figures, not accepted to fail when it starts."""
+    from runtime_helpers import tiny_spec
+
+    spec = tiny_spec(tmp_path / "out", seq_len=64).to_dict()
+    # The fake workers send no heartbeats: keep them registered for the whole test.
+    slow_loss = ["--worker-timeout", "600"]
+    with coordinator_only(tmp_path / "c", "gpu-admission", slow_loss) as cluster:
+        sock = _fake_gpu_worker(cluster.address, memory_bytes=2**30 + 4096)
+        try:
+            reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+            assert "cannot run on the connected GPU workers (1.0 GiB each)" in reply.message
+            assert "does not fit one GPU" in reply.message, reply.message
+            pinned = {**spec, "train": {**spec["train"], "plan": "F[0:3] T[3:6] B[0:3]"}}
+            reply = _ask(cluster.address, encode(SubmitJob(spec=pinned)))
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+            assert "train.plan" in reply.message and "needs about" in reply.message
+        finally:
+            sock.close()
+        sock = _fake_gpu_worker(cluster.address, memory_bytes=8 * 2**30)
+        try:
+            # A 8 GiB GPU connected too: the planner plans for the smallest, still refused.
+            reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+        finally:
+            sock.close()
+
+
+def test_plan_that_does_not_match_the_model_is_refused_at_submit(cluster: LocalCluster) -> None:
+    from runtime_helpers import tiny_spec
+
+    spec = tiny_spec(cluster.root / "out", plan="F[0:2] T[2:4] B[0:2]").to_dict()
+    reply = _ask(cluster.address, encode(SubmitJob(spec=spec)))
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+    assert "train.plan" in reply.message and "last layer" in reply.message, reply.message

@@ -394,3 +394,44 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "does not fit one GPU" in err
     assert plan_main(["--workers", "2", "--seq-len", "8"]) == 2  # no model given
+
+
+def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
+    """`roundpipe plan` gives the host-memory figure the coordinator checks a job
+    against (roundpipe.coordinator.memory), for the plan it chose."""
+    import json
+
+    import torch
+
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import host_memory_needed
+    from roundpipe.shared.model import LayeredModel
+
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6}
+    config |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    sets = [x for k, v in config.items() for x in ("--set", f"{k}={v}")]
+    args = ["--architecture", "qwen3", *sets, "--workers", "2", "--seq-len", "256"]
+    assert plan_main(args + ["--microbatch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "this job needs" in out and "of host memory (arenas" in out
+    assert "bytes per parameter" in out
+    assert plan_main(args + ["--microbatch-size", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    model = LayeredModel.from_config({"model_type": "qwen3", **config})
+    layout = JobLayout.plan_layout(
+        model,
+        Plan.parse(doc["plan"]),
+        compute_dtype=torch.bfloat16,
+        microbatch_rows=2,
+        seq_len=256,
+        num_microbatches=3,
+    )
+    need = host_memory_needed(layout)
+    host = doc["host_memory"]
+    assert (host["arenas"], host["masters"], host["moments"]) == (
+        need.arenas,
+        need.masters,
+        need.moments,
+    )
+    params = sum(p.numel() for p in model.hf_model(seed=0).parameters())
+    assert host["bytes_per_parameter"] == pytest.approx(need.total / params)

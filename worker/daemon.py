@@ -53,7 +53,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.protocol.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
-from roundpipe.worker.runtime import TaskAborted, WorkerCore
+from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
 from roundpipe.worker.transfer import TransferEngine, make_engine, parse_duration
 
 __all__ = ["WorkerDaemon", "main", "run"]
@@ -290,7 +290,15 @@ class WorkerDaemon:
             self._stop.set()
         elif isinstance(msg, StageTask):
             queue_.put_task(msg)
-        elif isinstance(msg, (JobSetup, JobTeardown)):
+        elif isinstance(msg, JobTeardown):
+            # Stop the job now, not after its running task: drop its queued tasks and
+            # interrupt the running one (cancel frees workers within a layer's compute).
+            # Tasks arriving after this belong to a later setup of the job (a resume).
+            queue_.drop_job(msg.job_id)
+            if self.core is not None:
+                self.core.interrupt_job(msg.job_id)
+            queue_.put_control(msg)
+        elif isinstance(msg, JobSetup):
             queue_.put_control(msg)
         elif isinstance(msg, Heartbeat):
             return True
@@ -321,7 +329,6 @@ class WorkerDaemon:
                         )
                     continue
                 if isinstance(item, JobTeardown):
-                    queue_.drop_job(item.job_id)
                     core.teardown_job(item.job_id)
                     continue
                 task = item
@@ -331,6 +338,9 @@ class WorkerDaemon:
                     core.start_task(
                         task, lambda r, task=task: outbox.send(self._result(core, task, r))
                     )
+                except TaskInterrupted as exc:
+                    log.info("[worker] %s", exc)  # nobody waits for its result
+                    continue
                 except TaskAborted as exc:
                     if self._stop.is_set() or session_over.is_set():
                         outbox.send(self._failed(core, task, exc, retryable=True))
@@ -525,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     emulate = None
     if args.emulate_pcie is not None:
-        from roundpipe.coordinator.planner import parse_quantity
+        from roundpipe.shared.units import parse_quantity
 
         if args.gpu is not None:
             print(
@@ -544,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     memory_limit = None
     if args.memory_limit is not None:
-        from roundpipe.coordinator.planner import parse_quantity
+        from roundpipe.shared.units import parse_quantity
 
         if args.gpu is None:
             print(

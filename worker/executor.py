@@ -231,6 +231,9 @@ class StageExecutor:
         # Times each layer's forward (the planner's profile) when the caller sets it per
         # task: host clock on the CPU, CUDA events on a GPU (roundpipe.worker.transfer).
         self.stopwatch: Stopwatch | None = None
+        # Called before every layer's compute (forward, recompute, tail) when set: the
+        # worker raises from it to stop a task whose job was torn down.
+        self.before_layer: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- tasks
 
@@ -510,6 +513,8 @@ class StageExecutor:
         rng: RngKey,
         m: int,
     ) -> tuple[torch.Tensor, _StageContext | None]:
+        if self.before_layer is not None:
+            self.before_layer()
         watch = self.stopwatch
         if watch is None:
             return self._compute_layer(layer, x, bound, ctx, rng, m)

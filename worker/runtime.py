@@ -51,7 +51,6 @@ Note [weight prefetch]
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -83,7 +82,7 @@ from roundpipe.worker.transfer import (
     make_engine,
 )
 
-__all__ = ["EVENTS_ARENA", "JobState", "WorkerCore", "TaskAborted"]
+__all__ = ["EVENTS_ARENA", "JobState", "TaskAborted", "TaskInterrupted", "WorkerCore"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +91,14 @@ EVENTS_ARENA = "events"  # the coordinator's layout puts the event table at DATA
 
 class TaskAborted(RuntimeError):
     """The worker was asked to stop while a task waited."""
+
+
+class TaskInterrupted(RuntimeError):
+    """The task's job was torn down (cancelled, failed, paused) while the task ran.
+
+    Nobody waits for its result any more: the worker drops it without a reply, so a
+    cancelled job frees its workers within a layer's compute instead of a whole task's.
+    """
 
 
 @dataclass
@@ -126,11 +133,6 @@ class JobState:
             arena.close()
 
 
-def model_config_dict(config) -> dict:
-    """A transformers config as a plain, msgpack-able dict (what JobSetup carries)."""
-    return json.loads(config.to_json_string(use_diff=False))
-
-
 class WorkerCore:
     """Executes StageTasks for the jobs set up on it. One task at a time."""
 
@@ -154,6 +156,9 @@ class WorkerCore:
         ahead (transfers, then compute): the serial baseline of benchmarks/overlap.py."""
         self.fault: Fault | None = None  # test/chaos fault injection (worker.faults)
         self._waited_s = 0.0  # time the current task spent waiting for counters
+        # Jobs whose JobTeardown has arrived but not yet been carried out: their running
+        # task stops at the next layer (interrupt_job, from the daemon's I/O thread).
+        self._interrupted: set[str] = set()
         self.last_compute_end = 0.0  # host clock when the last task's compute returned
 
     # -- jobs -------------------------------------------------------------------------
@@ -188,6 +193,15 @@ class WorkerCore:
             "[worker %d] job %s set up (%d layers)", self.worker_id, setup.job_id, model.num_layers
         )
 
+    def interrupt_job(self, job_id: str) -> None:
+        """Make the job's running task stop at its next layer or wait (any thread).
+
+        Called when the job's JobTeardown arrives, before it reaches the compute thread;
+        teardown_job ends the interruption, so a later setup of the same job id (a
+        resume) runs normally.
+        """
+        self._interrupted.add(job_id)
+
     def teardown_job(self, job_id: str) -> None:
         self.prefetcher.discard(job_id, wait=True)
         state = self.jobs.pop(job_id, None)
@@ -197,6 +211,14 @@ class WorkerCore:
             self.engine.unregister(state.arenas.values())
             state.close()
             log.info("[worker %d] job %s torn down", self.worker_id, job_id)
+        self._interrupted.discard(job_id)
+
+    def _check_interrupted(self, task: StageTask) -> None:
+        if task.job_id in self._interrupted:
+            raise TaskInterrupted(
+                f"task {task.task_id} ({task.kind} {task.layer_start}:{task.layer_stop}) "
+                f"stopped: job {task.job_id} was torn down"
+            )
 
     def close(self) -> None:
         self.prefetcher.discard(wait=True)
@@ -240,6 +262,7 @@ class WorkerCore:
         state.inflight.add(copies)
         watch = self.engine.stopwatch()
         state.executor.stopwatch = watch
+        state.executor.before_layer = lambda: self._check_interrupted(task)
         try:
             self._compute(state, task, copies)
         except BaseException:
@@ -248,6 +271,7 @@ class WorkerCore:
             raise
         finally:
             state.executor.stopwatch = None
+            state.executor.before_layer = None
             self.last_compute_end = time.perf_counter()
         waited_s = self._waited_s
 
@@ -421,11 +445,17 @@ class WorkerCore:
 
     def _wait(self, state: JobState, wait: EventWait, timeout_s: float) -> None:
         started = time.perf_counter()
+        job_id = state.setup.job_id
         try:
             state.events.wait_at_least(
-                wait.counter, wait.at_least, timeout_s, should_abort=self.should_abort
+                wait.counter,
+                wait.at_least,
+                timeout_s,
+                should_abort=lambda: self.should_abort() or job_id in self._interrupted,
             )
         except InterruptedError as exc:
+            if job_id in self._interrupted:
+                raise TaskInterrupted(f"job {job_id} was torn down while a task waited") from None
             raise TaskAborted(str(exc)) from None
         finally:
             self._waited_s += time.perf_counter() - started
