@@ -16,6 +16,18 @@ sys.path.insert(0, str(BENCHMARKS))
 import gpu_throughput  # noqa: E402 -- benchmarks/ is not a package
 
 
+def _run_benchmark(script: str, *args: str, timeout_s: float = 300) -> str:
+    """Run ``benchmarks/<script> args`` to completion; its stdout."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def _spec(tmp_path: Path, model: str, seq_len: int = 4096):
     args = argparse.Namespace(
         warmup=0, steps=1, microbatches=1, rows=1, seq_len=seq_len, dtype="bfloat16"
@@ -47,39 +59,25 @@ def test_model_flops_match_the_published_parameter_counts(tmp_path: Path) -> Non
 def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
     """`gpu_throughput.py --smoke`: the runtime with 1 and 2 CPU workers and the plain loop
     report tokens/s; the paper's library (CUDA only) is skipped with a reason."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {
-        line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("tiny ")
-    }
-    assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, result.stdout
+    stdout = _run_benchmark("gpu_throughput.py", "--smoke", timeout_s=600)
+    rows = {line.split()[1]: line for line in stdout.splitlines() if line.startswith("tiny ")}
+    assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, stdout
     for system in ("runtime-1w", "runtime-2w", "plain"):
         assert float(rows[system].split()[2]) > 0, rows[system]
     assert "plan F[" in rows["runtime-2w"]
     assert "skipped: needs CUDA" in rows["paper"]
-    last = result.stdout.strip().splitlines()[-1]
+    last = stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT vs_paper=nan mfu=\d+\.\d{3}", last), last
 
 
 def test_optimizer_benchmark_smoke() -> None:
     """`optimizer.py --smoke --no-paper`: every system of the table runs and the RESULT
     line carries both ratios (no timing asserted)."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "optimizer.py"), "--smoke", "--no-paper"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    stdout = _run_benchmark("optimizer.py", "--smoke", "--no-paper")
+    lines = stdout.splitlines()
     rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
     assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy", "in-place"} <= rows
-    assert "paper        skipped (--no-paper)" in result.stdout
+    assert "paper        skipped (--no-paper)" in stdout
     assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
 
 
@@ -87,12 +85,6 @@ def test_optimizer_benchmark_smoke() -> None:
 def test_sync_mode_benchmark_simulator_part() -> None:
     """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job
     (the runtime part, real daemons for minutes, is for the docs' figures)."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "sync_mode.py"), "--no-runtime"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", result.stdout, re.M), result.stdout
-    assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", result.stdout.splitlines()[-1])
+    stdout = _run_benchmark("sync_mode.py", "--no-runtime")
+    assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
+    assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
