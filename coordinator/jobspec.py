@@ -1209,9 +1209,12 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if not isinstance(o.nesterov, bool):
         e.bad("optimizer.nesterov", o.nesterov, "true or false")
     elif o.nesterov and not (o.name == "sgd" and _is_num(o.momentum) and o.momentum > 0):
-        e.add("optimizer.nesterov", "needs name: sgd and a momentum > 0")
+        e.add("optimizer.nesterov", "got True; it needs name: sgd and a momentum > 0")
     if o.name != "sgd" and _is_num(o.momentum) and o.momentum != 0:
-        e.add("optimizer.momentum", f"applies to name: sgd only (name is {o.name!r})")
+        e.add(
+            "optimizer.momentum",
+            f"got {o.momentum}; momentum applies to name: sgd only (name is {o.name!r})",
+        )
 
 
 def _check_output(e: _Errors, o: OutputSpec) -> None:
