@@ -1407,8 +1407,8 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads for the optimizer (default: torch's choice, all cores); "
-        "lower it when CPU workers share this machine",
+        help="torch CPU threads for the optimizer (default: half the cores, leaving the "
+        "rest to the workers' host-side work); a job's optimizer.threads overrides it",
     )
     parser.add_argument(
         "--allow-read",
@@ -1447,10 +1447,11 @@ def main(argv: list[str] | None = None) -> int:
     # default; spec paths were resolved when accepted, so reads follow no new links.
     set_modes(GROUP_MODES if args.group_access else PRIVATE_MODES)
     set_strict_reads(True)
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    from roundpipe.coordinator.optimizer import default_threads
+
+    torch.set_num_threads(args.threads or default_threads())
     # Models, tokenizers and data are local by design: never wait on the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(

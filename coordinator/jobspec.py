@@ -47,6 +47,7 @@ __all__ = [
     "DATA_FORMATS",
     "DTYPES",
     "HF_NO_DECAY",
+    "OPTIMIZERS",
     "SCHEDULES",
     "SCHEDULE_CONVENTIONS",
     "TOKENIZER_FILES",
@@ -75,6 +76,7 @@ _PACKING_ALIASES: dict[Any, str] = {True: "documents", False: "none"}
 DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
@@ -328,7 +330,13 @@ class TrainSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
-    """AdamW (decoupled weight decay) and its learning-rate schedule."""
+    """The optimizer (AdamW with decoupled weight decay, or SGD) and its learning-rate
+    schedule."""
+
+    name: str = "adamw"
+    """One of ``OPTIMIZERS``: ``adamw`` (torch.optim.AdamW) or ``sgd`` (torch.optim.SGD,
+    with ``momentum`` and ``nesterov``; ``weight_decay`` is then SGD's, added to the
+    gradient; ``betas`` and ``eps`` are unused)."""
 
     lr: float = 2e-5
     """Peak learning rate (> 0)."""
@@ -357,6 +365,14 @@ class OptimizerSpec:
     rate at every step (``get_*_schedule_with_warmup``, stepped after each optimizer
     step); ``one_based`` shifts it one step earlier (warmup reaches ``lr`` at step
     ``warmup_steps``, linear/cosine reach the minimum at the last step)."""
+    momentum: float = 0.0
+    """SGD momentum in [0, 1) (``name: sgd`` only; 0: plain SGD, no momentum buffer)."""
+    nesterov: bool = False
+    """Nesterov momentum (``name: sgd`` with ``momentum`` > 0 only)."""
+    threads: int = 0
+    """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
+    ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
+    the workers' host-side work). Results do not depend on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))
@@ -580,7 +596,7 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "scheduler": ("optimizer.schedule", ""),
     "warmup": ("optimizer.warmup_steps", ""),
     "warmup_ratio": ("optimizer.warmup_steps", "a step count: warmup_ratio * train.steps"),
-    "optim": ("optimizer", "the optimizer is always AdamW, set in the optimizer section"),
+    "optim": ("optimizer.name", "adamw or sgd"),
     "per_device_train_batch_size": ("batch.microbatch_size", ""),
     "train_batch_size": ("batch.microbatch_size", ""),
     "batch_size": ("batch.microbatch_size", ""),
@@ -1245,6 +1261,19 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
             )
     if not (_is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1):
         e.bad("optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+    _check_int(e, "optimizer.threads", o.threads, lo=0)
+    _check_choice(e, "optimizer.name", o.name, OPTIMIZERS)
+    if not (_is_num(o.momentum) and 0 <= o.momentum < 1):
+        e.bad("optimizer.momentum", o.momentum, "a number in [0, 1)")
+    if not isinstance(o.nesterov, bool):
+        e.bad("optimizer.nesterov", o.nesterov, "true or false")
+    elif o.nesterov and not (o.name == "sgd" and _is_num(o.momentum) and o.momentum > 0):
+        e.add("optimizer.nesterov", "got True; it needs name: sgd and a momentum > 0")
+    if o.name != "sgd" and _is_num(o.momentum) and o.momentum != 0:
+        e.add(
+            "optimizer.momentum",
+            f"got {o.momentum}; momentum applies to name: sgd only (name is {o.name!r})",
+        )
 
 
 def _check_output(e: _Errors, o: OutputSpec) -> None:

@@ -4,7 +4,7 @@ The coordinator updates each layer as soon as that layer's gradient of step k is
 complete (``wgrad[l] >= k``), last layers first, while other layers' backward tasks are
 still running; see Note [weight-update ordering] (ARCHITECTURE.md section 5). So the
 optimizer is not one object over the whole model but one ``torch.optim.AdamW`` per
-layer, driven by ``LayerwiseAdamW.step_layer(layer, grads, step)``. This module keeps
+layer, driven by ``LayerwiseOptimizer.step_layer(layer, grads, step)``. This module keeps
 no counters: ``step_layer`` returns after the masters, the moments and the ``out``
 copy (params[k % 2]) are fully written, and only then may the caller publish
 ``version[l] = k`` (and free the grads slot for the next iteration).
@@ -25,10 +25,12 @@ overlap of the optimizer with the same step's backward (with staleness 1 it stil
 overlaps the next iteration). The result matches ``torch.nn.utils.clip_grad_norm_``
 followed by AdamW to within float rounding of the norm (1e-6 relative).
 
-``impl`` picks torch's AdamW kernel:
+``impl`` picks the AdamW kernel:
 
-* ``"fused"`` (default): one vectorised, multi-threaded pass per tensor (torch's CPU
-  fused kernel); the fastest on CPU (about 6x the others on a 2-core test machine).
+* ``"fused"`` (default): torch's fused CPU AdamW kernel (what ``torch.optim.AdamW(
+  fused=True)`` runs), called on cache-sized chunks by a team of ``threads`` threads,
+  with the compute-dtype cast done per chunk in the same pass (Note [chunked fused
+  AdamW]); bitwise equal to ``torch.optim.AdamW(fused=True)``.
 * ``"foreach"``: torch's multi-tensor implementation (several passes over memory).
 * ``"for-loop"``: the single-tensor reference; what ``torch.optim.AdamW`` uses on CPU
   when neither ``fused`` nor ``foreach`` is given.
@@ -41,16 +43,17 @@ allocated once, at construction; nothing is allocated per step except for gradie
 whose dtype is not float32, which go through a per-tensor scratch buffer allocated on
 first use.
 
-Threads. Different layers may be stepped concurrently from different threads (each has
-its own torch optimizer, and the torch kernels release the GIL); one layer must not be
-stepped from two threads at once.
+Threads. ``step_layers`` steps a group of ready layers in one multi-threaded pass, lowest
+layer first, reporting each layer as soon as it is written. The optimizer is driven from
+one thread (the trainer's optimizer thread), whose intra-op team does the parallel work.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,14 +69,18 @@ __all__ = [
     "IMPLS",
     "SCHEDULE_CONVENTIONS",
     "LRSchedule",
-    "LayerwiseAdamW",
+    "ALGORITHMS",
+    "CHUNK_NUMEL",
+    "LayerwiseOptimizer",
     "OptimizerStepError",
     "clip_coefficient",
     "decays",
+    "default_threads",
     "global_grad_norm",
 ]
 
 IMPLS = ("fused", "foreach", "for-loop")
+ALGORITHMS = ("adamw", "sgd")
 _STATE_VERSION = 1
 
 
@@ -220,33 +227,108 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 
 # --------------------------------------------------------------------------- optimizer
 
+# Note [chunked fused AdamW]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The "fused" path calls torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
+# ``torch.optim.AdamW(fused=True)`` calls) on flat chunks of CHUNK_NUMEL elements rather
+# than on whole tensors, and casts each chunk into the params arena right after updating
+# it, while its masters are still in cache: one pass over memory instead of two. Each
+# call runs on torch's intra-op OpenMP team, sized to ``threads`` (torch.set_num_threads:
+# process-wide, but the coordinator process's only heavy compute is the optimizer), so a
+# group of ready layers is one multi-threaded pass. The kernel is elementwise and splits its work between threads at arbitrary
+# 16-element boundaries, so its results cannot depend on where a range starts: chunking
+# changes no bit (tests/test_optimizer.py compares against torch.optim.AdamW(fused=True)).
+# Why not a pool of Python threads each stepping its own chunks: every kernel call forks
+# an OpenMP team of its own (the kernel's grain is 0), so the pool would oversubscribe
+# the cores; and the call overhead (about 10-20 us) wants chunks far larger than a
+# thread-private cache anyway. 1M elements (4 MiB of masters) amortises it to ~2% and
+# keeps a chunk's masters within a server's L3 until the cast re-reads them.
+CHUNK_NUMEL = 1 << 20
+
+
+def default_threads(cpus: int | None = None) -> int:
+    """The coordinator's optimizer threads unless ``--threads`` or the job spec's
+    ``optimizer.threads`` says otherwise: half the
+    cores this process may run on (the rest stay with the workers' host-side work:
+    copies, pinning, CPU workers' compute), at least 1, at most 16 (memory bandwidth,
+    the bound, is saturated well before that on common hosts)."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus // 2))
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    flat = t.view(-1)
+    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)]
+
 
 class _Layer:
-    """One layer's torch optimizer and bookkeeping."""
+    """One layer's tensors, moments, step count and (reference impls) torch optimizer."""
 
-    __slots__ = ("names", "params", "opt", "step", "scratch")
+    __slots__ = (
+        "names",
+        "params",
+        "state",
+        "steps",
+        "opt",
+        "chunks",
+        "decayed",
+        "step",
+        "scratch",
+        "views",
+    )
 
-    def __init__(
-        self, names: list[str], params: list[torch.Tensor], opt: torch.optim.AdamW
-    ) -> None:
+    def __init__(self, names: list[str], params: list[torch.Tensor]) -> None:
         self.names = names
         self.params = params
-        self.opt = opt
+        # Per state kind (ALGORITHM_STATE), one buffer per tensor.
+        self.state: dict[str, list[torch.Tensor]] = {}
+        self.steps: list[torch.Tensor] = []  # torch's per-tensor step counts
+        self.opt: torch.optim.AdamW | None = None  # "foreach" / "for-loop" only
+        self.chunks: list[tuple[int, int]] = []  # "fused" only: (tensor index, chunk)
+        self.decayed: list[bool] = []
         self.step = 0  # last optimizer step applied to this layer
         self.scratch: dict[str, torch.Tensor] = {}
+        # Chunk views of gradient / out tensors, keyed by (role, index): rebuilt only
+        # when the caller passes a tensor at another address (the arenas do not move).
+        self.views: dict[tuple[str, int], tuple[tuple, list[torch.Tensor]]] = {}
+
+    def chunk_views(self, role: str, index: int, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t``'s CHUNK_NUMEL chunks (flat views), cached per role and tensor index."""
+        key = (t.data_ptr(), t.dtype, t.shape)
+        cached = self.views.get((role, index))
+        if cached is None or cached[0] != key:
+            cached = self.views[(role, index)] = (key, _chunks(t))
+        return cached[1]
 
 
-class LayerwiseAdamW:
-    """AdamW over ``{layer: {name: fp32 master tensor}}``, stepped one layer at a time.
+class LayerwiseOptimizer:
+    """AdamW (or SGD) over ``{layer: {name: fp32 master tensor}}``, stepped layer by layer.
+
+    ``algorithm="sgd"``: torch.optim.SGD's update (fused kernel, same chunked path) with
+    ``momentum`` and ``nesterov``, no dampening; its ``weight_decay`` is SGD's (added to
+    the gradient), under the same ``no_decay`` groups. ``betas`` and ``eps`` are unused.
+    Bitwise equal to ``torch.optim.SGD(fused=True)``.
 
     Construct with :meth:`from_spec` or directly. ``moments``, if given, supplies the
     state buffers ``{layer: {name: (exp_avg, exp_avg_sq)}}`` (e.g. views into the optim
     arena); they are zeroed here. Otherwise they are allocated here, once.
 
     ``no_decay``: regular expressions; a tensor whose lower-cased name any of them
-    matches (``re.search``) gets no weight decay (see :func:`decays`). Each layer's
-    torch optimizer then has two parameter groups, as the Hugging Face Trainer builds
-    them, so the arithmetic per tensor stays that of one whole-model AdamW.
+    matches (``re.search``) gets no weight decay (see :func:`decays`). The arithmetic
+    per tensor stays that of one whole-model AdamW with two parameter groups, as the
+    Hugging Face Trainer builds them.
+
+    ``threads``: the size of the intra-op thread team that steps the layers handed to one
+    :meth:`step_layers` call (Note [chunked fused AdamW]). It is torch's process-wide
+    setting (``torch.set_num_threads``), applied when a step begins: in the coordinator
+    process, whose only heavy compute is the optimizer, it is the optimizer's thread count
+    (with several jobs at once, the one stepping last sets it). ``None``: leave torch's
+    setting as it is (the coordinator daemon sets it from ``--threads``, by default
+    :func:`default_threads`).
     """
 
     def __init__(
@@ -261,71 +343,116 @@ class LayerwiseAdamW:
         impl: str = "fused",
         moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
         no_decay: Sequence[str] = (),
+        threads: int | None = None,
+        algorithm: str = "adamw",
+        momentum: float = 0.0,
+        nesterov: bool = False,
     ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == "sgd" and (impl != "fused" or moments is not None):
+            raise ValueError("sgd runs on the fused path with its own momentum buffers only")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         patterns = [re.compile(p) for p in no_decay]
         self.decayed: set[str] = set()
         """Names of the tensors that get weight decay."""
         self.schedule = schedule
+        self.betas = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
         self.grad_clip = grad_clip
         self.impl = impl
+        self.algorithm = algorithm
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.kinds: tuple[str, ...] = (
+            ("exp_avg", "exp_avg_sq")
+            if algorithm == "adamw"
+            else ("momentum_buffer",)
+            if momentum
+            else ()
+        )
+        """The state buffers each tensor has, as named in :meth:`state_dict`."""
+        self.threads = threads
+        # torch keeps the step count in float32, or float64 for the non-fused kernels
+        # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
+        step_dtype = (
+            torch.float64
+            if impl != "fused" and torch.get_default_dtype() == torch.float64
+            else torch.float32
+        )
         self._layers: dict[int, _Layer] = {}
         for layer, tensors in masters.items():
             if not tensors:
                 raise ValueError(f"layer {layer} has no trainable tensors; leave it out")
             names = list(tensors)
-            params = [tensors[n] for n in names]
-            for name, p in zip(names, params):
+            entry = _Layer(names, [tensors[n] for n in names])
+            entry.state = {kind: [] for kind in self.kinds}
+            given = None if moments is None else moments.get(layer)
+            for name, p in zip(names, entry.params):
                 if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
                     raise ValueError(
                         f"master {layer}/{name} must be a float32 CPU tensor without "
                         f"requires_grad, got {p.dtype} on {p.device} (requires_grad={p.requires_grad})"
                     )
-            decayed = [p for n, p in zip(names, params) if decays(n, patterns)]
-            exempt = [p for n, p in zip(names, params) if not decays(n, patterns)]
-            self.decayed.update(n for n in names if decays(n, patterns))
-            groups = [{"params": decayed}] if decayed else []
-            if exempt:
-                groups.append({"params": exempt, "weight_decay": 0.0})
-            opt = torch.optim.AdamW(
-                groups,
-                lr=schedule.lr,
-                betas=betas,
-                eps=eps,
-                weight_decay=weight_decay,
-                foreach=impl == "foreach",
-                fused=impl == "fused",
-            )
-            # torch keeps the step count in float32, or float64 for the non-fused kernels
-            # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
-            step_dtype = (
-                torch.float64
-                if impl != "fused" and torch.get_default_dtype() == torch.float64
-                else torch.float32
-            )
-            given = None if moments is None else moments.get(layer)
-            for name, p in zip(names, params):
+                if impl == "fused" and not p.is_contiguous():
+                    raise ValueError(f"master {layer}/{name} must be contiguous")
                 if given is not None:
-                    exp_avg, exp_avg_sq = given[name]
-                    for buf in (exp_avg, exp_avg_sq):
-                        if buf.shape != p.shape or buf.dtype != torch.float32:
+                    bufs = given[name]
+                    for buf in bufs:
+                        if (
+                            buf.shape != p.shape
+                            or buf.dtype != torch.float32
+                            or not buf.is_contiguous()
+                        ):
                             raise ValueError(
-                                f"moment buffer of {layer}/{name} must be float32 {tuple(p.shape)}, "
-                                f"got {buf.dtype} {tuple(buf.shape)}"
+                                f"moment buffer of {layer}/{name} must be contiguous float32 "
+                                f"{tuple(p.shape)}, got {buf.dtype} {tuple(buf.shape)}"
                             )
                         buf.zero_()
                 else:
-                    exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
-                # The same state torch's lazy init would create (see torch.optim.adam
-                # _init_group), created eagerly so that memory is fixed up front and
-                # may live in the caller's arena.
-                opt.state[p] = {
-                    "step": torch.zeros((), dtype=step_dtype),
-                    "exp_avg": exp_avg,
-                    "exp_avg_sq": exp_avg_sq,
-                }
-            self._layers[layer] = _Layer(names, params, opt)
+                    bufs = tuple(torch.zeros_like(p) for _ in self.kinds)
+                for kind, buf in zip(self.kinds, bufs):
+                    entry.state[kind].append(buf)
+                entry.steps.append(torch.zeros((), dtype=step_dtype))
+            decayed = [decays(n, patterns) for n in names]
+            self.decayed.update(n for n, d in zip(names, decayed) if d)
+            entry.decayed = decayed
+            if impl == "fused":
+                for i, p in enumerate(entry.params):
+                    num_chunks = -(-p.numel() // CHUNK_NUMEL)
+                    entry.chunks += [(i, j) for j in range(num_chunks)]
+            else:
+                entry.opt = self._torch_optimizer(entry, decayed)
+            self._layers[layer] = entry
+
+    def _torch_optimizer(self, entry: _Layer, decayed: list[bool]) -> torch.optim.AdamW:
+        """The reference path: a torch.optim.AdamW over one layer, its state set up
+        eagerly (as torch.optim.adam's lazy _init_group would) in our buffers."""
+        on = [p for p, d in zip(entry.params, decayed) if d]
+        off = [p for p, d in zip(entry.params, decayed) if not d]
+        groups = [{"params": on}] if on else []
+        if off:
+            groups.append({"params": off, "weight_decay": 0.0})
+        opt = torch.optim.AdamW(
+            groups,
+            lr=self.schedule.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            foreach=self.impl == "foreach",
+            fused=False,
+        )
+        for i, p in enumerate(entry.params):
+            opt.state[p] = {
+                "step": entry.steps[i],
+                "exp_avg": entry.state["exp_avg"][i],
+                "exp_avg_sq": entry.state["exp_avg_sq"][i],
+            }
+        return opt
 
     @classmethod
     def from_spec(
@@ -335,7 +462,7 @@ class LayerwiseAdamW:
         *,
         impl: str = "fused",
         moments: Mapping[int, Mapping[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
-    ) -> LayerwiseAdamW:
+    ) -> LayerwiseOptimizer:
         """The optimizer a job spec describes (schedule over ``train.steps``)."""
         o = spec.optimizer
         return cls(
@@ -348,6 +475,10 @@ class LayerwiseAdamW:
             impl=impl,
             moments=moments,
             no_decay=o.no_decay,
+            threads=o.threads or None,
+            algorithm=o.name,
+            momentum=float(o.momentum),
+            nesterov=bool(o.nesterov),
         )
 
     @property
@@ -381,8 +512,66 @@ class LayerwiseAdamW:
         is consumed by this step; pass ``clip_coefficient(...)`` computed over the whole
         step). ``clip_coef`` is required when the optimizer has ``grad_clip``. ``out``,
         if given, receives the updated weights in its tensors' dtype (the params arena
-        buffer of this version), via ``copy_``, i.e. round-to-nearest-even casts.
+        buffer of this version), round-to-nearest-even as ``copy_`` casts.
         """
+        outs = None if out is None else {layer: out}
+        return self.step_layers({layer: grads}, step, clip_coef=clip_coef, outs=outs)
+
+    def step_layers(
+        self,
+        grads: Mapping[int, Mapping[str, torch.Tensor]],
+        step: int,
+        *,
+        clip_coef: torch.Tensor | float | None = None,
+        outs: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> float:
+        """:meth:`step_layer` for several layers in one multi-threaded pass.
+
+        Layers are worked on lowest first, and ``on_layer_done(layer)`` is called, in
+        ascending layer order, as soon as that layer's masters, moments and ``outs`` are
+        fully written (so the caller may publish its version while higher layers are
+        still being stepped). Everything is checked before anything is touched.
+        """
+        layers = sorted(grads)
+        entries = [self._check(layer, grads[layer], step, clip_coef, outs) for layer in layers]
+        lr = self.schedule.lr_at(step)
+        coef = None
+        if clip_coef is not None:
+            coef = (
+                clip_coef if isinstance(clip_coef, torch.Tensor) else torch.tensor(float(clip_coef))
+            )
+            # The multiply clip_grads_with_norm_ performs (elementwise, by a float32
+            # 0-dim tensor), so the scaled gradients match it bitwise.
+            coef = coef.to(torch.float32)
+        plans = [
+            self._prepare(entry, grads[layer], None if outs is None else outs.get(layer))
+            for layer, entry in zip(layers, entries)
+        ]
+        if self.impl != "fused":
+            for layer, entry, (grad_list, out_list) in zip(layers, entries, plans):
+                self._step_reference(entry, grad_list, coef, lr)
+                self._finish(layer, entry, step, out_list, on_layer_done)
+            return lr
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        for layer, entry, (grad_list, out_list) in zip(layers, entries, plans):
+            for t in entry.steps:
+                t.add_(1)  # as torch.optim.adam._fused_adam does before the kernel
+            self._step_chunks(entry, grad_list, out_list, coef, lr)
+            self._finish(layer, entry, step, out_list, on_layer_done)
+        return lr
+
+    # -- step internals --
+
+    def _check(
+        self,
+        layer: int,
+        grads: Mapping[str, torch.Tensor],
+        step: int,
+        clip_coef: object,
+        outs: Mapping[int, Mapping[str, torch.Tensor]] | None,
+    ) -> _Layer:
         entry = self._layers.get(layer)
         if entry is None:
             raise OptimizerStepError(f"layer {layer} has no trainable weights here")
@@ -402,36 +591,107 @@ class LayerwiseAdamW:
             raise OptimizerStepError(
                 f"layer {layer}: gradients missing {missing}, unexpected {extra}"
             )
+        out = None if outs is None else outs.get(layer)
         if out is not None and out.keys() != set(entry.names):
             raise OptimizerStepError(
                 f"layer {layer}: out must have exactly the names {entry.names}"
             )
+        for name, p in zip(entry.names, entry.params):
+            if grads[name].shape != p.shape:
+                raise OptimizerStepError(
+                    f"layer {layer}/{name}: gradient shape {tuple(grads[name].shape)}, "
+                    f"weight {tuple(p.shape)}"
+                )
+            if out is not None and out[name].shape != p.shape:
+                raise OptimizerStepError(
+                    f"layer {layer}/{name}: out shape {tuple(out[name].shape)}, "
+                    f"weight {tuple(p.shape)}"
+                )
+        return entry
 
+    def _prepare(
+        self,
+        entry: _Layer,
+        grads: Mapping[str, torch.Tensor],
+        out: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Float32 contiguous gradients (non-float32 or strided ones through a scratch
+        buffer) and the out tensors, in the layer's tensor order."""
         grad_list = []
         for name, p in zip(entry.names, entry.params):
             g = grads[name]
-            if g.shape != p.shape:
-                raise OptimizerStepError(
-                    f"layer {layer}/{name}: gradient shape {tuple(g.shape)}, weight {tuple(p.shape)}"
-                )
-            if g.dtype != torch.float32 or g.device != p.device:
+            if g.dtype != torch.float32 or g.device != p.device or not g.is_contiguous():
                 buf = entry.scratch.get(name)
                 if buf is None:
                     buf = entry.scratch[name] = torch.empty_like(p)
                 buf.copy_(g)
                 g = buf
             grad_list.append(g)
-        if clip_coef is not None:
-            coef = (
-                clip_coef if isinstance(clip_coef, torch.Tensor) else torch.tensor(float(clip_coef))
-            )
-            # The multiply clip_grads_with_norm_ performs (elementwise, by a float32
-            # 0-dim tensor), so the scaled gradients match it bitwise.
-            coef = coef.to(torch.float32)
+        out_list: list[torch.Tensor | None] = (
+            [None] * len(entry.names) if out is None else [out[n] for n in entry.names]
+        )
+        return grad_list, out_list
+
+    def _step_chunks(
+        self,
+        entry: _Layer,
+        grad_list: list[torch.Tensor],
+        out_list: list[torch.Tensor | None],
+        coef: torch.Tensor | None,
+        lr: float,
+    ) -> None:
+        """Clip, AdamW and cast chunk by chunk (Note [chunked fused AdamW])."""
+        beta1, beta2 = self.betas
+        views = entry.chunk_views
+        first_step = entry.step == 0  # torch's SGD starts its momentum buffer as the gradient
+        for i, j in entry.chunks:
+            p = views("param", i, entry.params[i])[j]
+            g = views("grad", i, grad_list[i])[j]
+            state = [views(kind, i, entry.state[kind][i])[j] for kind in self.kinds]
+            weight_decay = self.weight_decay if entry.decayed[i] else 0.0
+            if coef is not None:
+                g.mul_(coef)
+            if self.algorithm == "adamw":
+                torch._fused_adamw_(
+                    [p],
+                    [g],
+                    [state[0]],
+                    [state[1]],
+                    [],
+                    [entry.steps[i]],
+                    amsgrad=False,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=weight_decay,
+                    eps=self.eps,
+                    maximize=False,
+                )
+            else:
+                # The call torch.optim.SGD(fused=True) makes (torch.optim.sgd._fused_sgd).
+                torch._fused_sgd_(
+                    [p],
+                    [g],
+                    state,
+                    weight_decay=weight_decay,
+                    momentum=self.momentum,
+                    lr=lr,
+                    dampening=0.0,
+                    nesterov=self.nesterov,
+                    maximize=False,
+                    is_first_step=first_step,
+                )
+            out = out_list[i]
+            if out is not None and out.is_contiguous():
+                views("out", i, out)[j].copy_(p)
+
+    def _step_reference(
+        self, entry: _Layer, grad_list: list[torch.Tensor], coef: torch.Tensor | None, lr: float
+    ) -> None:
+        assert entry.opt is not None
+        if coef is not None:
             for g in grad_list:
                 g.mul_(coef)
-
-        lr = self.schedule.lr_at(step)
         for group in entry.opt.param_groups:
             group["lr"] = lr
         for p, g in zip(entry.params, grad_list):
@@ -441,12 +701,23 @@ class LayerwiseAdamW:
         finally:
             for p in entry.params:
                 p.grad = None  # drop the reference into the grads arena
+
+    def _finish(
+        self,
+        layer: int,
+        entry: _Layer,
+        step: int,
+        out_list: list[torch.Tensor | None],
+        on_layer_done: Callable[[int], None] | None,
+    ) -> None:
+        with torch.no_grad():
+            for p, out in zip(entry.params, out_list):
+                # Outs the chunked path did not cast (strided ones, or the reference path).
+                if out is not None and (self.impl != "fused" or not out.is_contiguous()):
+                    out.copy_(p)
         entry.step = step
-        if out is not None:
-            with torch.no_grad():
-                for name, p in zip(entry.names, entry.params):
-                    out[name].copy_(p)
-        return lr
+        if on_layer_done is not None:
+            on_layer_done(layer)
 
     # -- checkpoints --
 
@@ -462,10 +733,9 @@ class LayerwiseAdamW:
         for layer in self.layers:
             entry = self._layers[layer]
             steps[layer] = entry.step
-            for name, p in zip(entry.names, entry.params):
-                st = entry.opt.state[p]
-                tensors[f"{layer}.{name}.exp_avg"] = st["exp_avg"]
-                tensors[f"{layer}.{name}.exp_avg_sq"] = st["exp_avg_sq"]
+            for kind, bufs in entry.state.items():
+                for name, buf in zip(entry.names, bufs):
+                    tensors[f"{layer}.{name}.{kind}"] = buf
         return {"version": _STATE_VERSION, "steps": steps, "tensors": tensors}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -482,7 +752,7 @@ class LayerwiseAdamW:
             f"{layer}.{name}.{kind}"
             for layer, entry in self._layers.items()
             for name in entry.names
-            for kind in ("exp_avg", "exp_avg_sq")
+            for kind in self.kinds
         }
         if set(tensors) != expected:
             missing = sorted(expected - set(tensors))[:5]
@@ -491,15 +761,15 @@ class LayerwiseAdamW:
                 f"optimizer state tensors differ: missing {missing}, unexpected {extra}"
             )
         for layer, entry in self._layers.items():
-            for name, p in zip(entry.names, entry.params):
-                st = entry.opt.state[p]
-                for kind in ("exp_avg", "exp_avg_sq"):
+            for i, (name, p) in enumerate(zip(entry.names, entry.params)):
+                for kind in self.kinds:
+                    buf = entry.state[kind][i]
                     src = tensors[f"{layer}.{name}.{kind}"]
                     if src.shape != p.shape:
                         raise ValueError(
                             f"optimizer state {layer}.{name}.{kind} has shape {tuple(src.shape)}, "
                             f"expected {tuple(p.shape)}"
                         )
-                    st[kind].copy_(src)
-                st["step"].fill_(float(steps[layer]))
+                    buf.copy_(src)
+                entry.steps[i].fill_(float(steps[layer]))
             entry.step = steps[layer]

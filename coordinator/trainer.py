@@ -90,7 +90,7 @@ from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
-from roundpipe.coordinator.optimizer import LayerwiseAdamW, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
 from roundpipe.coordinator.planner import (
     HardwareSpec,
@@ -195,6 +195,9 @@ class Trainer:
         self._optimizer_error: BaseException | None = None
         self._optimizer_done_step = 0
         self._optimizer_cv = threading.Condition()
+        self._optimizer_last_s = 0.0
+        """Busy seconds (updating, not waiting for gradients) of optimizer step
+        ``_optimizer_done_step``."""
         self.layout: JobLayout | None = None
         self.on_plan = on_plan
         """Called with (plan, why) when the plan is chosen and whenever it changes."""
@@ -282,7 +285,7 @@ class Trainer:
                 if name in trainable:
                     self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
         del weights
-        self.optimizer = LayerwiseAdamW.from_spec(spec, self.masters, impl=self.optimizer_impl)
+        self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
             layout=layout,
             job_id=self.job_id,
@@ -469,7 +472,7 @@ class Trainer:
                 f"{kind}/{name}"
                 for names in self.masters.values()
                 for name in names
-                for kind in ("master", "exp_avg", "exp_avg_sq", "prev")
+                for kind in ("master", "prev", *self.optimizer.kinds)
             }
             saved = {k for k in keys if not k.startswith("rng/")}
             if saved != expected:
@@ -515,7 +518,15 @@ class Trainer:
         except (DataError, KeyError) as exc:
             raise JobFailed(f"cannot resume from {where}: {exc}") from None
         self.progress = [
-            ProgressEvent(seq=p[0], step=p[0], loss=p[1], tokens_per_s=p[2], lr=p[3], time=p[4])
+            ProgressEvent(
+                seq=p[0],
+                step=p[0],
+                loss=p[1],
+                tokens_per_s=p[2],
+                lr=p[3],
+                time=p[4],
+                optimizer_s=p[5] if len(p) > 5 else 0.0,  # older checkpoints: not recorded
+            )
             for p in manifest.get("progress", [])
             if p[0] <= s
         ]
@@ -686,6 +697,7 @@ class Trainer:
             tokens_per_s=tokens / max(now - last_time, 1e-9),
             lr=self.optimizer.lr_at(k),
             time=time.time(),
+            optimizer_s=self._latest_optimizer_s(),
         )
         with self.progress_lock:
             self.progress.append(event)
@@ -694,6 +706,11 @@ class Trainer:
             on_progress(event)
         log.info("[trainer] job %s step %d loss %.4f", self.job_id, k, loss)
         return now
+
+    def _latest_optimizer_s(self) -> float:
+        """Busy seconds of the newest finished optimizer step (0.0 before any)."""
+        with self._optimizer_cv:
+            return self._optimizer_last_s
 
     def _next_message(self) -> TaskDone | TaskFailed | str:
         while True:
@@ -759,9 +776,10 @@ class Trainer:
         ordering])."""
         try:
             for k in range(self.start_step + 1, self.spec.train.steps + 1):
-                self._optimizer_step(k)
+                busy_s = self._optimizer_step(k)
                 with self._optimizer_cv:
                     self._optimizer_done_step = k
+                    self._optimizer_last_s = busy_s
                     self._optimizer_cv.notify_all()
         except InterruptedError:
             pass  # cancelled while waiting for gradients
@@ -770,31 +788,72 @@ class Trainer:
             self._optimizer_error = exc
             self.inbox.put("optimizer-error")
 
-    def _optimizer_step(self, k: int) -> None:
-        assert self.layout is not None and self.layout.events is not None
-        layout, events, c = self.layout, self.layout.events, self.layout.counters
-        owner_layers = sorted(self.masters, reverse=True)  # the last layers finish first
+    def _optimizer_step(self, k: int) -> float:
+        """Step k for every layer: each time the highest layer not yet updated has its
+        gradients, update it together with every other layer whose gradients have
+        landed, in one multi-threaded pass (Note [chunked fused AdamW]), lowest layer
+        first, publishing each layer's version as soon as it is written. With staleness 0
+        the next forward needs layer 0 first, and its gradients land last. Returns the
+        seconds spent updating (not waiting)."""
+        assert self.layout is not None
+        layout = self.layout
+        remaining = sorted(self.masters, reverse=True)  # the last layers finish first
         clip = self.spec.optimizer.grad_clip
-        grads_of: dict[int, dict[str, torch.Tensor]] = {}
         coef = None
         if clip is not None:
             # The global norm needs every gradient of the step before any update.
-            for layer in owner_layers:
+            for layer in remaining:
                 self._wait_grads(layer, k)
-            grads_of = {layer: self._grads(layer) for layer in owner_layers}
-            coef = clip_coefficient(global_grad_norm(grads_of), clip)
-        for layer in owner_layers:
-            if clip is None:
-                self._wait_grads(layer, k)
-            grads = grads_of.get(layer) or self._grads(layer)
-            out = {
-                name: layout.view(layout.params[layer][name][k % 2]) for name in self.masters[layer]
-            }
-            self.timeline.layer_grads(k, grads)  # observability: grad norm (TensorBoard)
-            started = time.time()
-            self.optimizer.step_layer(layer, grads, k, clip_coef=coef, out=out)
-            self.timeline.optimizer_layer(k, layer, started, time.time())  # observability
+            coef = clip_coefficient(
+                global_grad_norm({layer: self._grads(layer) for layer in remaining}), clip
+            )
+        busy_s = 0.0
+        while remaining:
+            self._wait_grads(remaining[0], k)
+            ready = [layer for layer in remaining if self._grads_landed(layer, k)]
+            grads = {layer: self._grads(layer) for layer in ready}
+            for layer in ready:  # observability: grad norm (TensorBoard)
+                self.timeline.layer_grads(k, grads[layer])
+            started = time.perf_counter()
+            self.optimizer.step_layers(
+                grads,
+                k,
+                clip_coef=coef,
+                outs={
+                    layer: {
+                        name: layout.view(layout.params[layer][name][k % 2])
+                        for name in self.masters[layer]
+                    }
+                    for layer in ready
+                },
+                on_layer_done=self._publisher(k),
+            )
+            busy_s += time.perf_counter() - started
+            remaining = [layer for layer in remaining if layer not in ready]
+        return busy_s
+
+    def _publisher(self, k: int) -> Callable[[int], None]:
+        """Called as each layer's step-k update is written: publish its version at once
+        (the next forward may start on it) and time it for the timeline's optimizer lane."""
+        assert self.layout is not None and self.layout.events is not None
+        events, c = self.layout.events, self.layout.counters
+        since = time.time()
+
+        def publish(layer: int) -> None:
+            nonlocal since
             events.signal(c.version(layer), k)
+            now = time.time()
+            self.timeline.optimizer_layer(k, layer, since, now)  # observability
+            since = now
+
+        return publish
+
+    def _grads_landed(self, layer: int, k: int) -> bool:
+        """Whether step k's gradients of ``layer`` (tied contributions included) are in."""
+        assert self.layout is not None and self.layout.events is not None
+        c, events = self.layout.counters, self.layout.events
+        sources = {layer} | {t for t, _, _ in self._tied.get(layer, [])}
+        return all(events.read(c.wgrad(src)) >= k for src in sources)
 
     def _wait_grads(self, layer: int, k: int) -> None:
         """Wait for step k's gradients of ``layer``, including tied contributions."""
@@ -875,8 +934,8 @@ class Trainer:
         for layer in sorted(self.masters):
             for name, master in self.masters[layer].items():
                 state[f"master/{name}"] = master
-                state[f"exp_avg/{name}"] = moments[f"{layer}.{name}.exp_avg"]
-                state[f"exp_avg_sq/{name}"] = moments[f"{layer}.{name}.exp_avg_sq"]
+                for kind in self.optimizer.kinds:  # AdamW's moments, SGD's momentum
+                    state[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
                 previous = self.layout.params[layer][name][(step - 1) % 2]
                 assert previous is not None
                 state[f"prev/{name}"] = self.layout.view(previous)
@@ -888,7 +947,9 @@ class Trainer:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
         with self.progress_lock:
-            progress = [[e.step, e.loss, e.tokens_per_s, e.lr, e.time] for e in self.progress]
+            progress = [
+                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
+            ]
         return {
             "job_id": self.job_id,
             "total_steps": self.spec.train.steps,

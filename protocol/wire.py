@@ -1864,6 +1864,10 @@ class ProgressEvent(Struct):
     lr: float
     #: time.time() when the step completed
     time: float
+    #: seconds the coordinator's optimizer spent updating the weights (not waiting for
+    #: gradients) in the newest optimizer step finished when this event was made: this
+    #: step, or under staleness 1 usually the one before; 0.0 before any
+    optimizer_s: NonNegFloat = 0.0
 
 
 @_message

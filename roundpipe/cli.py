@@ -174,6 +174,7 @@ class ProgressPrinter:
             f"loss {_format_loss(event.loss)}",
             _format_rate(event.tokens_per_s),
             f"lr {event.lr:.2e}",
+            f"optim {event.optimizer_s * 1e3:.0f} ms",
             f"ETA {format_duration(self.eta_s())}",
         ]
         return " | ".join(parts)

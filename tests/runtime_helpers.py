@@ -2,7 +2,7 @@
 
 The oracle is a plain PyTorch training loop over the *transformers* model (not the
 layered one): same initial weights, same batches and microbatching, loss normalised over
-the global batch, ``torch.optim.AdamW`` with the same kernel, the same parameter groups
+the global batch, ``torch.optim.AdamW`` (or ``SGD``) with the same kernel, the same parameter groups
 (``optimizer.no_decay``) and the same learning-rate schedule. ``staleness`` reproduces
 the design's weight-update ordering: iteration k takes its gradient on
 W_{max(k-1-staleness, 0)} and applies it to W_{k-1}.
@@ -61,6 +61,7 @@ def tiny_spec(
     plan: str | None = None,
     dtype: str = "float32",
     lr: float = 3e-4,
+    optimizer: dict[str, Any] | None = None,
 ) -> JobSpec:
     """A tiny Qwen3 job on the shipped demo corpus.
 
@@ -89,6 +90,7 @@ def tiny_spec(
         },
         "output": {"dir": str(output_dir)},
     }
+    spec["optimizer"].update(optimizer or {})
     if plan is not None:
         spec["train"]["plan"] = plan
     if lora is not None:
@@ -115,14 +117,21 @@ def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[s
             "weight_decay": 0.0,
         },
     ]
-    opt = torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=spec.optimizer.lr,
-        betas=spec.optimizer.betas,
-        eps=spec.optimizer.eps,
-        weight_decay=spec.optimizer.weight_decay,
-        fused=True,
-    )
+    o = spec.optimizer
+    groups = [g for g in groups if g["params"]]
+    if o.name == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            groups,
+            lr=o.lr,
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            weight_decay=o.weight_decay,
+            fused=True,
+        )
+    else:
+        opt = torch.optim.AdamW(
+            groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
     schedule = LRSchedule.from_spec(spec.optimizer, spec.train.steps)
     loader = DataLoader.from_spec(spec, build_dataset_from_spec(spec))
     history = [{n: p.detach().clone() for n, p in trainable.items()}]  # W_0

@@ -16,6 +16,18 @@ sys.path.insert(0, str(BENCHMARKS))
 import gpu_throughput  # noqa: E402 -- benchmarks/ is not a package
 
 
+def _run_benchmark(script: str, *args: str, timeout_s: float = 300) -> str:
+    """Run ``benchmarks/<script> args`` to completion; its stdout."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def _spec(tmp_path: Path, model: str, seq_len: int = 4096):
     args = argparse.Namespace(
         warmup=0, steps=1, microbatches=1, rows=1, seq_len=seq_len, dtype="bfloat16"
@@ -43,23 +55,11 @@ def test_model_flops_match_the_published_parameter_counts(tmp_path: Path) -> Non
     assert 7.4e9 < frozen < 7.6e9  # 8.03B minus the 0.53B input embedding
 
 
-def _smoke(script: str) -> str:
-    """stdout of ``benchmarks/SCRIPT --smoke``, which must exit 0."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
     """`gpu_throughput.py --smoke`: the runtime with 1 and 2 CPU workers and the plain loop
     report tokens/s; the paper's library (CUDA only) is skipped with a reason."""
-    stdout = _smoke("gpu_throughput.py")
+    stdout = _run_benchmark("gpu_throughput.py", "--smoke", timeout_s=600)
     rows = {line.split()[1]: line for line in stdout.splitlines() if line.startswith("tiny ")}
     assert set(rows) == {"runtime-1w", "runtime-2w", "paper", "plain"}, stdout
     for system in ("runtime-1w", "runtime-2w", "plain"):
@@ -74,10 +74,30 @@ def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
 def test_packing_benchmark_smoke() -> None:
     """`packing.py --smoke`: three modes on the same conversations; documents packing
     gives the unpacked loss in fewer rows."""
-    out = _smoke("packing.py")
+    out = _run_benchmark("packing.py", "--smoke", timeout_s=600)
     table = [line.split() for line in out.splitlines()]
     rows = {f[0]: f for f in table if len(f) == 7 and f[1].isdigit()}
     assert set(rows) == {"none", "documents", "concat"}, out
     assert int(rows["documents"][1]) < int(rows["none"][1])
     assert "documents loss equals none: True" in out
     assert re.search(r"^RESULT documents_over_none_step_time=[0-9.]+$", out.splitlines()[-1])
+
+
+def test_optimizer_benchmark_smoke() -> None:
+    """`optimizer.py --smoke --no-paper`: every system of the table runs and the RESULT
+    line carries both ratios (no timing asserted)."""
+    stdout = _run_benchmark("optimizer.py", "--smoke", "--no-paper")
+    lines = stdout.splitlines()
+    rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
+    assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy", "in-place"} <= rows
+    assert "paper        skipped (--no-paper)" in stdout
+    assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
+
+
+@pytest.mark.slow
+def test_sync_mode_benchmark_simulator_part() -> None:
+    """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job
+    (the runtime part, real daemons for minutes, is for the docs' figures)."""
+    stdout = _run_benchmark("sync_mode.py", "--no-runtime")
+    assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
+    assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])

@@ -120,6 +120,7 @@ class _FakeJob:
                 tokens_per_s=1536.0,
                 lr=self.lr,
                 time=time.time(),
+                optimizer_s=0.042,
             )
         )
         self._write_log(f"step {self.step} loss {loss:.4f}")
@@ -544,7 +545,9 @@ def test_cli_submit_wait_success(capsys, fake: FakeCoordinator, tmp_path: Path) 
     assert out.strip() == "job-0001"  # stdout holds the id only; progress is on stderr
     lines = [line for line in err.splitlines() if line.startswith("step ")]
     # Not a terminal: one line every ~3 steps (about ten per job), first and last included.
-    assert lines[0].startswith("step 1/30 | loss 5.5000 | 1.5k tok/s | lr 3.00e-03 | ETA ")
+    assert lines[0].startswith(
+        "step 1/30 | loss 5.5000 | 1.5k tok/s | lr 3.00e-03 | optim 42 ms | ETA "
+    )
     assert lines[-1].startswith("step 30/30 ")
     assert 8 <= len(lines) <= 12
     assert "\r" not in err

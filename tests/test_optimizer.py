@@ -12,12 +12,14 @@ from torch import nn
 
 from roundpipe.coordinator.jobspec import HF_NO_DECAY
 from roundpipe.coordinator.optimizer import (
+    CHUNK_NUMEL,
     IMPLS,
-    LayerwiseAdamW,
+    LayerwiseOptimizer,
     LRSchedule,
     OptimizerStepError,
     clip_coefficient,
     decays,
+    default_threads,
     global_grad_norm,
 )
 
@@ -74,7 +76,7 @@ SCHEDULE = LRSchedule(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=6,
 def run_both(
     impl: str, steps: int, grad_clip: float | None, no_decay: tuple[str, ...] = ()
 ) -> tuple[nn.ModuleList, Arena]:
-    """Train a reference model with torch.optim.AdamW and a copy with LayerwiseAdamW.
+    """Train a reference model with torch.optim.AdamW and a copy with LayerwiseOptimizer.
 
     With ``no_decay`` the reference has two parameter groups, built as the Hugging Face
     Trainer builds them (``get_decay_parameter_names``'s name rule)."""
@@ -96,7 +98,7 @@ def run_both(
     for layer, m in enumerate(worker):
         for name, p in m.named_parameters():
             masters.views[layer][name].copy_(p.detach())
-    opt = LayerwiseAdamW(
+    opt = LayerwiseOptimizer(
         masters.views,
         schedule=SCHEDULE,
         weight_decay=0.1,
@@ -287,7 +289,7 @@ def test_no_decay_default_is_the_hf_trainers_rule() -> None:
         0: {"a.weight": torch.ones(2), "a.bias": torch.ones(2)},
         1: {"norm.weight": torch.ones(2)},
     }
-    opt = LayerwiseAdamW(
+    opt = LayerwiseOptimizer(
         masters, schedule=LRSchedule(lr=0.5), weight_decay=0.5, no_decay=HF_NO_DECAY
     )
     assert opt.decayed == {"a.weight"}
@@ -309,7 +311,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
 
     sched = LRSchedule(lr=1e-2, schedule="linear", warmup_steps=1, total_steps=8)
     a_w = masters()
-    a = LayerwiseAdamW(a_w, schedule=sched)
+    a = LayerwiseOptimizer(a_w, schedule=sched)
     for step in range(1, 4):
         for layer, g in grads(step).items():
             a.step_layer(layer, g, step)
@@ -327,7 +329,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
         i: {n: (torch.full_like(t, 7.0), torch.full_like(t, 7.0)) for n, t in d.items()}
         for i, d in b_w.items()
     }
-    b = LayerwiseAdamW(b_w, schedule=sched, moments=moments)
+    b = LayerwiseOptimizer(b_w, schedule=sched, moments=moments)
     b.load_state_dict(saved)
     assert b.last_step(1) == 3
     for step in range(4, 8):
@@ -344,7 +346,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
 def test_moment_buffers_are_used_and_zeroed() -> None:
     w = {3: {"w": torch.ones(5)}}
     bufs = {3: {"w": (torch.full((5,), 9.0), torch.full((5,), 9.0))}}
-    opt = LayerwiseAdamW(w, schedule=LRSchedule(lr=0.1), moments=bufs)
+    opt = LayerwiseOptimizer(w, schedule=LRSchedule(lr=0.1), moments=bufs)
     assert bufs[3]["w"][0].eq(0).all()
     opt.step_layer(3, {"w": torch.full((5,), 2.0)}, 1)
     assert bufs[3]["w"][0].eq(0.2).all()  # (1 - 0.9) * 2
@@ -354,8 +356,8 @@ def test_moment_buffers_are_used_and_zeroed() -> None:
 def test_low_precision_grads_equal_their_fp32_values() -> None:
     g = torch.randn(8).to(torch.bfloat16)
     w1, w2 = {0: {"w": torch.ones(8)}}, {0: {"w": torch.ones(8)}}
-    o1 = LayerwiseAdamW(w1, schedule=LRSchedule(lr=0.1))
-    o2 = LayerwiseAdamW(w2, schedule=LRSchedule(lr=0.1))
+    o1 = LayerwiseOptimizer(w1, schedule=LRSchedule(lr=0.1))
+    o2 = LayerwiseOptimizer(w2, schedule=LRSchedule(lr=0.1))
     for step in (1, 2):
         o1.step_layer(0, {"w": g}, step)
         o2.step_layer(0, {"w": g.float()}, step)
@@ -364,7 +366,7 @@ def test_low_precision_grads_equal_their_fp32_values() -> None:
 
 def test_step_errors() -> None:
     w = {0: {"w": torch.zeros(3)}}
-    opt = LayerwiseAdamW(w, schedule=LRSchedule(lr=0.1))
+    opt = LayerwiseOptimizer(w, schedule=LRSchedule(lr=0.1))
     g = {"w": torch.ones(3)}
     with pytest.raises(OptimizerStepError, match="asked for step 2, but its last step was 0"):
         opt.step_layer(0, g, 2)
@@ -379,8 +381,216 @@ def test_step_errors() -> None:
         opt.step_layer(0, {"w": torch.ones(4)}, 2)
     with pytest.raises(OptimizerStepError, match="no trainable weights"):
         opt.step_layer(5, g, 1)
-    clipped = LayerwiseAdamW({0: {"w": torch.zeros(3)}}, schedule=LRSchedule(lr=0.1), grad_clip=1.0)
+    clipped = LayerwiseOptimizer(
+        {0: {"w": torch.zeros(3)}}, schedule=LRSchedule(lr=0.1), grad_clip=1.0
+    )
     with pytest.raises(OptimizerStepError, match="pass clip_coef"):
         clipped.step_layer(0, g, 1)
     with pytest.raises(ValueError, match="float32 CPU tensor"):
-        LayerwiseAdamW({0: {"w": torch.zeros(3, dtype=torch.bfloat16)}}, schedule=LRSchedule(lr=1))
+        LayerwiseOptimizer(
+            {0: {"w": torch.zeros(3, dtype=torch.bfloat16)}}, schedule=LRSchedule(lr=1)
+        )
+
+
+# -- the chunked multi-threaded path (Note [chunked fused AdamW]) -----------------------
+
+
+def _big_layers() -> dict[int, dict[str, torch.Tensor]]:
+    """Tensors of several chunks with ragged tails, small ones, and a no-decay norm."""
+    torch.manual_seed(11)
+    shapes = {
+        0: {"embed.weight": (2 * CHUNK_NUMEL // 512 + 1, 512)},  # 2 chunks and a tail
+        1: {"up.weight": (CHUNK_NUMEL + 129,), "up.bias": (129,), "norm.weight": (64,)},
+        2: {"down.weight": (9, CHUNK_NUMEL // 8 + 1), "down.bias": (7,)},
+    }
+    return {i: {n: torch.randn(s) for n, s in d.items()} for i, d in shapes.items()}
+
+
+def _random_grads(
+    w: dict[int, dict[str, torch.Tensor]], seed: int, grad_clip: float | None
+) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+    """Gradients like ``w``'s tensors, and the clip coefficient over them (if clipping)."""
+    torch.manual_seed(seed)
+    grads = {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in w.items()}
+    coef = None if grad_clip is None else clip_coefficient(global_grad_norm(grads), grad_clip)
+    return grads, coef
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("grad_clip", [None, 0.5])
+def test_chunked_path_is_bitwise_the_per_layer_torch_loop(
+    threads: int, grad_clip: float | None
+) -> None:
+    """Today's per-layer loop (a torch.optim.AdamW(fused=True) per layer, then a cast into
+    the params buffer) against step_layers over groups of layers, over several steps."""
+    default = torch.get_num_threads()
+    sched = LRSchedule(lr=1e-2, schedule="cosine", warmup_steps=1, total_steps=5)
+    ref_w, new_w = _big_layers(), _big_layers()
+    ref_opts = {}
+    for layer, tensors in ref_w.items():
+        on = [t for n, t in tensors.items() if decays(n, HF_NO_DECAY)]
+        off = [t for n, t in tensors.items() if not decays(n, HF_NO_DECAY)]
+        groups = [{"params": on}] + ([{"params": off, "weight_decay": 0.0}] if off else [])
+        ref_opts[layer] = torch.optim.AdamW(groups, lr=sched.lr, weight_decay=0.1, fused=True)
+    opt = LayerwiseOptimizer(
+        new_w,
+        schedule=sched,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        no_decay=HF_NO_DECAY,
+        threads=threads,
+    )
+    ref_out = {
+        i: {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in d.items()}
+        for i, d in ref_w.items()
+    }
+    new_out = {
+        i: {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in d.items()}
+        for i, d in new_w.items()
+    }
+    try:
+        for step in range(1, 6):
+            grads, coef = _random_grads(ref_w, 100 + step, grad_clip)
+            # Reference: today's loop, last layer first.
+            for layer in sorted(ref_w, reverse=True):
+                for name, t in ref_w[layer].items():
+                    g = grads[layer][name].clone()
+                    t.grad = g.mul_(coef) if coef is not None else g
+                for group in ref_opts[layer].param_groups:
+                    group["lr"] = sched.lr_at(step)
+                ref_opts[layer].step()
+                for name, t in ref_w[layer].items():
+                    t.grad = None
+                    ref_out[layer][name].copy_(t)
+            # New: layer 2 alone, then layers 0 and 1 as one group.
+            done: list[int] = []
+            for group in ([2], [0, 1]):
+                opt.step_layers(
+                    {layer: {n: g.clone() for n, g in grads[layer].items()} for layer in group},
+                    step,
+                    clip_coef=coef,
+                    outs={layer: new_out[layer] for layer in group},
+                    on_layer_done=done.append,
+                )
+            assert done == [2, 0, 1]
+            for layer, tensors in ref_w.items():
+                for name, t in tensors.items():
+                    assert torch.equal(t, new_w[layer][name]), (step, layer, name)
+                    assert torch.equal(ref_out[layer][name], new_out[layer][name])
+                    state = ref_opts[layer].state[t]
+                    ours = opt.state_dict()["tensors"]
+                    assert torch.equal(state["exp_avg"], ours[f"{layer}.{name}.exp_avg"])
+                    assert torch.equal(state["exp_avg_sq"], ours[f"{layer}.{name}.exp_avg_sq"])
+    finally:
+        torch.set_num_threads(default)
+
+
+def test_step_layers_checks_everything_before_touching_anything() -> None:
+    w = _big_layers()
+    before = {i: {n: t.clone() for n, t in d.items()} for i, d in w.items()}
+    opt = LayerwiseOptimizer(w, schedule=LRSchedule(lr=0.1))
+    good = {n: torch.ones_like(t) for n, t in w[0].items()}
+    with pytest.raises(OptimizerStepError, match="layer 1: gradients missing"):
+        opt.step_layers({0: good, 1: {}}, 1)
+    assert all(torch.equal(before[i][n], t) for i, d in w.items() for n, t in d.items())
+    assert opt.last_step(0) == 0
+
+
+def test_threads_sets_the_intra_op_team() -> None:
+    default = torch.get_num_threads()
+    try:
+        opt = LayerwiseOptimizer({0: {"w": torch.zeros(3)}}, schedule=LRSchedule(lr=0.1), threads=3)
+        opt.step_layer(0, {"w": torch.ones(3)}, 1)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(default)
+
+
+def test_default_threads_leave_cores_to_the_workers() -> None:
+    assert [default_threads(c) for c in (1, 2, 3, 8, 16, 64)] == [1, 1, 1, 4, 8, 16]
+
+
+# -- SGD through the same path ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "momentum,nesterov,grad_clip", [(0.0, False, None), (0.9, False, 0.5), (0.9, True, None)]
+)
+def test_sgd_is_bitwise_torch_sgd(momentum: float, nesterov: bool, grad_clip: float | None) -> None:
+    """step_layers with algorithm="sgd" against one torch.optim.SGD(fused=True) over all
+    layers (the Hugging Face parameter groups), bitwise, and against torch's default
+    (for-loop) SGD to rounding."""
+    sched = LRSchedule(lr=0.05, schedule="linear", warmup_steps=1, total_steps=5)
+    ours_w, fused_w, loop_w = _big_layers(), _big_layers(), _big_layers()
+
+    def torch_sgd(w: dict[int, dict[str, torch.Tensor]], fused: bool) -> torch.optim.SGD:
+        named = [(n, t) for d in w.values() for n, t in d.items()]
+        on = [t for n, t in named if decays(n, HF_NO_DECAY)]
+        off = [t for n, t in named if not decays(n, HF_NO_DECAY)]
+        return torch.optim.SGD(
+            [{"params": on}, {"params": off, "weight_decay": 0.0}],
+            lr=sched.lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=0.1,
+            fused=fused,
+        )
+
+    refs = [(fused_w, torch_sgd(fused_w, True)), (loop_w, torch_sgd(loop_w, False))]
+    opt = LayerwiseOptimizer(
+        ours_w,
+        schedule=sched,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        no_decay=HF_NO_DECAY,
+        algorithm="sgd",
+        momentum=momentum,
+        nesterov=nesterov,
+    )
+    assert opt.kinds == (("momentum_buffer",) if momentum else ())
+    for step in range(1, 6):
+        grads, coef = _random_grads(ours_w, 200 + step, grad_clip)
+        for w, ref in refs:
+            for layer, d in w.items():
+                for name, t in d.items():
+                    g = grads[layer][name].clone()
+                    t.grad = g.mul_(coef) if coef is not None else g
+            for group in ref.param_groups:
+                group["lr"] = sched.lr_at(step)
+            ref.step()
+        opt.step_layers(
+            {i: {n: g.clone() for n, g in d.items()} for i, d in grads.items()},
+            step,
+            clip_coef=coef,
+        )
+        for layer, d in ours_w.items():
+            for name, t in d.items():
+                assert torch.equal(t, fused_w[layer][name]), (step, layer, name)
+                torch.testing.assert_close(t, loop_w[layer][name], rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_state_round_trip_continues_identically() -> None:
+    sched = LRSchedule(lr=0.05)
+    a_w, b_w = _big_layers(), _big_layers()
+    kw = dict(schedule=sched, algorithm="sgd", momentum=0.9)
+    a = LayerwiseOptimizer(a_w, **kw)
+
+    def grads(step: int) -> dict[int, dict[str, torch.Tensor]]:
+        torch.manual_seed(300 + step)
+        return {i: {n: torch.randn_like(t) for n, t in d.items()} for i, d in a_w.items()}
+
+    for step in (1, 2):
+        a.step_layers(grads(step), step)
+    state = a.state_dict()
+    assert {k.rsplit(".", 1)[1] for k in state["tensors"]} == {"momentum_buffer"}
+    for layer, d in b_w.items():
+        for name, t in d.items():
+            t.copy_(a_w[layer][name])
+    b = LayerwiseOptimizer(b_w, **kw)
+    b.load_state_dict({**state, "tensors": {k: v.clone() for k, v in state["tensors"].items()}})
+    for step in (3, 4):
+        a.step_layers(grads(step), step)
+        b.step_layers(grads(step), step)
+    assert all(torch.equal(a_w[i][n], b_w[i][n]) for i, d in a_w.items() for n in d)
+    with pytest.raises(ValueError, match="optimizer state tensors differ"):
+        LayerwiseOptimizer(_big_layers(), schedule=sched).load_state_dict(state)

@@ -43,6 +43,8 @@ def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tenso
         pool = InProcessWorkers(trainer, num_workers)
         trainer.run(pool.dispatch, pool.workers)
         assert [e.step for e in trainer.progress] == list(range(1, spec.train.steps + 1))
+        # The optimizer's busy time reaches the progress (0 only before its first step).
+        assert trainer.progress[-1].optimizer_s > 0
         return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
     finally:
         if pool is not None:
@@ -222,6 +224,13 @@ def test_a_pinned_plan_is_never_replanned(tmp_path, arena_dir) -> None:
         assert trainer.plan_history == [(1, str(trainer.plan), "set by train.plan in the job spec")]
     finally:
         trainer.close()
+
+
+def test_sgd_with_momentum_matches_oracle(tmp_path, arena_dir) -> None:
+    """optimizer.name: sgd through the same layer-wise path, against torch.optim.SGD."""
+    sgd = {"name": "sgd", "momentum": 0.9, "nesterov": True, "lr": 0.05}
+    spec = tiny_spec(tmp_path, staleness=1, steps=4, optimizer=sgd)
+    assert_params_match(train_in_process(spec, arena_dir, 2), oracle_train(spec))
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
