@@ -53,7 +53,7 @@ def spec(out: Path, steps: int) -> JobSpec:
 
 def losses(root: Path, worker: list[str], steps: int) -> list[float]:
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-parity-", dir="/dev/shm"))
-    cluster = LocalCluster(root, arena_dir, client_timeout_s=60)
+    cluster = LocalCluster(root, arena_dir, client_timeout_s=60, allow_write=[root])
     try:
         cluster.add_worker("w0", device=worker)
         cluster.wait_for_workers(1)

@@ -73,7 +73,9 @@ def one(samples: dict, name: str, **labels: str) -> float:
     return found[0]
 
 
-def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Path, capsys) -> None:
+def test_metrics_status_timeline_tensorboard(
+    cluster: LocalCluster, tmp_path: Path, capsys, monkeypatch
+) -> None:
     url = metrics_url(cluster)
     spec = tiny_spec(tmp_path / "out", steps=STEPS, staleness=1).to_dict()
     spec["output"]["tensorboard"] = True
@@ -127,7 +129,9 @@ def test_metrics_status_timeline_tensorboard(cluster: LocalCluster, tmp_path: Pa
         > 0
     )
 
-    # `roundpipe status` and `roundpipe workers` while it runs.
+    # `roundpipe status` and `roundpipe workers` while it runs, as the cluster's admin.
+    for name, value in cluster.key_env("admin").items():
+        monkeypatch.setenv(name, value)
     assert cli_main(["status", job, "--address", cluster.address]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^state: +running$", out, re.M), out
