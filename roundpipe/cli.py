@@ -63,7 +63,7 @@ __all__ = ["ProgressPrinter", "main", "watch_job"]
 PROG = "roundpipe"
 
 # ErrorReply codes meaning "the spec is wrong" (exit 2, like a client-side spec error).
-_SPEC_ERROR_CODES = frozenset({"bad_spec", "invalid_spec"})
+_SPEC_ERROR_CODES = frozenset({"bad_spec"})
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
