@@ -244,6 +244,8 @@ __all__ = [
     "GetJobLog",
     "GetProgress",
     "Progress",
+    "ERROR_CODES",
+    "ErrorCode",
     "ErrorReply",
     "Ack",
 ]
@@ -1883,14 +1885,31 @@ class Progress(Message):
     done: bool
 
 
+ErrorCode = Literal[
+    "bad_hello",  # a worker's Hello reports impossible hardware
+    "bad_spec",  # the job spec is invalid (or does not fit the machine); the message lists why
+    "bad_state",  # the job is in a state that does not allow the request (resume a success)
+    "busy",  # the coordinator cannot take the request now; try again
+    "forbidden",  # the sender's role may not send this request
+    "internal_error",  # a bug in the coordinator; the message says what failed
+    "protocol_error",  # the request could not be decoded (version, type, body)
+    "spec_check_failed",  # the spec could not be checked (the checking process died)
+    "store_error",  # the job store could not record the request
+    "unexpected_message",  # a message type the coordinator does not take from this peer
+    "unknown_job",  # no such job (or not one the sender may see)
+    "unknown_worker",  # the coordinator does not know this worker (it restarted)
+]
+"""Every ``ErrorReply.code``: one closed set for the coordinator, the client and the CLI."""
+
+ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
+
+
 @_message
 class ErrorReply(Message):
-    """A client request failed."""
+    """A request failed."""
 
-    #: machine-readable code, e.g. "unknown_job", "bad_spec", "protocol_error",
-    #: "internal_error", "forbidden" (the sender's role may not send this request),
-    #: "bad_hello" (a worker's hardware report is impossible), "unknown_worker"
-    code: Name
+    #: machine-readable, one of ErrorCode
+    code: ErrorCode
     #: human-readable explanation
     message: str
 

@@ -14,7 +14,7 @@
             job.resume()                          # continue from the newest checkpoint
 
 Transport. The coordinator binds one ZeroMQ ROUTER socket; a client connects one DEALER
-socket to it and sends one request (the three frames of
+socket to it and sends one request (the single frame of
 :func:`roundpipe.protocol.encode`) at a time, each answered by exactly one reply, in order.
 A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
 the socket is then closed and a fresh one connected, so a reply that arrives late can

@@ -30,10 +30,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
-from roundpipe.cli import watch_job
 from roundpipe.client import Client, CoordinatorUnavailable, RoundPipeError
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
 from roundpipe.coordinator.paths import spec_read_dirs
+from roundpipe.progress import watch_job
 from roundpipe.shared.keys import add_key, init_keys
 
 __all__ = [

@@ -21,7 +21,7 @@ Note [tied embeddings]
     params/master/optimizer slot): tasks receive the owner's tensor under the tied name.
     It does get its own gradient: the tail returns the LM head's contribution under the
     tied name, and the owner's total gradient is the sum of both (what
-    ``run_iteration`` and the optimizer must do).
+    the tests' ``run_iteration`` and the optimizer must do).
 
 A ``LayeredModel`` also owns the *skeleton*: the HF module tree (peft-wrapped for LoRA)
 built once on the meta device. Workers run layers of it through

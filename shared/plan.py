@@ -18,7 +18,6 @@ in a file.
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -198,24 +197,7 @@ class Plan:
         bwd = tuple(reversed(_even_split(t0, num_backward)))
         return cls(forward=fwd, tail=(t0, num_layers), backward=bwd)
 
-    @classmethod
-    def random(cls, num_layers: int, rng: random.Random) -> Plan:
-        """A random valid plan (any tail start, any cut points) for tests."""
-        t0 = rng.randrange(0, num_layers)
-        if t0 == 0:
-            return cls(forward=(), tail=(0, num_layers), backward=())
-        fwd = _random_split(t0, rng)
-        bwd = tuple(reversed(_random_split(t0, rng)))
-        return cls(forward=fwd, tail=(t0, num_layers), backward=bwd)
-
 
 def _even_split(n: int, k: int) -> tuple[tuple[int, int], ...]:
     cuts = [round(i * n / k) for i in range(k + 1)]
     return tuple((cuts[i], cuts[i + 1]) for i in range(k))
-
-
-def _random_split(n: int, rng: random.Random) -> tuple[tuple[int, int], ...]:
-    # Each of the n-1 inner boundaries is a cut with probability 1/2: this reaches every
-    # partition, including all-single-layer and one-stage ones.
-    cuts = [0] + [i for i in range(1, n) if rng.random() < 0.5] + [n]
-    return tuple((cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1))

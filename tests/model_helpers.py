@@ -1,15 +1,23 @@
-"""Shared helpers for the model-execution tests: tiny configs, batches, HF references."""
+"""Shared helpers for the model-execution tests: tiny configs, batches, HF references, random
+plans and the in-process reference driver of one iteration (`run_iteration`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.model import LayeredModel, count_label_tokens
+from roundpipe.shared.plan import Plan
+from roundpipe.worker.executor import RngKey, StageExecutor
 
 __all__ = [
     "ARCHS",
+    "IterationResult",
+    "random_plan",
+    "run_iteration",
     "LORA_SPEC",
     "assert_grads_close",
     "VOCAB",
@@ -143,3 +151,104 @@ def assert_grads_close(
         elif (e := rel_err(ours[n], r)) > tol:
             bad.append((n, e))
     assert not bad, f"{context}: gradients differ (name, rel err): {bad[:6]}"
+
+
+# ----------------------------------------------------------- test drivers and generators
+
+
+def random_plan(num_layers: int, rng: random.Random) -> Plan:
+    """A random valid plan (any tail start, any cut points)."""
+    t0 = rng.randrange(0, num_layers)
+    if t0 == 0:
+        return Plan(forward=(), tail=(0, num_layers), backward=())
+    fwd = _random_split(t0, rng)
+    bwd = tuple(reversed(_random_split(t0, rng)))
+    return Plan(forward=fwd, tail=(t0, num_layers), backward=bwd)
+
+
+def _random_split(n: int, rng: random.Random) -> tuple[tuple[int, int], ...]:
+    # Each of the n-1 inner boundaries is a cut with probability 1/2: this reaches every
+    # partition, including all-single-layer and one-stage ones.
+    cuts = [0] + [i for i in range(1, n) if rng.random() < 0.5] + [n]
+    return tuple((cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1))
+
+
+@dataclass
+class IterationResult:
+    loss: float
+    microbatch_losses: list[float]
+    grads: dict[str, torch.Tensor]
+    """fp32 gradient per trainable parameter, tied contributions summed into the owner."""
+
+
+def run_iteration(
+    model: LayeredModel,
+    plan: Plan,
+    weights: Mapping[int, Mapping[str, torch.Tensor]],
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    executor: StageExecutor,
+    *,
+    rng: RngKey | None = None,
+    position_ids: Sequence[torch.Tensor] | None = None,
+) -> IterationResult:
+    """Reference driver: one iteration's F stages, T, then B stages, in order.
+
+    Data moves as in the distributed runtime: the forward keeps only backward-boundary
+    inputs (plus the hidden states handed to the next stage), backward stages start from
+    those, and each task gets only its range's weights (cast to the compute dtype, as the
+    params arena holds them). Tied gradients are summed into their owner.
+    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]).
+    """
+    rng = rng if rng is not None else RngKey()
+    plan.validate(model.num_layers)
+    if not microbatches:
+        raise ValueError("run_iteration needs at least one microbatch")
+    dtype = executor.compute_dtype
+    cast = {layer: {n: t.to(dtype) for n, t in per.items()} for layer, per in weights.items()}
+    ids = [mb[0] for mb in microbatches]
+    labels = [mb[1] for mb in microbatches]
+    num_tokens = sum(count_label_tokens(y) for y in labels)
+    boundaries = plan.backward_boundaries()
+
+    acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
+    x: list[torch.Tensor] = ids
+    for a, b in plan.forward:
+        res = executor.forward(
+            a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng, position_ids=position_ids
+        )
+        acts.update(res.saved)
+        x = res.outputs
+    grads: dict[str, torch.Tensor] = {}
+
+    def collect(part: Mapping[str, torch.Tensor]) -> None:
+        for n, g in part.items():
+            if n in grads:
+                raise AssertionError(f"two tasks returned a gradient for {n}")
+            grads[n] = g
+
+    t0, t1 = plan.tail
+    tail = executor.tail(
+        t0,
+        t1,
+        model.range_weights(cast, t0, t1),
+        x,
+        labels,
+        num_tokens,
+        rng=rng,
+        position_ids=position_ids,
+    )
+    collect(tail.weight_grads)
+    dx = tail.grad_inputs
+    for a, b in plan.backward:
+        saved = ids if a == 0 else acts[a]
+        assert dx is not None
+        res = executor.backward(
+            a, b, model.range_weights(cast, a, b), saved, dx, rng=rng, position_ids=position_ids
+        )
+        collect(res.weight_grads)
+        dx = res.grad_inputs
+    for tied, owner in model.tied_params.items():
+        g = grads.pop(tied, None)
+        if g is not None:
+            grads[owner] = grads[owner] + g if owner in grads else g
+    return IterationResult(tail.loss_sum, tail.microbatch_losses, grads)

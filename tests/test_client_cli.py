@@ -35,7 +35,7 @@ import yaml
 import zmq
 
 import roundpipe
-from roundpipe import cli
+from roundpipe import cli, progress
 from roundpipe.client import (
     Client,
     CoordinatorUnavailable,
@@ -720,7 +720,7 @@ def _event(step: int, t: float) -> ProgressEvent:
 
 def test_progress_printer_tty_and_eta() -> None:
     stream = io.StringIO()
-    printer = cli.ProgressPrinter(stream, 10, tty=True)
+    printer = progress.ProgressPrinter(stream, 10, tty=True)
     for step in (1, 2, 3):
         printer.update(_event(step, 100.0 + 2 * step))
     printer.finish()
@@ -729,14 +729,14 @@ def test_progress_printer_tty_and_eta() -> None:
     last = text.split("\r")[-1]
     assert last.startswith("[######..............] step 3/10 | loss 2.0000 | 2.50M tok/s")
     assert "ETA 0:14" in last  # 2 s per step, 7 steps left
-    assert cli.format_duration(3725) == "1:02:05"
-    assert cli.format_duration(None) == "--:--"
-    assert cli.format_duration(math.nan) == "--:--"
+    assert progress.format_duration(3725) == "1:02:05"
+    assert progress.format_duration(None) == "--:--"
+    assert progress.format_duration(math.nan) == "--:--"
 
 
 def test_progress_printer_plain_every_n() -> None:
     stream = io.StringIO()
-    printer = cli.ProgressPrinter(stream, 100, tty=False)
+    printer = progress.ProgressPrinter(stream, 100, tty=False)
     for step in range(1, 101):
         printer.update(_event(step, float(step)))
     steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]

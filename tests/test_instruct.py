@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from model_helpers import run_iteration
 from runtime_helpers import TINY_QWEN3, assert_params_match, oracle_train, tiny_spec
 from test_trainer import train_in_process
 
@@ -22,7 +23,7 @@ from roundpipe.coordinator.data import (
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
-from roundpipe.worker.executor import StageExecutor, run_iteration
+from roundpipe.worker.executor import StageExecutor
 
 DEMO = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 CHATS = [json.loads(line)["messages"] for line in (DEMO / "demo_chat.jsonl").open()][:40]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_helpers import LORA_SPEC, batch, split_rows, tiny_config  # noqa: E402
+from model_helpers import LORA_SPEC, batch, run_iteration, split_rows, tiny_config  # noqa: E402
 
 from roundpipe.shared.model import LayeredModel, count_label_tokens, shift_labels  # noqa: E402
 from roundpipe.shared.plan import Plan  # noqa: E402
@@ -21,7 +21,6 @@ from roundpipe.worker.executor import (  # noqa: E402
     RngKey,
     StageExecutor,
     chunked_lm_head_loss,
-    run_iteration,
 )
 
 torch.set_num_threads(1)
@@ -68,7 +67,7 @@ _CHILD = textwrap.dedent(
     from transformers import LlamaConfig
     from roundpipe.shared.model import LayeredModel
     from roundpipe.shared.plan import Plan
-    from roundpipe.worker.executor import StageExecutor, run_iteration
+    from roundpipe.worker.executor import StageExecutor
 
     out = {}
     # 1. Read-only weights.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from model_helpers import random_plan
 
 from roundpipe.shared.plan import Plan, Stage
 
@@ -91,7 +92,7 @@ def test_uniform() -> None:
 
 def test_random_plans_are_valid_and_varied() -> None:
     rng = random.Random(0)
-    plans = [Plan.random(7, rng) for _ in range(300)]
+    plans = [random_plan(7, rng) for _ in range(300)]
     for p in plans:
         p.validate(7)
         assert Plan.parse(str(p)) == p

@@ -36,3 +36,10 @@ def test_package_imports_go_one_way(package: str) -> None:
         if name.startswith(FORBIDDEN[package])
     ]
     assert not bad, "move the shared helper to shared/:\n" + "\n".join(bad)
+
+
+def test_the_demo_does_not_import_the_cli() -> None:
+    """The CLI runs the demo; both render progress through roundpipe.progress, so the demo
+    never imports the CLI back (an import cycle)."""
+    names = [name for _, name in _imports(ROOT / "roundpipe" / "demo.py")]
+    assert "roundpipe.cli" not in names and "roundpipe.progress" in names

@@ -1478,3 +1478,24 @@ def test_receive_loop_survives_garbage(transport: str) -> None:
     finally:
         server.close()
         client.close()
+
+
+def test_error_codes_are_one_closed_set() -> None:
+    """Every ErrorReply code the coordinator, the client and the CLI spell is in
+    ErrorCode, and a reply with any other code does not decode."""
+    import re
+    from pathlib import Path
+
+    from roundpipe.protocol import ERROR_CODES, ErrorReply
+
+    root = Path(__file__).resolve().parents[1]
+    spelled = set()
+    for folder in ("coordinator", "roundpipe", "worker"):
+        for path in (root / folder).glob("*.py"):
+            text = path.read_text()
+            spelled |= set(re.findall(r'\bcode\s*==?\s*"([a-z_]+)"', text))
+    assert spelled and spelled <= ERROR_CODES, spelled - ERROR_CODES
+    frames = encode(ErrorReply(code="unknown_job", message="m"))
+    bad = frames[0].replace(b"unknown_job", b"unknown_jab")
+    with pytest.raises(ProtocolError, match="code"):
+        decode([bad])

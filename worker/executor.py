@@ -57,8 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
-from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, count_label_tokens, shift_labels
-from roundpipe.shared.plan import Plan
+from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.worker.transfer import Stopwatch
 
 __all__ = [
@@ -66,14 +65,12 @@ __all__ = [
     "GPU_LOGITS_CHUNK_TOKENS",
     "BackwardResult",
     "ForwardResult",
-    "IterationResult",
     "RngKey",
     "StageExecutor",
     "TailLabels",
     "TailResult",
     "chunked_lm_head_loss",
     "tail_labels",
-    "run_iteration",
 ]
 
 DEFAULT_LOGITS_CHUNK_BYTES = 128 * 1024 * 1024
@@ -155,14 +152,6 @@ def tail_labels(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for a ``nonzero()`` whose size it must report back."""
     shifted = shift_labels(labels).reshape(-1)
     return shifted, (shifted != IGNORE_INDEX).nonzero().squeeze(1)
-
-
-@dataclass
-class IterationResult:
-    loss: float
-    microbatch_losses: list[float]
-    grads: dict[str, torch.Tensor]
-    """fp32 gradient per trainable parameter, tied contributions summed into the owner."""
 
 
 @dataclass
@@ -746,75 +735,3 @@ def _chunked_lm_head_loss(
             grad_w.add_(torch.matmul(g.t(), h))
         del g
     return loss / num_label_tokens, grad_h, grad_w
-
-
-def run_iteration(
-    model: LayeredModel,
-    plan: Plan,
-    weights: Mapping[int, Mapping[str, torch.Tensor]],
-    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    executor: StageExecutor,
-    *,
-    rng: RngKey = RngKey(),
-    position_ids: Sequence[torch.Tensor] | None = None,
-) -> IterationResult:
-    """Reference driver: one iteration's F stages, T, then B stages, in order.
-
-    Data moves as in the distributed runtime: the forward keeps only backward-boundary
-    inputs (plus the hidden states handed to the next stage), backward stages start from
-    those, and each task gets only its range's weights (cast to the compute dtype, as the
-    params arena holds them). Tied gradients are summed into their owner.
-    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]).
-    """
-    plan.validate(model.num_layers)
-    if not microbatches:
-        raise ValueError("run_iteration needs at least one microbatch")
-    dtype = executor.compute_dtype
-    cast = {layer: {n: t.to(dtype) for n, t in per.items()} for layer, per in weights.items()}
-    ids = [mb[0] for mb in microbatches]
-    labels = [mb[1] for mb in microbatches]
-    num_tokens = sum(count_label_tokens(y) for y in labels)
-    boundaries = plan.backward_boundaries()
-
-    acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
-    x: list[torch.Tensor] = ids
-    for a, b in plan.forward:
-        res = executor.forward(
-            a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng, position_ids=position_ids
-        )
-        acts.update(res.saved)
-        x = res.outputs
-    grads: dict[str, torch.Tensor] = {}
-
-    def collect(part: Mapping[str, torch.Tensor]) -> None:
-        for n, g in part.items():
-            if n in grads:
-                raise AssertionError(f"two tasks returned a gradient for {n}")
-            grads[n] = g
-
-    t0, t1 = plan.tail
-    tail = executor.tail(
-        t0,
-        t1,
-        model.range_weights(cast, t0, t1),
-        x,
-        labels,
-        num_tokens,
-        rng=rng,
-        position_ids=position_ids,
-    )
-    collect(tail.weight_grads)
-    dx = tail.grad_inputs
-    for a, b in plan.backward:
-        saved = ids if a == 0 else acts[a]
-        assert dx is not None
-        res = executor.backward(
-            a, b, model.range_weights(cast, a, b), saved, dx, rng=rng, position_ids=position_ids
-        )
-        collect(res.weight_grads)
-        dx = res.grad_inputs
-    for tied, owner in model.tied_params.items():
-        g = grads.pop(tied, None)
-        if g is not None:
-            grads[owner] = grads[owner] + g if owner in grads else g
-    return IterationResult(tail.loss_sum, tail.microbatch_losses, grads)
