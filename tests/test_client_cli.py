@@ -261,10 +261,10 @@ class FakeCoordinator:
             return Progress(job_id=job.job_id, events=events, done=final)
         if isinstance(msg, CancelJob):
             if job.state in ("succeeded", "failed"):
-                return ErrorReply(code="bad_request", message=f"job is already {job.state}")
+                return ErrorReply(code="bad_state", message=f"job is already {job.state}")
             job.state, job.message = "cancelled", "cancelled by the user"
             return Ack()
-        return ErrorReply(code="bad_request", message=f"unexpected {type(msg).__name__}")
+        return ErrorReply(code="unexpected_message", message=f"unexpected {type(msg).__name__}")
 
     def _heartbeat_workers(self) -> list[WorkerInfo]:
         return [
@@ -424,7 +424,7 @@ def test_cancel(client: Client, tmp_path: Path) -> None:
     assert list(handle.progress(poll_s=0.01, timeout_s=5)) == []
     with pytest.raises(RoundPipeError, match="already") as info:
         client.cancel(client.submit(_write_spec(tmp_path, seed=SEED_INSTANT)).job_id)
-    assert info.value.code == "bad_request"
+    assert info.value.code == "bad_state"
     assert not isinstance(info.value, UnknownJob)
 
 

@@ -69,6 +69,9 @@ _CHILD = textwrap.dedent(
     from roundpipe.shared.plan import Plan
     from roundpipe.worker.executor import StageExecutor
 
+    sys.path.insert(0, sys.argv[2])  # the tests folder: model_helpers.run_iteration
+    from model_helpers import run_iteration
+
     out = {}
     # 1. Read-only weights.
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -117,7 +120,7 @@ _CHILD = textwrap.dedent(
 def test_tail_peak_memory_and_read_only_weights(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "arena.bin")],
+        [sys.executable, "-c", _CHILD, str(tmp_path / "arena.bin"), str(Path(__file__).parent)],
         capture_output=True,
         text=True,
         timeout=300,
