@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,11 @@ import torch
 from roundpipe.coordinator.data import build_dataset
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
-from roundpipe.worker.executor import StageExecutor, run_iteration
+from roundpipe.worker.executor import StageExecutor
+
+# One whole iteration in-process: the tests' reference driver (tests/model_helpers.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from model_helpers import run_iteration  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 MODES = ("none", "documents", "concat")
