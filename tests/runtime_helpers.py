@@ -28,7 +28,7 @@ import torch
 from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.optimizer import LRSchedule, decays
-from roundpipe.protocol import StageTask, TaskFailed
+from roundpipe.protocol import Hello, StageTask, TaskFailed
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 from roundpipe.worker.runtime import WorkerCore
 
@@ -345,3 +345,21 @@ def cpu_cluster(
         c.stop()
         shutil.rmtree(arena_dir, ignore_errors=True)
         assert c.coordinator.proc.returncode == 0, c.logs()
+
+
+def fake_hello(**overrides: Any) -> Hello:
+    """A worker's Hello for hand-made peers: a 24 GiB GPU worker on another host (so no
+    process of this machine is named by its pid); any field can be overridden."""
+    fields: dict[str, Any] = dict(
+        worker_name="fake",
+        hostname="not-this-host",
+        pid=1,
+        process_create_time=0.0,
+        device="cuda",
+        device_index=0,
+        device_name="NVIDIA GeForce RTX 4090",
+        memory_bytes=24 * 2**30,
+        compute_capability="8.9",
+    )
+    fields.update(overrides)
+    return Hello(**fields)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import coordinator_only
+from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
@@ -29,7 +29,6 @@ from roundpipe.protocol import (
     MAX_REPLY_BYTES,
     ErrorReply,
     GetJobStatus,
-    Hello,
     ListWorkers,
     Message,
     ProgressEvent,
@@ -97,11 +96,8 @@ def test_fake_hellos_with_huge_names_then_list_workers(cluster: LocalCluster) ->
     socks = []
     try:
         for i in range(2):
-            hello = Hello(
+            hello = fake_hello(
                 worker_name=f"fake{i}-" + "n" * 4_000_000,
-                hostname="not-this-host",  # heartbeats decide, not the pid
-                pid=1,
-                process_create_time=0.0,
                 device="cpu",
                 device_index=None,
                 device_name="d" * 4_000_000,
@@ -274,16 +270,8 @@ def test_slow_spec_validation_never_starves_heartbeats(tmp_path: Path, arena_dir
 
 
 def _fake_gpu_worker(cluster: LocalCluster, memory_bytes: int):
-    hello = Hello(
-        worker_name="small-gpu",
-        hostname="not-this-host",
-        pid=1,
-        process_create_time=0.0,
-        device="cuda",
-        device_index=0,
-        device_name="a small GPU",
-        memory_bytes=memory_bytes,
-        compute_capability="8.9",
+    hello = fake_hello(
+        worker_name="small-gpu", device_name="a small GPU", memory_bytes=memory_bytes
     )
     sock = cluster.dealer("worker")
     sock.send_multipart(encode(hello))

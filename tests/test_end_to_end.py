@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import assert_params_match, oracle_train, tiny_spec
+from runtime_helpers import assert_params_match, fake_hello, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.protocol import Hello, Reject, decode, encode
+from roundpipe.protocol import Reject, decode, encode
 from roundpipe.shared.plan import Plan
 
 pytestmark = pytest.mark.slow
@@ -107,17 +107,7 @@ def test_bad_job_spec_is_rejected_by_the_coordinator(cluster: LocalCluster, tmp_
 
 
 def test_worker_of_another_protocol_version_is_rejected(cluster: LocalCluster) -> None:
-    hello = Hello(
-        worker_name="old",
-        hostname="h",
-        pid=1,
-        process_create_time=0.0,
-        device="cpu",
-        device_index=None,
-        device_name="cpu",
-        memory_bytes=1,
-        compute_capability=None,
-    )
+    hello = fake_hello(worker_name="old")
     frames = encode(hello)
     frames[0] = b"RP" + (999).to_bytes(2, "big") + frames[0][4:]  # from protocol version 999
     sock = cluster.dealer("worker")

@@ -30,6 +30,7 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from runtime_helpers import fake_hello
 
 import roundpipe.protocol as proto
 from roundpipe.protocol import (
@@ -418,19 +419,15 @@ def _tail_task(**overrides: Any) -> StageTask:
 
 
 def _hello(**overrides: Any) -> Hello:
-    kw: dict[str, Any] = dict(
-        worker_name="rp-worker-0",
-        hostname="box",
-        pid=1234,
-        process_create_time=1.5e9,
-        device="cuda",
-        device_index=0,
-        device_name="NVIDIA GeForce RTX 4090",
-        memory_bytes=24 * 2**30,
-        compute_capability="8.9",
+    return fake_hello(
+        **{
+            "worker_name": "rp-worker-0",
+            "hostname": "box",
+            "pid": 1234,
+            "process_create_time": 1.5e9,
+            **overrides,
+        }
     )
-    kw.update(overrides)
-    return Hello(**kw)
 
 
 def _decode_error(frames: Any, **kw: Any) -> ProtocolError:

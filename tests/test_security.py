@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from runtime_helpers import tiny_spec
+from runtime_helpers import fake_hello, tiny_spec
 
 from roundpipe.client import NotAuthorized, UnknownJob
 from roundpipe.cluster import LocalCluster
@@ -94,22 +94,13 @@ def _replies(sock: zmq.Socket, wait_s: float, expect: int | None = None) -> list
 
 
 def _fake_hello(**over) -> Hello:
+    # This host, but not this process: the kernel tells the coordinator who is at the
+    # other end of an ipc connection, and a silent worker that is provably this process
+    # would be fenced (SIGKILL) like any real one.
     fields = dict(
-        worker_name="fake",
-        hostname=socket.gethostname(),
-        # Not this process: the kernel tells the coordinator who is at the other end
-        # of an ipc connection, and a silent worker that is provably this process
-        # would be fenced (SIGKILL) like any real one.
-        pid=1,
-        process_create_time=psutil.Process(1).create_time(),
-        device="cuda",
-        device_index=0,
-        device_name="NVIDIA GeForce RTX 4090",
-        memory_bytes=24 * 2**30,
-        compute_capability="8.9",
+        hostname=socket.gethostname(), process_create_time=psutil.Process(1).create_time()
     )
-    fields.update(over)
-    return Hello(**fields)
+    return fake_hello(**{**fields, **over})
 
 
 def _running_job(cluster: LocalCluster, owner: str, tmp: Path):

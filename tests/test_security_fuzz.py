@@ -16,14 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from runtime_helpers import coordinator_only
+from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.protocol import (
     CancelJob,
     GetJobStatus,
     GetProgress,
     Heartbeat,
-    Hello,
     ListJobs,
     ListWorkers,
     ResumeJob,
@@ -111,19 +110,7 @@ def _worker_pool(rng: random.Random) -> list[list[bytes]]:
         ),
         # Refused as implausible (1 byte): the fuzzer never becomes a worker that tasks
         # would be sent to.
-        encode(
-            Hello(
-                worker_name="fuzz",
-                hostname="h",
-                pid=1,
-                process_create_time=0.0,
-                device="cpu",
-                device_index=None,
-                device_name="cpu",
-                memory_bytes=1,
-                compute_capability=None,
-            )
-        ),
+        encode(fake_hello(worker_name="fuzz", memory_bytes=1)),
     ]
     return _mutations(rng, [f for m in valid for f in m], 2000)
 
