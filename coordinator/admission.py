@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
@@ -184,7 +185,20 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _child_init(strict_reads: bool) -> None:
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """Exit when the coordinator is gone. A SIGKILLed coordinator cannot shut its pool
+    down, and the child, reparented, would otherwise live on (holding its memory)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
+
+
+def _child_init(strict_reads: bool, coordinator_pid: int) -> None:
+    # The coordinator's pid comes from the coordinator: one that died while this child
+    # was still starting has already left it with another parent.
+    threading.Thread(
+        target=_exit_with_parent, args=(coordinator_pid,), name="rp-parent-watch", daemon=True
+    ).start()
     # The child only reads files; never let it reach the hub or use every core.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from roundpipe.coordinator.paths import set_strict_reads
@@ -233,7 +247,7 @@ class SpecValidator:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_child_init,
-                initargs=(self.strict_reads,),
+                initargs=(self.strict_reads, os.getpid()),
             )
         return self._pool
 

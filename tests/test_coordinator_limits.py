@@ -316,3 +316,28 @@ def test_plan_that_does_not_match_the_model_is_refused_at_submit(cluster: LocalC
     reply = _ask(cluster, encode(SubmitJob(spec=spec)))
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert "train.plan" in reply.message and "last layer" in reply.message, reply.message
+
+
+def test_spec_checker_child_exits_with_a_killed_coordinator(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A SIGKILLed coordinator cannot shut its spec-checking child down; the child
+    notices it was orphaned and exits instead of living on."""
+    import signal
+
+    import psutil
+
+    cluster = LocalCluster(tmp_path / "c", arena_dir)
+    try:
+        cluster.wait_for_workers(0)
+        # A spec it refuses: answered only once the checking child has run.
+        reply = _ask(cluster, encode(SubmitJob(spec={"model": {}})))
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
+        children = psutil.Process(cluster.coordinator.proc.pid).children(recursive=True)
+        assert children, "the spec checker should be a child of the coordinator"
+        cluster.coordinator.proc.send_signal(signal.SIGKILL)
+        cluster.coordinator.proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, f"still running after the coordinator died: {alive}"
+    finally:
+        cluster.stop()
