@@ -75,6 +75,46 @@ class GpuMemorySampler:
                 self.peak_mib[pid] = max(self.peak_mib.get(pid, 0.0), mib)
 
 
+DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
+
+
+def demo_data_spec(
+    config: dict,
+    out: Path,
+    *,
+    steps: int,
+    seq_len: int,
+    microbatch_size: int,
+    num_microbatches: int,
+    staleness: int = 1,
+    train: dict | None = None,
+    output: dict | None = None,
+) -> JobSpec:
+    """A Qwen3-shaped job of ``config`` on the shipped demo corpus and tokenizer, fp32,
+    constant lr 1e-4 (the benchmarks' common job); ``train`` / ``output`` add keys."""
+    return JobSpec.from_dict(
+        {
+            "model": {
+                "architecture": "qwen3",
+                "config": config,
+                "init_seed": 0,
+                "tokenizer": str(DEMO / "tokenizer"),
+            },
+            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": seq_len, "seed": 1},
+            "batch": {"microbatch_size": microbatch_size, "num_microbatches": num_microbatches},
+            "train": {
+                "steps": steps,
+                "staleness": staleness,
+                "dtype": "float32",
+                "seed": 0,
+                **(train or {}),
+            },
+            "optimizer": {"lr": 1e-4, "schedule": "constant"},
+            "output": {"dir": str(out), **(output or {})},
+        }
+    )
+
+
 def run_runtime(
     spec: JobSpec,
     worker_args: Sequence[Sequence[str]],

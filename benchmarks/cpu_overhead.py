@@ -39,12 +39,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import plain_loop, run_runtime
+from common import demo_data_spec, plain_loop, run_runtime
 
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.shared.plan import Plan
 
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 CONFIG = {
     "hidden_size": 512,
     "intermediate_size": 1408,
@@ -60,20 +59,14 @@ CONFIG = {
 def make_spec(
     steps: int, num_microbatches: int, out: Path, *, observability: bool = True
 ) -> JobSpec:
-    return JobSpec.from_dict(
-        {
-            "model": {
-                "architecture": "qwen3",
-                "config": CONFIG,
-                "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
-            },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": 512, "seed": 1},
-            "batch": {"microbatch_size": 1, "num_microbatches": num_microbatches},
-            "train": {"steps": steps, "staleness": 1, "dtype": "float32", "seed": 0},
-            "optimizer": {"lr": 1e-4, "schedule": "constant"},
-            "output": {"dir": str(out), "timeline": observability, "tensorboard": observability},
-        }
+    return demo_data_spec(
+        CONFIG,
+        out,
+        steps=steps,
+        seq_len=512,
+        microbatch_size=1,
+        num_microbatches=num_microbatches,
+        output={"timeline": observability, "tensorboard": observability},
     )
 
 

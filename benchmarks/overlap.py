@@ -36,13 +36,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import demo_data_spec
 
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.trainer import Trainer
 from roundpipe.worker.runtime import WorkerCore
 from roundpipe.worker.transfer import CpuEngine, EmulatedEngine
-
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 
 
 def stage_plan(num_layers: int) -> str:
@@ -54,36 +53,25 @@ def stage_plan(num_layers: int) -> str:
 
 def make_spec(out: Path, smoke: bool) -> JobSpec:
     hidden, layers, seq = (128, 4, 128) if smoke else (512, 8, 512)
-    return JobSpec.from_dict(
-        {
-            "model": {
-                "architecture": "qwen3",
-                "config": {
-                    "hidden_size": hidden,
-                    "intermediate_size": hidden * 11 // 4,
-                    "num_hidden_layers": layers,
-                    "num_attention_heads": 8,
-                    "num_key_value_heads": 4,
-                    "head_dim": hidden // 8,
-                    "vocab_size": 512,
-                    "max_position_embeddings": 1024,
-                },
-                "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
-            },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": seq, "seed": 1},
-            "batch": {"microbatch_size": 1, "num_microbatches": 4},
-            "train": {
-                "steps": 100,
-                "staleness": 0,
-                "dtype": "float32",
-                "seed": 0,
-                "plan": stage_plan(layers + 2),
-                "replan": False,
-            },
-            "optimizer": {"lr": 1e-4, "schedule": "constant"},
-            "output": {"dir": str(out)},
-        }
+    config = {
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 11 // 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": hidden // 8,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+    }
+    return demo_data_spec(
+        config,
+        out,
+        steps=100,
+        seq_len=seq,
+        microbatch_size=1,
+        num_microbatches=4,
+        staleness=0,
+        train={"plan": stage_plan(layers + 2), "replan": False},
     )
 
 

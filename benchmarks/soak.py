@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from common import demo_data_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.jobspec import JobSpec
 
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -53,20 +53,14 @@ SHORT = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 
 def make_spec(config: dict, steps: int, out: Path, checkpoint_every: int) -> JobSpec:
-    return JobSpec.from_dict(
-        {
-            "model": {
-                "architecture": "qwen3",
-                "config": config,
-                "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
-            },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": 32, "seed": 1},
-            "batch": {"microbatch_size": 2, "num_microbatches": 2},
-            "train": {"steps": steps, "staleness": 1, "dtype": "float32", "seed": 0},
-            "optimizer": {"lr": 1e-4, "schedule": "constant"},
-            "output": {"dir": str(out), "checkpoint_every": checkpoint_every, "keep_last": 1},
-        }
+    return demo_data_spec(
+        config,
+        out,
+        steps=steps,
+        seq_len=32,
+        microbatch_size=2,
+        num_microbatches=2,
+        output={"checkpoint_every": checkpoint_every, "keep_last": 1},
     )
 
 

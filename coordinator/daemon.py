@@ -889,7 +889,7 @@ class Coordinator:
         JobSpecError or ValidationUnavailable. Paths outside the allowed roots are
         refused first, before anything is opened."""
         spec = self.paths.confine_spec(spec)
-        hardware = self._hardware() if self._live_workers() else None
+        hardware = self._hardware()  # CPU workers (or none): no GPU memory to check
         if self.validator is not None:
             return None, self.validator.validate(spec, hardware)
         built = validate_spec(spec, str(self.arena_dir), hardware)

@@ -67,13 +67,7 @@ class HostMemory:
 
 def host_memory_needed(layout: JobLayout) -> HostMemory:
     """What a job with this (planned, not yet created) layout takes in host memory."""
-    model = layout.model
-    trainable = sum(
-        spec.numel
-        for layer in range(model.num_layers)
-        for spec in model.layer_params(layer)
-        if spec.trainable and spec.tied_to is None
-    )
+    trainable = layout.model.parameter_count(trainable_only=True)
     return HostMemory(arenas=layout.total_bytes, masters=4 * trainable, moments=8 * trainable)
 
 

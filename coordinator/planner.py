@@ -1710,13 +1710,7 @@ def _host_memory(
         seq_len=args.seq_len,
         num_microbatches=num_microbatches,
     )
-    params = sum(
-        spec.numel
-        for layer in range(model.num_layers)
-        for spec in model.layer_params(layer)
-        if spec.tied_to is None
-    )
-    return host_memory_needed(layout), max(1, params)
+    return host_memory_needed(layout), max(1, model.parameter_count())
 
 
 def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

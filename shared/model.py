@@ -331,6 +331,16 @@ class LayeredModel:
 
     # ----------------------------------------------------------------- queries
 
+    def parameter_count(self, *, trainable_only: bool = False) -> int:
+        """Elements of every stored parameter (tied aliases counted once, at their owner);
+        ``trainable_only``: those with a master copy and optimizer state."""
+        return sum(
+            spec.numel
+            for layer in range(self.num_layers)
+            for spec in self.layer_params(layer)
+            if spec.tied_to is None and (spec.trainable or not trainable_only)
+        )
+
     def layer_params(self, layer: int) -> list[ParamSpec]:
         """Parameters of one layer in a fixed order (tied entries included, flagged)."""
         if not 0 <= layer < self.num_layers:

@@ -236,29 +236,46 @@ class InProcessWorkers:
             core.close()
 
 
-def run_in_process(spec: JobSpec, arena_dir: Path, num_workers: int = 2, job_id: str = "job-ip"):
-    """Run a job through a Trainer on ``num_workers`` in-process workers; return its
-    progress events (the trainer is closed: its output directory holds the rest)."""
+@contextlib.contextmanager
+def trained_in_process(
+    spec: JobSpec,
+    arena_dir: Path,
+    num_workers: int = 2,
+    *,
+    job_id: str = "job-ip",
+    namespace: str | None = None,
+    engine=None,
+    wait_timeout_s: float = 60,
+):
+    """Run a job through a Trainer on ``num_workers`` in-process workers (``engine``: a
+    transfer-engine factory for them) and yield the trainer after its last step; it is
+    closed on exit (its output directory holds the rest)."""
     from roundpipe.coordinator.trainer import Trainer
 
     trainer = Trainer(
         job_id,
         spec,
         arena_dir=arena_dir,
-        namespace=job_id,
+        namespace=namespace or job_id,
         output_dir=Path(spec.output.dir),
-        wait_timeout_s=60,
+        wait_timeout_s=wait_timeout_s,
     )
     pool = None
     try:
         trainer.prepare(num_workers)
-        pool = InProcessWorkers(trainer, num_workers)
+        pool = InProcessWorkers(trainer, num_workers, engine=engine)
         trainer.run(pool.dispatch, pool.workers)
-        return list(trainer.progress)
+        yield trainer
     finally:
         if pool is not None:
             pool.close()
         trainer.close()
+
+
+def run_in_process(spec: JobSpec, arena_dir: Path, num_workers: int = 2, job_id: str = "job-ip"):
+    """A job's progress events, run as in :func:`trained_in_process`."""
+    with trained_in_process(spec, arena_dir, num_workers, job_id=job_id) as trainer:
+        return list(trainer.progress)
 
 
 def assert_params_match(

@@ -18,6 +18,7 @@ from runtime_helpers import (
     assert_params_match,
     oracle_train,
     tiny_spec,
+    trained_in_process,
 )
 
 from roundpipe.coordinator.trainer import Trainer
@@ -36,20 +37,13 @@ def new_trainer(spec, arena_dir) -> Trainer:
 
 
 def train_in_process(spec, arena_dir, num_workers: int) -> dict[str, torch.Tensor]:
-    trainer = new_trainer(spec, arena_dir)
-    pool = None
-    try:
-        trainer.prepare(num_workers)
-        pool = InProcessWorkers(trainer, num_workers)
-        trainer.run(pool.dispatch, pool.workers)
+    with trained_in_process(
+        spec, arena_dir, num_workers, job_id="job-test", namespace="trainertest"
+    ) as trainer:
         assert [e.step for e in trainer.progress] == list(range(1, spec.train.steps + 1))
         # The optimizer's busy time reaches the progress (0 only before its first step).
         assert trainer.progress[-1].optimizer_s > 0
         return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
-    finally:
-        if pool is not None:
-            pool.close()
-        trainer.close()
 
 
 @functools.cache

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import InProcessWorkers, first_iteration, tiny_spec
+from runtime_helpers import first_iteration, tiny_spec, trained_in_process
 
-from roundpipe.coordinator.trainer import Trainer
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import EventTable
 from roundpipe.worker.runtime import WorkerCore
@@ -225,26 +224,12 @@ def test_a_stale_prefetch_is_discarded(tmp_path: Path, arena_dir: Path) -> None:
 
 
 def _train(spec, arena_dir: Path, namespace: str, engine) -> dict[str, torch.Tensor]:
-    trainer = Trainer(
-        "job-tx",
-        spec,
-        arena_dir=arena_dir,
-        namespace=namespace,
-        output_dir=Path(spec.output.dir),
-        wait_timeout_s=120,
-    )
-    pool = None
-    try:
-        trainer.prepare(2)
-        pool = InProcessWorkers(trainer, 2, engine=engine)
-        trainer.run(pool.dispatch, pool.workers)
+    with trained_in_process(
+        spec, arena_dir, 2, job_id="job-tx", namespace=namespace, engine=engine, wait_timeout_s=120
+    ) as trainer:
         return {
             n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()
         }
-    finally:
-        if pool is not None:
-            pool.close()
-        trainer.close()
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
