@@ -1,13 +1,15 @@
 """Causal LMs as sequences of layers, with weights kept outside the modules.
 
-A supported Hugging Face causal LM (``SUPPORTED_ARCHITECTURES``) becomes ``n`` layers::
+A supported Hugging Face causal LM (``SUPPORTED_ARCHITECTURES``; each family declared in
+roundpipe.shared.families) becomes ``n`` layers::
 
     layer 0          prefix: model.embed_tokens            (input_ids -> hidden)
     layer 1..n-2     decoder layers: HF layer i is our layer i + 1
     layer n-1        tail: model.norm + lm_head + loss      (hidden -> loss)
 
 Only hidden states ``[rows, seq, hidden]`` cross layer boundaries; positions, rotary
-tables and the causal mask are recomputed from the shape wherever they are needed.
+tables and the masks (per layer: full, sliding-window or recurrent, from the family) are
+recomputed from the shape wherever they are needed.
 
 Parameters keep their Hugging Face names (``model.layers.3.self_attn.q_proj.weight``) so
 an exported checkpoint stays loadable by transformers; with LoRA they keep the names of
@@ -44,6 +46,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.shared.families import (
+    MASK_OF_LAYER_TYPE,
+    Family,
+    check_layout,
+    family_for,
+    layer_types,
+    supported_architectures,
+)
+
 __all__ = [
     "ALL_LINEAR",
     "SUPPORTED_ARCHITECTURES",
@@ -56,16 +67,7 @@ __all__ = [
     "model_config_dict",
 ]
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = supported_architectures()
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (Hugging Face's convention)."""
@@ -200,19 +202,25 @@ class LayeredModel:
         lora: LoraSettings | Mapping[str, Any] | None = None,
         *,
         source_dir: str | Path | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
     ) -> None:
         self.config = copy.deepcopy(config)
-        self.architecture = _resolve_architecture(self.config)
+        self.family: Family = family_for(self.config)
+        self.architecture = self.family.architecture
         self._check_config()
         if lora is not None and not isinstance(lora, LoraSettings):
             lora = LoraSettings.from_mapping(lora)
         self.lora: LoraSettings | None = lora
         self.source_dir = Path(source_dir) if source_dir is not None else None
-        self.attn_implementation = attn_implementation
+        # The family's default (SDPA; eager where transformers has no SDPA path, as for
+        # GPT-OSS's attention sinks) unless the caller asks for another.
+        self.attn_implementation = attn_implementation or self.family.attn_implementation
         self.num_decoder_layers: int = int(self.config.num_hidden_layers)
         self.num_layers: int = self.num_decoder_layers + 2
         self.skeleton: nn.Module = self._build_skeleton()
+        check_layout(self._hf, self.family, self.num_decoder_layers)
+        self._layer_types = layer_types(self.family, self.config)
+        self._buffers = self.family.buffers(self.config)
         self._prefix = _PEFT_PREFIX if self.lora is not None else ""
         self._specs: list[list[ParamSpec]] = [[] for _ in range(self.num_layers)]
         self._layer_of: dict[str, int] = {}
@@ -314,10 +322,13 @@ class LayeredModel:
                 f"{list(self.lora.target_modules)} put adapters on {trainable_outside}"
             )
         for name, _ in self.skeleton.named_buffers():
-            if ".rotary_emb." not in name:
-                # The executor rebuilds only the rotary tables; any other buffer would be
-                # a meta tensor at run time.
-                raise ValueError(f"unexpected buffer {name!r} in {self.architecture}")
+            if ".rotary_emb." not in name and _strip_peft(name) not in self._buffers:
+                # The executor rebuilds the rotary tables and the family's declared
+                # buffers; any other buffer would be a meta tensor at run time.
+                raise ValueError(
+                    f"{self.architecture} has buffer {name!r}, which its Family does not "
+                    "declare (roundpipe.shared.families)"
+                )
 
     def _layer_of_hf(self, hf_name: str) -> int:
         if hf_name.startswith("model.embed_tokens."):
@@ -409,23 +420,43 @@ class LayeredModel:
     def norm_part(self) -> tuple[nn.Module, str]:
         return self._hf.model.norm, f"{self._prefix}model.norm."
 
-    def mask_kind(self, layer: int) -> str:
-        """``"full"`` or ``"sliding"``: which causal mask decoder ``layer`` attends with.
+    def layer_type(self, layer: int) -> str:
+        """transformers' type of decoder ``layer`` (``full_attention``, ``sliding_attention``,
+        ``linear_attention``), as the model's own forward picks its mask and rotary."""
+        if not 1 <= layer <= self.num_decoder_layers:
+            raise IndexError(f"layer {layer} is not a decoder layer")
+        return self._layer_types[layer - 1]
 
-        Mirrors the model's own forward (Qwen3: per-layer ``layer_types``; Qwen3-MoE: the
-        sliding window applies to every layer when configured).
-        """
-        i = layer - 1
-        if self.architecture == "Qwen3ForCausalLM":
-            types = getattr(self.config, "layer_types", None)
-            return "sliding" if types is not None and types[i] == "sliding_attention" else "full"
-        if self.architecture == "Qwen3MoeForCausalLM":
-            return "sliding" if getattr(self.config, "sliding_window", None) is not None else "full"
-        return "full"
+    def mask_kind(self, layer: int) -> str:
+        """``"full"``, ``"sliding"`` or ``"recurrent"``: the mask decoder ``layer`` takes
+        (``MASK_OF_LAYER_TYPE``)."""
+        return MASK_OF_LAYER_TYPE[self.layer_type(layer)]
+
+    def part_buffers(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The family's declared buffers of ``layer``'s module, by name relative to it, on
+        ``device`` (the skeleton's own are meta tensors)."""
+        prefix = self._part_prefix(layer)[len(self._prefix) :]
+        return {
+            name[len(prefix) :]: t.to(device)
+            for name, t in self._buffers.items()
+            if name.startswith(prefix)
+        }
+
+    def _part_prefix(self, layer: int) -> str:
+        if layer == 0:
+            return self.embed_part()[1]
+        if layer == self.num_layers - 1:
+            return self.norm_part()[1]
+        return self.decoder_part(layer)[1]
 
     @property
     def lm_head_name(self) -> str:
         return f"{self._prefix}lm_head.weight"
+
+    @property
+    def rotary_keyed_by_layer_type(self) -> bool:
+        """The rotary module takes the layer type (Gemma 3: local and global tables)."""
+        return self.family.rotary_keyed_by_layer_type
 
     def make_rotary(self, device: torch.device | str) -> nn.Module:
         """A real (non-meta) rotary embedding module like the model's, on ``device``."""
@@ -563,23 +594,6 @@ class LayeredModel:
             )
         model.train()
         return model
-
-
-def _resolve_architecture(config: Any) -> str:
-    model_type = getattr(config, "model_type", None)
-    arch = _MODEL_TYPE_TO_ARCH.get(model_type or "")
-    if arch is None:
-        raise ValueError(
-            f"unsupported model type {model_type!r}: supported architectures are "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    declared = list(getattr(config, "architectures", None) or [])
-    if declared and arch not in declared:
-        raise ValueError(
-            f"unsupported architecture {declared}: only causal LMs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} are supported"
-        )
-    return arch
 
 
 def _init_lora_tensor(spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:

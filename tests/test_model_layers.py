@@ -218,14 +218,19 @@ def test_load_errors(tmp_path: Path) -> None:
 
 
 def test_unsupported_and_unbuildable_configs(tmp_path: Path) -> None:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig
+    from transformers import GPT2Config, LlamaConfig, PhiConfig
 
     assert SUPPORTED_ARCHITECTURES == (
         "LlamaForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "MistralForCausalLM",
+        "Gemma3ForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "GptOssForCausalLM",
     )
-    for cfg in (MistralConfig(), GPT2Config()):
+    for cfg in (PhiConfig(), GPT2Config()):
         with pytest.raises(ValueError, match="supported architectures are LlamaForCausalLM"):
             LayeredModel.from_config(cfg)
     seq = LlamaConfig(architectures=["LlamaForSequenceClassification"])

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_helpers import (  # noqa: E402
-    ARCHS,
+    ALL_ARCHS,
     LORA_SPEC,
     assert_grads_close,
     batch,
@@ -72,7 +72,7 @@ def setup(arch: str, lora: bool = False):
 
 @pytest.mark.parametrize("kind", PLAN_KINDS)
 @pytest.mark.parametrize("m", [1, 3, 5])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_stages_match_transformers(arch: str, m: int, kind: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch)
     plan = make_plan(kind, model.num_layers, f"{arch}-{m}")
@@ -108,7 +108,9 @@ def test_tied_embedding_gets_both_contributions() -> None:
 
 @pytest.mark.parametrize("kind", ["whole", "uneven", "random0"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3_moe", "mistral", "gemma3_text", "qwen3_5_moe_text", "gpt_oss"]
+)
 def test_lora_matches_peft(arch: str, m: int, kind: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch, lora=True)
     assert ref_grads and all(".lora_" in n for n in ref_grads)
@@ -122,7 +124,7 @@ def test_lora_matches_peft(arch: str, m: int, kind: str) -> None:
     assert set(res.grads) == set(model.trainable_names)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_bf16_within_bf16_tolerance(arch: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch)
     plan = make_plan("uneven", model.num_layers, arch)
@@ -218,7 +220,7 @@ def _arena_views(weights: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_lora_all_linear_default_matches_peft(arch: str) -> None:
     """target_modules all-linear (the job spec's default) has peft's meaning on every
     architecture, including Qwen3-MoE, where peft adapts the fused experts and the router

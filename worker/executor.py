@@ -50,7 +50,9 @@ Note [chunked LM head]
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -182,19 +184,44 @@ class _StageContext:
                     f"[{rows}, {seq}]"
                 )
             self.position_ids = position_ids.to(h.device, torch.int64, non_blocking=True)
-        self.position_embeddings = ex._rotary(h, self.position_ids)
+        self._given_positions = position_ids is not None
         self._h = h
         self._ex = ex
         self._masks: dict[str, torch.Tensor | None] = {}
+        self._rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def position_embeddings(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary (cos, sin) for a layer of ``layer_type`` (one table unless the family's
+        rotary is keyed by layer type)."""
+        key = layer_type if self._ex.model.rotary_keyed_by_layer_type else None
+        if key not in self._rotary:
+            args = (
+                (self._h, self.position_ids) if key is None else (self._h, self.position_ids, key)
+            )
+            self._rotary[key] = self._ex._rotary(*args)
+        return self._rotary[key]
 
     def mask(self, kind: str) -> torch.Tensor | None:
         if kind not in self._masks:
             from transformers.masking_utils import (
                 create_causal_mask,
+                create_recurrent_attention_mask,
                 create_sliding_window_causal_mask,
             )
 
-            fn = create_sliding_window_causal_mask if kind == "sliding" else create_causal_mask
+            if kind == "recurrent" and self._given_positions and _restarts(self.position_ids):
+                # A linear-attention layer carries one state along the whole row; it
+                # cannot keep packed documents apart as the attention masks do.
+                raise ValueError(
+                    f"{self._ex.model.architecture} has linear-attention layers, which "
+                    "would mix the packed documents of a row: set data.packing to 'none' "
+                    "for this model"
+                )
+            fn = {
+                "full": create_causal_mask,
+                "sliding": create_sliding_window_causal_mask,
+                "recurrent": create_recurrent_attention_mask,
+            }[kind]
             # No padding mask: rows are packed / right-padded and causal, so pads never
             # reach real tokens; with SDPA and plain positions this yields None
             # (is_causal), exactly as HF. Packed documents: Note [packed documents].
@@ -202,10 +229,26 @@ class _StageContext:
                 config=self._ex.model.config,
                 inputs_embeds=self._h,
                 attention_mask=None,
-                past_key_values=None,
                 position_ids=self.position_ids,
+                **{_cache_kwarg(fn): None},
             )
         return self._masks[kind]
+
+
+@functools.cache
+def _cache_kwarg(fn: Callable) -> str:
+    """The name transformers' mask function gives its (required) cache argument: ``cache``
+    from 5.24 on, ``past_key_values`` before (still accepted, with a warning, until 5.40)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether some row's positions restart (packed documents). Asked only for models with
+    linear-attention layers (one device sync per microbatch and stage there)."""
+    p = position_ids
+    if p.shape[-1] < 2:
+        return False
+    return bool((p[..., 1:] != p[..., :-1] + 1).any())
 
 
 class StageExecutor:
@@ -240,6 +283,8 @@ class StageExecutor:
         else:
             self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
+        # Declared non-rotary buffers (Gemma 3's embedding scale), made once per executor.
+        self._part_buffers: dict[int, dict[str, torch.Tensor]] = {}
         # Times each layer's forward (the planner's profile) when the caller sets it per
         # task: host clock on the CPU, CUDA events on a GPU (roundpipe.worker.transfer).
         self.stopwatch: Stopwatch | None = None
@@ -458,13 +503,8 @@ class StageExecutor:
         head: torch.Tensor | None = None
         missing: list[str] = []
         for layer in range(start, stop):
-            if layer == 0:
-                prefix = model.embed_part()[1]
-            elif layer == model.num_layers - 1:
-                prefix = model.norm_part()[1]
-            else:
-                prefix = model.decoder_part(layer)[1]
-            rel: dict[str, torch.Tensor] = {}
+            prefix = model._part_prefix(layer)
+            rel: dict[str, torch.Tensor] = self._buffers(layer)
             for spec in model.layer_params(layer):
                 t = weights.get(spec.name)
                 if t is None:
@@ -495,6 +535,12 @@ class StageExecutor:
                 f"task {start}:{stop} is missing {len(missing)} weight(s), e.g. {missing[:5]}"
             )
         return _Bound(per_layer, trainable, head)
+
+    def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        bufs = self._part_buffers.get(layer)
+        if bufs is None:
+            bufs = self._part_buffers[layer] = self.model.part_buffers(layer, self.device)
+        return dict(bufs)
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
         layer = self.model.layer_of(name)
@@ -559,15 +605,15 @@ class StageExecutor:
         if ctx is None:
             ctx = _StageContext(self, x, None if positions is None else positions[m])
         mod, _ = model.decoder_part(layer)
+        layer_type = model.layer_type(layer)
         out = functional_call(
             mod,
             params,
             (x,),
             {
                 "attention_mask": ctx.mask(model.mask_kind(layer)),
-                "position_embeddings": ctx.position_embeddings,
+                "position_embeddings": ctx.position_embeddings(layer_type),
                 "position_ids": ctx.position_ids,
-                "past_key_values": None,
                 "use_cache": False,
             },
         )
