@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from roundpipe.shared.families import FAMILIES
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -67,7 +69,9 @@ __all__ = [
     "validate_against_model",
 ]
 
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+ARCHITECTURES = tuple(FAMILIES)
+"""``model.architecture`` choices: the model_type of every declared family
+(roundpipe.shared.families)."""
 DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
 DATA_PACKING = ("documents", "concat", "none")
 DATA_LOSS_ON = ("assistant", "all")
@@ -1294,10 +1298,9 @@ def _check_output(e: _Errors, o: OutputSpec) -> None:
 def _config_class(architecture: str) -> type:
     # Lazy: importing transformers takes seconds, and a spec without an architecture
     # model never needs it.
-    import transformers
+    from transformers import CONFIG_MAPPING
 
-    name = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
-    return getattr(transformers, name[architecture])
+    return CONFIG_MAPPING[architecture]
 
 
 def model_config_from_spec(model: ModelSpec) -> PretrainedConfig:
@@ -1330,6 +1333,16 @@ def _model_errors(
             "data.seq_len",
             f"got {spec.data.seq_len}; expected at most the model's max_position_embeddings "
             f"({max_pos})",
+        )
+    packing = _PACKING_ALIASES.get(spec.data.packing, spec.data.packing)
+    layer_types = _config_get(model_config, "layer_types") or ()
+    if packing == "documents" and "linear_attention" in layer_types:
+        # A linear-attention layer carries its state along the whole row: packed
+        # documents would see each other (the executor refuses them too).
+        e.add(
+            "data.packing",
+            "documents packing needs every layer to keep packed documents apart; this "
+            "model's linear-attention layers cannot: expected none or concat",
         )
     vocab = _config_get(model_config, "vocab_size")
     if vocab_size_needed is not None and _is_int(vocab) and vocab_size_needed > vocab:

@@ -45,6 +45,7 @@ from roundpipe.coordinator.simulator import (
     simulate_bound,
     simulate_roundpipe,
 )
+from roundpipe.shared.families import FAMILIES
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import GiB, MiB, format_bytes, parse_quantity
 
@@ -1725,9 +1726,7 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     src.add_argument(
         "--model-config", metavar="CONFIG.json", help="a HF config.json (or its directory)"
     )
-    src.add_argument(
-        "--architecture", choices=("llama", "qwen3", "qwen3_moe"), help="random-init architecture"
-    )
+    src.add_argument("--architecture", choices=tuple(FAMILIES), help="random-init architecture")
     p.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="config override (JSON value)"
     )

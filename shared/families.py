@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where needed: job specs read this module cheaply
+    import torch
+    from torch import nn
 
 __all__ = [
     "FAMILIES",
@@ -91,6 +92,8 @@ class Family:
 def _gemma3_buffers(config: Any) -> dict[str, torch.Tensor]:
     # Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden) held in a non-persistent
     # fp32 buffer (cast to the weight dtype at use, as HF does: 55.4256 becomes 55.5 in bf16).
+    import torch
+
     return {"model.embed_tokens.embed_scale": torch.tensor(float(config.hidden_size) ** 0.5)}
 
 
@@ -264,6 +267,8 @@ _STANDARD_MODULES = (
 
 def check_layout(hf_model: nn.Module, family: Family, num_layers: int) -> None:
     """Refuse a model without the standard decoder layout, naming what it lacks."""
+    from torch import nn
+
     missing = []
     for path in _STANDARD_MODULES:
         mod: Any = hf_model

@@ -543,6 +543,13 @@ class LayeredModel:
                     key = _strip_peft(s.name).replace(".base_layer.", ".")
                     t = reader.get(key)
                     if t is None:
+                        if reader.has(f"{key}_blocks"):
+                            raise ValueError(
+                                f"{path}: {key} is stored MXFP4-packed ({key}_blocks / "
+                                "_scales); RoundPipe trains bf16 / fp32 weights: use the "
+                                "bf16 checkpoint of this model (transformers writes one "
+                                "after loading with Mxfp4Config(dequantize=True))"
+                            )
                         missing.append(key)
                         continue
                     if tuple(t.shape) != s.shape:
@@ -628,6 +635,9 @@ class _SafetensorsDir:
         for h in self._handles:
             for k in h.keys():
                 self._where[k] = h
+
+    def has(self, key: str) -> bool:
+        return key in self._where
 
     def _raw(self, key: str) -> torch.Tensor | None:
         h = self._where.get(key)

@@ -28,6 +28,7 @@ __all__ = [
     "perturb_lora",
     "rel_err",
     "split_rows",
+    "new_family_overrides",
     "tiny_config",
 ]
 
@@ -83,7 +84,15 @@ def tiny_config(arch: str, **overrides: object) -> object:
         )
         kw.update(overrides)
         return Qwen3MoeConfig(**kw)
-    kw = dict(common, tie_word_embeddings=False)
+    kw = dict(common, **new_family_overrides(arch))
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def new_family_overrides(arch: str) -> dict[str, object]:
+    """What the tiny configs of the families in NEW_ARCHS set beyond the common sizes
+    (plain data: job specs carry it as ``model.config``)."""
+    kw: dict[str, object] = dict(tie_word_embeddings=False)
     if arch == "mistral":
         kw.update(head_dim=8, sliding_window=5)
     elif arch == "gemma3_text":
@@ -138,8 +147,7 @@ def tiny_config(arch: str, **overrides: object) -> object:
         )
     else:
         raise ValueError(arch)
-    kw.update(overrides)
-    return AutoConfig.for_model(arch, **kw)
+    return kw
 
 
 def batch(seed: int, rows: int = 7, seq: int = 12) -> tuple[torch.Tensor, torch.Tensor]:

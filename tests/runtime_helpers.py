@@ -62,6 +62,7 @@ def tiny_spec(
     dtype: str = "float32",
     lr: float = 3e-4,
     optimizer: dict[str, Any] | None = None,
+    packing: str | None = None,
 ) -> JobSpec:
     """A tiny Qwen3 job on the shipped demo corpus.
 
@@ -93,6 +94,8 @@ def tiny_spec(
     spec["optimizer"].update(optimizer or {})
     if plan is not None:
         spec["train"]["plan"] = plan
+    if packing is not None:
+        spec["data"]["packing"] = packing
     if lora is not None:
         spec["lora"] = lora
     return JobSpec.from_dict(spec)
