@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from roundpipe.coordinator.model_flops import MoeShape, active_matmul_params, token_mixer_flops
 from roundpipe.coordinator.simulator import (
     BoundStage,
     SimResult,
@@ -369,9 +370,7 @@ def estimate_costs(
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     q_width, kv_width = heads * head_dim, kv_heads * head_dim
-    window = getattr(cfg, "sliding_window", None)
-    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-    num_experts = int(getattr(cfg, "num_experts", 0) or 0)
+    experts = MoeShape(cfg)
     flops = flops_per_s * efficiency
     mem_bw = memory_bandwidth * 0.8
     n = model.num_layers
@@ -429,28 +428,14 @@ def estimate_costs(
             )
             continue
         # Decoder layer.
-        matmul = trainable_matmul = 0.0
-        moe = False
-        for s in specs:
-            if len(s.shape) < 2:
-                continue
-            share = 1.0
-            if len(s.shape) >= 3 and ".experts." in f"{s.name}.":
-                moe = True
-                share = top_k / num_experts if num_experts else 1.0
-            matmul += s.numel * share
-            if s.trainable:
-                trainable_matmul += s.numel * share
+        # Per family: active experts only, linear attention (roundpipe.coordinator.model_flops).
+        matmul, moe = active_matmul_params(specs, experts)
+        trainable_matmul, _ = active_matmul_params(specs, experts, trainable_only=True)
         if moe:
-            inter = top_k * int(getattr(cfg, "moe_intermediate_size", 0) or 0)
+            inter = experts.top_k * experts.expert_intermediate
         else:
             inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
-        if model.mask_kind(layer) == "sliding" and window:
-            w = min(int(window), seq_len)
-            span = w * (1 - w / (2 * seq_len)) if seq_len > w else seq_len / 2
-        else:
-            span = seq_len / 2
-        attn = 4 * tokens * span * q_width
+        attn = token_mixer_flops(model, layer, tokens, seq_len)
         fwd_flops = 2 * tokens * matmul + attn
         bwd_flops = 2 * tokens * matmul + 2 * tokens * trainable_matmul + 2.5 * attn
         elementwise = tokens * d * (10 * hidden + 4 * inter)
@@ -461,7 +446,7 @@ def estimate_costs(
             d * (2 * hidden + 3 * q_width + 4 * kv_width + 4 * inter)
             + 8 * hidden
             + (4 * (q_width + kv_width) if qk_norm else 0)
-            + (4 * num_experts if moe else 0)
+            + (4 * experts.num_experts if moe else 0)
         )
         fwork = tokens * (d * (3 * inter + q_width + 2 * kv_width + hidden) + 4 * hidden)
         out.append(

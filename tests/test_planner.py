@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from model_helpers import tiny_config
+from model_helpers import ALL_ARCHS, tiny_config
 
 from roundpipe.coordinator.planner import (
     GiB,
@@ -84,7 +84,7 @@ def test_hand_computed_objective() -> None:
     assert r.stage_times == pytest.approx((2, 2, 3, 3, 3, 3, 3))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_plan_is_valid_for_the_model(arch: str) -> None:
     model = LayeredModel(tiny_config(arch))
     costs = estimate_costs(
