@@ -83,6 +83,9 @@ class Family:
     where transformers has no SDPA path for the family)."""
     moe: bool = False
     """Has routed experts (``mlp.experts``), run through transformers' grouped path."""
+    router: str | None = None
+    """Path of the router inside a decoder layer (its output[0] are the router logits
+    transformers' load-balancing loss reads), for ``output_router_logits``."""
     notes: str = ""
     """One line for docs and ``roundpipe plan``: what is special about the family."""
     extra_model_types: tuple[str, ...] = field(default=())
@@ -144,6 +147,7 @@ for _family in (
         architecture="Qwen3MoeForCausalLM",
         window_applies_to_all_layers=True,
         moe=True,
+        router="mlp.gate",
         notes="routed experts, top-k",
     ),
     Family(
@@ -170,6 +174,7 @@ for _family in (
         model_type="qwen3_5_moe_text",
         architecture="Qwen3_5MoeForCausalLM",
         moe=True,
+        router="mlp.gate",
         notes="hybrid linear / full attention, routed + shared experts",
     ),
     Family(
@@ -180,6 +185,7 @@ for _family in (
         # them, no SDPA.
         attn_implementation="eager",
         moe=True,
+        router="mlp.router",
         notes="attention sinks, alternating sliding / full layers, experts with biases",
     ),
 ):

@@ -62,6 +62,7 @@ __all__ = [
     "LayeredModel",
     "LoraSettings",
     "ParamSpec",
+    "RouterAux",
     "count_label_tokens",
     "shift_labels",
     "model_config_dict",
@@ -98,6 +99,31 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterAux:
+    """transformers' load-balancing loss of an MoE model (``output_router_logits``).
+
+    Note [router auxiliary loss]
+        transformers adds ``coef * E * sum_e C_e * P_e / R^2`` to the LM loss, where over
+        every MoE layer and token of the batch C_e counts top-k picks of expert e, P_e
+        sums its router softmax and R is layers x tokens. C and P span all layers, so a
+        pipeline cannot form it per stage; it is formed per microbatch m and summed with
+        weight ``w_m = tokens_m / tokens of the batch`` (the LM loss is summed over
+        microbatches the same way; one microbatch gives transformers' value exactly).
+        Forward stages return each microbatch's partial (C, P) of their layers; the
+        fused tail adds its own, so it has the loss and the complete C; backward
+        stages receive C and add ``coef * w_m * E * C / R^2`` as the gradient of their
+        layers' P. C is a count (no gradient), as in transformers.
+    """
+
+    coef: float
+    """``router_aux_loss_coef``."""
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    """Our layer indices of the decoder layers that route (have a router)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +251,9 @@ class LayeredModel:
         self._specs: list[list[ParamSpec]] = [[] for _ in range(self.num_layers)]
         self._layer_of: dict[str, int] = {}
         self._index_params()
+        self.router_aux: RouterAux | None = self._make_router_aux()
+        """The load-balancing loss settings when ``config.output_router_logits`` is on.
+        Note [router auxiliary loss]."""
 
     # ------------------------------------------------------------ constructors
 
@@ -275,12 +304,12 @@ class LayeredModel:
         c = self.config
         if int(getattr(c, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError("config.num_hidden_layers must be >= 1")
-        if getattr(c, "output_router_logits", False):
-            # HF adds a router auxiliary loss then; the layered tail computes only the LM
-            # loss, so gradients would silently differ.
+        if getattr(c, "output_router_logits", False) and self.family.router is None:
+            # HF adds a router auxiliary loss then; without a declared router the layered
+            # run could not add it, and gradients would silently differ.
             raise ValueError(
-                "output_router_logits=True (router auxiliary loss) is not supported; "
-                "set it to False in the config"
+                f"output_router_logits=True (router auxiliary loss) is not supported for "
+                f"{self.family.architecture}; set it to False in the config"
             )
 
     def _build_skeleton(self) -> nn.Module:
@@ -448,6 +477,35 @@ class LayeredModel:
         if layer == self.num_layers - 1:
             return self.norm_part()[1]
         return self.decoder_part(layer)[1]
+
+    def _make_router_aux(self) -> RouterAux | None:
+        c = self.config
+        if not getattr(c, "output_router_logits", False):
+            return None
+        assert self.family.router is not None  # _check_config
+        moe_layers = tuple(
+            layer
+            for layer in range(1, self.num_layers - 1)
+            if self.router_module(layer) is not None
+        )
+        num_experts = int(getattr(c, "num_experts", None) or c.num_local_experts)
+        return RouterAux(
+            coef=float(c.router_aux_loss_coef),
+            num_experts=num_experts,
+            top_k=int(c.num_experts_per_tok),
+            moe_layers=moe_layers,
+        )
+
+    def router_module(self, layer: int) -> nn.Module | None:
+        """Decoder ``layer``'s router (None for a dense layer or a dense family)."""
+        path = self.family.router
+        if path is None or not 1 <= layer <= self.num_decoder_layers:
+            return None
+        mod, _ = self.decoder_part(layer)
+        try:
+            return mod.get_submodule(path)
+        except AttributeError:  # a dense layer of an MoE model (mlp_only_layers)
+            return None
 
     @property
     def lm_head_name(self) -> str:

@@ -283,6 +283,11 @@ def run_iteration(
     boundaries = plan.backward_boundaries()
 
     acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
+    # Router auxiliary loss: forward stages' (counts, prob sums) summed per microbatch for
+    # the tail; the tail's counts for the backward stages.
+    aux = model.router_aux is not None
+    batch_tokens = sum(t.numel() for t in ids) if aux else None
+    router_stats: list[torch.Tensor] | None = None
     x: list[torch.Tensor] = ids
     for a, b in plan.forward:
         res = executor.forward(
@@ -290,6 +295,11 @@ def run_iteration(
         )
         acts.update(res.saved)
         x = res.outputs
+        if aux:
+            if router_stats is None:
+                router_stats = res.router_stats
+            else:
+                router_stats = [s + t for s, t in zip(router_stats, res.router_stats)]
     grads: dict[str, torch.Tensor] = {}
 
     def collect(part: Mapping[str, torch.Tensor]) -> None:
@@ -308,6 +318,8 @@ def run_iteration(
         num_tokens,
         rng=rng,
         position_ids=position_ids,
+        router_stats=router_stats,
+        batch_tokens=batch_tokens,
     )
     collect(tail.weight_grads)
     dx = tail.grad_inputs
@@ -315,7 +327,15 @@ def run_iteration(
         saved = ids if a == 0 else acts[a]
         assert dx is not None
         res = executor.backward(
-            a, b, model.range_weights(cast, a, b), saved, dx, rng=rng, position_ids=position_ids
+            a,
+            b,
+            model.range_weights(cast, a, b),
+            saved,
+            dx,
+            rng=rng,
+            position_ids=position_ids,
+            router_counts=tail.router_counts if aux else None,
+            batch_tokens=batch_tokens,
         )
         collect(res.weight_grads)
         dx = res.grad_inputs

@@ -96,8 +96,9 @@ def test_unsupported_settings_are_refused_by_name() -> None:
         LayeredModel.from_config(AutoConfig.for_model("gemma3"))
     with pytest.raises(ValueError, match="declared Family.*register_family"):
         LayeredModel.from_config(PhiConfig())
-    with pytest.raises(ValueError, match="output_router_logits"):
-        LayeredModel.from_config(tiny_config("gpt_oss", output_router_logits=True))
+    # A router loss needs a declared router: refused for a family without one.
+    with pytest.raises(ValueError, match="output_router_logits.*MistralForCausalLM"):
+        LayeredModel.from_config(tiny_config("mistral", output_router_logits=True))
 
 
 def test_packed_documents_are_refused_on_linear_attention() -> None:
@@ -260,3 +261,18 @@ def test_packed_documents_equal_documents_alone(arch: str) -> None:
     )
     assert abs(packed.loss_sum - alone.loss_sum) <= 1e-5 * abs(alone.loss_sum)
     assert_grads_close(packed.weight_grads, alone.weight_grads, 1e-5, arch)
+
+
+def test_job_spec_refuses_router_aux_loss_until_the_runtime_carries_it(tmp_path: Path) -> None:
+    from runtime_helpers import TINY_QWEN3, tiny_spec
+
+    from roundpipe.coordinator.jobspec import JobSpecError
+
+    config = {k: v for k, v in TINY_QWEN3.items() if k != "head_dim"} | {
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+    }
+    with pytest.raises(JobSpecError, match="output_router_logits.*not carried"):
+        tiny_spec(tmp_path, architecture="qwen3_moe", config=config)

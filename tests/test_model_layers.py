@@ -240,7 +240,7 @@ def test_unsupported_and_unbuildable_configs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="transformers cannot build LlamaForCausalLM"):
         LayeredModel.from_config(bad)
     with pytest.raises(ValueError, match="output_router_logits"):
-        LayeredModel.from_config(tiny_config("qwen3_moe", output_router_logits=True))
+        LayeredModel.from_config(tiny_config("llama", output_router_logits=True))
     with pytest.raises(ValueError, match="needs 'model_type'"):
         LayeredModel.from_config({"hidden_size": 8})
     with pytest.raises(ValueError, match="cannot build a config"):

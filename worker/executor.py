@@ -53,6 +53,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +110,10 @@ class ForwardResult:
     """Layer -> its input per microbatch, for each saved layer (empty if streamed).
 
     Layer 0's "input" is the microbatch's input_ids."""
+    router_stats: list[torch.Tensor] = field(default_factory=list)
+    """With a router auxiliary loss: per microbatch fp32 ``[2, experts]``, the top-k
+    pick counts and the router-probability sums over this stage's MoE layers. Note
+    [router auxiliary loss] (roundpipe.shared.model)."""
 
 
 @dataclass
@@ -126,6 +131,12 @@ class TailResult:
     normalisation]). Reading it as numbers synchronises; the runtime downloads it."""
     grad_inputs: list[torch.Tensor] | None
     weight_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_losses: torch.Tensor | None = None
+    """fp32 ``[M]``: each microbatch's weighted router auxiliary loss, already included
+    in ``losses`` (None without one)."""
+    router_counts: list[torch.Tensor] = field(default_factory=list)
+    """Per microbatch fp32 ``[experts]``: the top-k counts over every MoE layer, which the
+    backward stages need. Note [router auxiliary loss]."""
 
     @property
     def microbatch_losses(self) -> list[float]:
@@ -283,6 +294,7 @@ class StageExecutor:
         else:
             self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
+        self._install_router_hooks()
         # Declared non-rotary buffers (Gemma 3's embedding scale), made once per executor.
         self._part_buffers: dict[int, dict[str, torch.Tensor]] = {}
         # Times each layer's forward (the planner's profile) when the caller sets it per
@@ -323,6 +335,7 @@ class StageExecutor:
             for m, x in enumerate(inputs):
                 x = self._input(x, start)
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, stop):
                     if layer in result.saved:
                         if on_saved is not None:
@@ -330,6 +343,9 @@ class StageExecutor:
                         else:
                             result.saved[layer].append(x)
                     x, ctx = self._run_layer(layer, x, bound, ctx, rng, m, position_ids)
+                stats = self._router_stats()
+                if stats is not None:
+                    result.router_stats.append(torch.stack([stats[0], stats[1]]))
                 if on_output is not None:
                     on_output(m, x)
                 else:
@@ -349,6 +365,8 @@ class StageExecutor:
         rng: RngKey = RngKey(),
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+        router_counts: Sequence[torch.Tensor] | None = None,
+        batch_tokens: int | None = None,
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
 
@@ -357,8 +375,12 @@ class StageExecutor:
         gradients (None for start == 0) and fp32 weight gradients summed over microbatches.
         With ``on_grad_input(m, t)`` each input gradient is handed over as soon as it
         exists (so the previous stage can start) and ``grad_inputs`` comes back empty.
+        With a router auxiliary loss, ``router_counts[m]`` (the tail's) and
+        ``batch_tokens`` (tokens of the global batch) give its gradient. Note [router
+        auxiliary loss] (roundpipe.shared.model).
         """
         self._check_range(start, stop, tail=False)
+        self._check_aux("backward", router_counts, batch_tokens, len(saved_inputs))
         if len(saved_inputs) != len(grad_outputs):
             raise ValueError(
                 f"backward {start}:{stop}: {len(saved_inputs)} saved inputs but "
@@ -378,9 +400,17 @@ class StageExecutor:
                 g = self._hidden(g, "grad_outputs")
                 out = x
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, stop):
                     out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, position_ids)
-                gx = self._backprop(out, g, x if start > 0 else None, bound, acc)
+                extra = None
+                stats = self._router_stats()
+                if stats is not None:
+                    assert router_counts is not None and batch_tokens is not None
+                    counts = router_counts[m].to(self.device, torch.float32)
+                    scale = self._aux_scale(x, batch_tokens)
+                    extra = scale * (counts * stats[1]).sum()
+                gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
                 _emit(grad_inputs, on_grad_input, m, gx)
                 del out, ctx
         return BackwardResult(grad_inputs, acc)
@@ -397,6 +427,8 @@ class StageExecutor:
         rng: RngKey = RngKey(),
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+        router_stats: Sequence[torch.Tensor] | None = None,
+        batch_tokens: int | None = None,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
@@ -404,9 +436,17 @@ class StageExecutor:
         passed to HF's ``model(input_ids, labels=...)``, or the same prepared on the host
         (``TailLabels``, what a GPU worker passes). ``num_label_tokens`` is the
         global batch's count (``count_label_tokens`` summed over all microbatches).
-        ``on_grad_input`` streams input gradients as in ``backward``.
+        ``on_grad_input`` streams input gradients as in ``backward``. With a router
+        auxiliary loss, ``router_stats[m]`` (the forward stages' summed
+        ``ForwardResult.router_stats``; None when the tail starts at layer 0) and
+        ``batch_tokens`` (tokens of the global batch) complete it here. Note [router
+        auxiliary loss] (roundpipe.shared.model).
         """
         self._check_range(start, stop, tail=True)
+        if router_stats is not None or start > 0:
+            self._check_aux("tail", router_stats, batch_tokens, len(inputs))
+        elif self.model.router_aux is not None and batch_tokens is None:
+            raise ValueError("tail: the router auxiliary loss needs batch_tokens")
         if len(inputs) != len(labels):
             raise ValueError(f"tail: {len(inputs)} inputs but {len(labels)} label tensors")
         if not inputs:
@@ -423,6 +463,8 @@ class StageExecutor:
         norm_layer = self.model.num_layers - 1
         acc: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []  # kept on the device: one sync at the end
+        aux_losses: list[torch.Tensor] = []
+        router_counts: list[torch.Tensor] = []
         grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
         with self._rng_scope(), torch.enable_grad():
             for m, (x, y) in enumerate(zip(inputs, labels)):
@@ -431,8 +473,24 @@ class StageExecutor:
                     x = x.detach().requires_grad_(True)
                 h = x
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, norm_layer):
                     h, ctx = self._run_layer(layer, h, bound, ctx, rng, m, position_ids)
+                extra = None
+                stats = self._router_stats()
+                if stats is not None:
+                    assert batch_tokens is not None
+                    counts, probs = stats
+                    if router_stats is not None:
+                        upstream = router_stats[m].to(self.device, torch.float32)
+                        counts = counts + upstream[0]
+                        total_probs = probs.detach() + upstream[1]
+                    else:
+                        total_probs = probs.detach()
+                    scale = self._aux_scale(x, batch_tokens)
+                    aux_losses.append(scale * (counts * total_probs).sum())
+                    router_counts.append(counts)
+                    extra = scale * (counts * probs).sum()
                 watch = self.stopwatch
                 if watch is not None:  # norm + chunked head and loss (forward and backward)
                     watch.start(norm_layer)
@@ -459,7 +517,7 @@ class StageExecutor:
                     need_weight_grad=head_trainable,
                     positions=positions,
                 )
-                losses.append(loss)
+                losses.append(loss if extra is None else loss + aux_losses[-1].detach())
                 if watch is not None:
                     watch.stop(norm_layer)
                 if grad_w is not None:
@@ -467,7 +525,13 @@ class StageExecutor:
                 gx = None
                 if grad_h is not None:
                     gx = self._backprop(
-                        h, grad_h.view_as(h), x if start > 0 else None, bound, acc, skip=head_name
+                        h,
+                        grad_h.view_as(h),
+                        x if start > 0 else None,
+                        bound,
+                        acc,
+                        skip=head_name,
+                        extra=extra,
                     )
                 elif start > 0:
                     gx = torch.zeros_like(x)
@@ -479,7 +543,8 @@ class StageExecutor:
                 acc[name] = torch.zeros(
                     self._shape_of(name), dtype=torch.float32, device=self.device
                 )
-        return TailResult(torch.stack(losses), grad_inputs, acc)
+        aux = torch.stack(aux_losses).detach() if aux_losses else None
+        return TailResult(torch.stack(losses), grad_inputs, acc, aux, router_counts)
 
     # -------------------------------------------------------------- internals
 
@@ -629,13 +694,20 @@ class StageExecutor:
         bound: _Bound,
         acc: dict[str, torch.Tensor],
         skip: str | None = None,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        """Backpropagate ``grad_out`` through ``out`` (plus the scalar loss term ``extra``:
+        the router auxiliary loss of this range) into ``x`` and the trainable weights."""
         leaves = [(n, t) for n, t in bound.trainable if n != skip]
         targets = ([x] if x is not None else []) + [t for _, t in leaves]
         if not targets:
             return None
+        outputs, grad_outputs = [out], [grad_out]
+        if extra is not None and extra.requires_grad:
+            outputs.append(extra)
+            grad_outputs.append(torch.ones_like(extra))
         grads = torch.autograd.grad(
-            out, targets, grad_outputs=grad_out, allow_unused=True, materialize_grads=True
+            outputs, targets, grad_outputs=grad_outputs, allow_unused=True, materialize_grads=True
         )
         off = 0
         gx = None
@@ -646,6 +718,75 @@ class StageExecutor:
             _accumulate(acc, name, g)
         return gx
 
+    # -- router auxiliary loss: Note [router auxiliary loss] (roundpipe.shared.model) --
+
+    def _install_router_hooks(self) -> None:
+        aux = self.model.router_aux
+        if aux is None:
+            return
+        for layer in aux.moe_layers:
+            router = self.model.router_module(layer)
+            assert router is not None
+            # Once per skeleton module, however many executors share the model.
+            if not hasattr(router, "_roundpipe_capture"):
+                router._roundpipe_capture = router.register_forward_hook(_capture_router_logits)
+
+    def _start_capture(self) -> None:
+        """Collect the router logits of the layers this thread runs from now on (one
+        microbatch); thread-local, as in-process workers share one skeleton."""
+        if self.model.router_aux is not None:
+            _ROUTER_LOGITS.captured = []
+
+    def _router_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(top-k counts, router-probability sums), fp32 ``[experts]`` each, over the
+        logits captured since ``_start_capture``, as transformers' load-balancing loss
+        forms them; the sums keep their autograd graph."""
+        aux = self.model.router_aux
+        if aux is None:
+            return None
+        captured = getattr(_ROUTER_LOGITS, "captured", None) or []
+        _ROUTER_LOGITS.captured = None
+        counts = torch.zeros(aux.num_experts, dtype=torch.float32, device=self.device)
+        probs = torch.zeros(aux.num_experts, dtype=torch.float32, device=self.device)
+        for logits in captured:
+            p = torch.softmax(logits.reshape(-1, aux.num_experts), dim=-1)
+            picked = torch.topk(p, aux.top_k, dim=-1).indices.reshape(-1)
+            # A scatter of ones, not bincount: no device sync for the output size.
+            counts = counts.index_add(0, picked, torch.ones_like(picked, dtype=torch.float32))
+            probs = probs + p.float().sum(dim=0)
+        return counts, probs
+
+    def _aux_scale(self, x: torch.Tensor, batch_tokens: int) -> float:
+        """``coef * w_m * E / R^2`` of the microbatch whose stage input is ``x``."""
+        aux = self.model.router_aux
+        assert aux is not None
+        tokens = x.shape[0] * x.shape[1]
+        rows = len(aux.moe_layers) * tokens
+        return aux.coef * (tokens / batch_tokens) * aux.num_experts / rows**2
+
+    def _check_aux(
+        self,
+        what: str,
+        per_microbatch: Sequence[torch.Tensor] | None,
+        batch_tokens: int | None,
+        num_microbatches: int,
+    ) -> None:
+        if self.model.router_aux is None:
+            if per_microbatch is not None:
+                raise ValueError(
+                    f"{what}: router statistics given, but the model has no router loss"
+                )
+            return
+        if per_microbatch is None or batch_tokens is None:
+            raise ValueError(
+                f"{what}: the router auxiliary loss (output_router_logits) needs the router "
+                "statistics of every microbatch and batch_tokens"
+            )
+        if len(per_microbatch) != num_microbatches:
+            raise ValueError(
+                f"{what}: {len(per_microbatch)} router statistics for {num_microbatches} microbatches"
+            )
+
     def _seed(self, rng: RngKey, layer: int, m: int) -> None:
         s = rng.layer_seed(layer, m)
         torch.default_generator.manual_seed(s)
@@ -655,6 +796,16 @@ class StageExecutor:
     def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
         devices = [self.device.index] if self.device.type == "cuda" else []
         return torch.random.fork_rng(devices=devices)
+
+
+_ROUTER_LOGITS = threading.local()
+"""``captured``: the list the current thread's router logits go to, or None."""
+
+
+def _capture_router_logits(module: object, args: object, output: object) -> None:
+    captured = getattr(_ROUTER_LOGITS, "captured", None)
+    if captured is not None:
+        captured.append(output[0] if isinstance(output, tuple) else output)
 
 
 def _own_version(t: torch.Tensor) -> torch.Tensor:
