@@ -101,3 +101,17 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     stdout = _run_benchmark("sync_mode.py", "--no-runtime")
     assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # about 20 s: transformers builds three models
+def test_moe_benchmark_smoke() -> None:
+    """`moe.py --smoke`: the grouped MoE layer, the expert loop and the dense layer of the
+    same active parameter count all run (as forward + backward tasks of the executor)."""
+    lines = _run_benchmark("moe.py", "--smoke").splitlines()
+    rows = {line[:28].strip() for line in lines if line and not line.startswith(("#", "RESULT"))}
+    assert {
+        "moe grouped_mm (worker)",
+        "moe eager (expert loop)",
+        "dense, same active params",
+    } <= rows
+    assert re.fullmatch(r"RESULT moe_vs_dense=\d+\.\d\d grouped_vs_eager=\d+\.\d\d", lines[-1])

@@ -276,3 +276,31 @@ def test_job_spec_refuses_router_aux_loss_until_the_runtime_carries_it(tmp_path:
     }
     with pytest.raises(JobSpecError, match="output_router_logits.*not carried"):
         tiny_spec(tmp_path, architecture="qwen3_moe", config=config)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe_text", "gpt_oss"])
+def test_worker_runs_experts_through_the_grouped_path(arch: str) -> None:
+    """The executor's MoE layers call transformers' grouped_mm experts function (one
+    grouped matmul over all experts), never the per-expert Python loop."""
+    from transformers.integrations import moe as hf_moe
+
+    model = LayeredModel.from_config(tiny_config(arch))
+    assert model.skeleton.config._experts_implementation == "grouped_mm"
+    interface = hf_moe.ALL_EXPERTS_FUNCTIONS
+    grouped = interface["grouped_mm"]
+    calls: list[int] = []
+
+    def counting(module, *args, **kwargs):
+        calls.append(1)
+        return grouped(module, *args, **kwargs)
+
+    interface["grouped_mm"] = counting
+    try:
+        ex = StageExecutor(model)
+        weights = model.range_weights(model.init_weights(seed=1), 0, model.num_layers)
+        ids, labels = batch(seed=1, rows=2)
+        ex.tail(0, model.num_layers, weights, [ids], [labels], 10)
+    finally:
+        interface["grouped_mm"] = grouped
+    num_moe_layers = sum(model.router_module(layer) is not None for layer in range(1, 5))
+    assert len(calls) == num_moe_layers > 0
