@@ -464,14 +464,16 @@ class LayeredModel:
     def part_buffers(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The family's declared buffers of ``layer``'s module, by name relative to it, on
         ``device`` (the skeleton's own are meta tensors)."""
-        prefix = self._part_prefix(layer)[len(self._prefix) :]
+        prefix = self.part_prefix(layer)[len(self._prefix) :]
         return {
             name[len(prefix) :]: t.to(device)
             for name, t in self._buffers.items()
             if name.startswith(prefix)
         }
 
-    def _part_prefix(self, layer: int) -> str:
+    def part_prefix(self, layer: int) -> str:
+        """The prefix that turns a full parameter name of ``layer`` into a name relative
+        to the module that runs it (``embed_part`` / ``decoder_part`` / ``norm_part``)."""
         if layer == 0:
             return self.embed_part()[1]
         if layer == self.num_layers - 1:

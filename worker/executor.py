@@ -568,7 +568,7 @@ class StageExecutor:
         head: torch.Tensor | None = None
         missing: list[str] = []
         for layer in range(start, stop):
-            prefix = model._part_prefix(layer)
+            prefix = model.part_prefix(layer)
             rel: dict[str, torch.Tensor] = self._buffers(layer)
             for spec in model.layer_params(layer):
                 t = weights.get(spec.name)
