@@ -389,17 +389,17 @@ def _seen(value: object) -> str:
 
 # --------------------------------------------------------------------------- validation
 #
-# Validation has two layers that share one set of rules.
+# Validation has two layers that read one set of rules: the field annotations, whose
+# constraints are written once, as msgspec ``Meta`` (``Meta(ge=0)`` and so on).
 #
-# 1. The compiled codec (msgspec). Every record class is a msgspec.Struct whose field
-#    annotations carry msgspec constraints (``Meta(ge=0)`` and so on) next to our own
-#    markers, so msgspec's C decoder checks types, ranges, choices, unknown fields and
+# 1. The compiled codec (msgspec). Every record class is a msgspec.Struct, so msgspec's
+#    C decoder checks types, ranges, choices, unknown fields and
 #    array lengths while it builds the objects: no Python code runs per field. Cross-field
 #    rules (``_check``) run as msgspec's ``__post_init__``, and only on the classes that
 #    have them. This is the path every ordinary message takes, both ways.
 #
-# 2. The reference validator (this section). Every field annotation is also compiled,
-#    when its class is defined, into a _Rule whose `convert(value, wire)` returns the
+# 2. The reference validator (this section). Every field annotation, its Meta included,
+#    is also compiled, when its class is defined, into a _Rule whose `convert(value, wire)` returns the
 #    value to store or raises _Invalid. It is the specification: one small function per
 #    kind of annotation, and it writes every error message. `wire=True` means the value
 #    came out of msgpack (nested records arrive as arrays, every array as a tuple);
@@ -418,37 +418,16 @@ def _seen(value: object) -> str:
 # decides and writes the error.
 
 
-class _Ge(NamedTuple):
-    """Annotated marker: number must be >= minimum (NaN fails too)."""
-
-    minimum: int
-    description: str
-
-
-class _Gt(NamedTuple):
-    """Annotated marker: number must be > minimum (timeouts, intervals)."""
-
-    minimum: float
-
-
-class _Le(NamedTuple):
-    """Annotated marker: number must be <= maximum."""
-
-    maximum: int
-
-
-class _NonEmpty(NamedTuple):
-    """Annotated marker: str must not be empty (names and ids)."""
-
-
-# Each alias carries the same constraint twice: our marker (reference validator, error
-# messages) and msgspec's Meta (compiled decoder).
-NonNegInt = Annotated[int, _Ge(0, "non-negative"), msgspec.Meta(ge=0)]
-PosInt = Annotated[int, _Ge(1, "positive"), msgspec.Meta(ge=1)]
-UInt16 = Annotated[int, _Ge(0, "non-negative"), _Le(0xFFFF), msgspec.Meta(ge=0, le=0xFFFF)]
-NonNegFloat = Annotated[float, _Ge(0, "non-negative"), msgspec.Meta(ge=0)]
-PosFloat = Annotated[float, _Gt(0.0), msgspec.Meta(gt=0.0)]
-Name = Annotated[str, _NonEmpty(), msgspec.Meta(min_length=1)]
+# Every constraint is written once, as msgspec's Meta: the compiled decoder enforces it
+# and the reference validator reads it back (_compile_annotated) to check constructions
+# and to word the error ("non-negative int"). Only these Meta keys are used.
+_META_KEYS = ("ge", "gt", "le", "min_length")
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+UInt16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 DTypeName = Literal[
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
@@ -616,20 +595,30 @@ def _compile_annotated(inner: _Rule, marks: tuple[Any, ...]) -> _Rule:
     expected = inner.expected
     checks: list[Callable[[Any], bool]] = []
     for mark in marks:
-        if isinstance(mark, _Ge):
-            checks.append(lambda v, m=mark.minimum: v >= m)
-            expected = f"{mark.description} {expected}"
-        elif isinstance(mark, _Le):
-            checks.append(lambda v, m=mark.maximum: v <= m)
-            expected = f"{expected} <= {mark.maximum}"
-        elif isinstance(mark, _Gt):
-            checks.append(lambda v, m=mark.minimum: v > m)
+        if not isinstance(mark, msgspec.Meta):
+            raise TypeError(f"unknown Annotated marker {mark!r}")
+        given = {k: getattr(mark, k) for k in _META_KEYS if getattr(mark, k) is not None}
+        others = [
+            k
+            for k in ("lt", "multiple_of", "pattern", "max_length")
+            if getattr(mark, k, None) is not None
+        ]
+        if others:
+            raise TypeError(f"Meta constraint(s) {others} are not supported by the validator")
+        if "ge" in given:
+            checks.append(lambda v, m=given["ge"]: v >= m)
+            expected = f"{'positive' if given['ge'] >= 1 else 'non-negative'} {expected}"
+        if "gt" in given:
+            checks.append(lambda v, m=given["gt"]: v > m)
             expected = f"positive {expected}"
-        elif isinstance(mark, _NonEmpty):
+        if "le" in given:
+            checks.append(lambda v, m=given["le"]: v <= m)
+            expected = f"{expected} <= {given['le']}"
+        if "min_length" in given:
+            if given["min_length"] != 1:
+                raise TypeError("only min_length=1 (non-empty) is supported by the validator")
             checks.append(lambda v: len(v) > 0)
             expected = f"non-empty {expected}"
-        elif not isinstance(mark, msgspec.Meta):  # Meta: the compiled codec's copy
-            raise TypeError(f"unknown Annotated marker {mark!r}")
     convert_inner = inner.convert
 
     def convert(v: Any, wire: bool) -> Any:

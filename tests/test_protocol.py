@@ -124,14 +124,14 @@ def _for_annotation(tp: Any) -> st.SearchStrategy[Any]:
         lo: float | None = None
         hi: float | None = None
         non_empty = False
-        for mark in marks:
-            if isinstance(mark, wire._Ge):
-                lo = mark.minimum
-            elif isinstance(mark, wire._Gt):
-                lo = mark.minimum + 1e-6
-            elif isinstance(mark, wire._Le):
-                hi = mark.maximum
-            elif isinstance(mark, wire._NonEmpty):
+        for mark in marks:  # the constraints, written once as msgspec.Meta
+            if mark.ge is not None:
+                lo = mark.ge
+            if mark.gt is not None:
+                lo = mark.gt + 1e-6
+            if mark.le is not None:
+                hi = mark.le
+            if mark.min_length:
                 non_empty = True
         if base is int:
             return st.integers(int(lo) if lo is not None else _INT64_MIN, hi or _UINT64_MAX)
