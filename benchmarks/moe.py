@@ -92,7 +92,7 @@ def layer_model(shape: dict[str, int], moe: bool, experts: str = "grouped_mm") -
 
 def active_params(model: LayeredModel) -> float:
     """Matmul parameters one token uses in layer 1 (routed experts: top_k of them)."""
-    from roundpipe.coordinator.model_flops import MoeShape, active_matmul_params
+    from roundpipe.coordinator.planning.model_flops import MoeShape, active_matmul_params
 
     return active_matmul_params(model.layer_params(1), MoeShape(model.config))[0]
 

@@ -13,7 +13,8 @@
   :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer;
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
   survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
-- :mod:`~roundpipe.coordinator.planner`, :mod:`~roundpipe.coordinator.simulator`: how the
+- :mod:`~roundpipe.coordinator.planning` (a package: hardware, costs, search, simulator,
+  baselines, profile, the `roundpipe plan` command): how the
   model is cut into stages, and what that plan is predicted to do.
 - :mod:`~roundpipe.coordinator.timeline`, :mod:`~roundpipe.coordinator.metrics`,
   :mod:`~roundpipe.coordinator.tensorboard`: what a job did, for people watching it.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.planner import HardwareSpec
+    from roundpipe.coordinator.planning.hardware import HardwareSpec
     from roundpipe.shared.model import LayeredModel
 
 __all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
@@ -121,13 +121,10 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     stage, on the smallest GPU). The trainer plans again, for real, when the job starts."""
     import torch
 
-    from roundpipe.coordinator.planner import (
-        estimate_costs,
-        evaluate_plan,
-        format_bytes,
-        plan_stages,
-    )
+    from roundpipe.coordinator.planning.costs import estimate_costs
+    from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
     from roundpipe.shared.plan import Plan
+    from roundpipe.shared.units import format_bytes
 
     costs = estimate_costs(
         model,

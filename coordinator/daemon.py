@@ -83,7 +83,7 @@ from roundpipe.coordinator.paths import (
     set_modes,
     set_strict_reads,
 )
-from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.sdnotify import Notifier
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (

@@ -46,7 +46,7 @@ with 1 or 2 (the plan is chosen afresh).
 Note [re-planning]
 ~~~~~~~~~~~~~~~~~~
 Unless the job spec pins ``train.plan``, ``prepare`` plans from parameter sizes
-(roundpipe.coordinator.planner: ``estimate_costs`` + ``plan_stages``) for the connected
+(roundpipe.coordinator.planning.search.initial_plan) for the connected
 workers' hardware, and sizes the activation slot pools with room for other plans (Note
 [slot pools] in roundpipe.coordinator.layout). While the job runs, every ``TaskDone``'s
 per-layer times feed a ``ProfileAggregator``. Once those have settled, at the start of an
@@ -92,14 +92,9 @@ from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
-from roundpipe.coordinator.planner import (
-    HardwareSpec,
-    ProfileAggregator,
-    cpu_hardware,
-    estimate_costs,
-    plan_stages,
-    replan_if_better,
-)
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
+from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
 from roundpipe.coordinator.timeline import TimelineRecorder
@@ -327,20 +322,15 @@ class Trainer:
             plan = Plan.parse(spec.train.plan)
             plan.validate(model.num_layers)
             return plan, "set by train.plan in the job spec"
-        costs = estimate_costs(
-            model,
-            microbatch_rows=spec.batch.microbatch_size,
-            seq_len=spec.data.seq_len,
-            compute_dtype=self.compute_dtype,
-            flops_per_s=hw.flops_per_s,
-        )
         try:
-            result = plan_stages(
-                costs,
+            result = initial_plan(
+                model,
                 hw,
-                spec.batch.num_microbatches,
+                microbatch_rows=spec.batch.microbatch_size,
+                seq_len=spec.data.seq_len,
+                num_microbatches=spec.batch.num_microbatches,
+                compute_dtype=self.compute_dtype,
                 staleness=spec.train.staleness,
-                tokens_per_iteration=spec.global_batch_size * spec.data.seq_len,
             )
         except ValueError as exc:
             raise JobFailed(f"cannot plan this job: {exc}") from None
@@ -348,7 +338,7 @@ class Trainer:
             # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
             # that is off by more than the 5% a switch must gain.
             self.profile = ProfileAggregator(
-                costs, spec.batch.num_microbatches, settle_tolerance=0.1
+                result.costs, spec.batch.num_microbatches, settle_tolerance=0.1
             )
         return result.plan, (
             f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "

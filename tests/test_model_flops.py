@@ -1,12 +1,16 @@
-"""The planner's per-family FLOP model (roundpipe.coordinator.model_flops)."""
+"""The planner's per-family FLOP model (roundpipe.coordinator.planning.model_flops)."""
 
 from __future__ import annotations
 
 import pytest
 from model_helpers import tiny_config
 
-from roundpipe.coordinator.model_flops import MoeShape, active_matmul_params, token_mixer_flops
-from roundpipe.coordinator.planner import estimate_costs
+from roundpipe.coordinator.planning.costs import estimate_costs
+from roundpipe.coordinator.planning.model_flops import (
+    MoeShape,
+    active_matmul_params,
+    token_mixer_flops,
+)
 from roundpipe.shared.model import LayeredModel
 
 

@@ -7,23 +7,19 @@ from types import SimpleNamespace
 import pytest
 from model_helpers import ALL_ARCHS, tiny_config
 
-from roundpipe.coordinator.planner import (
-    GiB,
-    HardwareSpec,
-    LayerCost,
-    MiB,
-    ProfileAggregator,
-    describe,
-    estimate_costs,
+from roundpipe.coordinator.planning.command import describe, plan_main
+from roundpipe.coordinator.planning.costs import LayerCost, estimate_costs
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
+from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.search import (
     evaluate_plan,
     initial_plan,
-    parse_quantity,
-    plan_main,
     plan_stages,
     replan_if_better,
 )
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
+from roundpipe.shared.units import GiB, MiB, parse_quantity
 
 BIG = 1 << 50  # "unlimited" memory
 
@@ -231,7 +227,7 @@ def test_describe_lists_every_stage() -> None:
 def test_initial_plan_for_cpu_workers(tiny_qwen: LayeredModel) -> None:
     r = initial_plan(
         tiny_qwen,
-        num_workers=2,
+        cpu_hardware(2),
         microbatch_rows=2,
         seq_len=16,
         num_microbatches=3,

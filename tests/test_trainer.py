@@ -250,7 +250,7 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
     """Measured costs (here: the prior with layer 1 five times slower, so the outcome does
     not depend on this machine's timing noise) make the real planner pick another plan,
     and the trainer switches to it mid-run without changing any number."""
-    from roundpipe.coordinator.planner import replan_if_better
+    from roundpipe.coordinator.planning.search import replan_if_better
 
     spec = tiny_spec(tmp_path, staleness=1, steps=8)
     trainer = new_trainer(spec, arena_dir)

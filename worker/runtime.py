@@ -427,7 +427,7 @@ class WorkerCore:
     def _layer_times(
         task: StageTask, measured: dict[int, float], busy_s: float
     ) -> dict[str, float]:
-        """Per-layer seconds for the planner (roundpipe.coordinator.planner keys).
+        """Per-layer seconds for the planner (roundpipe.coordinator.planning.profile keys).
 
         Forward tasks: each layer's measured forward time (``"L.fwd"``). Backward and tail
         tasks: autograd runs the whole stage at once, so the task's compute time (without

@@ -17,9 +17,10 @@ and the router are dense. Biases and norm weights are not matmuls.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from roundpipe.shared.model import LayeredModel, ParamSpec
+if TYPE_CHECKING:
+    from roundpipe.shared.model import LayeredModel, ParamSpec
 
 __all__ = [
     "LINEAR_ATTENTION_CHUNK",
