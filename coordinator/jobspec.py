@@ -1344,13 +1344,6 @@ def _model_errors(
             "documents packing needs every layer to keep packed documents apart; this "
             "model's linear-attention layers cannot: expected none or concat",
         )
-    if _config_get(model_config, "output_router_logits"):
-        # The executor computes the loss (Note [router auxiliary loss]), but tasks do not
-        # carry router statistics between stages yet: refuse rather than train without it.
-        e.add(
-            "model.config.output_router_logits",
-            "the router auxiliary loss is not carried between pipeline stages yet; expected false",
-        )
     vocab = _config_get(model_config, "vocab_size")
     if vocab_size_needed is not None and _is_int(vocab) and vocab_size_needed > vocab:
         e.add(

@@ -15,7 +15,9 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
               gradient w.r.t. the hidden state entering layer b (compute dtype)
     io      per parity, per microbatch: input_ids [rows, seq] int64, labels [rows, seq]
               int64, position_ids [rows, seq] int64 (restarting per packed document),
-              loss contribution [1] fp32
+              loss contribution [1] fp32; with a router auxiliary loss also, per layer
+              that starts a forward stage, that stage's router statistics [2, experts]
+              fp32, and the tail's complete top-k counts [experts] fp32
     events  the event table (roundpipe.shared.events) at DATA_START
 
 Activation boundaries are the layers that start a forward stage, the tail or a backward
@@ -96,6 +98,11 @@ class JobLayout:
     position_ids: dict[tuple[int, int], TensorRef]
     loss: dict[tuple[int, int], TensorRef]
     sizes: dict[str, int]
+    # Router auxiliary loss only (Note [router auxiliary loss], roundpipe.shared.model):
+    # (layer, parity, mb) -> the statistics of the forward stage starting at layer (every
+    # layer has a row, so a re-plan needs no new slots); (parity, mb) -> the tail's counts.
+    router_stats: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
+    router_counts: dict[tuple[int, int], TensorRef] = field(default_factory=dict)
     arenas: dict[str, Arena] = field(default_factory=dict)
     events: EventTable | None = None
     # (layer, parity, mb) -> slot, for the plan currently assigned
@@ -161,6 +168,7 @@ class JobLayout:
                 labels[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 position_ids[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 loss[(parity, mb)] = allocs["io"].alloc(torch.float32, (1,))
+        router_stats, router_counts = _router_slots(model, allocs["io"], num_microbatches)
         counters = Counters(model.num_layers, num_microbatches)
         sizes = {name: a.nbytes_needed for name, a in allocs.items()}
         sizes[EVENTS_ARENA] = table_nbytes(counters.total)
@@ -181,6 +189,8 @@ class JobLayout:
             position_ids=position_ids,
             loss=loss,
             sizes=sizes,
+            router_stats=router_stats,
+            router_counts=router_counts,
         )
         layout.assign(plan)
         return layout
@@ -305,3 +315,20 @@ class JobLayout:
     def trainable_layers(self) -> list[int]:
         """Layers that own at least one gradient slot (the optimizer's work list)."""
         return [layer for layer, g in self.grads.items() if g]
+
+
+def _router_slots(
+    model: LayeredModel, io: ArenaAllocator, num_microbatches: int
+) -> tuple[dict[tuple[int, int, int], TensorRef], dict[tuple[int, int], TensorRef]]:
+    """The io slots of the router auxiliary loss (none without one)."""
+    aux = model.router_aux
+    stats: dict[tuple[int, int, int], TensorRef] = {}
+    counts: dict[tuple[int, int], TensorRef] = {}
+    if aux is None:
+        return stats, counts
+    for parity in (0, 1):
+        for mb in range(num_microbatches):
+            counts[(parity, mb)] = io.alloc(torch.float32, (aux.num_experts,))
+            for layer in range(model.num_layers - 1):
+                stats[(layer, parity, mb)] = io.alloc(torch.float32, (2, aux.num_experts))
+    return stats, counts

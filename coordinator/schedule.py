@@ -175,6 +175,7 @@ class ScheduleBuilder:
                     waits=[self._wait(c.act(start, m), k)],
                     signals=signals,
                     position_ids=self.layout.position_ids[(p, m)],
+                    router_out=self.layout.router_stats.get((start, p, m)),
                 )
             )
         return StageTask(
@@ -207,6 +208,14 @@ class ScheduleBuilder:
                     waits=waits,
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
                     position_ids=self.layout.position_ids[(p, m)],
+                    # Note [router auxiliary loss]: the forward stages' statistics in, the
+                    # counts out for the backward stages (none when there are none).
+                    router_in=[
+                        self.layout.router_stats[(a, p, m)]
+                        for a, _ in self.layout.plan.forward
+                        if (a, p, m) in self.layout.router_stats
+                    ],
+                    router_out=self.layout.router_counts.get((p, m)) if start else None,
                 )
             )
         return StageTask(
@@ -232,6 +241,9 @@ class ScheduleBuilder:
                     waits=[self._wait(c.act(start, m), k), self._wait(c.dact(stop, m), k)],
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
                     position_ids=self.layout.position_ids[(p, m)],
+                    router_in=[self.layout.router_counts[(p, m)]]
+                    if (p, m) in self.layout.router_counts
+                    else [],
                 )
             )
         return StageTask(

@@ -155,7 +155,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 10
+PROTOCOL_VERSION: int = 11
 """Bump on any change to any message (see "Version rule" above)."""
 
 MAX_REPLY_BYTES: int = 1024 * 1024
@@ -527,6 +527,14 @@ class MicrobatchIO(Struct):
     #: document: the model's rotary positions and its block-diagonal causal mask);
     #: None: 0..seq-1 in every row. Written with the batch, like the token ids.
     position_ids: TensorRef | None = None
+    #: router auxiliary loss only (Note [router auxiliary loss] in roundpipe.shared.model):
+    #: forward: where this stage's fp32 [2, experts] router statistics of the microbatch
+    #: (top-k counts, router-probability sums) go; tail: where the complete top-k counts
+    #: [experts] go, for the backward stages. Written before the microbatch's signals.
+    router_out: TensorRef | None = None
+    #: tail: every forward stage's statistics ([2, experts] each); backward: the tail's
+    #: counts ([experts]). Empty without a router auxiliary loss.
+    router_in: list[TensorRef] = field(default_factory=list)
 
     def _check(self) -> None:
         if self.loss is not None and self.loss.dtype != "float32":

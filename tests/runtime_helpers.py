@@ -147,11 +147,20 @@ def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[s
         grad_model.zero_grad(set_to_none=True)
         batch = loader.batch_for_step(k)
         total = batch.num_label_tokens
+        batch_tokens = sum(ids.numel() for ids, _ in batch.microbatches)
         for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
             # Position ids restart per packed document: transformers then masks
             # attention block-diagonally, as the runtime does.
             out = grad_model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False)
-            (out.loss * (count_label_tokens(labels) / total)).backward()
+            loss = out.loss * (count_label_tokens(labels) / total)
+            if getattr(out, "aux_loss", None) is not None:
+                # transformers' loss holds coef * aux; a microbatch's aux counts with its
+                # share of the batch's tokens (Note [router auxiliary loss]).
+                coef = grad_model.config.router_aux_loss_coef
+                weighted = coef * out.aux_loss
+                loss = (out.loss - weighted) * (count_label_tokens(labels) / total)
+                loss = loss + weighted * (ids.numel() / batch_tokens)
+            loss.backward()
         grad_params = dict(grad_model.named_parameters())
         for n, p in trainable.items():
             g = grad_params[n].grad

@@ -263,44 +263,51 @@ def test_packed_documents_equal_documents_alone(arch: str) -> None:
     assert_grads_close(packed.weight_grads, alone.weight_grads, 1e-5, arch)
 
 
-def test_job_spec_refuses_router_aux_loss_until_the_runtime_carries_it(tmp_path: Path) -> None:
-    from runtime_helpers import TINY_QWEN3, tiny_spec
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_router_aux_loss_job_matches_the_oracle(tmp_path: Path, arena_dir: Path, arch: str) -> None:
+    """output_router_logits through the trainer: forward stages hand their router
+    statistics to the tail and the tail its counts to the backward stages through the io
+    arena; the weights equal the transformers loop with the load-balancing loss."""
+    from runtime_helpers import (
+        TINY_QWEN3,
+        assert_params_match,
+        oracle_train,
+        tiny_spec,
+        trained_in_process,
+    )
 
-    from roundpipe.coordinator.jobspec import JobSpecError
-
-    config = {k: v for k, v in TINY_QWEN3.items() if k != "head_dim"} | {
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "output_router_logits": True,
-    }
-    with pytest.raises(JobSpecError, match="output_router_logits.*not carried"):
-        tiny_spec(tmp_path, architecture="qwen3_moe", config=config)
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe_text", "gpt_oss"])
-def test_worker_runs_experts_through_the_grouped_path(arch: str) -> None:
-    """The executor's MoE layers call transformers' grouped_mm experts function (one
-    grouped matmul over all experts), never the per-expert Python loop."""
-    from transformers.integrations import moe as hf_moe
-
-    model = LayeredModel.from_config(tiny_config(arch))
-    assert model.skeleton.config._experts_implementation == "grouped_mm"
-    interface = hf_moe.ALL_EXPERTS_FUNCTIONS
-    grouped = interface["grouped_mm"]
-    calls: list[int] = []
-
-    def counting(module, *args, **kwargs):
-        calls.append(1)
-        return grouped(module, *args, **kwargs)
-
-    interface["grouped_mm"] = counting
-    try:
-        ex = StageExecutor(model)
-        weights = model.range_weights(model.init_weights(seed=1), 0, model.num_layers)
-        ids, labels = batch(seed=1, rows=2)
-        ex.tail(0, model.num_layers, weights, [ids], [labels], 10)
-    finally:
-        interface["grouped_mm"] = grouped
-    num_moe_layers = sum(model.router_module(layer) is not None for layer in range(1, 5))
-    assert len(calls) == num_moe_layers > 0
+    aux = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    if arch == "qwen3_moe":
+        base = {k: v for k, v in TINY_QWEN3.items() if k != "head_dim"}
+        config = base | {"moe_intermediate_size": 32, "num_experts": 4} | aux
+        config |= {"num_experts_per_tok": 2}
+    else:
+        config = _spec_config(arch) | aux
+    spec = tiny_spec(
+        tmp_path,
+        steps=2,
+        staleness=1,
+        architecture=arch,
+        config=config,
+        plan="F[0:1,1:3] T[3:6] B[2:3,0:2]",
+        packing="none",
+    )
+    with trained_in_process(spec, arena_dir, 2) as trainer:
+        assert trainer.model.router_aux is not None
+        runtime = {n: t for per in trainer.final_weights().values() for n, t in per.items()}
+    oracle = oracle_train(spec)
+    assert_params_match(runtime, oracle, rtol=1e-5)
+    # The aux loss moved the weights: without it the oracle differs.
+    plain = oracle_train(
+        tiny_spec(
+            tmp_path,
+            steps=2,
+            staleness=1,
+            architecture=arch,
+            config={k: v for k, v in config.items() if k != "output_router_logits"},
+            plan="F[0:1,1:3] T[3:6] B[2:3,0:2]",
+            packing="none",
+        )
+    )
+    router = next(n for n in oracle if n.endswith((".mlp.gate.weight", ".mlp.router.weight")))
+    assert not torch.allclose(plain[router], oracle[router], rtol=1e-4, atol=0)

@@ -318,6 +318,7 @@ class StageExecutor:
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_output: Callable[[int, torch.Tensor], None] | None = None,
         on_saved: Callable[[int, int, torch.Tensor], None] | None = None,
+        on_router_stats: Callable[[int, torch.Tensor], None] | None = None,
     ) -> ForwardResult:
         """Run layers [start, stop) over every microbatch, without autograd.
 
@@ -326,6 +327,8 @@ class StageExecutor:
         that is in ``save_layers`` is kept. With ``on_output(m, t)`` / ``on_saved(layer,
         m, t)`` tensors are handed over as soon as they exist instead of being returned.
         ``position_ids[m]`` are microbatch m's position ids (Note [packed documents]).
+        ``on_router_stats(m, t)`` receives microbatch m's router statistics (before its
+        output) instead of ``router_stats``.
         """
         self._check_range(start, stop, tail=False)
         keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
@@ -345,7 +348,11 @@ class StageExecutor:
                     x, ctx = self._run_layer(layer, x, bound, ctx, rng, m, position_ids)
                 stats = self._router_stats()
                 if stats is not None:
-                    result.router_stats.append(torch.stack([stats[0], stats[1]]))
+                    packed = torch.stack([stats[0], stats[1]])
+                    if on_router_stats is not None:
+                        on_router_stats(m, packed)
+                    else:
+                        result.router_stats.append(packed)
                 if on_output is not None:
                     on_output(m, x)
                 else:
@@ -429,6 +436,7 @@ class StageExecutor:
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
         router_stats: Sequence[torch.Tensor] | None = None,
         batch_tokens: int | None = None,
+        on_router_counts: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
@@ -439,7 +447,9 @@ class StageExecutor:
         ``on_grad_input`` streams input gradients as in ``backward``. With a router
         auxiliary loss, ``router_stats[m]`` (the forward stages' summed
         ``ForwardResult.router_stats``; None when the tail starts at layer 0) and
-        ``batch_tokens`` (tokens of the global batch) complete it here. Note [router
+        ``batch_tokens`` (tokens of the global batch) complete it here;
+        ``on_router_counts(m, t)`` receives microbatch m's complete counts before its
+        input gradient (they are in ``router_counts`` either way). Note [router
         auxiliary loss] (roundpipe.shared.model).
         """
         self._check_range(start, stop, tail=True)
@@ -490,6 +500,8 @@ class StageExecutor:
                     scale = self._aux_scale(x, batch_tokens)
                     aux_losses.append(scale * (counts * total_probs).sum())
                     router_counts.append(counts)
+                    if on_router_counts is not None:
+                        on_router_counts(m, counts)
                     extra = scale * (counts * probs).sum()
                 watch = self.stopwatch
                 if watch is not None:  # norm + chunked head and loss (forward and backward)
