@@ -32,7 +32,13 @@ import psutil
 
 from roundpipe.coordinator.layout import JobLayout
 
-__all__ = ["HostMemory", "InsufficientMemory", "check_host_memory", "host_memory_needed"]
+__all__ = [
+    "HostMemory",
+    "InsufficientMemory",
+    "check_host_memory",
+    "host_memory_needed",
+    "release_freed_memory",
+]
 
 
 class InsufficientMemory(RuntimeError):
@@ -94,3 +100,14 @@ def check_host_memory(
             f"{what} needs {_gib(need.arenas)} of arenas in {arena_dir}, which has "
             f"{_gib(arena_free)} free; {fix}, or give the arena directory more space"
         )
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise: a job's tensors
+    are freed, but the process's RSS would stay at its peak)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do

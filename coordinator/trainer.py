@@ -4,12 +4,16 @@
 the fp32 masters and the layer-wise AdamW, the data loader. ``run`` drives iterations:
 it writes each global batch into the io arena, builds the iteration's StageTasks
 (roundpipe.coordinator.schedule) and hands them to workers round-robin through a
-``dispatch`` callback, with a task counter that persists across iterations. Workers report
+``WorkerPort``, with a task counter that persists across iterations. Workers report
 completions into ``inbox``. A separate optimizer thread updates layers as their gradients
 complete (Note [weight-update ordering]).
 
-The coordinator daemon runs a Trainer in a job thread and connects ``dispatch``/``inbox``
-to ZeroMQ; tests connect them to in-process ``WorkerCore`` threads.
+Everything that crosses between a trainer and the world is typed, in
+roundpipe.coordinator.job_events: results and worker events come in through ``inbox``,
+the trainer's ``JobEvent``s (plan chosen, checkpoint written) go out through one
+``on_event`` callable, and tasks go out through the port. The coordinator daemon runs a
+Trainer in a job thread with a port over ZeroMQ; tests use in-process ``WorkerCore``
+threads.
 
 Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
 ``output.checkpoint_every`` steps and after the last step the trainer drains the
@@ -87,6 +91,17 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
 )
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.job_events import (
+    CheckpointWritten,
+    InboxEvent,
+    JobEvent,
+    PlanChosen,
+    Wakeup,
+    WorkerJoined,
+    WorkerLost,
+    WorkerPort,
+    progress_page,
+)
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
@@ -159,7 +174,7 @@ class Trainer:
         wait_timeout_s: float = 600.0,
         optimizer_impl: str = "fused",
         recovery_policy: RecoveryPolicy | None = None,
-        on_plan: Callable[[Plan, str], None] | None = None,
+        on_event: Callable[[JobEvent], None] | None = None,
         paths: PathPolicy | None = None,
     ):
         self.job_id = job_id
@@ -172,11 +187,13 @@ class Trainer:
         self.output_dir = Path(output_dir)
         self.wait_timeout_s = wait_timeout_s
         self.optimizer_impl = optimizer_impl
-        self.inbox: queue.Queue[TaskDone | TaskFailed | str] = queue.Queue()
+        self.inbox: queue.Queue[TaskDone | TaskFailed | InboxEvent] = queue.Queue()
+        """Results and events for the run loop (roundpipe.coordinator.job_events)."""
         self.recovery_policy = recovery_policy or RecoveryPolicy()
-        self._fence: Callable[[int, str], None] | None = None
+        self._port: WorkerPort | None = None
         self.progress: list[ProgressEvent] = []
-        self.progress_lock = threading.Lock()
+        """Appended under ``_progress_lock``; read with ``progress_page`` / ``recent_progress``."""
+        self._progress_lock = threading.Lock()
         self.step = 0
         self.last_loss: float | None = None
         self.checkpoints = CheckpointDir(self.output_dir / "checkpoints")
@@ -194,8 +211,8 @@ class Trainer:
         """Busy seconds (updating, not waiting for gradients) of optimizer step
         ``_optimizer_done_step``."""
         self.layout: JobLayout | None = None
-        self.on_plan = on_plan
-        """Called with (plan, why) when the plan is chosen and whenever it changes."""
+        self.on_event = on_event
+        """Gets the job's ``JobEvent``s: the plan chosen, checkpoints written."""
         self.hardware: HardwareSpec | None = None
         self.profile: ProfileAggregator | None = None
         """Measured layer times, when the planner may re-plan (Note [re-planning])."""
@@ -351,8 +368,7 @@ class Trainer:
         log.info(
             "[trainer] job %s: plan %s from step %d (%s)", self.job_id, self.plan, iteration, why
         )
-        if self.on_plan is not None:
-            self.on_plan(self.plan, why)
+        self._emit(PlanChosen(self.plan, why))
 
     def _replan_candidate(self) -> tuple[Plan, str] | None:
         """A better plan under the measured layer times, if they have settled and one
@@ -539,7 +555,22 @@ class Trainer:
 
     def cancel(self) -> None:
         self._cancel.set()
-        self.inbox.put("cancel")
+        self.inbox.put(Wakeup("cancel"))
+
+    def _emit(self, event: JobEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def progress_page(self, after_seq: int, limit: int) -> tuple[list[ProgressEvent], bool]:
+        """Up to ``limit`` progress events after ``after_seq``, in seq order, and whether
+        more follow (any thread)."""
+        with self._progress_lock:
+            return progress_page(self.progress, after_seq, limit)
+
+    def recent_progress(self, n: int) -> list[ProgressEvent]:
+        """The newest ``n`` progress events (any thread)."""
+        with self._progress_lock:
+            return self.progress[-n:]
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step``: every ``checkpoint_every``
@@ -549,21 +580,17 @@ class Trainer:
 
     def run(
         self,
-        dispatch: Callable[[StageTask, int], None],
-        workers: Callable[[], list[int]],
+        port: WorkerPort,
         on_progress: Callable[[ProgressEvent], None] | None = None,
-        on_checkpoint: Callable[[int, Path], None] | None = None,
-        fence: Callable[[int, str], None] | None = None,
     ) -> None:
         """Train steps ``start_step + 1 .. spec.train.steps``, writing checkpoints on the
-        way. Raises JobFailed / JobCancelled / JobPaused (a checkpoint could not be
-        written; the previous one is intact).
+        way (each one a ``CheckpointWritten`` event). Raises JobFailed / JobCancelled /
+        JobPaused (a checkpoint could not be written; the previous one is intact).
 
-        ``dispatch(task, worker_id)`` sends a task; ``workers()`` lists live worker ids.
-        Worker loss arrives in ``inbox`` as ``"worker-lost:<id>:<reason>"`` and a new
-        worker as ``"worker-joined"``; the lost worker's tasks are re-dispatched
-        (coordinator.recovery). ``fence(worker_id, reason)`` is called for a worker that
-        stopped making progress: the caller makes sure it is dead and no longer listed.
+        Tasks go out through ``port`` (roundpipe.coordinator.job_events.WorkerPort).
+        Worker loss arrives in ``inbox`` as ``WorkerLost`` and a new worker as
+        ``WorkerJoined``; the lost worker's tasks are re-dispatched (coordinator.recovery).
+        A worker that stopped making progress is fenced through the port.
         """
         assert self.layout is not None
         layout, spec = self.layout, self.spec
@@ -574,9 +601,9 @@ class Trainer:
             target=self._optimizer_loop, name=f"rp-optimizer-{self.job_id}", daemon=True
         )
         optimizer_thread.start()
-        tracker = TaskTracker(dispatch, workers, self.recovery_policy)
+        tracker = TaskTracker(port.send_task, port.live_workers, self.recovery_policy)
         self.tracker = tracker
-        self._fence = fence
+        self._port = port
         unfinished: dict[int, StageTask] = {}  # dispatched, in flight or parked, not done
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
@@ -645,8 +672,7 @@ class Trainer:
                     self._wait_optimizer(k)
                     report_through(k)
                     path = self.save_checkpoint(k)
-                    if on_checkpoint is not None:
-                        on_checkpoint(k, path)
+                    self._emit(CheckpointWritten(k, path, self.last_loss))
             while any(pending_per_iteration.values()):
                 handle_next()
                 report_through(steps)
@@ -689,7 +715,7 @@ class Trainer:
             time=time.time(),
             optimizer_s=self._latest_optimizer_s(),
         )
-        with self.progress_lock:
+        with self._progress_lock:
             self.progress.append(event)
         self.timeline.step_reported(event)  # observability
         if on_progress is not None:
@@ -702,7 +728,7 @@ class Trainer:
         with self._optimizer_cv:
             return self._optimizer_last_s
 
-    def _next_message(self) -> TaskDone | TaskFailed | str:
+    def _next_message(self) -> TaskDone | TaskFailed | InboxEvent:
         while True:
             if self._optimizer_error is not None:
                 raise JobFailed(f"optimizer failed: {self._optimizer_error}") from (
@@ -722,20 +748,21 @@ class Trainer:
             return
         for worker_id in tracker.hung_workers():
             reason = "no task completed within the progress deadline"
-            if self._fence is not None:
-                self._fence(worker_id, reason)
+            if self._port is not None:
+                self._port.fence(worker_id, reason)
             tracker.worker_lost(worker_id, reason)
 
     def _handle(self, msg, unfinished: dict[int, StageTask], pending: dict[int, int]) -> None:
         tracker = self.tracker
-        if isinstance(msg, str):
-            if msg.startswith("worker-lost:"):
-                _, worker_id, reason = msg.split(":", 2)
-                tracker.worker_lost(int(worker_id), reason)
-            elif msg == "worker-joined":
-                if tracker.dispatch_parked():
-                    log.info("[trainer] job %s continues: a worker joined", self.job_id)
-            return  # other wake-ups (cancel, optimizer error) are checked by _next_message
+        if isinstance(msg, WorkerLost):
+            tracker.worker_lost(msg.worker_id, msg.reason)
+            return
+        if isinstance(msg, WorkerJoined):
+            if tracker.dispatch_parked():
+                log.info("[trainer] job %s continues: worker %d joined", self.job_id, msg.worker_id)
+            return
+        if isinstance(msg, Wakeup):
+            return  # what it wakes the loop for (cancel, optimizer error) is checked there
         if isinstance(msg, TaskFailed):
             if msg.task_id not in unfinished:
                 return
@@ -776,7 +803,7 @@ class Trainer:
         except BaseException as exc:  # surfaced by the run loop as JobFailed
             log.exception("[trainer] optimizer thread failed")
             self._optimizer_error = exc
-            self.inbox.put("optimizer-error")
+            self.inbox.put(Wakeup("optimizer error"))
 
     def _optimizer_step(self, k: int) -> float:
         """Step k for every layer: each time the highest layer not yet updated has its
@@ -936,7 +963,7 @@ class Trainer:
     def _manifest(self, step: int) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
-        with self.progress_lock:
+        with self._progress_lock:
             progress = [
                 [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
             ]

@@ -151,6 +151,10 @@ __all__ = [
     "Progress",
     "ERROR_CODES",
     "ErrorCode",
+    "FINAL_JOB_STATES",
+    "JOB_STATES",
+    "JobState",
+    "STOPPED_JOB_STATES",
     "ErrorReply",
     "Ack",
 ]
@@ -787,6 +791,15 @@ class Shutdown(Message):
 
 
 JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
+"""A job's lifecycle state (roundpipe.coordinator.jobs draws the state machine)."""
+JOB_STATES: tuple[str, ...] = typing.get_args(JobState)
+"""Every job state, in lifecycle order; the coordinator, the client and the CLI share it."""
+FINAL_JOB_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+"""Job states that never change on their own (a resume can queue a failed or cancelled
+job again)."""
+STOPPED_JOB_STATES: frozenset[str] = FINAL_JOB_STATES | {"paused"}
+"""States in which a job makes no progress until someone acts: the final ones, and
+``paused`` (stopped without losing anything, e.g. its checkpoint could not be written)."""
 
 
 @_message

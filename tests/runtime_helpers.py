@@ -207,11 +207,15 @@ class InProcessWorkers:
         with q.mutex:
             return q.queue[0] if q.queue else None
 
-    def dispatch(self, task: StageTask, worker_id: int) -> None:
+    # The trainer's WorkerPort (roundpipe.coordinator.job_events).
+    def send_task(self, task: StageTask, worker_id: int) -> None:
         self.queues[worker_id].put(task)
 
-    def workers(self) -> list[int]:
+    def live_workers(self) -> list[int]:
         return list(range(len(self.cores)))
+
+    def fence(self, worker_id: int, reason: str) -> None:
+        raise AssertionError(f"in-process worker {worker_id} fenced: {reason}")
 
     def _failed(self, task: StageTask, i: int, exc: BaseException) -> TaskFailed:
         return TaskFailed(
@@ -276,7 +280,7 @@ def trained_in_process(
     try:
         trainer.prepare(num_workers)
         pool = InProcessWorkers(trainer, num_workers, engine=engine)
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
         yield trainer
     finally:
         if pool is not None:
