@@ -202,6 +202,9 @@ class ModelSpec:
     ``train.seed``."""
     tokenizer: str | None = None
     """Local tokenizer directory; ``None`` uses ``path`` (a path model's own tokenizer)."""
+    dequantize: bool = False
+    """With ``path`` only: dequantise MXFP4-packed expert weights (GPT-OSS checkpoints
+    from the hub) while loading; the job trains and exports the unquantised model."""
     resume_from: str | None = None
     """A RoundPipe checkpoint to continue from: a ``step-*`` checkpoint directory, a
     ``checkpoints`` directory or a job's output directory (its newest good checkpoint).
@@ -978,6 +981,8 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             + ") with config",
         )
         return None
+    if m.path is None and m.dequantize:
+        e.add("model.dequantize", "applies to a path model only (a checkpoint to load)")
     if m.path is not None:
         if m.config:
             e.add(
@@ -987,6 +992,7 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             )
         if m.init_seed is not None:
             e.add("model.init_seed", "applies to an architecture model only (random init)")
+        _check_bool(e, "model.dequantize", m.dequantize)
         if not _check_dir(e, "model.path", m.path, "a model directory"):
             return None
         cfg_file = os.path.join(m.path, "config.json")
@@ -1312,7 +1318,12 @@ def model_config_from_spec(model: ModelSpec) -> PretrainedConfig:
     if model.path is not None:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        if model.dequantize:
+            from roundpipe.shared.model import without_mxfp4
+
+            config = without_mxfp4(config)
+        return config
     assert model.architecture is not None, "validated spec has path or architecture"
     return _config_class(model.architecture)(**model.config)
 

@@ -250,7 +250,9 @@ class Trainer:
         config = model_config_from_spec(spec.model)
         lora = spec.lora.model_settings() if spec.lora is not None else None
         if spec.model.path is not None:
-            model = LayeredModel.from_hf_dir(spec.model.path, lora)
+            model = LayeredModel.from_hf_dir(
+                spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
+            )
             weights = model.load_weights(dtype=torch.float32, seed=spec.init_seed)
         else:
             model = LayeredModel(config, lora)

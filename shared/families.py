@@ -124,7 +124,8 @@ def _gpt_oss_refusals(config: Any) -> list[str]:
         f"quant_method={method!r}); RoundPipe trains bf16 / fp32 weights: use a bf16 "
         "checkpoint of the model (the layout transformers saves after "
         "`from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))` and "
-        "`save_pretrained`), and drop quantization_config from its config.json"
+        "`save_pretrained`), or dequantise on load: job spec model.dequantize: true "
+        "(LayeredModel dequantize_mxfp4=True)"
     ]
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "RouterAux",
     "count_label_tokens",
     "shift_labels",
+    "without_mxfp4",
     "model_config_dict",
 ]
 
@@ -229,8 +230,14 @@ class LayeredModel:
         *,
         source_dir: str | Path | None = None,
         attn_implementation: str | None = None,
+        dequantize_mxfp4: bool = False,
     ) -> None:
         self.config = copy.deepcopy(config)
+        # MXFP4-packed experts (GPT-OSS hub checkpoints) become plain weights on load;
+        # the model trained and exported is then the unquantised one.
+        self.dequantize_mxfp4 = dequantize_mxfp4
+        if dequantize_mxfp4:
+            self.config = without_mxfp4(self.config)
         self.family: Family = family_for(self.config)
         self.architecture = self.family.architecture
         self._check_config()
@@ -602,13 +609,17 @@ class LayeredModel:
                 else:
                     key = _strip_peft(s.name).replace(".base_layer.", ".")
                     t = reader.get(key)
+                    if t is None and self.dequantize_mxfp4:
+                        t = reader.mxfp4(key)
                     if t is None:
                         if reader.has(f"{key}_blocks"):
                             raise ValueError(
                                 f"{path}: {key} is stored MXFP4-packed ({key}_blocks / "
                                 "_scales); RoundPipe trains bf16 / fp32 weights: use the "
                                 "bf16 checkpoint of this model (transformers writes one "
-                                "after loading with Mxfp4Config(dequantize=True))"
+                                "after loading with Mxfp4Config(dequantize=True)), or "
+                                "dequantise on load (LayeredModel dequantize_mxfp4=True, "
+                                "job spec model.dequantize: true)"
                             )
                         missing.append(key)
                         continue
@@ -699,6 +710,18 @@ class _SafetensorsDir:
     def has(self, key: str) -> bool:
         return key in self._where
 
+    def mxfp4(self, key: str) -> torch.Tensor | None:
+        """``key`` dequantised from its MXFP4 ``_blocks`` / ``_scales`` (None if absent),
+        by transformers' own conversion: fp4 (e2m1) pairs per byte, low nibble first,
+        times 2^(scale - 127) per 32 values, transposed to the expert tensors' layout."""
+        blocks, scales = self._raw(f"{key}_blocks"), self._raw(f"{key}_scales")
+        if blocks is None or scales is None:
+            return None
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        # Every fp4 value times a power of two is exact in bf16 (and so in fp32).
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+
     def _raw(self, key: str) -> torch.Tensor | None:
         h = self._where.get(key)
         return None if h is None else h.get_tensor(key)
@@ -730,6 +753,23 @@ class _SafetensorsDir:
                 return None
             parts.append(t)
         return torch.stack(parts)
+
+
+def without_mxfp4(config: Any) -> Any:
+    """A copy of ``config`` without an MXFP4 ``quantization_config`` (what a model
+    dequantised on load is); any other quantisation method is refused."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return config
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    if str(method).lower() != "mxfp4":
+        raise ValueError(
+            f"cannot dequantise quantization_config.quant_method={method!r}: only MXFP4 "
+            "(GPT-OSS's packed experts) is dequantised on load"
+        )
+    out = copy.deepcopy(config)
+    del out.quantization_config
+    return out
 
 
 def model_config_dict(config: Any) -> dict:

@@ -311,3 +311,90 @@ def test_router_aux_loss_job_matches_the_oracle(tmp_path: Path, arena_dir: Path,
     )
     router = next(n for n in oracle if n.endswith((".mlp.gate.weight", ".mlp.router.weight")))
     assert not torch.allclose(plain[router], oracle[router], rtol=1e-4, atol=0)
+
+
+_FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A tiny GPT-OSS directory in the hub's MXFP4 layout (``*_blocks`` / ``*_scales``,
+    ``quantization_config``); returns the expert tensors it encodes, decoded here by the
+    format's definition: two e2m1 codes per byte, low nibble first, each group of 32
+    values times 2^(scale - 127), stored [experts, out, in / 32, 16]."""
+    from safetensors.torch import save_file
+
+    model = LayeredModel.from_config(tiny_config("gpt_oss", intermediate_size=32))
+    flat = model.flat_weights(model.init_weights(seed=1))
+    g = torch.Generator().manual_seed(7)
+    tensors, expected = {}, {}
+    for name, t in flat.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = t.contiguous()
+            continue
+        experts, n_in, n_out = t.shape
+        blocks = torch.randint(0, 256, (experts, n_out, n_in // 32, 16), generator=g)
+        scales = torch.randint(120, 130, (experts, n_out, n_in // 32), generator=g)
+        lut = torch.tensor(_FP4)
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(experts, n_out, -1, 32)
+        values = lut[codes] * torch.pow(2.0, (scales - 127).float()).unsqueeze(-1)
+        expected[name] = values.reshape(experts, n_out, n_in).transpose(1, 2).contiguous()
+        tensors[name + "_blocks"] = blocks.to(torch.uint8)
+        tensors[name + "_scales"] = scales.to(torch.uint8)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = tiny_config("gpt_oss", intermediate_size=32)
+    config.quantization_config = {"quant_method": "mxfp4"}
+    config.save_pretrained(str(path))
+    return expected
+
+
+def test_mxfp4_checkpoint_dequantised_on_load(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from roundpipe.shared.model import IGNORE_INDEX
+
+    expected = _mxfp4_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="MXFP4-packed"):
+        LayeredModel.from_hf_dir(tmp_path)
+    model = LayeredModel.from_hf_dir(tmp_path, dequantize_mxfp4=True)
+    assert getattr(model.config, "quantization_config", None) is None
+    flat = model.flat_weights(model.load_weights())
+    for name, want in expected.items():
+        assert torch.equal(flat[name], want), name
+    # The dequantised model trains, and exports as a plain (unquantised) checkpoint.
+    ex = StageExecutor(model)
+    ids, labels = batch(seed=1, rows=2)
+    labels[0, :3] = IGNORE_INDEX
+    res = ex.tail(
+        0, model.num_layers, model.range_weights(model.load_weights(), 0, 6), [ids], [labels], 20
+    )
+    assert torch.isfinite(res.losses).all()
+    model.to_hf_model(model.load_weights()).save_pretrained(str(tmp_path / "export"))
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "export"), output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert getattr(hf.config, "quantization_config", None) is None
+
+
+def test_job_spec_dequantize_option(tmp_path: Path) -> None:
+    """``model.dequantize`` drops the MXFP4 quantization_config from the job's model
+    config (so admission and the workers build the plain model); it needs a path model."""
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.coordinator.jobspec import (
+        JobSpec,
+        JobSpecError,
+        ModelSpec,
+        model_config_from_spec,
+    )
+
+    _mxfp4_checkpoint(tmp_path)
+    config = model_config_from_spec(ModelSpec(path=str(tmp_path), dequantize=True))
+    assert getattr(config, "quantization_config", None) is None
+    LayeredModel(config)  # the family accepts the dequantised config
+    with pytest.raises(ValueError, match="MXFP4"):
+        LayeredModel(model_config_from_spec(ModelSpec(path=str(tmp_path))))
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    spec["model"]["dequantize"] = True
+    with pytest.raises(JobSpecError, match="model.dequantize.*path model only"):
+        JobSpec.from_dict(spec)
