@@ -316,14 +316,15 @@ def test_router_aux_loss_job_matches_the_oracle(tmp_path: Path, arena_dir: Path,
 _FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
-def _mxfp4_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def _mxfp4_checkpoint(path: Path, **overrides: object) -> dict[str, torch.Tensor]:
     """A tiny GPT-OSS directory in the hub's MXFP4 layout (``*_blocks`` / ``*_scales``,
     ``quantization_config``); returns the expert tensors it encodes, decoded here by the
     format's definition: two e2m1 codes per byte, low nibble first, each group of 32
     values times 2^(scale - 127), stored [experts, out, in / 32, 16]."""
     from safetensors.torch import save_file
 
-    model = LayeredModel.from_config(tiny_config("gpt_oss", intermediate_size=32))
+    config = tiny_config("gpt_oss", intermediate_size=32, **overrides)
+    model = LayeredModel.from_config(config)
     flat = model.flat_weights(model.init_weights(seed=1))
     g = torch.Generator().manual_seed(7)
     tensors, expected = {}, {}
@@ -341,7 +342,6 @@ def _mxfp4_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         tensors[name + "_blocks"] = blocks.to(torch.uint8)
         tensors[name + "_scales"] = scales.to(torch.uint8)
     save_file(tensors, str(path / "model.safetensors"))
-    config = tiny_config("gpt_oss", intermediate_size=32)
     config.quantization_config = {"quant_method": "mxfp4"}
     config.save_pretrained(str(path))
     return expected
@@ -398,3 +398,32 @@ def test_job_spec_dequantize_option(tmp_path: Path) -> None:
     spec["model"]["dequantize"] = True
     with pytest.raises(JobSpecError, match="model.dequantize.*path model only"):
         JobSpec.from_dict(spec)
+
+
+def test_job_trains_a_dequantised_mxfp4_checkpoint(tmp_path: Path, arena_dir: Path) -> None:
+    """A job on an MXFP4 GPT-OSS directory with model.dequantize trains through the
+    trainer (workers build the plain model from the job's config) and exports a plain
+    checkpoint that transformers loads."""
+    from runtime_helpers import DEMO_DATA, tiny_spec, trained_in_process
+    from transformers import AutoModelForCausalLM
+
+    from roundpipe.coordinator.jobspec import JobSpec
+
+    (tmp_path / "ckpt").mkdir()
+    _mxfp4_checkpoint(tmp_path / "ckpt", vocab_size=512)
+    spec = tiny_spec(tmp_path / "out", steps=2, packing="none").to_dict()
+    spec["model"] = {
+        "path": str(tmp_path / "ckpt"),
+        "dequantize": True,
+        "tokenizer": str(DEMO_DATA / "tokenizer"),
+    }
+    job = JobSpec.from_dict(spec)
+    with trained_in_process(job, arena_dir, 2) as trainer:
+        assert trainer.model.architecture == "GptOssForCausalLM"
+        assert all(torch.isfinite(t).all() for t in trainer.final_weights()[1].values())
+        trainer.export(tmp_path / "export")
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "export"), output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert getattr(hf.config, "quantization_config", None) is None
