@@ -326,6 +326,11 @@ class TrainSpec:
     replan: bool = True
     """Re-plan from the workers' measured layer times once they settle (switching when
     the new plan is predicted at least 5% faster). Ignored when ``plan`` is set."""
+    grad_buffer_stages: int = 2
+    """Host gradient buffer, in units of the plan's largest gradient-writing stage:
+    layers of the same shape share this many stages' worth of fp32 gradient slots, and a
+    backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
+    layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -919,6 +924,7 @@ def _check_train(e: _Errors, t: TrainSpec) -> bool:
     _check_choice(e, "train.dtype", t.dtype, DTYPES)
     _check_int(e, "train.seed", t.seed, lo=0)
     _check_bool(e, "train.replan", t.replan)
+    _check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 

@@ -27,12 +27,26 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from roundpipe.coordinator.layout import JobLayout
+from roundpipe.shared.model import LayeredModel
 
-__all__ = ["HostMemory", "InsufficientMemory", "check_host_memory", "host_memory_needed"]
+if TYPE_CHECKING:
+    from roundpipe.coordinator.jobspec import JobSpec
+    from roundpipe.shared.plan import Plan
+
+__all__ = [
+    "HostMemory",
+    "InsufficientMemory",
+    "check_host_memory",
+    "grad_buffer_layers",
+    "host_memory_needed",
+    "least_host_memory",
+    "optimizer_state_nbytes",
+]
 
 
 class InsufficientMemory(RuntimeError):
@@ -45,30 +59,114 @@ def _gib(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Bytes of host memory one job takes while it runs."""
+    """Bytes of host memory one job takes while it runs, by component."""
 
-    arenas: int
-    """Shared-memory arenas under the arena directory (all of ``JobLayout.sizes``)."""
+    weights: int
+    """Compute-dtype weights in the params arena (Note [weight copies] in
+    roundpipe.coordinator.layout) and the frozen weights."""
+    grads: int
+    """The gradient arena (Note [gradient buffer] in roundpipe.coordinator.layout)."""
+    activations: int
+    """Activation and activation-gradient slots, the io arena and the event table."""
     masters: int
-    """fp32 master weights of the trainable parameters."""
+    """fp32 master weights of the trainable parameters (coordinator memory)."""
     moments: int
-    """AdamW exp_avg and exp_avg_sq of the trainable parameters."""
+    """Optimizer states of the trainable parameters (coordinator memory)."""
+    staging: int = 0
+    """Pinned staging buffers: none (GPU workers pin the arenas in place)."""
+
+    @property
+    def arenas(self) -> int:
+        """Shared-memory arenas under the arena directory (all of ``JobLayout.sizes``)."""
+        return self.weights + self.grads + self.activations
 
     @property
     def total(self) -> int:
-        return self.arenas + self.masters + self.moments
+        return self.arenas + self.masters + self.moments + self.staging
 
-    def describe(self) -> str:
+    def components(self) -> dict[str, int]:
+        """Every component by name, in the order ``describe`` gives them."""
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "activations": self.activations,
+            "masters": self.masters,
+            "moments": self.moments,
+            "staging": self.staging,
+        }
+
+    def describe(self, parameters: int | None = None) -> str:
+        """One line with every figure; with ``parameters``, also bytes per parameter."""
+        per = "" if not parameters else f", {self.total / parameters:.2f} bytes per parameter"
         return (
-            f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}, fp32 masters "
-            f"{_gib(self.masters)}, AdamW moments {_gib(self.moments)})"
+            f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
+            f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
+            f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
+            f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}){per}"
         )
 
 
-def host_memory_needed(layout: JobLayout) -> HostMemory:
-    """What a job with this (planned, not yet created) layout takes in host memory."""
+def host_memory_needed(layout: JobLayout, spec: JobSpec | None = None) -> HostMemory:
+    """What a job with this (planned, not yet created) layout takes in host memory.
+    ``spec``: the job's optimizer settings (default: AdamW with fp32 states)."""
     trainable = layout.model.parameter_count(trainable_only=True)
-    return HostMemory(arenas=layout.total_bytes, masters=4 * trainable, moments=8 * trainable)
+    sizes = layout.sizes
+    return HostMemory(
+        weights=sizes["params"],
+        grads=sizes["grads"],
+        activations=sum(n for name, n in sizes.items() if name not in ("params", "grads")),
+        masters=4 * trainable,
+        moments=optimizer_state_nbytes(layout, spec),
+    )
+
+
+def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
+    """Gradient slots per shape class for ``spec`` under ``plan`` (Note [gradient
+    buffer] in roundpipe.coordinator.layout); None: one slot per trainable layer."""
+    stages = spec.train.grad_buffer_stages
+    if stages == 0 or spec.optimizer.grad_clip is not None:
+        return None
+    return JobLayout.grad_buffer_layers_for(plan, stages)
+
+
+def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
+    """The least host memory ``spec`` needs under any plan (what admission checks at
+    submit): the activation slots of the plan with the fewest (the whole model as one
+    tail stage) and the gradient buffer of the plan with the narrowest stages (one layer
+    each), sized, not created."""
+    import dataclasses
+
+    import torch
+
+    from roundpipe.shared.plan import Plan
+
+    def layout(plan: Plan) -> JobLayout:
+        return JobLayout.plan_layout(
+            model,
+            plan,
+            compute_dtype=getattr(torch, spec.train.dtype),
+            microbatch_rows=spec.batch.microbatch_size,
+            seq_len=spec.data.seq_len,
+            num_microbatches=spec.batch.num_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
+        )
+
+    n = model.num_layers
+    fewest_slots = host_memory_needed(layout(Plan(forward=(), tail=(0, n), backward=())), spec)
+    if n < 2:
+        return fewest_slots
+    narrowest = Plan.uniform(n, num_forward=1, num_backward=n - 1, tail_layers=1)
+    grads = host_memory_needed(layout(narrowest), spec).grads
+    return dataclasses.replace(fewest_slots, grads=min(grads, fewest_slots.grads))
+
+
+def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> int:
+    """Bytes of optimizer state: AdamW's two fp32 moments (8 bytes per trainable
+    parameter), SGD's momentum buffer (4, none without momentum)."""
+    trainable = layout.model.parameter_count(trainable_only=True)
+    if spec is None or spec.optimizer.name == "adamw":
+        return 8 * trainable
+    return 4 * trainable if spec.optimizer.momentum else 0
 
 
 def check_host_memory(

@@ -1699,6 +1699,7 @@ def _host_memory(
     model's parameter count."""
     import torch
 
+    from roundpipe.coordinator.jobspec import TrainSpec
     from roundpipe.coordinator.layout import JobLayout
     from roundpipe.coordinator.memory import host_memory_needed
 
@@ -1709,6 +1710,8 @@ def _host_memory(
         microbatch_rows=args.microbatch_size,
         seq_len=args.seq_len,
         num_microbatches=num_microbatches,
+        # The job spec's default gradient buffer (Note [gradient buffer]).
+        grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
     )
     return host_memory_needed(layout), max(1, model.parameter_count())
 
@@ -1860,8 +1863,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "notes": list(result.notes),
             "host_memory": {
                 "arenas": host.arenas,
-                "masters": host.masters,
-                "moments": host.moments,
+                **host.components(),
                 "total": host.total,
                 "bytes_per_parameter": host.total / params,
             },
@@ -1883,8 +1885,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     print(header)
     print(describe(result))
     print(
-        f"this job needs {host.describe()}, {host.total / params:.1f} bytes per parameter "
-        f"({params:,} parameters); the coordinator refuses a job that does not fit"
+        f"this job needs {host.describe(params)} for {params:,} parameters; the "
+        "coordinator refuses a job that does not fit"
     )
     for b in baselines:
         tps = b.simulation.tokens_per_s or 0.0

@@ -89,7 +89,12 @@ from roundpipe.coordinator.checkpoint import (
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
+from roundpipe.coordinator.memory import (
+    InsufficientMemory,
+    check_host_memory,
+    grad_buffer_layers,
+    host_memory_needed,
+)
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
 from roundpipe.coordinator.planner import (
@@ -265,12 +270,13 @@ class Trainer:
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
             **capacity,
         )
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
         try:
-            check_host_memory(host_memory_needed(layout), self.arena_dir)
+            check_host_memory(host_memory_needed(layout, spec), self.arena_dir)
         except InsufficientMemory as exc:
             raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)

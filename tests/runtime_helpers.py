@@ -62,6 +62,7 @@ def tiny_spec(
     dtype: str = "float32",
     lr: float = 3e-4,
     optimizer: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
 ) -> JobSpec:
     """A tiny Qwen3 job on the shipped demo corpus.
 
@@ -91,6 +92,7 @@ def tiny_spec(
         "output": {"dir": str(output_dir)},
     }
     spec["optimizer"].update(optimizer or {})
+    spec["train"].update(train or {})
     if plan is not None:
         spec["train"]["plan"] = plan
     if lora is not None:

@@ -1,0 +1,190 @@
+"""Host memory per parameter: what a running job really takes against what the plan says.
+
+A job of a few hundred million parameters runs through the real daemons (a coordinator
+and one CPU worker, ``LocalCluster``). While it runs, a sampler records
+
+* the coordinator's private memory (``RssAnon`` of /proc/<pid>/status: the fp32 masters,
+  the optimizer states, scratch; shared arena pages it maps are not counted here), above
+  what the idle coordinator held before the job was submitted;
+* the bytes its arenas take in the arena directory (a RAM disk: /dev/shm), allocated up
+  front (``posix_fallocate``);
+
+and keeps the peak of their sum. Divided by the model's parameter count, that is set
+against ``host_memory_needed`` (coordinator/memory.py) for the plan the job ran: the
+figure ``roundpipe plan`` prints and admission control checks. The CPU worker's working
+memory (autograd's saved tensors while it computes) is not part of either figure.
+
+Usage::
+
+    python benchmarks/host_memory.py                 # ~270M parameters, bf16, fp32 AdamW
+    python benchmarks/host_memory.py --smoke         # a tiny model, seconds
+    python benchmarks/host_memory.py --set train.staleness=0
+
+Prints one row per component, then ``RESULT host_bytes_per_param=<x> predicted=<y>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
+
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.memory import host_memory_needed
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+FULL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, vocab_size=16384)
+SMOKE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, vocab_size=1024)
+COMMON = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
+
+
+def _rss_anon(pid: int) -> int:
+    """Private anonymous resident bytes of ``pid`` (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _allocated(directory: Path) -> int:
+    """Bytes the files under ``directory`` take (allocated blocks, not apparent size)."""
+    total = 0
+    for path in directory.glob("*"):
+        try:
+            total += path.stat().st_blocks * 512
+        except OSError:
+            pass  # removed while we looked
+    return total
+
+
+class Sampler:
+    """Samples the coordinator's RssAnon and the arena directory every ``period_s``."""
+
+    def __init__(self, pid: int, arena_dir: Path, period_s: float = 0.05) -> None:
+        self.pid, self.arena_dir, self.period_s = pid, arena_dir, period_s
+        self.idle_anon = _rss_anon(pid)
+        self.peak = (0, 0, 0)  # (anon + arenas, anon, arenas)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            anon = max(0, _rss_anon(self.pid) - self.idle_anon)
+            arenas = _allocated(self.arena_dir)
+            if anon + arenas > self.peak[0]:
+                self.peak = (anon + arenas, anon, arenas)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _override(doc: dict, assignment: str) -> None:
+    key, _, raw = assignment.partition("=")
+    *parents, leaf = key.split(".")
+    node = doc
+    for part in parents:
+        node = node.setdefault(part, {})
+    try:
+        node[leaf] = json.loads(raw)
+    except json.JSONDecodeError:
+        node[leaf] = raw
+
+
+def make_spec(args: argparse.Namespace, out: Path) -> JobSpec:
+    config = {**(SMOKE if args.smoke else FULL), **COMMON, "tie_word_embeddings": False}
+    base = demo_data_spec(
+        config,
+        out,
+        steps=args.steps + 10,  # cancelled after args.steps: no final checkpoint
+        seq_len=args.seq_len,
+        microbatch_size=1,
+        num_microbatches=2,
+        staleness=1,
+        train={"dtype": args.dtype, "replan": False},
+        output={"checkpoint_every": 0},
+    )
+    doc = base.to_dict()
+    for assignment in args.set:
+        _override(doc, assignment)
+    return JobSpec.from_dict(doc)
+
+
+def predicted(spec: JobSpec, plan: str):
+    model = LayeredModel(model_config_from_spec(spec.model), None)
+    layout = JobLayout.plan_layout(
+        model,
+        Plan.parse(plan),
+        compute_dtype=getattr(torch, spec.train.dtype),
+        microbatch_rows=spec.batch.microbatch_size,
+        seq_len=spec.data.seq_len,
+        num_microbatches=spec.batch.num_microbatches,
+    )
+    return host_memory_needed(layout, spec), model.parameter_count()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model (seconds)")
+    p.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-spec field, e.g. train.staleness=0 (JSON values)",
+    )
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
+        root = Path(tmp)
+        spec = make_spec(args, root / "out")
+        samplers: list[Sampler] = []
+
+        def start(cluster) -> None:
+            samplers.append(Sampler(cluster.coordinator.proc.pid, cluster.arena_dir))
+
+        run = run_runtime(
+            spec,
+            [["--cpu", "--threads", "1"]],
+            warmup=0,
+            root=root / "cluster",
+            coordinator_threads=1,
+            stop_after=args.steps,
+            while_running=start,
+        )
+        sampler = samplers[0]
+        sampler.stop()
+    need, params = predicted(spec, run.plan)
+    total, anon, arenas = sampler.peak
+    print(
+        f"# {params:,} parameters, {spec.train.dtype}, staleness {spec.train.staleness}, "
+        f"plan {run.plan}"
+    )
+    print(f"{'component':<28}{'bytes':>16}{'bytes/param':>14}")
+    for name, nbytes in need.components().items():
+        print(f"{'predicted ' + name:<28}{nbytes:>16,}{nbytes / params:>14.2f}")
+    print(f"{'predicted total':<28}{need.total:>16,}{need.total / params:>14.2f}")
+    print(f"{'measured arenas (/dev/shm)':<28}{arenas:>16,}{arenas / params:>14.2f}")
+    print(f"{'measured coordinator anon':<28}{anon:>16,}{anon / params:>14.2f}")
+    print(f"{'measured total':<28}{total:>16,}{total / params:>14.2f}")
+    print(f"RESULT host_bytes_per_param={total / params:.2f} predicted={need.total / params:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Host memory per parameter: the bounded gradient buffer (Note [gradient buffer] in
+roundpipe.coordinator.layout) changes no bit of training, and the figures admission and
+``roundpipe plan`` give follow the layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
+
+from roundpipe.coordinator.jobspec import model_config_from_spec
+from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.memory import host_memory_needed, least_host_memory
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+# One-layer backward stages: with a buffer of one stage (the 2-layer tail is the widest)
+# the 4 decoder layers share 2 gradient slots, so every backward task waits for a slot.
+NARROW = "F[0:2,2:4] T[4:6] B[3:4,2:3,1:2,0:1]"
+
+
+def _train(spec, arena_dir: Path, num_workers: int = 3):
+    with trained_in_process(
+        spec, arena_dir, num_workers, job_id="job-mem", namespace="hostmem"
+    ) as trainer:
+        layout = trainer.layout
+        weights = {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
+        return weights, dict(layout.sizes), dict(layout.grad_slot)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_shared_gradient_buffer_changes_no_bit(tmp_path, arena_dir, staleness) -> None:
+    def spec(stages: int, where: str):
+        return tiny_spec(
+            tmp_path / where,
+            staleness=staleness,
+            steps=4,
+            plan=NARROW,
+            train={"grad_buffer_stages": stages},
+        )
+
+    shared, sizes, slots = _train(spec(1, "shared"), arena_dir)
+    full, full_sizes, full_slots = _train(spec(0, "full"), arena_dir)
+    # Decoder layers 1..4 take slots 0, 1, 0, 1 of one class; embedding and head their own.
+    decoder_class = slots[1][0]
+    assert [slots[layer] for layer in (1, 2, 3, 4)] == [(decoder_class, s) for s in (0, 1, 0, 1)]
+    assert len(set(full_slots.values())) == len(full_slots)  # 0: one slot per layer
+    per_layer = (full_sizes["grads"] - sizes["grads"]) // 2  # two decoder slots saved
+    assert per_layer > 0 and sizes["grads"] < full_sizes["grads"]
+    assert shared.keys() == full.keys()
+    for name in full:
+        assert torch.equal(shared[name], full[name]), name
+    assert_params_match(shared, oracle_train(spec(1, "oracle")))
+
+
+def test_a_stage_that_would_write_one_slot_twice_does_not_fit(tmp_path) -> None:
+    spec = tiny_spec(tmp_path, plan=NARROW)
+    model = LayeredModel(model_config_from_spec(spec.model), None)
+
+    def layout(plan: str, buffer: int | None) -> JobLayout:
+        return JobLayout.plan_layout(
+            model,
+            Plan.parse(plan),
+            compute_dtype=torch.float32,
+            microbatch_rows=1,
+            seq_len=8,
+            num_microbatches=2,
+            grad_buffer_layers=buffer,
+        )
+
+    narrow = layout(NARROW, 2)
+    wide = Plan.parse("F[0:4] T[4:6] B[1:4,0:1]")  # layers 1 and 3 share a slot
+    assert not narrow.fits(wide)
+    with pytest.raises(ValueError, match="distinct gradient slots"):
+        narrow.assign(wide)
+    with pytest.raises(ValueError, match="gradient buffer of 2 layers"):
+        layout("F[0:4] T[4:6] B[1:4,0:1]", 2)
+    assert narrow.grad_sharers(1) == [3] and narrow.grad_sharers(0) == []
+    # The figures follow the layout: the gradient buffer is the grads arena.
+    need = host_memory_needed(narrow, spec)
+    assert need.grads == narrow.sizes["grads"] < host_memory_needed(layout(NARROW, None)).grads
+    assert need.arenas == narrow.total_bytes
+    assert need.masters == 4 * model.parameter_count(trainable_only=True)
+    assert need.moments == 8 * model.parameter_count(trainable_only=True)
+    # Admission's floor is below any real plan's figure.
+    least = least_host_memory(model, spec)
+    assert least.total <= need.total and least.grads <= need.grads
+
+
+def test_grad_clip_keeps_one_gradient_slot_per_layer(tmp_path) -> None:
+    from roundpipe.coordinator.memory import grad_buffer_layers
+
+    plan = Plan.parse(NARROW)
+    assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW), plan) == 4  # 2 x widest stage
+    assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW, grad_clip=1.0), plan) is None
+    off = tiny_spec(tmp_path, plan=NARROW, train={"grad_buffer_stages": 0})
+    assert grad_buffer_layers(off, plan) is None
