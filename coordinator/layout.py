@@ -6,6 +6,8 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
 
     params  per layer, per parameter (tied aliases excluded), compute dtype
               trainable:  [parity 0 | parity 1]   weight version v lives in parity v % 2
+                          (one copy that both parities name at staleness 0: Note
+                          [weight copies])
               frozen:     one copy (LoRA base weights)
     grads   per trainable parameter, fp32: the current step's weight gradient (+ one per
               tied alias: the tail's LM-head contribution to the owner); layers of the
@@ -59,6 +61,20 @@ at least the largest such stage guarantees it.
 
 Global-norm clipping needs every gradient of a step before the first update, so a job
 with ``optimizer.grad_clip`` keeps one slot per layer (``grad_buffer_layers=None``).
+
+Note [weight copies]
+~~~~~~~~~~~~~~~~~~~
+A layer needs two compute-dtype copies only while two of its weight versions can be
+read or written at once. With staleness 1 that is every layer, for a whole iteration:
+W_{k-1} is written when iteration k-1's backward of layer l has finished, and W_{k-2} is
+read until iteration k's backward of layer l has (Note [weight-update ordering]); a
+single copy would make iteration k+1's forward of the first layers wait for iteration
+k's backward, which is staleness 0's schedule. With staleness 0 the readers of W_{k-1}
+are iteration k's own tasks over l, all finished before ``wgrad[l] >= k`` lets the
+optimizer write W_k, and iteration k+1 reads only after ``version[l] >= k``: one copy
+suffices, and ``weight_copies=1`` makes both parities name it (workers see nothing
+new). A task re-run after its outputs were signalled writes nothing (Note [no rewrite
+after signal]), so what it reads then does not matter.
 
 Event-table counters (each has one writer; values are iteration numbers, starting at 1,
 or weight versions; 0 = nothing yet)::
@@ -145,12 +161,16 @@ class JobLayout:
         act_capacity: int | None = None,
         dact_capacity: int | None = None,
         grad_buffer_layers: int | None = None,
+        weight_copies: int = 2,
     ) -> JobLayout:
         """Lay out a job for ``plan``. ``act_capacity`` / ``dact_capacity``: how many
         activation / gradient boundaries the slot pools hold (default: exactly what
         ``plan`` needs; more leaves room for a re-plan, Note [slot pools]).
         ``grad_buffer_layers``: gradient slots per shape class (Note [gradient buffer];
-        None: one per trainable layer)."""
+        None: one per trainable layer). ``weight_copies``: compute-dtype copies of each
+        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies])."""
+        if weight_copies not in (1, 2):
+            raise ValueError(f"weight_copies must be 1 or 2, got {weight_copies}")
         plan.validate(model.num_layers)
         need_a = len(cls.activation_boundaries(plan))
         need_d = len(cls.gradient_boundaries(plan))
@@ -170,7 +190,10 @@ class JobLayout:
                 if spec.tied_to is not None:
                     continue
                 even = allocs["params"].alloc(compute_dtype, spec.shape)
-                odd = allocs["params"].alloc(compute_dtype, spec.shape) if spec.trainable else None
+                odd = None
+                if spec.trainable:
+                    two = weight_copies == 2
+                    odd = allocs["params"].alloc(compute_dtype, spec.shape) if two else even
                 params[layer][spec.name] = (even, odd)
         hidden = (microbatch_rows, seq_len, model.hidden_size)
         per_boundary = 2 * num_microbatches  # parities x microbatches

@@ -46,6 +46,7 @@ __all__ = [
     "host_memory_needed",
     "least_host_memory",
     "optimizer_state_nbytes",
+    "weight_copies",
 ]
 
 
@@ -129,6 +130,12 @@ def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
     return JobLayout.grad_buffer_layers_for(plan, stages)
 
 
+def weight_copies(spec: JobSpec) -> int:
+    """Compute-dtype copies of each trainable weight (Note [weight copies] in
+    roundpipe.coordinator.layout)."""
+    return 1 if spec.train.staleness == 0 else 2
+
+
 def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
     """The least host memory ``spec`` needs under any plan (what admission checks at
     submit): the activation slots of the plan with the fewest (the whole model as one
@@ -149,6 +156,7 @@ def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
             grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
         )
 
     n = model.num_layers

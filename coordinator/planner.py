@@ -1712,6 +1712,7 @@ def _host_memory(
         num_microbatches=num_microbatches,
         # The job spec's default gradient buffer (Note [gradient buffer]).
         grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
+        weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
     )
     return host_memory_needed(layout), max(1, model.parameter_count())
 

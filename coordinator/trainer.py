@@ -30,8 +30,10 @@ that holds; the workers idle for the length of the write.) At the cut the state 
 * params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
   (``prev/<name>``); this is the "in-flight delayed gradient" of the uninterrupted run,
-  stored as the weights it is computed from. It is saved at staleness 0 too (it is
-  small), so a checkpoint resumes under either setting;
+  stored as the weights it is computed from. At staleness 0 the job keeps one weight
+  copy (Note [weight copies] in roundpipe.coordinator.layout), so ``prev`` holds W_s
+  (manifest ``prev_version``); resumed under staleness 1, iterations s+1 and s+2 then
+  both compute on W_s, as iterations 1 and 2 of a fresh run both compute on W_0;
 * the data cursor (next step s+1; ``batch_for_step`` is a pure function of the step),
   the learning-rate schedule position (step s; the schedule is a pure function of the
   step), and the RNG state (workers seed dropout from (seed, iteration, layer,
@@ -94,6 +96,7 @@ from roundpipe.coordinator.memory import (
     check_host_memory,
     grad_buffer_layers,
     host_memory_needed,
+    weight_copies,
 )
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
@@ -271,6 +274,7 @@ class Trainer:
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
             grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
             **capacity,
         )
         # Admission control: refuse before any arena, master or moment exists, with the
@@ -513,9 +517,11 @@ class Trainer:
                     refs = layout.params[layer][name]
                     current, previous = refs[s % 2], refs[(s - 1) % 2]
                     assert current is not None and previous is not None
-                    layout.view(current).copy_(master)
                     if s >= 1:
                         layout.view(previous).copy_(load(f"prev/{name}", master))
+                    # Last: with one weight copy (Note [weight copies]) both refs name
+                    # the same buffer, and W_s is the version iteration s+1 reads.
+                    layout.view(current).copy_(master)
                 layout.events.signal(c.version(layer), s)
             if "rng/torch_cpu" in keys:
                 torch.set_rng_state(state.get_tensor("rng/torch_cpu"))
@@ -970,6 +976,8 @@ class Trainer:
             "plan": str(self.plan),
             "plan_history": [list(entry) for entry in self.plan_history],
             "staleness": self.spec.train.staleness,
+            # The weight version saved as prev/* (Note [checkpoint cut]).
+            "prev_version": step - 1 if weight_copies(self.spec) == 2 else step,
             "compute_dtype": self.spec.train.dtype,
             "data_cursor": self.loader.state_dict(),
             "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},

@@ -97,3 +97,40 @@ def test_grad_clip_keeps_one_gradient_slot_per_layer(tmp_path) -> None:
     assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW, grad_clip=1.0), plan) is None
     off = tiny_spec(tmp_path, plan=NARROW, train={"grad_buffer_stages": 0})
     assert grad_buffer_layers(off, plan) is None
+
+
+def test_one_weight_copy_at_staleness_0_changes_no_bit(tmp_path, arena_dir, monkeypatch) -> None:
+    """Note [weight copies]: staleness 0 keeps one compute-dtype copy per trainable
+    weight; the result equals the two-copy layout's bit for bit (bf16 compute, so the
+    copies are real casts)."""
+    import roundpipe.coordinator.trainer as trainer_module
+
+    def spec(where: str):
+        return tiny_spec(tmp_path / where, staleness=0, steps=4, plan=NARROW, dtype="bfloat16")
+
+    one, one_sizes, _ = _train(spec("one"), arena_dir)
+    monkeypatch.setattr(trainer_module, "weight_copies", lambda _spec: 2)
+    two, two_sizes, _ = _train(spec("two"), arena_dir)
+    model = LayeredModel(model_config_from_spec(spec("x").model), None)
+    trainable = sum(
+        s.numel
+        for layer in range(model.num_layers)
+        for s in model.layer_params(layer)
+        if s.trainable and s.tied_to is None
+    )
+    assert two_sizes["params"] - one_sizes["params"] >= 2 * trainable  # one bf16 copy less
+    assert one.keys() == two.keys()
+    for name in two:
+        assert torch.equal(one[name], two[name]), name
+
+
+def test_checkpoints_say_which_weight_version_prev_holds(tmp_path, arena_dir) -> None:
+    import json
+
+    for staleness, expected in ((0, 2), (1, 1)):
+        spec = tiny_spec(tmp_path / f"s{staleness}", staleness=staleness, steps=2)
+        with trained_in_process(spec, arena_dir, 2, job_id="job-ck", namespace="hostmem"):
+            pass
+        manifests = sorted((tmp_path / f"s{staleness}" / "checkpoints").glob("*/checkpoint.json"))
+        manifest = json.loads(manifests[-1].read_text())
+        assert manifest["prev_version"] == expected, staleness
