@@ -37,7 +37,8 @@ from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
 
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import host_memory_needed
+from roundpipe.coordinator.memory import grad_buffer_layers, host_memory_needed, weight_copies
+from roundpipe.coordinator.trainer import default_plan
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -118,20 +119,29 @@ def make_spec(args: argparse.Namespace, out: Path) -> JobSpec:
         output={"checkpoint_every": 0},
     )
     doc = base.to_dict()
+    # The stages a server of --plan-workers GPUs would run (one CPU worker runs them all),
+    # so that the gradient buffer is sized as there, not for one stage of every layer.
+    num_layers = LayeredModel(model_config_from_spec(base.model), None).num_layers
+    doc["train"]["plan"] = str(default_plan(num_layers, args.plan_workers))
     for assignment in args.set:
         _override(doc, assignment)
     return JobSpec.from_dict(doc)
 
 
-def predicted(spec: JobSpec, plan: str):
+def predicted(spec: JobSpec, plan_text: str):
+    """What coordinator/memory.py says the job needs under the plan it ran, as the
+    trainer lays it out."""
+    plan = Plan.parse(plan_text)
     model = LayeredModel(model_config_from_spec(spec.model), None)
     layout = JobLayout.plan_layout(
         model,
-        Plan.parse(plan),
+        plan,
         compute_dtype=getattr(torch, spec.train.dtype),
         microbatch_rows=spec.batch.microbatch_size,
         seq_len=spec.data.seq_len,
         num_microbatches=spec.batch.num_microbatches,
+        grad_buffer_layers=grad_buffer_layers(spec, plan),
+        weight_copies=weight_copies(spec),
     )
     return host_memory_needed(layout, spec), model.parameter_count()
 
@@ -142,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--plan-workers",
+        type=int,
+        default=4,
+        help="pin the uniform plan for this many workers (default 4)",
+    )
     p.add_argument(
         "--set",
         action="append",
