@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
 
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.jobspec import JobSpec, TrainSpec, model_config_from_spec
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import grad_buffer_layers, host_memory_needed, weight_copies
 from roundpipe.coordinator.trainer import default_plan
@@ -146,6 +147,60 @@ def predicted(spec: JobSpec, plan_text: str):
     return host_memory_needed(layout, spec), model.parameter_count()
 
 
+THROUGHPUT = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, vocab_size=1024)
+
+
+def throughput(args: argparse.Namespace) -> int:
+    """Tokens/s with the gradient buffer at 0 (one slot per layer), 1 and 2 stages, side
+    by side in interleaved rounds (the machine is shared): what waiting for a free
+    gradient slot costs."""
+    settings = (0, 1, 2)
+    rates: dict[int, list[float]] = {s: [] for s in settings}
+    for _ in range(args.rounds):
+        for stages in settings:
+            with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
+                root = Path(tmp)
+                config = {**THROUGHPUT, **COMMON, "tie_word_embeddings": False}
+                base = demo_data_spec(
+                    config,
+                    root / "out",
+                    steps=args.steps,
+                    seq_len=args.seq_len,
+                    microbatch_size=1,
+                    num_microbatches=4,
+                    staleness=1,
+                    train={"dtype": "float32", "replan": False, "grad_buffer_stages": stages},
+                    output={"checkpoint_every": 0},
+                )
+                doc = base.to_dict()
+                num_layers = LayeredModel(model_config_from_spec(base.model), None).num_layers
+                doc["train"]["plan"] = str(default_plan(num_layers, args.plan_workers))
+                for assignment in args.set:
+                    _override(doc, assignment)
+                spec = JobSpec.from_dict(doc)
+                run = run_runtime(
+                    spec,
+                    [["--cpu", "--threads", "1"]] * 2,
+                    warmup=2,
+                    root=root / "cluster",
+                    coordinator_threads=1,
+                    stop_after=args.steps - 1,
+                    coordinator_args=["--worker-timeout", "300"],
+                )
+                rates[stages].append(run.tokens_per_s)
+    print(f"# plan {run.plan}, {args.rounds} interleaved rounds, 2 CPU workers, staleness 1")
+    print(f"{'grad_buffer_stages':<20}{'median tokens/s':>16}{'vs 0':>8}  runs")
+    base_rate = statistics.median(rates[0])
+    for stages in settings:
+        med = statistics.median(rates[stages])
+        runs = " ".join(f"{r:.0f}" for r in rates[stages])
+        print(f"{stages:<20}{med:>16.1f}{med / base_rate:>8.3f}  {runs}")
+    default = TrainSpec().grad_buffer_stages
+    ratio = statistics.median(rates[default]) / base_rate
+    print(f"RESULT grad_buffer_throughput_ratio={ratio:.3f} stages={default}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a tiny model (seconds)")
@@ -165,7 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a job-spec field, e.g. train.staleness=0 (JSON values)",
     )
+    p.add_argument(
+        "--throughput",
+        action="store_true",
+        help="instead: tokens/s with grad_buffer_stages 0, 1, 2 side by side",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--throughput rounds (default 3)")
     args = p.parse_args(argv)
+    if args.throughput:
+        if args.steps == 3:
+            args.steps = 8
+        return throughput(args)
     with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
         root = Path(tmp)
         spec = make_spec(args, root / "out")
@@ -182,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             coordinator_threads=1,
             stop_after=args.steps,
             while_running=start,
+            # A loaded shared machine can starve a busy worker's heartbeat for seconds.
+            coordinator_args=["--worker-timeout", "300"],
         )
         sampler = samplers[0]
         sampler.stop()

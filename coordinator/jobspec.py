@@ -77,6 +77,8 @@ DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
+STATE_DTYPES = ("float32", "int8")
+"""``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
@@ -374,6 +376,9 @@ class OptimizerSpec:
     """SGD momentum in [0, 1) (``name: sgd`` only; 0: plain SGD, no momentum buffer)."""
     nesterov: bool = False
     """Nesterov momentum (``name: sgd`` with ``momentum`` > 0 only)."""
+    state_dtype: str = "float32"
+    """One of ``STATE_DTYPES``: ``float32``, or ``int8`` for AdamW's moments block-wise
+    quantized to 8 bits (~2 bytes per parameter instead of 8; docs/memory.md)."""
     threads: int = 0
     """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
     ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
@@ -1241,6 +1246,9 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
         e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    _check_choice(e, "optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+    if o.state_dtype == "int8" and o.name != "adamw":
+        e.bad("optimizer.state_dtype", o.state_dtype, "float32 with optimizer.name sgd")
     _check_choice(e, "optimizer.schedule_convention", o.schedule_convention, SCHEDULE_CONVENTIONS)
     nd = o.no_decay
     if not (isinstance(nd, tuple) and all(isinstance(x, str) and x for x in nd)):

@@ -170,10 +170,23 @@ def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
 
 def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> int:
     """Bytes of optimizer state: AdamW's two fp32 moments (8 bytes per trainable
-    parameter), SGD's momentum buffer (4, none without momentum)."""
-    trainable = layout.model.parameter_count(trainable_only=True)
-    if spec is None or spec.optimizer.name == "adamw":
+    parameter) or, with ``optimizer.state_dtype: int8``, two uint8 codes per parameter
+    and two fp32 scales per block of them (Note [8-bit states]); SGD's momentum buffer
+    (4, none without momentum)."""
+    model = layout.model
+    trainable = model.parameter_count(trainable_only=True)
+    if spec is None or (spec.optimizer.name == "adamw" and spec.optimizer.state_dtype != "int8"):
         return 8 * trainable
+    if spec.optimizer.name == "adamw":
+        from roundpipe.coordinator.quantized_state import absmax_numel
+
+        numels = [
+            s.numel
+            for layer in range(model.num_layers)
+            for s in model.layer_params(layer)
+            if s.trainable and s.tied_to is None
+        ]
+        return sum(2 * n + 2 * 4 * absmax_numel(n) for n in numels)
     return 4 * trainable if spec.optimizer.momentum else 0
 
 

@@ -134,3 +134,142 @@ def test_checkpoints_say_which_weight_version_prev_holds(tmp_path, arena_dir) ->
         manifests = sorted((tmp_path / f"s{staleness}" / "checkpoints").glob("*/checkpoint.json"))
         manifest = json.loads(manifests[-1].read_text())
         assert manifest["prev_version"] == expected, staleness
+
+
+# --------------------------------------------------------------------------- 8-bit states
+
+
+def _optimizers(state_dtype: str, seed: int = 0):
+    from roundpipe.coordinator.optimizer import LayerwiseOptimizer, LRSchedule
+
+    gen = torch.Generator().manual_seed(seed)
+    # Sizes off the block and chunk grid, so partial blocks are exercised.
+    masters = {
+        0: {"w": torch.randn(300, 7, generator=gen)},
+        1: {"a": torch.randn(1000, generator=gen), "b": torch.randn(1 << 20 | 5, generator=gen)},
+    }
+    return masters, LayerwiseOptimizer(
+        masters, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype
+    )
+
+
+def _grads(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {
+        0: {"w": torch.randn(300, 7, generator=gen)},
+        1: {"a": torch.randn(1000, generator=gen), "b": torch.randn(1 << 20 | 5, generator=gen)},
+    }
+
+
+def test_int8_states_follow_fp32_adamw_and_resume_bit_for_bit() -> None:
+    masters8, opt8 = _optimizers("int8")
+    masters32, opt32 = _optimizers("float32")
+    start = {layer: {n: t.clone() for n, t in d.items()} for layer, d in masters8.items()}
+    for step in range(1, 6):
+        opt8.step_layers(_grads(step), step)
+        opt32.step_layers(_grads(step), step)
+    for layer in masters8:
+        for name in masters8[layer]:
+            moved8 = masters8[layer][name] - start[layer][name]
+            moved32 = masters32[layer][name] - start[layer][name]
+            # The update direction and size follow fp32 AdamW to the moments' rounding.
+            err = (moved8 - moved32).norm() / moved32.norm()
+            assert err < 0.05, (layer, name, float(err))
+    state = opt8.state_dict()
+    assert {k.rsplit(".", 1)[1] for k in state["tensors"]} == {
+        "exp_avg",
+        "exp_avg_absmax",
+        "exp_avg_sq",
+        "exp_avg_sq_absmax",
+    }
+    assert state["tensors"]["1.b.exp_avg"].dtype == torch.uint8
+    # A fresh optimizer loaded from the state continues exactly as the original does.
+    saved = {k: t.clone() for k, t in state["tensors"].items()}
+    resumed_masters, resumed = _optimizers("int8")
+    for layer in masters8:
+        for name in masters8[layer]:
+            resumed_masters[layer][name].copy_(masters8[layer][name])
+    resumed.load_state_dict({**state, "tensors": saved})
+    opt8.step_layers(_grads(6), 6)
+    resumed.step_layers(_grads(6), 6)
+    for layer in masters8:
+        for name in masters8[layer]:
+            assert torch.equal(masters8[layer][name], resumed_masters[layer][name])
+
+
+def test_int8_state_dtype_is_checked(tmp_path) -> None:
+    from roundpipe.coordinator.jobspec import JobSpecError
+
+    with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
+        tiny_spec(tmp_path, optimizer={"state_dtype": "int4"})
+    with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
+        tiny_spec(tmp_path, optimizer={"name": "sgd", "state_dtype": "int8"})
+    spec = tiny_spec(tmp_path, optimizer={"state_dtype": "int8"})
+    model = LayeredModel(model_config_from_spec(spec.model), None)
+    layout = JobLayout.plan_layout(
+        model,
+        Plan.parse(NARROW),
+        compute_dtype=torch.float32,
+        microbatch_rows=1,
+        seq_len=8,
+        num_microbatches=2,
+    )
+    trainable = model.parameter_count(trainable_only=True)
+    moments = host_memory_needed(layout, spec).moments
+    assert 2 * trainable < moments < 2.1 * trainable  # codes + a scale per 256
+
+
+def test_int8_job_trains_close_to_fp32_states_and_resumes_exactly(tmp_path, arena_dir) -> None:
+    """A job with 8-bit states through the trainer: its losses stay close to fp32
+    states', and a job stopped at its checkpoint and resumed ends bit for bit where the
+    uninterrupted one does."""
+    from runtime_helpers import InProcessWorkers
+
+    from roundpipe.coordinator.trainer import JobCancelled, Trainer
+
+    def run(where: str, state_dtype: str, stop_after: int | None = None):
+        spec = tiny_spec(
+            tmp_path / where, staleness=1, steps=5, optimizer={"state_dtype": state_dtype}
+        )
+        doc = spec.to_dict()
+        doc["output"].update(checkpoint_every=2)
+        spec = type(spec).from_dict(doc)
+        trainer = Trainer(
+            "job-8bit",
+            spec,
+            arena_dir=arena_dir,
+            namespace="hostmem8",
+            output_dir=Path(spec.output.dir),
+            wait_timeout_s=60,
+        )
+        pool = None
+
+        def on_checkpoint(step: int, path: Path) -> None:
+            if stop_after is not None and step >= stop_after:
+                trainer.cancel()
+
+        try:
+            trainer.prepare(2)
+            pool = InProcessWorkers(trainer, 2)
+            try:
+                trainer.run(pool.dispatch, pool.workers, on_checkpoint=on_checkpoint)
+            except JobCancelled:
+                return None
+            weights = {n: t for d in trainer.final_weights().values() for n, t in d.items()}
+            return weights, [e.loss for e in trainer.progress]
+        finally:
+            if pool is not None:
+                pool.close()
+            trainer.close()
+
+    fp32 = run("fp32", "float32")
+    int8 = run("int8", "int8")
+    assert fp32 is not None and int8 is not None
+    for a, b in zip(int8[1], fp32[1]):
+        assert abs(a - b) <= 0.01 * abs(b), (int8[1], fp32[1])
+    assert run("resumed", "int8", stop_after=2) is None
+    resumed = run("resumed", "int8")
+    assert resumed is not None
+    assert resumed[1] == int8[1]
+    for name in int8[0]:
+        assert torch.equal(resumed[0][name], int8[0][name]), name
