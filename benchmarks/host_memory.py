@@ -19,6 +19,9 @@ Usage::
     python benchmarks/host_memory.py                 # ~270M parameters, bf16, fp32 AdamW
     python benchmarks/host_memory.py --smoke         # a tiny model, seconds
     python benchmarks/host_memory.py --set train.staleness=0
+    python benchmarks/host_memory.py --set optimizer.state_dtype=int8
+    python benchmarks/host_memory.py --throughput    # grad_buffer_stages 0/1/2: tokens/s
+    python benchmarks/host_memory.py --states --steps 200   # demo loss, fp32 vs int8 states
 
 Prints one row per component, then ``RESULT host_bytes_per_param=<x> predicted=<y>``.
 """
@@ -201,6 +204,46 @@ def throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def states(args: argparse.Namespace) -> int:
+    """The demo job (roundpipe demo's spec, 2 CPU workers) with fp32 and with 8-bit
+    AdamW states, side by side: the loss at the demo's 40 steps and over a longer run."""
+    from roundpipe.demo import demo_spec
+
+    losses: dict[str, dict[int, float]] = {}
+    for dtype in ("float32", "int8"):
+        with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
+            root = Path(tmp)
+            doc = demo_spec(steps=args.steps, output_dir=root / "out").to_dict()
+            doc["optimizer"]["state_dtype"] = dtype
+            doc["output"]["checkpoint_every"] = 0
+            for assignment in args.set:
+                _override(doc, assignment)
+            spec = JobSpec.from_dict(doc)
+            run = run_runtime(
+                spec,
+                [["--cpu", "--threads", "1"]] * 2,
+                warmup=0,
+                root=root / "cluster",
+                coordinator_threads=1,
+                stop_after=args.steps,
+                coordinator_args=["--worker-timeout", "300"],
+            )
+            losses[dtype] = run.losses
+    marks = sorted({s for s in (1, 10, 20, 40, 100, 200, 400, args.steps) if s <= args.steps})
+    print(f"# roundpipe demo's job, {args.steps} steps, AdamW states fp32 vs int8 (block 256)")
+    print(f"{'step':>6}{'fp32 loss':>12}{'int8 loss':>12}{'int8 - fp32':>14}")
+    for step in marks:
+        a, b = losses["float32"][step], losses["int8"][step]
+        print(f"{step:>6}{a:>12.4f}{b:>12.4f}{b - a:>+14.4f}")
+    last = args.steps
+    tail = [s for s in losses["float32"] if s > last - 10]
+    mean32 = statistics.mean(losses["float32"][s] for s in tail)
+    mean8 = statistics.mean(losses["int8"][s] for s in tail)
+    print(f"mean loss of the last {len(tail)} steps: fp32 {mean32:.4f}, int8 {mean8:.4f}")
+    print(f"RESULT int8_minus_fp32_loss={mean8 - mean32:+.4f} steps={last}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a tiny model (seconds)")
@@ -226,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: tokens/s with grad_buffer_stages 0, 1, 2 side by side",
     )
     p.add_argument("--rounds", type=int, default=3, help="--throughput rounds (default 3)")
+    p.add_argument(
+        "--states",
+        action="store_true",
+        help="instead: the demo job's loss with fp32 vs int8 AdamW states (--steps 40)",
+    )
     args = p.parse_args(argv)
+    if args.states:
+        if args.steps == 3:
+            args.steps = 40
+        return states(args)
     if args.throughput:
         if args.steps == 3:
             args.steps = 8
