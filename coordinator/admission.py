@@ -160,16 +160,9 @@ def check_spec(
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
     finally:
-        _release_freed_memory()  # the dataset was built and dropped: give it back
+        from roundpipe.coordinator.memory import release_freed_memory
 
-
-def _release_freed_memory() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        release_freed_memory()  # the dataset was built and dropped: give it back
 
 
 def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:

@@ -74,6 +74,7 @@ from roundpipe.coordinator.auth import (
 )
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.memory import release_freed_memory
 from roundpipe.coordinator.metrics import MetricsServer, current_tasks, job_figures
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
@@ -1169,21 +1170,10 @@ class Coordinator:
                 for key in [k for k in self._assigned if k[0] == job.job_id]:
                     del self._assigned[key]
             trainer = None  # the last reference (the closures above share it)
-            _release_freed_memory()
+            release_freed_memory()
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
-
-
-def _release_freed_memory() -> None:
-    """Give freed heap memory back to the OS (glibc keeps it otherwise: a job's tensors
-    are freed, but the coordinator's RSS would stay at its peak)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
 
 
 # Note [no fencing by hearsay]

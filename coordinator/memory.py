@@ -46,6 +46,7 @@ __all__ = [
     "host_memory_needed",
     "least_host_memory",
     "optimizer_state_nbytes",
+    "release_freed_memory",
     "weight_copies",
 ]
 
@@ -188,6 +189,19 @@ def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> in
         ]
         return sum(2 * n + 2 * 4 * absmax_numel(n) for n in numels)
     return 4 * trainable if spec.optimizer.momentum else 0
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS. glibc keeps freed chunks below its mmap
+    threshold (which rises to 32 MiB after a large free) in the heap, so a job's freed
+    tensors, such as the fp32 weights the trainer loads once, would stay in the
+    coordinator's RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def check_host_memory(

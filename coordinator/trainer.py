@@ -96,6 +96,7 @@ from roundpipe.coordinator.memory import (
     check_host_memory,
     grad_buffer_layers,
     host_memory_needed,
+    release_freed_memory,
     weight_copies,
 )
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
@@ -295,6 +296,7 @@ class Trainer:
                 if name in trainable:
                     self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
         del weights
+        release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
             layout=layout,
