@@ -36,18 +36,17 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch
 from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
 
 from roundpipe.coordinator.jobspec import JobSpec, TrainSpec, model_config_from_spec
-from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import grad_buffer_layers, host_memory_needed, weight_copies
+from roundpipe.coordinator.memory import HostMemory, host_memory_needed, planned_layout
 from roundpipe.coordinator.trainer import default_plan
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
 FULL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, vocab_size=16384)
 SMOKE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, vocab_size=1024)
+THROUGHPUT = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, vocab_size=1024)
 COMMON = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 
 
@@ -109,17 +108,25 @@ def _override(doc: dict, assignment: str) -> None:
         node[leaf] = raw
 
 
-def make_spec(args: argparse.Namespace, out: Path) -> JobSpec:
-    config = {**(SMOKE if args.smoke else FULL), **COMMON, "tie_word_embeddings": False}
+def make_spec(
+    args: argparse.Namespace,
+    out: Path,
+    config: dict,
+    *,
+    num_microbatches: int = 2,
+    train: dict | None = None,
+) -> JobSpec:
+    """A Qwen3 job of ``config`` on the demo data, cancelled after ``args.steps`` (no
+    final checkpoint), with the plan pinned and ``--set`` applied."""
     base = demo_data_spec(
-        config,
+        {**config, **COMMON, "tie_word_embeddings": False},
         out,
-        steps=args.steps + 10,  # cancelled after args.steps: no final checkpoint
+        steps=args.steps + 10,
         seq_len=args.seq_len,
         microbatch_size=1,
-        num_microbatches=2,
+        num_microbatches=num_microbatches,
         staleness=1,
-        train={"dtype": args.dtype, "replan": False},
+        train={"dtype": args.dtype, "replan": False, **(train or {})},
         output={"checkpoint_every": 0},
     )
     doc = base.to_dict()
@@ -132,25 +139,12 @@ def make_spec(args: argparse.Namespace, out: Path) -> JobSpec:
     return JobSpec.from_dict(doc)
 
 
-def predicted(spec: JobSpec, plan_text: str):
-    """What coordinator/memory.py says the job needs under the plan it ran, as the
-    trainer lays it out."""
-    plan = Plan.parse(plan_text)
+def predicted(spec: JobSpec, plan: str) -> tuple[HostMemory, int]:
+    """What coordinator/memory.py says the job needs under the plan it ran, and the
+    model's parameter count."""
     model = LayeredModel(model_config_from_spec(spec.model), None)
-    layout = JobLayout.plan_layout(
-        model,
-        plan,
-        compute_dtype=getattr(torch, spec.train.dtype),
-        microbatch_rows=spec.batch.microbatch_size,
-        seq_len=spec.data.seq_len,
-        num_microbatches=spec.batch.num_microbatches,
-        grad_buffer_layers=grad_buffer_layers(spec, plan),
-        weight_copies=weight_copies(spec),
-    )
+    layout = planned_layout(model, Plan.parse(plan), spec)
     return host_memory_needed(layout, spec), model.parameter_count()
-
-
-THROUGHPUT = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, vocab_size=1024)
 
 
 def throughput(args: argparse.Namespace) -> int:
@@ -163,31 +157,20 @@ def throughput(args: argparse.Namespace) -> int:
         for stages in settings:
             with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
                 root = Path(tmp)
-                config = {**THROUGHPUT, **COMMON, "tie_word_embeddings": False}
-                base = demo_data_spec(
-                    config,
+                spec = make_spec(
+                    args,
                     root / "out",
-                    steps=args.steps,
-                    seq_len=args.seq_len,
-                    microbatch_size=1,
+                    THROUGHPUT,
                     num_microbatches=4,
-                    staleness=1,
-                    train={"dtype": "float32", "replan": False, "grad_buffer_stages": stages},
-                    output={"checkpoint_every": 0},
+                    train={"dtype": "float32", "grad_buffer_stages": stages},
                 )
-                doc = base.to_dict()
-                num_layers = LayeredModel(model_config_from_spec(base.model), None).num_layers
-                doc["train"]["plan"] = str(default_plan(num_layers, args.plan_workers))
-                for assignment in args.set:
-                    _override(doc, assignment)
-                spec = JobSpec.from_dict(doc)
                 run = run_runtime(
                     spec,
                     [["--cpu", "--threads", "1"]] * 2,
                     warmup=2,
                     root=root / "cluster",
                     coordinator_threads=1,
-                    stop_after=args.steps - 1,
+                    stop_after=args.steps,
                     coordinator_args=["--worker-timeout", "300"],
                 )
                 rates[stages].append(run.tokens_per_s)
@@ -285,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return throughput(args)
     with tempfile.TemporaryDirectory(prefix="rp-hostmem-") as tmp:
         root = Path(tmp)
-        spec = make_spec(args, root / "out")
+        spec = make_spec(args, root / "out", SMOKE if args.smoke else FULL)
         samplers: list[Sampler] = []
 
         def start(cluster) -> None:

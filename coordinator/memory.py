@@ -46,6 +46,7 @@ __all__ = [
     "host_memory_needed",
     "least_host_memory",
     "optimizer_state_nbytes",
+    "planned_layout",
     "release_freed_memory",
     "weight_copies",
 ]
@@ -137,6 +138,23 @@ def weight_copies(spec: JobSpec) -> int:
     return 1 if spec.train.staleness == 0 else 2
 
 
+def planned_layout(model: LayeredModel, plan: Plan, spec: JobSpec) -> JobLayout:
+    """The layout the trainer gives ``spec`` under ``plan`` (without the slot pools'
+    re-planning headroom), sized, not created."""
+    import torch
+
+    return JobLayout.plan_layout(
+        model,
+        plan,
+        compute_dtype=getattr(torch, spec.train.dtype),
+        microbatch_rows=spec.batch.microbatch_size,
+        seq_len=spec.data.seq_len,
+        num_microbatches=spec.batch.num_microbatches,
+        grad_buffer_layers=grad_buffer_layers(spec, plan),
+        weight_copies=weight_copies(spec),
+    )
+
+
 def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
     """The least host memory ``spec`` needs under any plan (what admission checks at
     submit): the activation slots of the plan with the fewest (the whole model as one
@@ -144,28 +162,15 @@ def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
     each), sized, not created."""
     import dataclasses
 
-    import torch
-
     from roundpipe.shared.plan import Plan
 
-    def layout(plan: Plan) -> JobLayout:
-        return JobLayout.plan_layout(
-            model,
-            plan,
-            compute_dtype=getattr(torch, spec.train.dtype),
-            microbatch_rows=spec.batch.microbatch_size,
-            seq_len=spec.data.seq_len,
-            num_microbatches=spec.batch.num_microbatches,
-            grad_buffer_layers=grad_buffer_layers(spec, plan),
-            weight_copies=weight_copies(spec),
-        )
-
     n = model.num_layers
-    fewest_slots = host_memory_needed(layout(Plan(forward=(), tail=(0, n), backward=())), spec)
+    one_stage = Plan(forward=(), tail=(0, n), backward=())
+    fewest_slots = host_memory_needed(planned_layout(model, one_stage, spec), spec)
     if n < 2:
         return fewest_slots
     narrowest = Plan.uniform(n, num_forward=1, num_backward=n - 1, tail_layers=1)
-    grads = host_memory_needed(layout(narrowest), spec).grads
+    grads = host_memory_needed(planned_layout(model, narrowest, spec), spec).grads
     return dataclasses.replace(fewest_slots, grads=min(grads, fewest_slots.grads))
 
 

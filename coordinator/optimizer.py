@@ -682,14 +682,14 @@ class LayerwiseOptimizer:
         for i, j in entry.chunks:
             p = views("param", i, entry.params[i])[j]
             g = views("grad", i, grad_list[i])[j]
-            int8 = self.state_dtype == "int8"  # its chunks are sliced by _adamw_int8_chunk
-            state = [] if int8 else [views(k, i, entry.state[k][i])[j] for k in self.kinds]
+            if self.state_dtype == "int8":  # Note [8-bit states]
+                state, packed = self._unpack_int8(entry, i, j, p.numel())
+            else:
+                state = [views(k, i, entry.state[k][i])[j] for k in self.kinds]
             weight_decay = self.weight_decay if entry.decayed[i] else 0.0
             if coef is not None:
                 g.mul_(coef)
-            if self.state_dtype == "int8":
-                self._adamw_int8_chunk(entry, i, j, p, g, lr, weight_decay)
-            elif self.algorithm == "adamw":
+            if self.algorithm == "adamw":
                 torch._fused_adamw_(
                     [p],
                     [g],
@@ -719,54 +719,35 @@ class LayerwiseOptimizer:
                     maximize=False,
                     is_first_step=first_step,
                 )
+            if self.state_dtype == "int8":
+                self._pack_int8(packed)
             out = out_list[i]
             if out is not None and out.is_contiguous():
                 views("out", i, out)[j].copy_(p)
 
-    def _adamw_int8_chunk(
-        self,
-        entry: _Layer,
-        i: int,
-        j: int,
-        p: torch.Tensor,
-        g: torch.Tensor,
-        lr: float,
-        weight_decay: float,
-    ) -> None:
-        """Note [8-bit states]: dequantize chunk j of tensor i's moments into fp32
-        scratch, run the fused AdamW kernel on it, quantize it back."""
-        n = p.numel()
+    def _unpack_int8(
+        self, entry: _Layer, i: int, j: int, n: int
+    ) -> tuple[list[torch.Tensor], list[tuple]]:
+        """Note [8-bit states]: chunk j (``n`` elements) of tensor i's moments,
+        dequantized into fp32 scratch, and what ``_pack_int8`` needs to store them back."""
         if self._scratch8 is None:
             self._scratch8 = (torch.empty(CHUNK_NUMEL), torch.empty(CHUNK_NUMEL))
-        m, v = self._scratch8[0][:n], self._scratch8[1][:n]
-        start, blocks = j * CHUNK_NUMEL, j * (CHUNK_NUMEL // BLOCK)
-        stop_blocks = blocks + absmax_numel(n)
-        states = []
+        start, first_block = j * CHUNK_NUMEL, j * (CHUNK_NUMEL // BLOCK)
+        state, packed = [], []
         for kind, scratch, code_map in (
-            ("exp_avg", m, _SIGNED_MAP),
-            ("exp_avg_sq", v, _UNSIGNED_MAP),
+            ("exp_avg", self._scratch8[0][:n], _SIGNED_MAP),
+            ("exp_avg_sq", self._scratch8[1][:n], _UNSIGNED_MAP),
         ):
             codes = entry.state[kind][i][start : start + n]
-            absmax = entry.state[f"{kind}_absmax"][i][blocks:stop_blocks]
+            absmax = entry.state[f"{kind}_absmax"][i][first_block : first_block + absmax_numel(n)]
             dequantize_(codes, absmax, code_map, scratch)
-            states.append((scratch, codes, absmax, code_map))
-        beta1, beta2 = self.betas
-        torch._fused_adamw_(
-            [p],
-            [g],
-            [m],
-            [v],
-            [],
-            [entry.steps[i]],
-            amsgrad=False,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=self.eps,
-            maximize=False,
-        )
-        for scratch, codes, absmax, code_map in states:
+            state.append(scratch)
+            packed.append((scratch, codes, absmax, code_map))
+        return state, packed
+
+    @staticmethod
+    def _pack_int8(packed: list[tuple]) -> None:
+        for scratch, codes, absmax, code_map in packed:
             quantize_(scratch, codes, absmax, code_map)
 
     def _step_reference(

@@ -10,7 +10,8 @@ import pytest
 import torch
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
 
-from roundpipe.coordinator.jobspec import model_config_from_spec
+from roundpipe.coordinator.checkpoint import CheckpointDir
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import host_memory_needed, least_host_memory
 from roundpipe.shared.model import LayeredModel
@@ -55,20 +56,24 @@ def test_a_shared_gradient_buffer_changes_no_bit(tmp_path, arena_dir, staleness)
     assert_params_match(shared, oracle_train(spec(1, "oracle")))
 
 
+def _layout(model: LayeredModel, plan: str, buffer: int | None = None) -> JobLayout:
+    return JobLayout.plan_layout(
+        model,
+        Plan.parse(plan),
+        compute_dtype=torch.float32,
+        microbatch_rows=1,
+        seq_len=8,
+        num_microbatches=2,
+        grad_buffer_layers=buffer,
+    )
+
+
 def test_a_stage_that_would_write_one_slot_twice_does_not_fit(tmp_path) -> None:
     spec = tiny_spec(tmp_path, plan=NARROW)
     model = LayeredModel(model_config_from_spec(spec.model), None)
 
     def layout(plan: str, buffer: int | None) -> JobLayout:
-        return JobLayout.plan_layout(
-            model,
-            Plan.parse(plan),
-            compute_dtype=torch.float32,
-            microbatch_rows=1,
-            seq_len=8,
-            num_microbatches=2,
-            grad_buffer_layers=buffer,
-        )
+        return _layout(model, plan, buffer)
 
     narrow = layout(NARROW, 2)
     wide = Plan.parse("F[0:4] T[4:6] B[1:4,0:1]")  # layers 1 and 3 share a slot
@@ -206,14 +211,7 @@ def test_int8_state_dtype_is_checked(tmp_path) -> None:
         tiny_spec(tmp_path, optimizer={"name": "sgd", "state_dtype": "int8"})
     spec = tiny_spec(tmp_path, optimizer={"state_dtype": "int8"})
     model = LayeredModel(model_config_from_spec(spec.model), None)
-    layout = JobLayout.plan_layout(
-        model,
-        Plan.parse(NARROW),
-        compute_dtype=torch.float32,
-        microbatch_rows=1,
-        seq_len=8,
-        num_microbatches=2,
-    )
+    layout = _layout(model, NARROW)
     trainable = model.parameter_count(trainable_only=True)
     moments = host_memory_needed(layout, spec).moments
     assert 2 * trainable < moments < 2.1 * trainable  # codes + a scale per 256
@@ -221,55 +219,28 @@ def test_int8_state_dtype_is_checked(tmp_path) -> None:
 
 def test_int8_job_trains_close_to_fp32_states_and_resumes_exactly(tmp_path, arena_dir) -> None:
     """A job with 8-bit states through the trainer: its losses stay close to fp32
-    states', and a job stopped at its checkpoint and resumed ends bit for bit where the
-    uninterrupted one does."""
-    from runtime_helpers import InProcessWorkers
+    states', and a new job resumed from its step-2 checkpoint ends bit for bit where the
+    uninterrupted one does (the codes and scales are the whole state)."""
 
-    from roundpipe.coordinator.trainer import JobCancelled, Trainer
-
-    def run(where: str, state_dtype: str, stop_after: int | None = None):
-        spec = tiny_spec(
+    def run(where: str, state_dtype: str, resume_from: Path | None = None):
+        doc = tiny_spec(
             tmp_path / where, staleness=1, steps=5, optimizer={"state_dtype": state_dtype}
-        )
-        doc = spec.to_dict()
-        doc["output"].update(checkpoint_every=2)
-        spec = type(spec).from_dict(doc)
-        trainer = Trainer(
-            "job-8bit",
-            spec,
-            arena_dir=arena_dir,
-            namespace="hostmem8",
-            output_dir=Path(spec.output.dir),
-            wait_timeout_s=60,
-        )
-        pool = None
-
-        def on_checkpoint(step: int, path: Path) -> None:
-            if stop_after is not None and step >= stop_after:
-                trainer.cancel()
-
-        try:
-            trainer.prepare(2)
-            pool = InProcessWorkers(trainer, 2)
-            try:
-                trainer.run(pool.dispatch, pool.workers, on_checkpoint=on_checkpoint)
-            except JobCancelled:
-                return None
-            weights = {n: t for d in trainer.final_weights().values() for n, t in d.items()}
-            return weights, [e.loss for e in trainer.progress]
-        finally:
-            if pool is not None:
-                pool.close()
-            trainer.close()
+        ).to_dict()
+        doc["output"].update(checkpoint_every=2, keep_last=5)
+        if resume_from is not None:
+            doc["model"]["resume_from"] = str(resume_from)
+        spec = JobSpec.from_dict(doc)
+        with trained_in_process(spec, arena_dir, 2, job_id=where, namespace="hostmem8") as t:
+            weights = {n: w for d in t.final_weights().values() for n, w in d.items()}
+            return weights, [e.loss for e in t.progress]
 
     fp32 = run("fp32", "float32")
     int8 = run("int8", "int8")
-    assert fp32 is not None and int8 is not None
     for a, b in zip(int8[1], fp32[1]):
         assert abs(a - b) <= 0.01 * abs(b), (int8[1], fp32[1])
-    assert run("resumed", "int8", stop_after=2) is None
-    resumed = run("resumed", "int8")
-    assert resumed is not None
-    assert resumed[1] == int8[1]
+    saved = CheckpointDir(tmp_path / "int8" / "checkpoints").complete("int8")
+    step2 = next(info for info in saved if info.step == 2)
+    resumed = run("resumed", "int8", resume_from=step2.path)
+    assert resumed[1][2:] == int8[1][2:]
     for name in int8[0]:
         assert torch.equal(resumed[0][name], int8[0][name]), name
