@@ -147,6 +147,19 @@ def predicted(spec: JobSpec, plan: str) -> tuple[HostMemory, int]:
     return host_memory_needed(layout, spec), model.parameter_count()
 
 
+def _two_cpu_workers(spec: JobSpec, root: Path, *, warmup: int, stop_after: int):
+    return run_runtime(
+        spec,
+        [["--cpu", "--threads", "1"]] * 2,
+        warmup=warmup,
+        root=root / "cluster",
+        coordinator_threads=1,
+        stop_after=stop_after,
+        # A loaded shared machine can starve a busy worker's heartbeat for seconds.
+        coordinator_args=["--worker-timeout", "300"],
+    )
+
+
 def throughput(args: argparse.Namespace) -> int:
     """Tokens/s with the gradient buffer at 0 (one slot per layer), 1 and 2 stages, side
     by side in interleaved rounds (the machine is shared): what waiting for a free
@@ -164,15 +177,7 @@ def throughput(args: argparse.Namespace) -> int:
                     num_microbatches=4,
                     train={"dtype": "float32", "grad_buffer_stages": stages},
                 )
-                run = run_runtime(
-                    spec,
-                    [["--cpu", "--threads", "1"]] * 2,
-                    warmup=2,
-                    root=root / "cluster",
-                    coordinator_threads=1,
-                    stop_after=args.steps,
-                    coordinator_args=["--worker-timeout", "300"],
-                )
+                run = _two_cpu_workers(spec, root, warmup=2, stop_after=args.steps)
                 rates[stages].append(run.tokens_per_s)
     print(f"# plan {run.plan}, {args.rounds} interleaved rounds, 2 CPU workers, staleness 1")
     print(f"{'grad_buffer_stages':<20}{'median tokens/s':>16}{'vs 0':>8}  runs")
@@ -202,15 +207,7 @@ def states(args: argparse.Namespace) -> int:
             for assignment in args.set:
                 _override(doc, assignment)
             spec = JobSpec.from_dict(doc)
-            run = run_runtime(
-                spec,
-                [["--cpu", "--threads", "1"]] * 2,
-                warmup=0,
-                root=root / "cluster",
-                coordinator_threads=1,
-                stop_after=args.steps,
-                coordinator_args=["--worker-timeout", "300"],
-            )
+            run = _two_cpu_workers(spec, root, warmup=0, stop_after=args.steps)
             losses[dtype] = run.losses
     marks = sorted({s for s in (1, 10, 20, 40, 100, 200, 400, args.steps) if s <= args.steps})
     print(f"# roundpipe demo's job, {args.steps} steps, AdamW states fp32 vs int8 (block 256)")
