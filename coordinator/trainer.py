@@ -159,6 +159,21 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     )
 
 
+def _as_master(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a freshly loaded weight: the tensor itself when it is an fp32
+    tensor that owns exactly its storage (the loaders' output, dropped after loading),
+    else a copy. Taking it over instead of copying keeps the loading peak at one fp32
+    model, not two (docs/memory.md)."""
+    owns = (
+        w.dtype == torch.float32
+        and w.is_contiguous()
+        and w.storage_offset() == 0
+        and w.untyped_storage().nbytes() == w.numel() * w.element_size()
+        and not w.requires_grad
+    )
+    return w if owns else w.to(torch.float32).clone()
+
+
 class Trainer:
     """Runs one job. Build, ``prepare()``, then ``run(...)``; always ``close()``."""
 
@@ -294,7 +309,7 @@ class Trainer:
                 w = weights[layer][name]
                 layout.view(even).copy_(w)
                 if name in trainable:
-                    self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
+                    self.masters.setdefault(layer, {})[name] = _as_master(w)
         del weights
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
