@@ -1,24 +1,29 @@
 """Host memory a job needs, checked against the machine before anything is allocated.
 
 A job's host memory is known before it exists (ARCHITECTURE.md section 9: "a job's
-memory is checked against the machine before anything is allocated"):
+memory is checked against the machine before anything is allocated"), by component
+(:class:`HostMemory`, docs/memory.md):
 
-* its arenas (``JobLayout.sizes``: weights in both parities, fp32 gradients, activation
-  and gradient slots, the io arena, the event table), files under ``--arena-dir`` that
-  take RAM (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
-* the fp32 master weights of its trainable parameters and the two AdamW moments: 12
-  bytes per trainable parameter, in the coordinator's own memory.
+* its arenas (``JobLayout.sizes``): compute-dtype weights (two copies at staleness 1,
+  one at staleness 0: Note [weight copies] in roundpipe.coordinator.layout), the
+  bounded fp32 gradient buffer (Note [gradient buffer]), activation and gradient slots,
+  the io arena and the event table; files under ``--arena-dir`` that take RAM
+  (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
+* the fp32 master weights of its trainable parameters (4 bytes each) and the optimizer
+  states (AdamW: 8 bytes, ~2.03 with ``optimizer.state_dtype: int8``), in the
+  coordinator's own memory.
 
 :func:`host_memory_needed` adds them up from a layout that has been planned but not
-created; :func:`check_host_memory` refuses a job that does not fit what the machine has
-available now (``psutil.virtual_memory().available``) or whose arenas do not fit the
-arena directory's free space, with a message giving every figure. The trainer checks
-before it creates the arenas; the coordinator's admission child checks the least any
-plan needs (the whole model as one tail stage) at submit, so a hopeless job is refused
-at once.
+created (:func:`planned_layout` builds it as the trainer does); :func:`check_host_memory`
+refuses a job that does not fit what the machine has available now
+(``psutil.virtual_memory().available``) or whose arenas do not fit the arena directory's
+free space, with a message giving every figure. The trainer checks before it creates
+the arenas; the coordinator's admission child checks the least any plan needs
+(:func:`least_host_memory`) at submit, so a hopeless job is refused at once.
 
 Not counted: a CPU worker's working memory while it runs a task (autograd's saved
-tensors, in the worker process), and the weights the trainer loads once at start.
+tensors, in the worker process), the coordinator's own heap (~100 MB per job), and the
+weights the trainer loads once at start (they become the masters, or are freed).
 """
 
 from __future__ import annotations
