@@ -25,6 +25,9 @@ Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator
 3. Parity k % 2 held W_{k-2}. Its readers are iteration k's tasks (staleness 1) or
    iteration k-1's (staleness 0); in both cases they finished reading layer l before
    ``wgrad[l] >= k`` could be stored, so the optimizer never overwrites weights in use.
+   At staleness 0 both parities are one buffer (Note [weight copies] in
+   roundpipe.coordinator.layout): it held W_{k-1}, whose readers are iteration k's own
+   tasks, finished by then too.
 4. A task writes layer l's gradient slot for iteration k only after ``version[l] >= k-1``:
    the optimizer has consumed g_{k-1}. A slow optimizer throttles the pipeline instead
    of corrupting it. Where layers share a slot (Note [gradient buffer] in
