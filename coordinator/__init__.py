@@ -10,7 +10,8 @@
   :mod:`~roundpipe.coordinator.data`: its token rows (:mod:`~roundpipe.coordinator.records`
   file formats, :mod:`~roundpipe.coordinator.instruct` chat and prompt labels); :mod:`~roundpipe.coordinator.layout`:
   its arenas; :mod:`~roundpipe.coordinator.schedule`: its tasks per iteration;
-  :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer;
+  :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer
+  (:mod:`~roundpipe.coordinator.quantized_state` its 8-bit states);
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
   survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
 - :mod:`~roundpipe.coordinator.planning` (a package: hardware, costs, search, simulator,

@@ -86,30 +86,17 @@ def validate_spec(
 
 
 def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None) -> None:
-    """Refuse a job that cannot fit this machine under any plan: its layout for the plan
-    with the fewest activation slots (the whole model as one tail stage) is sized, not
-    created. The trainer checks the real plan's figure before it allocates."""
-    import torch
-
-    from roundpipe.coordinator.layout import JobLayout
+    """Refuse a job that cannot fit this machine under any plan (``least_host_memory``).
+    The trainer checks the real plan's figure before it allocates."""
     from roundpipe.coordinator.memory import (
         InsufficientMemory,
         check_host_memory,
-        host_memory_needed,
+        least_host_memory,
     )
-    from roundpipe.shared.plan import Plan
 
-    layout = JobLayout.plan_layout(
-        model,
-        Plan(forward=(), tail=(0, model.num_layers), backward=()),
-        compute_dtype=getattr(torch, job.train.dtype),
-        microbatch_rows=job.batch.microbatch_size,
-        seq_len=job.data.seq_len,
-        num_microbatches=job.batch.num_microbatches,
-    )
     try:
         check_host_memory(
-            host_memory_needed(layout), arena_dir, what="this job, whatever its plan,"
+            least_host_memory(model, job), arena_dir, what="this job, whatever its plan,"
         )
     except InsufficientMemory as exc:
         raise JobSpecError([FieldError("", str(exc))]) from None

@@ -81,6 +81,8 @@ DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
+STATE_DTYPES = ("float32", "int8")
+"""``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
@@ -333,6 +335,11 @@ class TrainSpec:
     replan: bool = True
     """Re-plan from the workers' measured layer times once they settle (switching when
     the new plan is predicted at least 5% faster). Ignored when ``plan`` is set."""
+    grad_buffer_stages: int = 2
+    """Host gradient buffer, in units of the plan's largest gradient-writing stage:
+    layers of the same shape share this many stages' worth of fp32 gradient slots, and a
+    backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
+    layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,6 +383,9 @@ class OptimizerSpec:
     """SGD momentum in [0, 1) (``name: sgd`` only; 0: plain SGD, no momentum buffer)."""
     nesterov: bool = False
     """Nesterov momentum (``name: sgd`` with ``momentum`` > 0 only)."""
+    state_dtype: str = "float32"
+    """One of ``STATE_DTYPES``: ``float32``, or ``int8`` for AdamW's moments block-wise
+    quantized to 8 bits (~2 bytes per parameter instead of 8; docs/memory.md)."""
     threads: int = 0
     """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
     ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
@@ -926,6 +936,7 @@ def _check_train(e: _Errors, t: TrainSpec) -> bool:
     _check_choice(e, "train.dtype", t.dtype, DTYPES)
     _check_int(e, "train.seed", t.seed, lo=0)
     _check_bool(e, "train.replan", t.replan)
+    _check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 
@@ -1245,6 +1256,9 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
         e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    _check_choice(e, "optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+    if o.state_dtype == "int8" and o.name != "adamw":
+        e.bad("optimizer.state_dtype", o.state_dtype, "float32 with optimizer.name sgd")
     _check_choice(e, "optimizer.schedule_convention", o.schedule_convention, SCHEDULE_CONVENTIONS)
     nd = o.no_decay
     if not (isinstance(nd, tuple) and all(isinstance(x, str) and x for x in nd)):

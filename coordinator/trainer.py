@@ -34,8 +34,10 @@ that holds; the workers idle for the length of the write.) At the cut the state 
 * params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
   (``prev/<name>``); this is the "in-flight delayed gradient" of the uninterrupted run,
-  stored as the weights it is computed from. It is saved at staleness 0 too (it is
-  small), so a checkpoint resumes under either setting;
+  stored as the weights it is computed from. At staleness 0 the job keeps one weight
+  copy (Note [weight copies] in roundpipe.coordinator.layout), so ``prev`` holds W_s
+  (manifest ``prev_version``); resumed under staleness 1, iterations s+1 and s+2 then
+  both compute on W_s, as iterations 1 and 2 of a fresh run both compute on W_0;
 * the data cursor (next step s+1; ``batch_for_step`` is a pure function of the step),
   the learning-rate schedule position (step s; the schedule is a pure function of the
   step), and the RNG state (workers seed dropout from (seed, iteration, layer,
@@ -104,7 +106,14 @@ from roundpipe.coordinator.job_events import (
 )
 from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
 from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
+from roundpipe.coordinator.memory import (
+    InsufficientMemory,
+    check_host_memory,
+    grad_buffer_layers,
+    host_memory_needed,
+    release_freed_memory,
+    weight_copies,
+)
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
@@ -158,6 +167,21 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     return Plan.uniform(
         num_layers, num_forward=num_forward, num_backward=num_backward, tail_layers=tail_layers
     )
+
+
+def _as_master(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a freshly loaded weight: the tensor itself when it is an fp32
+    tensor that owns exactly its storage (the loaders' output, dropped after loading),
+    else a copy. Taking it over instead of copying keeps the loading peak at one fp32
+    model, not two (docs/memory.md)."""
+    owns = (
+        w.dtype == torch.float32
+        and w.is_contiguous()
+        and w.storage_offset() == 0
+        and w.untyped_storage().nbytes() == w.numel() * w.element_size()
+        and not w.requires_grad
+    )
+    return w if owns else w.to(torch.float32).clone()
 
 
 class Trainer:
@@ -279,12 +303,14 @@ class Trainer:
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
             **capacity,
         )
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
         try:
-            check_host_memory(host_memory_needed(layout), self.arena_dir)
+            check_host_memory(host_memory_needed(layout, spec), self.arena_dir)
         except InsufficientMemory as exc:
             raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)
@@ -297,8 +323,9 @@ class Trainer:
                 w = weights[layer][name]
                 layout.view(even).copy_(w)
                 if name in trainable:
-                    self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
+                    self.masters.setdefault(layer, {})[name] = _as_master(w)
         del weights
+        release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
             layout=layout,
@@ -515,9 +542,11 @@ class Trainer:
                     refs = layout.params[layer][name]
                     current, previous = refs[s % 2], refs[(s - 1) % 2]
                     assert current is not None and previous is not None
-                    layout.view(current).copy_(master)
                     if s >= 1:
                         layout.view(previous).copy_(load(f"prev/{name}", master))
+                    # Last: with one weight copy (Note [weight copies]) both refs name
+                    # the same buffer, and W_s is the version iteration s+1 reads.
+                    layout.view(current).copy_(master)
                 layout.events.signal(c.version(layer), s)
             if "rng/torch_cpu" in keys:
                 torch.set_rng_state(state.get_tensor("rng/torch_cpu"))
@@ -983,6 +1012,8 @@ class Trainer:
             "plan": str(self.plan),
             "plan_history": [list(entry) for entry in self.plan_history],
             "staleness": self.spec.train.staleness,
+            # The weight version saved as prev/* (Note [checkpoint cut]).
+            "prev_version": step - 1 if weight_copies(self.spec) == 2 else step,
             "compute_dtype": self.spec.train.dtype,
             "data_cursor": self.loader.state_dict(),
             "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},

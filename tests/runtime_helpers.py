@@ -63,6 +63,7 @@ def tiny_spec(
     lr: float = 3e-4,
     optimizer: dict[str, Any] | None = None,
     packing: str | None = None,
+    train: dict[str, Any] | None = None,
 ) -> JobSpec:
     """A tiny Qwen3 job on the shipped demo corpus.
 
@@ -92,6 +93,7 @@ def tiny_spec(
         "output": {"dir": str(output_dir)},
     }
     spec["optimizer"].update(optimizer or {})
+    spec["train"].update(train or {})
     if plan is not None:
         spec["train"]["plan"] = plan
     if packing is not None:

@@ -115,3 +115,16 @@ def test_moe_benchmark_smoke() -> None:
         "dense, same active params",
     } <= rows
     assert re.fullmatch(r"RESULT moe_vs_dense=\d+\.\d\d grouped_vs_eager=\d+\.\d\d", lines[-1])
+
+
+@pytest.mark.slow
+def test_host_memory_benchmark_smoke() -> None:
+    """`host_memory.py --smoke`: a tiny job through the daemons; the table has every
+    predicted component and the measured figures, the RESULT line both numbers."""
+    out = _run_benchmark("host_memory.py", "--smoke")
+    for row in ("weights", "grads", "activations", "masters", "moments", "staging", "total"):
+        assert re.search(rf"^predicted {row} +[\d,]+ +\d+\.\d\d$", out, re.M), (row, out)
+    assert re.search(r"^measured arenas \(/dev/shm\) +[\d,]+", out, re.M), out
+    assert re.fullmatch(
+        r"RESULT host_bytes_per_param=\d+\.\d\d predicted=\d+\.\d\d", out.splitlines()[-1]
+    )

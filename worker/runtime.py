@@ -46,7 +46,8 @@ Note [weight prefetch]
     re-dispatched attempt, another task, or a torn-down job discards it. Its data is as
     valid as an upload made when the task starts: the same version waits were met, and
     the params parity it read is not rewritten before this task's iteration has
-    finished with it (Note [weight-update ordering], point 3).
+    finished with it (Note [weight-update ordering], point 3; with the single copy of
+    staleness 0, Note [weight copies] in roundpipe.coordinator.layout).
 """
 
 from __future__ import annotations

@@ -121,6 +121,7 @@ def _host_memory(
     model's parameter count."""
     import torch
 
+    from roundpipe.coordinator.jobspec import TrainSpec
     from roundpipe.coordinator.layout import JobLayout
     from roundpipe.coordinator.memory import host_memory_needed
 
@@ -131,6 +132,9 @@ def _host_memory(
         microbatch_rows=args.microbatch_size,
         seq_len=args.seq_len,
         num_microbatches=num_microbatches,
+        # The job spec's default gradient buffer (Note [gradient buffer]).
+        grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
+        weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
     )
     return host_memory_needed(layout), max(1, model.parameter_count())
 
@@ -280,8 +284,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "notes": list(result.notes),
             "host_memory": {
                 "arenas": host.arenas,
-                "masters": host.masters,
-                "moments": host.moments,
+                **host.components(),
                 "total": host.total,
                 "bytes_per_parameter": host.total / params,
             },
@@ -303,8 +306,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     print(header)
     print(describe(result))
     print(
-        f"this job needs {host.describe()}, {host.total / params:.1f} bytes per parameter "
-        f"({params:,} parameters); the coordinator refuses a job that does not fit"
+        f"this job needs {host.describe(params)} for {params:,} parameters; the "
+        "coordinator refuses a job that does not fit"
     )
     for b in baselines:
         tps = b.simulation.tokens_per_s or 0.0
