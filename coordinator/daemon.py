@@ -915,7 +915,7 @@ class Coordinator:
                 log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
         finally:
             state, message = outcome(job, error, stopping=self._stop.is_set())
-            if state in ("paused", "failed") and isinstance(error, (JobPaused, JobFailed)):
+            if isinstance(error, (JobPaused, JobFailed)):
                 log.error("[coordinator] job %s %s: %s", job.job_id, state, error)
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()

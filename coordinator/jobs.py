@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from roundpipe.coordinator.job_events import progress_page
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.metrics import job_figures
@@ -135,8 +136,6 @@ class JobRecord:
         t = self.trainer
         if t is not None:
             return t.progress_page(after_seq, limit)
-        from roundpipe.coordinator.job_events import progress_page
-
         return progress_page(self.progress, after_seq, limit)
 
 

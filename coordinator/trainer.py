@@ -67,6 +67,7 @@ again, so a futile search costs little.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -77,7 +78,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -115,7 +116,13 @@ from roundpipe.coordinator.memory import (
     weight_copies,
 )
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
-from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
+from roundpipe.coordinator.paths import (
+    PathPolicy,
+    PathRefused,
+    modes,
+    pinned_dir,
+    restrict_tree,
+)
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
 from roundpipe.coordinator.planning.profile import ProfileAggregator
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
@@ -221,6 +228,13 @@ class Trainer:
         self.step = 0
         self.last_loss: float | None = None
         self.checkpoints = CheckpointDir(self.output_dir / "checkpoints")
+        self._output_root = self.output_dir
+        """Where to write into the output directory: its pin while one is held
+        (``_pinned_output``), else its path."""
+        self._held_output_fd: int | None = None
+        self.trace_output = self.output_dir
+        """Where the run's trace and TensorBoard scalars go, written all along: the output
+        directory checked in ``prepare`` and held open until ``close`` (its pin)."""
         self.start_step = 0
         """Step the run starts after: 0, or the step of the checkpoint it resumed from."""
         self.checkpoint_step: int | None = None
@@ -264,7 +278,14 @@ class Trainer:
                 self.paths.recheck(self.spec.to_dict())
             except PathRefused as exc:
                 raise JobFailed(str(exc)) from None
-            self._confirm_output()
+            try:
+                fd = self.paths.open_output(self.output_dir)
+                if self._held_output_fd is not None:  # prepared again: hold the new check
+                    os.close(self._held_output_fd)
+                self._held_output_fd = fd
+            except PathRefused as exc:
+                raise JobFailed(str(exc)) from None
+            self.trace_output = pinned_dir(self._held_output_fd) or self.output_dir
         try:
             self.checkpoints.ensure_writable()
         except OSError as exc:
@@ -940,31 +961,60 @@ class Trainer:
     def _confirm_output(self) -> None:
         """Before writing into the output directory: it is still a directory below a
         write root that only the coordinator can change (coordinator.paths)."""
+        with self._pinned_output():
+            pass
+
+    @contextlib.contextmanager
+    def _pinned_output(self) -> Iterator[Path]:
+        """Check the output directory (:meth:`_confirm_output`) and yield a path to write
+        into it through that checked directory held open (coordinator.paths.pinned_dir):
+        in a write root others can write to, the directory could otherwise be renamed
+        away and replaced by a link between the check and the last file written.
+        Raises JobFailed if the check fails."""
         if self.paths is None:
+            yield self.output_dir
             return
         try:
-            self.paths.prepare_output(self.output_dir)
+            fd = self.paths.open_output(self.output_dir)
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
+        try:
+            pinned = pinned_dir(fd) or self.output_dir  # no /proc: the checked path
+            self._output_root = pinned
+            yield pinned
+        finally:
+            self._output_root = self.output_dir
+            os.close(fd)
+
+    def _shown(self, text: object) -> str:
+        """``text`` (a path, a message) as the user knows it: the output directory's pin
+        replaced by its path."""
+        return str(text).replace(str(self._output_root), str(self.output_dir))
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint after ``step`` (call only at a cut: Note [checkpoint cut])
         and prune to ``output.keep_last``. Raises JobPaused if it cannot be written."""
-        self._confirm_output()
         started = time.perf_counter()
-        try:
-            path = self.checkpoints.write(
-                step, lambda d: self._fill_checkpoint(d, step), self._manifest(step)
-            )
-        except OSError as exc:
-            raise JobPaused(
-                self._io_error_message(f"cannot write checkpoint step {step}", exc)
-            ) from exc
-        self.checkpoint_step = step
-        try:
-            self.checkpoints.prune(self.spec.output.keep_last, self.job_id)
-        except OSError as exc:  # the new checkpoint is safe; old ones just linger
-            log.warning("[trainer] job %s: pruning old checkpoints failed: %s", self.job_id, exc)
+        with self._pinned_output() as output:
+            checkpoints = CheckpointDir(output / self.checkpoints.root.name)
+            try:
+                written = checkpoints.write(
+                    step, lambda d: self._fill_checkpoint(d, step), self._manifest(step)
+                )
+            except OSError as exc:
+                raise JobPaused(
+                    self._io_error_message(f"cannot write checkpoint step {step}", exc)
+                ) from exc
+            path = self.checkpoints.root / written.name
+            self.checkpoint_step = step
+            try:
+                checkpoints.prune(self.spec.output.keep_last, self.job_id)
+            except OSError as exc:  # the new checkpoint is safe; old ones just linger
+                log.warning(
+                    "[trainer] job %s: pruning old checkpoints failed: %s",
+                    self.job_id,
+                    self._shown(str(exc)),
+                )
         log.info(
             "[trainer] job %s: checkpoint step %d written to %s in %.2fs",
             self.job_id,
@@ -1032,7 +1082,7 @@ class Trainer:
         }
 
     def _io_error_message(self, what: str, exc: OSError) -> str:
-        where = exc.filename or self.checkpoints.root
+        where = self._shown(exc.filename or self.checkpoints.root)
         code = errno.errorcode.get(exc.errno or 0, "")
         reason = f"{exc.strerror or exc}" + (f" [{code}]" if code else "")
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -1094,7 +1144,7 @@ class Trainer:
                 if self.spec.model.path is None and not self._base_model_written:
                     # First, so that peft finds the base's config when saving the adapter.
                     base = self.model.to_hf_model(self.final_weights()).unload()
-                    self._write_base_model(base, base_dir)
+                    self._write_base_model(base, self._output_root / base_dir.name)
                 model = self.model.to_hf_model(self.final_weights())
                 for config in model.peft_config.values():
                     config.base_model_name_or_path = str(base_dir)
@@ -1140,22 +1190,26 @@ class Trainer:
         ``directory`` (default: the output directory). Raises JobPaused if it cannot be
         written (the final checkpoint holds the same model)."""
         directory = self.output_dir if directory is None else Path(directory)
-        self._confirm_output()
-        try:
-            directory.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-            self.write_hf_model(directory)
-        except Exception as exc:
-            os_error = as_os_error(exc, directory)
-            if os_error is None:
-                raise
-            raise JobPaused(
-                self._io_error_message(f"cannot write the final model to {directory}", os_error)
-            ) from exc
+        with self._pinned_output() as output:
+            target = output if directory == self.output_dir else directory
+            try:
+                target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+                self.write_hf_model(target)
+            except Exception as exc:
+                os_error = as_os_error(exc, target)
+                if os_error is None:
+                    raise
+                raise JobPaused(
+                    self._io_error_message(f"cannot write the final model to {directory}", os_error)
+                ) from exc
         return directory
 
     def close(self) -> None:
         self._cancel.set()
         self.timeline.close()  # observability: settle the last step, finish the trace
+        if self._held_output_fd is not None:
+            os.close(self._held_output_fd)
+            self._held_output_fd = None
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None
