@@ -75,6 +75,14 @@ from roundpipe.coordinator.auth import (
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
 from roundpipe.coordinator.metrics import MetricsServer, current_tasks, job_figures
+from roundpipe.coordinator.multinode import (
+    DEFAULT_DIST_TIMEOUT_S,
+    GroupError,
+    JobAnnouncement,
+    JobGroup,
+    NodeGroup,
+    settings_from_args,
+)
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -199,6 +207,9 @@ class JobRecord:
     # The events of the job's last run, kept when its trainer is dropped at the end (the
     # trainer's own list while it runs). Empty after a coordinator restart.
     progress: list[ProgressEvent] = field(default_factory=list)
+    # False for a job another node announced (coordinator.multinode): rank 0's store
+    # holds it; this node shows it while it lives and never queues it on a restart.
+    stored: bool = True
 
     def status(self) -> JobStatus:
         t = self.trainer
@@ -249,8 +260,14 @@ class Coordinator:
         worker_timeout_s: float = WORKER_LOST_AFTER_S,
         paths: PathPolicy | None = None,
         keys_dir: str | Path | None = None,
+        group: NodeGroup | None = None,
     ):
         self.address = address
+        self.group = group
+        """The data-parallel group this coordinator is a node of (coordinator.multinode):
+        rank 0 takes jobs and runs them on every node; the others run what it announces."""
+        self.group_lost: str | None = None
+        """Why a follower lost rank 0 (it then stops, to be restarted and join again)."""
         # Default: <state-dir>/keys (roundpipe.shared.keys); read at bind().
         self.keys_dir = Path(keys_dir) if keys_dir is not None else Path(state_dir) / "keys"
         self.auth: Authenticator | None = None
@@ -400,7 +417,7 @@ class Coordinator:
         t = job.trainer
         if t is not None and t.prepared:  # before, its step is 0, not the job's
             job.step, job.loss = t.step, t.last_loss
-        if self.store is not None:
+        if self.store is not None and job.stored:
             try:
                 self.store.update(
                     job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
@@ -415,7 +432,10 @@ class Coordinator:
             self._job_wakeup.notify_all()
 
     def serve(self) -> None:
-        job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
+        follower = self.group is not None and not self.group.leader
+        job_thread = threading.Thread(
+            target=self._follower_loop if follower else self._job_loop, name="rp-job", daemon=True
+        )
         job_thread.start()
         self.validator = SpecValidator(self.arena_dir, strict_reads=True)
         self.validator.start()
@@ -545,6 +565,16 @@ class Coordinator:
             self._on_worker_message(identity, peer, msg)
         elif not peer.client:
             self._forbid(identity, peer, msg)
+        elif isinstance(msg, (SubmitJob, ResumeJob)) and self.group and not self.group.leader:
+            self._reply(
+                identity,
+                ErrorReply(
+                    code="unexpected_message",
+                    message=f"this coordinator is rank {self.group.rank} of a data-parallel "
+                    f"group; submit and resume jobs at rank 0 ({self.group.settings.host}), "
+                    "which runs them on every node",
+                ),
+            )
         elif isinstance(msg, (SubmitJob, ResumeJob)):
             self._admit(identity, msg, peer, len(frames[0]) if len(frames) == 1 else 0)
         else:
@@ -1014,6 +1044,57 @@ class Coordinator:
         finally:
             push.close(linger=1000)
 
+    def _follower_loop(self) -> None:
+        """Ranks other than 0: run the jobs rank 0 announces, one at a time. If rank 0's
+        store stops answering the group is gone: stop the daemon (exit status 3) so that
+        systemd restarts it and it joins the new group (docs/multi-node.md)."""
+        assert self.group is not None
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(_OUTBOX + self.coordinator_id)
+        try:
+            while not self._stop.is_set():
+                try:
+                    announcement = self.group.next_job(self._stop.is_set)
+                except GroupError as exc:
+                    self.group_lost = str(exc)
+                    log.error("[coordinator] the data-parallel group is gone: %s; stopping", exc)
+                    self.stop()
+                    return
+                if announcement is None:
+                    return
+                job = self._follower_job(announcement)
+                with self._lock:
+                    self.jobs[job.job_id] = job
+                    self._active = job
+                self._run_job(job, push, announcement)
+                with self._lock:
+                    self._active = None
+        finally:
+            push.close(linger=1000)
+
+    def _follower_job(self, announcement: JobAnnouncement) -> JobRecord:
+        """The record of a job rank 0 announced: its outputs (none but the log: rank 0
+        writes checkpoints and the model) go below this node's state directory."""
+        job_dir = self.state_dir / "jobs" / announcement.job_id
+        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        output = Path(os.path.realpath(job_dir)) / "node-output"
+        spec = dict(announcement.spec)
+        spec["output"] = {**dict(spec.get("output") or {}), "dir": str(output)}
+        steps = int(spec.get("train", {}).get("steps", 0))
+        job = JobRecord(
+            announcement.job_id,
+            None,
+            spec_dict=spec,
+            state="running",
+            total_steps=steps,
+            output_dir=str(output),
+            log_path=job_dir / "job.log",
+            owner="rank-0",
+            stored=False,
+            message=f"run for rank 0 ({self.group.settings.host if self.group else ''})",
+        )
+        return job
+
     def _live_workers(self) -> list[int]:
         with self._lock:
             return sorted(self.workers)
@@ -1037,7 +1118,7 @@ class Coordinator:
 
     def _record_plan(self, job: JobRecord, plan: Plan, why: str) -> None:
         job.plan = str(plan)  # the trainer has logged it, with why
-        if self.store is not None:
+        if self.store is not None and job.stored:
             try:
                 self.store.update(job.job_id, plan=job.plan)
             except JobStoreError as exc:
@@ -1055,8 +1136,32 @@ class Coordinator:
         for identity in identities:
             push.send_multipart([identity, *frames])
 
-    def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
+    def _job_group(self, job: JobRecord, announcement: JobAnnouncement | None) -> JobGroup | None:
+        """The job's share of the data-parallel group: rank 0 announces it, the others
+        join the announced one. None: this coordinator runs it alone."""
+        group = self.group
+        if group is None:
+            return None
+        if announcement is not None:
+            return group.join_job(announcement)
+        if group.broken is not None:
+            log.warning(
+                "[coordinator] job %s runs on this node alone: %s", job.job_id, group.broken
+            )
+            return None
+        return group.announce(job.job_id, job.spec_dict)
+
+    def _run_job(
+        self, job: JobRecord, push: zmq.Socket, announcement: JobAnnouncement | None = None
+    ) -> None:
         handler = _job_log_handler(job)
+        try:
+            job_group = self._job_group(job, announcement)
+        except (GroupError, RuntimeError) as exc:
+            self._set_state(job, "paused", f"the data-parallel group cannot run it: {exc}")
+            logging.getLogger("roundpipe").removeHandler(handler)
+            handler.close()
+            return
         if job.spec is None:
             # Validated at submission, in the admission child; built (and so checked
             # again: its files may have changed since) here, off the I/O thread.
@@ -1064,6 +1169,9 @@ class Coordinator:
                 job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
             except JobSpecError as exc:
                 self._set_state(job, "failed", f"the job's spec is no longer valid: {exc}")
+                if job_group is not None:
+                    job_group.leave(f"failed: {job.message}")
+                    job_group.close()
                 logging.getLogger("roundpipe").removeHandler(handler)
                 handler.close()
                 return
@@ -1076,6 +1184,7 @@ class Coordinator:
             wait_timeout_s=self.wait_timeout_s,
             paths=self.paths,
             on_plan=lambda plan, why: self._record_plan(job, plan, why),
+            group=job_group,
         )
         job.trainer = trainer
 
@@ -1132,8 +1241,11 @@ class Coordinator:
                 on_checkpoint=on_checkpoint,
                 fence=self.fence_worker,
             )
-            trainer.export(Path(job.output_dir or "."))
-            state, message = "succeeded", f"model written to {job.output_dir}"
+            if job_group is None or job_group.leader:  # rank 0 writes the model
+                trainer.export(Path(job.output_dir or "."))
+                state, message = "succeeded", f"model written to {job.output_dir}"
+            else:
+                state, message = "succeeded", "trained its share; rank 0 wrote the model"
         except JobCancelled:
             if job.cancel_requested or not self._stop.is_set():
                 state, message = "cancelled", "cancelled by request"
@@ -1156,8 +1268,18 @@ class Coordinator:
             state, message = "failed", f"{type(exc).__name__}: {exc}"
             log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
         finally:
+            if job_group is not None:
+                if state != "succeeded":  # the other nodes stop waiting for this one
+                    job_group.leave(f"{state}: {message}")
+                if job_group.lost is not None and self.group is not None and self.group.leader:
+                    self.group.broken = (
+                        f"the data-parallel group lost a node ({job_group.lost}); restart "
+                        "the coordinators with the remaining nodes' --world-size to use them"
+                    )
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()
+            if job_group is not None:
+                job_group.close()
             self._set_state(job, state, message)
             # Release the job's memory (masters, AdamW moments, dataset, model: ~12 bytes
             # per parameter) now: only its step, loss and progress events stay.
@@ -1441,8 +1563,33 @@ def main(argv: list[str] | None = None) -> int:
         help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (default: "
         "$ROUNDPIPE_METRICS_ADDRESS, else off; see docs/observability.md)",
     )
+    parser.add_argument(
+        "--dist-init",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="join a data-parallel group of coordinators (one per server) whose rank 0 "
+        "listens at HOST:PORT; with --rank and --world-size. Without it, torchrun's "
+        "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are used when set (docs/multi-node.md)",
+    )
+    parser.add_argument("--rank", type=int, default=None, help="this coordinator's rank")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="number of coordinators in the group"
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_DIST_TIMEOUT_S,
+        help="seconds to wait for the other coordinators to join, and for a silent or "
+        "stuck node before the job pauses (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    try:
+        group_settings = settings_from_args(
+            args.dist_init, args.rank, args.world_size, args.dist_timeout
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     # Everything this process writes (state, checkpoints, exports, logs) is private by
     # default; spec paths were resolved when accepted, so reads follow no new links.
     set_modes(GROUP_MODES if args.group_access else PRIVATE_MODES)
@@ -1487,6 +1634,14 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
         return 2
+    group = None
+    if group_settings is not None:
+        try:
+            group = NodeGroup.join(group_settings)
+        except GroupError as exc:
+            print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
+            return 2
+        coordinator.group = group
     metrics = None
     if args.metrics_address:  # observability (coordinator.metrics)
         try:
@@ -1499,6 +1654,11 @@ def main(argv: list[str] | None = None) -> int:
     coordinator.serve()
     if metrics is not None:
         metrics.close()
+    if group is not None:
+        group.close()
+    if coordinator.group_lost is not None:
+        print(f"roundpipe-coordinator: {coordinator.group_lost}", file=sys.stderr)
+        return 3
     return 0
 
 
