@@ -355,6 +355,7 @@ class JobGroup:
             backend="gloo", timeout=datetime.timedelta(seconds=nodes.timeout_s)
         )
         self._last_check = 0.0
+        self._problem_lock = threading.Lock()
 
     @property
     def leader(self) -> bool:
@@ -375,6 +376,10 @@ class JobGroup:
     def problem(self) -> str | None:
         """Why the job cannot go on as a group: a node left it or went silent. Asks the
         store at most once a second."""
+        with self._problem_lock:  # asked by the run loop and the all-reduce thread
+            return self._problem()
+
+    def _problem(self) -> str | None:
         now = time.monotonic()
         if now - self._last_check < 1.0:
             return None
@@ -429,8 +434,7 @@ class JobGroup:
             for work in works:
                 work.wait()
         except RuntimeError as exc:
-            self.lost = _gloo_reason(exc)
-            raise GroupError(f"{what} failed: {self.lost}") from None
+            raise self._collective_failed(what, exc) from None
 
     def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
         """Copy rank 0's ``tensors`` into every node's, in place."""
@@ -439,8 +443,22 @@ class JobGroup:
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
         except RuntimeError as exc:
-            self.lost = _gloo_reason(exc)
-            raise GroupError(f"{what} failed: {self.lost}") from None
+            raise self._collective_failed(what, exc) from None
+
+    def _collective_failed(self, what: str, exc: BaseException) -> GroupError:
+        """The error for a failed collective, naming the node behind it: gloo names only
+        an address, so wait (at most the group timeout) until the heartbeats or a stop
+        key say which node is gone."""
+        reason = _gloo_reason(exc)
+        deadline = time.monotonic() + self.nodes.timeout_s + 2 * HEARTBEAT_INTERVAL_S
+        while time.monotonic() < deadline:
+            problem = self.problem()
+            if problem is not None:
+                reason = f"{reason}; {problem}"
+                break
+            time.sleep(0.2)
+        self.lost = reason
+        return GroupError(f"{what} failed: {reason}")
 
     def exchange(self, name: str, value: str, what: str) -> list[str]:
         """Every node's ``value`` for ``name``, by rank (through the store)."""

@@ -42,9 +42,11 @@ def node_group(
     timeout_s: float = 60.0,
     extra_args: Sequence[str] = ("--wait-timeout", "120"),
     check_exit: bool = True,
+    faults: dict[int, str] | None = None,
 ) -> Iterator[list[LocalCluster]]:
     """``num_nodes`` coordinators (rank i is element i), each with ``workers_per_node``
-    CPU workers; stopped afterwards (rank 0 last: it hosts the group's store)."""
+    CPU workers (``faults``: rank -> ROUNDPIPE_FAULT for its first worker); stopped
+    afterwards (rank 0 last: it hosts the group's store)."""
     port = free_port()
     nodes: list[LocalCluster] = []
     arena_dirs = []
@@ -65,7 +67,8 @@ def node_group(
             )
         for rank, node in enumerate(nodes):
             for i in range(workers_per_node):
-                node.add_worker(f"n{rank}w{i + 1}")
+                fault = (faults or {}).get(rank) if i == 0 else None
+                node.add_worker(f"n{rank}w{i + 1}", fault=fault)
         for node in nodes:
             node.wait_for_workers(workers_per_node)
         yield nodes

@@ -8,6 +8,7 @@ is what one coordinator with that batch produces: tests/test_end_to_end.py) with
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from multinode_helpers import node_group
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec
 
+from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.multinode import node_microbatches, settings_from_args
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -86,3 +88,72 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
     for name, spec in specs.items():
         lora = name == "lora"
         assert_params_match(load_output(Path(spec.output.dir), lora), oracle(spec, lora))
+
+
+def with_output(spec, **output) -> JobSpec:
+    d = spec.to_dict()
+    d["output"].update(output)
+    return JobSpec.from_dict(d)
+
+
+def checkpoints_of(spec) -> list[str]:
+    root = Path(spec.output.dir) / "checkpoints"
+    return sorted(p.name for p in root.glob("step-*")) if root.is_dir() else []
+
+
+@pytest.mark.slow
+def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) -> None:
+    """Node 1's worker freezes in step 4 (so the job cannot get past step 3) and then its
+    coordinator is killed: rank 0 pauses the job within the group timeout, naming node 1;
+    `resume` continues from the 2-node checkpoint of step 2 on rank 0 alone, exactly."""
+    spec = with_output(tiny_spec(tmp_path / "out", steps=6, num_microbatches=4), checkpoint_every=2)
+    with node_group(
+        tmp_path, "mn-fault", timeout_s=5, faults={1: "stop@iteration=4"}, check_exit=False
+    ) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        deadline = time.monotonic() + 120
+        while "step-00000002" not in checkpoints_of(spec):
+            assert time.monotonic() < deadline, rank0.logs()
+            time.sleep(0.1)
+        rank1.coordinator.proc.kill()
+        killed = time.monotonic()
+        status = handle.wait(timeout_s=60)
+        noticed_s = time.monotonic() - killed
+        assert status.state == "paused", status.message
+        assert "node 1" in status.message and "roundpipe resume" in status.message
+        assert noticed_s < 30, noticed_s  # the group timeout (5 s) plus polling
+        assert status.step <= 3
+        handle.resume()
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+        assert rank0.coordinator.alive()
+    assert rank0.coordinator.proc.returncode == 0, rank0.logs()
+    assert_params_match(load_output(Path(spec.output.dir), False), oracle(spec, False))
+
+
+@pytest.mark.slow
+def test_a_one_node_checkpoint_resumes_on_two_nodes(tmp_path: Path) -> None:
+    """Steps 1-2 on one coordinator; steps 3-4 on two, from its checkpoint: the same
+    model as one uninterrupted run."""
+    from runtime_helpers import cpu_cluster
+
+    first = with_output(
+        tiny_spec(tmp_path / "first", steps=4, num_microbatches=4, staleness=1),
+        checkpoint_every=2,
+    )
+    with cpu_cluster(tmp_path / "single", "mn-single", num_workers=1) as single:
+        handle = single.client.submit(first)
+        deadline = time.monotonic() + 120
+        while "step-00000002" not in checkpoints_of(first):
+            assert time.monotonic() < deadline, single.logs()
+            time.sleep(0.05)
+        handle.cancel()
+        handle.wait(timeout_s=60)
+    d = first.to_dict()
+    d["model"]["resume_from"] = str(Path(first.output.dir) / "checkpoints" / "step-00000002")
+    d["output"] = {"dir": str(tmp_path / "second")}
+    second = JobSpec.from_dict(d)
+    with node_group(tmp_path / "group", "mn-resume") as (rank0, _rank1):
+        status = rank0.client.submit(second).wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+    assert_params_match(load_output(Path(second.output.dir), False), oracle(first, False))
