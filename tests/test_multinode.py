@@ -155,3 +155,37 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
         assert rank0.coordinator.alive()
     assert rank0.coordinator.proc.returncode == 0, rank0.logs()
     assert_params_match(load_output(Path(spec.output.dir), False), oracle(spec, False))
+
+
+def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
+    """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
+    gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
+    from roundpipe.coordinator.multinode import predict_data_parallel
+    from roundpipe.coordinator.planner import plan_main
+
+    p = predict_data_parallel(
+        iteration_s=1.0,
+        tokens_per_iteration=1000,
+        trainable_params=250_000_000,
+        nodes=2,
+        bandwidth_bytes_per_s=1e9,
+        staleness=1,
+    )
+    assert p.gradient_bytes == 1_000_000_000 and p.allreduce_s == pytest.approx(1.0)
+    assert p.step_s == pytest.approx(1.0) and p.tokens_per_s == pytest.approx(2000)
+    p0 = predict_data_parallel(
+        iteration_s=1.0,
+        tokens_per_iteration=1000,
+        trainable_params=250_000_000,
+        nodes=4,
+        bandwidth_bytes_per_s=1e9,
+        staleness=0,
+    )
+    assert p0.allreduce_s == pytest.approx(1.5) and p0.step_s == pytest.approx(2.5)
+    args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
+    args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
+    args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
+    args += ["--workers", "2", "--seq-len", "128", "--flops", "1T"]
+    assert plan_main([*args, "--nodes", "2", "--network-bandwidth", "100MB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes over 0.1 GB/s: all-reduce of" in out and "tokens/s for all nodes" in out
