@@ -13,6 +13,8 @@
   :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer;
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
   survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
+- :mod:`~roundpipe.coordinator.multinode`: several coordinators (servers) training one
+  job as a data-parallel group.
 - :mod:`~roundpipe.coordinator.planner`, :mod:`~roundpipe.coordinator.simulator`: how the
   model is cut into stages, and what that plan is predicted to do.
 - :mod:`~roundpipe.coordinator.timeline`, :mod:`~roundpipe.coordinator.metrics`,

@@ -113,6 +113,9 @@ class GroupSettings:
     timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     """Joining, collectives and node silence: past it, the job pauses (Note [arrive
     before a collective])."""
+    agent_store: bool = False
+    """The store at host:port is torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``):
+    rank 0 connects to it instead of hosting it."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -173,6 +176,7 @@ def settings_from_args(
         rank=number(rank, "rank", "RANK"),
         world_size=number(world_size, "world-size", "WORLD_SIZE"),
         timeout_s=timeout_s,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -234,7 +238,7 @@ class NodeGroup:
                 settings.host,
                 settings.port,
                 settings.world_size,
-                is_master=settings.rank == 0,
+                is_master=settings.rank == 0 and not settings.agent_store,
                 timeout=timeout,
                 wait_for_workers=True,
             )
