@@ -353,6 +353,8 @@ class JobGroup:
         self.store = dist.PrefixStore(f"rp/job/{seq}/", nodes.store)
         self.lost: str | None = None
         """Set when a node died or went silent during this job (not when it left)."""
+        self.left_as: str | None = None
+        """The state another node left the job in (``cancelled``, ``failed``, ...)."""
         self.cancelled: Callable[[], bool] = lambda: False
         """Set by the trainer: the local job stopped, give up waiting."""
         # A fresh process group per job (Note [arrive before a collective]); every rank
@@ -398,6 +400,7 @@ class JobGroup:
             for rank in range(self.world_size):
                 if rank != self.rank and self.store.check([f"stop/{rank}"]):
                     why = self.store.get(f"stop/{rank}").decode()
+                    self.left_as = why.split(":", 1)[0]
                     return f"{nodes.describe(rank)} left the job: {why}"
             silent = nodes.silent_nodes()
         except (RuntimeError, OSError) as exc:

@@ -971,6 +971,8 @@ class Trainer:
             raise self._group_paused(reducer.error)
         problem = self.group.problem()
         if problem is not None:
+            if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+                raise JobCancelled(problem)
             raise self._group_paused(GroupError(problem))
 
     def _start_reducer(self) -> None:

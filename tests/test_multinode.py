@@ -8,6 +8,7 @@ is what one coordinator with that batch produces: tests/test_end_to_end.py) with
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -107,6 +108,15 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         # The other node ran every job, its half of each batch.
         ran = {j.job_id: j.state for j in rank1.client.jobs()}
         assert ran == {h.job_id: "succeeded" for h in handles.values()}, rank1.logs()
+        # Cancelling at rank 0 cancels on every node.
+        long = rank0.client.submit(tiny_spec(tmp_path / "long", steps=500, num_microbatches=4))
+        next(iter(long.progress(timeout_s=120)))
+        long.cancel()
+        assert long.wait(timeout_s=60).state == "cancelled"
+        deadline = time.monotonic() + 30
+        while {j.job_id: j.state for j in rank1.client.jobs()}.get(long.job_id) != "cancelled":
+            assert time.monotonic() < deadline, rank1.logs()
+            time.sleep(0.2)
         # Jobs are taken by rank 0 only.
         with pytest.raises(RoundPipeError, match="submit and resume jobs at rank 0"):
             rank1.client.submit(specs["exact"])
@@ -163,24 +173,17 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     from roundpipe.coordinator.multinode import predict_data_parallel
     from roundpipe.coordinator.planner import plan_main
 
-    p = predict_data_parallel(
+    predict = functools.partial(
+        predict_data_parallel,
         iteration_s=1.0,
         tokens_per_iteration=1000,
         trainable_params=250_000_000,
-        nodes=2,
         bandwidth_bytes_per_s=1e9,
-        staleness=1,
     )
+    p = predict(nodes=2, staleness=1)
     assert p.gradient_bytes == 1_000_000_000 and p.allreduce_s == pytest.approx(1.0)
     assert p.step_s == pytest.approx(1.0) and p.tokens_per_s == pytest.approx(2000)
-    p0 = predict_data_parallel(
-        iteration_s=1.0,
-        tokens_per_iteration=1000,
-        trainable_params=250_000_000,
-        nodes=4,
-        bandwidth_bytes_per_s=1e9,
-        staleness=0,
-    )
+    p0 = predict(nodes=4, staleness=0)
     assert p0.allreduce_s == pytest.approx(1.5) and p0.step_s == pytest.approx(2.5)
     args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
     args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
