@@ -62,8 +62,8 @@ def main() -> int:
         "max_position_embeddings": 256,
     }
     root = Path(tempfile.mkdtemp(prefix="rp-bench-multinode-"))
-    os.environ.setdefault("ROUNDPIPE_ALLOW_READ", str(root))
-    os.environ.setdefault("ROUNDPIPE_ALLOW_WRITE", str(root))
+    for name in ("ROUNDPIPE_ALLOW_READ", "ROUNDPIPE_ALLOW_WRITE"):  # the coordinators' roots
+        os.environ[name] = ":".join(filter(None, (os.environ.get(name), str(root))))
     rows = []
     try:
         m = args.microbatches
