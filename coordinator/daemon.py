@@ -81,6 +81,7 @@ from roundpipe.coordinator.multinode import (
     JobAnnouncement,
     JobGroup,
     NodeGroup,
+    node_microbatches,
     settings_from_args,
 )
 from roundpipe.coordinator.paths import (
@@ -932,6 +933,11 @@ class Coordinator:
             return ErrorReply(code="bad_spec", message=str(exc))
         except ValidationUnavailable as exc:
             return ErrorReply(code="spec_check_failed", message=str(exc))
+        if self.group is not None and self.group.broken is None:
+            try:  # each node trains an equal share: refuse now, not when it starts
+                node_microbatches(spec_dict["batch"]["num_microbatches"], 0, self.group.world_size)
+            except ValueError as exc:
+                return ErrorReply(code="bad_spec", message=str(exc))
         job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         job_dir = self.state_dir / "jobs" / job_id
         job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)

@@ -591,9 +591,8 @@ class GradientReducer:
     def wait_reduced(self, layer: int, k: int) -> None:
         with self._cv:
             while self._reduced[layer] < k:
-                if self.error is not None:
-                    raise GroupError(str(self.error))
-                if self._stopped():
+                # Stopped either way: the run loop reports the group's error.
+                if self.error is not None or self._stopped():
                     raise InterruptedError(f"stopped waiting for layer {layer}'s gradient")
                 self._cv.wait(timeout=0.5)
 

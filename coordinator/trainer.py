@@ -748,13 +748,13 @@ class Trainer:
 
     def _next_message(self) -> TaskDone | TaskFailed | str:
         while True:
+            self._check_group()  # first: an optimizer stopped by the group is no bug
             if self._optimizer_error is not None:
                 raise JobFailed(f"optimizer failed: {self._optimizer_error}") from (
                     self._optimizer_error
                 )
             if self._cancel.is_set():
                 raise JobCancelled(f"job {self.job_id} was cancelled")
-            self._check_group()
             try:
                 return self.inbox.get(timeout=0.5)
             except queue.Empty:
@@ -929,6 +929,7 @@ class Trainer:
     def _wait_optimizer(self, step: int) -> None:
         with self._optimizer_cv:
             while self._optimizer_done_step < step:
+                self._check_group()  # the optimizer waits for the group's gradients
                 if self._optimizer_error is not None:
                     raise JobFailed(f"optimizer failed: {self._optimizer_error}")
                 if self._cancel.is_set():
@@ -967,12 +968,12 @@ class Trainer:
         if self.group is None:
             return
         reducer = self.reducer
+        problem = self.group.problem()
+        if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+            raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
         if reducer is not None and reducer.error is not None:
             raise self._group_paused(reducer.error)
-        problem = self.group.problem()
         if problem is not None:
-            if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
-                raise JobCancelled(problem)
             raise self._group_paused(GroupError(problem))
 
     def _start_reducer(self) -> None:

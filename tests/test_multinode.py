@@ -117,6 +117,9 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         while {j.job_id: j.state for j in rank1.client.jobs()}.get(long.job_id) != "cancelled":
             assert time.monotonic() < deadline, rank1.logs()
             time.sleep(0.2)
+        # The global batch must split evenly over the nodes: refused at submission.
+        with pytest.raises(RoundPipeError, match="multiple of the number of nodes"):
+            rank0.client.submit(tiny_spec(tmp_path / "odd", num_microbatches=3))
         # Jobs are taken by rank 0 only.
         with pytest.raises(RoundPipeError, match="submit and resume jobs at rank 0"):
             rank1.client.submit(specs["exact"])
