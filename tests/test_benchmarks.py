@@ -103,6 +103,33 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # about 20 s: transformers builds three models
+def test_moe_benchmark_smoke() -> None:
+    """`moe.py --smoke`: the grouped MoE layer, the expert loop and the dense layer of the
+    same active parameter count all run (as forward + backward tasks of the executor)."""
+    lines = _run_benchmark("moe.py", "--smoke").splitlines()
+    rows = {line[:28].strip() for line in lines if line and not line.startswith(("#", "RESULT"))}
+    assert {
+        "moe grouped_mm (worker)",
+        "moe eager (expert loop)",
+        "dense, same active params",
+    } <= rows
+    assert re.fullmatch(r"RESULT moe_vs_dense=\d+\.\d\d grouped_vs_eager=\d+\.\d\d", lines[-1])
+
+
+@pytest.mark.slow
+def test_host_memory_benchmark_smoke() -> None:
+    """`host_memory.py --smoke`: a tiny job through the daemons; the table has every
+    predicted component and the measured figures, the RESULT line both numbers."""
+    out = _run_benchmark("host_memory.py", "--smoke")
+    for row in ("weights", "grads", "activations", "masters", "moments", "staging", "total"):
+        assert re.search(rf"^predicted {row} +[\d,]+ +\d+\.\d\d$", out, re.M), (row, out)
+    assert re.search(r"^measured arenas \(/dev/shm\) +[\d,]+", out, re.M), out
+    assert re.fullmatch(
+        r"RESULT host_bytes_per_param=\d+\.\d\d predicted=\d+\.\d\d", out.splitlines()[-1]
+    )
+
+
 @pytest.mark.slow
 def test_multinode_benchmark_smoke() -> None:
     """`multinode.py --smoke`: one coordinator, then two in a gloo group; both step

@@ -173,8 +173,8 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
 def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
     gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
-    from roundpipe.coordinator.multinode import predict_data_parallel
-    from roundpipe.coordinator.planner import plan_main
+    from roundpipe.coordinator.planning.command import plan_main
+    from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
 
     predict = functools.partial(
         predict_data_parallel,
