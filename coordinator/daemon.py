@@ -1001,9 +1001,13 @@ class Coordinator:
                     raise JobCancelled("cancelled")
             if not self._live_workers():
                 log.info("[coordinator] job %s waits for a worker to connect", job.job_id)
+                if job_group is not None:  # the other nodes wait for this one: say why
+                    job_group.set_note("no worker connected to its coordinator")
                 while not self._live_workers():
                     if self._stop.wait(0.2) or job.cancel_requested:
                         raise JobCancelled("cancelled before any worker connected")
+                if job_group is not None:
+                    job_group.set_note(None)
             trainer.prepare(len(self._live_workers()), self._hardware())
             if trainer.resumed_from is not None:
                 job.checkpoint_step = trainer.checkpoint_step

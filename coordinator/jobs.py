@@ -120,11 +120,7 @@ class JobRecord:
             step=t.step if live else self.step,
             total_steps=self.total_steps,
             loss=t.last_loss if live else self.loss,
-            message=bounded_text(
-                "waiting for a worker to connect (tasks parked)"
-                if live and t.waiting_for_workers and self.state == "running"
-                else self.message
-            ),
+            message=bounded_text(self._live_message(live)),
             output_dir=self.output_dir,
             plan=self.plan or "",
             tokens_per_s=figures.tokens_per_s if figures else None,
@@ -132,6 +128,17 @@ class JobRecord:
             optimizer_lag_steps=figures.optimizer_lag_steps if figures else 0,
             worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
         )
+
+    def _live_message(self, live: bool) -> str:
+        """The status message: what a running job waits for, if anything, else the
+        job's message."""
+        t = self.trainer
+        if t is None or self.state != "running":
+            return self.message
+        if live and t.waiting_for_workers:
+            return "waiting for a worker to connect (tasks parked)"
+        # With a data-parallel group: the nodes it has been waiting for (and why).
+        return t.waiting_on_group or self.message
 
     def progress_page(self, after_seq: int) -> tuple[list[ProgressEvent], bool]:
         """One reply's worth of progress events after ``after_seq``; whether more follow."""

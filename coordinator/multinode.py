@@ -44,10 +44,12 @@ node that enters one waits until every node has entered it or the collective tim
 passes. So before each collective every node first *arrives* in the store (a counter per
 collective name) and waits there, where the wait can be abandoned: when the job is
 cancelled, when another node left the job (its ``stop/<rank>`` key says why), or when a
-node's heartbeat stopped for ``timeout_s``. A node then enters a collective only when
-every node has entered or will enter it, and it completes unless a node dies inside it
-(the peer's closed connection ends it at once) or freezes there (the collective timeout,
-the same ``timeout_s``, ends it). Either way a stopped node pauses the job within a
+node's heartbeat stopped for ``timeout_s``. A node that abandons the wait takes its
+arrival back; if the count was complete by then, the others have entered the
+collective, so it enters too (it completes) and stops afterwards. A node thus enters a
+collective only when every node has entered or will enter it, and it completes unless a
+node dies inside it (the peer's closed connection ends it at once) or freezes there (the
+collective timeout, the same ``timeout_s``, ends it). Either way a stopped node pauses the job within a
 bounded time, and the reason names it.
 """
 
@@ -89,6 +91,10 @@ HEARTBEAT_INTERVAL_S = 1.0
 _POLL_S = 0.0005
 """First sleep of a store poll; it doubles up to _POLL_MAX_S."""
 _POLL_MAX_S = 0.02
+WAIT_REPORT_AFTER_S = 5.0
+"""A node that waits this long at a collective says (log, job status) which nodes it
+waits for and, where they said, why (e.g. no worker connected there)."""
+WAIT_REPORT_EVERY_S = 60.0
 
 
 class GroupError(RuntimeError):
@@ -362,6 +368,10 @@ class JobGroup:
         )
         self._last_check = 0.0
         self._problem_lock = threading.Lock()
+        self.waiting: str | None = None
+        """What this node has been waiting for at a collective for more than
+        WAIT_REPORT_AFTER_S (which nodes, and why where they said), else None."""
+        self._note: str | None = None
 
     @property
     def leader(self) -> bool:
@@ -413,25 +423,95 @@ class JobGroup:
             return self.lost
         return None
 
+    # -- waiting ----------------------------------------------------------------------
+
+    def set_note(self, note: str | None) -> None:
+        """Say why this node is not at the next collective yet (e.g. it has no worker),
+        for the nodes waiting there; None: nothing holds it up. Only changes are written."""
+        if note == self._note:
+            return
+        self._note = note
+        try:
+            self.store.set(f"note/{self.rank}", note or "")
+        except Exception:  # the store is gone: problem() says so
+            pass
+
+    def _missing(self, name: str, count: int) -> str:
+        """The nodes that have not arrived at collective ``name`` a ``count``-th time,
+        each with its note."""
+        missing = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = f"arrived/{name}/{rank}"
+            if self.store.check([key]) and int(self.store.get(key)) >= count:
+                continue
+            note = ""
+            if self.store.check([f"note/{rank}"]):
+                note = self.store.get(f"note/{rank}").decode()
+            missing.append(self.nodes.describe(rank) + (f": {note}" if note else ""))
+        return "; ".join(missing) or "the other nodes"
+
+    def _report_wait(
+        self, name: str, count: int, what: str, waited_s: float, *, log_it: bool
+    ) -> None:
+        try:
+            missing = self._missing(name, count)
+        except (RuntimeError, OSError):  # the store is gone: problem() says so
+            return
+        self.waiting = f"waiting {waited_s:.0f}s for {what}; not there yet: {missing}"
+        if log_it:
+            log.warning("[multinode] job %s (rank %d): %s", self.job_id, self.rank, self.waiting)
+
     # -- collectives (Note [arrive before a collective]) --------------------------------
 
     def arrive(self, name: str, count: int, what: str) -> None:
         """Wait until every node has arrived at collective ``name`` for the ``count``-th
         time. Raises InterruptedError if this job was stopped here, GroupError if another
-        node left or went silent."""
+        node left or went silent. A long wait is reported (``waiting``, the log)."""
         key = f"arrive/{name}"
         target = count * self.world_size
         if int(self.store.add(key, 1)) >= target:
-            return
+            return  # the last to arrive: nobody waits for it
+        # Only a node that waits says that it arrived: who is missing, if a wait is long.
+        self.store.set(f"arrived/{name}/{self.rank}", str(count))
         sleep = _POLL_S
-        while int(self.store.add(key, 0)) < target:
-            if self.cancelled():
-                raise InterruptedError(f"stopped waiting for {what}")
-            problem = self.problem()
-            if problem is not None:
-                raise GroupError(f"while waiting for {what}: {problem}")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _POLL_MAX_S)
+        start = time.monotonic()
+        report_at, log_at = start + WAIT_REPORT_AFTER_S, 0.0
+        try:
+            while int(self.store.add(key, 0)) < target:
+                stop: Exception | None = None
+                if self.cancelled():
+                    stop = InterruptedError(f"stopped waiting for {what}")
+                elif (problem := self.problem()) is not None:
+                    stop = GroupError(f"while waiting for {what}: {problem}")
+                if stop is not None:
+                    if self._withdraw(key, target):
+                        raise stop
+                    return  # every node arrived meanwhile and entered: join them
+                now = time.monotonic()
+                if now >= report_at:
+                    log_it = now >= log_at  # the status every few seconds, the log less often
+                    self._report_wait(name, count, what, now - start, log_it=log_it)
+                    report_at = now + WAIT_REPORT_AFTER_S
+                    if log_it:
+                        log_at = now + WAIT_REPORT_EVERY_S
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _POLL_MAX_S)
+        finally:
+            if self.waiting is not None:
+                log.info("[multinode] job %s (rank %d): %s is over", self.job_id, self.rank, what)
+                self.waiting = None
+
+    def _withdraw(self, key: str, target: int) -> bool:
+        """Take back this node's arrival; False if it is too late: every node had arrived
+        meanwhile, so the others are inside the collective and this node must enter it
+        too (else they would wait there for the collective timeout)."""
+        before = int(self.store.add(key, -1)) + 1
+        if before >= target:
+            self.store.add(key, 1)
+            return False
+        return True
 
     def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None:
         """Sum ``tensors`` over all nodes, in place."""

@@ -1019,11 +1019,23 @@ class Trainer:
             "(docs/multi-node.md)"
         )
 
+    @property
+    def waiting_on_group(self) -> str | None:
+        """Which nodes this one has long been waiting for at a collective, and why where
+        they said (coordinator.multinode), else None."""
+        return self.group.waiting if self.group is not None else None
+
     def _check_group(self) -> None:
         """Raise JobPaused if another node left the job, went silent or failed a
-        collective (Note [arrive before a collective])."""
+        collective (Note [arrive before a collective]). Tells the others when this
+        node's tasks are parked for want of a worker (they wait for it)."""
         if self.group is None:
             return
+        self.group.set_note(
+            "no worker connected to its coordinator (tasks parked)"
+            if self.waiting_for_workers
+            else None
+        )
         reducer = self.reducer
         problem = self.group.problem()
         if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours

@@ -38,15 +38,15 @@ def node_group(
     name: str,
     *,
     num_nodes: int = 2,
-    workers_per_node: int = 1,
+    workers_per_node: int | Sequence[int] = 1,
     timeout_s: float = 60.0,
     extra_args: Sequence[str] = ("--wait-timeout", "120"),
     check_exit: bool = True,
     faults: dict[int, str] | None = None,
 ) -> Iterator[list[LocalCluster]]:
     """``num_nodes`` coordinators (rank i is element i), each with ``workers_per_node``
-    CPU workers (``faults``: rank -> ROUNDPIPE_FAULT for its first worker); stopped
-    afterwards (rank 0 last: it hosts the group's store)."""
+    CPU workers (or a count per rank; ``faults``: rank -> ROUNDPIPE_FAULT for its first
+    worker); stopped afterwards (rank 0 last: it hosts the group's store)."""
     port = free_port()
     nodes: list[LocalCluster] = []
     arena_dirs = []
@@ -65,12 +65,17 @@ def node_group(
                     ],
                 )
             )
+        counts = (
+            [workers_per_node] * num_nodes
+            if isinstance(workers_per_node, int)
+            else list(workers_per_node)
+        )
         for rank, node in enumerate(nodes):
-            for i in range(workers_per_node):
+            for i in range(counts[rank]):
                 fault = (faults or {}).get(rank) if i == 0 else None
                 node.add_worker(f"n{rank}w{i + 1}", fault=fault)
-        for node in nodes:
-            node.wait_for_workers(workers_per_node)
+        for node, count in zip(nodes, counts):
+            node.wait_for_workers(count)
         yield nodes
     finally:
         for node in reversed(nodes[1:]):

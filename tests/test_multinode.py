@@ -170,6 +170,28 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
     assert_params_match(load_output(Path(spec.output.dir), False), oracle(spec, False))
 
 
+@pytest.mark.slow
+def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
+    """Node 1 has no worker: the job waits, and rank 0's status and log name node 1 and
+    why; once a worker joins node 1 the job runs to the end."""
+    spec = tiny_spec(tmp_path / "out", steps=2, num_microbatches=2)
+    with node_group(tmp_path, "mn-wait", workers_per_node=[1, 0]) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        deadline = time.monotonic() + 60
+        while "not there yet" not in (status := handle.status()).message:
+            assert status.state == "running", status.message
+            assert time.monotonic() < deadline, rank0.logs()
+            time.sleep(0.5)
+        assert "every node to prepare the job" in status.message, status.message
+        assert "node 1 (" in status.message, status.message
+        assert "no worker connected to its coordinator" in status.message, status.message
+        log_text = (tmp_path / "node0" / "coordinator.log").read_text()
+        assert "(rank 0): waiting" in log_text and "no worker connected" in log_text
+        rank1.add_worker("n1w1")
+        status = handle.wait(timeout_s=120)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+
+
 def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
     gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
