@@ -500,7 +500,13 @@ class JobGroup:
                 sleep = min(sleep * 2, _POLL_MAX_S)
         finally:
             if self.waiting is not None:
-                log.info("[multinode] job %s (rank %d): %s is over", self.job_id, self.rank, what)
+                log.info(
+                    "[multinode] job %s (rank %d): waited %.0fs for %s; the wait is over",
+                    self.job_id,
+                    self.rank,
+                    time.monotonic() - start,
+                    what,
+                )
                 self.waiting = None
 
     def _withdraw(self, key: str, target: int) -> bool:
