@@ -1006,6 +1006,7 @@ class Coordinator:
                 while not self._live_workers():
                     if self._stop.wait(0.2) or job.cancel_requested:
                         raise JobCancelled("cancelled before any worker connected")
+                    trainer.check_group()  # e.g. rank 0 cancelled it meanwhile
                 if job_group is not None:
                     job_group.set_note(None)
             trainer.prepare(len(self._live_workers()), self._hardware())

@@ -1026,9 +1026,8 @@ class Trainer:
         return self.group.waiting if self.group is not None else None
 
     def _check_group(self) -> None:
-        """Raise JobPaused if another node left the job, went silent or failed a
-        collective (Note [arrive before a collective]). Tells the others when this
-        node's tasks are parked for want of a worker (they wait for it)."""
+        """``check_group``, and tell the others when this node's tasks are parked for
+        want of a worker (they wait for it)."""
         if self.group is None:
             return
         self.group.set_note(
@@ -1036,6 +1035,14 @@ class Trainer:
             if self.waiting_for_workers
             else None
         )
+        self.check_group()
+
+    def check_group(self) -> None:
+        """Raise JobPaused if another node left the job, went silent or failed a
+        collective (Note [arrive before a collective]); JobCancelled if rank 0 cancelled
+        it. Also called by the daemon while the job waits for a first worker."""
+        if self.group is None:
+            return
         reducer = self.reducer
         problem = self.group.problem()
         if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours

@@ -113,10 +113,7 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         next(iter(long.progress(timeout_s=120)))
         long.cancel()
         assert long.wait(timeout_s=60).state == "cancelled"
-        deadline = time.monotonic() + 30
-        while {j.job_id: j.state for j in rank1.client.jobs()}.get(long.job_id) != "cancelled":
-            assert time.monotonic() < deadline, rank1.logs()
-            time.sleep(0.2)
+        wait_for_state(rank1, long.job_id, "cancelled")
         # The global batch must split evenly over the nodes: refused at submission.
         with pytest.raises(RoundPipeError, match="multiple of the number of nodes"):
             rank0.client.submit(tiny_spec(tmp_path / "odd", num_microbatches=3))
@@ -127,6 +124,14 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         lora = name == "lora"
         reference = single if name == "resumed" else spec
         assert_params_match(load_output(Path(spec.output.dir), lora), oracle(reference, lora))
+
+
+def wait_for_state(node, job_id: str, state: str, timeout_s: float = 30) -> None:
+    """Wait until ``node`` (a LocalCluster of the group) lists ``job_id`` as ``state``."""
+    deadline = time.monotonic() + timeout_s
+    while {j.job_id: j.state for j in node.client.jobs()}.get(job_id) != state:
+        assert time.monotonic() < deadline, node.logs()
+        time.sleep(0.2)
 
 
 def with_output(spec, **output) -> JobSpec:
@@ -173,12 +178,13 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
 @pytest.mark.slow
 def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
     """Node 1 has no worker: the job waits, and rank 0's status and log name node 1 and
-    why; once a worker joins node 1 the job runs to the end."""
+    why. Cancelled at rank 0, it is cancelled at node 1 too (which was waiting for a
+    worker, not training); once a worker joins node 1 the next job runs to the end."""
     spec = tiny_spec(tmp_path / "out", steps=2, num_microbatches=2)
     with node_group(tmp_path, "mn-wait", workers_per_node=[1, 0]) as (rank0, rank1):
-        handle = rank0.client.submit(spec)
+        waiting = rank0.client.submit(spec)
         deadline = time.monotonic() + 60
-        while "not there yet" not in (status := handle.status()).message:
+        while "not there yet" not in (status := waiting.status()).message:
             assert status.state in ("queued", "running"), status.message
             assert time.monotonic() < deadline, rank0.logs()
             time.sleep(0.5)
@@ -187,8 +193,11 @@ def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
         assert "no worker connected to its coordinator" in status.message, status.message
         log_text = (tmp_path / "node0" / "coordinator.log").read_text()
         assert "(rank 0): waiting" in log_text and "no worker connected" in log_text
+        waiting.cancel()
+        assert waiting.wait(timeout_s=60).state == "cancelled"
+        wait_for_state(rank1, waiting.job_id, "cancelled")
         rank1.add_worker("n1w1")
-        status = handle.wait(timeout_s=120)
+        status = rank0.client.submit(spec).wait(timeout_s=120)
         assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
 
 
