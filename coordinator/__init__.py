@@ -14,6 +14,8 @@
   (:mod:`~roundpipe.coordinator.quantized_state` its 8-bit states);
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
   survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
+- :mod:`~roundpipe.coordinator.multinode`: several coordinators (servers) training one
+  job as a data-parallel group.
 - :mod:`~roundpipe.coordinator.planning` (a package: hardware, costs, search, simulator,
   baselines, profile, the `roundpipe plan` command): how the
   model is cut into stages, and what that plan is predicted to do.

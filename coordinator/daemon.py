@@ -90,6 +90,15 @@ from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError
 from roundpipe.coordinator.memory import release_freed_memory
 from roundpipe.coordinator.metrics import MetricsServer, current_tasks
+from roundpipe.coordinator.multinode import (
+    DEFAULT_DIST_TIMEOUT_S,
+    GroupError,
+    JobAnnouncement,
+    JobGroup,
+    NodeGroup,
+    node_microbatches,
+    settings_from_args,
+)
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -199,8 +208,14 @@ class Coordinator:
         worker_timeout_s: float = WORKER_LOST_AFTER_S,
         paths: PathPolicy | None = None,
         keys_dir: str | Path | None = None,
+        group: NodeGroup | None = None,
     ):
         self.address = address
+        self.group = group
+        """The data-parallel group this coordinator is a node of (coordinator.multinode):
+        rank 0 takes jobs and runs them on every node; the others run what it announces."""
+        self.group_lost: str | None = None
+        """Why a follower lost rank 0 (it then stops, to be restarted and join again)."""
         # Default: <state-dir>/keys (roundpipe.shared.keys); read at bind().
         self.keys_dir = Path(keys_dir) if keys_dir is not None else Path(state_dir) / "keys"
         self.auth: Authenticator | None = None
@@ -296,7 +311,10 @@ class Coordinator:
         self.book.wake()
 
     def serve(self) -> None:
-        job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
+        follower = self.group is not None and not self.group.leader
+        job_thread = threading.Thread(
+            target=self._follower_loop if follower else self._job_loop, name="rp-job", daemon=True
+        )
         job_thread.start()
         self.validator = SpecValidator(self.arena_dir, strict_reads=True)
         self.validator.start()
@@ -426,6 +444,16 @@ class Coordinator:
             self._on_worker_message(identity, peer, msg)
         elif not peer.client:
             self._forbid(identity, peer, msg)
+        elif isinstance(msg, (SubmitJob, ResumeJob)) and self.group and not self.group.leader:
+            self._reply(
+                identity,
+                ErrorReply(
+                    code="unexpected_message",
+                    message=f"this coordinator is rank {self.group.rank} of a data-parallel "
+                    f"group; submit and resume jobs at rank 0 ({self.group.settings.host}), "
+                    "which runs them on every node",
+                ),
+            )
         elif isinstance(msg, (SubmitJob, ResumeJob)):
             self._admit(identity, msg, peer, len(frames[0]) if len(frames) == 1 else 0)
         else:
@@ -775,6 +803,11 @@ class Coordinator:
             return ErrorReply(code="bad_spec", message=str(exc))
         except ValidationUnavailable as exc:
             return ErrorReply(code="spec_check_failed", message=str(exc))
+        if self.group is not None and self.group.broken is None:
+            try:  # each node trains an equal share: refuse now, not when it starts
+                node_microbatches(spec_dict["batch"]["num_microbatches"], 0, self.group.world_size)
+            except ValueError as exc:
+                return ErrorReply(code="bad_spec", message=str(exc))
         try:
             job = self.book.submit(spec, spec_dict, owner=peer.name)
         except JobStoreError as exc:
@@ -818,6 +851,69 @@ class Coordinator:
         finally:
             push.close(linger=1000)
 
+    def _follower_loop(self) -> None:
+        """Ranks other than 0: run the jobs rank 0 announces, one at a time. If rank 0's
+        store stops answering the group is gone: stop the daemon (exit status 3) so that
+        systemd restarts it and it joins the new group (docs/multi-node.md)."""
+        assert self.group is not None
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(_OUTBOX + self.coordinator_id)
+        try:
+            while not self._stop.is_set():
+                try:
+                    announcement = self.group.next_job(self._stop.is_set)
+                except GroupError as exc:
+                    self.group_lost = str(exc)
+                    log.error("[coordinator] the data-parallel group is gone: %s; stopping", exc)
+                    self.stop()
+                    return
+                if announcement is None:
+                    return
+                job = self._follower_job(announcement)
+                with self._lock:
+                    self.book.jobs[job.job_id] = job
+                    self.book.active = job
+                self._run_job(job, push, announcement)
+        finally:
+            push.close(linger=1000)
+
+    def _follower_job(self, announcement: JobAnnouncement) -> JobRecord:
+        """The record of a job rank 0 announced: its outputs (none but the log: rank 0
+        writes checkpoints and the model) go below this node's state directory."""
+        job_dir = self.book.job_dir(announcement.job_id)
+        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        output = Path(os.path.realpath(job_dir)) / "node-output"
+        spec = dict(announcement.spec)
+        spec["output"] = {**dict(spec.get("output") or {}), "dir": str(output)}
+        steps = int(spec.get("train", {}).get("steps", 0))
+        return JobRecord(
+            announcement.job_id,
+            None,
+            spec_dict=spec,
+            state="running",
+            total_steps=steps,
+            output_dir=str(output),
+            log_path=job_dir / "job.log",
+            owner="rank-0",
+            stored=False,
+            message=f"run for rank 0 ({self.group.settings.host if self.group else ''})",
+        )
+
+    def _job_group(self, job: JobRecord, announcement: JobAnnouncement | None) -> JobGroup | None:
+        """The job's share of the data-parallel group: rank 0 announces it, the others
+        join the announced one. None: this coordinator runs it alone."""
+        group = self.group
+        if group is None:
+            return None
+        if announcement is not None:
+            return group.join_job(announcement)
+        if group.broken is not None:
+            log.warning(
+                "[coordinator] job %s runs on this node alone: %s", job.job_id, group.broken
+            )
+            return None
+        return group.announce(job.job_id, job.spec_dict)
+
     def _live_workers(self) -> list[int]:
         with self._lock:
             return sorted(self.workers)
@@ -851,10 +947,20 @@ class Coordinator:
         for identity in identities:
             push.send_multipart([identity, *frames])
 
-    def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
+    def _run_job(
+        self, job: JobRecord, push: zmq.Socket, announcement: JobAnnouncement | None = None
+    ) -> None:
         """Run one job on the job thread: build its trainer, prepare, train, export; the
-        book (coordinator.jobs) records the state it ends in."""
+        book (coordinator.jobs) records the state it ends in. ``announcement``: a job
+        rank 0 of the data-parallel group announced (this node is a follower)."""
         handler = _job_log_handler(job)
+        try:
+            job_group = self._job_group(job, announcement)
+        except (GroupError, RuntimeError) as exc:
+            self.book.finish(job, "paused", f"the data-parallel group cannot run it: {exc}")
+            logging.getLogger("roundpipe").removeHandler(handler)
+            handler.close()
+            return
         if job.spec is None:
             # Validated at submission, in the admission child; built (and so checked
             # again: its files may have changed since) here, off the I/O thread.
@@ -862,6 +968,9 @@ class Coordinator:
                 job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
             except JobSpecError as exc:
                 self.book.finish(job, "failed", f"the job's spec is no longer valid: {exc}")
+                if job_group is not None:  # the other nodes stop waiting for this one
+                    job_group.leave(f"failed: {job.message}")
+                    job_group.close()
                 logging.getLogger("roundpipe").removeHandler(handler)
                 handler.close()
                 return
@@ -881,6 +990,7 @@ class Coordinator:
             wait_timeout_s=self.wait_timeout_s,
             paths=self.paths,
             on_event=on_event,
+            group=job_group,
         )
         job.trainer = trainer
         # Replaced by None when the run finishes, or by what it raised.
@@ -891,9 +1001,14 @@ class Coordinator:
                     raise JobCancelled("cancelled")
             if not self._live_workers():
                 log.info("[coordinator] job %s waits for a worker to connect", job.job_id)
+                if job_group is not None:  # the other nodes wait for this one: say why
+                    job_group.set_note("no worker connected to its coordinator")
                 while not self._live_workers():
                     if self._stop.wait(0.2) or job.cancel_requested:
                         raise JobCancelled("cancelled before any worker connected")
+                    trainer.check_group()  # e.g. rank 0 cancelled it meanwhile
+                if job_group is not None:
+                    job_group.set_note(None)
             trainer.prepare(len(self._live_workers()), self._hardware())
             if trainer.resumed_from is not None:
                 job.checkpoint_step = trainer.checkpoint_step
@@ -907,7 +1022,8 @@ class Coordinator:
                 self.book.set_state(job, "running", "")  # e.g. "resume requested": started
             self._broadcast(push, trainer.job_setup())
             trainer.run(_SocketPort(self, push))
-            trainer.export(Path(job.output_dir or "."))
+            if job_group is None or job_group.leader:  # rank 0 alone writes the model
+                trainer.export(Path(job.output_dir or "."))
             error = None
         except Exception as exc:
             error = exc
@@ -915,10 +1031,16 @@ class Coordinator:
                 log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
         finally:
             state, message = outcome(job, error, stopping=self._stop.is_set())
+            if state == "succeeded" and job_group is not None and not job_group.leader:
+                message = "trained its share; rank 0 wrote the model"
             if isinstance(error, (JobPaused, JobFailed)):
                 log.error("[coordinator] job %s %s: %s", job.job_id, state, error)
+            if job_group is not None:
+                self._leave_job_group(job_group, state, message)
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()
+            if job_group is not None:
+                job_group.close()
             self.book.finish(job, state, message)
             with self._lock:
                 for key in [k for k in self._assigned if k[0] == job.job_id]:
@@ -930,6 +1052,18 @@ class Coordinator:
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
+
+    def _leave_job_group(self, job_group: JobGroup, state: str, message: str) -> None:
+        """The end of a job's run on this node, as the group must know it: a run that did
+        not succeed leaves (the other nodes stop waiting for this one); rank 0 that lost
+        a node runs later jobs alone until the coordinators are restarted."""
+        if state != "succeeded":
+            job_group.leave(f"{state}: {message}")
+        if job_group.lost is not None and self.group is not None and self.group.leader:
+            self.group.broken = (
+                f"the data-parallel group lost a node ({job_group.lost}); restart "
+                "the coordinators with the remaining nodes' --world-size to use them"
+            )
 
 
 class _SocketPort:
@@ -1200,8 +1334,34 @@ def main(argv: list[str] | None = None) -> int:
         help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (default: "
         "$ROUNDPIPE_METRICS_ADDRESS, else off; see docs/observability.md)",
     )
+    parser.add_argument(
+        "--dist-init",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="join a data-parallel group of coordinators (one per server) whose rank 0 "
+        "listens at HOST:PORT; with --rank and --world-size. Without it, torchrun's "
+        "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are used when set (docs/multi-node.md). "
+        "The group's traffic is not authenticated: a private network only",
+    )
+    parser.add_argument("--rank", type=int, default=None, help="this coordinator's rank")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="number of coordinators in the group"
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_DIST_TIMEOUT_S,
+        help="seconds to wait for the other coordinators to join, and for a silent or "
+        "stuck node before the job pauses (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    try:
+        group_settings = settings_from_args(
+            args.dist_init, args.rank, args.world_size, args.dist_timeout
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     # Everything this process writes (state, checkpoints, exports, logs) is private by
     # default; spec paths were resolved when accepted, so reads follow no new links.
     set_modes(GROUP_MODES if args.group_access else PRIVATE_MODES)
@@ -1246,6 +1406,14 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
         return 2
+    group = None
+    if group_settings is not None:
+        try:
+            group = NodeGroup.join(group_settings)
+        except GroupError as exc:
+            print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
+            return 2
+        coordinator.group = group
     metrics = None
     if args.metrics_address:  # observability (coordinator.metrics)
         try:
@@ -1258,6 +1426,11 @@ def main(argv: list[str] | None = None) -> int:
     coordinator.serve()
     if metrics is not None:
         metrics.close()
+    if group is not None:
+        group.close()
+    if coordinator.group_lost is not None:
+        print(f"roundpipe-coordinator: {coordinator.group_lost}", file=sys.stderr)
+        return 3
     return 0
 
 

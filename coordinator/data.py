@@ -69,7 +69,7 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -810,6 +810,21 @@ class GlobalBatch:
     def num_label_tokens(self) -> int:
         """Tokens a shifted causal-LM loss predicts in the whole batch (its denominator)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def shard(self, microbatches: range) -> GlobalBatch:
+        """The batch made of the given microbatches only (one node's share with data
+        parallelism, coordinator.multinode); its loss must still be normalised by the
+        whole batch's ``num_label_tokens``."""
+        rows = slice(
+            microbatches.start * self.microbatch_size, microbatches.stop * self.microbatch_size
+        )
+        return replace(
+            self,
+            row_indices=self.row_indices[rows],
+            input_ids=self.input_ids[rows],
+            labels=self.labels[rows],
+            position_ids=None if self.position_ids is None else self.position_ids[rows],
+        )
 
 
 class DataLoader:

@@ -103,6 +103,9 @@ class JobRecord:
     # The events of the job's last run, kept when its trainer is dropped at the end (the
     # trainer's own list while it runs). Empty after a coordinator restart.
     progress: list[ProgressEvent] = field(default_factory=list)
+    # False for a job another node announced (coordinator.multinode): rank 0's store
+    # holds it; this node shows it while it lives and never queues it on a restart.
+    stored: bool = True
 
     def status(self) -> JobStatus:
         t = self.trainer
@@ -117,11 +120,7 @@ class JobRecord:
             step=t.step if live else self.step,
             total_steps=self.total_steps,
             loss=t.last_loss if live else self.loss,
-            message=bounded_text(
-                "waiting for a worker to connect (tasks parked)"
-                if live and t.waiting_for_workers and self.state == "running"
-                else self.message
-            ),
+            message=bounded_text(self._live_message(live)),
             output_dir=self.output_dir,
             plan=self.plan or "",
             tokens_per_s=figures.tokens_per_s if figures else None,
@@ -129,6 +128,17 @@ class JobRecord:
             optimizer_lag_steps=figures.optimizer_lag_steps if figures else 0,
             worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
         )
+
+    def _live_message(self, live: bool) -> str:
+        """The status message: what a running job waits for, if anything, else the
+        job's message."""
+        t = self.trainer
+        if t is None or self.state != "running":
+            return self.message
+        if live and t.waiting_for_workers:
+            return "waiting for a worker to connect (tasks parked)"
+        # With a data-parallel group: the nodes it has been waiting for (and why).
+        return t.waiting_on_group or self.message
 
     def progress_page(self, after_seq: int) -> tuple[list[ProgressEvent], bool]:
         """One reply's worth of progress events after ``after_seq``; whether more follow."""
@@ -230,7 +240,7 @@ class JobBook:
         t = job.trainer
         if t is not None and t.prepared:  # before, its step is 0, not the job's
             job.step, job.loss = t.step, t.last_loss
-        if self.store is not None:
+        if self.store is not None and job.stored:
             try:
                 self.store.update(
                     job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
@@ -340,7 +350,7 @@ class JobBook:
 
     def record_plan(self, job: JobRecord, plan: str) -> None:
         job.plan = plan  # the trainer has logged it, with why
-        if self.store is not None:
+        if self.store is not None and job.stored:
             try:
                 self.store.update(job.job_id, plan=job.plan)
             except JobStoreError as exc:
@@ -349,7 +359,7 @@ class JobBook:
     def record_checkpoint(self, job: JobRecord, step: int, loss: float | None) -> None:
         job.checkpoint_step = step
         job.step, job.loss = step, loss
-        if self.store is not None:
+        if self.store is not None and job.stored:
             try:
                 self.store.update(job.job_id, checkpoint_step=step, step=job.step, loss=job.loss)
             except JobStoreError as exc:

@@ -78,7 +78,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -115,6 +115,7 @@ from roundpipe.coordinator.memory import (
     release_freed_memory,
     weight_copies,
 )
+from roundpipe.coordinator.multinode import GradientReducer, GroupError, JobGroup
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
 from roundpipe.coordinator.paths import (
     PathPolicy,
@@ -207,8 +208,12 @@ class Trainer:
         recovery_policy: RecoveryPolicy | None = None,
         on_event: Callable[[JobEvent], None] | None = None,
         paths: PathPolicy | None = None,
+        group: JobGroup | None = None,
     ):
         self.job_id = job_id
+        self.group = group
+        """This job's data-parallel group (coordinator.multinode), or None: one node."""
+        self.reducer: GradientReducer | None = None
         self.paths = paths
         """The coordinator's allowed roots: checked again before the job's files are
         opened and before every write into its output (None: not confined)."""
@@ -302,6 +307,13 @@ class Trainer:
         else:
             model = LayeredModel(config, lora)
             weights = model.init_weights(spec.init_seed)
+        self.node_microbatches = spec.batch.num_microbatches
+        """Microbatches this node trains per step: the global batch's, or its share."""
+        if self.group is not None:
+            try:
+                self.node_microbatches = len(self.group.microbatches(spec.batch.num_microbatches))
+            except ValueError as exc:
+                raise JobFailed(str(exc)) from None
         self.dataset = build_dataset_from_spec(spec)
         validate_against_model(spec, model.config, vocab_size_needed=self.dataset.vocab_size_needed)
         self.loader = DataLoader.from_spec(spec, self.dataset)
@@ -323,7 +335,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
-            num_microbatches=spec.batch.num_microbatches,
+            num_microbatches=self.node_microbatches,
             grad_buffer_layers=grad_buffer_layers(spec, plan),
             weight_copies=weight_copies(spec),
             **capacity,
@@ -375,9 +387,12 @@ class Trainer:
             self.plan,
             sum(len(v) for v in self.masters.values()),
         )
-        source = self._resume_source()
+        # With a group, rank 0 alone reads checkpoints and hands the state to the others.
+        source = self._resume_source() if self.group is None or self.group.leader else None
         if source is not None:
             self._restore(source)
+        if self.group is not None:
+            self._sync_with_group()
         self._plan_chosen(self.start_step + 1, why)
         self.prepared = True
 
@@ -395,7 +410,7 @@ class Trainer:
                 hw,
                 microbatch_rows=spec.batch.microbatch_size,
                 seq_len=spec.data.seq_len,
-                num_microbatches=spec.batch.num_microbatches,
+                num_microbatches=self.node_microbatches,
                 compute_dtype=self.compute_dtype,
                 staleness=spec.train.staleness,
             )
@@ -405,7 +420,7 @@ class Trainer:
             # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
             # that is off by more than the 5% a switch must gain.
             self.profile = ProfileAggregator(
-                result.costs, spec.batch.num_microbatches, settle_tolerance=0.1
+                result.costs, self.node_microbatches, settle_tolerance=0.1
             )
         return result.plan, (
             f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "
@@ -436,10 +451,12 @@ class Trainer:
             self.plan,
             profile.costs(),
             hw,
-            spec.batch.num_microbatches,
+            self.node_microbatches,
             min_gain=_REPLAN_MIN_GAIN,
             staleness=spec.train.staleness,
-            tokens_per_iteration=spec.global_batch_size * spec.data.seq_len,
+            tokens_per_iteration=self.node_microbatches
+            * spec.batch.microbatch_size
+            * spec.data.seq_len,
             fits=layout.fits,
         )
         log.info(
@@ -575,19 +592,7 @@ class Trainer:
             self.loader.load_state_dict(manifest["data_cursor"])
         except (DataError, KeyError) as exc:
             raise JobFailed(f"cannot resume from {where}: {exc}") from None
-        self.progress = [
-            ProgressEvent(
-                seq=p[0],
-                step=p[0],
-                loss=p[1],
-                tokens_per_s=p[2],
-                lr=p[3],
-                time=p[4],
-                optimizer_s=p[5] if len(p) > 5 else 0.0,  # older checkpoints: not recorded
-            )
-            for p in manifest.get("progress", [])
-            if p[0] <= s
-        ]
+        self.progress = _progress_from_rows(p for p in manifest.get("progress", []) if p[0] <= s)
         self.step = s
         self.last_loss = self.progress[-1].loss if self.progress else None
         self.start_step = s
@@ -653,6 +658,8 @@ class Trainer:
             target=self._optimizer_loop, name=f"rp-optimizer-{self.job_id}", daemon=True
         )
         optimizer_thread.start()
+        if self.group is not None:
+            self._start_reducer()
         tracker = TaskTracker(port.send_task, port.live_workers, self.recovery_policy)
         self.tracker = tracker
         self._port = port
@@ -672,6 +679,7 @@ class Trainer:
                 completed_iterations < k
                 and completed_iterations + 1 in tail_task
                 and tail_task[completed_iterations + 1] not in unfinished
+                and self._loss_known(completed_iterations + 1)
             ):
                 completed_iterations += 1
                 last_time = self._report(
@@ -702,7 +710,9 @@ class Trainer:
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
-                layout.write_batch(parity, batch)
+                # With a group: this node's share; the loss is still normalised over
+                # the global batch (batch.num_label_tokens below).
+                layout.write_batch(parity, self._node_share(batch))
                 assert layout.events is not None
                 for m in range(layout.num_microbatches):
                     layout.events.signal(layout.counters.act(0, m), k)
@@ -718,14 +728,15 @@ class Trainer:
                 if self.checkpoint_due(k):
                     # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
                     # pipeline has drained and the optimizer has applied step k.
-                    while any(pending_per_iteration.values()):
+                    while any(pending_per_iteration.values()) or not self._loss_known(k):
                         handle_next()
                         report_through(k)
                     self._wait_optimizer(k)
                     report_through(k)
-                    path = self.save_checkpoint(k)
-                    self._emit(CheckpointWritten(k, path, self.last_loss))
-            while any(pending_per_iteration.values()):
+                    if self.group is None or self.group.leader:  # one writer: rank 0
+                        path = self.save_checkpoint(k)
+                        self._emit(CheckpointWritten(k, path, self.last_loss))
+            while any(pending_per_iteration.values()) or not self._loss_known(steps):
                 handle_next()
                 report_through(steps)
             self._wait_optimizer(steps)
@@ -734,6 +745,7 @@ class Trainer:
             with self._optimizer_cv:
                 self._optimizer_cv.notify_all()
             optimizer_thread.join(timeout=30)
+            self._stop_reducer()
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
@@ -748,13 +760,23 @@ class Trainer:
         tracker = getattr(self, "tracker", None)
         return tracker is not None and tracker.waiting_for_workers
 
-    def _report(self, k: int, tokens: int, last_time: float, on_progress) -> float:
+    def _local_loss(self, k: int) -> float:
+        """Iteration k's loss over this node's microbatches (read after its tail's
+        TaskDone, before iteration k+2 reuses the parity's slots)."""
         assert self.layout is not None
         parity = k % 2
-        loss = sum(
+        return sum(
             float(self.layout.view(self.layout.loss[(parity, m)]))
             for m in range(self.layout.num_microbatches)
         )
+
+    def _report(self, k: int, tokens: int, last_time: float, on_progress) -> float:
+        if self.reducer is not None:
+            loss = self.reducer.global_loss(k)
+            assert loss is not None
+            self.reducer.forget_loss(k)
+        else:
+            loss = self._local_loss(k)
         now = time.perf_counter()
         self.step = k
         self.last_loss = loss
@@ -782,6 +804,7 @@ class Trainer:
 
     def _next_message(self) -> TaskDone | TaskFailed | InboxEvent:
         while True:
+            self._check_group()  # first: an optimizer stopped by the group is no bug
             if self._optimizer_error is not None:
                 raise JobFailed(f"optimizer failed: {self._optimizer_error}") from (
                     self._optimizer_error
@@ -829,6 +852,8 @@ class Trainer:
         if task is None:
             return  # a duplicate completion (a re-run finishing late)
         pending[task.iteration] -= 1
+        if task.kind == "tail" and self.reducer is not None:
+            self.reducer.set_local_loss(task.iteration, self._local_loss(task.iteration))
         if pending[task.iteration] == 0:
             self.timeline.iteration_done(
                 task.iteration, len(tracker.live_workers())
@@ -918,23 +943,34 @@ class Trainer:
         return publish
 
     def _grads_landed(self, layer: int, k: int) -> bool:
-        """Whether step k's gradients of ``layer`` (tied contributions included) are in."""
+        """Whether step k's gradients of ``layer`` (tied contributions included) are in
+        (with a group: summed over the nodes, Note [reduced before stepped])."""
         assert self.layout is not None and self.layout.events is not None
         c, events = self.layout.counters, self.layout.events
         sources = {layer} | {t for t, _, _ in self._tied.get(layer, [])}
+        if self.reducer is not None:
+            return all(self.reducer.reduced(src, k) for src in sources)
         return all(events.read(c.wgrad(src)) >= k for src in sources)
 
     def _wait_grads(self, layer: int, k: int) -> None:
         """Wait for step k's gradients of ``layer``, including tied contributions."""
+        sources = {layer} | {t for t, _, _ in self._tied.get(layer, [])}
+        if self.reducer is not None:
+            for src in sources:
+                self.reducer.wait_reduced(src, k)
+            return
+        for src in sources:
+            self._wait_local_grads(src, k)
+
+    def _wait_local_grads(self, layer: int, k: int) -> None:
+        """Wait until this node's step-k gradient of ``layer`` is in the grads arena."""
         assert self.layout is not None and self.layout.events is not None
-        c = self.layout.counters
-        for src in {layer} | {t for t, _, _ in self._tied.get(layer, [])}:
-            self.layout.events.wait_at_least(
-                c.wgrad(src),
-                k,
-                timeout_s=self.wait_timeout_s * 4,
-                should_abort=self._cancel.is_set,
-            )
+        self.layout.events.wait_at_least(
+            self.layout.counters.wgrad(layer),
+            k,
+            timeout_s=self.wait_timeout_s * 4,
+            should_abort=self._cancel.is_set,
+        )
 
     def _grads(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer's gradients as fp32 views, tied contributions summed into scratch."""
@@ -950,13 +986,173 @@ class Trainer:
     def _wait_optimizer(self, step: int) -> None:
         with self._optimizer_cv:
             while self._optimizer_done_step < step:
+                self._check_group()  # the optimizer waits for the group's gradients
                 if self._optimizer_error is not None:
                     raise JobFailed(f"optimizer failed: {self._optimizer_error}")
                 if self._cancel.is_set():
                     raise JobCancelled(f"job {self.job_id} was cancelled")
                 self._optimizer_cv.wait(timeout=0.5)
 
+    # -- data parallelism across nodes (coordinator.multinode) --------------------------
+
+    def _node_share(self, batch):
+        """The microbatches of ``batch`` this node trains (all of them without a group)."""
+        if self.group is None:
+            return batch
+        return batch.shard(self.group.microbatches(self.spec.batch.num_microbatches))
+
+    def _loss_known(self, k: int) -> bool:
+        """Whether iteration k's loss can be reported (with a group: once summed)."""
+        if self.reducer is None or self.step >= k:  # reported: its loss was known
+            return True
+        return self.reducer.global_loss(k) is not None
+
+    def _group_paused(self, exc: BaseException) -> JobPaused:
+        kept = (
+            f"checkpoint step {self.checkpoint_step} is kept"
+            if self.checkpoint_step
+            else "no checkpoint has been written yet"
+        )
+        return JobPaused(
+            f"the data-parallel group stopped: {exc}. The job is paused; {kept}. Run "
+            f"`roundpipe resume {self.job_id}` to continue from it on the nodes that remain "
+            "(docs/multi-node.md)"
+        )
+
+    @property
+    def waiting_on_group(self) -> str | None:
+        """Which nodes this one has long been waiting for at a collective, and why where
+        they said (coordinator.multinode), else None."""
+        return self.group.waiting if self.group is not None else None
+
+    def _check_group(self) -> None:
+        """``check_group``, and tell the others when this node's tasks are parked for
+        want of a worker (they wait for it)."""
+        if self.group is None:
+            return
+        self.group.set_note(
+            "no worker connected to its coordinator (tasks parked)"
+            if self.waiting_for_workers
+            else None
+        )
+        self.check_group()
+
+    def check_group(self) -> None:
+        """Raise JobPaused if another node left the job, went silent or failed a
+        collective (Note [arrive before a collective]); JobCancelled if rank 0 cancelled
+        it. Also called by the daemon while the job waits for a first worker."""
+        if self.group is None:
+            return
+        reducer = self.reducer
+        problem = self.group.problem()
+        if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+            raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
+        if reducer is not None and reducer.error is not None:
+            raise self._group_paused(reducer.error)
+        if problem is not None:
+            raise self._group_paused(GroupError(problem))
+
+    def _start_reducer(self) -> None:
+        assert self.group is not None and self.layout is not None
+        layout = self.layout
+        self.group.cancelled = self._cancel.is_set
+        self.reducer = GradientReducer(
+            self.group,
+            layers=sorted(layout.trainable_layers(), reverse=True),
+            first_step=self.start_step + 1,
+            last_step=self.spec.train.steps,
+            wait_grads=self._wait_local_grads,
+            grads=lambda layer: [layout.view(ref) for ref in layout.grads[layer].values()],
+            stopped=self._cancel.is_set,
+            wake=lambda why: self.inbox.put(Wakeup(why)),
+        )
+        self.reducer.start()
+
+    def _stop_reducer(self) -> None:
+        """After the run: the reducer ends at once unless it is inside a collective,
+        which ends within the collective timeout (the arenas must outlive it)."""
+        reducer = self.reducer
+        if reducer is None or self.group is None:
+            return
+        if not reducer.join(self.group.nodes.timeout_s + 10):
+            log.error("[trainer] job %s: the all-reduce thread did not stop", self.job_id)
+
+    def _sync_with_group(self) -> None:
+        """Make every node start from rank 0's state (Note [checkpoint cut]): the nodes
+        check that they prepared the same job, then rank 0 broadcasts its step, data
+        cursor and progress, and its masters, moments and both weight parities. Only rank
+        0 reads checkpoints, so a checkpoint of any topology resumes on any other."""
+        group, layout = self.group, self.layout
+        assert group is not None and layout is not None and layout.events is not None
+        group.cancelled = self._cancel.is_set
+        trainable = sorted(
+            (layer, name, tuple(t.shape))
+            for layer, d in self.masters.items()
+            for name, t in d.items()
+        )
+        moments = self.optimizer.state_dict()["tensors"]
+        fingerprint = json.dumps(
+            {
+                "data": self.dataset.fingerprint,
+                "rows": self.dataset.num_rows,
+                "tensors": hashlib.sha256(repr(trainable).encode()).hexdigest(),
+                "moments": sorted(moments),
+            },
+            sort_keys=True,
+        )
+        state = ""
+        if group.leader:
+            state = json.dumps(
+                {
+                    "step": self.start_step,
+                    "cursor": self.loader.state_dict(),
+                    "progress": self._progress_rows(),
+                }
+            )
+        try:
+            found = group.exchange("prepared", fingerprint, "every node to prepare the job")
+            for rank, theirs in enumerate(found):
+                if theirs != found[0]:
+                    raise JobFailed(
+                        f"{group.nodes.describe(rank)} prepared different data or a different "
+                        "model than rank 0 (dataset fingerprint or trainable tensors differ): "
+                        "every node needs the same model, tokenizer and data files at the "
+                        "same paths"
+                    )
+            leader_state = json.loads(group.exchange("state", state, "rank 0's state")[0])
+            tensors = [self.masters[layer][name] for layer, name, _ in trainable]
+            tensors += [moments[key] for key in sorted(moments)]
+            for layer, name, _ in trainable:
+                tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
+            group.broadcast(tensors, "rank 0's training state")
+        except GroupError as exc:
+            raise self._group_paused(exc) from None
+        except InterruptedError:
+            raise JobCancelled(f"job {self.job_id} was cancelled") from None
+        if group.leader:
+            return
+        s = int(leader_state["step"])
+        try:
+            self.loader.load_state_dict(leader_state["cursor"])
+        except DataError as exc:
+            raise JobFailed(f"this node's data differs from rank 0's: {exc}") from None
+        optimizer_state = self.optimizer.state_dict()
+        optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
+        self.optimizer.load_state_dict(optimizer_state)
+        for layer in self.masters:
+            layout.events.signal(layout.counters.version(layer), s)
+        self.progress = _progress_from_rows(leader_state["progress"])
+        self.step = self.start_step = self._optimizer_done_step = s
+        self.last_loss = self.progress[-1].loss if self.progress else None
+
     # -- checkpoints ------------------------------------------------------------------
+
+    def _progress_rows(self) -> list[list[float]]:
+        """The progress events as a checkpoint manifest stores them (one list per step)."""
+        with self._progress_lock:
+            return [
+                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
+            ]
 
     def _confirm_output(self) -> None:
         """Before writing into the output directory: it is still a directory below a
@@ -1047,10 +1243,7 @@ class Trainer:
     def _manifest(self, step: int) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
-        with self._progress_lock:
-            progress = [
-                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
-            ]
+        progress = self._progress_rows()
         return {
             "job_id": self.job_id,
             "total_steps": self.spec.train.steps,
@@ -1217,3 +1410,19 @@ class Trainer:
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None
+
+
+def _progress_from_rows(rows: Iterable[Sequence[float]]) -> list[ProgressEvent]:
+    """``Trainer._progress_rows`` read back (from a checkpoint, or from rank 0)."""
+    return [
+        ProgressEvent(
+            seq=int(p[0]),
+            step=int(p[0]),
+            loss=p[1],
+            tokens_per_s=p[2],
+            lr=p[3],
+            time=p[4],
+            optimizer_s=p[5] if len(p) > 5 else 0.0,  # older checkpoints: not recorded
+        )
+        for p in rows
+    ]

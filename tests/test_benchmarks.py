@@ -128,3 +128,15 @@ def test_host_memory_benchmark_smoke() -> None:
     assert re.fullmatch(
         r"RESULT host_bytes_per_param=\d+\.\d\d predicted=\d+\.\d\d", out.splitlines()[-1]
     )
+
+
+@pytest.mark.slow
+def test_multinode_benchmark_smoke() -> None:
+    """`multinode.py --smoke`: one coordinator, then two in a gloo group; both step
+    times and the all-reduce bytes are reported."""
+    out = _run_benchmark("multinode.py", "--smoke", timeout_s=600)
+    rows = {line.split()[0] + line.split()[1]: line.split() for line in out.splitlines()[1:3]}
+    assert set(rows) == {"1node", "2nodes"}, out
+    assert float(rows["2nodes"][3]) > 0 and int(rows["2nodes"][5]) > 0, out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT step_ratio=\d+\.\d{3} allreduce_gbps=\d+\.\d{3}", last), last

@@ -17,6 +17,8 @@ Modules (imports go down this list, never up):
   ``initial_plan`` and ``replan_if_better``; ``PlanResult``.
 * ``baselines``: the paper's bound baseline, for comparison.
 * ``profile``: ``ProfileAggregator``, measured layer times back into ``LayerCost``s.
+* ``data_parallel``: ``predict_data_parallel``, the step of several servers in a
+  data-parallel group (``roundpipe plan --nodes``).
 * ``command``: ``roundpipe plan``.
 
 The model in short:

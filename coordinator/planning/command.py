@@ -14,6 +14,10 @@ from roundpipe.coordinator.planning.baselines import bound_baseline
 from roundpipe.coordinator.planning.costs import (
     estimate_costs,
 )
+from roundpipe.coordinator.planning.data_parallel import (
+    DataParallelPrediction,
+    predict_data_parallel,
+)
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
 from roundpipe.shared.families import FAMILIES
@@ -197,6 +201,15 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         help="draw the simulated schedule as `roundpipe timeline` draws a measured one",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument(
+        "--nodes", type=int, default=1, metavar="W", help="servers in a data-parallel group"
+    )
+    p.add_argument(
+        "--network-bandwidth",
+        default="1.25GB/s",
+        metavar="BYTES/S",
+        help="between the servers, per direction (default 10 GbE: %(default)s)",
+    )
     return p
 
 
@@ -272,6 +285,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{args.efficiency:g}, {args.dtype}, {m} microbatches x {args.microbatch_size} x "
         f"{args.seq_len} tokens"
     )
+    multinode = _multinode_prediction(model, result, args, tokens)
     if args.json:
         doc = {
             "prediction": "simulated",
@@ -301,6 +315,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 for b in baselines
             ],
         }
+        if multinode is not None:
+            doc["multinode"] = asdict(multinode)
         print(json.dumps(doc, indent=2))
         return 0
     print(header)
@@ -316,12 +332,31 @@ def run_plan_command(args: argparse.Namespace) -> int:
             f"recompute): {tps:,.0f} tokens/s, bubble {100 * b.simulation.bubble_fraction:.1f}%, "
             f"peak memory {format_bytes(max(b.stage_memory))}" + (" -> OOM" if b.oom else "")
         )
+    if multinode is not None:
+        bandwidth = parse_quantity(args.network_bandwidth, what="--network-bandwidth")
+        print(multinode.describe(bandwidth))
     if args.grid:
         print("schedule (one line per worker; '|' separates tasks):")
         print(result.simulation.grid(iteration=result.simulation.iterations))
     if drawn is not None:
         print(f"timeline drawn to {drawn}")
     return 0
+
+
+def _multinode_prediction(
+    model: LayeredModel, result: PlanResult, args: argparse.Namespace, tokens: int
+) -> DataParallelPrediction | None:
+    """``--nodes`` > 1: the data-parallel step of that many servers, else None."""
+    if args.nodes == 1:
+        return None
+    return predict_data_parallel(
+        iteration_s=result.predicted_iteration_s,
+        tokens_per_iteration=tokens,
+        trainable_params=model.parameter_count(trainable_only=True),
+        nodes=args.nodes,
+        bandwidth_bytes_per_s=parse_quantity(args.network_bandwidth, what="--network-bandwidth"),
+        staleness=args.staleness,
+    )
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:

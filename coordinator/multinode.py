@@ -1,0 +1,700 @@
+"""Data parallelism across coordinators: one coordinator per server, one process group.
+
+``roundpipe-coordinator --dist-init tcp://HOST:PORT --rank R --world-size W`` (or
+torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``) makes the coordinator a
+node of a data-parallel group (docs/multi-node.md). Every node has its own workers and
+pipeline; what crosses servers goes through ``torch.distributed`` with the gloo backend
+(the gradients live in CPU memory), never through a transport of our own:
+
+* ``NodeGroup`` joins the group at start-up (``init_process_group`` over a ``TCPStore``
+  that rank 0 hosts at ``HOST:PORT``) and keeps a heartbeat counter per node in the
+  store, so a silent node is named instead of guessed at.
+* Jobs are submitted to rank 0. Rank 0 announces each job in the store
+  (``NodeGroup.announce``); the other ranks wait for announcements
+  (``NodeGroup.next_job``) and run the same job. ``JobGroup`` is one job's share of the
+  group: its own gloo process group (``new_group``), so that a collective left behind by
+  a stopped job can never pair with one of the next job.
+* Each node takes its shard of every global batch (``node_microbatches``): the job's
+  ``batch.num_microbatches`` counts the global batch, rank r trains microbatches
+  ``r*M/W .. (r+1)*M/W - 1`` of it, with the loss normalised over the whole global batch.
+  The sum of the nodes' gradients is then exactly the gradient of the global batch.
+* ``GradientReducer`` (thread ``rp-allreduce-<job>``) all-reduces each layer's gradient,
+  in place in the grads arena, as soon as it is complete on this node (last layer
+  first, overlapped with the rest of the backward); the optimizer steps a layer only
+  after that (Note [reduced before stepped]). Every node then steps the same weights
+  with the same gradients: the masters stay identical, and rank 0 alone writes
+  checkpoints, which are therefore topology-free.
+* At job start rank 0 broadcasts the training state (masters, moments, both weight
+  parities, data cursor), so a job resumed from a checkpoint of any topology starts
+  identically on every node, and the other nodes never read checkpoints.
+
+Note [reduced before stepped]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A layer's gradient slot holds this node's share while ``wgrad[l] >= k`` and
+``reduced[l] < k``, and the sum over all nodes once ``reduced[l] >= k``. The optimizer
+waits for ``reduced``, not ``wgrad``. Nothing overwrites the slot in between: a backward
+task of k+1 writes it only once ``version[l] >= k`` (Note [weight-update ordering]),
+which the optimizer stores after stepping the reduced gradient; a task re-run after a
+worker loss does not rewrite a signalled slot (Note [no rewrite after signal]).
+
+Note [arrive before a collective]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A gloo collective cannot be interrupted (``abort`` does not wake a waiting allreduce): a
+node that enters one waits until every node has entered it or the collective timeout
+passes. So before each collective every node first *arrives* in the store (a counter per
+collective name) and waits there, where the wait can be abandoned: when the job is
+cancelled, when another node left the job (its ``stop/<rank>`` key says why), or when a
+node's heartbeat stopped for ``timeout_s``. A node that abandons the wait takes its
+arrival back; if the count was complete by then, the others have entered the
+collective, so it enters too (it completes) and stops afterwards. A node thus enters a
+collective only when every node has entered or will enter it, and it completes unless a
+node dies inside it (the peer's closed connection ends it at once) or freezes there (the
+collective timeout, the same ``timeout_s``, ends it). Either way a stopped node pauses the job within a
+bounded time, and the reason names it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_DIST_TIMEOUT_S",
+    "GradientReducer",
+    "GroupError",
+    "GroupSettings",
+    "JobAnnouncement",
+    "JobGroup",
+    "NodeGroup",
+    "node_microbatches",
+    "settings_from_args",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIST_TIMEOUT_S = 300.0
+"""Default ``--dist-timeout``: how long a node may be silent (no heartbeat, or stuck in a
+collective) before the others pause the job. Longer than any step and any worker
+recovery inside one node (a lost worker costs its heartbeat timeout plus a re-run)."""
+HEARTBEAT_INTERVAL_S = 1.0
+_POLL_S = 0.0005
+"""First sleep of a store poll; it doubles up to _POLL_MAX_S."""
+_POLL_MAX_S = 0.02
+WAIT_REPORT_AFTER_S = 5.0
+"""A node that waits this long at a collective says (log, job status) which nodes it
+waits for and, where they said, why (e.g. no worker connected there)."""
+WAIT_REPORT_EVERY_S = 60.0
+
+
+class GroupError(RuntimeError):
+    """The data-parallel group cannot go on with the job; the message names the node and
+    what it did (left the job, went silent, closed its connection)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSettings:
+    """Where and as whom a coordinator joins the data-parallel group."""
+
+    host: str
+    """Host of rank 0's TCPStore (``--dist-init tcp://HOST:PORT`` or ``MASTER_ADDR``)."""
+    port: int
+    """Its port: rank 0 listens there; open it in the firewall (docs/multi-node.md)."""
+    rank: int
+    """This coordinator's rank, 0 .. world_size - 1; rank 0 takes the jobs."""
+    world_size: int
+    """Number of coordinators (servers) in the group."""
+    timeout_s: float = DEFAULT_DIST_TIMEOUT_S
+    """Joining, collectives and node silence: past it, the job pauses (Note [arrive
+    before a collective])."""
+    agent_store: bool = False
+    """The store at host:port is torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``):
+    rank 0 connects to it instead of hosting it."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"--rank must be in 0..{self.world_size - 1} for --world-size "
+                f"{self.world_size}, got {self.rank}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"the group's port must be in 1..65535, got {self.port}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.timeout_s}")
+
+
+def settings_from_args(
+    dist_init: str | None,
+    rank: int | None,
+    world_size: int | None,
+    timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
+    environ: Mapping[str, str] | None = None,
+) -> GroupSettings | None:
+    """The group settings from ``--dist-init/--rank/--world-size``, else from torchrun's
+    environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), else None (a
+    coordinator on its own). Raises ValueError naming the missing or bad setting."""
+    env = os.environ if environ is None else environ
+    if dist_init is None:
+        if "WORLD_SIZE" not in env:
+            if rank is not None or world_size is not None:
+                raise ValueError("--rank and --world-size need --dist-init tcp://HOST:PORT")
+            return None
+        dist_init = f"tcp://{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+        where = "MASTER_ADDR/MASTER_PORT"
+    else:
+        where = "--dist-init"
+    url = urlparse(dist_init)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or port is None:
+        raise ValueError(f"{where} must be tcp://HOST:PORT (rank 0's address), got {dist_init!r}")
+
+    def number(value: int | None, name: str, env_name: str) -> int:
+        if value is not None:
+            return value
+        text = env.get(env_name)
+        if text is None:
+            raise ValueError(f"--{name} is required with {where} (or set {env_name})")
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{env_name} must be an integer, got {text!r}") from None
+
+    return GroupSettings(
+        host=url.hostname,
+        port=port,
+        rank=number(rank, "rank", "RANK"),
+        world_size=number(world_size, "world-size", "WORLD_SIZE"),
+        timeout_s=timeout_s,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )
+
+
+def node_microbatches(num_microbatches: int, rank: int, world_size: int) -> range:
+    """The global batch's microbatches that node ``rank`` trains. Raises ValueError if
+    they do not split evenly (every node must run the same schedule)."""
+    if num_microbatches % world_size:
+        raise ValueError(
+            f"batch.num_microbatches ({num_microbatches}) must be a multiple of the number "
+            f"of nodes ({world_size}): each node trains an equal share of the global batch; "
+            f"use {(num_microbatches // world_size + 1) * world_size}"
+        )
+    share = num_microbatches // world_size
+    return range(rank * share, (rank + 1) * share)
+
+
+@dataclass(frozen=True)
+class JobAnnouncement:
+    """A job rank 0 runs, as the other ranks learn it."""
+
+    seq: int
+    job_id: str
+    spec: dict
+
+
+class NodeGroup:
+    """This coordinator's membership of the data-parallel group (see the module doc)."""
+
+    def __init__(self, settings: GroupSettings, store: dist.Store):
+        self.settings = settings
+        self.rank = settings.rank
+        self.world_size = settings.world_size
+        self.timeout_s = settings.timeout_s
+        self.store = store
+        self.hostname = socket.gethostname()
+        self.broken: str | None = None
+        """Why the group can no longer run jobs together (a node was lost), else None."""
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they changed)
+        self._next_seq = 1
+        self._heartbeat = threading.Thread(target=self._beat, name="rp-node-heartbeat", daemon=True)
+        self.store_lost: str | None = None
+        """Set when this node cannot reach rank 0's store: the group is gone."""
+
+    @classmethod
+    def join(cls, settings: GroupSettings) -> NodeGroup:
+        """Join the group; blocks until all ``world_size`` coordinators have joined, at
+        most ``timeout_s``. Raises GroupError naming the address and the setting."""
+        timeout = datetime.timedelta(seconds=settings.timeout_s)
+        log.info(
+            "[multinode] rank %d of %d joining the group at %s:%d (gloo)",
+            settings.rank,
+            settings.world_size,
+            settings.host,
+            settings.port,
+        )
+        try:
+            store = dist.TCPStore(
+                settings.host,
+                settings.port,
+                settings.world_size,
+                is_master=settings.rank == 0 and not settings.agent_store,
+                timeout=timeout,
+                wait_for_workers=True,
+            )
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("rp/world", store),
+                rank=settings.rank,
+                world_size=settings.world_size,
+                timeout=timeout,
+            )
+        except (RuntimeError, OSError) as exc:
+            raise GroupError(
+                f"cannot join the data-parallel group at {settings.host}:{settings.port} as "
+                f"rank {settings.rank} of {settings.world_size} within {settings.timeout_s:.0f}s "
+                f"(--dist-timeout): {exc}. Start every rank with the same --dist-init and "
+                "--world-size, each with its own --rank, and open the port (and gloo's "
+                "ports) between the servers (docs/multi-node.md)"
+            ) from None
+        group = cls(settings, store)
+        store.set(f"rp/host/{settings.rank}", group.hostname)
+        group._heartbeat.start()
+        log.info("[multinode] rank %d of %d joined", settings.rank, settings.world_size)
+        return group
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def describe(self, rank: int) -> str:
+        """``node 1 (hostname)``, for messages."""
+        try:
+            host = self.store.get(f"rp/host/{rank}").decode()
+        except Exception:
+            host = "?"
+        return f"node {rank} ({host})"
+
+    def close(self) -> None:
+        self._stop.set()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group cannot shut down cleanly; we exit anyway
+                pass
+
+    # -- liveness ---------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        key = f"rp/alive/{self.rank}"
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self.store.add(key, 1)
+            except Exception as exc:  # rank 0 (the store) is gone or frozen
+                self.store_lost = f"rank 0's store at {self.settings.host}:{self.settings.port} stopped answering: {exc}"
+                log.error("[multinode] %s", self.store_lost)
+                return
+
+    def silent_nodes(self) -> list[int]:
+        """Ranks whose heartbeat has not advanced for ``timeout_s`` (compared on this
+        node's clock: the counters are free of clock skew)."""
+        now = time.monotonic()
+        silent = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            beats = self.store.add(f"rp/alive/{rank}", 0)
+            last = self._seen.get(rank)
+            if last is None or last[0] != beats:
+                self._seen[rank] = (beats, now)
+            elif now - last[1] > self.timeout_s:
+                silent.append(rank)
+        return silent
+
+    # -- jobs -------------------------------------------------------------------------
+
+    def announce(self, job_id: str, spec: dict) -> JobGroup:
+        """Rank 0: make the other ranks run job ``job_id`` with ``spec`` too."""
+        assert self.leader
+        seq = int(self.store.add("rp/jobs", 1))
+        self.store.set(f"rp/job/{seq}", json.dumps({"job_id": job_id, "spec": spec}))
+        log.info("[multinode] job %s announced to %d other node(s)", job_id, self.world_size - 1)
+        return JobGroup(self, seq, job_id)
+
+    def next_job(self, stopping: Callable[[], bool]) -> JobAnnouncement | None:
+        """Other ranks: wait for rank 0's next job (None once ``stopping()``). Raises
+        GroupError if rank 0's store is gone."""
+        key = f"rp/job/{self._next_seq}"
+        while not stopping():
+            if self.store_lost is not None:
+                raise GroupError(self.store_lost)
+            try:
+                if self.store.check([key]):
+                    body = json.loads(self.store.get(key))
+                    self._next_seq += 1
+                    return JobAnnouncement(self._next_seq - 1, body["job_id"], body["spec"])
+            except (RuntimeError, OSError) as exc:
+                raise GroupError(f"rank 0's store stopped answering: {exc}") from None
+            time.sleep(0.2)
+        return None
+
+    def join_job(self, announcement: JobAnnouncement) -> JobGroup:
+        return JobGroup(self, announcement.seq, announcement.job_id)
+
+
+class JobGroup:
+    """One job's share of the group: its collectives, its arrivals, its stop keys."""
+
+    def __init__(self, nodes: NodeGroup, seq: int, job_id: str):
+        self.nodes = nodes
+        self.rank = nodes.rank
+        self.world_size = nodes.world_size
+        self.job_id = job_id
+        self.store = dist.PrefixStore(f"rp/job/{seq}/", nodes.store)
+        self.lost: str | None = None
+        """Set when a node died or went silent during this job (not when it left)."""
+        self.left_as: str | None = None
+        """The state another node left the job in (``cancelled``, ``failed``, ...)."""
+        self.cancelled: Callable[[], bool] = lambda: False
+        """Set by the trainer: the local job stopped, give up waiting."""
+        # A fresh process group per job (Note [arrive before a collective]); every rank
+        # creates it at the same point: after the announcement, before anything else.
+        self.pg = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=nodes.timeout_s)
+        )
+        self._last_check = 0.0
+        self._problem_lock = threading.Lock()
+        self.waiting: str | None = None
+        """What this node has been waiting for at a collective for more than
+        WAIT_REPORT_AFTER_S (which nodes, and why where they said), else None."""
+        self._note: str | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def microbatches(self, num_microbatches: int) -> range:
+        return node_microbatches(num_microbatches, self.rank, self.world_size)
+
+    # -- leaving ----------------------------------------------------------------------
+
+    def leave(self, reason: str) -> None:
+        """Tell the other nodes this node left the job and why (they stop waiting)."""
+        try:
+            self.store.set(f"stop/{self.rank}", reason)
+        except Exception:  # the store is gone: the others notice without us
+            pass
+
+    def problem(self) -> str | None:
+        """Why the job cannot go on as a group: a node left it or went silent. Asks the
+        store at most once a second."""
+        with self._problem_lock:  # asked by the run loop and the all-reduce thread
+            return self._problem()
+
+    def _problem(self) -> str | None:
+        now = time.monotonic()
+        if now - self._last_check < 1.0:
+            return None
+        self._last_check = now
+        nodes = self.nodes
+        if nodes.store_lost is not None:
+            self.lost = nodes.store_lost
+            return nodes.store_lost
+        try:
+            for rank in range(self.world_size):
+                if rank != self.rank and self.store.check([f"stop/{rank}"]):
+                    why = self.store.get(f"stop/{rank}").decode()
+                    self.left_as = why.split(":", 1)[0]
+                    return f"{nodes.describe(rank)} left the job: {why}"
+            silent = nodes.silent_nodes()
+        except (RuntimeError, OSError) as exc:
+            self.lost = f"rank 0's store stopped answering: {exc}"
+            return self.lost
+        if silent:
+            names = ", ".join(nodes.describe(r) for r in silent)
+            self.lost = (
+                f"{names} sent no heartbeat for {nodes.timeout_s:.0f}s (--dist-timeout): "
+                "dead or frozen"
+            )
+            return self.lost
+        return None
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def set_note(self, note: str | None) -> None:
+        """Say why this node is not at the next collective yet (e.g. it has no worker),
+        for the nodes waiting there; None: nothing holds it up. Only changes are written."""
+        if note == self._note:
+            return
+        self._note = note
+        try:
+            self.store.set(f"note/{self.rank}", note or "")
+        except Exception:  # the store is gone: problem() says so
+            pass
+
+    def _missing(self, name: str, count: int) -> str:
+        """The nodes that have not arrived at collective ``name`` a ``count``-th time,
+        each with its note."""
+        missing = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = f"arrived/{name}/{rank}"
+            if self.store.check([key]) and int(self.store.get(key)) >= count:
+                continue
+            note = ""
+            if self.store.check([f"note/{rank}"]):
+                note = self.store.get(f"note/{rank}").decode()
+            missing.append(self.nodes.describe(rank) + (f": {note}" if note else ""))
+        return "; ".join(missing) or "the other nodes"
+
+    def _report_wait(
+        self, name: str, count: int, what: str, waited_s: float, *, log_it: bool
+    ) -> None:
+        try:
+            missing = self._missing(name, count)
+        except (RuntimeError, OSError):  # the store is gone: problem() says so
+            return
+        self.waiting = f"waiting {waited_s:.0f}s for {what}; not there yet: {missing}"
+        if log_it:
+            log.warning("[multinode] job %s (rank %d): %s", self.job_id, self.rank, self.waiting)
+
+    # -- collectives (Note [arrive before a collective]) --------------------------------
+
+    def arrive(self, name: str, count: int, what: str) -> None:
+        """Wait until every node has arrived at collective ``name`` for the ``count``-th
+        time. Raises InterruptedError if this job was stopped here, GroupError if another
+        node left or went silent. A long wait is reported (``waiting``, the log)."""
+        key = f"arrive/{name}"
+        target = count * self.world_size
+        if int(self.store.add(key, 1)) >= target:
+            return  # the last to arrive: nobody waits for it
+        # Only a node that waits says that it arrived: who is missing, if a wait is long.
+        self.store.set(f"arrived/{name}/{self.rank}", str(count))
+        sleep = _POLL_S
+        start = time.monotonic()
+        report_at, log_at = start + WAIT_REPORT_AFTER_S, 0.0
+        try:
+            while int(self.store.add(key, 0)) < target:
+                stop: Exception | None = None
+                if self.cancelled():
+                    stop = InterruptedError(f"stopped waiting for {what}")
+                elif (problem := self.problem()) is not None:
+                    stop = GroupError(f"while waiting for {what}: {problem}")
+                if stop is not None:
+                    if self._withdraw(key, target):
+                        raise stop
+                    return  # every node arrived meanwhile and entered: join them
+                now = time.monotonic()
+                if now >= report_at:
+                    log_it = now >= log_at  # the status every few seconds, the log less often
+                    self._report_wait(name, count, what, now - start, log_it=log_it)
+                    report_at = now + WAIT_REPORT_AFTER_S
+                    if log_it:
+                        log_at = now + WAIT_REPORT_EVERY_S
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _POLL_MAX_S)
+        finally:
+            if self.waiting is not None:
+                log.info(
+                    "[multinode] job %s (rank %d): waited %.0fs for %s; the wait is over",
+                    self.job_id,
+                    self.rank,
+                    time.monotonic() - start,
+                    what,
+                )
+                self.waiting = None
+
+    def _withdraw(self, key: str, target: int) -> bool:
+        """Take back this node's arrival; False if it is too late: every node had arrived
+        meanwhile, so the others are inside the collective and this node must enter it
+        too (else they would wait there for the collective timeout)."""
+        before = int(self.store.add(key, -1)) + 1
+        if before >= target:
+            self.store.add(key, 1)
+            return False
+        return True
+
+    def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None:
+        """Sum ``tensors`` over all nodes, in place."""
+        self.arrive(name, count, what)
+        try:
+            works = [dist.all_reduce(t, group=self.pg, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
+    def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Copy rank 0's ``tensors`` into every node's, in place."""
+        self.arrive("broadcast", 1, what)
+        try:
+            for t in tensors:
+                dist.broadcast(t, src=0, group=self.pg)
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
+    def _collective_failed(self, what: str, exc: BaseException) -> GroupError:
+        """The error for a failed collective, naming the node behind it: gloo names only
+        an address, so wait (at most the group timeout) until the heartbeats or a stop
+        key say which node is gone."""
+        reason = _gloo_reason(exc)
+        deadline = time.monotonic() + self.nodes.timeout_s + 2 * HEARTBEAT_INTERVAL_S
+        while time.monotonic() < deadline:
+            problem = self.problem()
+            if problem is not None:
+                reason = f"{reason}; {problem}"
+                break
+            time.sleep(0.2)
+        self.lost = reason
+        return GroupError(f"{what} failed: {reason}")
+
+    def exchange(self, name: str, value: str, what: str) -> list[str]:
+        """Every node's ``value`` for ``name``, by rank (through the store)."""
+        self.store.set(f"x/{name}/{self.rank}", value)
+        self.arrive(f"x/{name}", 1, what)
+        return [self.store.get(f"x/{name}/{r}").decode() for r in range(self.world_size)]
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group(self.pg)
+        except Exception:  # a broken group: nothing to release that exiting would not
+            pass
+
+
+def _gloo_reason(exc: BaseException) -> str:
+    text = str(exc)
+    if "Connection closed by peer" in text or "Connection reset" in text:
+        return "a node closed its connection (its coordinator died)"
+    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        return "a node did not take part within the collective timeout (--dist-timeout)"
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+class GradientReducer:
+    """The thread that all-reduces each layer's gradient of every step (Note [reduced
+    before stepped]) and, after the last layer, the step's loss.
+
+    ``layers`` is the order, the same on every node (descending: the tail's gradient is
+    complete first). ``wait_grads(layer, k)`` blocks until this node's share is in the
+    arena; ``grads(layer)`` are the arena views to reduce in place.
+    """
+
+    def __init__(
+        self,
+        group: JobGroup,
+        *,
+        layers: list[int],
+        first_step: int,
+        last_step: int,
+        wait_grads: Callable[[int, int], None],
+        grads: Callable[[int], list[torch.Tensor]],
+        stopped: Callable[[], bool],
+        wake: Callable[[str], None],
+    ):
+        self.group = group
+        self.layers = layers
+        self.first_step, self.last_step = first_step, last_step
+        self._wait_grads = wait_grads
+        self._grads = grads
+        self._stopped = stopped
+        self._wake = wake
+        self._cv = threading.Condition()
+        self._reduced: dict[int, int] = {layer: first_step - 1 for layer in layers}
+        self._local_loss: dict[int, float] = {}
+        self._global_loss: dict[int, float] = {}
+        self.error: BaseException | None = None
+        self.reduce_s: dict[int, float] = {}
+        """Seconds spent inside all-reduces per step (waiting for other nodes included)."""
+        self.bytes_per_step = sum(
+            t.numel() * t.element_size() for layer in layers for t in grads(layer)
+        )
+        self.thread = threading.Thread(
+            target=self._run, name=f"rp-allreduce-{group.job_id}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for k in range(self.first_step, self.last_step + 1):
+                spent = 0.0
+                for layer in self.layers:
+                    self._wait_grads(layer, k)
+                    started = time.perf_counter()
+                    self.group.all_reduce(
+                        self._grads(layer),
+                        f"grad/{layer}",
+                        k - self.first_step + 1,
+                        f"layer {layer}'s gradient of step {k} from every node",
+                    )
+                    spent += time.perf_counter() - started
+                    with self._cv:
+                        self._reduced[layer] = k
+                        self._cv.notify_all()
+                with self._cv:
+                    while k not in self._local_loss:
+                        if self._stopped():
+                            raise InterruptedError
+                        self._cv.wait(timeout=0.5)
+                    loss = torch.tensor([self._local_loss.pop(k)], dtype=torch.float64)
+                self.group.all_reduce(
+                    [loss], "loss", k - self.first_step + 1, f"the loss of step {k}"
+                )
+                with self._cv:
+                    self._global_loss[k] = float(loss)
+                    self.reduce_s[k] = spent
+                    self._cv.notify_all()
+                self._wake("loss-reduced")
+            if self.reduce_s:
+                log.info(
+                    "[multinode] all-reduce: %d bytes of gradients per step, %.4fs per step "
+                    "on average (waiting for the slowest node included)",
+                    self.bytes_per_step,
+                    sum(self.reduce_s.values()) / len(self.reduce_s),
+                )
+        except InterruptedError:
+            pass  # the job stopped
+        except BaseException as exc:
+            if not self._stopped():
+                log.error("[multinode] gradient all-reduce stopped: %s", exc)
+                self.error = exc
+                self._wake("group-error")
+
+    # -- for the optimizer and the run loop -----------------------------------------------
+
+    def reduced(self, layer: int, k: int) -> bool:
+        with self._cv:
+            return self._reduced[layer] >= k
+
+    def wait_reduced(self, layer: int, k: int) -> None:
+        with self._cv:
+            while self._reduced[layer] < k:
+                # Stopped either way: the run loop reports the group's error.
+                if self.error is not None or self._stopped():
+                    raise InterruptedError(f"stopped waiting for layer {layer}'s gradient")
+                self._cv.wait(timeout=0.5)
+
+    def set_local_loss(self, k: int, loss: float) -> None:
+        with self._cv:
+            self._local_loss[k] = loss
+            self._cv.notify_all()
+
+    def global_loss(self, k: int) -> float | None:
+        """The step's loss summed over the nodes, once reduced (else None)."""
+        with self._cv:
+            return self._global_loss.get(k)
+
+    def forget_loss(self, k: int) -> None:
+        with self._cv:
+            self._global_loss.pop(k, None)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end; False if it is still inside a collective."""
+        self.thread.join(timeout=timeout_s)
+        return not self.thread.is_alive()

@@ -1,0 +1,58 @@
+"""What ``roundpipe plan --nodes W --network-bandwidth B`` predicts: the step of W servers
+in a data-parallel group (roundpipe.coordinator.multinode), each running the one-node plan.
+
+The cost model is a ring all-reduce of the fp32 gradients of the trainable parameters
+over the servers' network, overlapped with the step as docs/multi-node.md describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DataParallelPrediction", "predict_data_parallel"]
+
+
+@dataclass(frozen=True)
+class DataParallelPrediction:
+    """What ``roundpipe plan --nodes W --network-bandwidth B`` adds to a one-node plan."""
+
+    nodes: int
+    gradient_bytes: int
+    """Bytes all-reduced per step (fp32 gradients of the trainable parameters)."""
+    allreduce_s: float
+    """A ring all-reduce's time: each node sends and receives 2 (W-1)/W of the bytes."""
+    step_s: float
+    tokens_per_s: float
+
+    def describe(self, bandwidth: float) -> str:
+        return (
+            f"{self.nodes} nodes over {bandwidth / 1e9:g} GB/s: all-reduce of "
+            f"{self.gradient_bytes / 2**20:,.1f} MiB of gradients per step takes "
+            f"{self.allreduce_s:.3g}s; predicted {self.step_s:.3g}s per step, "
+            f"{self.tokens_per_s:,.0f} tokens/s for all nodes (global batch = {self.nodes} x "
+            "the per-node batch)"
+        )
+
+
+def predict_data_parallel(
+    *,
+    iteration_s: float,
+    tokens_per_iteration: int,
+    trainable_params: int,
+    nodes: int,
+    bandwidth_bytes_per_s: float,
+    staleness: int,
+) -> DataParallelPrediction:
+    """The step time of ``nodes`` coordinators, each running the one-node plan whose step
+    takes ``iteration_s``. Per-layer all-reduces overlap the rest of the backward; with
+    staleness 1 the optimizer (and so the all-reduce) also has the whole next iteration,
+    so the step is the slower of the two; with staleness 0 the next forward needs the
+    reduced first layers, and no overlap is credited (an upper bound)."""
+    if nodes < 1 or bandwidth_bytes_per_s <= 0:
+        raise ValueError("--nodes must be >= 1 and --network-bandwidth > 0")
+    nbytes = 4 * trainable_params
+    allreduce_s = 2 * (nodes - 1) / nodes * nbytes / bandwidth_bytes_per_s
+    step_s = max(iteration_s, allreduce_s) if staleness else iteration_s + allreduce_s
+    return DataParallelPrediction(
+        nodes, nbytes, allreduce_s, step_s, nodes * tokens_per_iteration / step_s
+    )

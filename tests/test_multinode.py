@@ -1,0 +1,228 @@
+"""Data parallelism across coordinators (coordinator.multinode, docs/multi-node.md).
+
+Two coordinators on loopback form one gloo group, each with its own CPU worker; a job
+submitted to rank 0 runs on both, each node training half of every global batch. The
+exported model must equal the single-process oracle over the whole global batch (which
+is what one coordinator with that batch produces: tests/test_end_to_end.py) within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from multinode_helpers import node_group
+from runtime_helpers import assert_params_match, oracle_train, tiny_spec
+
+from roundpipe.client import RoundPipeError
+from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.multinode import node_microbatches, settings_from_args
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
+        return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def oracle(spec, lora: bool) -> dict[str, torch.Tensor]:
+    out = oracle_train(spec)
+    return {n: t for n, t in out.items() if "lora_" in n} if lora else out
+
+
+def test_settings_from_flags_and_torchrun_environment() -> None:
+    s = settings_from_args("tcp://10.0.0.1:29500", 1, 2, 30.0, environ={})
+    assert (s.host, s.port, s.rank, s.world_size, s.timeout_s) == ("10.0.0.1", 29500, 1, 2, 30.0)
+    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29400", "RANK": "0", "WORLD_SIZE": "3"}
+    s = settings_from_args(None, None, None, environ=env)
+    assert (s.host, s.port, s.rank, s.world_size) == ("node0", 29400, 0, 3)
+    assert settings_from_args(None, None, None, environ={}) is None
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        settings_from_args("env://", 0, 2, environ={})
+    with pytest.raises(ValueError, match="--rank must be in 0..1"):
+        settings_from_args("tcp://h:1", 2, 2, environ={})
+    with pytest.raises(ValueError, match="--world-size is required"):
+        settings_from_args("tcp://h:1", 0, None, environ={})
+    with pytest.raises(ValueError, match="need --dist-init"):
+        settings_from_args(None, 0, 2, environ={})
+
+
+def test_each_node_takes_an_equal_share_of_the_microbatches() -> None:
+    assert [node_microbatches(6, r, 3) for r in range(3)] == [range(0, 2), range(2, 4), range(4, 6)]
+    with pytest.raises(ValueError, match="multiple of the number of nodes"):
+        node_microbatches(3, 0, 2)
+
+
+@pytest.mark.slow
+def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> None:
+    """Full fine-tuning at staleness 0 and 1, LoRA, and a job resumed from a one-node
+    checkpoint, submitted to rank 0 at once; each runs on both nodes and equals the
+    oracle of the whole global batch (the resumed one: of the uninterrupted run)."""
+    from runtime_helpers import trained_in_process
+
+    specs = {
+        "exact": tiny_spec(
+            tmp_path / "exact", steps=4, num_microbatches=4, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]"
+        ),
+        "stale": tiny_spec(tmp_path / "stale", steps=4, staleness=1, num_microbatches=4),
+        "lora": tiny_spec(tmp_path / "lora", steps=4, num_microbatches=4, lora=LORA),
+    }
+    # One coordinator (in-process) writes checkpoints of steps 2 and 4; the group
+    # resumes from step 2 (Note [checkpoint cut]: topology-free).
+    single = with_output(
+        tiny_spec(tmp_path / "single", steps=4, num_microbatches=4, staleness=1),
+        checkpoint_every=2,
+    )
+    arena_dir = Path("/dev/shm") / f"rp-mn-single-{os.getpid()}"
+    arena_dir.mkdir()
+    try:
+        with trained_in_process(single, arena_dir, 1):
+            pass
+    finally:
+        shutil.rmtree(arena_dir, ignore_errors=True)
+    resumed = single.to_dict()
+    resumed["model"]["resume_from"] = str(tmp_path / "single" / "checkpoints" / "step-00000002")
+    resumed["output"] = {"dir": str(tmp_path / "resumed")}
+    specs["resumed"] = JobSpec.from_dict(resumed)
+    with node_group(tmp_path, "mn-exact") as (rank0, rank1):
+        handles = {name: rank0.client.submit(spec) for name, spec in specs.items()}
+        for name, handle in handles.items():
+            events = list(handle.progress(timeout_s=300))
+            status = handle.wait(timeout_s=300)
+            assert status.state == "succeeded", f"{name}: {status.message}\n{rank0.logs()}"
+            # (the resumed job's steps 1-2 come from its checkpoint's progress)
+            assert [e.step for e in events] == [1, 2, 3, 4], name
+        # The other node ran every job, its half of each batch.
+        ran = {j.job_id: j.state for j in rank1.client.jobs()}
+        assert ran == {h.job_id: "succeeded" for h in handles.values()}, rank1.logs()
+        # Cancelling at rank 0 cancels on every node.
+        long = rank0.client.submit(tiny_spec(tmp_path / "long", steps=500, num_microbatches=4))
+        next(iter(long.progress(timeout_s=120)))
+        long.cancel()
+        assert long.wait(timeout_s=60).state == "cancelled"
+        wait_for_state(rank1, long.job_id, "cancelled")
+        # The global batch must split evenly over the nodes: refused at submission.
+        with pytest.raises(RoundPipeError, match="multiple of the number of nodes"):
+            rank0.client.submit(tiny_spec(tmp_path / "odd", num_microbatches=3))
+        # Jobs are taken by rank 0 only.
+        with pytest.raises(RoundPipeError, match="submit and resume jobs at rank 0"):
+            rank1.client.submit(specs["exact"])
+    for name, spec in specs.items():
+        lora = name == "lora"
+        reference = single if name == "resumed" else spec
+        assert_params_match(load_output(Path(spec.output.dir), lora), oracle(reference, lora))
+
+
+def wait_for_state(node, job_id: str, state: str, timeout_s: float = 30) -> None:
+    """Wait until ``node`` (a LocalCluster of the group) lists ``job_id`` as ``state``."""
+    deadline = time.monotonic() + timeout_s
+    while {j.job_id: j.state for j in node.client.jobs()}.get(job_id) != state:
+        assert time.monotonic() < deadline, node.logs()
+        time.sleep(0.2)
+
+
+def with_output(spec, **output) -> JobSpec:
+    d = spec.to_dict()
+    d["output"].update(output)
+    return JobSpec.from_dict(d)
+
+
+def checkpoints_of(spec) -> list[str]:
+    root = Path(spec.output.dir) / "checkpoints"
+    return sorted(p.name for p in root.glob("step-*")) if root.is_dir() else []
+
+
+@pytest.mark.slow
+def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) -> None:
+    """Node 1's worker freezes in step 4 (so the job cannot get past step 3) and then its
+    coordinator is killed: rank 0 pauses the job within the group timeout, naming node 1;
+    `resume` continues from the 2-node checkpoint of step 2 on rank 0 alone, exactly."""
+    spec = with_output(tiny_spec(tmp_path / "out", steps=6, num_microbatches=4), checkpoint_every=2)
+    with node_group(
+        tmp_path, "mn-fault", timeout_s=5, faults={1: "stop@iteration=4"}, check_exit=False
+    ) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        deadline = time.monotonic() + 120
+        while "step-00000002" not in checkpoints_of(spec):
+            assert time.monotonic() < deadline, rank0.logs()
+            time.sleep(0.1)
+        rank1.coordinator.proc.kill()
+        killed = time.monotonic()
+        status = handle.wait(timeout_s=60)
+        noticed_s = time.monotonic() - killed
+        assert status.state == "paused", status.message
+        assert "node 1" in status.message and "roundpipe resume" in status.message
+        assert noticed_s < 30, noticed_s  # the group timeout (5 s) plus polling
+        assert status.step <= 3
+        handle.resume()
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+        assert rank0.coordinator.alive()
+    assert rank0.coordinator.proc.returncode == 0, rank0.logs()
+    assert_params_match(load_output(Path(spec.output.dir), False), oracle(spec, False))
+
+
+@pytest.mark.slow
+def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
+    """Node 1 has no worker: the job waits, and rank 0's status and log name node 1 and
+    why. Cancelled at rank 0, it is cancelled at node 1 too (which was waiting for a
+    worker, not training); once a worker joins node 1 the next job runs to the end."""
+    spec = tiny_spec(tmp_path / "out", steps=2, num_microbatches=2)
+    with node_group(tmp_path, "mn-wait", workers_per_node=[1, 0]) as (rank0, rank1):
+        waiting = rank0.client.submit(spec)
+        deadline = time.monotonic() + 60
+        while "not there yet" not in (status := waiting.status()).message:
+            assert status.state in ("queued", "running"), status.message
+            assert time.monotonic() < deadline, rank0.logs()
+            time.sleep(0.5)
+        assert "every node to prepare the job" in status.message, status.message
+        assert "node 1 (" in status.message, status.message
+        assert "no worker connected to its coordinator" in status.message, status.message
+        log_text = (tmp_path / "node0" / "coordinator.log").read_text()
+        assert "(rank 0): waiting" in log_text and "no worker connected" in log_text
+        waiting.cancel()
+        assert waiting.wait(timeout_s=60).state == "cancelled"
+        wait_for_state(rank1, waiting.job_id, "cancelled")
+        rank1.add_worker("n1w1")
+        status = rank0.client.submit(spec).wait(timeout_s=120)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+
+
+def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
+    """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
+    gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
+    from roundpipe.coordinator.planning.command import plan_main
+    from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
+
+    predict = functools.partial(
+        predict_data_parallel,
+        iteration_s=1.0,
+        tokens_per_iteration=1000,
+        trainable_params=250_000_000,
+        bandwidth_bytes_per_s=1e9,
+    )
+    p = predict(nodes=2, staleness=1)
+    assert p.gradient_bytes == 1_000_000_000 and p.allreduce_s == pytest.approx(1.0)
+    assert p.step_s == pytest.approx(1.0) and p.tokens_per_s == pytest.approx(2000)
+    p0 = predict(nodes=4, staleness=0)
+    assert p0.allreduce_s == pytest.approx(1.5) and p0.step_s == pytest.approx(2.5)
+    args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
+    args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
+    args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
+    args += ["--workers", "2", "--seq-len", "128", "--flops", "1T"]
+    assert plan_main([*args, "--nodes", "2", "--network-bandwidth", "100MB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes over 0.1 GB/s: all-reduce of" in out and "tokens/s for all nodes" in out
