@@ -7,7 +7,9 @@ memory is checked against the machine before anything is allocated"):
   and gradient slots, the io arena, the event table), files under ``--arena-dir`` that
   take RAM (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
 * the fp32 master weights of its trainable parameters and the two AdamW moments: 12
-  bytes per trainable parameter, in the coordinator's own memory.
+  bytes per trainable parameter, in the coordinator's own memory;
+* the staging copy of one checkpoint's state, when checkpoints are written in the
+  background (coordinator.snapshot; the trainer passes its size).
 
 :func:`host_memory_needed` adds them up from a layout that has been planned but not
 created; :func:`check_host_memory` refuses a job that does not fit what the machine has
@@ -53,22 +55,28 @@ class HostMemory:
     """fp32 master weights of the trainable parameters."""
     moments: int
     """AdamW exp_avg and exp_avg_sq of the trainable parameters."""
+    staging: int = 0
+    """One checkpoint's state, copied for the background writer (0: none)."""
 
     @property
     def total(self) -> int:
-        return self.arenas + self.masters + self.moments
+        return self.arenas + self.masters + self.moments + self.staging
 
     def describe(self) -> str:
+        staging = f", checkpoint staging {_gib(self.staging)}" if self.staging else ""
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}, fp32 masters "
-            f"{_gib(self.masters)}, AdamW moments {_gib(self.moments)})"
+            f"{_gib(self.masters)}, AdamW moments {_gib(self.moments)}{staging})"
         )
 
 
-def host_memory_needed(layout: JobLayout) -> HostMemory:
-    """What a job with this (planned, not yet created) layout takes in host memory."""
+def host_memory_needed(layout: JobLayout, *, staging: int = 0) -> HostMemory:
+    """What a job with this (planned, not yet created) layout takes in host memory, with
+    ``staging`` bytes for background checkpoints."""
     trainable = layout.model.parameter_count(trainable_only=True)
-    return HostMemory(arenas=layout.total_bytes, masters=4 * trainable, moments=8 * trainable)
+    return HostMemory(
+        arenas=layout.total_bytes, masters=4 * trainable, moments=8 * trainable, staging=staging
+    )
 
 
 def check_host_memory(

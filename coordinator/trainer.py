@@ -71,7 +71,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -87,7 +87,12 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
 )
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
+from roundpipe.coordinator.jobspec import (
+    JobSpec,
+    model_config_from_spec,
+    staging_limit_bytes,
+    validate_against_model,
+)
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
 from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
@@ -102,6 +107,7 @@ from roundpipe.coordinator.planner import (
 )
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
+from roundpipe.coordinator.snapshot import BackgroundCheckpoints, LayerState
 from roundpipe.coordinator.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
@@ -191,6 +197,10 @@ class Trainer:
         """Step of the newest checkpoint written or resumed from (None: none yet)."""
         self.resumed_from: CheckpointInfo | None = None
         self._base_model_written = False
+        self.staging_bytes = 0
+        """Host memory set aside for background checkpoints (0: checkpoints drain the
+        pipeline); decided in ``prepare`` (Note [background checkpoint])."""
+        self._background: BackgroundCheckpoints | None = None
         self._cancel = threading.Event()
         self._optimizer_error: BaseException | None = None
         self._optimizer_done_step = 0
@@ -269,8 +279,11 @@ class Trainer:
         )
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        self.staging_bytes = self._choose_staging(layout)
         try:
-            check_host_memory(host_memory_needed(layout), self.arena_dir)
+            check_host_memory(
+                host_memory_needed(layout, staging=self.staging_bytes), self.arena_dir
+            )
         except InsufficientMemory as exc:
             raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)
@@ -318,6 +331,38 @@ class Trainer:
             self._restore(source)
         self._plan_chosen(self.start_step + 1, why)
         self.prepared = True
+
+    def _choose_staging(self, layout: JobLayout) -> int:
+        """Bytes of staging for background checkpoints (``output.checkpoint_staging``):
+        one checkpoint's per-layer state, if the setting allows that much ("auto": if
+        the machine has it available besides the job); else 0, and checkpoints drain."""
+        spec = self.spec
+        every = spec.output.checkpoint_every
+        if every <= 0 or every >= spec.train.steps:
+            return 0  # only the final checkpoint: nothing left to overlap with
+        model, compute = layout.model, torch.empty((), dtype=self.compute_dtype)
+        moments = {"adamw": 2, "sgd": 1 if spec.optimizer.momentum else 0}[spec.optimizer.name]
+        per_param = 4 * (1 + moments) + compute.element_size()  # masters, moments, prev
+        need = per_param * model.parameter_count(trainable_only=True)
+        limit = staging_limit_bytes(spec.output.checkpoint_staging)
+        why = None
+        if limit is not None and need > limit:
+            why = f"output.checkpoint_staging is {limit} bytes"
+        elif limit is None:
+            try:
+                check_host_memory(host_memory_needed(layout, staging=need), self.arena_dir)
+            except InsufficientMemory:
+                why = "the machine does not have that much memory to spare"
+        if why is not None:
+            log.info(
+                "[trainer] job %s: checkpoints stop the pipeline while they are written: "
+                "writing them in the background needs %d bytes of staging and %s",
+                self.job_id,
+                need,
+                why,
+            )
+            return 0
+        return need
 
     def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
         """The job's first plan and why: the spec's, or the planner's cold start."""
@@ -468,11 +513,15 @@ class Trainer:
             raise JobFailed(f"cannot read {info.path / STATE_FILE}: {exc}") from None
         with state:
             keys = set(state.keys())
+            # Masters are in the model files (checkpoint_name keys); checkpoints written
+            # before that hold them as master/<name> too.
+            masters_in_state = any(k.startswith("master/") for k in keys)
+            kinds = ("master",) * masters_in_state + ("prev", *self.optimizer.kinds)
             expected = {
                 f"{kind}/{name}"
                 for names in self.masters.values()
                 for name in names
-                for kind in ("master", "prev", *self.optimizer.kinds)
+                for kind in kinds
             }
             saved = {k for k in keys if not k.startswith("rng/")}
             if saved != expected:
@@ -493,6 +542,20 @@ class Trainer:
                     )
                 return t
 
+            if masters_in_state:
+                exported: dict[str, torch.Tensor] = {}
+            else:
+                names = [name for per in self.masters.values() for name in per]
+                try:
+                    exported = self.model.read_exported(info.path, names)
+                except (OSError, ValueError) as exc:
+                    raise JobFailed(f"cannot read the model files of {where}: {exc}") from None
+                lacking = [n for n in names if n not in exported]
+                if lacking:
+                    raise JobFailed(
+                        f"{where}: its model files lack {len(lacking)} trained weight(s) of "
+                        f"this job's model, e.g. {lacking[:3]}"
+                    )
             optimizer_state = self.optimizer.state_dict()  # live buffers
             for key, buf in optimizer_state["tensors"].items():
                 layer_and_name, kind = key.rsplit(".", 1)
@@ -503,7 +566,15 @@ class Trainer:
             c = layout.counters
             for layer, names in self.masters.items():
                 for name, master in names.items():
-                    master.copy_(load(f"master/{name}", master))
+                    saved = exported.get(name)
+                    if saved is None:
+                        saved = load(f"master/{name}", master)
+                    elif saved.shape != master.shape or saved.dtype != torch.float32:
+                        raise JobFailed(
+                            f"{where}: {name} in the model files is {saved.dtype} "
+                            f"{tuple(saved.shape)}, this job's model float32 {tuple(master.shape)}"
+                        )
+                    master.copy_(saved)
                     refs = layout.params[layer][name]
                     current, previous = refs[s % 2], refs[(s - 1) % 2]
                     assert current is not None and previous is not None
@@ -584,6 +655,13 @@ class Trainer:
             target=self._optimizer_loop, name=f"rp-optimizer-{self.job_id}", daemon=True
         )
         optimizer_thread.start()
+        if self.staging_bytes:
+            self._background = BackgroundCheckpoints(
+                self._state_tensors,
+                self._write_background,
+                lambda: self.inbox.put("checkpoint-settled"),
+                name=f"rp-checkpoints-{self.job_id}",
+            )
         tracker = TaskTracker(dispatch, workers, self.recovery_policy)
         self.tracker = tracker
         self._fence = fence
@@ -616,6 +694,7 @@ class Trainer:
 
         def handle_next() -> None:
             self._handle(self._next_message(), unfinished, pending_per_iteration)
+            self._settle_background(on_checkpoint)
 
         try:
             for k in range(self.start_step + 1, steps + 1):
@@ -633,6 +712,15 @@ class Trainer:
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
+                if self.checkpoint_due(k) and self._background is not None:
+                    # Note [background checkpoint]: begun before any task of iteration
+                    # k exists, so before the optimizer's step k; the cursor is now k+1.
+                    waited = time.perf_counter()
+                    while self._background.busy:  # bounded memory: one at a time
+                        report_through(k - 1)  # the writer waits for its step's report
+                        handle_next()
+                    self._note_checkpoint_wait(k, time.perf_counter() - waited)
+                    self._background.begin(k, self._checkpoint_context())
                 layout.write_batch(parity, batch)
                 assert layout.events is not None
                 for m in range(layout.num_microbatches):
@@ -646,7 +734,7 @@ class Trainer:
                     unfinished[task.task_id] = task
                     tracker.dispatch(task)  # parked if no worker is connected
                 report_through(k - 1)
-                if self.checkpoint_due(k):
+                if self.checkpoint_due(k) and self._background is None:
                     # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
                     # pipeline has drained and the optimizer has applied step k.
                     while any(pending_per_iteration.values()):
@@ -661,11 +749,15 @@ class Trainer:
                 handle_next()
                 report_through(steps)
             self._wait_optimizer(steps)
+            while self._background is not None and self._background.busy:
+                handle_next()  # the final checkpoint
         finally:
             self._cancel.set()
             with self._optimizer_cv:
                 self._optimizer_cv.notify_all()
             optimizer_thread.join(timeout=30)
+            if self._background is not None:
+                self._background.close()  # abandons an unfinished checkpoint
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
@@ -701,6 +793,8 @@ class Trainer:
         )
         with self.progress_lock:
             self.progress.append(event)
+        if self._background is not None:
+            self._background.reported(k)
         self.timeline.step_reported(event)  # observability
         if on_progress is not None:
             on_progress(event)
@@ -834,14 +928,19 @@ class Trainer:
 
     def _publisher(self, k: int) -> Callable[[int], None]:
         """Called as each layer's step-k update is written: publish its version at once
-        (the next forward may start on it) and time it for the timeline's optimizer lane."""
+        (the next forward may start on it), capture it for a background checkpoint of
+        step k, and time it for the timeline's optimizer lane."""
         assert self.layout is not None and self.layout.events is not None
         events, c = self.layout.events, self.layout.counters
         since = time.time()
 
+        background = self._background
+
         def publish(layer: int) -> None:
             nonlocal since
             events.signal(c.version(layer), k)
+            if background is not None:  # Note [background checkpoint]
+                background.capture(k, layer)
             now = time.time()
             self.timeline.optimizer_layer(k, layer, since, now)  # observability
             since = now
@@ -900,55 +999,146 @@ class Trainer:
             raise JobFailed(str(exc)) from None
 
     def save_checkpoint(self, step: int) -> Path:
-        """Write the checkpoint after ``step`` (call only at a cut: Note [checkpoint cut])
-        and prune to ``output.keep_last``. Raises JobPaused if it cannot be written."""
-        self._confirm_output()
-        started = time.perf_counter()
+        """Write the checkpoint after ``step`` from the live state (call only at a cut:
+        Note [checkpoint cut]) and prune to ``output.keep_last``. Raises JobPaused if it
+        cannot be written."""
         try:
-            path = self.checkpoints.write(
-                step, lambda d: self._fill_checkpoint(d, step), self._manifest(step)
+            return self._write_checkpoint(
+                step, self._state_tensors(step), self._checkpoint_context()
             )
         except OSError as exc:
             raise JobPaused(
                 self._io_error_message(f"cannot write checkpoint step {step}", exc)
             ) from exc
+
+    def _write_checkpoint(self, step: int, state: LayerState, context: dict) -> Path:
+        """Write checkpoint ``step`` of ``state`` (live at a cut, or staged) atomically,
+        then prune; I/O errors propagate as OSError."""
+        self._confirm_output()
+        started = time.perf_counter()
+        background = self._background
+        check = background.check_abort if background is not None else (lambda: None)
+        path = self.checkpoints.write(
+            step,
+            lambda d: self._fill_checkpoint(d, state, context["rng"], check),
+            self._manifest(step, context),
+        )
         self.checkpoint_step = step
         try:
             self.checkpoints.prune(self.spec.output.keep_last, self.job_id)
         except OSError as exc:  # the new checkpoint is safe; old ones just linger
             log.warning("[trainer] job %s: pruning old checkpoints failed: %s", self.job_id, exc)
         log.info(
-            "[trainer] job %s: checkpoint step %d written to %s in %.2fs",
+            "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",
             self.job_id,
             step,
             path,
             time.perf_counter() - started,
+            " (in the background)" if background is not None else "",
         )
         return path
 
-    def _fill_checkpoint(self, directory: Path, step: int) -> None:
+    def _write_background(self, step: int, staged: LayerState, context: dict) -> Path:
+        """The background writer's ``write`` (Note [background checkpoint])."""
+        return self._write_checkpoint(step, staged, context)
+
+    def _settle_background(self, on_checkpoint: Callable[[int, Path], None] | None) -> None:
+        """In the run loop: report background checkpoints written since the last call;
+        raise JobPaused (or JobFailed) for one that could not be written."""
+        if self._background is None:
+            return
+        finished, failed = self._background.take_settled()
+        for step, path in finished:
+            if on_checkpoint is not None:
+                on_checkpoint(step, path)
+        if failed is None:
+            return
+        step, error = failed
+        os_error = as_os_error(error, self.checkpoints.root)
+        if os_error is not None:
+            raise JobPaused(
+                self._io_error_message(f"cannot write checkpoint step {step}", os_error)
+            ) from error
+        if isinstance(error, JobFailed):  # e.g. the output directory was swapped
+            raise error
+        raise JobFailed(f"cannot write checkpoint step {step}: {error}") from error
+
+    def _note_checkpoint_wait(self, step: int, waited_s: float) -> None:
+        if waited_s > 0.01:
+            log.info(
+                "[trainer] job %s: checkpoint step %d waited %.2fs for the previous one to be "
+                "written (output.checkpoint_staging holds one at a time)",
+                self.job_id,
+                step,
+                waited_s,
+            )
+
+    def _state_tensors(self, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The live per-layer tensors of checkpoint ``step`` (Note [checkpoint cut]): fp32
+        masters, optimizer state, and the compute-dtype weights of version step - 1."""
         assert self.layout is not None
-        self.write_hf_model(directory)
-        state: dict[str, torch.Tensor] = {}
         moments = self.optimizer.state_dict()["tensors"]
+        out: dict[int, dict[str, torch.Tensor]] = {}
         for layer in sorted(self.masters):
+            per = out[layer] = {}
             for name, master in self.masters[layer].items():
-                state[f"master/{name}"] = master
+                per[f"master/{name}"] = master
                 for kind in self.optimizer.kinds:  # AdamW's moments, SGD's momentum
-                    state[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
+                    per[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
                 previous = self.layout.params[layer][name][(step - 1) % 2]
                 assert previous is not None
-                state[f"prev/{name}"] = self.layout.view(previous)
-        state["rng/torch_cpu"] = torch.get_rng_state()
-        (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-        save_tensors(directory / STATE_FILE, state, {"format": "roundpipe-training-state"})
+                per[f"prev/{name}"] = self.layout.view(previous)
+        return out
 
-    def _manifest(self, step: int) -> dict:
+    def _checkpoint_context(self) -> dict:
+        """What a checkpoint takes from the run loop at its cut (the loader then stands
+        at the step after it): data cursor, RNG state, plans."""
+        return {
+            "data_cursor": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+            "plan": str(self.plan),
+            "plan_history": [list(entry) for entry in self.plan_history],
+        }
+
+    def _fill_checkpoint(
+        self,
+        directory: Path,
+        state: LayerState,
+        rng: torch.Tensor,
+        check_abort: Callable[[], None],
+    ) -> None:
+        """The model files, then the training state. The fp32 masters are stored once,
+        in the model files (read back by ``checkpoint_name``); the training state holds
+        the rest (docs/checkpoints.md, "What is on disk")."""
+        assert self.layout is not None
+        masters = {
+            layer: {key[len("master/") :]: t for key, t in per.items() if key.startswith("master/")}
+            for layer, per in state.items()
+        }
+        self.write_hf_model(directory, self._weights_with(masters))
+        check_abort()
+        tensors = {
+            key: t
+            for per in state.values()
+            for key, t in per.items()
+            if not key.startswith("master/")
+        }
+        tensors["rng/torch_cpu"] = rng
+        (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        save_tensors(
+            directory / STATE_FILE,
+            tensors,
+            {"format": "roundpipe-training-state", "masters": "model files"},
+        )
+
+    def _manifest(self, step: int, context: dict) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
         with self.progress_lock:
             progress = [
-                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
+                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s]
+                for e in self.progress
+                if e.step <= step  # a background checkpoint: later steps have run
             ]
         return {
             "job_id": self.job_id,
@@ -961,16 +1151,18 @@ class Trainer:
                 "base_model": str(self._base_model_dir()) if self.model.lora else None,
                 "trainable_tensors": sum(len(v) for v in self.masters.values()),
             },
-            "plan": str(self.plan),
-            "plan_history": [list(entry) for entry in self.plan_history],
+            "plan": context["plan"],
+            "plan_history": context["plan_history"],
             "staleness": self.spec.train.staleness,
             "compute_dtype": self.spec.train.dtype,
-            "data_cursor": self.loader.state_dict(),
+            "data_cursor": context["data_cursor"],
             "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},
             "optimizer": {
                 "impl": self.optimizer_impl,
-                "steps": {str(layer): self.optimizer.last_step(layer) for layer in self.masters},
+                # Every layer's step count is the checkpoint's (Note [checkpoint cut]).
+                "steps": {str(layer): step for layer in self.masters},
             },
+            "masters": "model files",
             "rng": {
                 "torch_cpu": f"{STATE_FILE}:rng/torch_cpu",
                 "seed": self.spec.train.seed,
@@ -1026,16 +1218,37 @@ class Trainer:
             return Path(self.spec.model.path).resolve()
         return (self.output_dir / "base_model").resolve()
 
-    def write_hf_model(self, directory: Path) -> None:
+    def _weights_with(
+        self, masters: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every layer's weights: ``masters`` for trainable ones (no copy), the params
+        arena's for frozen ones (they never change)."""
+        assert self.layout is not None
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, names in self.layout.params.items():
+            out[layer] = {}
+            for name, (even, _odd) in names.items():
+                if name in self.masters.get(layer, {}):
+                    out[layer][name] = masters[layer][name]
+                else:
+                    out[layer][name] = self.layout.view(even).to(torch.float32)
+        return out
+
+    def write_hf_model(
+        self, directory: Path, weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
         """Write the current model in Hugging Face layout into ``directory`` (shared by
         ``export`` and checkpoints): ``save_pretrained`` of the transformers model
         (safetensors + config), or for LoRA a PEFT adapter directory whose
         ``base_model_name_or_path`` is ``_base_model_dir()``, so that
         ``AutoPeftModelForCausalLM.from_pretrained`` works offline; plus the tokenizer.
         A randomly initialised base is written once per run, atomically, to
-        ``<output>/base_model`` (it never changes: only adapters train)."""
+        ``<output>/base_model`` (it never changes: only adapters train). ``weights``:
+        the weights to write (default: the current ones, ``final_weights()``)."""
         from transformers.utils import logging as hf_logging
 
+        if weights is None:
+            weights = self.final_weights()
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
@@ -1043,14 +1256,14 @@ class Trainer:
                 base_dir = self._base_model_dir()
                 if self.spec.model.path is None and not self._base_model_written:
                     # First, so that peft finds the base's config when saving the adapter.
-                    base = self.model.to_hf_model(self.final_weights()).unload()
+                    base = self.model.to_hf_model(weights).unload()
                     self._write_base_model(base, base_dir)
-                model = self.model.to_hf_model(self.final_weights())
+                model = self.model.to_hf_model(weights)
                 for config in model.peft_config.values():
                     config.base_model_name_or_path = str(base_dir)
                 model.save_pretrained(str(directory))
             else:
-                model = self.model.to_hf_model(self.final_weights())
+                model = self.model.to_hf_model(weights)
                 model.save_pretrained(str(directory))
         finally:
             if bars:
@@ -1105,6 +1318,8 @@ class Trainer:
 
     def close(self) -> None:
         self._cancel.set()
+        if self._background is not None:
+            self._background.close()
         self.timeline.close()  # observability: settle the last step, finish the trace
         if self.layout is not None:
             self.layout.destroy()

@@ -391,6 +391,18 @@ class LayeredModel:
             return re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", name)
         return _strip_peft(name).replace(".base_layer.", ".")
 
+    def read_exported(self, hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as an exported checkpoint in ``hf_dir`` holds them (under
+        ``checkpoint_name``), read one at a time; names it lacks are left out."""
+        reader = _SafetensorsDir(Path(hf_dir))
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            key = self.checkpoint_name(name)
+            t = None if key is None else reader.get(key)
+            if t is not None:
+                out[name] = t
+        return out
+
     # ------------------------------------------------------ skeleton accessors
     # For the executor: which module runs which layer, and the prefix that turns a full
     # parameter name into a name relative to that module.
