@@ -1353,7 +1353,11 @@ class _JobThreads(logging.Filter):
         self.job_id = job_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName in ("rp-job", f"rp-optimizer-{self.job_id}")
+        return record.threadName in (
+            "rp-job",
+            f"rp-optimizer-{self.job_id}",
+            f"rp-checkpoints-{self.job_id}",  # background checkpoints (coordinator.snapshot)
+        )
 
 
 def _job_log_handler(job: JobRecord) -> logging.Handler:
