@@ -23,15 +23,20 @@ as a drained checkpoint is written (Note [atomic checkpoint]: temporary director
 fsync, rename, ``latest``), so crash safety and verification are unchanged.
 
 Bounded memory: the staging buffers hold one checkpoint's state. They are allocated on
-the first checkpoint and reused; a checkpoint is begun only once the previous one is
-written (``busy``: the run loop waits, still handling task completions), so a writer
-that falls behind delays the next checkpoint instead of growing memory.
+the first checkpoint and reused. A checkpoint begun while the previous one is still
+being written gets staging when that write ends: until then its first capture waits
+(the optimizer thread, and through the version counters the pipeline, waits for the
+disk), and a third is not begun (the run loop waits, still handling task completions).
+So a writer that falls behind delays training instead of growing memory, and it has
+until the optimizer reaches the next checkpoint step, not only until that iteration is
+dispatched.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -75,9 +80,10 @@ class BackgroundCheckpoints:
         self._on_settled = on_settled
         self._staging: dict[int, dict[str, torch.Tensor]] | None = None
         self._cv = threading.Condition()
-        self._step: int | None = None  # the checkpoint begun and not yet settled
+        self._step: int | None = None  # the checkpoint that owns staging, until settled
         self._context: Any = None
         self._pending: set[int] = set()  # layers of it not captured yet
+        self._next: tuple[int, Any] | None = None  # begun, waiting for staging
         self._reported = 0
         self._finished: list[tuple[int, Path]] = []
         self._failed: tuple[int, BaseException] | None = None
@@ -89,27 +95,56 @@ class BackgroundCheckpoints:
     def busy(self) -> bool:
         """Whether a checkpoint is begun and not yet written (or failed)."""
         with self._cv:
-            return self._step is not None
+            return self._step is not None or self._next is not None
+
+    @property
+    def can_begin(self) -> bool:
+        """Whether ``begin`` may be called: no begun checkpoint is waiting for staging."""
+        with self._cv:
+            return self._next is None
 
     def begin(self, step: int, context: Any) -> None:
         """Start checkpoint ``step``: its layers are captured as ``capture(step, layer)``
-        is called for each. ``context`` (cursor, RNG, ...) goes to ``write``. Only when
-        not ``busy``."""
+        is called for each. ``context`` (cursor, RNG, ...) goes to ``write``. If the
+        previous checkpoint is still being written, this one waits for its staging: its
+        first capture blocks until then. Only when ``can_begin``."""
         with self._cv:
-            if self._step is not None:
-                raise RuntimeError(f"checkpoint {self._step} is still being written")
+            if self._next is not None:
+                raise RuntimeError(f"checkpoint {self._next[0]} is still waiting for staging")
             if self._staging is None:  # once: the same shapes every step
                 self._staging = {
                     layer: {key: torch.empty_like(t) for key, t in per.items()}
                     for layer, per in self._sources(step).items()
                 }
-            self._step, self._context = step, context
+            self._next = (step, context)
+            self._activate_next()
+
+    def _activate_next(self) -> None:
+        """Give staging to the waiting checkpoint if it is free (lock held)."""
+        if self._step is None and self._next is not None:
+            (self._step, self._context), self._next = self._next, None
+            assert self._staging is not None
             self._pending = set(self._staging)
+            self._cv.notify_all()
 
     def capture(self, step: int, layer: int) -> None:
         """In the optimizer thread, right after step ``step`` of ``layer`` is written:
-        copy the layer's state into staging if checkpoint ``step`` is begun."""
+        copy the layer's state into staging if checkpoint ``step`` is begun, first
+        waiting for the previous checkpoint's write if it still holds staging (bounded
+        memory: the optimizer, and so the pipeline, waits for the disk then)."""
         with self._cv:
+            if self._next is not None and self._next[0] == step:
+                started = time.perf_counter()
+                while self._next is not None and self._next[0] == step and not self._closed:
+                    self._cv.wait()  # until the previous write ends and this one is active
+                waited = time.perf_counter() - started
+                if waited > 0.01:
+                    log.info(
+                        "[checkpoint] checkpoint step %d waited %.2fs for the previous one "
+                        "to be written (staging holds one checkpoint)",
+                        step,
+                        waited,
+                    )
             if self._step != step or layer not in self._pending:
                 return
             assert self._staging is not None
@@ -169,8 +204,10 @@ class BackgroundCheckpoints:
                     log.warning("[checkpoint] background checkpoint %d failed: %s", step, exc)
                 with self._cv:
                     self._failed, self._step = (step, exc), None
+                    self._next = None  # the job stops: the run loop raises the error
             else:
                 with self._cv:
                     self._finished.append((step, path))
                     self._step = None
+                    self._activate_next()
             self._on_settled()

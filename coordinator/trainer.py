@@ -669,6 +669,7 @@ class Trainer:
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
         next_task_id = 0
+        next_task_iteration = self.start_step + 1  # the first iteration not dispatched
         tokens_per_step = spec.global_batch_size * spec.data.seq_len
         started = time.perf_counter()
         last_time = started
@@ -694,7 +695,12 @@ class Trainer:
 
         def handle_next() -> None:
             self._handle(self._next_message(), unfinished, pending_per_iteration)
-            self._settle_background(on_checkpoint)
+            if self._background is not None:
+                # A background checkpoint's writer waits for its step's report: report
+                # whatever has finished at once (the drained path's reports stay as
+                # they were).
+                report_through(next_task_iteration - 1)
+                self._settle_background(on_checkpoint)
 
         try:
             for k in range(self.start_step + 1, steps + 1):
@@ -716,8 +722,7 @@ class Trainer:
                     # Note [background checkpoint]: begun before any task of iteration
                     # k exists, so before the optimizer's step k; the cursor is now k+1.
                     waited = time.perf_counter()
-                    while self._background.busy:  # bounded memory: one at a time
-                        report_through(k - 1)  # the writer waits for its step's report
+                    while not self._background.can_begin:  # bounded memory
                         handle_next()
                     self._note_checkpoint_wait(k, time.perf_counter() - waited)
                     self._background.begin(k, self._checkpoint_context())
@@ -728,6 +733,7 @@ class Trainer:
                 tasks = self.schedule.tasks(k, batch.num_label_tokens, next_task_id)
                 next_task_id += len(tasks)
                 pending_per_iteration[k] = len(tasks)
+                next_task_iteration = k + 1
                 for task in tasks:
                     if task.kind == "tail":
                         tail_task[k] = task.task_id
@@ -755,9 +761,10 @@ class Trainer:
             self._cancel.set()
             with self._optimizer_cv:
                 self._optimizer_cv.notify_all()
-            optimizer_thread.join(timeout=30)
             if self._background is not None:
-                self._background.close()  # abandons an unfinished checkpoint
+                # Abandons an unfinished checkpoint and wakes a capture waiting for it.
+                self._background.close()
+            optimizer_thread.join(timeout=30)
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
@@ -1066,8 +1073,8 @@ class Trainer:
     def _note_checkpoint_wait(self, step: int, waited_s: float) -> None:
         if waited_s > 0.01:
             log.info(
-                "[trainer] job %s: checkpoint step %d waited %.2fs for the previous one to be "
-                "written (output.checkpoint_staging holds one at a time)",
+                "[trainer] job %s: checkpoint step %d waited %.2fs for the one before the "
+                "previous one to be written (output.checkpoint_staging holds one)",
                 self.job_id,
                 step,
                 waited_s,
@@ -1256,14 +1263,14 @@ class Trainer:
                 base_dir = self._base_model_dir()
                 if self.spec.model.path is None and not self._base_model_written:
                     # First, so that peft finds the base's config when saving the adapter.
-                    base = self.model.to_hf_model(weights).unload()
+                    base = self.model.hf_model_of(weights).unload()
                     self._write_base_model(base, base_dir)
-                model = self.model.to_hf_model(weights)
+                model = self.model.hf_model_of(weights)
                 for config in model.peft_config.values():
                     config.base_model_name_or_path = str(base_dir)
                 model.save_pretrained(str(directory))
             else:
-                model = self.model.to_hf_model(weights)
+                model = self.model.hf_model_of(weights)
                 model.save_pretrained(str(directory))
         finally:
             if bars:

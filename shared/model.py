@@ -576,6 +576,28 @@ class LayeredModel:
         model.train()
         return model
 
+    def hf_model_of(self, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> nn.Module:
+        """A transformers / peft model whose parameters *are* ``weights``: no copy, no
+        random initialisation, the process RNG untouched (``save_pretrained`` in a
+        background thread must not disturb the training's RNG state). Its non-persistent
+        buffers (rotary tables) stay on the meta device: for saving, not for running."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation=self.attn_implementation
+            )
+            if self.lora is not None:
+                model = self._wrap_lora(model)
+        missing, unexpected = model.load_state_dict(
+            self.flat_weights(weights), strict=False, assign=True
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        return model
+
 
 def _resolve_architecture(config: Any) -> str:
     model_type = getattr(config, "model_type", None)

@@ -101,3 +101,17 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     stdout = _run_benchmark("sync_mode.py", "--no-runtime")
     assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_smoke() -> None:
+    """`checkpoint.py --smoke`: the three ways run, checkpoints have bytes and a write
+    bandwidth, and the RESULT line carries both figures (no timing asserted)."""
+    out = _run_benchmark("checkpoint.py", "--smoke", timeout_s=600)
+    rows = {f[0]: f for f in (line.split() for line in out.splitlines()) if len(f) >= 5}
+    assert {"none", "background", "drained"} <= rows.keys(), out
+    for mode in ("background", "drained"):
+        assert float(rows[mode][5]) > 0 and float(rows[mode][7]) > 0, rows[mode]
+    assert "# disk: sequential write" in out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT checkpoint_stall_steps=-?\d+\.\d{3} write_vs_disk=\d+\.\d\d", last)
