@@ -12,7 +12,8 @@
   its arenas; :mod:`~roundpipe.coordinator.schedule`: its tasks per iteration;
   :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer;
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
-  survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
+  survives a restart (:mod:`~roundpipe.coordinator.snapshot`: checkpoints written in the
+  background); :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
 - :mod:`~roundpipe.coordinator.planner`, :mod:`~roundpipe.coordinator.simulator`: how the
   model is cut into stages, and what that plan is predicted to do.
 - :mod:`~roundpipe.coordinator.timeline`, :mod:`~roundpipe.coordinator.metrics`,

@@ -12,20 +12,25 @@ The coordinator daemon runs a Trainer in a job thread and connects ``dispatch``/
 to ZeroMQ; tests connect them to in-process ``WorkerCore`` threads.
 
 Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
-``output.checkpoint_every`` steps and after the last step the trainer drains the
-pipeline (Note [checkpoint cut]) and writes the model in Hugging Face layout plus the
-training state; ``prepare`` resumes from the job's newest good checkpoint, or from
+``output.checkpoint_every`` steps and after the last step the trainer writes the model
+in Hugging Face layout plus the training state as of the cut (Note [checkpoint cut]):
+captured layer by layer as the optimizer updates them and written by a background
+thread while training goes on (roundpipe.coordinator.snapshot, Note [background
+checkpoint]), or, without staging memory, with the pipeline drained; ``prepare`` resumes from the job's newest good checkpoint, or from
 ``model.resume_from``. The model files come from ``write_hf_model``, which ``export``
 uses too.
 
 Note [checkpoint cut]
 ~~~~~~~~~~~~~~~~~~~~~
-A checkpoint "after step s" is taken at a cut where every task of iterations <= s has
-completed, the optimizer has applied step s to every layer, and no task of iteration
-s+1 has been sent. (The trainer simply stops dispatching at a checkpoint step until
-that holds; the workers idle for the length of the write.) At the cut the state is:
+A checkpoint "after step s" holds the state at a cut where every task of iterations
+<= s has completed, the optimizer has applied step s to every layer, and no task of
+iteration s+1 has been sent. A drained checkpoint stops dispatching until that holds
+(the workers idle for the length of the write); a background one assembles the same
+state per layer while training runs on (Note [background checkpoint] in
+roundpipe.coordinator.snapshot). At the cut the state is:
 
-* the fp32 masters W_s and the AdamW moments and step counts after step s;
+* the fp32 masters W_s (stored once, as the model files' tensors) and the AdamW
+  moments and step counts after step s;
 * params[s % 2] = compute-dtype W_s (a cast of the masters, recomputed on load);
 * params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
