@@ -205,6 +205,7 @@ class BackgroundCheckpoints:
                 with self._cv:
                     self._failed, self._step = (step, exc), None
                     self._next = None  # the job stops: the run loop raises the error
+                    self._cv.notify_all()  # a capture waiting for staging gives up
             else:
                 with self._cv:
                     self._finished.append((step, path))

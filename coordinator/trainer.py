@@ -762,6 +762,7 @@ class Trainer:
             self._wait_optimizer(steps)
             while self._background is not None and self._background.busy:
                 handle_next()  # the final checkpoint
+            self._settle_background(on_checkpoint)  # one that failed while we waited
         finally:
             self._cancel.set()
             with self._optimizer_cv:
@@ -1212,16 +1213,8 @@ class Trainer:
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
-        assert self.layout is not None
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, names in self.layout.params.items():
-            out[layer] = {}
-            for name, (even, _odd) in names.items():
-                if name in self.masters.get(layer, {}):
-                    out[layer][name] = self.masters[layer][name].clone()
-                else:
-                    out[layer][name] = self.layout.view(even).to(torch.float32).clone()
-        return out
+        weights = self._weights_with(self.masters)
+        return {layer: {n: t.clone() for n, t in per.items()} for layer, per in weights.items()}
 
     def _base_model_dir(self) -> Path:
         """The base model a LoRA adapter names: the job's local model directory, or for

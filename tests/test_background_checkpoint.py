@@ -10,6 +10,7 @@ often than they end).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from roundpipe.coordinator.checkpoint import (
 )
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.memory import InsufficientMemory, host_memory_needed
+from roundpipe.coordinator.trainer import JobPaused
 
 STEPS = 5
 
@@ -239,3 +241,26 @@ def _long_spec(out: Path, steps: int) -> JobSpec:
     d = tiny_spec(out, steps=steps, staleness=1).to_dict()
     d["output"].update(checkpoint_every=1, keep_last=2)
     return JobSpec.from_dict(d)
+
+
+def test_full_disk_while_the_next_checkpoint_waits_pauses_the_job(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of checkpoint 2 fails (ENOSPC) late, while checkpoint 4, the last
+    step's, waits for its staging: the job pauses with the reason, nothing hangs, and
+    no temporary directory is left."""
+
+    def full_disk(path, tensors, metadata=None):
+        time.sleep(1.0)  # long enough for the run to reach its last step
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer_module, "save_tensors", full_disk)
+    d = spec_for(tmp_path / "out", every=2).to_dict()
+    d["train"]["steps"] = 4
+    with pytest.raises(JobPaused) as info:
+        train(JobSpec.from_dict(d), arena_dir)
+    message = str(info.value)
+    for part in ("cannot write checkpoint step 2", "No space left", "ENOSPC", "roundpipe resume"):
+        assert part in message, message
+    root = tmp_path / "out" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == []
