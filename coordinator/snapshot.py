@@ -35,7 +35,6 @@ dispatched.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,8 +46,6 @@ import torch
 __all__ = ["BackgroundCheckpoints", "CheckpointAborted", "LayerState"]
 
 log = logging.getLogger(__name__)
-
-_WRITER_NICENESS = 10
 
 LayerState = Mapping[int, Mapping[str, torch.Tensor]]
 """``{layer: {key: tensor}}``: a checkpoint's per-layer tensors (``master/<name>``,
@@ -192,12 +189,6 @@ class BackgroundCheckpoints:
         return self._step is not None and not self._pending and self._reported >= self._step
 
     def _loop(self) -> None:
-        # Training first: on a machine whose cores the workers keep busy, the writer's
-        # CPU work (serialising, hashing) takes what they leave (Linux: per thread).
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICENESS)
-        except (AttributeError, OSError):
-            pass
         while True:
             with self._cv:
                 while not (self._closed or self._ready()):
