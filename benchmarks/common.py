@@ -35,6 +35,8 @@ class RuntimeRun:
     plan: str
     gpu_peak_mib: dict[int, float] = field(default_factory=dict)
     """Peak GPU memory per worker process (MiB, from nvidia-smi; empty without a GPU)."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Loss of every reported step."""
 
 
 class GpuMemorySampler:
@@ -182,6 +184,7 @@ def run_runtime(
             step_s=step_s,
             plan=status.plan,
             gpu_peak_mib={pid: v for pid, v in memory.peak_mib.items() if pid in worker_pids},
+            losses={e.step: e.loss for e in events},
         )
     finally:
         cluster.stop(timeout_s=60)

@@ -3,9 +3,9 @@
 EVERY NUMBER THIS SCRIPT PRINTS IS A SIMULATED PREDICTION, NOT A MEASUREMENT. It runs
 no model: it builds Qwen3-1.7B-, Qwen3-4B- and Llama-3.1-8B-shaped configs with the
 transformers config classes (no downloads; skeletons on the meta device), estimates
-per-layer costs with the planner's FLOP / byte model (roundpipe.coordinator.planner.
+per-layer costs with the planner's FLOP / byte model (roundpipe.coordinator.planning.costs.
 estimate_costs), plans with plan_stages and predicts with the discrete-event simulator
-(roundpipe.coordinator.simulator), for hypothetical hardware:
+(roundpipe.coordinator.planning.simulator), for hypothetical hardware:
 
     8x "RTX 4090": 24 GiB each (1 GiB reserved), 82.6 TFLOPS dense bf16 with fp32
     accumulation at 70% efficiency, 1 TB/s GPU memory, ~25 GB/s PCIe per GPU and
@@ -83,13 +83,10 @@ PAPER = {"Qwen3-1.7B": 65417, "Llama-3.1-8B": 24275}
 def main() -> None:
     import transformers
 
-    from roundpipe.coordinator.planner import (
-        HardwareSpec,
-        bound_baseline,
-        estimate_costs,
-        evaluate_plan,
-        plan_stages,
-    )
+    from roundpipe.coordinator.planning.baselines import bound_baseline
+    from roundpipe.coordinator.planning.costs import estimate_costs
+    from roundpipe.coordinator.planning.hardware import HardwareSpec
+    from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
     from roundpipe.shared.model import LayeredModel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

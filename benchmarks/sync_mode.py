@@ -8,7 +8,7 @@ iteration k's backward. Measured side by side for the demo-sized model (the
 tokens), 2 CPU workers of one thread each:
 
   simulator  the planner's plan for the job, simulated at staleness 0 and 1 with the
-             planner's cost model (roundpipe.coordinator.simulator)
+             planner's cost model (roundpipe.coordinator.planning.simulator)
   runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
              over the steps after the warm-up, mean of ``--repeats`` interleaved runs;
              with the demo's global-norm clipping (which makes the optimizer wait for
@@ -31,7 +31,9 @@ from pathlib import Path
 from common import run_runtime
 
 from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
-from roundpipe.coordinator.planner import cpu_hardware, estimate_costs, plan_stages
+from roundpipe.coordinator.planning.costs import estimate_costs
+from roundpipe.coordinator.planning.hardware import cpu_hardware
+from roundpipe.coordinator.planning.search import plan_stages
 from roundpipe.shared.model import LayeredModel
 
 DEMO_JOB = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data" / "demo_job.yaml"

@@ -10,11 +10,13 @@
   :mod:`~roundpipe.coordinator.data`: its token rows (:mod:`~roundpipe.coordinator.records`
   file formats, :mod:`~roundpipe.coordinator.instruct` chat and prompt labels); :mod:`~roundpipe.coordinator.layout`:
   its arenas; :mod:`~roundpipe.coordinator.schedule`: its tasks per iteration;
-  :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer;
+  :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer
+  (:mod:`~roundpipe.coordinator.quantized_state` its 8-bit states);
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
   survives a restart (:mod:`~roundpipe.coordinator.snapshot`: checkpoints written in the
   background); :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
-- :mod:`~roundpipe.coordinator.planner`, :mod:`~roundpipe.coordinator.simulator`: how the
+- :mod:`~roundpipe.coordinator.planning` (a package: hardware, costs, search, simulator,
+  baselines, profile, the `roundpipe plan` command): how the
   model is cut into stages, and what that plan is predicted to do.
 - :mod:`~roundpipe.coordinator.timeline`, :mod:`~roundpipe.coordinator.metrics`,
   :mod:`~roundpipe.coordinator.tensorboard`: what a job did, for people watching it.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.planner import HardwareSpec
+    from roundpipe.coordinator.planning.hardware import HardwareSpec
     from roundpipe.shared.model import LayeredModel
 
 __all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
@@ -86,30 +86,17 @@ def validate_spec(
 
 
 def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None) -> None:
-    """Refuse a job that cannot fit this machine under any plan: its layout for the plan
-    with the fewest activation slots (the whole model as one tail stage) is sized, not
-    created. The trainer checks the real plan's figure before it allocates."""
-    import torch
-
-    from roundpipe.coordinator.layout import JobLayout
+    """Refuse a job that cannot fit this machine under any plan (``least_host_memory``).
+    The trainer checks the real plan's figure before it allocates."""
     from roundpipe.coordinator.memory import (
         InsufficientMemory,
         check_host_memory,
-        host_memory_needed,
+        least_host_memory,
     )
-    from roundpipe.shared.plan import Plan
 
-    layout = JobLayout.plan_layout(
-        model,
-        Plan(forward=(), tail=(0, model.num_layers), backward=()),
-        compute_dtype=getattr(torch, job.train.dtype),
-        microbatch_rows=job.batch.microbatch_size,
-        seq_len=job.data.seq_len,
-        num_microbatches=job.batch.num_microbatches,
-    )
     try:
         check_host_memory(
-            host_memory_needed(layout), arena_dir, what="this job, whatever its plan,"
+            least_host_memory(model, job), arena_dir, what="this job, whatever its plan,"
         )
     except InsufficientMemory as exc:
         raise JobSpecError([FieldError("", str(exc))]) from None
@@ -121,13 +108,10 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     stage, on the smallest GPU). The trainer plans again, for real, when the job starts."""
     import torch
 
-    from roundpipe.coordinator.planner import (
-        estimate_costs,
-        evaluate_plan,
-        format_bytes,
-        plan_stages,
-    )
+    from roundpipe.coordinator.planning.costs import estimate_costs
+    from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
     from roundpipe.shared.plan import Plan
+    from roundpipe.shared.units import format_bytes
 
     costs = estimate_costs(
         model,
@@ -173,16 +157,9 @@ def check_spec(
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
     finally:
-        _release_freed_memory()  # the dataset was built and dropped: give it back
+        from roundpipe.coordinator.memory import release_freed_memory
 
-
-def _release_freed_memory() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        release_freed_memory()  # the dataset was built and dropped: give it back
 
 
 def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:

@@ -46,7 +46,6 @@ job without cancelling it: it stays queued and resumes on the next start.
 from __future__ import annotations
 
 import argparse
-import bisect
 import itertools
 import logging
 import os
@@ -58,7 +57,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -72,9 +71,25 @@ from roundpipe.coordinator.auth import (
     Peer,
     RateLimitedLog,
 )
+from roundpipe.coordinator.job_events import (
+    CheckpointWritten,
+    JobEvent,
+    PlanChosen,
+    WorkerJoined,
+    WorkerLost,
+)
+from roundpipe.coordinator.jobs import (
+    MAX_TEXT_CHARS,
+    BadState,
+    JobBook,
+    JobRecord,
+    bounded_text,
+    outcome,
+)
 from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
-from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
-from roundpipe.coordinator.metrics import MetricsServer, current_tasks, job_figures
+from roundpipe.coordinator.jobstore import JobStore, JobStoreError
+from roundpipe.coordinator.memory import release_freed_memory
+from roundpipe.coordinator.metrics import MetricsServer, current_tasks
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -83,13 +98,14 @@ from roundpipe.coordinator.paths import (
     set_modes,
     set_strict_reads,
 )
-from roundpipe.coordinator.planner import HardwareSpec, cpu_hardware, gpu_hardware
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.sdnotify import Notifier
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
+    STOPPED_JOB_STATES,
     Ack,
     CancelJob,
     ErrorReply,
@@ -101,17 +117,16 @@ from roundpipe.protocol import (
     JobAccepted,
     JobList,
     JobLog,
-    JobStatus,
     JobTeardown,
     ListJobs,
     ListWorkers,
     Message,
     Progress,
-    ProgressEvent,
     ProtocolError,
     ProtocolVersionError,
     Reject,
     ResumeJob,
+    StageTask,
     SubmitJob,
     TaskDone,
     TaskFailed,
@@ -125,7 +140,6 @@ from roundpipe.protocol import (
 from roundpipe.protocol.polling import poll_spinning
 from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
 from roundpipe.shared.keys import KeyError_
-from roundpipe.shared.plan import Plan
 
 __all__ = ["Coordinator", "main"]
 
@@ -134,22 +148,14 @@ log = logging.getLogger("roundpipe.coordinator")
 HEARTBEAT_INTERVAL_S = 1.0
 WORKER_LOST_AFTER_S = 5.0  # default --worker-timeout: heartbeats missed before "lost"
 _OUTBOX = "inproc://rp-coordinator-outbox"
-FINAL_STATES = ("succeeded", "failed", "cancelled")
-STOPPED_STATES = (*FINAL_STATES, "paused")  # no progress until someone acts
 
 MAX_FRAME_BYTES = DEFAULT_MAX_BODY_BYTES + 256
 """ZMQ_MAXMSGSIZE of the ROUTER: libzmq drops the connection of a peer sending a larger
 frame instead of reading it into memory first (decode would refuse its body anyway;
 256 bytes cover header and type name)."""
-MAX_TEXT_CHARS = 16 * 1024
-"""Longest free text (an error, a job's message) in a reply; the rest is cut, and the
-cut says how much was left out. A JobSpecError with 160,000 problems is 20 MB."""
 MAX_NAME_CHARS = 256
 """Longest worker name or device name shown in WorkerInfo (they come from the worker's
 Hello, whose only bound is the frame size)."""
-PROGRESS_EVENT_BYTES = 64
-"""Upper bound of one ProgressEvent's encoded size (six numbers: at most 55 bytes), so
-a Progress page holds MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES events."""
 LOG_PIECE_BYTES = 256 * 1024
 """Most bytes of a job's log in one JobLog reply (well under MAX_REPLY_BYTES even if
 every byte became a 3-byte replacement character; a small read on the I/O thread)."""
@@ -173,62 +179,6 @@ class WorkerEntry:
     process: psutil.Process | None = None
     state: str = "idle"
     tasks_done: int = 0
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    # None: not built yet (validated in the admission child; the job thread builds it),
-    # or a stored spec that no longer validates (see message)
-    spec: JobSpec | None
-    spec_dict: dict = field(default_factory=dict)
-    state: str = "queued"
-    message: str = ""
-    output_dir: str | None = None
-    trainer: Trainer | None = None
-    total_steps: int = 0
-    step: int = 0  # as of the last run / store update; the trainer's while running
-    loss: float | None = None
-    checkpoint_step: int | None = None
-    plan: str | None = None  # the partition in use, as stored
-    cancel_requested: bool = False
-    log_path: Path | None = None
-    submitted_at: float = field(default_factory=time.time)
-    # The identity that submitted it: only it (and admins) may see or change the job.
-    owner: str = ""
-    # The events of the job's last run, kept when its trainer is dropped at the end (the
-    # trainer's own list while it runs). Empty after a coordinator restart.
-    progress: list[ProgressEvent] = field(default_factory=list)
-
-    def status(self) -> JobStatus:
-        t = self.trainer
-        # Until the trainer has restored its checkpoint, its step is 0: show the step the
-        # job resumes from (kept in self.step) instead.
-        live = t is not None and t.prepared
-        # observability: throughput, bubble, optimizer lag, busy workers (coordinator.metrics)
-        figures = job_figures(t) if live else None
-        return JobStatus(
-            job_id=self.job_id,
-            state=self.state,
-            step=t.step if live else self.step,
-            total_steps=self.total_steps,
-            loss=t.last_loss if live else self.loss,
-            message=bounded_text(
-                "waiting for a worker to connect (tasks parked)"
-                if live and t.waiting_for_workers and self.state == "running"
-                else self.message
-            ),
-            output_dir=self.output_dir,
-            plan=self.plan or "",
-            tokens_per_s=figures.tokens_per_s if figures else None,
-            bubble_fraction=figures.bubble_fraction if figures else None,
-            optimizer_lag_steps=figures.optimizer_lag_steps if figures else 0,
-            worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
-        )
-
-    def events(self) -> list[ProgressEvent]:
-        t = self.trainer
-        return t.progress if t is not None else self.progress
 
 
 class AddressInUse(RuntimeError):
@@ -274,11 +224,9 @@ class Coordinator:
         self.workers: dict[int, WorkerEntry] = {}
         self._by_identity: dict[bytes, int] = {}
         self._worker_ids = itertools.count(1)
-        self.jobs: dict[str, JobRecord] = {}
-        self._queue: list[str] = []
-        self._job_wakeup = threading.Condition(self._lock)
-        self._active: JobRecord | None = None
-        self.store: JobStore | None = None
+        # Every job and the state machine they follow (socket-free: coordinator.jobs);
+        # its store is opened by bind().
+        self.book = JobBook(self.state_dir, self.paths, self._lock)
         # Which worker each dispatched task went to: (job id, task id) -> worker id. A
         # TaskDone/TaskFailed is accepted only from that worker.
         self._assigned: dict[tuple[str, int], int] = {}
@@ -298,7 +246,7 @@ class Coordinator:
         (self.state_dir / "jobs").mkdir(mode=modes().dir, exist_ok=True)
         log.info("[coordinator] job paths: %s", self.paths.describe())
         self.paths.warn_about_open_roots()
-        self.store = JobStore.in_state_dir(self.state_dir)
+        self.book.store = JobStore.in_state_dir(self.state_dir)
         if not self.arena_dir.is_dir():
             raise FileNotFoundError(
                 f"arena directory {self.arena_dir} does not exist (set --arena-dir)"
@@ -341,78 +289,11 @@ class Coordinator:
         removed = remove_stale_arenas(self.arena_dir, self.namespace)
         if removed:
             log.info("[coordinator] removed %d arena(s) left by a dead coordinator", len(removed))
-        self._load_jobs()
-
-    def _load_jobs(self) -> None:
-        """Jobs from the store: interrupted ones queued again, queued ones in order."""
-        assert self.store is not None
-        interrupted = self.store.recover()
-        for stored in self.store.all():
-            job = self._record_from_store(stored)
-            if job.state == "queued":
-                # It resumes from its newest checkpoint: show that step until it runs
-                # (the stored step may be later, from a shutdown between checkpoints).
-                job.step = job.checkpoint_step or 0
-            self.jobs[job.job_id] = job
-            if job.state == "queued":
-                if job.spec is None:
-                    self._set_state(job, "failed", job.message)
-                else:
-                    self._queue.append(job.job_id)
-        if self.jobs:
-            log.info(
-                "[coordinator] job store %s: %d job(s), %d queued (%d interrupted by a restart)",
-                self.store.path,
-                len(self.jobs),
-                len(self._queue),
-                len(interrupted),
-            )
-
-    def _record_from_store(self, stored: StoredJob) -> JobRecord:
-        spec, message = None, stored.message
-        # A job in a final state never runs unless resumed, and _resume validates its
-        # spec then: validating (reading the data of) every old job here would make a
-        # long history cost minutes at every start.
-        if stored.state not in FINAL_STATES:
-            try:
-                spec = JobSpec.from_dict(self.paths.confine_spec(stored.spec))
-            except JobSpecError as exc:
-                message = f"the job's spec is no longer valid: {exc}"
-        return JobRecord(
-            stored.job_id,
-            spec,
-            spec_dict=stored.spec,
-            state=stored.state,
-            message=message,
-            output_dir=stored.output_dir,
-            total_steps=stored.total_steps,
-            step=stored.step,
-            loss=stored.loss,
-            checkpoint_step=stored.checkpoint_step,
-            plan=stored.plan,
-            log_path=self.state_dir / "jobs" / stored.job_id / "job.log",
-            submitted_at=stored.created_at,
-            owner=stored.owner,
-        )
-
-    def _set_state(self, job: JobRecord, state: str, message: str, **extra) -> None:
-        """Change a job's state in memory and in the store (the store first)."""
-        t = job.trainer
-        if t is not None and t.prepared:  # before, its step is 0, not the job's
-            job.step, job.loss = t.step, t.last_loss
-        if self.store is not None:
-            try:
-                self.store.update(
-                    job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
-                )
-            except JobStoreError as exc:
-                log.error("[coordinator] cannot record job %s as %s: %s", job.job_id, state, exc)
-        job.state, job.message = state, message
+        self.book.load()
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            self._job_wakeup.notify_all()
+        self.book.wake()
 
     def serve(self) -> None:
         job_thread = threading.Thread(target=self._job_loop, name="rp-job", daemon=True)
@@ -467,7 +348,7 @@ class Coordinator:
         finally:
             notifier.stopping()
             self._stop.set()
-            active = self._active
+            active = self.book.active
             if active is not None and active.trainer is not None:
                 active.trainer.cancel()
             try:
@@ -678,7 +559,7 @@ class Coordinator:
                 wid, identity, hello, time.monotonic(), peer_name=peer.name, process=process
             )
             self._by_identity[identity] = wid
-            active = self._active
+            active = self.book.active
         log.info(
             "[coordinator] worker %d joined: %s (%s %s, pid %d on %s, identity %s; %s)",
             wid,
@@ -705,7 +586,7 @@ class Coordinator:
         # (including tasks parked while no worker was connected).
         if active is not None and active.trainer is not None and active.trainer.layout:
             self._send(identity, encode(active.trainer.job_setup()))
-            active.trainer.inbox.put("worker-joined")
+            active.trainer.inbox.put(WorkerJoined(wid))
 
     def _on_task_result(self, entry: WorkerEntry | None, msg: TaskDone | TaskFailed) -> None:
         """Forward a result to the job, if it comes from the registered worker the task
@@ -719,7 +600,7 @@ class Coordinator:
                 if isinstance(msg, TaskDone):
                     entry.tasks_done += 1
                     del self._assigned[(msg.job_id, msg.task_id)]
-            active = self._active
+            active = self.book.active
         if not accepted:
             self.auth.refusals.warning(  # type: ignore[union-attr]
                 "stray-result",
@@ -748,7 +629,7 @@ class Coordinator:
                 lost.append((entry, reason))
                 del self.workers[wid]
                 self._by_identity.pop(entry.identity, None)
-            active = self._active
+            active = self.book.active
         for entry, reason in lost:
             log.warning(
                 "[coordinator] worker %d (%s) lost: %s",
@@ -758,7 +639,7 @@ class Coordinator:
             )
             _fence(entry)  # a frozen process must never wake up and write
             if active is not None and active.trainer is not None:
-                active.trainer.inbox.put(f"worker-lost:{entry.worker_id}:{reason}")
+                active.trainer.inbox.put(WorkerLost(entry.worker_id, reason))
 
     def fence_worker(self, worker_id: int, reason: str) -> None:
         """Called by the trainer for a worker that stopped making progress."""
@@ -779,7 +660,7 @@ class Coordinator:
         """The job, if ``peer`` may see it: its owner or an admin. Anyone else is told
         there is no such job, exactly as for an id that does not exist."""
         with self._lock:
-            job = self.jobs.get(job_id)
+            job = self.book.jobs.get(job_id)
         if job is None or not (peer.admin or job.owner == peer.name):
             return None
         return job
@@ -803,14 +684,14 @@ class Coordinator:
             return self._resume(msg.job_id, peer)
         if isinstance(msg, ListJobs):
             with self._lock:
-                visible = [j for j in self.jobs.values() if peer.admin or j.owner == peer.name]
+                visible = [j for j in self.book.jobs.values() if peer.admin or j.owner == peer.name]
                 total = len(visible)
                 page, more = _page(j.status() for j in visible[msg.start :])
             next_start = msg.start + len(page) if more else None
             return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
             with self._lock:
-                active = self._active
+                active = self.book.active
                 running = current_tasks(active.trainer if active is not None else None)
                 workers = sorted(
                     (
@@ -846,16 +727,8 @@ class Coordinator:
         if job is None:
             return _unknown(msg.job_id)
         with self._lock:
-            done = job.state in STOPPED_STATES
-            trainer = job.trainer
-            lock = trainer.progress_lock if trainer is not None else threading.Lock()
-            with lock:
-                events = job.events()
-                # Events are in seq order: find the page by bisection, not by a scan of
-                # a history of maybe hundreds of thousands of steps on every poll.
-                first = bisect.bisect_right(events, msg.after_seq, key=lambda e: e.seq)
-                page = events[first : first + MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES]
-                more = first + len(page) < len(events)
+            done = job.state in STOPPED_JOB_STATES
+            page, more = job.progress_page(msg.after_seq)
         return Progress(job_id=job.job_id, events=page, done=done and not more)
 
     def _job_log(self, msg: GetJobLog, peer: Peer) -> Message:
@@ -902,95 +775,36 @@ class Coordinator:
             return ErrorReply(code="bad_spec", message=str(exc))
         except ValidationUnavailable as exc:
             return ErrorReply(code="spec_check_failed", message=str(exc))
-        job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        job_dir = self.state_dir / "jobs" / job_id
-        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-        out_dir = spec_dict["output"]["dir"]
-        # Resolved, as the spec's paths are: the output must lie below a write root
-        # even where the state directory is reached through a link.
-        output = Path(out_dir) if out_dir else Path(os.path.realpath(job_dir)) / "output"
-        steps = spec_dict["train"]["steps"]
-        record = JobRecord(
-            job_id,
-            spec,
-            spec_dict=spec_dict,
-            total_steps=steps,
-            output_dir=str(output),
-            log_path=job_dir / "job.log",
-            owner=peer.name,
-        )
-        assert self.store is not None
         try:
-            self.store.add(
-                job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=peer.name
-            )
+            job = self.book.submit(spec, spec_dict, owner=peer.name)
         except JobStoreError as exc:
             log.error("[coordinator] job not accepted: %s", exc)
             return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
-        with self._lock:
-            self.jobs[job_id] = record
-            self._queue.append(job_id)
-            self._job_wakeup.notify_all()
-        log.info("[coordinator] job %s of %s queued (%d steps)", job_id, peer.name, steps)
-        return JobAccepted(job_id=job_id)
+        return JobAccepted(job_id=job.job_id)
 
     def _cancel(self, job_id: str, peer: Peer) -> Message:
         job = self._job_of(job_id, peer)
         if job is None:
             return _unknown(job_id)
         log.info("[coordinator] %s asks to cancel job %s", peer.name, job_id)
-        with self._lock:
-            if job.state in FINAL_STATES:
-                return Ack()
-            job.cancel_requested = True
-            if job.state in ("queued", "paused"):
-                if job_id in self._queue:
-                    self._queue.remove(job_id)
-                where = "before it started" if job.state == "queued" else "while paused"
-                self._set_state(job, "cancelled", f"cancelled {where}")
-                return Ack()
-            trainer = job.trainer
-        if trainer is not None:
-            trainer.cancel()
+        self.book.cancel(job)
         return Ack()
 
     def _resume(self, job_id: str, peer: Peer) -> Message:
         job = self._job_of(job_id, peer)
         if job is None:
             return _unknown(job_id)
-        with self._lock:
-            check = job.spec is None and job.state not in ("queued", "running", "succeeded")
-        if check:  # outside the lock: it reads the job's files
+        if self.book.needs_spec_check_to_resume(job):  # outside the lock: reads its files
             try:
                 self._validated(job.spec_dict)
             except JobSpecError as exc:
                 return ErrorReply(code="bad_spec", message=f"job {job_id} cannot run again: {exc}")
             except ValidationUnavailable as exc:
                 return ErrorReply(code="spec_check_failed", message=str(exc))
-        with self._lock:
-            if job.state in ("queued", "running"):
-                # What the caller wants is already happening: a no-op, not an error (a
-                # job resumed automatically after a coordinator restart is "queued" or
-                # "running" before its owner thinks of resuming it).
-                return Ack()
-            if job.state == "succeeded":
-                return ErrorReply(
-                    code="bad_state",
-                    message=f"job {job_id} has already succeeded; to train further, submit a "
-                    f"new job with model.resume_from: {job.output_dir} and a larger train.steps",
-                )
-            where = (
-                f"from checkpoint step {job.checkpoint_step}"
-                if job.checkpoint_step
-                else "from the start (it has no checkpoint)"
-            )
-            job.cancel_requested = False
-            job.trainer = None
-            job.step = job.checkpoint_step or 0  # where it continues, until it runs
-            self._set_state(job, "queued", f"resume requested; continues {where}")
-            self._queue.append(job_id)
-            self._job_wakeup.notify_all()
-        log.info("[coordinator] job %s queued again; it continues %s", job_id, where)
+        try:
+            self.book.resume(job)
+        except BadState as exc:
+            return ErrorReply(code="bad_state", message=str(exc))
         return Ack()
 
     # -- job thread -------------------------------------------------------------------
@@ -999,18 +813,8 @@ class Coordinator:
         push = self.ctx.socket(zmq.PUSH)
         push.connect(_OUTBOX + self.coordinator_id)
         try:
-            while not self._stop.is_set():
-                with self._lock:
-                    while not self._queue and not self._stop.is_set():
-                        self._job_wakeup.wait(timeout=1.0)
-                    if self._stop.is_set():
-                        return
-                    job = self.jobs[self._queue.pop(0)]
-                    self._set_state(job, "running", job.message)
-                    self._active = job
+            while (job := self.book.take_next(self._stop)) is not None:
                 self._run_job(job, push)
-                with self._lock:
-                    self._active = None
         finally:
             push.close(linger=1000)
 
@@ -1035,14 +839,6 @@ class Coordinator:
             return gpu_hardware(len(hellos), min(gpus), bandwidth)
         return cpu_hardware(max(1, len(hellos)), bandwidth)
 
-    def _record_plan(self, job: JobRecord, plan: Plan, why: str) -> None:
-        job.plan = str(plan)  # the trainer has logged it, with why
-        if self.store is not None:
-            try:
-                self.store.update(job.job_id, plan=job.plan)
-            except JobStoreError as exc:
-                log.error("[coordinator] cannot record the plan of %s: %s", job.job_id, exc)
-
     def _identity(self, worker_id: int) -> bytes | None:
         with self._lock:
             entry = self.workers.get(worker_id)
@@ -1056,6 +852,8 @@ class Coordinator:
             push.send_multipart([identity, *frames])
 
     def _run_job(self, job: JobRecord, push: zmq.Socket) -> None:
+        """Run one job on the job thread: build its trainer, prepare, train, export; the
+        book (coordinator.jobs) records the state it ends in."""
         handler = _job_log_handler(job)
         if job.spec is None:
             # Validated at submission, in the admission child; built (and so checked
@@ -1063,10 +861,17 @@ class Coordinator:
             try:
                 job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
             except JobSpecError as exc:
-                self._set_state(job, "failed", f"the job's spec is no longer valid: {exc}")
+                self.book.finish(job, "failed", f"the job's spec is no longer valid: {exc}")
                 logging.getLogger("roundpipe").removeHandler(handler)
                 handler.close()
                 return
+
+        def on_event(event: JobEvent) -> None:
+            if isinstance(event, PlanChosen):
+                self.book.record_plan(job, str(event.plan))
+            elif isinstance(event, CheckpointWritten):
+                self.book.record_checkpoint(job, event.step, event.loss)
+
         trainer = Trainer(
             job.job_id,
             job.spec,
@@ -1075,36 +880,11 @@ class Coordinator:
             output_dir=Path(job.output_dir or "."),
             wait_timeout_s=self.wait_timeout_s,
             paths=self.paths,
-            on_plan=lambda plan, why: self._record_plan(job, plan, why),
+            on_event=on_event,
         )
         job.trainer = trainer
-
-        def dispatch(task, worker_id: int) -> None:
-            identity = self._identity(worker_id)
-            if identity is None:
-                # The worker was declared lost between the trainer's look at the worker
-                # list and now; its loss notice is queued for the trainer, which then
-                # re-dispatches this task with the worker's others.
-                log.info(
-                    "[coordinator] task %d not sent: worker %d is gone", task.task_id, worker_id
-                )
-                return
-            with self._lock:
-                self._assigned[(task.job_id, task.task_id)] = worker_id
-            push.send_multipart([identity, *encode(task)])
-
-        def on_checkpoint(step: int, path: Path) -> None:
-            job.checkpoint_step = step
-            job.step, job.loss = trainer.step, trainer.last_loss
-            if self.store is not None:
-                try:
-                    self.store.update(
-                        job.job_id, checkpoint_step=step, step=job.step, loss=job.loss
-                    )
-                except JobStoreError as exc:
-                    log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
-
-        state, message = "failed", "the job thread stopped unexpectedly"
+        # Replaced by None when the run finishes, or by what it raised.
+        error: BaseException | None = RuntimeError("the job thread stopped unexpectedly")
         try:
             with self._lock:
                 if job.cancel_requested:
@@ -1117,73 +897,67 @@ class Coordinator:
             trainer.prepare(len(self._live_workers()), self._hardware())
             if trainer.resumed_from is not None:
                 job.checkpoint_step = trainer.checkpoint_step
-                self._set_state(
+                self.book.set_state(
                     job,
                     "running",
                     f"resumed from {trainer.resumed_from.path} (step {trainer.start_step})",
                     checkpoint_step=trainer.checkpoint_step,
                 )
             elif job.message:
-                self._set_state(job, "running", "")  # e.g. "resume requested": it has started
+                self.book.set_state(job, "running", "")  # e.g. "resume requested": started
             self._broadcast(push, trainer.job_setup())
-            trainer.run(
-                dispatch,
-                self._live_workers,
-                on_checkpoint=on_checkpoint,
-                fence=self.fence_worker,
-            )
+            trainer.run(_SocketPort(self, push))
             trainer.export(Path(job.output_dir or "."))
-            state, message = "succeeded", f"model written to {job.output_dir}"
-        except JobCancelled:
-            if job.cancel_requested or not self._stop.is_set():
-                state, message = "cancelled", "cancelled by request"
-            else:
-                # The coordinator is stopping: the job is interrupted, not cancelled.
-                state = "queued"
-                where = (
-                    f"from checkpoint step {job.checkpoint_step}"
-                    if job.checkpoint_step
-                    else "from the start"
-                )
-                message = f"interrupted by a coordinator shutdown; resumes {where} on restart"
-        except JobPaused as exc:
-            state, message = "paused", str(exc)
-            log.error("[coordinator] job %s paused: %s", job.job_id, exc)
-        except JobFailed as exc:
-            state, message = "failed", str(exc)
-            log.error("[coordinator] job %s failed: %s", job.job_id, exc)
+            error = None
         except Exception as exc:
-            state, message = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
+            error = exc
+            if not isinstance(exc, (JobCancelled, JobPaused, JobFailed)):
+                log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
         finally:
+            state, message = outcome(job, error, stopping=self._stop.is_set())
+            if isinstance(error, (JobPaused, JobFailed)):
+                log.error("[coordinator] job %s %s: %s", job.job_id, state, error)
             self._broadcast(push, JobTeardown(job_id=job.job_id))
             trainer.close()
-            self._set_state(job, state, message)
-            # Release the job's memory (masters, AdamW moments, dataset, model: ~12 bytes
-            # per parameter) now: only its step, loss and progress events stay.
+            self.book.finish(job, state, message)
             with self._lock:
-                if trainer.prepared:
-                    job.step, job.loss = trainer.step, trainer.last_loss
-                job.progress = trainer.progress
-                job.trainer = None
                 for key in [k for k in self._assigned if k[0] == job.job_id]:
                     del self._assigned[key]
-            trainer = None  # the last reference (the closures above share it)
-            _release_freed_memory()
+            # Release the job's memory (masters, AdamW moments, dataset, model: ~12 bytes
+            # per parameter) now: only its step, loss and progress events stay.
+            trainer = None
+            release_freed_memory()
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()
 
 
-def _release_freed_memory() -> None:
-    """Give freed heap memory back to the OS (glibc keeps it otherwise: a job's tensors
-    are freed, but the coordinator's RSS would stay at its peak)."""
-    try:
-        import ctypes
+class _SocketPort:
+    """The trainer's WorkerPort (coordinator.job_events) over the coordinator's sockets:
+    tasks go out through the job thread's PUSH socket to the I/O thread."""
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
+    def __init__(self, coordinator: Coordinator, push: zmq.Socket) -> None:
+        self.coordinator = coordinator
+        self.push = push
+
+    def send_task(self, task: StageTask, worker_id: int) -> None:
+        c = self.coordinator
+        identity = c._identity(worker_id)
+        if identity is None:
+            # The worker was declared lost between the trainer's look at the worker
+            # list and now; its WorkerLost is queued for the trainer, which then
+            # re-dispatches this task with the worker's others.
+            log.info("[coordinator] task %d not sent: worker %d is gone", task.task_id, worker_id)
+            return
+        with c._lock:
+            c._assigned[(task.job_id, task.task_id)] = worker_id
+        self.push.send_multipart([identity, *encode(task)])
+
+    def live_workers(self) -> list[int]:
+        return self.coordinator._live_workers()
+
+    def fence(self, worker_id: int, reason: str) -> None:
+        self.coordinator.fence_worker(worker_id, reason)
 
 
 # Note [no fencing by hearsay]
@@ -1276,21 +1050,6 @@ def _unknown(job_id: str) -> ErrorReply:
         code="unknown_job",
         message=f"no job {bounded_text(job_id, MAX_NAME_CHARS)!r} on this coordinator",
     )
-
-
-def bounded_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
-    """``text`` if it has at most ``limit`` characters, else its beginning (cut at a line
-    end where there is one) and a note of how many lines and characters were left out."""
-    if len(text) <= limit:
-        return text
-    head = text[:limit]
-    cut = head.rfind("\n")
-    if cut > limit // 2:
-        head = head[:cut]
-    rest = text[len(head) :]
-    lines = rest.count("\n")
-    what = f"{len(rest)} more characters" + (f", {lines} more lines" if lines else "")
-    return f"{head}\n... ({what} not shown)"
 
 
 def encode_reply(reply: Message) -> list[bytes]:

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from roundpipe.shared.families import FAMILIES
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -68,7 +70,9 @@ __all__ = [
     "validate_against_model",
 ]
 
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+ARCHITECTURES = tuple(FAMILIES)
+"""``model.architecture`` choices: the model_type of every declared family
+(roundpipe.shared.families)."""
 DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
 DATA_PACKING = ("documents", "concat", "none")
 DATA_LOSS_ON = ("assistant", "all")
@@ -78,6 +82,8 @@ DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
+STATE_DTYPES = ("float32", "int8")
+"""``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
@@ -199,6 +205,9 @@ class ModelSpec:
     ``train.seed``."""
     tokenizer: str | None = None
     """Local tokenizer directory; ``None`` uses ``path`` (a path model's own tokenizer)."""
+    dequantize: bool = False
+    """With ``path`` only: dequantise MXFP4-packed expert weights (GPT-OSS checkpoints
+    from the hub) while loading; the job trains and exports the unquantised model."""
     resume_from: str | None = None
     """A RoundPipe checkpoint to continue from: a ``step-*`` checkpoint directory, a
     ``checkpoints`` directory or a job's output directory (its newest good checkpoint).
@@ -327,6 +336,11 @@ class TrainSpec:
     replan: bool = True
     """Re-plan from the workers' measured layer times once they settle (switching when
     the new plan is predicted at least 5% faster). Ignored when ``plan`` is set."""
+    grad_buffer_stages: int = 2
+    """Host gradient buffer, in units of the plan's largest gradient-writing stage:
+    layers of the same shape share this many stages' worth of fp32 gradient slots, and a
+    backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
+    layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +384,9 @@ class OptimizerSpec:
     """SGD momentum in [0, 1) (``name: sgd`` only; 0: plain SGD, no momentum buffer)."""
     nesterov: bool = False
     """Nesterov momentum (``name: sgd`` with ``momentum`` > 0 only)."""
+    state_dtype: str = "float32"
+    """One of ``STATE_DTYPES``: ``float32``, or ``int8`` for AdamW's moments block-wise
+    quantized to 8 bits (~2 bytes per parameter instead of 8; docs/memory.md)."""
     threads: int = 0
     """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
     ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
@@ -925,6 +942,7 @@ def _check_train(e: _Errors, t: TrainSpec) -> bool:
     _check_choice(e, "train.dtype", t.dtype, DTYPES)
     _check_int(e, "train.seed", t.seed, lo=0)
     _check_bool(e, "train.replan", t.replan)
+    _check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 
@@ -980,6 +998,8 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             + ") with config",
         )
         return None
+    if m.path is None and m.dequantize:
+        e.add("model.dequantize", "applies to a path model only (a checkpoint to load)")
     if m.path is not None:
         if m.config:
             e.add(
@@ -989,6 +1009,7 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             )
         if m.init_seed is not None:
             e.add("model.init_seed", "applies to an architecture model only (random init)")
+        _check_bool(e, "model.dequantize", m.dequantize)
         if not _check_dir(e, "model.path", m.path, "a model directory"):
             return None
         cfg_file = os.path.join(m.path, "config.json")
@@ -1241,6 +1262,9 @@ def _check_optimizer(e: _Errors, o: OptimizerSpec, steps: int | None) -> None:
     if o.grad_clip is not None and not (_is_num(o.grad_clip) and o.grad_clip > 0):
         e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     _check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
+    _check_choice(e, "optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+    if o.state_dtype == "int8" and o.name != "adamw":
+        e.bad("optimizer.state_dtype", o.state_dtype, "float32 with optimizer.name sgd")
     _check_choice(e, "optimizer.schedule_convention", o.schedule_convention, SCHEDULE_CONVENTIONS)
     nd = o.no_decay
     if not (isinstance(nd, tuple) and all(isinstance(x, str) and x for x in nd)):
@@ -1321,10 +1345,9 @@ def staging_limit_bytes(value: str | int) -> int | None:
 def _config_class(architecture: str) -> type:
     # Lazy: importing transformers takes seconds, and a spec without an architecture
     # model never needs it.
-    import transformers
+    from transformers import CONFIG_MAPPING
 
-    name = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
-    return getattr(transformers, name[architecture])
+    return CONFIG_MAPPING[architecture]
 
 
 def model_config_from_spec(model: ModelSpec) -> PretrainedConfig:
@@ -1336,7 +1359,12 @@ def model_config_from_spec(model: ModelSpec) -> PretrainedConfig:
     if model.path is not None:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        if model.dequantize:
+            from roundpipe.shared.model import without_mxfp4
+
+            config = without_mxfp4(config)
+        return config
     assert model.architecture is not None, "validated spec has path or architecture"
     return _config_class(model.architecture)(**model.config)
 
@@ -1357,6 +1385,16 @@ def _model_errors(
             "data.seq_len",
             f"got {spec.data.seq_len}; expected at most the model's max_position_embeddings "
             f"({max_pos})",
+        )
+    packing = _PACKING_ALIASES.get(spec.data.packing, spec.data.packing)
+    layer_types = _config_get(model_config, "layer_types") or ()
+    if packing == "documents" and "linear_attention" in layer_types:
+        # A linear-attention layer carries its state along the whole row: packed
+        # documents would see each other (the executor refuses them too).
+        e.add(
+            "data.packing",
+            "documents packing needs every layer to keep packed documents apart; this "
+            "model's linear-attention layers cannot: expected none or concat",
         )
     vocab = _config_get(model_config, "vocab_size")
     if vocab_size_needed is not None and _is_int(vocab) and vocab_size_needed > vocab:

@@ -6,16 +6,21 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
 
     params  per layer, per parameter (tied aliases excluded), compute dtype
               trainable:  [parity 0 | parity 1]   weight version v lives in parity v % 2
+                          (one copy that both parities name at staleness 0: Note
+                          [weight copies])
               frozen:     one copy (LoRA base weights)
-    grads   per trainable parameter, fp32, one slot: the current step's weight gradient
-              (+ one slot per tied alias: the tail's LM-head contribution to the owner)
+    grads   per trainable parameter, fp32: the current step's weight gradient (+ one per
+              tied alias: the tail's LM-head contribution to the owner); layers of the
+              same shape share a bounded pool of slots (Note [gradient buffer])
     acts    per activation boundary b, per parity, per microbatch: [rows, seq, hidden]
               hidden state entering layer b (compute dtype)
     dacts   per gradient boundary b, per parity, per microbatch: [rows, seq, hidden]
               gradient w.r.t. the hidden state entering layer b (compute dtype)
     io      per parity, per microbatch: input_ids [rows, seq] int64, labels [rows, seq]
               int64, position_ids [rows, seq] int64 (restarting per packed document),
-              loss contribution [1] fp32
+              loss contribution [1] fp32; with a router auxiliary loss also, per layer
+              that starts a forward stage, that stage's router statistics [2, experts]
+              fp32, and the tail's complete top-k counts [experts] fp32
     events  the event table (roundpipe.shared.events) at DATA_START
 
 Activation boundaries are the layers that start a forward stage, the tail or a backward
@@ -33,6 +38,45 @@ drained: no arena is re-created, workers see nothing change (tasks carry the
 descriptors), and the event-table counters are per layer, so they stay valid too. The
 capacity is chosen when the job starts; a plan with more boundaries than that does not
 ``fit`` and the re-planner does not pick it.
+
+Note [gradient buffer]
+~~~~~~~~~~~~~~~~~~~~~~
+A layer's gradient lives in the grads arena only from the moment its backward task
+writes it until the optimizer has consumed it (``version[l]`` published): in steady
+state, a stage or two of layers. So the arena is not one fp32 slot per parameter but,
+for each *shape class* (trainable layers whose gradient tensors have the same shapes in
+the same order: the decoder layers), a pool of ``grad_buffer_layers`` slots; the class's
+layers, ascending, take slots round-robin (layer of rank r in its class -> slot r mod S).
+Layers in a class of their own (the embedding, the head, tied owners and aliases) keep a
+slot each. The mapping is fixed for the job, so it travels in JobSetup like any other
+descriptor and workers see nothing new.
+
+Two layers sharing a slot are ordered by the event table, exactly as a layer's
+consecutive gradients already are (Note [weight-update ordering], point 4): a task
+writes layer l's gradient for iteration k only after ``version[l'] >= k`` for every
+sharer l' above l (written earlier in the same iteration: backward runs last layers
+first) and ``version[l'] >= k - 1`` for every sharer below it (last iteration's). A
+backward task thus waits for a free slot as it waits for the optimizer. A stage that
+writes two layers of the same slot would wait for itself, so every gradient-writing
+stage of a plan must map its layers to distinct slots (``fits``); ``grad_buffer_layers``
+at least the largest such stage guarantees it.
+
+Global-norm clipping needs every gradient of a step before the first update, so a job
+with ``optimizer.grad_clip`` keeps one slot per layer (``grad_buffer_layers=None``).
+
+Note [weight copies]
+~~~~~~~~~~~~~~~~~~~
+A layer needs two compute-dtype copies only while two of its weight versions can be
+read or written at once. With staleness 1 that is every layer, for a whole iteration:
+W_{k-1} is written when iteration k-1's backward of layer l has finished, and W_{k-2} is
+read until iteration k's backward of layer l has (Note [weight-update ordering]); a
+single copy would make iteration k+1's forward of the first layers wait for iteration
+k's backward, which is staleness 0's schedule. With staleness 0 the readers of W_{k-1}
+are iteration k's own tasks over l, all finished before ``wgrad[l] >= k`` lets the
+optimizer write W_k, and iteration k+1 reads only after ``version[l] >= k``: one copy
+suffices, and ``weight_copies=1`` makes both parities name it (workers see nothing
+new). A task re-run after its outputs were signalled writes nothing (Note [no rewrite
+after signal]), so what it reads then does not matter.
 
 Event-table counters (each has one writer; values are iteration numbers, starting at 1,
 or weight versions; 0 = nothing yet)::
@@ -96,6 +140,13 @@ class JobLayout:
     position_ids: dict[tuple[int, int], TensorRef]
     loss: dict[tuple[int, int], TensorRef]
     sizes: dict[str, int]
+    # Router auxiliary loss only (Note [router auxiliary loss], roundpipe.shared.model):
+    # (layer, parity, mb) -> the statistics of the forward stage starting at layer (every
+    # layer has a row, so a re-plan needs no new slots); (parity, mb) -> the tail's counts.
+    router_stats: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
+    router_counts: dict[tuple[int, int], TensorRef] = field(default_factory=dict)
+    grad_slot: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Trainable layer -> (shape class, slot) of its gradients (Note [gradient buffer])."""
     arenas: dict[str, Arena] = field(default_factory=dict)
     events: EventTable | None = None
     # (layer, parity, mb) -> slot, for the plan currently assigned
@@ -116,10 +167,17 @@ class JobLayout:
         num_microbatches: int,
         act_capacity: int | None = None,
         dact_capacity: int | None = None,
+        grad_buffer_layers: int | None = None,
+        weight_copies: int = 2,
     ) -> JobLayout:
         """Lay out a job for ``plan``. ``act_capacity`` / ``dact_capacity``: how many
         activation / gradient boundaries the slot pools hold (default: exactly what
-        ``plan`` needs; more leaves room for a re-plan, Note [slot pools])."""
+        ``plan`` needs; more leaves room for a re-plan, Note [slot pools]).
+        ``grad_buffer_layers``: gradient slots per shape class (Note [gradient buffer];
+        None: one per trainable layer). ``weight_copies``: compute-dtype copies of each
+        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies])."""
+        if weight_copies not in (1, 2):
+            raise ValueError(f"weight_copies must be 1 or 2, got {weight_copies}")
         plan.validate(model.num_layers)
         need_a = len(cls.activation_boundaries(plan))
         need_d = len(cls.gradient_boundaries(plan))
@@ -132,17 +190,17 @@ class JobLayout:
             )
         allocs = {name: ArenaAllocator(name) for name in ("params", "grads", "acts", "dacts", "io")}
         params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]] = {}
-        grads: dict[int, dict[str, TensorRef]] = {}
+        grads, grad_slot = cls._grad_slots(model, allocs["grads"], grad_buffer_layers)
         for layer in range(model.num_layers):
-            params[layer], grads[layer] = {}, {}
+            params[layer] = {}
             for spec in model.layer_params(layer):
-                if spec.trainable:
-                    # The tied alias gets a gradient slot of its own (Note [tied embeddings]).
-                    grads[layer][spec.name] = allocs["grads"].alloc(torch.float32, spec.shape)
                 if spec.tied_to is not None:
                     continue
                 even = allocs["params"].alloc(compute_dtype, spec.shape)
-                odd = allocs["params"].alloc(compute_dtype, spec.shape) if spec.trainable else None
+                odd = None
+                if spec.trainable:
+                    two = weight_copies == 2
+                    odd = allocs["params"].alloc(compute_dtype, spec.shape) if two else even
                 params[layer][spec.name] = (even, odd)
         hidden = (microbatch_rows, seq_len, model.hidden_size)
         per_boundary = 2 * num_microbatches  # parities x microbatches
@@ -161,6 +219,7 @@ class JobLayout:
                 labels[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 position_ids[(parity, mb)] = allocs["io"].alloc(torch.int64, rows)
                 loss[(parity, mb)] = allocs["io"].alloc(torch.float32, (1,))
+        router_stats, router_counts = _router_slots(model, allocs["io"], num_microbatches)
         counters = Counters(model.num_layers, num_microbatches)
         sizes = {name: a.nbytes_needed for name, a in allocs.items()}
         sizes[EVENTS_ARENA] = table_nbytes(counters.total)
@@ -181,9 +240,61 @@ class JobLayout:
             position_ids=position_ids,
             loss=loss,
             sizes=sizes,
+            router_stats=router_stats,
+            router_counts=router_counts,
+            grad_slot=grad_slot,
         )
+        if not layout.fits(plan):
+            raise ValueError(
+                f"a gradient buffer of {grad_buffer_layers} layers per shape class is too "
+                f"small for plan {plan}: a stage writes two layers that share a slot"
+            )
         layout.assign(plan)
         return layout
+
+    @staticmethod
+    def _grad_slots(
+        model: LayeredModel, alloc: ArenaAllocator, buffer_layers: int | None
+    ) -> tuple[dict[int, dict[str, TensorRef]], dict[int, tuple[int, int]]]:
+        """Gradient refs per layer and each trainable layer's (class, slot) (Note
+        [gradient buffer])."""
+        tied = set(model.tied_params) | set(model.tied_params.values())
+        classes: dict[tuple, list[int]] = {}
+        for layer in range(model.num_layers):
+            specs = [s for s in model.layer_params(layer) if s.trainable]
+            if not specs:
+                continue
+            if buffer_layers is None or any(s.name in tied for s in specs):
+                key: tuple = ("own", layer)  # a class of its own: one slot
+            else:
+                key = tuple(tuple(s.shape) for s in specs)
+            classes.setdefault(key, []).append(layer)
+        grads: dict[int, dict[str, TensorRef]] = {layer: {} for layer in range(model.num_layers)}
+        grad_slot: dict[int, tuple[int, int]] = {}
+        for class_id, members in enumerate(classes.values()):
+            num_slots = min(len(members), buffer_layers or len(members))
+            slots: list[list[TensorRef]] = []
+            for rank, layer in enumerate(members):
+                specs = [s for s in model.layer_params(layer) if s.trainable]
+                slot = rank % num_slots
+                if slot == len(slots):
+                    # The tied alias gets a gradient slot of its own (Note [tied embeddings]).
+                    slots.append([alloc.alloc(torch.float32, s.shape) for s in specs])
+                grads[layer] = {s.name: ref for s, ref in zip(specs, slots[slot])}
+                grad_slot[layer] = (class_id, slot)
+        return grads, grad_slot
+
+    @staticmethod
+    def grad_buffer_layers_for(plan: Plan, stages: int) -> int:
+        """Gradient slots per shape class that hold ``stages`` of ``plan``'s largest
+        gradient-writing stage (Note [gradient buffer])."""
+        widest = max(stop - start for start, stop in (plan.tail, *plan.backward))
+        return max(1, stages) * widest
+
+    def grad_sharers(self, layer: int) -> list[int]:
+        """Other layers whose gradients use ``layer``'s slot (Note [gradient buffer])."""
+        slot = self.grad_slot.get(layer)
+        return [other for other, s in self.grad_slot.items() if s == slot and other != layer]
 
     @property
     def act_capacity(self) -> int:
@@ -196,7 +307,14 @@ class JobLayout:
         return len(self.dact_slots) // (2 * self.num_microbatches)
 
     def fits(self, plan: Plan) -> bool:
-        """Whether ``plan``'s boundaries fit the slot pools (Note [slot pools])."""
+        """Whether ``plan``'s boundaries fit the slot pools (Note [slot pools]) and no
+        stage writes two layers of one gradient slot (Note [gradient buffer])."""
+        for start, stop in (plan.tail, *plan.backward):
+            slots = [
+                self.grad_slot[layer] for layer in range(start, stop) if layer in self.grad_slot
+            ]
+            if len(slots) != len(set(slots)):
+                return False
         return (
             len(self.activation_boundaries(plan)) <= self.act_capacity
             and len(self.gradient_boundaries(plan)) <= self.dact_capacity
@@ -209,7 +327,8 @@ class JobLayout:
         if not self.fits(plan):
             raise ValueError(
                 f"plan {plan} needs {len(self.activation_boundaries(plan))} activation and "
-                f"{len(self.gradient_boundaries(plan))} gradient boundaries; the slot pools "
+                f"{len(self.gradient_boundaries(plan))} gradient boundaries and distinct "
+                "gradient slots per stage (Note [gradient buffer]); the slot pools "
                 f"hold {self.act_capacity} and {self.dact_capacity}"
             )
         m = self.num_microbatches
@@ -305,3 +424,20 @@ class JobLayout:
     def trainable_layers(self) -> list[int]:
         """Layers that own at least one gradient slot (the optimizer's work list)."""
         return [layer for layer, g in self.grads.items() if g]
+
+
+def _router_slots(
+    model: LayeredModel, io: ArenaAllocator, num_microbatches: int
+) -> tuple[dict[tuple[int, int, int], TensorRef], dict[tuple[int, int], TensorRef]]:
+    """The io slots of the router auxiliary loss (none without one)."""
+    aux = model.router_aux
+    stats: dict[tuple[int, int, int], TensorRef] = {}
+    counts: dict[tuple[int, int], TensorRef] = {}
+    if aux is None:
+        return stats, counts
+    for parity in (0, 1):
+        for mb in range(num_microbatches):
+            counts[(parity, mb)] = io.alloc(torch.float32, (aux.num_experts,))
+            for layer in range(model.num_layers - 1):
+                stats[(layer, parity, mb)] = io.alloc(torch.float32, (2, aux.num_experts))
+    return stats, counts

@@ -1,26 +1,32 @@
 """Host memory a job needs, checked against the machine before anything is allocated.
 
 A job's host memory is known before it exists (ARCHITECTURE.md section 9: "a job's
-memory is checked against the machine before anything is allocated"):
+memory is checked against the machine before anything is allocated"), by component
+(:class:`HostMemory`, docs/memory.md):
 
-* its arenas (``JobLayout.sizes``: weights in both parities, fp32 gradients, activation
-  and gradient slots, the io arena, the event table), files under ``--arena-dir`` that
-  take RAM (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
-* the fp32 master weights of its trainable parameters and the two AdamW moments: 12
-  bytes per trainable parameter, in the coordinator's own memory;
-* the staging copy of one checkpoint's state, when checkpoints are written in the
-  background (coordinator.snapshot; the trainer passes its size).
+* its arenas (``JobLayout.sizes``): compute-dtype weights (two copies at staleness 1,
+  one at staleness 0: Note [weight copies] in roundpipe.coordinator.layout), the
+  bounded fp32 gradient buffer (Note [gradient buffer]), activation and gradient slots,
+  the io arena and the event table; files under ``--arena-dir`` that take RAM
+  (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
+* the fp32 master weights of its trainable parameters (4 bytes each) and the optimizer
+  states (AdamW: 8 bytes, ~2.03 with ``optimizer.state_dtype: int8``), in the
+  coordinator's own memory;
+* the staging copy of one checkpoint's training state, when checkpoints are written in
+  the background (:func:`checkpoint_staging_needed`; Note [background checkpoint] in
+  roundpipe.coordinator.snapshot).
 
 :func:`host_memory_needed` adds them up from a layout that has been planned but not
-created; :func:`check_host_memory` refuses a job that does not fit what the machine has
-available now (``psutil.virtual_memory().available``) or whose arenas do not fit the
-arena directory's free space, with a message giving every figure. The trainer checks
-before it creates the arenas; the coordinator's admission child checks the least any
-plan needs (the whole model as one tail stage) at submit, so a hopeless job is refused
-at once.
+created (:func:`planned_layout` builds it as the trainer does); :func:`check_host_memory`
+refuses a job that does not fit what the machine has available now
+(``psutil.virtual_memory().available``) or whose arenas do not fit the arena directory's
+free space, with a message giving every figure. The trainer checks before it creates
+the arenas; the coordinator's admission child checks the least any plan needs
+(:func:`least_host_memory`) at submit, so a hopeless job is refused at once.
 
 Not counted: a CPU worker's working memory while it runs a task (autograd's saved
-tensors, in the worker process), and the weights the trainer loads once at start.
+tensors, in the worker process), the coordinator's own heap (~100 MB per job), and the
+weights the trainer loads once at start (they become the masters, or are freed).
 """
 
 from __future__ import annotations
@@ -29,12 +35,31 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from roundpipe.coordinator.layout import JobLayout
+from roundpipe.shared.model import LayeredModel
 
-__all__ = ["HostMemory", "InsufficientMemory", "check_host_memory", "host_memory_needed"]
+if TYPE_CHECKING:
+    from roundpipe.coordinator.jobspec import JobSpec
+    from roundpipe.shared.plan import Plan
+
+__all__ = [
+    "HostMemory",
+    "InsufficientMemory",
+    "check_host_memory",
+    "checkpoint_staging_needed",
+    "committed_checkpoint_staging",
+    "grad_buffer_layers",
+    "host_memory_needed",
+    "least_host_memory",
+    "optimizer_state_nbytes",
+    "planned_layout",
+    "release_freed_memory",
+    "weight_copies",
+]
 
 
 class InsufficientMemory(RuntimeError):
@@ -47,36 +72,191 @@ def _gib(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Bytes of host memory one job takes while it runs."""
+    """Bytes of host memory one job takes while it runs, by component."""
 
-    arenas: int
-    """Shared-memory arenas under the arena directory (all of ``JobLayout.sizes``)."""
+    weights: int
+    """Compute-dtype weights in the params arena (Note [weight copies] in
+    roundpipe.coordinator.layout) and the frozen weights."""
+    grads: int
+    """The gradient arena (Note [gradient buffer] in roundpipe.coordinator.layout)."""
+    activations: int
+    """Activation and activation-gradient slots, the io arena and the event table."""
     masters: int
-    """fp32 master weights of the trainable parameters."""
+    """fp32 master weights of the trainable parameters (coordinator memory)."""
     moments: int
-    """AdamW exp_avg and exp_avg_sq of the trainable parameters."""
+    """Optimizer states of the trainable parameters (coordinator memory)."""
     staging: int = 0
-    """One checkpoint's state, copied for the background writer (0: none)."""
+    """Pinned staging buffers: none (GPU workers pin the arenas in place)."""
+    checkpoint_staging: int = 0
+    """One checkpoint's training state copied for the background writer (coordinator
+    memory; 0: checkpoints drain the pipeline)."""
+
+    @property
+    def arenas(self) -> int:
+        """Shared-memory arenas under the arena directory (all of ``JobLayout.sizes``)."""
+        return self.weights + self.grads + self.activations
 
     @property
     def total(self) -> int:
-        return self.arenas + self.masters + self.moments + self.staging
+        return self.arenas + self.masters + self.moments + self.staging + self.checkpoint_staging
 
-    def describe(self) -> str:
-        staging = f", checkpoint staging {_gib(self.staging)}" if self.staging else ""
+    def components(self) -> dict[str, int]:
+        """Every component by name, in the order ``describe`` gives them."""
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "activations": self.activations,
+            "masters": self.masters,
+            "moments": self.moments,
+            "staging": self.staging,
+            "checkpoint_staging": self.checkpoint_staging,
+        }
+
+    def describe(self, parameters: int | None = None) -> str:
+        """One line with every figure; with ``parameters``, also bytes per parameter."""
+        per = "" if not parameters else f", {self.total / parameters:.2f} bytes per parameter"
         return (
-            f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}, fp32 masters "
-            f"{_gib(self.masters)}, AdamW moments {_gib(self.moments)}{staging})"
+            f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
+            f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
+            f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
+            f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}, checkpoint staging "
+            f"{_gib(self.checkpoint_staging)}){per}"
         )
 
 
-def host_memory_needed(layout: JobLayout, *, staging: int = 0) -> HostMemory:
-    """What a job with this (planned, not yet created) layout takes in host memory, with
-    ``staging`` bytes for background checkpoints."""
+def host_memory_needed(
+    layout: JobLayout, spec: JobSpec | None = None, *, checkpoint_staging: int = 0
+) -> HostMemory:
+    """What a job with this (planned, not yet created) layout takes in host memory.
+    ``spec``: the job's optimizer settings (default: AdamW with fp32 states);
+    ``checkpoint_staging``: bytes staged for background checkpoints (the trainer's
+    choice, ``committed_checkpoint_staging`` before it has chosen)."""
     trainable = layout.model.parameter_count(trainable_only=True)
+    sizes = layout.sizes
     return HostMemory(
-        arenas=layout.total_bytes, masters=4 * trainable, moments=8 * trainable, staging=staging
+        weights=sizes["params"],
+        grads=sizes["grads"],
+        activations=sum(n for name, n in sizes.items() if name not in ("params", "grads")),
+        masters=4 * trainable,
+        moments=optimizer_state_nbytes(layout, spec),
+        checkpoint_staging=checkpoint_staging,
     )
+
+
+def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
+    """Gradient slots per shape class for ``spec`` under ``plan`` (Note [gradient
+    buffer] in roundpipe.coordinator.layout); None: one slot per trainable layer."""
+    stages = spec.train.grad_buffer_stages
+    if stages == 0 or spec.optimizer.grad_clip is not None:
+        return None
+    return JobLayout.grad_buffer_layers_for(plan, stages)
+
+
+def weight_copies(spec: JobSpec) -> int:
+    """Compute-dtype copies of each trainable weight (Note [weight copies] in
+    roundpipe.coordinator.layout)."""
+    return 1 if spec.train.staleness == 0 else 2
+
+
+def planned_layout(model: LayeredModel, plan: Plan, spec: JobSpec) -> JobLayout:
+    """The layout the trainer gives ``spec`` under ``plan`` (without the slot pools'
+    re-planning headroom), sized, not created."""
+    import torch
+
+    return JobLayout.plan_layout(
+        model,
+        plan,
+        compute_dtype=getattr(torch, spec.train.dtype),
+        microbatch_rows=spec.batch.microbatch_size,
+        seq_len=spec.data.seq_len,
+        num_microbatches=spec.batch.num_microbatches,
+        grad_buffer_layers=grad_buffer_layers(spec, plan),
+        weight_copies=weight_copies(spec),
+    )
+
+
+def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
+    """The least host memory ``spec`` needs under any plan (what admission checks at
+    submit): the activation slots of the plan with the fewest (the whole model as one
+    tail stage) and the gradient buffer of the plan with the narrowest stages (one layer
+    each), sized, not created; with the checkpoint staging an explicit
+    ``output.checkpoint_staging`` commits the job to ("auto" takes staging only if the
+    machine has it to spare when the job starts, so it adds nothing here)."""
+    import dataclasses
+
+    from roundpipe.shared.plan import Plan
+
+    n = model.num_layers
+    one_stage = Plan(forward=(), tail=(0, n), backward=())
+    layout = planned_layout(model, one_stage, spec)
+    staging = committed_checkpoint_staging(layout, spec)
+    fewest_slots = host_memory_needed(layout, spec, checkpoint_staging=staging)
+    if n < 2:
+        return fewest_slots
+    narrowest = Plan.uniform(n, num_forward=1, num_backward=n - 1, tail_layers=1)
+    grads = host_memory_needed(planned_layout(model, narrowest, spec), spec).grads
+    return dataclasses.replace(fewest_slots, grads=min(grads, fewest_slots.grads))
+
+
+def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> int:
+    """Bytes of optimizer state: AdamW's two fp32 moments (8 bytes per trainable
+    parameter) or, with ``optimizer.state_dtype: int8``, two uint8 codes per parameter
+    and two fp32 scales per block of them (Note [8-bit states]); SGD's momentum buffer
+    (4, none without momentum)."""
+    model = layout.model
+    trainable = model.parameter_count(trainable_only=True)
+    if spec is None or (spec.optimizer.name == "adamw" and spec.optimizer.state_dtype != "int8"):
+        return 8 * trainable
+    if spec.optimizer.name == "adamw":
+        from roundpipe.coordinator.quantized_state import absmax_numel
+
+        numels = [
+            s.numel
+            for layer in range(model.num_layers)
+            for s in model.layer_params(layer)
+            if s.trainable and s.tied_to is None
+        ]
+        return sum(2 * n + 2 * 4 * absmax_numel(n) for n in numels)
+    return 4 * trainable if spec.optimizer.momentum else 0
+
+
+def checkpoint_staging_needed(layout: JobLayout, spec: JobSpec) -> int:
+    """Bytes of staging background checkpoints need (Note [background checkpoint] in
+    roundpipe.coordinator.snapshot): one checkpoint's per-layer state, that is per
+    trainable parameter its fp32 master (4), its optimizer state
+    (:func:`optimizer_state_nbytes`) and its previous compute-dtype weight (``prev/*``).
+    0 for a job that checkpoints only after its last step: nothing to overlap with."""
+    every = spec.output.checkpoint_every
+    if every <= 0 or every >= spec.train.steps:
+        return 0
+    trainable = layout.model.parameter_count(trainable_only=True)
+    prev = layout.compute_dtype.itemsize * trainable
+    return 4 * trainable + optimizer_state_nbytes(layout, spec) + prev
+
+
+def committed_checkpoint_staging(layout: JobLayout, spec: JobSpec) -> int:
+    """The checkpoint staging ``spec`` commits the job to before it starts: with a size
+    in ``output.checkpoint_staging``, one checkpoint's (:func:`checkpoint_staging_needed`)
+    if the size holds it, else 0 (checkpoints drain the pipeline); with ``"auto"``, 0:
+    the trainer takes staging only if the machine has it to spare when it prepares."""
+    from roundpipe.coordinator.jobspec import staging_limit_bytes
+
+    limit = staging_limit_bytes(spec.output.checkpoint_staging)
+    need = checkpoint_staging_needed(layout, spec)
+    return need if limit is not None and need <= limit else 0
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS. glibc keeps freed chunks below its mmap
+    threshold (which rises to 32 MiB after a large free) in the heap, so a job's freed
+    tensors, such as the fp32 weights the trainer loads once, would stay in the
+    coordinator's RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def check_host_memory(

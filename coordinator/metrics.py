@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from roundpipe.coordinator.timeline import stage_label
+from roundpipe.protocol import JOB_STATES
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.daemon import Coordinator
@@ -46,7 +47,6 @@ __all__ = ["JobFigures", "MetricsServer", "current_tasks", "job_figures", "parse
 
 log = logging.getLogger(__name__)
 
-JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 WORKER_STATES = ("idle", "busy", "lost")
 
 
@@ -80,8 +80,7 @@ def job_figures(trainer: Trainer) -> JobFigures:
     """Read a trainer's figures (any thread; no locks held long)."""
     spec = trainer.spec
     figures = JobFigures(step=trainer.step, total_steps=spec.train.steps, loss=trainer.last_loss)
-    with trainer.progress_lock:
-        last_two = trainer.progress[-2:]
+    last_two = trainer.recent_progress(2)
     if last_two:
         figures.lr = last_two[-1].lr
         figures.tokens_per_s = last_two[-1].tokens_per_s
@@ -145,8 +144,8 @@ class CoordinatorCollector:
 
         c = self.coordinator
         with c._lock:
-            states = [j.state for j in c.jobs.values()]
-            active = c._active
+            states = [j.state for j in c.book.jobs.values()]
+            active = c.book.active
             trainer = active.trainer if active is not None else None
             workers = [(w.worker_id, w.hello.worker_name, w.last_seen) for w in c.workers.values()]
             tasks_done = {w.worker_id: w.tasks_done for w in c.workers.values()}

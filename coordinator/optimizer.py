@@ -59,7 +59,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.coordinator.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS
+from roundpipe.coordinator.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
+from roundpipe.coordinator.quantized_state import (
+    BLOCK,
+    CodeMap,
+    absmax_numel,
+    dequantize_,
+    quantize_,
+)
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.jobspec import JobSpec, OptimizerSpec
@@ -68,6 +75,7 @@ __all__ = [
     "HF_NO_DECAY",
     "IMPLS",
     "SCHEDULE_CONVENTIONS",
+    "STATE_DTYPES",
     "LRSchedule",
     "ALGORITHMS",
     "CHUNK_NUMEL",
@@ -80,6 +88,10 @@ __all__ = [
 ]
 
 IMPLS = ("fused", "foreach", "for-loop")
+INT8_KINDS = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")
+"""State tensors per parameter with ``state_dtype="int8"`` (Note [8-bit states])."""
+_SIGNED_MAP = CodeMap(signed=True)
+_UNSIGNED_MAP = CodeMap(signed=False)
 ALGORITHMS = ("adamw", "sgd")
 _STATE_VERSION = 1
 
@@ -227,6 +239,15 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 
 # --------------------------------------------------------------------------- optimizer
 
+# Note [8-bit states]
+# ~~~~~~~~~~~~~~~~~~~
+# With ``state_dtype="int8"`` AdamW's moments are block-wise quantized
+# (roundpipe.coordinator.quantized_state): per tensor, uint8 codes and one fp32 scale per
+# 256 elements, ~2.03 bytes per parameter instead of 8. A chunk is dequantized into fp32
+# scratch, stepped by the same fused kernel and quantized back, so the update differs
+# from fp32 states only by the rounding of the stored moments. Codes and scales are the
+# whole state (``state_dict`` kinds ``INT8_KINDS``): a checkpoint resumes bit for bit.
+
 # Note [chunked fused AdamW]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The "fused" path calls torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
@@ -347,7 +368,12 @@ class LayerwiseOptimizer:
         algorithm: str = "adamw",
         momentum: float = 0.0,
         nesterov: bool = False,
+        state_dtype: str = "float32",
     ) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+        if state_dtype == "int8" and (algorithm, impl, moments) != ("adamw", "fused", None):
+            raise ValueError("int8 states: AdamW on the fused path, its own buffers only")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if algorithm not in ALGORITHMS:
@@ -368,8 +394,11 @@ class LayerwiseOptimizer:
         self.algorithm = algorithm
         self.momentum = momentum
         self.nesterov = nesterov
+        self.state_dtype = state_dtype
         self.kinds: tuple[str, ...] = (
-            ("exp_avg", "exp_avg_sq")
+            INT8_KINDS
+            if state_dtype == "int8"
+            else ("exp_avg", "exp_avg_sq")
             if algorithm == "adamw"
             else ("momentum_buffer",)
             if momentum
@@ -377,6 +406,7 @@ class LayerwiseOptimizer:
         )
         """The state buffers each tensor has, as named in :meth:`state_dict`."""
         self.threads = threads
+        self._scratch8: tuple[torch.Tensor, torch.Tensor] | None = None
         # torch keeps the step count in float32, or float64 for the non-fused kernels
         # under a float64 default dtype (torch.optim.optimizer._get_scalar_dtype).
         step_dtype = (
@@ -413,6 +443,10 @@ class LayerwiseOptimizer:
                                 f"{tuple(p.shape)}, got {buf.dtype} {tuple(buf.shape)}"
                             )
                         buf.zero_()
+                elif state_dtype == "int8":  # Note [8-bit states]
+                    codes = torch.zeros(p.numel(), dtype=torch.uint8)
+                    absmax = torch.zeros(absmax_numel(p.numel()), dtype=torch.float32)
+                    bufs = (codes, absmax, codes.clone(), absmax.clone())
                 else:
                     bufs = tuple(torch.zeros_like(p) for _ in self.kinds)
                 for kind, buf in zip(self.kinds, bufs):
@@ -479,6 +513,7 @@ class LayerwiseOptimizer:
             algorithm=o.name,
             momentum=float(o.momentum),
             nesterov=bool(o.nesterov),
+            state_dtype=o.state_dtype,
         )
 
     @property
@@ -647,7 +682,10 @@ class LayerwiseOptimizer:
         for i, j in entry.chunks:
             p = views("param", i, entry.params[i])[j]
             g = views("grad", i, grad_list[i])[j]
-            state = [views(kind, i, entry.state[kind][i])[j] for kind in self.kinds]
+            if self.state_dtype == "int8":  # Note [8-bit states]
+                state, packed = self._unpack_int8(entry, i, j, p.numel())
+            else:
+                state = [views(k, i, entry.state[k][i])[j] for k in self.kinds]
             weight_decay = self.weight_decay if entry.decayed[i] else 0.0
             if coef is not None:
                 g.mul_(coef)
@@ -681,9 +719,36 @@ class LayerwiseOptimizer:
                     maximize=False,
                     is_first_step=first_step,
                 )
+            if self.state_dtype == "int8":
+                self._pack_int8(packed)
             out = out_list[i]
             if out is not None and out.is_contiguous():
                 views("out", i, out)[j].copy_(p)
+
+    def _unpack_int8(
+        self, entry: _Layer, i: int, j: int, n: int
+    ) -> tuple[list[torch.Tensor], list[tuple]]:
+        """Note [8-bit states]: chunk j (``n`` elements) of tensor i's moments,
+        dequantized into fp32 scratch, and what ``_pack_int8`` needs to store them back."""
+        if self._scratch8 is None:
+            self._scratch8 = (torch.empty(CHUNK_NUMEL), torch.empty(CHUNK_NUMEL))
+        start, first_block = j * CHUNK_NUMEL, j * (CHUNK_NUMEL // BLOCK)
+        state, packed = [], []
+        for kind, scratch, code_map in (
+            ("exp_avg", self._scratch8[0][:n], _SIGNED_MAP),
+            ("exp_avg_sq", self._scratch8[1][:n], _UNSIGNED_MAP),
+        ):
+            codes = entry.state[kind][i][start : start + n]
+            absmax = entry.state[f"{kind}_absmax"][i][first_block : first_block + absmax_numel(n)]
+            dequantize_(codes, absmax, code_map, scratch)
+            state.append(scratch)
+            packed.append((scratch, codes, absmax, code_map))
+        return state, packed
+
+    @staticmethod
+    def _pack_int8(packed: list[tuple]) -> None:
+        for scratch, codes, absmax, code_map in packed:
+            quantize_(scratch, codes, absmax, code_map)
 
     def _step_reference(
         self, entry: _Layer, grad_list: list[torch.Tensor], coef: torch.Tensor | None, lr: float
@@ -761,14 +826,14 @@ class LayerwiseOptimizer:
                 f"optimizer state tensors differ: missing {missing}, unexpected {extra}"
             )
         for layer, entry in self._layers.items():
-            for i, (name, p) in enumerate(zip(entry.names, entry.params)):
+            for i, name in enumerate(entry.names):
                 for kind in self.kinds:
                     buf = entry.state[kind][i]
                     src = tensors[f"{layer}.{name}.{kind}"]
-                    if src.shape != p.shape:
+                    if src.shape != buf.shape or src.dtype != buf.dtype:
                         raise ValueError(
-                            f"optimizer state {layer}.{name}.{kind} has shape {tuple(src.shape)}, "
-                            f"expected {tuple(p.shape)}"
+                            f"optimizer state {layer}.{name}.{kind} is {src.dtype} "
+                            f"{tuple(src.shape)}, expected {buf.dtype} {tuple(buf.shape)}"
                         )
                     buf.copy_(src)
                 entry.steps[i].fill_(float(steps[layer]))

@@ -17,8 +17,9 @@ Rules (docs/deploy.md, "Paths and file modes"):
   following any symbolic link (:func:`open_no_symlinks`), so it is the accepted file.
 * Output goes only into directories the coordinator owns (or root owns), that nobody
   else can write to (:meth:`PathPolicy.prepare_output`): missing ones are created, 0700,
-  walking down from the root without following links. So nobody can swap a link into
-  the path between the check and the write.
+  walking down from the root without following links, and the checked directory is held
+  open while a checkpoint or the model is written into it (:func:`pinned_dir`). So a
+  link swapped into the path after the check receives nothing.
 * What the coordinator writes is private: files 0600, directories 0700
   (:data:`PRIVATE_MODES`); ``--group-access`` makes them 0640 / 0750 for a team that
   shares results through the coordinator's group.
@@ -47,6 +48,7 @@ __all__ = [
     "modes",
     "open_for_read",
     "open_no_symlinks",
+    "pinned_dir",
     "restrict_tree",
     "set_modes",
     "set_strict_reads",
@@ -176,6 +178,21 @@ def open_no_symlinks(path: str | os.PathLike[str]) -> IO[bytes]:
     finally:
         os.close(fd)
     return os.fdopen(file_fd, "rb")
+
+
+_FD_DIR = "/proc/self/fd"
+
+
+def pinned_dir(fd: int) -> Path | None:
+    """A path that names the directory open as ``fd`` itself, not whatever its old path
+    names now: Linux's ``/proc/self/fd/N`` (None where /proc is not mounted).
+
+    Libraries that write a checkpoint (torch.save, save_pretrained) take paths, not
+    directory descriptors; handing them this path makes every file they create land in
+    the directory that :meth:`PathPolicy.open_output` checked, even if someone renames
+    it away and puts a link in its place while they write."""
+    path = Path(_FD_DIR) / str(fd)
+    return path if os.path.isdir(path) else None
 
 
 # --------------------------------------------------------------------------- the policy
@@ -358,6 +375,14 @@ class PathPolicy:
         root down is entered without following links, and each below the root must be
         owned by the coordinator (or root) and not writable by group or others. New
         directories get this process's directory mode. Raises PathRefused."""
+        os.close(self.open_output(directory, field))
+        return Path(os.path.abspath(os.fspath(directory)))
+
+    def open_output(self, directory: str | os.PathLike[str], field: str = "output.dir") -> int:
+        """:meth:`prepare_output`, returning a file descriptor of the directory it checked
+        (the caller closes it). Writing through it (:func:`pinned_dir`) reaches that
+        directory even if its path is renamed away and a link put in its place after the
+        check: the check and the write cannot be separated."""
         path = os.path.abspath(os.fspath(directory))
         root = max((r for r in self.write_roots if _within(path, r)), key=len, default=None)
         if root is None:
@@ -406,9 +431,10 @@ class PathPolicy:
                         "name a directory that does not exist yet: the coordinator creates "
                         "it",
                     )
-        finally:
+        except BaseException:
             os.close(fd)
-        return Path(path)
+            raise
+        return fd
 
 
 def spec_read_dirs(spec: Any) -> list[str]:

@@ -25,9 +25,14 @@ Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator
 3. Parity k % 2 held W_{k-2}. Its readers are iteration k's tasks (staleness 1) or
    iteration k-1's (staleness 0); in both cases they finished reading layer l before
    ``wgrad[l] >= k`` could be stored, so the optimizer never overwrites weights in use.
+   At staleness 0 both parities are one buffer (Note [weight copies] in
+   roundpipe.coordinator.layout): it held W_{k-1}, whose readers are iteration k's own
+   tasks, finished by then too.
 4. A task writes layer l's gradient slot for iteration k only after ``version[l] >= k-1``:
    the optimizer has consumed g_{k-1}. A slow optimizer throttles the pipeline instead
-   of corrupting it.
+   of corrupting it. Where layers share a slot (Note [gradient buffer] in
+   roundpipe.coordinator.layout), also after the optimizer consumed the gradient of
+   every sharer written before: ``version[l'] >= k`` above l, ``>= k-1`` below it.
 5. Activation and io slots are double-buffered by iteration parity; the trainer sends
    iteration k's tasks (and writes its batch) only after every task of iteration k-2 has
    completed, so a slot is never overwritten before its last reader is done.
@@ -134,11 +139,19 @@ class ScheduleBuilder:
             for name in slots:
                 spec_owner = model.tied_params.get(name)
                 owners.add(model.layer_of(spec_owner) if spec_owner else layer)
-        waits = []
-        if iteration > 1:
-            waits = [
-                EventWait(counter=c.version(o), at_least=iteration - 1) for o in sorted(owners)
-            ]
+        # Layer -> the weight version its optimizer must have published (Note 4).
+        needed: dict[int, int] = {o: iteration - 1 for o in owners}
+        for layer in signal_layers:
+            for sharer in self.layout.grad_sharers(layer):
+                if start <= sharer < stop:
+                    continue  # never: a plan's stage maps its layers to distinct slots
+                at_least = iteration if sharer > layer else iteration - 1
+                needed[sharer] = max(needed.get(sharer, 0), at_least)
+        waits = [
+            EventWait(counter=c.version(layer), at_least=v)
+            for layer, v in sorted(needed.items())
+            if v > 0
+        ]
         signals = [EventSignal(counter=c.wgrad(layer), value=iteration) for layer in signal_layers]
         return dict(grad_waits=waits, grad_signals=signals)
 
@@ -175,6 +188,7 @@ class ScheduleBuilder:
                     waits=[self._wait(c.act(start, m), k)],
                     signals=signals,
                     position_ids=self.layout.position_ids[(p, m)],
+                    router_out=self.layout.router_stats.get((start, p, m)),
                 )
             )
         return StageTask(
@@ -207,6 +221,14 @@ class ScheduleBuilder:
                     waits=waits,
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
                     position_ids=self.layout.position_ids[(p, m)],
+                    # Note [router auxiliary loss]: the forward stages' statistics in, the
+                    # counts out for the backward stages (none when there are none).
+                    router_in=[
+                        self.layout.router_stats[(a, p, m)]
+                        for a, _ in self.layout.plan.forward
+                        if (a, p, m) in self.layout.router_stats
+                    ],
+                    router_out=self.layout.router_counts.get((p, m)) if start else None,
                 )
             )
         return StageTask(
@@ -232,6 +254,9 @@ class ScheduleBuilder:
                     waits=[self._wait(c.act(start, m), k), self._wait(c.dact(stop, m), k)],
                     signals=[self._signal(c.dact(start, m), k)] if start else [],
                     position_ids=self.layout.position_ids[(p, m)],
+                    router_in=[self.layout.router_counts[(p, m)]]
+                    if (p, m) in self.layout.router_counts
+                    else [],
                 )
             )
         return StageTask(

@@ -4,12 +4,16 @@
 the fp32 masters and the layer-wise AdamW, the data loader. ``run`` drives iterations:
 it writes each global batch into the io arena, builds the iteration's StageTasks
 (roundpipe.coordinator.schedule) and hands them to workers round-robin through a
-``dispatch`` callback, with a task counter that persists across iterations. Workers report
+``WorkerPort``, with a task counter that persists across iterations. Workers report
 completions into ``inbox``. A separate optimizer thread updates layers as their gradients
 complete (Note [weight-update ordering]).
 
-The coordinator daemon runs a Trainer in a job thread and connects ``dispatch``/``inbox``
-to ZeroMQ; tests connect them to in-process ``WorkerCore`` threads.
+Everything that crosses between a trainer and the world is typed, in
+roundpipe.coordinator.job_events: results and worker events come in through ``inbox``,
+the trainer's ``JobEvent``s (plan chosen, checkpoint written) go out through one
+``on_event`` callable, and tasks go out through the port. The coordinator daemon runs a
+Trainer in a job thread with a port over ZeroMQ; tests use in-process ``WorkerCore``
+threads.
 
 Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
 ``output.checkpoint_every`` steps and after the last step the trainer writes the model
@@ -35,8 +39,10 @@ roundpipe.coordinator.snapshot). At the cut the state is:
 * params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
   (``prev/<name>``); this is the "in-flight delayed gradient" of the uninterrupted run,
-  stored as the weights it is computed from. It is saved at staleness 0 too (it is
-  small), so a checkpoint resumes under either setting;
+  stored as the weights it is computed from. At staleness 0 the job keeps one weight
+  copy (Note [weight copies] in roundpipe.coordinator.layout), so ``prev`` holds W_s
+  (manifest ``prev_version``); resumed under staleness 1, iterations s+1 and s+2 then
+  both compute on W_s, as iterations 1 and 2 of a fresh run both compute on W_0;
 * the data cursor (next step s+1; ``batch_for_step`` is a pure function of the step),
   the learning-rate schedule position (step s; the schedule is a pure function of the
   step), and the RNG state (workers seed dropout from (seed, iteration, layer,
@@ -51,7 +57,7 @@ with 1 or 2 (the plan is chosen afresh).
 Note [re-planning]
 ~~~~~~~~~~~~~~~~~~
 Unless the job spec pins ``train.plan``, ``prepare`` plans from parameter sizes
-(roundpipe.coordinator.planner: ``estimate_costs`` + ``plan_stages``) for the connected
+(roundpipe.coordinator.planning.search.initial_plan) for the connected
 workers' hardware, and sizes the activation slot pools with room for other plans (Note
 [slot pools] in roundpipe.coordinator.layout). While the job runs, every ``TaskDone``'s
 per-layer times feed a ``ProfileAggregator``. Once those have settled, at the start of an
@@ -66,6 +72,7 @@ again, so a futile search costs little.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -76,7 +83,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -92,6 +99,18 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
 )
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.job_events import (
+    CheckpointSettled,
+    CheckpointWritten,
+    InboxEvent,
+    JobEvent,
+    PlanChosen,
+    Wakeup,
+    WorkerJoined,
+    WorkerLost,
+    WorkerPort,
+    progress_page,
+)
 from roundpipe.coordinator.jobspec import (
     JobSpec,
     model_config_from_spec,
@@ -99,17 +118,27 @@ from roundpipe.coordinator.jobspec import (
     validate_against_model,
 )
 from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import InsufficientMemory, check_host_memory, host_memory_needed
-from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
-from roundpipe.coordinator.paths import PathPolicy, PathRefused, modes, restrict_tree
-from roundpipe.coordinator.planner import (
-    HardwareSpec,
-    ProfileAggregator,
-    cpu_hardware,
-    estimate_costs,
-    plan_stages,
-    replan_if_better,
+from roundpipe.coordinator.memory import (
+    InsufficientMemory,
+    check_host_memory,
+    checkpoint_staging_needed,
+    committed_checkpoint_staging,
+    grad_buffer_layers,
+    host_memory_needed,
+    release_freed_memory,
+    weight_copies,
 )
+from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
+from roundpipe.coordinator.paths import (
+    PathPolicy,
+    PathRefused,
+    modes,
+    pinned_dir,
+    restrict_tree,
+)
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
+from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
 from roundpipe.coordinator.snapshot import BackgroundCheckpoints, LayerState
@@ -161,6 +190,21 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     )
 
 
+def _as_master(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a freshly loaded weight: the tensor itself when it is an fp32
+    tensor that owns exactly its storage (the loaders' output, dropped after loading),
+    else a copy. Taking it over instead of copying keeps the loading peak at one fp32
+    model, not two (docs/memory.md)."""
+    owns = (
+        w.dtype == torch.float32
+        and w.is_contiguous()
+        and w.storage_offset() == 0
+        and w.untyped_storage().nbytes() == w.numel() * w.element_size()
+        and not w.requires_grad
+    )
+    return w if owns else w.to(torch.float32).clone()
+
+
 class Trainer:
     """Runs one job. Build, ``prepare()``, then ``run(...)``; always ``close()``."""
 
@@ -175,7 +219,7 @@ class Trainer:
         wait_timeout_s: float = 600.0,
         optimizer_impl: str = "fused",
         recovery_policy: RecoveryPolicy | None = None,
-        on_plan: Callable[[Plan, str], None] | None = None,
+        on_event: Callable[[JobEvent], None] | None = None,
         paths: PathPolicy | None = None,
     ):
         self.job_id = job_id
@@ -188,14 +232,24 @@ class Trainer:
         self.output_dir = Path(output_dir)
         self.wait_timeout_s = wait_timeout_s
         self.optimizer_impl = optimizer_impl
-        self.inbox: queue.Queue[TaskDone | TaskFailed | str] = queue.Queue()
+        self.inbox: queue.Queue[TaskDone | TaskFailed | InboxEvent] = queue.Queue()
+        """Results and events for the run loop (roundpipe.coordinator.job_events)."""
         self.recovery_policy = recovery_policy or RecoveryPolicy()
-        self._fence: Callable[[int, str], None] | None = None
+        self._port: WorkerPort | None = None
         self.progress: list[ProgressEvent] = []
-        self.progress_lock = threading.Lock()
+        """Appended under ``_progress_lock``; read with ``progress_page`` / ``recent_progress``."""
+        self._progress_lock = threading.Lock()
         self.step = 0
         self.last_loss: float | None = None
         self.checkpoints = CheckpointDir(self.output_dir / "checkpoints")
+        self._pins = threading.local()
+        """Per thread (the run loop's and the background checkpoint writer's each hold
+        their own): ``root``, the output directory's pin while ``_pinned_output`` holds
+        one; see ``_output_root``."""
+        self._held_output_fd: int | None = None
+        self.trace_output = self.output_dir
+        """Where the run's trace and TensorBoard scalars go, written all along: the output
+        directory checked in ``prepare`` and held open until ``close`` (its pin)."""
         self.start_step = 0
         """Step the run starts after: 0, or the step of the checkpoint it resumed from."""
         self.checkpoint_step: int | None = None
@@ -214,8 +268,8 @@ class Trainer:
         """Busy seconds (updating, not waiting for gradients) of optimizer step
         ``_optimizer_done_step``."""
         self.layout: JobLayout | None = None
-        self.on_plan = on_plan
-        """Called with (plan, why) when the plan is chosen and whenever it changes."""
+        self.on_event = on_event
+        """Gets the job's ``JobEvent``s: the plan chosen, checkpoints written."""
         self.hardware: HardwareSpec | None = None
         self.profile: ProfileAggregator | None = None
         """Measured layer times, when the planner may re-plan (Note [re-planning])."""
@@ -243,7 +297,14 @@ class Trainer:
                 self.paths.recheck(self.spec.to_dict())
             except PathRefused as exc:
                 raise JobFailed(str(exc)) from None
-            self._confirm_output()
+            try:
+                fd = self.paths.open_output(self.output_dir)
+                if self._held_output_fd is not None:  # prepared again: hold the new check
+                    os.close(self._held_output_fd)
+                self._held_output_fd = fd
+            except PathRefused as exc:
+                raise JobFailed(str(exc)) from None
+            self.trace_output = pinned_dir(self._held_output_fd) or self.output_dir
         try:
             self.checkpoints.ensure_writable()
         except OSError as exc:
@@ -253,7 +314,9 @@ class Trainer:
         config = model_config_from_spec(spec.model)
         lora = spec.lora.model_settings() if spec.lora is not None else None
         if spec.model.path is not None:
-            model = LayeredModel.from_hf_dir(spec.model.path, lora)
+            model = LayeredModel.from_hf_dir(
+                spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
+            )
             weights = model.load_weights(dtype=torch.float32, seed=spec.init_seed)
         else:
             model = LayeredModel(config, lora)
@@ -280,6 +343,8 @@ class Trainer:
             microbatch_rows=spec.batch.microbatch_size,
             seq_len=spec.data.seq_len,
             num_microbatches=spec.batch.num_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
             **capacity,
         )
         # Admission control: refuse before any arena, master or moment exists, with the
@@ -287,7 +352,8 @@ class Trainer:
         self.staging_bytes = self._choose_staging(layout)
         try:
             check_host_memory(
-                host_memory_needed(layout, staging=self.staging_bytes), self.arena_dir
+                host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
+                self.arena_dir,
             )
         except InsufficientMemory as exc:
             raise JobFailed(str(exc)) from None
@@ -301,8 +367,9 @@ class Trainer:
                 w = weights[layer][name]
                 layout.view(even).copy_(w)
                 if name in trainable:
-                    self.masters.setdefault(layer, {})[name] = w.to(torch.float32).clone()
+                    self.masters.setdefault(layer, {})[name] = _as_master(w)
         del weights
+        release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
             layout=layout,
@@ -342,32 +409,30 @@ class Trainer:
         one checkpoint's per-layer state, if the setting allows that much ("auto": if
         the machine has it available besides the job); else 0, and checkpoints drain."""
         spec = self.spec
-        every = spec.output.checkpoint_every
-        if every <= 0 or every >= spec.train.steps:
-            return 0  # only the final checkpoint: nothing left to overlap with
-        model, compute = layout.model, torch.empty((), dtype=self.compute_dtype)
-        moments = {"adamw": 2, "sgd": 1 if spec.optimizer.momentum else 0}[spec.optimizer.name]
-        per_param = 4 * (1 + moments) + compute.element_size()  # masters, moments, prev
-        need = per_param * model.parameter_count(trainable_only=True)
+        need = checkpoint_staging_needed(layout, spec)
+        if need == 0:
+            return 0
         limit = staging_limit_bytes(spec.output.checkpoint_staging)
-        why = None
-        if limit is not None and need > limit:
+        if limit is not None:
+            if committed_checkpoint_staging(layout, spec):
+                return need
             why = f"output.checkpoint_staging is {limit} bytes"
-        elif limit is None:
+        else:
             try:
-                check_host_memory(host_memory_needed(layout, staging=need), self.arena_dir)
+                check_host_memory(
+                    host_memory_needed(layout, spec, checkpoint_staging=need), self.arena_dir
+                )
+                return need
             except InsufficientMemory:
                 why = "the machine does not have that much memory to spare"
-        if why is not None:
-            log.info(
-                "[trainer] job %s: checkpoints stop the pipeline while they are written: "
-                "writing them in the background needs %d bytes of staging and %s",
-                self.job_id,
-                need,
-                why,
-            )
-            return 0
-        return need
+        log.info(
+            "[trainer] job %s: checkpoints stop the pipeline while they are written: "
+            "writing them in the background needs %d bytes of staging and %s",
+            self.job_id,
+            need,
+            why,
+        )
+        return 0
 
     def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
         """The job's first plan and why: the spec's, or the planner's cold start."""
@@ -377,20 +442,15 @@ class Trainer:
             plan = Plan.parse(spec.train.plan)
             plan.validate(model.num_layers)
             return plan, "set by train.plan in the job spec"
-        costs = estimate_costs(
-            model,
-            microbatch_rows=spec.batch.microbatch_size,
-            seq_len=spec.data.seq_len,
-            compute_dtype=self.compute_dtype,
-            flops_per_s=hw.flops_per_s,
-        )
         try:
-            result = plan_stages(
-                costs,
+            result = initial_plan(
+                model,
                 hw,
-                spec.batch.num_microbatches,
+                microbatch_rows=spec.batch.microbatch_size,
+                seq_len=spec.data.seq_len,
+                num_microbatches=spec.batch.num_microbatches,
+                compute_dtype=self.compute_dtype,
                 staleness=spec.train.staleness,
-                tokens_per_iteration=spec.global_batch_size * spec.data.seq_len,
             )
         except ValueError as exc:
             raise JobFailed(f"cannot plan this job: {exc}") from None
@@ -398,7 +458,7 @@ class Trainer:
             # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
             # that is off by more than the 5% a switch must gain.
             self.profile = ProfileAggregator(
-                costs, spec.batch.num_microbatches, settle_tolerance=0.1
+                result.costs, spec.batch.num_microbatches, settle_tolerance=0.1
             )
         return result.plan, (
             f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "
@@ -411,8 +471,7 @@ class Trainer:
         log.info(
             "[trainer] job %s: plan %s from step %d (%s)", self.job_id, self.plan, iteration, why
         )
-        if self.on_plan is not None:
-            self.on_plan(self.plan, why)
+        self._emit(PlanChosen(self.plan, why))
 
     def _replan_candidate(self) -> tuple[Plan, str] | None:
         """A better plan under the measured layer times, if they have settled and one
@@ -583,9 +642,11 @@ class Trainer:
                     refs = layout.params[layer][name]
                     current, previous = refs[s % 2], refs[(s - 1) % 2]
                     assert current is not None and previous is not None
-                    layout.view(current).copy_(master)
                     if s >= 1:
                         layout.view(previous).copy_(load(f"prev/{name}", master))
+                    # Last: with one weight copy (Note [weight copies]) both refs name
+                    # the same buffer, and W_s is the version iteration s+1 reads.
+                    layout.view(current).copy_(master)
                 layout.events.signal(c.version(layer), s)
             if "rng/torch_cpu" in keys:
                 torch.set_rng_state(state.get_tensor("rng/torch_cpu"))
@@ -625,7 +686,22 @@ class Trainer:
 
     def cancel(self) -> None:
         self._cancel.set()
-        self.inbox.put("cancel")
+        self.inbox.put(Wakeup("cancel"))
+
+    def _emit(self, event: JobEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def progress_page(self, after_seq: int, limit: int) -> tuple[list[ProgressEvent], bool]:
+        """Up to ``limit`` progress events after ``after_seq``, in seq order, and whether
+        more follow (any thread)."""
+        with self._progress_lock:
+            return progress_page(self.progress, after_seq, limit)
+
+    def recent_progress(self, n: int) -> list[ProgressEvent]:
+        """The newest ``n`` progress events (any thread)."""
+        with self._progress_lock:
+            return self.progress[-n:]
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step``: every ``checkpoint_every``
@@ -635,21 +711,17 @@ class Trainer:
 
     def run(
         self,
-        dispatch: Callable[[StageTask, int], None],
-        workers: Callable[[], list[int]],
+        port: WorkerPort,
         on_progress: Callable[[ProgressEvent], None] | None = None,
-        on_checkpoint: Callable[[int, Path], None] | None = None,
-        fence: Callable[[int, str], None] | None = None,
     ) -> None:
         """Train steps ``start_step + 1 .. spec.train.steps``, writing checkpoints on the
-        way. Raises JobFailed / JobCancelled / JobPaused (a checkpoint could not be
-        written; the previous one is intact).
+        way (each one a ``CheckpointWritten`` event). Raises JobFailed / JobCancelled /
+        JobPaused (a checkpoint could not be written; the previous one is intact).
 
-        ``dispatch(task, worker_id)`` sends a task; ``workers()`` lists live worker ids.
-        Worker loss arrives in ``inbox`` as ``"worker-lost:<id>:<reason>"`` and a new
-        worker as ``"worker-joined"``; the lost worker's tasks are re-dispatched
-        (coordinator.recovery). ``fence(worker_id, reason)`` is called for a worker that
-        stopped making progress: the caller makes sure it is dead and no longer listed.
+        Tasks go out through ``port`` (roundpipe.coordinator.job_events.WorkerPort).
+        Worker loss arrives in ``inbox`` as ``WorkerLost`` and a new worker as
+        ``WorkerJoined``; the lost worker's tasks are re-dispatched (coordinator.recovery).
+        A worker that stopped making progress is fenced through the port.
         """
         assert self.layout is not None
         layout, spec = self.layout, self.spec
@@ -663,13 +735,13 @@ class Trainer:
         if self.staging_bytes:
             self._background = BackgroundCheckpoints(
                 self._state_tensors,
-                self._write_background,
-                lambda: self.inbox.put("checkpoint-settled"),
+                self._write_checkpoint,
+                lambda: self.inbox.put(CheckpointSettled()),
                 name=f"rp-checkpoints-{self.job_id}",
             )
-        tracker = TaskTracker(dispatch, workers, self.recovery_policy)
+        tracker = TaskTracker(port.send_task, port.live_workers, self.recovery_policy)
         self.tracker = tracker
-        self._fence = fence
+        self._port = port
         unfinished: dict[int, StageTask] = {}  # dispatched, in flight or parked, not done
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
@@ -705,7 +777,6 @@ class Trainer:
                 # whatever has finished at once (the drained path's reports stay as
                 # they were).
                 report_through(next_task_iteration - 1)
-                self._settle_background(on_checkpoint)
 
         try:
             for k in range(self.start_step + 1, steps + 1):
@@ -754,15 +825,14 @@ class Trainer:
                     self._wait_optimizer(k)
                     report_through(k)
                     path = self.save_checkpoint(k)
-                    if on_checkpoint is not None:
-                        on_checkpoint(k, path)
+                    self._emit(CheckpointWritten(k, path, self.last_loss))
             while any(pending_per_iteration.values()):
                 handle_next()
                 report_through(steps)
             self._wait_optimizer(steps)
             while self._background is not None and self._background.busy:
                 handle_next()  # the final checkpoint
-            self._settle_background(on_checkpoint)  # one that failed while we waited
+            self._settle_background()  # one that settled after the last message
         finally:
             self._cancel.set()
             with self._optimizer_cv:
@@ -771,6 +841,7 @@ class Trainer:
                 # Abandons an unfinished checkpoint and wakes a capture waiting for it.
                 self._background.close()
             optimizer_thread.join(timeout=30)
+            self._background = None  # a later save_checkpoint drains, as without staging
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
@@ -804,7 +875,7 @@ class Trainer:
             time=time.time(),
             optimizer_s=self._latest_optimizer_s(),
         )
-        with self.progress_lock:
+        with self._progress_lock:
             self.progress.append(event)
         if self._background is not None:
             self._background.reported(k)
@@ -819,7 +890,7 @@ class Trainer:
         with self._optimizer_cv:
             return self._optimizer_last_s
 
-    def _next_message(self) -> TaskDone | TaskFailed | str:
+    def _next_message(self) -> TaskDone | TaskFailed | InboxEvent:
         while True:
             if self._optimizer_error is not None:
                 raise JobFailed(f"optimizer failed: {self._optimizer_error}") from (
@@ -839,20 +910,24 @@ class Trainer:
             return
         for worker_id in tracker.hung_workers():
             reason = "no task completed within the progress deadline"
-            if self._fence is not None:
-                self._fence(worker_id, reason)
+            if self._port is not None:
+                self._port.fence(worker_id, reason)
             tracker.worker_lost(worker_id, reason)
 
     def _handle(self, msg, unfinished: dict[int, StageTask], pending: dict[int, int]) -> None:
         tracker = self.tracker
-        if isinstance(msg, str):
-            if msg.startswith("worker-lost:"):
-                _, worker_id, reason = msg.split(":", 2)
-                tracker.worker_lost(int(worker_id), reason)
-            elif msg == "worker-joined":
-                if tracker.dispatch_parked():
-                    log.info("[trainer] job %s continues: a worker joined", self.job_id)
-            return  # other wake-ups (cancel, optimizer error) are checked by _next_message
+        if isinstance(msg, WorkerLost):
+            tracker.worker_lost(msg.worker_id, msg.reason)
+            return
+        if isinstance(msg, WorkerJoined):
+            if tracker.dispatch_parked():
+                log.info("[trainer] job %s continues: worker %d joined", self.job_id, msg.worker_id)
+            return
+        if isinstance(msg, Wakeup):
+            return  # what it wakes the loop for (cancel, optimizer error) is checked there
+        if isinstance(msg, CheckpointSettled):
+            self._settle_background()  # announce it, or raise why it was not written
+            return
         if isinstance(msg, TaskFailed):
             if msg.task_id not in unfinished:
                 return
@@ -893,7 +968,7 @@ class Trainer:
         except BaseException as exc:  # surfaced by the run loop as JobFailed
             log.exception("[trainer] optimizer thread failed")
             self._optimizer_error = exc
-            self.inbox.put("optimizer-error")
+            self.inbox.put(Wakeup("optimizer error"))
 
     def _optimizer_step(self, k: int) -> float:
         """Step k for every layer: each time the highest layer not yet updated has its
@@ -1004,43 +1079,78 @@ class Trainer:
     def _confirm_output(self) -> None:
         """Before writing into the output directory: it is still a directory below a
         write root that only the coordinator can change (coordinator.paths)."""
+        with self._pinned_output():
+            pass
+
+    @contextlib.contextmanager
+    def _pinned_output(self) -> Iterator[Path]:
+        """Check the output directory (:meth:`_confirm_output`) and yield a path to write
+        into it through that checked directory held open (coordinator.paths.pinned_dir):
+        in a write root others can write to, the directory could otherwise be renamed
+        away and replaced by a link between the check and the last file written.
+        Raises JobFailed if the check fails."""
         if self.paths is None:
+            yield self.output_dir
             return
         try:
-            self.paths.prepare_output(self.output_dir)
+            fd = self.paths.open_output(self.output_dir)
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
+        try:
+            pinned = pinned_dir(fd) or self.output_dir  # no /proc: the checked path
+            self._pins.root = pinned
+            yield pinned
+        finally:
+            self._pins.root = None
+            os.close(fd)
+
+    @property
+    def _output_root(self) -> Path:
+        """Where this thread writes into the output directory: the pin it holds
+        (``_pinned_output``), else the directory's path."""
+        return getattr(self._pins, "root", None) or self.output_dir
+
+    def _shown(self, text: object) -> str:
+        """``text`` (a path, a message) as the user knows it: the output directory's pin
+        replaced by its path."""
+        return str(text).replace(str(self._output_root), str(self.output_dir))
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint after ``step`` from the live state (call only at a cut:
         Note [checkpoint cut]) and prune to ``output.keep_last``. Raises JobPaused if it
         cannot be written."""
-        try:
-            return self._write_checkpoint(
-                step, self._state_tensors(step), self._checkpoint_context()
-            )
-        except OSError as exc:
-            raise JobPaused(
-                self._io_error_message(f"cannot write checkpoint step {step}", exc)
-            ) from exc
+        return self._write_checkpoint(step, self._state_tensors(step), self._checkpoint_context())
 
     def _write_checkpoint(self, step: int, state: LayerState, context: dict) -> Path:
-        """Write checkpoint ``step`` of ``state`` (live at a cut, or staged) atomically,
-        then prune; I/O errors propagate as OSError."""
-        self._confirm_output()
+        """Write checkpoint ``step`` of ``state`` (live at a cut, or staged: the
+        background writer calls this in its thread) atomically, through the output
+        directory held open for the whole write (``_pinned_output``), then prune. Raises
+        JobPaused if it cannot be written, JobFailed if the output directory is refused."""
         started = time.perf_counter()
         background = self._background
         check = background.check_abort if background is not None else (lambda: None)
-        path = self.checkpoints.write(
-            step,
-            lambda d: self._fill_checkpoint(d, state, context["rng"], check),
-            self._manifest(step, context),
-        )
-        self.checkpoint_step = step
-        try:
-            self.checkpoints.prune(self.spec.output.keep_last, self.job_id)
-        except OSError as exc:  # the new checkpoint is safe; old ones just linger
-            log.warning("[trainer] job %s: pruning old checkpoints failed: %s", self.job_id, exc)
+        with self._pinned_output() as output:
+            checkpoints = CheckpointDir(output / self.checkpoints.root.name)
+            try:
+                written = checkpoints.write(
+                    step,
+                    lambda d: self._fill_checkpoint(d, state, context["rng"], check),
+                    self._manifest(step, context),
+                )
+            except OSError as exc:
+                raise JobPaused(
+                    self._io_error_message(f"cannot write checkpoint step {step}", exc)
+                ) from exc
+            path = self.checkpoints.root / written.name
+            self.checkpoint_step = step
+            try:
+                checkpoints.prune(self.spec.output.keep_last, self.job_id)
+            except OSError as exc:  # the new checkpoint is safe; old ones just linger
+                log.warning(
+                    "[trainer] job %s: pruning old checkpoints failed: %s",
+                    self.job_id,
+                    self._shown(str(exc)),
+                )
         log.info(
             "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",
             self.job_id,
@@ -1051,30 +1161,30 @@ class Trainer:
         )
         return path
 
-    def _write_background(self, step: int, staged: LayerState, context: dict) -> Path:
-        """The background writer's ``write`` (Note [background checkpoint])."""
-        return self._write_checkpoint(step, staged, context)
-
-    def _settle_background(self, on_checkpoint: Callable[[int, Path], None] | None) -> None:
-        """In the run loop: report background checkpoints written since the last call;
-        raise JobPaused (or JobFailed) for one that could not be written."""
+    def _settle_background(self) -> None:
+        """In the run loop: announce background checkpoints written since the last call
+        (``CheckpointWritten``); raise JobPaused (or JobFailed) for one that could not be
+        written."""
         if self._background is None:
             return
         finished, failed = self._background.take_settled()
         for step, path in finished:
-            if on_checkpoint is not None:
-                on_checkpoint(step, path)
+            self._emit(CheckpointWritten(step, path, self._loss_at(step)))
         if failed is None:
             return
         step, error = failed
-        os_error = as_os_error(error, self.checkpoints.root)
-        if os_error is not None:
-            raise JobPaused(
-                self._io_error_message(f"cannot write checkpoint step {step}", os_error)
-            ) from error
-        if isinstance(error, JobFailed):  # e.g. the output directory was swapped
+        if isinstance(error, (JobPaused, JobFailed)):  # full disk; output directory refused
             raise error
         raise JobFailed(f"cannot write checkpoint step {step}: {error}") from error
+
+    def _loss_at(self, step: int) -> float | None:
+        """The loss reported for ``step`` (a background checkpoint is announced after
+        later steps have run)."""
+        with self._progress_lock:
+            for event in reversed(self.progress):
+                if event.step == step:
+                    return event.loss
+        return None
 
     def _note_checkpoint_wait(self, step: int, waited_s: float) -> None:
         if waited_s > 0.01:
@@ -1147,7 +1257,7 @@ class Trainer:
     def _manifest(self, step: int, context: dict) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
-        with self.progress_lock:
+        with self._progress_lock:
             progress = [
                 [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s]
                 for e in self.progress
@@ -1167,6 +1277,8 @@ class Trainer:
             "plan": context["plan"],
             "plan_history": context["plan_history"],
             "staleness": self.spec.train.staleness,
+            # The weight version saved as prev/* (Note [checkpoint cut]).
+            "prev_version": step - 1 if weight_copies(self.spec) == 2 else step,
             "compute_dtype": self.spec.train.dtype,
             "data_cursor": context["data_cursor"],
             "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},
@@ -1187,7 +1299,7 @@ class Trainer:
         }
 
     def _io_error_message(self, what: str, exc: OSError) -> str:
-        where = exc.filename or self.checkpoints.root
+        where = self._shown(exc.filename or self.checkpoints.root)
         code = errno.errorcode.get(exc.errno or 0, "")
         reason = f"{exc.strerror or exc}" + (f" [{code}]" if code else "")
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -1262,7 +1374,7 @@ class Trainer:
                 if self.spec.model.path is None and not self._base_model_written:
                     # First, so that peft finds the base's config when saving the adapter.
                     base = self.model.hf_model_of(weights).unload()
-                    self._write_base_model(base, base_dir)
+                    self._write_base_model(base, self._output_root / base_dir.name)
                 model = self.model.hf_model_of(weights)
                 for config in model.peft_config.values():
                     config.base_model_name_or_path = str(base_dir)
@@ -1308,17 +1420,18 @@ class Trainer:
         ``directory`` (default: the output directory). Raises JobPaused if it cannot be
         written (the final checkpoint holds the same model)."""
         directory = self.output_dir if directory is None else Path(directory)
-        self._confirm_output()
-        try:
-            directory.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-            self.write_hf_model(directory)
-        except Exception as exc:
-            os_error = as_os_error(exc, directory)
-            if os_error is None:
-                raise
-            raise JobPaused(
-                self._io_error_message(f"cannot write the final model to {directory}", os_error)
-            ) from exc
+        with self._pinned_output() as output:
+            target = output if directory == self.output_dir else directory
+            try:
+                target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+                self.write_hf_model(target)
+            except Exception as exc:
+                os_error = as_os_error(exc, target)
+                if os_error is None:
+                    raise
+                raise JobPaused(
+                    self._io_error_message(f"cannot write the final model to {directory}", os_error)
+                ) from exc
         return directory
 
     def close(self) -> None:
@@ -1326,6 +1439,9 @@ class Trainer:
         if self._background is not None:
             self._background.close()
         self.timeline.close()  # observability: settle the last step, finish the trace
+        if self._held_output_fd is not None:
+            os.close(self._held_output_fd)
+            self._held_output_fd = None
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None

@@ -1,8 +1,20 @@
 """RoundPipe wire protocol: typed messages, one encode/decode path.
 
-The wire format (frames, version rule, limits, every message type) is written down once,
-in the docstring of :mod:`roundpipe.protocol.wire`; this package re-exports its public API.
+Three modules, read in this order:
+
+- :mod:`roundpipe.protocol.messages`: every message type, one class each, with the
+  version rule (``PROTOCOL_VERSION``) and the catalogue in its docstring;
+- :mod:`roundpipe.protocol.codec`: frames (header, type name, msgpack body), limits and
+  errors, ``encode`` / ``decode``;
+- :mod:`roundpipe.protocol.schema`: the record machinery (``Struct``, ``Message``,
+  validation rules derived from the field annotations, ``ProtocolError``).
+
+This package re-exports their public API; import from ``roundpipe.protocol``.
 """
 
-from roundpipe.protocol.wire import *  # noqa: F403 -- the public API is wire.__all__
-from roundpipe.protocol.wire import __all__ as __all__
+from roundpipe.protocol import codec, messages, schema
+from roundpipe.protocol.codec import *  # noqa: F403
+from roundpipe.protocol.messages import *  # noqa: F403
+from roundpipe.protocol.schema import *  # noqa: F403
+
+__all__ = [*schema.__all__, *messages.__all__, *codec.__all__]

@@ -582,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_data_inspect)
 
     _add_keys_parser(add)
-    from roundpipe.coordinator.planner import build_plan_parser
+    from roundpipe.coordinator.planning.command import build_plan_parser
 
     p = add(
         "plan",
@@ -727,7 +727,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from roundpipe.coordinator.planner import run_plan_command
+    from roundpipe.coordinator.planning.command import run_plan_command
 
     try:
         return run_plan_command(args)

@@ -55,7 +55,9 @@ import zmq
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
 from roundpipe.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
+    FINAL_JOB_STATES,
     NUM_FRAMES,
+    STOPPED_JOB_STATES,
     Ack,
     CancelJob,
     ErrorReply,
@@ -95,14 +97,9 @@ __all__ = [
     "UnknownJob",
 ]
 
-FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-"""Job states that never change on their own (``resume`` can re-queue a failed or
-cancelled job)."""
-
-STOPPED_STATES: frozenset[str] = FINAL_STATES | {"paused"}
-"""States in which a job makes no progress until someone acts: the final ones, and
-``paused`` (stopped without losing anything, e.g. its checkpoint could not be written;
-:meth:`Client.resume` continues it)."""
+# The job states the coordinator uses (roundpipe.protocol), under the client's names.
+FINAL_STATES = FINAL_JOB_STATES
+STOPPED_STATES = STOPPED_JOB_STATES
 
 # ErrorReply codes the coordinator uses for "no such job" (the contract names the first;
 # the protocol docstring's example the second).

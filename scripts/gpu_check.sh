@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for the rare session with a GPU machine (DEVELOPERS.md).
 #
-#   bash scripts/gpu_check.sh [--out DIR] [--smoke] [--quick]
+#   bash scripts/gpu_check.sh [--out DIR] [--smoke] [--quick] [--steps NAME,NAME...]
 #
 # Steps, each under its own timeout, each writing a log (and JSON where it has figures)
 # under DIR (default: $OUT, else ./gpu-check-out):
@@ -11,7 +11,12 @@
 #   parity      scripts/gpu_parity.py: a tiny job on a GPU worker vs CPU-worker losses
 #   overlap     benchmarks/overlap.py (CPU, emulated bus)
 #   throughput  benchmarks/gpu_throughput.py, Qwen3-1.7B shape (skipped with --quick)
-# summary.json lists every step with its exit status and seconds.
+#   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
+#               figure)
+# summary.json lists every step with its exit status and seconds. The device tool allows
+# 10 minutes per command and the step limits add up to more: split a GPU session's checks
+# over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
+# `--steps throughput`, then `--steps overlap,optimizer`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
@@ -23,11 +28,13 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check-out}
 smoke=0
 quick=0
+only=""  # --steps: a comma-separated subset (default: every step)
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=$2; shift 2 ;;
     --smoke) smoke=1; shift ;;
     --quick) quick=1; shift ;;
+    --steps) only=$2; shift 2 ;;
     *) echo "gpu_check.sh: unknown option $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
@@ -50,6 +57,9 @@ fi
 summary=()
 step() {  # step NAME TIMEOUT_S COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then
+    return 0
+  fi
   local started=$SECONDS
   echo "== $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -91,6 +101,7 @@ if [ $smoke -eq 1 ]; then
   step parity 600 python3 scripts/gpu_parity.py --smoke --steps 3 --json "$out/parity.json"
   step overlap 600 python3 benchmarks/overlap.py --smoke
   [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py --smoke
+  step optimizer 300 python3 benchmarks/optimizer.py --smoke --no-paper
 else
   step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
   step bandwidth 120 python3 benchmarks/bandwidth.py
@@ -98,6 +109,7 @@ else
   step overlap 600 python3 benchmarks/overlap.py --iterations 2
   [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py \
     --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1
+  step optimizer 300 python3 benchmarks/optimizer.py
 fi
 
 {

@@ -1,13 +1,15 @@
 """Causal LMs as sequences of layers, with weights kept outside the modules.
 
-A supported Hugging Face causal LM (``SUPPORTED_ARCHITECTURES``) becomes ``n`` layers::
+A supported Hugging Face causal LM (``SUPPORTED_ARCHITECTURES``; each family declared in
+roundpipe.shared.families) becomes ``n`` layers::
 
     layer 0          prefix: model.embed_tokens            (input_ids -> hidden)
     layer 1..n-2     decoder layers: HF layer i is our layer i + 1
     layer n-1        tail: model.norm + lm_head + loss      (hidden -> loss)
 
 Only hidden states ``[rows, seq, hidden]`` cross layer boundaries; positions, rotary
-tables and the causal mask are recomputed from the shape wherever they are needed.
+tables and the masks (per layer: full, sliding-window or recurrent, from the family) are
+recomputed from the shape wherever they are needed.
 
 Parameters keep their Hugging Face names (``model.layers.3.self_attn.q_proj.weight``) so
 an exported checkpoint stays loadable by transformers; with LoRA they keep the names of
@@ -44,6 +46,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.shared.families import (
+    MASK_OF_LAYER_TYPE,
+    Family,
+    check_layout,
+    family_for,
+    layer_types,
+    supported_architectures,
+)
+
 __all__ = [
     "ALL_LINEAR",
     "SUPPORTED_ARCHITECTURES",
@@ -51,21 +62,14 @@ __all__ = [
     "LayeredModel",
     "LoraSettings",
     "ParamSpec",
+    "RouterAux",
     "count_label_tokens",
     "shift_labels",
+    "without_mxfp4",
     "model_config_dict",
 ]
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = supported_architectures()
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (Hugging Face's convention)."""
@@ -96,6 +100,31 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterAux:
+    """transformers' load-balancing loss of an MoE model (``output_router_logits``).
+
+    Note [router auxiliary loss]
+        transformers adds ``coef * E * sum_e C_e * P_e / R^2`` to the LM loss, where over
+        every MoE layer and token of the batch C_e counts top-k picks of expert e, P_e
+        sums its router softmax and R is layers x tokens. C and P span all layers, so a
+        pipeline cannot form it per stage; it is formed per microbatch m and summed with
+        weight ``w_m = tokens_m / tokens of the batch`` (the LM loss is summed over
+        microbatches the same way; one microbatch gives transformers' value exactly).
+        Forward stages return each microbatch's partial (C, P) of their layers; the
+        fused tail adds its own, so it has the loss and the complete C; backward
+        stages receive C and add ``coef * w_m * E * C / R^2`` as the gradient of their
+        layers' P. C is a count (no gradient), as in transformers.
+    """
+
+    coef: float
+    """``router_aux_loss_coef``."""
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    """Our layer indices of the decoder layers that route (have a router)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,23 +229,38 @@ class LayeredModel:
         lora: LoraSettings | Mapping[str, Any] | None = None,
         *,
         source_dir: str | Path | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
+        dequantize_mxfp4: bool = False,
     ) -> None:
         self.config = copy.deepcopy(config)
-        self.architecture = _resolve_architecture(self.config)
+        # MXFP4-packed experts (GPT-OSS hub checkpoints) become plain weights on load;
+        # the model trained and exported is then the unquantised one.
+        self.dequantize_mxfp4 = dequantize_mxfp4
+        if dequantize_mxfp4:
+            self.config = without_mxfp4(self.config)
+        self.family: Family = family_for(self.config)
+        self.architecture = self.family.architecture
         self._check_config()
         if lora is not None and not isinstance(lora, LoraSettings):
             lora = LoraSettings.from_mapping(lora)
         self.lora: LoraSettings | None = lora
         self.source_dir = Path(source_dir) if source_dir is not None else None
-        self.attn_implementation = attn_implementation
+        # The family's default (SDPA; eager where transformers has no SDPA path, as for
+        # GPT-OSS's attention sinks) unless the caller asks for another.
+        self.attn_implementation = attn_implementation or self.family.attn_implementation
         self.num_decoder_layers: int = int(self.config.num_hidden_layers)
         self.num_layers: int = self.num_decoder_layers + 2
         self.skeleton: nn.Module = self._build_skeleton()
+        check_layout(self._hf, self.family, self.num_decoder_layers)
+        self._layer_types = layer_types(self.family, self.config)
+        self._buffers = self.family.buffers(self.config)
         self._prefix = _PEFT_PREFIX if self.lora is not None else ""
         self._specs: list[list[ParamSpec]] = [[] for _ in range(self.num_layers)]
         self._layer_of: dict[str, int] = {}
         self._index_params()
+        self.router_aux: RouterAux | None = self._make_router_aux()
+        """The load-balancing loss settings when ``config.output_router_logits`` is on.
+        Note [router auxiliary loss]."""
 
     # ------------------------------------------------------------ constructors
 
@@ -267,12 +311,12 @@ class LayeredModel:
         c = self.config
         if int(getattr(c, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError("config.num_hidden_layers must be >= 1")
-        if getattr(c, "output_router_logits", False):
-            # HF adds a router auxiliary loss then; the layered tail computes only the LM
-            # loss, so gradients would silently differ.
+        if getattr(c, "output_router_logits", False) and self.family.router is None:
+            # HF adds a router auxiliary loss then; without a declared router the layered
+            # run could not add it, and gradients would silently differ.
             raise ValueError(
-                "output_router_logits=True (router auxiliary loss) is not supported; "
-                "set it to False in the config"
+                f"output_router_logits=True (router auxiliary loss) is not supported for "
+                f"{self.family.architecture}; set it to False in the config"
             )
 
     def _build_skeleton(self) -> nn.Module:
@@ -314,10 +358,13 @@ class LayeredModel:
                 f"{list(self.lora.target_modules)} put adapters on {trainable_outside}"
             )
         for name, _ in self.skeleton.named_buffers():
-            if ".rotary_emb." not in name:
-                # The executor rebuilds only the rotary tables; any other buffer would be
-                # a meta tensor at run time.
-                raise ValueError(f"unexpected buffer {name!r} in {self.architecture}")
+            if ".rotary_emb." not in name and _strip_peft(name) not in self._buffers:
+                # The executor rebuilds the rotary tables and the family's declared
+                # buffers; any other buffer would be a meta tensor at run time.
+                raise ValueError(
+                    f"{self.architecture} has buffer {name!r}, which its Family does not "
+                    "declare (roundpipe.shared.families)"
+                )
 
     def _layer_of_hf(self, hf_name: str) -> int:
         if hf_name.startswith("model.embed_tokens."):
@@ -421,23 +468,74 @@ class LayeredModel:
     def norm_part(self) -> tuple[nn.Module, str]:
         return self._hf.model.norm, f"{self._prefix}model.norm."
 
-    def mask_kind(self, layer: int) -> str:
-        """``"full"`` or ``"sliding"``: which causal mask decoder ``layer`` attends with.
+    def layer_type(self, layer: int) -> str:
+        """transformers' type of decoder ``layer`` (``full_attention``, ``sliding_attention``,
+        ``linear_attention``), as the model's own forward picks its mask and rotary."""
+        if not 1 <= layer <= self.num_decoder_layers:
+            raise IndexError(f"layer {layer} is not a decoder layer")
+        return self._layer_types[layer - 1]
 
-        Mirrors the model's own forward (Qwen3: per-layer ``layer_types``; Qwen3-MoE: the
-        sliding window applies to every layer when configured).
-        """
-        i = layer - 1
-        if self.architecture == "Qwen3ForCausalLM":
-            types = getattr(self.config, "layer_types", None)
-            return "sliding" if types is not None and types[i] == "sliding_attention" else "full"
-        if self.architecture == "Qwen3MoeForCausalLM":
-            return "sliding" if getattr(self.config, "sliding_window", None) is not None else "full"
-        return "full"
+    def mask_kind(self, layer: int) -> str:
+        """``"full"``, ``"sliding"`` or ``"recurrent"``: the mask decoder ``layer`` takes
+        (``MASK_OF_LAYER_TYPE``)."""
+        return MASK_OF_LAYER_TYPE[self.layer_type(layer)]
+
+    def part_buffers(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The family's declared buffers of ``layer``'s module, by name relative to it, on
+        ``device`` (the skeleton's own are meta tensors)."""
+        prefix = self.part_prefix(layer)[len(self._prefix) :]
+        return {
+            name[len(prefix) :]: t.to(device)
+            for name, t in self._buffers.items()
+            if name.startswith(prefix)
+        }
+
+    def part_prefix(self, layer: int) -> str:
+        """The prefix that turns a full parameter name of ``layer`` into a name relative
+        to the module that runs it (``embed_part`` / ``decoder_part`` / ``norm_part``)."""
+        if layer == 0:
+            return self.embed_part()[1]
+        if layer == self.num_layers - 1:
+            return self.norm_part()[1]
+        return self.decoder_part(layer)[1]
+
+    def _make_router_aux(self) -> RouterAux | None:
+        c = self.config
+        if not getattr(c, "output_router_logits", False):
+            return None
+        assert self.family.router is not None  # _check_config
+        moe_layers = tuple(
+            layer
+            for layer in range(1, self.num_layers - 1)
+            if self.router_module(layer) is not None
+        )
+        num_experts = int(getattr(c, "num_experts", None) or c.num_local_experts)
+        return RouterAux(
+            coef=float(c.router_aux_loss_coef),
+            num_experts=num_experts,
+            top_k=int(c.num_experts_per_tok),
+            moe_layers=moe_layers,
+        )
+
+    def router_module(self, layer: int) -> nn.Module | None:
+        """Decoder ``layer``'s router (None for a dense layer or a dense family)."""
+        path = self.family.router
+        if path is None or not 1 <= layer <= self.num_decoder_layers:
+            return None
+        mod, _ = self.decoder_part(layer)
+        try:
+            return mod.get_submodule(path)
+        except AttributeError:  # a dense layer of an MoE model (mlp_only_layers)
+            return None
 
     @property
     def lm_head_name(self) -> str:
         return f"{self._prefix}lm_head.weight"
+
+    @property
+    def rotary_keyed_by_layer_type(self) -> bool:
+        """The rotary module takes the layer type (Gemma 3: local and global tables)."""
+        return self.family.rotary_keyed_by_layer_type
 
     def make_rotary(self, device: torch.device | str) -> nn.Module:
         """A real (non-meta) rotary embedding module like the model's, on ``device``."""
@@ -523,7 +621,18 @@ class LayeredModel:
                 else:
                     key = _strip_peft(s.name).replace(".base_layer.", ".")
                     t = reader.get(key)
+                    if t is None and self.dequantize_mxfp4:
+                        t = reader.mxfp4(key)
                     if t is None:
+                        if reader.has(f"{key}_blocks"):
+                            raise ValueError(
+                                f"{path}: {key} is stored MXFP4-packed ({key}_blocks / "
+                                "_scales); RoundPipe trains bf16 / fp32 weights: use the "
+                                "bf16 checkpoint of this model (transformers writes one "
+                                "after loading with Mxfp4Config(dequantize=True)), or "
+                                "dequantise on load (LayeredModel dequantize_mxfp4=True, "
+                                "job spec model.dequantize: true)"
+                            )
                         missing.append(key)
                         continue
                     if tuple(t.shape) != s.shape:
@@ -599,23 +708,6 @@ class LayeredModel:
         return model
 
 
-def _resolve_architecture(config: Any) -> str:
-    model_type = getattr(config, "model_type", None)
-    arch = _MODEL_TYPE_TO_ARCH.get(model_type or "")
-    if arch is None:
-        raise ValueError(
-            f"unsupported model type {model_type!r}: supported architectures are "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    declared = list(getattr(config, "architectures", None) or [])
-    if declared and arch not in declared:
-        raise ValueError(
-            f"unsupported architecture {declared}: only causal LMs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} are supported"
-        )
-    return arch
-
-
 def _init_lora_tensor(spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
     t = torch.zeros(spec.shape)
     if ".lora_A." in spec.name:
@@ -649,6 +741,21 @@ class _SafetensorsDir:
             for k in h.keys():
                 self._where[k] = h
 
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    def mxfp4(self, key: str) -> torch.Tensor | None:
+        """``key`` dequantised from its MXFP4 ``_blocks`` / ``_scales`` (None if absent),
+        by transformers' own conversion: fp4 (e2m1) pairs per byte, low nibble first,
+        times 2^(scale - 127) per 32 values, transposed to the expert tensors' layout."""
+        blocks, scales = self._raw(f"{key}_blocks"), self._raw(f"{key}_scales")
+        if blocks is None or scales is None:
+            return None
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        # Every fp4 value times a power of two is exact in bf16 (and so in fp32).
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+
     def _raw(self, key: str) -> torch.Tensor | None:
         h = self._where.get(key)
         return None if h is None else h.get_tensor(key)
@@ -680,6 +787,23 @@ class _SafetensorsDir:
                 return None
             parts.append(t)
         return torch.stack(parts)
+
+
+def without_mxfp4(config: Any) -> Any:
+    """A copy of ``config`` without an MXFP4 ``quantization_config`` (what a model
+    dequantised on load is); any other quantisation method is refused."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return config
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    if str(method).lower() != "mxfp4":
+        raise ValueError(
+            f"cannot dequantise quantization_config.quant_method={method!r}: only MXFP4 "
+            "(GPT-OSS's packed experts) is dequantised on load"
+        )
+    out = copy.deepcopy(config)
+    del out.quantization_config
+    return out
 
 
 def model_config_dict(config: Any) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["GiB", "KiB", "MiB", "format_bytes", "parse_quantity"]
+__all__ = ["GiB", "KiB", "MiB", "format_bytes", "format_seconds", "parse_quantity"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -45,3 +45,12 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    """``2.5`` -> ``"2.50 s"``, ``0.0123`` -> ``"12.3 ms"``, ``4e-5`` -> ``"40 us"``."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"

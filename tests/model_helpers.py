@@ -14,7 +14,9 @@ from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import RngKey, StageExecutor
 
 __all__ = [
+    "ALL_ARCHS",
     "ARCHS",
+    "NEW_ARCHS",
     "IterationResult",
     "random_plan",
     "run_iteration",
@@ -26,12 +28,15 @@ __all__ = [
     "perturb_lora",
     "rel_err",
     "split_rows",
+    "new_family_overrides",
     "tiny_config",
 ]
 
 VOCAB = 256
 LORA_SPEC = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 ARCHS = ("llama", "qwen3", "qwen3_moe")
+NEW_ARCHS = ("mistral", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
+ALL_ARCHS = ARCHS + NEW_ARCHS
 
 # Uneven microbatch row counts of a 7-row global batch, per M.
 _SPLITS = {1: [7], 2: [4, 3], 3: [3, 1, 3], 5: [2, 1, 1, 2, 1]}
@@ -41,9 +46,13 @@ def tiny_config(arch: str, **overrides: object) -> object:
     """Tiny configs with grouped-query attention and 4 decoder layers.
 
     llama: tied embeddings; qwen3: head_dim 16 != hidden / heads (32 / 4 = 8);
-    qwen3_moe: 4 experts, top-2, one dense (mlp_only) layer.
+    qwen3_moe: 4 experts, top-2, one dense (mlp_only) layer. mistral: a 5-token sliding
+    window on every layer. gemma3_text: sliding / full layers (window 4) with their own
+    RoPE bases, tied embeddings. qwen3_5_text / qwen3_5_moe_text: linear, full, linear,
+    full attention (torch Gated DeltaNet path); the MoE one with 4 experts, top-2 and a
+    shared expert. gpt_oss: 4 experts with biases, top-2, sinks, sliding / full layers.
     """
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import AutoConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, object] = dict(
         vocab_size=VOCAB,
@@ -75,7 +84,70 @@ def tiny_config(arch: str, **overrides: object) -> object:
         )
         kw.update(overrides)
         return Qwen3MoeConfig(**kw)
-    raise ValueError(arch)
+    kw = dict(common, **new_family_overrides(arch))
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def new_family_overrides(arch: str) -> dict[str, object]:
+    """What the tiny configs of the families in NEW_ARCHS set beyond the common sizes
+    (plain data: job specs carry it as ``model.config``)."""
+    kw: dict[str, object] = dict(tie_word_embeddings=False)
+    if arch == "mistral":
+        kw.update(head_dim=8, sliding_window=5)
+    elif arch == "gemma3_text":
+        kw.update(
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+    elif arch in ("qwen3_5_text", "qwen3_5_moe_text"):
+        kw.update(
+            head_dim=8,
+            # 8 value heads: with 4, HF's own fp32 gradient of layer 0's dt_bias / A_log
+            # (sums that cancel) is 2e-5 from fp64, so a 1e-5 bar would measure fp32 noise.
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        )
+        if arch == "qwen3_5_moe_text":
+            kw.update(
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+            )
+    elif arch == "gpt_oss":
+        kw.update(
+            head_dim=8,
+            intermediate_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4,
+            },
+        )
+    else:
+        raise ValueError(arch)
+    return kw
 
 
 def batch(seed: int, rows: int = 7, seq: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +283,11 @@ def run_iteration(
     boundaries = plan.backward_boundaries()
 
     acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
+    # Router auxiliary loss: forward stages' (counts, prob sums) summed per microbatch for
+    # the tail; the tail's counts for the backward stages.
+    aux = model.router_aux is not None
+    batch_tokens = sum(t.numel() for t in ids) if aux else None
+    router_stats: list[torch.Tensor] | None = None
     x: list[torch.Tensor] = ids
     for a, b in plan.forward:
         res = executor.forward(
@@ -218,6 +295,11 @@ def run_iteration(
         )
         acts.update(res.saved)
         x = res.outputs
+        if aux:
+            if router_stats is None:
+                router_stats = res.router_stats
+            else:
+                router_stats = [s + t for s, t in zip(router_stats, res.router_stats)]
     grads: dict[str, torch.Tensor] = {}
 
     def collect(part: Mapping[str, torch.Tensor]) -> None:
@@ -236,6 +318,8 @@ def run_iteration(
         num_tokens,
         rng=rng,
         position_ids=position_ids,
+        router_stats=router_stats,
+        batch_tokens=batch_tokens,
     )
     collect(tail.weight_grads)
     dx = tail.grad_inputs
@@ -243,7 +327,15 @@ def run_iteration(
         saved = ids if a == 0 else acts[a]
         assert dx is not None
         res = executor.backward(
-            a, b, model.range_weights(cast, a, b), saved, dx, rng=rng, position_ids=position_ids
+            a,
+            b,
+            model.range_weights(cast, a, b),
+            saved,
+            dx,
+            rng=rng,
+            position_ids=position_ids,
+            router_counts=tail.router_counts if aux else None,
+            batch_tokens=batch_tokens,
         )
         collect(res.weight_grads)
         dx = res.grad_inputs

@@ -62,6 +62,8 @@ def tiny_spec(
     dtype: str = "float32",
     lr: float = 3e-4,
     optimizer: dict[str, Any] | None = None,
+    packing: str | None = None,
+    train: dict[str, Any] | None = None,
 ) -> JobSpec:
     """A tiny Qwen3 job on the shipped demo corpus.
 
@@ -91,8 +93,11 @@ def tiny_spec(
         "output": {"dir": str(output_dir)},
     }
     spec["optimizer"].update(optimizer or {})
+    spec["train"].update(train or {})
     if plan is not None:
         spec["train"]["plan"] = plan
+    if packing is not None:
+        spec["data"]["packing"] = packing
     if lora is not None:
         spec["lora"] = lora
     return JobSpec.from_dict(spec)
@@ -144,11 +149,20 @@ def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[s
         grad_model.zero_grad(set_to_none=True)
         batch = loader.batch_for_step(k)
         total = batch.num_label_tokens
+        batch_tokens = sum(ids.numel() for ids, _ in batch.microbatches)
         for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
             # Position ids restart per packed document: transformers then masks
             # attention block-diagonally, as the runtime does.
             out = grad_model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False)
-            (out.loss * (count_label_tokens(labels) / total)).backward()
+            loss = out.loss * (count_label_tokens(labels) / total)
+            if getattr(out, "aux_loss", None) is not None:
+                # transformers' loss holds coef * aux; a microbatch's aux counts with its
+                # share of the batch's tokens (Note [router auxiliary loss]).
+                coef = grad_model.config.router_aux_loss_coef
+                weighted = coef * out.aux_loss
+                loss = (out.loss - weighted) * (count_label_tokens(labels) / total)
+                loss = loss + weighted * (ids.numel() / batch_tokens)
+            loss.backward()
         grad_params = dict(grad_model.named_parameters())
         for n, p in trainable.items():
             g = grad_params[n].grad
@@ -195,11 +209,15 @@ class InProcessWorkers:
         with q.mutex:
             return q.queue[0] if q.queue else None
 
-    def dispatch(self, task: StageTask, worker_id: int) -> None:
+    # The trainer's WorkerPort (roundpipe.coordinator.job_events).
+    def send_task(self, task: StageTask, worker_id: int) -> None:
         self.queues[worker_id].put(task)
 
-    def workers(self) -> list[int]:
+    def live_workers(self) -> list[int]:
         return list(range(len(self.cores)))
+
+    def fence(self, worker_id: int, reason: str) -> None:
+        raise AssertionError(f"in-process worker {worker_id} fenced: {reason}")
 
     def _failed(self, task: StageTask, i: int, exc: BaseException) -> TaskFailed:
         return TaskFailed(
@@ -269,7 +287,7 @@ def trained_in_process(
     try:
         trainer.prepare(num_workers)
         pool = InProcessWorkers(trainer, num_workers, engine=engine)
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
         yield trainer
     finally:
         if pool is not None:

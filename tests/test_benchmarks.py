@@ -115,3 +115,31 @@ def test_checkpoint_benchmark_smoke() -> None:
     assert "# disk: sequential write" in out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT checkpoint_stall_steps=-?\d+\.\d{3} write_vs_disk=\d+\.\d\d", last)
+
+
+@pytest.mark.slow  # about 20 s: transformers builds three models
+def test_moe_benchmark_smoke() -> None:
+    """`moe.py --smoke`: the grouped MoE layer, the expert loop and the dense layer of the
+    same active parameter count all run (as forward + backward tasks of the executor)."""
+    lines = _run_benchmark("moe.py", "--smoke").splitlines()
+    rows = {line[:28].strip() for line in lines if line and not line.startswith(("#", "RESULT"))}
+    assert {
+        "moe grouped_mm (worker)",
+        "moe eager (expert loop)",
+        "dense, same active params",
+    } <= rows
+    assert re.fullmatch(r"RESULT moe_vs_dense=\d+\.\d\d grouped_vs_eager=\d+\.\d\d", lines[-1])
+
+
+@pytest.mark.slow
+def test_host_memory_benchmark_smoke() -> None:
+    """`host_memory.py --smoke`: a tiny job through the daemons; the table has every
+    predicted component and the measured figures, the RESULT line both numbers."""
+    out = _run_benchmark("host_memory.py", "--smoke")
+    rows = ("weights", "grads", "activations", "masters", "moments", "staging")
+    for row in (*rows, "checkpoint_staging", "total"):
+        assert re.search(rf"^predicted {row} +[\d,]+ +\d+\.\d\d$", out, re.M), (row, out)
+    assert re.search(r"^measured arenas \(/dev/shm\) +[\d,]+", out, re.M), out
+    assert re.fullmatch(
+        r"RESULT host_bytes_per_param=\d+\.\d\d predicted=\d+\.\d\d", out.splitlines()[-1]
+    )

@@ -22,7 +22,8 @@ from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.daemon import MAX_NAME_CHARS, MAX_TEXT_CHARS, Coordinator, JobRecord
+from roundpipe.coordinator.daemon import MAX_NAME_CHARS, Coordinator
+from roundpipe.coordinator.jobs import MAX_TEXT_CHARS, JobRecord
 from roundpipe.coordinator.jobspec import MAX_LISTED_PROBLEMS, MAX_SPEC_BYTES
 from roundpipe.coordinator.jobstore import JobStore
 from roundpipe.protocol import (
@@ -196,7 +197,7 @@ def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) 
         ProgressEvent(seq=k, step=k, loss=1.0 / k, tokens_per_s=1e6, lr=3e-4, time=float(k))
         for k in range(1, steps + 1)
     ]
-    c.jobs[job.job_id] = job
+    c.book.jobs[job.job_id] = job
     server = threading.Thread(target=c.serve, daemon=True)
     server.start()
     try:

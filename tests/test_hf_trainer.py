@@ -35,7 +35,7 @@ def run_runtime(spec: JobSpec, arena_dir: Path) -> tuple[list[float], dict[str, 
     try:
         trainer.prepare(2)
         pool = InProcessWorkers(trainer, 2)
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
         losses = [e.loss for e in trainer.progress]
         weights = {n: t for per in trainer.final_weights().values() for n, t in per.items()}
     finally:

@@ -116,8 +116,8 @@ def stop(c: Coordinator) -> None:
     c.zap.close()
     c.outbox.close()
     c.ctx.term()
-    assert c.store is not None
-    c.store.close()
+    assert c.book.store is not None
+    c.book.store.close()
 
 
 def test_coordinator_restart_requeues_running_and_keeps_paused(
@@ -130,17 +130,17 @@ def test_coordinator_restart_requeues_running_and_keeps_paused(
         reply = c._on_request(SubmitJob(spec=tiny_spec(tmp_path / name).to_dict()), OWNER)
         assert isinstance(reply, JobAccepted)
         ids.append(reply.job_id)
-    a, b, cc, d = (c.jobs[i] for i in ids)
-    c._set_state(a, "running", "")  # interrupted mid-run by the "crash" below
-    c._set_state(b, "paused", "cannot write checkpoint step 4: No space left on device")
-    c.store.update(b.job_id, checkpoint_step=2)
-    c._set_state(d, "succeeded", "model written")
+    a, b, cc, d = (c.book.jobs[i] for i in ids)
+    c.book.set_state(a, "running", "")  # interrupted mid-run by the "crash" below
+    c.book.set_state(b, "paused", "cannot write checkpoint step 4: No space left on device")
+    c.book.store.update(b.job_id, checkpoint_step=2)
+    c.book.set_state(d, "succeeded", "model written")
     stop(c)
 
     c = start(state, arena_dir, tmp_path)
     try:
-        assert c._queue == [ids[0], ids[2]]  # submission order, the interrupted one first
-        a, b, cc, d = (c.jobs[i] for i in ids)
+        assert c.book.queue == [ids[0], ids[2]]  # submission order, the interrupted one first
+        a, b, cc, d = (c.book.jobs[i] for i in ids)
         assert a.state == "queued" and "interrupted by a coordinator restart" in a.message
         assert b.state == "paused" and "No space left" in b.message
         listed = c._on_request(ListJobs(), OWNER)
@@ -150,17 +150,17 @@ def test_coordinator_restart_requeues_running_and_keeps_paused(
 
         assert isinstance(c._on_request(ResumeJob(job_id=b.job_id), OWNER), Ack)
         assert b.state == "queued" and "checkpoint step 2" in b.message
-        assert c._queue[-1] == b.job_id
+        assert c.book.queue[-1] == b.job_id
         # Resuming a job that is queued (here: resumed automatically after the restart)
         # is a no-op success: it keeps its place and its message.
         assert isinstance(c._on_request(ResumeJob(job_id=a.job_id), OWNER), Ack)
-        assert c._queue.count(a.job_id) == 1 and "coordinator restart" in a.message
+        assert c.book.queue.count(a.job_id) == 1 and "coordinator restart" in a.message
         for job_id, code in ((d.job_id, "bad_state"), ("x", "unknown_job")):
             reply = c._on_request(ResumeJob(job_id=job_id), OWNER)
             assert isinstance(reply, ErrorReply) and reply.code == code, reply
         assert "model.resume_from" in c._on_request(ResumeJob(job_id=d.job_id), OWNER).message
         assert isinstance(c._on_request(CancelJob(job_id=b.job_id), OWNER), Ack)
-        assert b.state == "cancelled" and b.job_id not in c._queue
+        assert b.state == "cancelled" and b.job_id not in c.book.queue
     finally:
         stop(c)
     store = JobStore.in_state_dir(state)
@@ -180,9 +180,9 @@ def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_
     data.unlink()
     c = start(state, arena_dir, tmp_path)
     try:
-        job = c.jobs[job_id]
+        job = c.book.jobs[job_id]
         assert job.state == "failed" and "no longer valid" in job.message
-        assert "data.path" in job.message and c._queue == []
+        assert "data.path" in job.message and c.book.queue == []
         reply = c._on_request(ResumeJob(job_id=job_id), OWNER)
         assert isinstance(reply, ErrorReply) and reply.code == "bad_spec"
     finally:

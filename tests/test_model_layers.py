@@ -218,14 +218,19 @@ def test_load_errors(tmp_path: Path) -> None:
 
 
 def test_unsupported_and_unbuildable_configs(tmp_path: Path) -> None:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig
+    from transformers import GPT2Config, LlamaConfig, PhiConfig
 
     assert SUPPORTED_ARCHITECTURES == (
         "LlamaForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "MistralForCausalLM",
+        "Gemma3ForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "GptOssForCausalLM",
     )
-    for cfg in (MistralConfig(), GPT2Config()):
+    for cfg in (PhiConfig(), GPT2Config()):
         with pytest.raises(ValueError, match="supported architectures are LlamaForCausalLM"):
             LayeredModel.from_config(cfg)
     seq = LlamaConfig(architectures=["LlamaForSequenceClassification"])
@@ -235,7 +240,7 @@ def test_unsupported_and_unbuildable_configs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="transformers cannot build LlamaForCausalLM"):
         LayeredModel.from_config(bad)
     with pytest.raises(ValueError, match="output_router_logits"):
-        LayeredModel.from_config(tiny_config("qwen3_moe", output_router_logits=True))
+        LayeredModel.from_config(tiny_config("llama", output_router_logits=True))
     with pytest.raises(ValueError, match="needs 'model_type'"):
         LayeredModel.from_config({"hidden_size": 8})
     with pytest.raises(ValueError, match="cannot build a config"):

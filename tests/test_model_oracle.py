@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_helpers import (  # noqa: E402
-    ARCHS,
+    ALL_ARCHS,
     LORA_SPEC,
     assert_grads_close,
     batch,
@@ -72,7 +72,7 @@ def setup(arch: str, lora: bool = False):
 
 @pytest.mark.parametrize("kind", PLAN_KINDS)
 @pytest.mark.parametrize("m", [1, 3, 5])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_stages_match_transformers(arch: str, m: int, kind: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch)
     plan = make_plan(kind, model.num_layers, f"{arch}-{m}")
@@ -108,7 +108,9 @@ def test_tied_embedding_gets_both_contributions() -> None:
 
 @pytest.mark.parametrize("kind", ["whole", "uneven", "random0"])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3_moe", "mistral", "gemma3_text", "qwen3_5_moe_text", "gpt_oss"]
+)
 def test_lora_matches_peft(arch: str, m: int, kind: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch, lora=True)
     assert ref_grads and all(".lora_" in n for n in ref_grads)
@@ -122,7 +124,7 @@ def test_lora_matches_peft(arch: str, m: int, kind: str) -> None:
     assert set(res.grads) == set(model.trainable_names)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_bf16_within_bf16_tolerance(arch: str) -> None:
     model, weights, ids, labels, ref_loss, ref_grads = setup(arch)
     plan = make_plan("uneven", model.num_layers, arch)
@@ -218,7 +220,7 @@ def _arena_views(weights: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_lora_all_linear_default_matches_peft(arch: str) -> None:
     """target_modules all-linear (the job spec's default) has peft's meaning on every
     architecture, including Qwen3-MoE, where peft adapts the fused experts and the router
@@ -254,3 +256,64 @@ def test_lora_all_linear_default_matches_peft(arch: str) -> None:
     )
     assert abs(res.loss - ref_loss) <= TOL * abs(ref_loss)
     assert_grads_close(res.grads, ref_grads, TOL, f"all-linear {arch}")
+
+
+def _hf_router_reference(
+    model: LayeredModel, weights, microbatches
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers with output_router_logits, one forward per microbatch: each adds its
+    summed token losses / N and coef * (its tokens / batch tokens) * its aux loss.
+    Note [router auxiliary loss]."""
+    from roundpipe.shared.model import count_label_tokens, shift_labels
+
+    hf = model.to_hf_model(weights)
+    n = sum(count_label_tokens(y) for _, y in microbatches)
+    batch_tokens = sum(x.numel() for x, _ in microbatches)
+    coef = model.config.router_aux_loss_coef
+    total = 0.0
+    for x, y in microbatches:
+        out = hf(input_ids=x, output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(
+            out.logits.reshape(-1, out.logits.shape[-1]).float(),
+            shift_labels(y).reshape(-1),
+            reduction="sum",
+        )
+        loss = ce / n + coef * (x.numel() / batch_tokens) * out.aux_loss
+        loss.backward()
+        total += float(loss.detach())
+    grads = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).float()
+        for name, p in hf.named_parameters()
+        if p.requires_grad
+    }
+    return total, grads
+
+
+@pytest.mark.parametrize("kind", ["whole", "single", "random0", "random1"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
+def test_router_aux_loss_matches_transformers(arch: str, m: int, kind: str) -> None:
+    """output_router_logits: the load-balancing loss and its gradients (router weights
+    included) equal transformers', for any plan; with one microbatch that is exactly
+    ``model(input_ids, labels=...).loss`` (LM + coef * aux)."""
+    # A large coefficient so the aux loss moves the router gradients well beyond 1e-5.
+    config = tiny_config(arch, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = LayeredModel.from_config(config)
+    assert model.router_aux is not None and model.router_aux.num_experts == 4
+    weights = model.init_weights(seed=11)
+    ids, labels = batch(seed=3)
+    mbs = split_rows(ids, labels, m)
+    ref_loss, ref_grads = _hf_router_reference(model, weights, mbs)
+    if m == 1:
+        whole_loss, _ = hf_reference(model, weights, ids, labels)  # HF's own loss + aux
+        assert abs(whole_loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    plan = make_plan(kind, model.num_layers, f"aux-{arch}-{m}")
+    res = run_iteration(model, plan, weights, mbs, StageExecutor(model))
+    ctx = f"aux {arch} M={m} {plan}"
+    assert abs(res.loss - ref_loss) <= TOL * abs(ref_loss), f"{ctx}: {res.loss} vs {ref_loss}"
+    assert_grads_close(res.grads, ref_grads, TOL, ctx)
+    # The aux loss is really in there: without it the router gradient differs.
+    plain = LayeredModel.from_config(tiny_config(arch))
+    _, no_aux = hf_reference(plain, weights, ids, labels)
+    router = next(n for n in ref_grads if ".mlp.gate.weight" in n or ".mlp.router.weight" in n)
+    assert rel_err(no_aux[router], ref_grads[router]) > 1e-3

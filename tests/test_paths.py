@@ -169,6 +169,56 @@ def test_checkpoint_modes_come_from_the_code_not_the_umask(tmp_path: Path, chose
         assert stat.S_IMODE(p.stat().st_mode) == expected, p
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
+    tree: Path, arena_dir: Path, lora: bool
+) -> None:
+    """In a write root others can write to, the output directory is renamed away and a
+    link put in its place after the trainer checked it, while the checkpoint's files are
+    being written: they all land in the checked directory, the link's target gets
+    nothing, and the next checkpoint is refused."""
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.coordinator.trainer import JobFailed, Trainer
+
+    (tree / "write").chmod(0o777)  # the shared write root the attack needs
+    out = tree / "write" / "swapped"
+    spec = tiny_spec(out, steps=2, lora={"r": 4} if lora else None)
+    trainer = Trainer(
+        "job-swap",
+        spec,
+        arena_dir=arena_dir,
+        namespace="swaptest",
+        output_dir=out,
+        paths=PathPolicy.create([tree / "read", DEMO_DATA], [tree / "write"]),
+    )
+    write_model = trainer.write_hf_model
+
+    def swap_then_write(directory: Path) -> None:
+        out.rename(tree / "write" / "swapped-away")
+        out.symlink_to(tree / "victim")
+        write_model(directory)
+
+    try:
+        trainer.prepare(1)
+        trainer.write_hf_model = swap_then_write  # type: ignore[method-assign]
+        path = trainer.save_checkpoint(1)
+        trainer.write_hf_model = write_model  # type: ignore[method-assign]
+        assert path == out / "checkpoints" / "step-00000001"
+        with pytest.raises(JobFailed, match="symbolic link"):
+            trainer.save_checkpoint(2)
+        with pytest.raises(JobFailed, match="symbolic link"):
+            trainer.export()
+    finally:
+        trainer.close()
+    assert list((tree / "victim").iterdir()) == []
+    away = CheckpointDir(tree / "write" / "swapped-away" / "checkpoints")
+    assert [c.step for c in away.complete("job-swap")] == [1]
+    assert away.find_latest("job-swap") is not None
+    if lora:
+        assert (tree / "write" / "swapped-away" / "base_model" / "config.json").is_file()
+
+
 # --------------------------------------------------------------------------- the coordinator
 
 

@@ -58,13 +58,15 @@ from roundpipe.protocol import (
     TaskDone,
     TensorRef,
     Welcome,
+    codec,
     decode,
     decode_as,
     dtype_to_name,
     encode,
+    messages,
     name_to_dtype,
     replace,
-    wire,
+    schema,
 )
 
 _HDR = b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")  # the header of this version
@@ -124,14 +126,14 @@ def _for_annotation(tp: Any) -> st.SearchStrategy[Any]:
         lo: float | None = None
         hi: float | None = None
         non_empty = False
-        for mark in marks:
-            if isinstance(mark, wire._Ge):
-                lo = mark.minimum
-            elif isinstance(mark, wire._Gt):
-                lo = mark.minimum + 1e-6
-            elif isinstance(mark, wire._Le):
-                hi = mark.maximum
-            elif isinstance(mark, wire._NonEmpty):
+        for mark in marks:  # the constraints, written once as msgspec.Meta
+            if mark.ge is not None:
+                lo = mark.ge
+            if mark.gt is not None:
+                lo = mark.gt + 1e-6
+            if mark.le is not None:
+                hi = mark.le
+            if mark.min_length:
                 non_empty = True
         if base is int:
             return st.integers(int(lo) if lo is not None else _INT64_MIN, hi or _UINT64_MAX)
@@ -339,7 +341,7 @@ def _ref(**overrides: Any) -> TensorRef:
 
 def _at(cls: type, name: str) -> int:
     """Position of a field in the wire array of a nested record."""
-    return [spec.name for spec in wire._SPECS[cls]].index(name)  # type: ignore[attr-defined]
+    return [spec.name for spec in schema._SPECS[cls]].index(name)  # type: ignore[attr-defined]
 
 
 def _mb(index: int = 0, **overrides: Any) -> MicrobatchIO:
@@ -454,11 +456,11 @@ def _outcome(frames: Any, **kw: Any) -> Message | ProtocolError:
 
 
 def _decode_reference(frames: Any, **kw: Any) -> Message:
-    wire._FAST_DECODE = False  # type: ignore[attr-defined]
+    codec._FAST_DECODE = False  # type: ignore[attr-defined]
     try:
         return decode(frames, **kw)
     finally:
-        wire._FAST_DECODE = True  # type: ignore[attr-defined]
+        codec._FAST_DECODE = True  # type: ignore[attr-defined]
 
 
 def _described(make: Callable[[], Any]) -> str:
@@ -489,14 +491,14 @@ def test_round_trip_every_message_type(type_name: str, data: st.DataObject) -> N
     assert encode(back) == frames  # encoding is deterministic
     assert decode_as(frames, cls) == msg
     # What this encoder writes, the compiled decoder takes without the reference's help.
-    assert repr(wire._DECODERS[cls].decode(body)) == repr(msg)  # type: ignore[attr-defined]
+    assert repr(schema._DECODERS[cls].decode(body)) == repr(msg)  # type: ignore[attr-defined]
 
 
 def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any) -> None:
         raise AssertionError("the reference path was used")
 
-    monkeypatch.setattr(wire, "_decode_reference", refuse)
+    monkeypatch.setattr(codec, "_decode_reference", refuse)
     for task in (_stage_task(), _backward_task(), _tail_task(layer_start=0)):
         assert decode(encode(task)) == task
     assert decode(encode(_hello())) == _hello()
@@ -512,7 +514,7 @@ def test_records_that_hold_no_records_are_built_by_the_compiled_codec(
     def refuse(*args: Any) -> None:
         raise AssertionError("the reference path was used")
 
-    monkeypatch.setattr(wire, "_build", refuse)
+    monkeypatch.setattr(schema, "_build", refuse)
     assert _ref() == _ref(shape=[2, 3], stride=[3, 1])  # lists are stored as tuples
     assert _hello() == decode(encode(_hello()))
     done = TaskDone(job_id="j", task_id=1, attempt=0, worker_id=2, seconds=1, layer_times={})
@@ -538,18 +540,18 @@ def test_every_message_type_is_registered_and_exported() -> None:
 
 
 def test_docstring_lists_every_message_and_every_field_is_documented() -> None:
-    doc = wire.__doc__ or ""
-    source = inspect.getsource(wire)
+    doc = messages.__doc__ or ""
+    source = inspect.getsource(messages)
     lines = source.splitlines()
     classes = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
-    structs = [c for c in vars(wire).values() if isinstance(c, type) and issubclass(c, Struct)]
+    structs = [c for c in vars(messages).values() if isinstance(c, type) and issubclass(c, Struct)]
     assert len(structs) > len(MESSAGE_TYPES)
     for cls in structs:
         if cls in (Struct, Message):
             continue
         assert re.search(rf"\b{cls.__name__}\b", doc), f"{cls.__name__} missing from docstring"
         fields = [n for n in classes[cls.__name__].body if isinstance(n, ast.AnnAssign)]
-        assert [f.target.id for f in fields] == [s.name for s in wire._SPECS[cls]]  # type: ignore[attr-defined]
+        assert [f.target.id for f in fields] == [s.name for s in schema._SPECS[cls]]  # type: ignore[attr-defined]
         for f in fields:
             above = lines[f.lineno - 2].strip()
             assert above.startswith("#:"), f"{cls.__name__}.{f.target.id} has no #: comment"  # type: ignore[attr-defined]
@@ -572,7 +574,7 @@ def test_tuple_fields_decode_to_tuples() -> None:
 def test_nested_records_travel_as_arrays() -> None:
     frames = encode(_stage_task())
     body = _body(frames)
-    assert list(body) == [spec.name for spec in wire._SPECS[StageTask]]  # type: ignore[attr-defined]
+    assert list(body) == [spec.name for spec in schema._SPECS[StageTask]]  # type: ignore[attr-defined]
     ref = body["microbatches"][0][_at(MicrobatchIO, "input")]
     assert ref == ["acts", 0, "bfloat16", [2, 3], [3, 1]]
     # Trailing fields with a default may be left out of an array.
@@ -877,7 +879,7 @@ def _unchecked(cls: type) -> Iterator[None]:
     message, as a buggy or hostile peer would): a valid instance gets the field values
     written over it."""
     template = {StageTask: _stage_task}[cls]()
-    real_build = wire._build  # type: ignore[attr-defined]
+    real_build = schema._build  # type: ignore[attr-defined]
 
     def build(c: type, values: dict[str, Any]) -> Any:
         if c is not cls:
@@ -887,11 +889,11 @@ def _unchecked(cls: type) -> Iterator[None]:
             msgspec.structs.force_setattr(obj, name, value)
         return obj
 
-    wire._build = build  # type: ignore[attr-defined]
+    schema._build = build  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        wire._build = real_build  # type: ignore[attr-defined]
+        schema._build = real_build  # type: ignore[attr-defined]
 
 
 def test_valid_tasks_of_every_kind() -> None:
@@ -992,8 +994,8 @@ def test_version_mismatch_and_reject_handshake(monkeypatch: pytest.MonkeyPatch) 
     reject = encode(Reject(reason=str(err), expected_version=err.expected_version))
     assert decode_as(reject, Reject).expected_version == PROTOCOL_VERSION
     # ... which the newer worker cannot read, but learns exactly why.
-    monkeypatch.setattr(wire, "PROTOCOL_VERSION", theirs)
-    monkeypatch.setattr(wire, "_HEADER", b"RP" + theirs.to_bytes(2, "big"))
+    monkeypatch.setattr(codec, "PROTOCOL_VERSION", theirs)
+    monkeypatch.setattr(codec, "_HEADER", b"RP" + theirs.to_bytes(2, "big"))
     with pytest.raises(ProtocolVersionError) as info:
         decode(reject)
     assert (info.value.seen_version, info.value.expected_version) == (ours, theirs)
@@ -1112,7 +1114,7 @@ def test_body_size_limits() -> None:
 
 def test_any_values_nested_too_deep_are_refused() -> None:
     deep: Any = 1
-    for _ in range(wire.MAX_ANY_DEPTH + 1):
+    for _ in range(schema.MAX_ANY_DEPTH + 1):
         deep = [deep]
     with pytest.raises(ProtocolError, match="nested at most"):
         _stage_task(options={"x": deep})
@@ -1364,11 +1366,11 @@ def test_construction_of_odd_values_agrees_with_the_wire(data: st.DataObject) ->
     # values (or by values of another field): construction either raises ProtocolError
     # or builds a record that survives the wire unchanged, through both decode paths.
     records = sorted(
-        (c for c in wire._SPECS if c not in (Struct, Message)),  # type: ignore[attr-defined]
+        (c for c in schema._SPECS if c not in (Struct, Message)),  # type: ignore[attr-defined]
         key=lambda c: c.__name__,
     )
     cls = data.draw(st.sampled_from(records))
-    specs = wire._SPECS[cls]  # type: ignore[attr-defined]
+    specs = schema._SPECS[cls]  # type: ignore[attr-defined]
     valid = data.draw(for_struct(cls))
     kw = {spec.name: getattr(valid, spec.name) for spec in specs}
     if kw:
@@ -1377,7 +1379,7 @@ def test_construction_of_odd_values_agrees_with_the_wire(data: st.DataObject) ->
             name = data.draw(st.sampled_from(sorted(kw)))
             kw[name] = data.draw(st.sampled_from(_ODD_VALUES + donors))
     outcome = _described(lambda: cls(**kw))
-    with mock.patch.dict(wire._FLAT_DECODERS, clear=True):  # type: ignore[attr-defined]
+    with mock.patch.dict(schema._FLAT_DECODERS, clear=True):  # type: ignore[attr-defined]
         assert _described(lambda: cls(**kw)) == outcome  # the reference builds the same
     try:
         built = cls(**kw)

@@ -44,6 +44,7 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
     verify_checkpoint,
 )
+from roundpipe.coordinator.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, model_config_from_spec
 from roundpipe.coordinator.trainer import JobCancelled, JobPaused, Trainer
 from roundpipe.shared.model import LayeredModel
@@ -67,6 +68,12 @@ def train(
 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]] | None:
     """Run the job through a Trainer; with ``stop_after``, cancel it right after the
     checkpoint of that step and return None. Else (weights by name, [(step, loss)])."""
+
+    def on_event(event: JobEvent) -> None:
+        if isinstance(event, CheckpointWritten):
+            if stop_after is not None and event.step >= stop_after:
+                trainer.cancel()
+
     trainer = Trainer(
         job_id,
         spec,
@@ -74,18 +81,15 @@ def train(
         namespace="resumetest",
         output_dir=Path(spec.output.dir),
         wait_timeout_s=60,
+        on_event=on_event,
     )
     pool = None
-
-    def on_checkpoint(step: int, path: Path) -> None:
-        if stop_after is not None and step >= stop_after:
-            trainer.cancel()
 
     try:
         trainer.prepare(workers)
         pool = InProcessWorkers(trainer, workers)
         try:
-            trainer.run(pool.dispatch, pool.workers, on_checkpoint=on_checkpoint)
+            trainer.run(pool)
         except JobCancelled:
             assert stop_after is not None
             return None

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from roundpipe.client import Client
-from roundpipe.coordinator.daemon import Coordinator, JobRecord
+from roundpipe.coordinator.daemon import Coordinator
+from roundpipe.coordinator.jobs import JobRecord
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
 
@@ -73,7 +74,7 @@ def coordinator(tmp_path: Path, arena_dir: Path) -> Iterator[Coordinator]:
     c = Coordinator(f"ipc://{sock_dir}/c.sock", tmp_path / "state", arena_dir)
     c.bind()
     job = JobRecord("job-of-root", None, state="paused", total_steps=3, owner="unix:root")
-    c.jobs[job.job_id] = job
+    c.book.jobs[job.job_id] = job
     server = threading.Thread(target=c.serve, daemon=True)
     server.start()
     try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.coordinator.planner import HardwareSpec, LayerCost, bound_baseline, plan_stages
-from roundpipe.coordinator.simulator import (
+from roundpipe.coordinator.planning.baselines import bound_baseline
+from roundpipe.coordinator.planning.costs import LayerCost
+from roundpipe.coordinator.planning.hardware import HardwareSpec
+from roundpipe.coordinator.planning.search import plan_stages
+from roundpipe.coordinator.planning.simulator import (
     BoundStage,
     SimStage,
     simulate_bound,

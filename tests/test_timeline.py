@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from roundpipe.cli import main as cli_main
-from roundpipe.coordinator.simulator import SimStage, simulate_roundpipe
+from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
 from roundpipe.coordinator.timeline import (
     TaskRecord,
     TimelineRecorder,

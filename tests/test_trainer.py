@@ -100,7 +100,7 @@ def test_lora_default_targets_train_and_export(tmp_path, arena_dir, arch) -> Non
     try:
         trainer.prepare(2)
         pool = InProcessWorkers(trainer, 2)
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
         runtime = {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
         trainer.export(tmp_path / "export")
     finally:
@@ -162,7 +162,7 @@ def test_model_dir_without_tokenizer_trains_token_data_and_exports_no_tokenizer(
         rows = trainer.dataset.tokens[:, :32].reshape(-1)[: len(stream)].tolist()
         assert rows == stream  # no separator anywhere
         pool = InProcessWorkers(trainer, 2)
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
         out = trainer.export()
     finally:
         if pool is not None:
@@ -178,7 +178,7 @@ def test_model_dir_without_tokenizer_trains_token_data_and_exports_no_tokenizer(
 def _run_with(trainer: Trainer, num_workers: int) -> dict[str, torch.Tensor]:
     pool = InProcessWorkers(trainer, num_workers)
     try:
-        trainer.run(pool.dispatch, pool.workers)
+        trainer.run(pool)
     finally:
         pool.close()
     return {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
@@ -250,7 +250,7 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
     """Measured costs (here: the prior with layer 1 five times slower, so the outcome does
     not depend on this machine's timing noise) make the real planner pick another plan,
     and the trainer switches to it mid-run without changing any number."""
-    from roundpipe.coordinator.planner import replan_if_better
+    from roundpipe.coordinator.planning.search import replan_if_better
 
     spec = tiny_spec(tmp_path, staleness=1, steps=8)
     trainer = new_trainer(spec, arena_dir)

@@ -50,7 +50,10 @@ Note [chunked LM head]
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +110,10 @@ class ForwardResult:
     """Layer -> its input per microbatch, for each saved layer (empty if streamed).
 
     Layer 0's "input" is the microbatch's input_ids."""
+    router_stats: list[torch.Tensor] = field(default_factory=list)
+    """With a router auxiliary loss: per microbatch fp32 ``[2, experts]``, the top-k
+    pick counts and the router-probability sums over this stage's MoE layers. Note
+    [router auxiliary loss] (roundpipe.shared.model)."""
 
 
 @dataclass
@@ -124,6 +131,12 @@ class TailResult:
     normalisation]). Reading it as numbers synchronises; the runtime downloads it."""
     grad_inputs: list[torch.Tensor] | None
     weight_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_losses: torch.Tensor | None = None
+    """fp32 ``[M]``: each microbatch's weighted router auxiliary loss, already included
+    in ``losses`` (None without one)."""
+    router_counts: list[torch.Tensor] = field(default_factory=list)
+    """Per microbatch fp32 ``[experts]``: the top-k counts over every MoE layer, which the
+    backward stages need. Note [router auxiliary loss]."""
 
     @property
     def microbatch_losses(self) -> list[float]:
@@ -182,19 +195,44 @@ class _StageContext:
                     f"[{rows}, {seq}]"
                 )
             self.position_ids = position_ids.to(h.device, torch.int64, non_blocking=True)
-        self.position_embeddings = ex._rotary(h, self.position_ids)
+        self._given_positions = position_ids is not None
         self._h = h
         self._ex = ex
         self._masks: dict[str, torch.Tensor | None] = {}
+        self._rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def position_embeddings(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary (cos, sin) for a layer of ``layer_type`` (one table unless the family's
+        rotary is keyed by layer type)."""
+        key = layer_type if self._ex.model.rotary_keyed_by_layer_type else None
+        if key not in self._rotary:
+            args = (
+                (self._h, self.position_ids) if key is None else (self._h, self.position_ids, key)
+            )
+            self._rotary[key] = self._ex._rotary(*args)
+        return self._rotary[key]
 
     def mask(self, kind: str) -> torch.Tensor | None:
         if kind not in self._masks:
             from transformers.masking_utils import (
                 create_causal_mask,
+                create_recurrent_attention_mask,
                 create_sliding_window_causal_mask,
             )
 
-            fn = create_sliding_window_causal_mask if kind == "sliding" else create_causal_mask
+            if kind == "recurrent" and self._given_positions and _restarts(self.position_ids):
+                # A linear-attention layer carries one state along the whole row; it
+                # cannot keep packed documents apart as the attention masks do.
+                raise ValueError(
+                    f"{self._ex.model.architecture} has linear-attention layers, which "
+                    "would mix the packed documents of a row: set data.packing to 'none' "
+                    "for this model"
+                )
+            fn = {
+                "full": create_causal_mask,
+                "sliding": create_sliding_window_causal_mask,
+                "recurrent": create_recurrent_attention_mask,
+            }[kind]
             # No padding mask: rows are packed / right-padded and causal, so pads never
             # reach real tokens; with SDPA and plain positions this yields None
             # (is_causal), exactly as HF. Packed documents: Note [packed documents].
@@ -202,10 +240,26 @@ class _StageContext:
                 config=self._ex.model.config,
                 inputs_embeds=self._h,
                 attention_mask=None,
-                past_key_values=None,
                 position_ids=self.position_ids,
+                **{_cache_kwarg(fn): None},
             )
         return self._masks[kind]
+
+
+@functools.cache
+def _cache_kwarg(fn: Callable) -> str:
+    """The name transformers' mask function gives its (required) cache argument: ``cache``
+    from 5.24 on, ``past_key_values`` before (still accepted, with a warning, until 5.40)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether some row's positions restart (packed documents). Asked only for models with
+    linear-attention layers (one device sync per microbatch and stage there)."""
+    p = position_ids
+    if p.shape[-1] < 2:
+        return False
+    return bool((p[..., 1:] != p[..., :-1] + 1).any())
 
 
 class StageExecutor:
@@ -240,6 +294,9 @@ class StageExecutor:
         else:
             self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
+        self._install_router_hooks()
+        # Declared non-rotary buffers (Gemma 3's embedding scale), made once per executor.
+        self._part_buffers: dict[int, dict[str, torch.Tensor]] = {}
         # Times each layer's forward (the planner's profile) when the caller sets it per
         # task: host clock on the CPU, CUDA events on a GPU (roundpipe.worker.transfer).
         self.stopwatch: Stopwatch | None = None
@@ -261,6 +318,7 @@ class StageExecutor:
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_output: Callable[[int, torch.Tensor], None] | None = None,
         on_saved: Callable[[int, int, torch.Tensor], None] | None = None,
+        on_router_stats: Callable[[int, torch.Tensor], None] | None = None,
     ) -> ForwardResult:
         """Run layers [start, stop) over every microbatch, without autograd.
 
@@ -269,6 +327,8 @@ class StageExecutor:
         that is in ``save_layers`` is kept. With ``on_output(m, t)`` / ``on_saved(layer,
         m, t)`` tensors are handed over as soon as they exist instead of being returned.
         ``position_ids[m]`` are microbatch m's position ids (Note [packed documents]).
+        ``on_router_stats(m, t)`` receives microbatch m's router statistics (before its
+        output) instead of ``router_stats``.
         """
         self._check_range(start, stop, tail=False)
         keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
@@ -278,6 +338,7 @@ class StageExecutor:
             for m, x in enumerate(inputs):
                 x = self._input(x, start)
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, stop):
                     if layer in result.saved:
                         if on_saved is not None:
@@ -285,6 +346,13 @@ class StageExecutor:
                         else:
                             result.saved[layer].append(x)
                     x, ctx = self._run_layer(layer, x, bound, ctx, rng, m, position_ids)
+                stats = self._router_stats()
+                if stats is not None:
+                    packed = torch.stack([stats[0], stats[1]])
+                    if on_router_stats is not None:
+                        on_router_stats(m, packed)
+                    else:
+                        result.router_stats.append(packed)
                 if on_output is not None:
                     on_output(m, x)
                 else:
@@ -304,6 +372,8 @@ class StageExecutor:
         rng: RngKey = RngKey(),
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+        router_counts: Sequence[torch.Tensor] | None = None,
+        batch_tokens: int | None = None,
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
 
@@ -312,8 +382,12 @@ class StageExecutor:
         gradients (None for start == 0) and fp32 weight gradients summed over microbatches.
         With ``on_grad_input(m, t)`` each input gradient is handed over as soon as it
         exists (so the previous stage can start) and ``grad_inputs`` comes back empty.
+        With a router auxiliary loss, ``router_counts[m]`` (the tail's) and
+        ``batch_tokens`` (tokens of the global batch) give its gradient. Note [router
+        auxiliary loss] (roundpipe.shared.model).
         """
         self._check_range(start, stop, tail=False)
+        self._check_aux("backward", router_counts, batch_tokens, len(saved_inputs))
         if len(saved_inputs) != len(grad_outputs):
             raise ValueError(
                 f"backward {start}:{stop}: {len(saved_inputs)} saved inputs but "
@@ -333,9 +407,17 @@ class StageExecutor:
                 g = self._hidden(g, "grad_outputs")
                 out = x
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, stop):
                     out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, position_ids)
-                gx = self._backprop(out, g, x if start > 0 else None, bound, acc)
+                extra = None
+                stats = self._router_stats()
+                if stats is not None:
+                    assert router_counts is not None and batch_tokens is not None
+                    counts = router_counts[m].to(self.device, torch.float32)
+                    scale = self._aux_scale(x, batch_tokens)
+                    extra = scale * (counts * stats[1]).sum()
+                gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
                 _emit(grad_inputs, on_grad_input, m, gx)
                 del out, ctx
         return BackwardResult(grad_inputs, acc)
@@ -352,6 +434,9 @@ class StageExecutor:
         rng: RngKey = RngKey(),
         position_ids: Sequence[torch.Tensor | None] | None = None,
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
+        router_stats: Sequence[torch.Tensor] | None = None,
+        batch_tokens: int | None = None,
+        on_router_counts: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
@@ -359,9 +444,19 @@ class StageExecutor:
         passed to HF's ``model(input_ids, labels=...)``, or the same prepared on the host
         (``TailLabels``, what a GPU worker passes). ``num_label_tokens`` is the
         global batch's count (``count_label_tokens`` summed over all microbatches).
-        ``on_grad_input`` streams input gradients as in ``backward``.
+        ``on_grad_input`` streams input gradients as in ``backward``. With a router
+        auxiliary loss, ``router_stats[m]`` (the forward stages' summed
+        ``ForwardResult.router_stats``; None when the tail starts at layer 0) and
+        ``batch_tokens`` (tokens of the global batch) complete it here;
+        ``on_router_counts(m, t)`` receives microbatch m's complete counts before its
+        input gradient (they are in ``router_counts`` either way). Note [router
+        auxiliary loss] (roundpipe.shared.model).
         """
         self._check_range(start, stop, tail=True)
+        if router_stats is not None or start > 0:
+            self._check_aux("tail", router_stats, batch_tokens, len(inputs))
+        elif self.model.router_aux is not None and batch_tokens is None:
+            raise ValueError("tail: the router auxiliary loss needs batch_tokens")
         if len(inputs) != len(labels):
             raise ValueError(f"tail: {len(inputs)} inputs but {len(labels)} label tensors")
         if not inputs:
@@ -378,6 +473,8 @@ class StageExecutor:
         norm_layer = self.model.num_layers - 1
         acc: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []  # kept on the device: one sync at the end
+        aux_losses: list[torch.Tensor] = []
+        router_counts: list[torch.Tensor] = []
         grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
         with self._rng_scope(), torch.enable_grad():
             for m, (x, y) in enumerate(zip(inputs, labels)):
@@ -386,8 +483,26 @@ class StageExecutor:
                     x = x.detach().requires_grad_(True)
                 h = x
                 ctx: _StageContext | None = None
+                self._start_capture()
                 for layer in range(start, norm_layer):
                     h, ctx = self._run_layer(layer, h, bound, ctx, rng, m, position_ids)
+                extra = None
+                stats = self._router_stats()
+                if stats is not None:
+                    assert batch_tokens is not None
+                    counts, probs = stats
+                    if router_stats is not None:
+                        upstream = router_stats[m].to(self.device, torch.float32)
+                        counts = counts + upstream[0]
+                        total_probs = probs.detach() + upstream[1]
+                    else:
+                        total_probs = probs.detach()
+                    scale = self._aux_scale(x, batch_tokens)
+                    aux_losses.append(scale * (counts * total_probs).sum())
+                    router_counts.append(counts)
+                    if on_router_counts is not None:
+                        on_router_counts(m, counts)
+                    extra = scale * (counts * probs).sum()
                 watch = self.stopwatch
                 if watch is not None:  # norm + chunked head and loss (forward and backward)
                     watch.start(norm_layer)
@@ -414,7 +529,7 @@ class StageExecutor:
                     need_weight_grad=head_trainable,
                     positions=positions,
                 )
-                losses.append(loss)
+                losses.append(loss if extra is None else loss + aux_losses[-1].detach())
                 if watch is not None:
                     watch.stop(norm_layer)
                 if grad_w is not None:
@@ -422,7 +537,13 @@ class StageExecutor:
                 gx = None
                 if grad_h is not None:
                     gx = self._backprop(
-                        h, grad_h.view_as(h), x if start > 0 else None, bound, acc, skip=head_name
+                        h,
+                        grad_h.view_as(h),
+                        x if start > 0 else None,
+                        bound,
+                        acc,
+                        skip=head_name,
+                        extra=extra,
                     )
                 elif start > 0:
                     gx = torch.zeros_like(x)
@@ -434,7 +555,8 @@ class StageExecutor:
                 acc[name] = torch.zeros(
                     self._shape_of(name), dtype=torch.float32, device=self.device
                 )
-        return TailResult(torch.stack(losses), grad_inputs, acc)
+        aux = torch.stack(aux_losses).detach() if aux_losses else None
+        return TailResult(torch.stack(losses), grad_inputs, acc, aux, router_counts)
 
     # -------------------------------------------------------------- internals
 
@@ -458,13 +580,8 @@ class StageExecutor:
         head: torch.Tensor | None = None
         missing: list[str] = []
         for layer in range(start, stop):
-            if layer == 0:
-                prefix = model.embed_part()[1]
-            elif layer == model.num_layers - 1:
-                prefix = model.norm_part()[1]
-            else:
-                prefix = model.decoder_part(layer)[1]
-            rel: dict[str, torch.Tensor] = {}
+            prefix = model.part_prefix(layer)
+            rel: dict[str, torch.Tensor] = self._buffers(layer)
             for spec in model.layer_params(layer):
                 t = weights.get(spec.name)
                 if t is None:
@@ -495,6 +612,12 @@ class StageExecutor:
                 f"task {start}:{stop} is missing {len(missing)} weight(s), e.g. {missing[:5]}"
             )
         return _Bound(per_layer, trainable, head)
+
+    def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        bufs = self._part_buffers.get(layer)
+        if bufs is None:
+            bufs = self._part_buffers[layer] = self.model.part_buffers(layer, self.device)
+        return dict(bufs)
 
     def _shape_of(self, name: str) -> tuple[int, ...]:
         layer = self.model.layer_of(name)
@@ -559,15 +682,15 @@ class StageExecutor:
         if ctx is None:
             ctx = _StageContext(self, x, None if positions is None else positions[m])
         mod, _ = model.decoder_part(layer)
+        layer_type = model.layer_type(layer)
         out = functional_call(
             mod,
             params,
             (x,),
             {
                 "attention_mask": ctx.mask(model.mask_kind(layer)),
-                "position_embeddings": ctx.position_embeddings,
+                "position_embeddings": ctx.position_embeddings(layer_type),
                 "position_ids": ctx.position_ids,
-                "past_key_values": None,
                 "use_cache": False,
             },
         )
@@ -583,13 +706,20 @@ class StageExecutor:
         bound: _Bound,
         acc: dict[str, torch.Tensor],
         skip: str | None = None,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        """Backpropagate ``grad_out`` through ``out`` (plus the scalar loss term ``extra``:
+        the router auxiliary loss of this range) into ``x`` and the trainable weights."""
         leaves = [(n, t) for n, t in bound.trainable if n != skip]
         targets = ([x] if x is not None else []) + [t for _, t in leaves]
         if not targets:
             return None
+        outputs, grad_outputs = [out], [grad_out]
+        if extra is not None and extra.requires_grad:
+            outputs.append(extra)
+            grad_outputs.append(torch.ones_like(extra))
         grads = torch.autograd.grad(
-            out, targets, grad_outputs=grad_out, allow_unused=True, materialize_grads=True
+            outputs, targets, grad_outputs=grad_outputs, allow_unused=True, materialize_grads=True
         )
         off = 0
         gx = None
@@ -600,6 +730,75 @@ class StageExecutor:
             _accumulate(acc, name, g)
         return gx
 
+    # -- router auxiliary loss: Note [router auxiliary loss] (roundpipe.shared.model) --
+
+    def _install_router_hooks(self) -> None:
+        aux = self.model.router_aux
+        if aux is None:
+            return
+        for layer in aux.moe_layers:
+            router = self.model.router_module(layer)
+            assert router is not None
+            # Once per skeleton module, however many executors share the model.
+            if not hasattr(router, "_roundpipe_capture"):
+                router._roundpipe_capture = router.register_forward_hook(_capture_router_logits)
+
+    def _start_capture(self) -> None:
+        """Collect the router logits of the layers this thread runs from now on (one
+        microbatch); thread-local, as in-process workers share one skeleton."""
+        if self.model.router_aux is not None:
+            _ROUTER_LOGITS.captured = []
+
+    def _router_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(top-k counts, router-probability sums), fp32 ``[experts]`` each, over the
+        logits captured since ``_start_capture``, as transformers' load-balancing loss
+        forms them; the sums keep their autograd graph."""
+        aux = self.model.router_aux
+        if aux is None:
+            return None
+        captured = getattr(_ROUTER_LOGITS, "captured", None) or []
+        _ROUTER_LOGITS.captured = None
+        counts = torch.zeros(aux.num_experts, dtype=torch.float32, device=self.device)
+        probs = torch.zeros(aux.num_experts, dtype=torch.float32, device=self.device)
+        for logits in captured:
+            p = torch.softmax(logits.reshape(-1, aux.num_experts), dim=-1)
+            picked = torch.topk(p, aux.top_k, dim=-1).indices.reshape(-1)
+            # A scatter of ones, not bincount: no device sync for the output size.
+            counts = counts.index_add(0, picked, torch.ones_like(picked, dtype=torch.float32))
+            probs = probs + p.float().sum(dim=0)
+        return counts, probs
+
+    def _aux_scale(self, x: torch.Tensor, batch_tokens: int) -> float:
+        """``coef * w_m * E / R^2`` of the microbatch whose stage input is ``x``."""
+        aux = self.model.router_aux
+        assert aux is not None
+        tokens = x.shape[0] * x.shape[1]
+        rows = len(aux.moe_layers) * tokens
+        return aux.coef * (tokens / batch_tokens) * aux.num_experts / rows**2
+
+    def _check_aux(
+        self,
+        what: str,
+        per_microbatch: Sequence[torch.Tensor] | None,
+        batch_tokens: int | None,
+        num_microbatches: int,
+    ) -> None:
+        if self.model.router_aux is None:
+            if per_microbatch is not None:
+                raise ValueError(
+                    f"{what}: router statistics given, but the model has no router loss"
+                )
+            return
+        if per_microbatch is None or batch_tokens is None:
+            raise ValueError(
+                f"{what}: the router auxiliary loss (output_router_logits) needs the router "
+                "statistics of every microbatch and batch_tokens"
+            )
+        if len(per_microbatch) != num_microbatches:
+            raise ValueError(
+                f"{what}: {len(per_microbatch)} router statistics for {num_microbatches} microbatches"
+            )
+
     def _seed(self, rng: RngKey, layer: int, m: int) -> None:
         s = rng.layer_seed(layer, m)
         torch.default_generator.manual_seed(s)
@@ -609,6 +808,16 @@ class StageExecutor:
     def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
         devices = [self.device.index] if self.device.type == "cuda" else []
         return torch.random.fork_rng(devices=devices)
+
+
+_ROUTER_LOGITS = threading.local()
+"""``captured``: the list the current thread's router logits go to, or None."""
+
+
+def _capture_router_logits(module: object, args: object, output: object) -> None:
+    captured = getattr(_ROUTER_LOGITS, "captured", None)
+    if captured is not None:
+        captured.append(output[0] if isinstance(output, tuple) else output)
 
 
 def _own_version(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ Note [weight prefetch]
     re-dispatched attempt, another task, or a torn-down job discards it. Its data is as
     valid as an upload made when the task starts: the same version waits were met, and
     the params parity it read is not rewritten before this task's iteration has
-    finished with it (Note [weight-update ordering], point 3).
+    finished with it (Note [weight-update ordering], point 3; with the single copy of
+    staleness 0, Note [weight copies] in roundpipe.coordinator.layout).
 """
 
 from __future__ import annotations
@@ -352,6 +353,7 @@ class WorkerCore:
                 position_ids=feed.position_ids(),
                 on_output=feed.write_output,
                 on_saved=feed.write_saved,
+                on_router_stats=feed.write_router,
             )
             grads: dict[str, torch.Tensor] = {}
         elif task.kind == "backward":
@@ -364,6 +366,8 @@ class WorkerCore:
                 rng=rng,
                 position_ids=feed.position_ids(),
                 on_grad_input=feed.write_output,
+                router_counts=feed.router_inputs(),
+                batch_tokens=feed.batch_tokens(),
             )
             feed.write_grad_inputs(result.grad_inputs)
             grads = result.weight_grads
@@ -378,6 +382,9 @@ class WorkerCore:
                 rng=rng,
                 position_ids=feed.position_ids(),
                 on_grad_input=feed.write_output,
+                router_stats=feed.router_inputs(),
+                batch_tokens=feed.batch_tokens(),
+                on_router_counts=feed.write_router,
             )
             feed.write_grad_inputs(result.grad_inputs)
             # Losses come down once per task; the coordinator reads them after TaskDone,
@@ -427,7 +434,7 @@ class WorkerCore:
     def _layer_times(
         task: StageTask, measured: dict[int, float], busy_s: float
     ) -> dict[str, float]:
-        """Per-layer seconds for the planner (roundpipe.coordinator.planner keys).
+        """Per-layer seconds for the planner (roundpipe.coordinator.planning.profile keys).
 
         Forward tasks: each layer's measured forward time (``"L.fwd"``). Backward and tail
         tasks: autograd runs the whole stage at once, so the task's compute time (without
@@ -721,6 +728,9 @@ class _MicrobatchFeed:
 
     def _upload(self, what: str, m: int) -> Upload:
         mb = self.task.microbatches[m]
+        if what == "router_in":
+            views = {f"r{i}": self.state.view(r) for i, r in enumerate(mb.router_in)}
+            return self.core.engine.upload(views, Priority.ACTIVATION)
         ref = _PICK[what](mb)
         assert ref is not None, what
         view = self.state.view(ref)
@@ -760,6 +770,9 @@ class _MicrobatchFeed:
             labels = self.task.microbatches[m].labels
             assert labels is not None
             return TailLabels(tensors["shifted"], tensors["positions"], tuple(labels.shape))
+        if what == "router_in":  # the forward stages' statistics add up (or one count)
+            parts = [tensors[f"r{i}"] for i in range(len(tensors))]
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
         return tensors["x"]
 
     def inputs(self) -> _LazyInputs:
@@ -770,6 +783,24 @@ class _MicrobatchFeed:
 
     def labels(self) -> _LazyInputs:
         return _LazyInputs(self, "labels")
+
+    def router_inputs(self) -> _LazyInputs | None:
+        """Router statistics in (tail) or counts in (backward); Note [router auxiliary
+        loss] in roundpipe.shared.model. None without them."""
+        if not self.task.microbatches[0].router_in:
+            return None
+        return _LazyInputs(self, "router_in")
+
+    def batch_tokens(self) -> int:
+        """Tokens of the global batch: a task holds every microbatch of it."""
+        return sum(mb.input.shape[0] * mb.input.shape[1] for mb in self.task.microbatches)
+
+    def write_router(self, m: int, tensor: torch.Tensor) -> None:
+        """Microbatch m's router statistics / counts travel with its output (so they
+        have landed before its signals), like saved inputs."""
+        ref = self.task.microbatches[m].router_out
+        if ref is not None:
+            self._saved.setdefault(m, []).append((tensor, self.state.view(ref)))
 
     def position_ids(self) -> _LazyInputs | None:
         """Fetched only when a decoder layer needs them (Note [packed documents])."""

@@ -1,6 +1,6 @@
 """Discrete-event simulation of the RoundPipe schedule, and of GPipe / 1F1B for comparison.
 
-The planner (roundpipe.coordinator.planner) uses this module to predict what a plan will
+The planner (roundpipe.coordinator.planning) uses this module to predict what a plan will
 do before any GPU runs it, and ``roundpipe plan`` uses it to predict throughput, bubble
 fraction and memory on hardware this machine does not have. Everything here is plain
 arithmetic on durations: no torch, no CUDA.

@@ -1,0 +1,392 @@
+"""Every job the coordinator knows, and the state machine they follow, without sockets.
+
+A job's state is one of ``JOB_STATES`` (roundpipe.protocol, shared with the client)::
+
+    submit ──> queued ──> running ──> succeeded
+                 ^  │        │  ├──> failed ──────┐
+                 │  │        │  ├──> cancelled ───┤ (resume: queued again)
+                 │  │        │  └──> paused ──────┤
+                 │  └──> cancelled (cancel)       │
+                 └────────────────────────────────┘
+
+A coordinator shutdown puts a running job back to ``queued``: it continues from its
+newest checkpoint when the coordinator comes back. ``JobBook`` holds the records, the
+queue the job thread takes them from and the store (roundpipe.coordinator.jobstore) that
+makes them survive a restart; every change goes to the store first. ``outcome`` says
+which state a run ends in. The daemon (roundpipe.coordinator.daemon) does the I/O around
+it: it authenticates and validates requests, answers them, and runs the job thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from roundpipe.coordinator.job_events import progress_page
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.metrics import job_figures
+from roundpipe.coordinator.paths import PathPolicy, modes
+from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused
+from roundpipe.protocol import (
+    FINAL_JOB_STATES,
+    MAX_REPLY_BYTES,
+    JobState,
+    JobStatus,
+    ProgressEvent,
+)
+
+if TYPE_CHECKING:
+    from roundpipe.coordinator.trainer import Trainer
+
+__all__ = [
+    "MAX_TEXT_CHARS",
+    "BadState",
+    "JobBook",
+    "JobRecord",
+    "bounded_text",
+    "outcome",
+]
+
+log = logging.getLogger("roundpipe.coordinator")
+
+MAX_TEXT_CHARS = 16 * 1024
+"""Longest free text (an error, a job's message) in a reply; the rest is cut, and the
+cut says how much was left out. A JobSpecError with 160,000 problems is 20 MB."""
+PROGRESS_EVENT_BYTES = 64
+"""Upper bound of one ProgressEvent's encoded size (six numbers: at most 55 bytes), so
+a Progress page holds MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES events."""
+
+
+def bounded_text(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters, else its beginning (cut at a line
+    end where there is one) and a note of how many lines and characters were left out."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    cut = head.rfind("\n")
+    if cut > limit // 2:
+        head = head[:cut]
+    rest = text[len(head) :]
+    lines = rest.count("\n")
+    what = f"{len(rest)} more characters" + (f", {lines} more lines" if lines else "")
+    return f"{head}\n... ({what} not shown)"
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    # None: not built yet (validated in the admission child; the job thread builds it),
+    # or a stored spec that no longer validates (see message)
+    spec: JobSpec | None
+    spec_dict: dict = field(default_factory=dict)
+    state: JobState = "queued"
+    message: str = ""
+    output_dir: str | None = None
+    trainer: Trainer | None = None
+    total_steps: int = 0
+    step: int = 0  # as of the last run / store update; the trainer's while running
+    loss: float | None = None
+    checkpoint_step: int | None = None
+    plan: str | None = None  # the partition in use, as stored
+    cancel_requested: bool = False
+    log_path: Path | None = None
+    submitted_at: float = field(default_factory=time.time)
+    # The identity that submitted it: only it (and admins) may see or change the job.
+    owner: str = ""
+    # The events of the job's last run, kept when its trainer is dropped at the end (the
+    # trainer's own list while it runs). Empty after a coordinator restart.
+    progress: list[ProgressEvent] = field(default_factory=list)
+
+    def status(self) -> JobStatus:
+        t = self.trainer
+        # Until the trainer has restored its checkpoint, its step is 0: show the step the
+        # job resumes from (kept in self.step) instead.
+        live = t is not None and t.prepared
+        # observability: throughput, bubble, optimizer lag, busy workers (coordinator.metrics)
+        figures = job_figures(t) if live else None
+        return JobStatus(
+            job_id=self.job_id,
+            state=self.state,
+            step=t.step if live else self.step,
+            total_steps=self.total_steps,
+            loss=t.last_loss if live else self.loss,
+            message=bounded_text(
+                "waiting for a worker to connect (tasks parked)"
+                if live and t.waiting_for_workers and self.state == "running"
+                else self.message
+            ),
+            output_dir=self.output_dir,
+            plan=self.plan or "",
+            tokens_per_s=figures.tokens_per_s if figures else None,
+            bubble_fraction=figures.bubble_fraction if figures else None,
+            optimizer_lag_steps=figures.optimizer_lag_steps if figures else 0,
+            worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
+        )
+
+    def progress_page(self, after_seq: int) -> tuple[list[ProgressEvent], bool]:
+        """One reply's worth of progress events after ``after_seq``; whether more follow."""
+        limit = MAX_REPLY_BYTES // PROGRESS_EVENT_BYTES
+        t = self.trainer
+        if t is not None:
+            return t.progress_page(after_seq, limit)
+        return progress_page(self.progress, after_seq, limit)
+
+
+class BadState(Exception):
+    """A request that the job's state does not allow (e.g. resuming a succeeded job)."""
+
+
+class JobBook:
+    """The coordinator's jobs: records, the run queue, the store.
+
+    Shares the daemon's lock (``lock``: it also guards the workers), so a request sees
+    jobs and workers in one consistent state."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        paths: PathPolicy,
+        lock: threading.RLock,
+        store: JobStore | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.paths = paths
+        self.store = store
+        self._lock = lock
+        self._wakeup = threading.Condition(lock)
+        self.jobs: dict[str, JobRecord] = {}
+        self.queue: list[str] = []
+        self.active: JobRecord | None = None
+        """The job the job thread runs now."""
+
+    # -- loading ----------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Jobs from the store: interrupted ones queued again, queued ones in order."""
+        assert self.store is not None
+        interrupted = self.store.recover()
+        for stored in self.store.all():
+            job = self._record_from_store(stored)
+            if job.state == "queued":
+                # It resumes from its newest checkpoint: show that step until it runs
+                # (the stored step may be later, from a shutdown between checkpoints).
+                job.step = job.checkpoint_step or 0
+            self.jobs[job.job_id] = job
+            if job.state == "queued":
+                if job.spec is None:
+                    self.set_state(job, "failed", job.message)
+                else:
+                    self.queue.append(job.job_id)
+        if self.jobs:
+            log.info(
+                "[coordinator] job store %s: %d job(s), %d queued (%d interrupted by a restart)",
+                self.store.path,
+                len(self.jobs),
+                len(self.queue),
+                len(interrupted),
+            )
+
+    def _record_from_store(self, stored: StoredJob) -> JobRecord:
+        spec, message = None, stored.message
+        # A job in a final state never runs unless resumed, and a resume validates its
+        # spec then: validating (reading the data of) every old job here would make a
+        # long history cost minutes at every start.
+        if stored.state not in FINAL_JOB_STATES:
+            try:
+                spec = JobSpec.from_dict(self.paths.confine_spec(stored.spec))
+            except JobSpecError as exc:
+                message = f"the job's spec is no longer valid: {exc}"
+        return JobRecord(
+            stored.job_id,
+            spec,
+            spec_dict=stored.spec,
+            state=stored.state,  # type: ignore[arg-type]
+            message=message,
+            output_dir=stored.output_dir,
+            total_steps=stored.total_steps,
+            step=stored.step,
+            loss=stored.loss,
+            checkpoint_step=stored.checkpoint_step,
+            plan=stored.plan,
+            log_path=self.job_dir(stored.job_id) / "job.log",
+            submitted_at=stored.created_at,
+            owner=stored.owner,
+        )
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.state_dir / "jobs" / job_id
+
+    # -- transitions ------------------------------------------------------------------
+
+    def set_state(self, job: JobRecord, state: JobState, message: str, **extra) -> None:
+        """Change a job's state in the store, then in memory."""
+        t = job.trainer
+        if t is not None and t.prepared:  # before, its step is 0, not the job's
+            job.step, job.loss = t.step, t.last_loss
+        if self.store is not None:
+            try:
+                self.store.update(
+                    job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
+                )
+            except JobStoreError as exc:
+                log.error("[coordinator] cannot record job %s as %s: %s", job.job_id, state, exc)
+        job.state, job.message = state, message
+
+    def submit(self, spec: JobSpec | None, spec_dict: dict, owner: str) -> JobRecord:
+        """A new queued job. Raises JobStoreError if the store cannot record it (then
+        it does not exist)."""
+        job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        job_dir = self.job_dir(job_id)
+        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        out_dir = spec_dict["output"]["dir"]
+        # Resolved, as the spec's paths are: the output must lie below a write root
+        # even where the state directory is reached through a link.
+        output = Path(out_dir) if out_dir else Path(os.path.realpath(job_dir)) / "output"
+        steps = spec_dict["train"]["steps"]
+        record = JobRecord(
+            job_id,
+            spec,
+            spec_dict=spec_dict,
+            total_steps=steps,
+            output_dir=str(output),
+            log_path=job_dir / "job.log",
+            owner=owner,
+        )
+        assert self.store is not None
+        self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=owner)
+        with self._lock:
+            self.jobs[job_id] = record
+            self.queue.append(job_id)
+            self._wakeup.notify_all()
+        log.info("[coordinator] job %s of %s queued (%d steps)", job_id, owner, steps)
+        return record
+
+    def cancel(self, job: JobRecord) -> None:
+        """Cancel: at once if the job waits (queued, paused); a running job's trainer is
+        asked to stop and the job ends ``cancelled`` when it has. A job that has ended
+        stays as it is."""
+        with self._lock:
+            if job.state in FINAL_JOB_STATES:
+                return
+            job.cancel_requested = True
+            if job.state in ("queued", "paused"):
+                if job.job_id in self.queue:
+                    self.queue.remove(job.job_id)
+                where = "before it started" if job.state == "queued" else "while paused"
+                self.set_state(job, "cancelled", f"cancelled {where}")
+                return
+            trainer = job.trainer
+        if trainer is not None:
+            trainer.cancel()
+
+    def needs_spec_check_to_resume(self, job: JobRecord) -> bool:
+        """Whether resuming ``job`` must validate its spec first (a stored job whose
+        spec was not built: it may no longer be valid)."""
+        with self._lock:
+            return job.spec is None and job.state not in ("queued", "running", "succeeded")
+
+    def resume(self, job: JobRecord) -> str | None:
+        """Queue a stopped job again; returns where it continues (None: it is queued or
+        running already, nothing to do). Raises BadState for a succeeded job."""
+        with self._lock:
+            if job.state in ("queued", "running"):
+                # What the caller wants is already happening: a no-op, not an error (a
+                # job resumed automatically after a coordinator restart is "queued" or
+                # "running" before its owner thinks of resuming it).
+                return None
+            if job.state == "succeeded":
+                raise BadState(
+                    f"job {job.job_id} has already succeeded; to train further, submit a "
+                    f"new job with model.resume_from: {job.output_dir} and a larger train.steps"
+                )
+            where = (
+                f"from checkpoint step {job.checkpoint_step}"
+                if job.checkpoint_step
+                else "from the start (it has no checkpoint)"
+            )
+            job.cancel_requested = False
+            job.trainer = None
+            job.step = job.checkpoint_step or 0  # where it continues, until it runs
+            self.set_state(job, "queued", f"resume requested; continues {where}")
+            self.queue.append(job.job_id)
+            self._wakeup.notify_all()
+        log.info("[coordinator] job %s queued again; it continues %s", job.job_id, where)
+        return where
+
+    def take_next(self, stop: threading.Event) -> JobRecord | None:
+        """Block until a job is queued (None once ``stop`` is set); mark it running and
+        active."""
+        with self._lock:
+            while not self.queue and not stop.is_set():
+                self._wakeup.wait(timeout=1.0)
+            if stop.is_set():
+                return None
+            job = self.jobs[self.queue.pop(0)]
+            self.set_state(job, "running", job.message)
+            self.active = job
+            return job
+
+    def wake(self) -> None:
+        """Wake a ``take_next`` waiting for a job (e.g. to see its stop event)."""
+        with self._lock:
+            self._wakeup.notify_all()
+
+    def record_plan(self, job: JobRecord, plan: str) -> None:
+        job.plan = plan  # the trainer has logged it, with why
+        if self.store is not None:
+            try:
+                self.store.update(job.job_id, plan=job.plan)
+            except JobStoreError as exc:
+                log.error("[coordinator] cannot record the plan of %s: %s", job.job_id, exc)
+
+    def record_checkpoint(self, job: JobRecord, step: int, loss: float | None) -> None:
+        job.checkpoint_step = step
+        job.step, job.loss = step, loss
+        if self.store is not None:
+            try:
+                self.store.update(job.job_id, checkpoint_step=step, step=job.step, loss=job.loss)
+            except JobStoreError as exc:
+                log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
+
+    def finish(self, job: JobRecord, state: JobState, message: str) -> None:
+        """The end of a run: its final state, and the trainer let go (only the job's step,
+        loss and progress events stay)."""
+        self.set_state(job, state, message)
+        with self._lock:
+            trainer = job.trainer
+            if trainer is not None:
+                if trainer.prepared:
+                    job.step, job.loss = trainer.step, trainer.last_loss
+                job.progress = trainer.progress
+            job.trainer = None
+            if self.active is job:
+                self.active = None
+
+
+def outcome(job: JobRecord, error: BaseException | None, *, stopping: bool) -> tuple[JobState, str]:
+    """The state a run of ``job`` ends in, and why: ``error`` is what the run raised
+    (None: it finished), ``stopping`` whether the coordinator is shutting down."""
+    if error is None:
+        return "succeeded", f"model written to {job.output_dir}"
+    if isinstance(error, JobCancelled):
+        if job.cancel_requested or not stopping:
+            return "cancelled", "cancelled by request"
+        # The coordinator is stopping: the job is interrupted, not cancelled.
+        where = (
+            f"from checkpoint step {job.checkpoint_step}"
+            if job.checkpoint_step
+            else "from the start"
+        )
+        return "queued", f"interrupted by a coordinator shutdown; resumes {where} on restart"
+    if isinstance(error, JobPaused):
+        return "paused", str(error)
+    if isinstance(error, JobFailed):
+        return "failed", str(error)
+    return "failed", f"{type(error).__name__}: {error}"

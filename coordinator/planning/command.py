@@ -1,0 +1,342 @@
+"""The ``roundpipe plan`` command: a plan for a model on hypothetical hardware, printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from roundpipe.coordinator.planning.baselines import bound_baseline
+from roundpipe.coordinator.planning.costs import (
+    estimate_costs,
+)
+from roundpipe.coordinator.planning.hardware import HardwareSpec
+from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
+from roundpipe.shared.families import FAMILIES
+from roundpipe.shared.plan import Plan
+from roundpipe.shared.units import format_bytes, format_seconds, parse_quantity
+
+if TYPE_CHECKING:
+    from roundpipe.shared.model import LayeredModel
+
+
+def describe(result: PlanResult) -> str:
+    """A printable table of a plan: stage, layers, times, transfers, memory."""
+    hw_line = (
+        f"plan {result.plan}   ({len(result.plan.forward)} forward, 1 tail, "
+        f"{len(result.plan.backward)} backward stages; {result.num_workers} workers, "
+        f"{result.num_microbatches} microbatches)"
+    )
+    headers = ("stage", "layers", "compute", "upload", "download", "time", "bound", "memory")
+    rows = []
+    for e in result.stages:
+        rows.append(
+            (
+                e.label,
+                f"{e.start}:{e.stop}",
+                format_seconds(e.compute_s),
+                format_seconds(e.upload_s),
+                format_seconds(e.download_s),
+                format_seconds(e.time_s),
+                e.bound,
+                format_bytes(e.memory_bytes),
+            )
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
+    out = [hw_line, line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    sim = result.simulation
+    summary = (
+        f"predicted iteration {format_seconds(result.predicted_iteration_s)}, bubble "
+        f"{100 * sim.bubble_fraction:.1f}%, slowest stage {format_seconds(result.slowest_stage_s)}"
+    )
+    tps = result.predicted_tokens_per_s
+    if tps is not None:
+        summary += f", {tps:,.0f} tokens/s"
+    out.append(summary)
+    out.append(
+        "peak memory per worker: "
+        + " ".join(f"w{i} {format_bytes(b)}" for i, b in enumerate(result.per_worker_memory))
+        + f" (limit {format_bytes(result.memory_limit_bytes)})"
+    )
+    out += [f"note: {n}" for n in result.notes]
+    return "\n".join(out)
+
+
+def _parse_set(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _build_model(args: argparse.Namespace) -> LayeredModel:
+    from roundpipe.shared.model import LayeredModel
+
+    overrides = _parse_set(args.set or [])
+    lora = None
+    if args.lora_rank:
+        lora = {
+            "r": args.lora_rank,
+            "alpha": args.lora_alpha,
+            "target_modules": args.lora_targets.split(","),
+        }
+    if args.model_config:
+        path = Path(args.model_config)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read model config {str(path)!r}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model config {str(path)!r} is not JSON: {e}") from e
+        config.update(overrides)
+        for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
+            config.pop(key, None)
+        return LayeredModel.from_config(config, lora)
+    return LayeredModel.from_config({"model_type": args.architecture, **overrides}, lora)
+
+
+def _host_memory(
+    model: LayeredModel, plan: Plan, args: argparse.Namespace, num_microbatches: int
+) -> tuple[Any, int]:
+    """The job's host memory under ``plan`` (what admission control checks) and the
+    model's parameter count."""
+    import torch
+
+    from roundpipe.coordinator.jobspec import TrainSpec
+    from roundpipe.coordinator.layout import JobLayout
+    from roundpipe.coordinator.memory import host_memory_needed
+
+    layout = JobLayout.plan_layout(
+        model,
+        plan,
+        compute_dtype=getattr(torch, args.dtype),
+        microbatch_rows=args.microbatch_size,
+        seq_len=args.seq_len,
+        num_microbatches=num_microbatches,
+        # The job spec's default gradient buffer (Note [gradient buffer]).
+        grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
+        weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
+    )
+    return host_memory_needed(layout), max(1, model.parameter_count())
+
+
+def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The arguments of ``roundpipe plan`` (on ``parser``, e.g. a CLI sub-parser)."""
+    p = parser or argparse.ArgumentParser(
+        prog="roundpipe plan",
+        description="Choose a RoundPipe plan for a model on hypothetical hardware and predict "
+        "its throughput, bubble fraction and memory with the schedule simulator "
+        "(a prediction, not a measurement).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--model-config", metavar="CONFIG.json", help="a HF config.json (or its directory)"
+    )
+    src.add_argument("--architecture", choices=tuple(FAMILIES), help="random-init architecture")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="config override (JSON value)"
+    )
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R", help="plan for LoRA of rank R")
+    p.add_argument("--lora-alpha", type=float, default=16.0, metavar="A")
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        metavar="NAMES",
+    )
+    p.add_argument("--workers", type=int, required=True, metavar="N")
+    p.add_argument(
+        "--memory-limit", default="24GiB", metavar="BYTES", help="per GPU (default 24GiB)"
+    )
+    p.add_argument("--seq-len", type=int, required=True, metavar="TOKENS")
+    p.add_argument("--microbatch-size", type=int, default=1, metavar="ROWS")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M", help="default N+1")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument(
+        "--bandwidth", default="25GB/s", metavar="RATE", help="PCIe per GPU and direction"
+    )
+    p.add_argument(
+        "--flops", default="82.6T", metavar="RATE", help="peak dense matmul FLOP/s per GPU"
+    )
+    p.add_argument("--efficiency", type=float, default=0.7, help="fraction of --flops achieved")
+    p.add_argument(
+        "--memory-bandwidth", default="1TB/s", metavar="RATE", help="GPU memory bandwidth"
+    )
+    p.add_argument("--speeds", default=None, metavar="V,V,...", help="relative speed per worker")
+    p.add_argument("--reserve", default="1GiB", metavar="BYTES", help="per GPU, not for stages")
+    p.add_argument("--staleness", type=int, default=1, choices=(0, 1))
+    p.add_argument("--optimizer-rate", default=None, metavar="PARAMS/S", help="CPU AdamW rate")
+    p.add_argument("--max-tail-layers", type=int, default=None, metavar="K")
+    p.add_argument(
+        "--plan", default=None, metavar="PLAN", help="evaluate this plan instead of searching"
+    )
+    p.add_argument("--compare", action="store_true", help="also simulate GPipe/1F1B, stages bound")
+    p.add_argument("--grid", action="store_true", help="print the simulated schedule per worker")
+    p.add_argument(
+        "--timeline",
+        default=None,
+        metavar="FILE.png",
+        help="draw the simulated schedule as `roundpipe timeline` draws a measured one",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    """``roundpipe plan`` on parsed arguments; prints to stdout. Raises ValueError on bad input."""
+    if args.workers < 1 or args.seq_len < 1 or args.microbatch_size < 1:
+        raise ValueError("--workers, --seq-len and --microbatch-size must be >= 1")
+    m = args.microbatches or args.workers + 1
+    if m < 1:
+        raise ValueError("--microbatches must be >= 1")
+    speeds = None
+    if args.speeds:
+        speeds = tuple(float(x) for x in args.speeds.split(","))
+    hw = HardwareSpec(
+        num_workers=args.workers,
+        memory_limit_bytes=int(parse_quantity(args.memory_limit, what="--memory-limit")),
+        bandwidth_bytes_per_s=parse_quantity(args.bandwidth, what="--bandwidth"),
+        speeds=speeds,
+        reserved_bytes=int(parse_quantity(args.reserve, what="--reserve")),
+        optimizer_params_per_s=parse_quantity(args.optimizer_rate, what="--optimizer-rate")
+        if args.optimizer_rate
+        else None,
+    )
+    model = _build_model(args)
+    flops = parse_quantity(args.flops, what="--flops")
+    costs = estimate_costs(
+        model,
+        microbatch_rows=args.microbatch_size,
+        seq_len=args.seq_len,
+        compute_dtype=args.dtype,
+        flops_per_s=flops,
+        efficiency=args.efficiency,
+        memory_bandwidth=parse_quantity(args.memory_bandwidth, what="--memory-bandwidth"),
+    )
+    tokens = m * args.microbatch_size * args.seq_len
+    if args.plan:
+        result = evaluate_plan(
+            Plan.parse(args.plan),
+            costs,
+            hw,
+            m,
+            staleness=args.staleness,
+            tokens_per_iteration=tokens,
+        )
+    else:
+        result = plan_stages(
+            costs,
+            hw,
+            m,
+            max_tail_layers=args.max_tail_layers,
+            staleness=args.staleness,
+            tokens_per_iteration=tokens,
+        )
+    baselines = []
+    if args.compare:
+        for schedule in ("gpipe", "1f1b"):
+            baselines.append(
+                bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
+            )
+    host, params = _host_memory(model, result.plan, args, m)
+    drawn = None
+    if args.timeline:  # observability: the prediction as a picture (roundpipe.timeline_plot)
+        from roundpipe.timeline_plot import draw_plan_timeline
+
+        what = f"{model.architecture}, {hw.num_workers} workers, {m} microbatches"
+        drawn = draw_plan_timeline(result, args.timeline, describe=what)
+    header = (
+        f"SIMULATED PREDICTION (cost model + schedule simulator, not a measurement): "
+        f"{model.architecture}, {model.num_layers} layers"
+        f"{' (LoRA r=' + str(args.lora_rank) + ')' if args.lora_rank else ''}, "
+        f"{hw.num_workers} workers x {format_bytes(hw.memory_limit_bytes)}, "
+        f"PCIe {hw.bandwidth_bytes_per_s / 1e9:g} GB/s, {flops / 1e12:g} TFLOPS x "
+        f"{args.efficiency:g}, {args.dtype}, {m} microbatches x {args.microbatch_size} x "
+        f"{args.seq_len} tokens"
+    )
+    if args.json:
+        doc = {
+            "prediction": "simulated",
+            "plan": str(result.plan),
+            "predicted_iteration_s": result.predicted_iteration_s,
+            "predicted_tokens_per_s": result.predicted_tokens_per_s,
+            "bubble_fraction": result.bubble_fraction,
+            "per_worker_memory": list(result.per_worker_memory),
+            "stages": [asdict(e) for e in result.stages],
+            "notes": list(result.notes),
+            "host_memory": {
+                "arenas": host.arenas,
+                **host.components(),
+                "total": host.total,
+                "bytes_per_parameter": host.total / params,
+            },
+            "baselines": [
+                {
+                    "schedule": b.schedule,
+                    "split": [list(r) for r in b.split],
+                    "iteration_s": b.iteration_s,
+                    "tokens_per_s": b.simulation.tokens_per_s,
+                    "bubble_fraction": b.simulation.bubble_fraction,
+                    "stage_memory": list(b.stage_memory),
+                    "oom": b.oom,
+                }
+                for b in baselines
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(header)
+    print(describe(result))
+    print(
+        f"this job needs {host.describe(params)} for {params:,} parameters; the "
+        "coordinator refuses a job that does not fit"
+    )
+    for b in baselines:
+        tps = b.simulation.tokens_per_s or 0.0
+        print(
+            f"{b.schedule} with stages bound to GPUs (balanced split, weights resident, no "
+            f"recompute): {tps:,.0f} tokens/s, bubble {100 * b.simulation.bubble_fraction:.1f}%, "
+            f"peak memory {format_bytes(max(b.stage_memory))}" + (" -> OOM" if b.oom else "")
+        )
+    if args.grid:
+        print("schedule (one line per worker; '|' separates tasks):")
+        print(result.simulation.grid(iteration=result.simulation.iterations))
+    if drawn is not None:
+        print(f"timeline drawn to {drawn}")
+    return 0
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """``roundpipe plan ...``: 0 ok, 2 usage or input error (message on stderr)."""
+    parser = build_plan_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return run_plan_command(args)
+    except ValueError as exc:
+        print(f"roundpipe plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(plan_main())

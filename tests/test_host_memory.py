@@ -1,0 +1,246 @@
+"""Host memory per parameter: the bounded gradient buffer (Note [gradient buffer] in
+roundpipe.coordinator.layout) changes no bit of training, and the figures admission and
+``roundpipe plan`` give follow the layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
+
+from roundpipe.coordinator.checkpoint import CheckpointDir
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.memory import host_memory_needed, least_host_memory
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+# One-layer backward stages: with a buffer of one stage (the 2-layer tail is the widest)
+# the 4 decoder layers share 2 gradient slots, so every backward task waits for a slot.
+NARROW = "F[0:2,2:4] T[4:6] B[3:4,2:3,1:2,0:1]"
+
+
+def _train(spec, arena_dir: Path, num_workers: int = 3):
+    with trained_in_process(
+        spec, arena_dir, num_workers, job_id="job-mem", namespace="hostmem"
+    ) as trainer:
+        layout = trainer.layout
+        weights = {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
+        return weights, dict(layout.sizes), dict(layout.grad_slot)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_shared_gradient_buffer_changes_no_bit(tmp_path, arena_dir, staleness) -> None:
+    def spec(stages: int, where: str):
+        return tiny_spec(
+            tmp_path / where,
+            staleness=staleness,
+            steps=4,
+            plan=NARROW,
+            train={"grad_buffer_stages": stages},
+        )
+
+    shared, sizes, slots = _train(spec(1, "shared"), arena_dir)
+    full, full_sizes, full_slots = _train(spec(0, "full"), arena_dir)
+    # Decoder layers 1..4 take slots 0, 1, 0, 1 of one class; embedding and head their own.
+    decoder_class = slots[1][0]
+    assert [slots[layer] for layer in (1, 2, 3, 4)] == [(decoder_class, s) for s in (0, 1, 0, 1)]
+    assert len(set(full_slots.values())) == len(full_slots)  # 0: one slot per layer
+    per_layer = (full_sizes["grads"] - sizes["grads"]) // 2  # two decoder slots saved
+    assert per_layer > 0 and sizes["grads"] < full_sizes["grads"]
+    assert shared.keys() == full.keys()
+    for name in full:
+        assert torch.equal(shared[name], full[name]), name
+    assert_params_match(shared, oracle_train(spec(1, "oracle")))
+
+
+def _layout(model: LayeredModel, plan: str, buffer: int | None = None) -> JobLayout:
+    return JobLayout.plan_layout(
+        model,
+        Plan.parse(plan),
+        compute_dtype=torch.float32,
+        microbatch_rows=1,
+        seq_len=8,
+        num_microbatches=2,
+        grad_buffer_layers=buffer,
+    )
+
+
+def test_a_stage_that_would_write_one_slot_twice_does_not_fit(tmp_path) -> None:
+    spec = tiny_spec(tmp_path, plan=NARROW)
+    model = LayeredModel(model_config_from_spec(spec.model), None)
+
+    def layout(plan: str, buffer: int | None) -> JobLayout:
+        return _layout(model, plan, buffer)
+
+    narrow = layout(NARROW, 2)
+    wide = Plan.parse("F[0:4] T[4:6] B[1:4,0:1]")  # layers 1 and 3 share a slot
+    assert not narrow.fits(wide)
+    with pytest.raises(ValueError, match="distinct gradient slots"):
+        narrow.assign(wide)
+    with pytest.raises(ValueError, match="gradient buffer of 2 layers"):
+        layout("F[0:4] T[4:6] B[1:4,0:1]", 2)
+    assert narrow.grad_sharers(1) == [3] and narrow.grad_sharers(0) == []
+    # The figures follow the layout: the gradient buffer is the grads arena.
+    need = host_memory_needed(narrow, spec)
+    assert need.grads == narrow.sizes["grads"] < host_memory_needed(layout(NARROW, None)).grads
+    assert need.arenas == narrow.total_bytes
+    assert need.masters == 4 * model.parameter_count(trainable_only=True)
+    assert need.moments == 8 * model.parameter_count(trainable_only=True)
+    # Admission's floor is below any real plan's figure.
+    least = least_host_memory(model, spec)
+    assert least.total <= need.total and least.grads <= need.grads
+
+
+def test_grad_clip_keeps_one_gradient_slot_per_layer(tmp_path) -> None:
+    from roundpipe.coordinator.memory import grad_buffer_layers
+
+    plan = Plan.parse(NARROW)
+    assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW), plan) == 4  # 2 x widest stage
+    assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW, grad_clip=1.0), plan) is None
+    off = tiny_spec(tmp_path, plan=NARROW, train={"grad_buffer_stages": 0})
+    assert grad_buffer_layers(off, plan) is None
+
+
+def test_one_weight_copy_at_staleness_0_changes_no_bit(tmp_path, arena_dir, monkeypatch) -> None:
+    """Note [weight copies]: staleness 0 keeps one compute-dtype copy per trainable
+    weight; the result equals the two-copy layout's bit for bit (bf16 compute, so the
+    copies are real casts)."""
+    import roundpipe.coordinator.trainer as trainer_module
+
+    def spec(where: str):
+        return tiny_spec(tmp_path / where, staleness=0, steps=4, plan=NARROW, dtype="bfloat16")
+
+    one, one_sizes, _ = _train(spec("one"), arena_dir)
+    monkeypatch.setattr(trainer_module, "weight_copies", lambda _spec: 2)
+    two, two_sizes, _ = _train(spec("two"), arena_dir)
+    model = LayeredModel(model_config_from_spec(spec("x").model), None)
+    trainable = sum(
+        s.numel
+        for layer in range(model.num_layers)
+        for s in model.layer_params(layer)
+        if s.trainable and s.tied_to is None
+    )
+    assert two_sizes["params"] - one_sizes["params"] >= 2 * trainable  # one bf16 copy less
+    assert one.keys() == two.keys()
+    for name in two:
+        assert torch.equal(one[name], two[name]), name
+
+
+def test_checkpoints_say_which_weight_version_prev_holds(tmp_path, arena_dir) -> None:
+    import json
+
+    for staleness, expected in ((0, 2), (1, 1)):
+        spec = tiny_spec(tmp_path / f"s{staleness}", staleness=staleness, steps=2)
+        with trained_in_process(spec, arena_dir, 2, job_id="job-ck", namespace="hostmem"):
+            pass
+        manifests = sorted((tmp_path / f"s{staleness}" / "checkpoints").glob("*/checkpoint.json"))
+        manifest = json.loads(manifests[-1].read_text())
+        assert manifest["prev_version"] == expected, staleness
+
+
+# --------------------------------------------------------------------------- 8-bit states
+
+
+def _optimizers(state_dtype: str, seed: int = 0):
+    from roundpipe.coordinator.optimizer import LayerwiseOptimizer, LRSchedule
+
+    gen = torch.Generator().manual_seed(seed)
+    # Sizes off the block and chunk grid, so partial blocks are exercised.
+    masters = {
+        0: {"w": torch.randn(300, 7, generator=gen)},
+        1: {"a": torch.randn(1000, generator=gen), "b": torch.randn(1 << 20 | 5, generator=gen)},
+    }
+    return masters, LayerwiseOptimizer(
+        masters, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype
+    )
+
+
+def _grads(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {
+        0: {"w": torch.randn(300, 7, generator=gen)},
+        1: {"a": torch.randn(1000, generator=gen), "b": torch.randn(1 << 20 | 5, generator=gen)},
+    }
+
+
+def test_int8_states_follow_fp32_adamw_and_resume_bit_for_bit() -> None:
+    masters8, opt8 = _optimizers("int8")
+    masters32, opt32 = _optimizers("float32")
+    start = {layer: {n: t.clone() for n, t in d.items()} for layer, d in masters8.items()}
+    for step in range(1, 6):
+        opt8.step_layers(_grads(step), step)
+        opt32.step_layers(_grads(step), step)
+    for layer in masters8:
+        for name in masters8[layer]:
+            moved8 = masters8[layer][name] - start[layer][name]
+            moved32 = masters32[layer][name] - start[layer][name]
+            # The update direction and size follow fp32 AdamW to the moments' rounding.
+            err = (moved8 - moved32).norm() / moved32.norm()
+            assert err < 0.05, (layer, name, float(err))
+    state = opt8.state_dict()
+    assert {k.rsplit(".", 1)[1] for k in state["tensors"]} == {
+        "exp_avg",
+        "exp_avg_absmax",
+        "exp_avg_sq",
+        "exp_avg_sq_absmax",
+    }
+    assert state["tensors"]["1.b.exp_avg"].dtype == torch.uint8
+    # A fresh optimizer loaded from the state continues exactly as the original does.
+    saved = {k: t.clone() for k, t in state["tensors"].items()}
+    resumed_masters, resumed = _optimizers("int8")
+    for layer in masters8:
+        for name in masters8[layer]:
+            resumed_masters[layer][name].copy_(masters8[layer][name])
+    resumed.load_state_dict({**state, "tensors": saved})
+    opt8.step_layers(_grads(6), 6)
+    resumed.step_layers(_grads(6), 6)
+    for layer in masters8:
+        for name in masters8[layer]:
+            assert torch.equal(masters8[layer][name], resumed_masters[layer][name])
+
+
+def test_int8_state_dtype_is_checked(tmp_path) -> None:
+    from roundpipe.coordinator.jobspec import JobSpecError
+
+    with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
+        tiny_spec(tmp_path, optimizer={"state_dtype": "int4"})
+    with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
+        tiny_spec(tmp_path, optimizer={"name": "sgd", "state_dtype": "int8"})
+    spec = tiny_spec(tmp_path, optimizer={"state_dtype": "int8"})
+    model = LayeredModel(model_config_from_spec(spec.model), None)
+    layout = _layout(model, NARROW)
+    trainable = model.parameter_count(trainable_only=True)
+    moments = host_memory_needed(layout, spec).moments
+    assert 2 * trainable < moments < 2.1 * trainable  # codes + a scale per 256
+
+
+def test_int8_job_trains_close_to_fp32_states_and_resumes_exactly(tmp_path, arena_dir) -> None:
+    """A job with 8-bit states through the trainer: its losses stay close to fp32
+    states', and a new job resumed from its step-2 checkpoint ends bit for bit where the
+    uninterrupted one does (the codes and scales are the whole state)."""
+
+    def run(where: str, state_dtype: str, resume_from: Path | None = None):
+        doc = tiny_spec(
+            tmp_path / where, staleness=1, steps=5, optimizer={"state_dtype": state_dtype}
+        ).to_dict()
+        doc["output"].update(checkpoint_every=2, keep_last=5)
+        if resume_from is not None:
+            doc["model"]["resume_from"] = str(resume_from)
+        spec = JobSpec.from_dict(doc)
+        with trained_in_process(spec, arena_dir, 2, job_id=where, namespace="hostmem8") as t:
+            weights = {n: w for d in t.final_weights().values() for n, w in d.items()}
+            return weights, [e.loss for e in t.progress]
+
+    fp32 = run("fp32", "float32")
+    int8 = run("int8", "int8")
+    for a, b in zip(int8[1], fp32[1]):
+        assert abs(a - b) <= 0.01 * abs(b), (int8[1], fp32[1])
+    saved = CheckpointDir(tmp_path / "int8" / "checkpoints").complete("int8")
+    step2 = next(info for info in saved if info.step == 2)
+    resumed = run("resumed", "int8", resume_from=step2.path)
+    assert resumed[1][2:] == int8[1][2:]
+    for name in int8[0]:
+        assert torch.equal(resumed[0][name], int8[0][name]), name

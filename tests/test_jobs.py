@@ -1,0 +1,98 @@
+"""The job state machine (coordinator.jobs) on its own: no sockets, no daemon, a real
+job store on disk."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from runtime_helpers import tiny_spec
+
+from roundpipe.coordinator.jobs import BadState, JobBook, outcome
+from roundpipe.coordinator.jobstore import JobStore
+from roundpipe.coordinator.paths import PathPolicy
+from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused
+from roundpipe.protocol import FINAL_JOB_STATES, JOB_STATES, STOPPED_JOB_STATES
+
+
+def book_in(state_dir: Path) -> JobBook:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    book = JobBook(
+        state_dir,
+        PathPolicy.create(read=["/"], write=["/"]),
+        threading.RLock(),
+        JobStore.in_state_dir(state_dir),
+    )
+    book.load()
+    return book
+
+
+def submit(book: JobBook, out: Path, owner: str = "alice"):
+    spec = tiny_spec(out)
+    return book.submit(spec, spec.to_dict(), owner=owner)
+
+
+def test_states_are_one_closed_set() -> None:
+    assert JOB_STATES == ("queued", "running", "paused", "succeeded", "failed", "cancelled")
+    assert FINAL_JOB_STATES < STOPPED_JOB_STATES <= set(JOB_STATES)
+    assert STOPPED_JOB_STATES - FINAL_JOB_STATES == {"paused"}
+
+
+def test_submit_run_cancel_resume(tmp_path: Path) -> None:
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    b = submit(book, tmp_path / "b")
+    assert (a.state, b.state) == ("queued", "queued") and book.queue == [a.job_id, b.job_id]
+    assert a.output_dir == str(tmp_path / "a") and a.owner == "alice"
+
+    # The job thread takes them in order; a cancelled queued job never runs.
+    book.cancel(b)
+    assert b.state == "cancelled" and b.message == "cancelled before it started"
+    stop = threading.Event()
+    running = book.take_next(stop)
+    assert running is a and a.state == "running" and book.active is a
+
+    # A run that pauses (e.g. a full disk), resumed: queued again with where it goes on.
+    state, message = outcome(a, JobPaused("cannot write checkpoint: disk full"), stopping=False)
+    book.finish(a, state, message)
+    assert a.state == "paused" and book.active is None and "disk full" in a.message
+    assert book.resume(a) == "from the start (it has no checkpoint)"
+    assert a.state == "queued" and book.queue == [a.job_id]
+    assert book.resume(a) is None  # already queued: nothing to do
+
+    # A cancelled job can be resumed; a succeeded one cannot.
+    assert book.resume(b) is not None and b.state == "queued" and not b.cancel_requested
+    assert book.take_next(stop) is a
+    book.record_checkpoint(a, 2, 5.5)
+    book.finish(a, *outcome(a, None, stopping=False))
+    assert a.state == "succeeded" and a.checkpoint_step == 2 and a.message.startswith("model")
+    with pytest.raises(BadState, match="already succeeded"):
+        book.resume(a)
+    book.cancel(a)  # a job that has ended stays as it is
+    assert a.state == "succeeded"
+
+    # Every change went to the store first: a new book reads the same states back.
+    again = book_in(tmp_path / "state")
+    assert {j.job_id: j.state for j in again.jobs.values()} == {
+        a.job_id: "succeeded",
+        b.job_id: "queued",
+    }
+    assert again.queue == [b.job_id] and again.jobs[a.job_id].checkpoint_step == 2
+    stop.set()
+    assert book.take_next(stop) is None
+
+
+def test_outcome_of_a_run(tmp_path: Path) -> None:
+    book = book_in(tmp_path / "state")
+    job = submit(book, tmp_path / "a")
+    assert outcome(job, JobFailed("bad data"), stopping=False) == ("failed", "bad data")
+    assert outcome(job, ValueError("x"), stopping=False) == ("failed", "ValueError: x")
+    assert outcome(job, JobCancelled("c"), stopping=False)[0] == "cancelled"
+    # A coordinator shutdown interrupts a job: it is queued again, from its checkpoint.
+    job.checkpoint_step = 4
+    state, message = outcome(job, JobCancelled("c"), stopping=True)
+    assert state == "queued" and "from checkpoint step 4 on restart" in message
+    # ... unless its owner had asked to cancel it.
+    job.cancel_requested = True
+    assert outcome(job, JobCancelled("c"), stopping=True)[0] == "cancelled"
