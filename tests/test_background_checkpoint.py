@@ -35,9 +35,10 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.memory import InsufficientMemory, host_memory_needed
 from roundpipe.coordinator.trainer import JobPaused
+from roundpipe.shared.model import LayeredModel
 
 STEPS = 5
 
@@ -140,10 +141,10 @@ def test_staging_is_counted_and_bounded_by_the_setting(
         t = Trainer("job-mem", spec, arena_dir=arena_dir, namespace="bgmem", output_dir=tmp_path)
         try:
             t.prepare(1)
-            need = host_memory_needed(t.layout, staging=t.staging_bytes)
-            assert need.total == host_memory_needed(t.layout).total + t.staging_bytes
-            if t.staging_bytes:
-                assert "checkpoint staging" in need.describe()
+            need = host_memory_needed(t.layout, spec, checkpoint_staging=t.staging_bytes)
+            assert need.total == host_memory_needed(t.layout, spec).total + t.staging_bytes
+            assert need.components()["checkpoint_staging"] == t.staging_bytes
+            assert "checkpoint staging" in need.describe()
             return t.staging_bytes
         finally:
             t.close()
@@ -158,13 +159,53 @@ def test_staging_is_counted_and_bounded_by_the_setting(
     real_check = trainer_module.check_host_memory
 
     def tight(need, arena, **kw):  # room for the job, not for the staging copy
-        if need.staging:
+        if need.checkpoint_staging:
             raise InsufficientMemory("no room")
         real_check(need, arena, **kw)
 
     monkeypatch.setattr(trainer_module, "check_host_memory", tight)
     assert prepared(spec_for(tmp_path, every=2)) == 0
     assert "does not have that much memory to spare" in caplog.text
+
+
+def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> None:
+    """Admission (coordinator.admission, ``least_host_memory``) counts the staging an
+    explicit ``output.checkpoint_staging`` commits the job to: a machine with room for
+    the job but not for its staging refuses it at submit, naming the staging; "auto", a
+    size too small for one checkpoint (drained checkpoints) or no periodic checkpoints
+    add nothing, and are accepted on the same machine."""
+    from roundpipe.coordinator import memory
+    from roundpipe.coordinator.admission import validate_spec
+    from roundpipe.coordinator.jobspec import JobSpecError
+
+    def spec(every: int, staging: str | int) -> dict:
+        return spec_for(tmp_path / "out", every=every, staging=staging).to_dict()
+
+    def least(d: dict) -> memory.HostMemory:
+        job = JobSpec.from_dict(d)
+        model = LayeredModel(model_config_from_spec(job.model))
+        return memory.least_host_memory(model, job)
+
+    auto = least(spec(2, "auto"))
+    assert auto.checkpoint_staging == 0
+    plenty = least(spec(2, "1GiB"))
+    assert plenty.checkpoint_staging > 0
+    assert plenty.total == auto.total + plenty.checkpoint_staging
+    need = plenty.checkpoint_staging
+    assert least(spec(2, need - 1)).checkpoint_staging == 0  # drained: nothing staged
+    assert least(spec(0, "1GiB")).checkpoint_staging == 0  # only the final checkpoint
+
+    # A machine with room for the job and half its staging.
+    available = auto.total + need // 2
+    monkeypatch.setattr(
+        memory.psutil, "virtual_memory", lambda: type("VM", (), {"available": available})()
+    )
+    for accepted in (spec(2, "auto"), spec(2, need - 1), spec(0, "1GiB")):
+        validate_spec(accepted)
+    with pytest.raises(JobSpecError) as refused:
+        validate_spec(spec(2, "1GiB"))
+    assert "whatever its plan" in str(refused.value)
+    assert "checkpoint staging" in str(refused.value)
 
 
 # --------------------------------------------------------------------------- SIGKILL
