@@ -13,6 +13,7 @@ Threads (only the I/O thread touches the ROUTER socket):
     rp-job                 runs queued jobs one at a time through a Trainer; sends
                            JobSetup / StageTask / JobTeardown through its own inproc PUSH
     rp-optimizer-<job>     the Trainer's layer-wise AdamW
+    rp-checkpoints-<job>   the Trainer's background checkpoint writer (coordinator.snapshot)
 
 One ROUTER socket at ``--address`` serves both workers and clients (both use DEALER
 sockets): a worker introduces itself with ``Hello``; anything else is a client request

@@ -20,7 +20,11 @@ The rest of the cut is taken elsewhere, at the moment it holds:
 
 The writer thread waits for all of them, then writes through ``CheckpointDir.write``
 as a drained checkpoint is written (Note [atomic checkpoint]: temporary directory,
-fsync, rename, ``latest``), so crash safety and verification are unchanged.
+fsync, rename, ``latest``), so crash safety and verification are unchanged; like a
+drained one it writes through the output directory checked and held open for the whole
+write (``Trainer._pinned_output``), so a directory swapped for a link meanwhile gets
+nothing. The run loop learns of each result from a ``CheckpointSettled`` in its inbox
+(roundpipe.coordinator.job_events) and announces it as ``CheckpointWritten``.
 
 Bounded memory: the staging buffers hold one checkpoint's state. They are allocated on
 the first checkpoint and reused. A checkpoint begun while the previous one is still
@@ -64,7 +68,7 @@ class BackgroundCheckpoints:
     checkpoint from the staged copies and returns its path; it runs in the writer thread
     and may call ``check_abort()`` between files. ``on_settled()`` is called in the
     writer thread whenever a checkpoint has been written or has failed (the trainer
-    wakes its run loop with it).
+    puts a ``CheckpointSettled`` into its run loop's inbox).
     """
 
     def __init__(
