@@ -233,8 +233,8 @@ class TimelineRecorder:
         output = trainer.spec.output
         recorder = cls(
             trainer.job_id,
-            trainer.trace_output / TRACE_DIR if output.timeline else None,
-            trainer.trace_output / TENSORBOARD_DIR if output.tensorboard else None,
+            trainer.held_output / TRACE_DIR if output.timeline else None,
+            trainer.held_output / TENSORBOARD_DIR if output.tensorboard else None,
         )
         recorder.start(trainer.start_step + 1, trainer.plan, num_optimizer_layers)
         return recorder

@@ -247,9 +247,9 @@ class Trainer:
         their own): ``root``, the output directory's pin while ``_pinned_output`` holds
         one; see ``_output_root``."""
         self._held_output_fd: int | None = None
-        self.trace_output = self.output_dir
-        """Where the run's trace and TensorBoard scalars go, written all along: the output
-        directory checked in ``prepare`` and held open until ``close`` (its pin)."""
+        self.held_output = self.output_dir
+        """The output directory checked in ``prepare`` and held open until ``close`` (its
+        pin): where the run's trace and TensorBoard scalars go, written all along."""
         self.start_step = 0
         """Step the run starts after: 0, or the step of the checkpoint it resumed from."""
         self.checkpoint_step: int | None = None
@@ -304,9 +304,9 @@ class Trainer:
                 self._held_output_fd = fd
             except PathRefused as exc:
                 raise JobFailed(str(exc)) from None
-            self.trace_output = pinned_dir(self._held_output_fd) or self.output_dir
+            self.held_output = pinned_dir(self._held_output_fd) or self.output_dir
         try:
-            self.checkpoints.ensure_writable()
+            CheckpointDir(self.held_output / self.checkpoints.root.name).ensure_writable()
         except OSError as exc:
             message = self._io_error_message("the output directory is not writable", exc)
             raise JobPaused(message) from exc
@@ -1113,7 +1113,10 @@ class Trainer:
     def _shown(self, text: object) -> str:
         """``text`` (a path, a message) as the user knows it: the output directory's pin
         replaced by its path."""
-        return str(text).replace(str(self._output_root), str(self.output_dir))
+        text = str(text)
+        for pin in {self._output_root, self.held_output} - {self.output_dir}:
+            text = text.replace(str(pin), str(self.output_dir))
+        return text
 
     def save_checkpoint(self, step: int) -> Path:
         """Write the checkpoint after ``step`` from the live state (call only at a cut:
@@ -1442,6 +1445,7 @@ class Trainer:
         if self._held_output_fd is not None:
             os.close(self._held_output_fd)
             self._held_output_fd = None
+            self.held_output = self.output_dir
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None

@@ -11,12 +11,15 @@
 #   parity      scripts/gpu_parity.py: a tiny job on a GPU worker vs CPU-worker losses
 #   overlap     benchmarks/overlap.py (CPU, emulated bus)
 #   throughput  benchmarks/gpu_throughput.py, Qwen3-1.7B shape (skipped with --quick)
+#   vs-paper    the same shape, this runtime beside the paper's library (PyPI roundpipe 0.1.1
+#               from .whl/ref, in /tmp/ref; skipped with --quick): issue 14's RESULT vs_paper
+#   moe         benchmarks/moe.py: a Qwen3-30B-A3B-shaped MoE layer against the dense layer
 #   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
 #               figure)
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
-# `--steps throughput`, then `--steps overlap,optimizer`.
+# `--steps throughput`, then `--steps vs-paper`, then `--steps overlap,optimizer,moe`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
@@ -52,6 +55,12 @@ if ! python3 -c "import roundpipe.worker.transfer" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/rp-site . \
     || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
   export PYTHONPATH=/tmp/rp-site:${PYTHONPATH:-}
+fi
+
+# The paper's library, for vs-paper: its own directory, on PYTHONPATH only in its process.
+if ls .whl/ref/*.whl >/dev/null 2>&1 && [ ! -d /tmp/ref/roundpipe ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/ref .whl/ref/*.whl \
+    || echo "gpu_check.sh: installing the paper's library from .whl/ref failed" >&2
 fi
 
 summary=()
@@ -102,6 +111,7 @@ if [ $smoke -eq 1 ]; then
   step overlap 600 python3 benchmarks/overlap.py --smoke
   [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py --smoke
   step optimizer 300 python3 benchmarks/optimizer.py --smoke --no-paper
+  step moe 300 python3 benchmarks/moe.py --smoke
 else
   step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
   step bandwidth 120 python3 benchmarks/bandwidth.py
@@ -109,7 +119,10 @@ else
   step overlap 600 python3 benchmarks/overlap.py --iterations 2
   [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py \
     --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1
+  [ $quick -eq 1 ] || step vs-paper 600 python3 benchmarks/gpu_throughput.py \
+    --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1
   step optimizer 300 python3 benchmarks/optimizer.py
+  step moe 300 python3 benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
 fi
 
 {

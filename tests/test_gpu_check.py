@@ -30,6 +30,7 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
         "parity",
         "overlap",
         "optimizer",
+        "moe",
     ]
     assert all(s["exit"] == 0 for s in steps), steps
     env = json.loads((out / "env.json").read_text())
