@@ -13,7 +13,8 @@
   :mod:`~roundpipe.coordinator.optimizer`: the CPU optimizer
   (:mod:`~roundpipe.coordinator.quantized_state` its 8-bit states);
   :mod:`~roundpipe.coordinator.checkpoint`, :mod:`~roundpipe.coordinator.jobstore`: what
-  survives a restart; :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
+  survives a restart (:mod:`~roundpipe.coordinator.snapshot`: checkpoints written in the
+  background); :mod:`~roundpipe.coordinator.recovery`: lost and slow workers.
 - :mod:`~roundpipe.coordinator.multinode`: several coordinators (servers) training one
   job as a data-parallel group.
 - :mod:`~roundpipe.coordinator.planning` (a package: hardware, costs, search, simulator,

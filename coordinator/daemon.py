@@ -13,6 +13,7 @@ Threads (only the I/O thread touches the ROUTER socket):
     rp-job                 runs queued jobs one at a time through a Trainer; sends
                            JobSetup / StageTask / JobTeardown through its own inproc PUSH
     rp-optimizer-<job>     the Trainer's layer-wise AdamW
+    rp-checkpoints-<job>   the Trainer's background checkpoint writer (coordinator.snapshot)
 
 One ROUTER socket at ``--address`` serves both workers and clients (both use DEALER
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
@@ -1246,7 +1247,11 @@ class _JobThreads(logging.Filter):
         self.job_id = job_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName in ("rp-job", f"rp-optimizer-{self.job_id}")
+        return record.threadName in (
+            "rp-job",
+            f"rp-optimizer-{self.job_id}",
+            f"rp-checkpoints-{self.job_id}",  # background checkpoints (coordinator.snapshot)
+        )
 
 
 def _job_log_handler(job: JobRecord) -> logging.Handler:

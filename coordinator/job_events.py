@@ -5,7 +5,7 @@ outside world, and what it tells it, crosses here and nowhere else:
 
 * into the trainer, through its ``inbox``: the workers' results (``TaskDone``,
   ``TaskFailed``, protocol messages) and the ``InboxEvent``s below (a worker joined or
-  was lost, a wake-up);
+  was lost, a wake-up, a background checkpoint settled);
 * out of the trainer: the ``JobEvent``s below, given to the one ``on_event`` callable
   the trainer was built with (the plan chosen, a checkpoint written);
 * the actions the trainer takes on workers go through a ``WorkerPort`` that ``run``
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from roundpipe.shared.plan import Plan
 
 __all__ = [
+    "CheckpointSettled",
     "CheckpointWritten",
     "InboxEvent",
     "JobEvent",
@@ -68,7 +69,14 @@ class Wakeup:
     why: str
 
 
-InboxEvent = WorkerJoined | WorkerLost | Wakeup
+@dataclass(frozen=True)
+class CheckpointSettled:
+    """A background checkpoint was written or could not be (roundpipe.coordinator.snapshot;
+    sent by its writer thread): the run loop announces it (``CheckpointWritten``) or
+    stops the job with the reason."""
+
+
+InboxEvent = WorkerJoined | WorkerLost | Wakeup | CheckpointSettled
 
 
 # ------------------------------------------------------------------- out of the trainer

@@ -66,6 +66,7 @@ __all__ = [
     "has_tokenizer_files",
     "load_job_spec",
     "model_config_from_spec",
+    "staging_limit_bytes",
     "validate_against_model",
 ]
 
@@ -408,6 +409,11 @@ class OutputSpec:
     checkpoint is always written."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (>= 0); 0 keeps all."""
+    checkpoint_staging: str | int = "auto"
+    """Host memory for writing checkpoints in the background (docs/checkpoints.md):
+    ``"auto"`` (one checkpoint's state, if the machine has it to spare), a size
+    (``"8GiB"`` or bytes: the most it may take), or 0 (write every checkpoint with the
+    pipeline stopped)."""
     timeline: bool = True
     """Record the pipeline timeline as Chrome-trace JSON in ``<dir>/timeline/``
     (``roundpipe timeline`` draws it; docs/observability.md)."""
@@ -1308,8 +1314,29 @@ def _check_output(e: _Errors, o: OutputSpec) -> None:
             e.add("output.dir", f"{o.dir!r} exists and is not a directory")
     _check_int(e, "output.checkpoint_every", o.checkpoint_every, lo=0)
     _check_int(e, "output.keep_last", o.keep_last, lo=0)
+    _check_staging(e, o.checkpoint_staging)
     _check_bool(e, "output.timeline", o.timeline)
     _check_bool(e, "output.tensorboard", o.tensorboard)
+
+
+def _check_staging(e: _Errors, v: Any) -> None:
+    if v == "auto":
+        return
+    try:
+        ok = not isinstance(v, bool) and staging_limit_bytes(v) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        e.bad("output.checkpoint_staging", v, '"auto", a size such as "8GiB", or 0')
+
+
+def staging_limit_bytes(value: str | int) -> int | None:
+    """``output.checkpoint_staging`` in bytes; None for ``"auto"``."""
+    from roundpipe.shared.units import parse_quantity
+
+    if value == "auto":
+        return None
+    return int(parse_quantity(value, what="output.checkpoint_staging"))
 
 
 # --------------------------------------------------------------------------- model config

@@ -11,7 +11,10 @@ memory is checked against the machine before anything is allocated"), by compone
   (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
 * the fp32 master weights of its trainable parameters (4 bytes each) and the optimizer
   states (AdamW: 8 bytes, ~2.03 with ``optimizer.state_dtype: int8``), in the
-  coordinator's own memory.
+  coordinator's own memory;
+* the staging copy of one checkpoint's training state, when checkpoints are written in
+  the background (:func:`checkpoint_staging_needed`; Note [background checkpoint] in
+  roundpipe.coordinator.snapshot).
 
 :func:`host_memory_needed` adds them up from a layout that has been planned but not
 created (:func:`planned_layout` builds it as the trainer does); :func:`check_host_memory`
@@ -47,6 +50,8 @@ __all__ = [
     "HostMemory",
     "InsufficientMemory",
     "check_host_memory",
+    "checkpoint_staging_needed",
+    "committed_checkpoint_staging",
     "grad_buffer_layers",
     "host_memory_needed",
     "least_host_memory",
@@ -82,6 +87,9 @@ class HostMemory:
     """Optimizer states of the trainable parameters (coordinator memory)."""
     staging: int = 0
     """Pinned staging buffers: none (GPU workers pin the arenas in place)."""
+    checkpoint_staging: int = 0
+    """One checkpoint's training state copied for the background writer (coordinator
+    memory; 0: checkpoints drain the pipeline)."""
 
     @property
     def arenas(self) -> int:
@@ -90,7 +98,7 @@ class HostMemory:
 
     @property
     def total(self) -> int:
-        return self.arenas + self.masters + self.moments + self.staging
+        return self.arenas + self.masters + self.moments + self.staging + self.checkpoint_staging
 
     def components(self) -> dict[str, int]:
         """Every component by name, in the order ``describe`` gives them."""
@@ -101,6 +109,7 @@ class HostMemory:
             "masters": self.masters,
             "moments": self.moments,
             "staging": self.staging,
+            "checkpoint_staging": self.checkpoint_staging,
         }
 
     def describe(self, parameters: int | None = None) -> str:
@@ -110,13 +119,18 @@ class HostMemory:
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
             f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
-            f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}){per}"
+            f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}, checkpoint staging "
+            f"{_gib(self.checkpoint_staging)}){per}"
         )
 
 
-def host_memory_needed(layout: JobLayout, spec: JobSpec | None = None) -> HostMemory:
+def host_memory_needed(
+    layout: JobLayout, spec: JobSpec | None = None, *, checkpoint_staging: int = 0
+) -> HostMemory:
     """What a job with this (planned, not yet created) layout takes in host memory.
-    ``spec``: the job's optimizer settings (default: AdamW with fp32 states)."""
+    ``spec``: the job's optimizer settings (default: AdamW with fp32 states);
+    ``checkpoint_staging``: bytes staged for background checkpoints (the trainer's
+    choice, ``committed_checkpoint_staging`` before it has chosen)."""
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
     return HostMemory(
@@ -125,6 +139,7 @@ def host_memory_needed(layout: JobLayout, spec: JobSpec | None = None) -> HostMe
         activations=sum(n for name, n in sizes.items() if name not in ("params", "grads")),
         masters=4 * trainable,
         moments=optimizer_state_nbytes(layout, spec),
+        checkpoint_staging=checkpoint_staging,
     )
 
 
@@ -164,14 +179,18 @@ def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
     """The least host memory ``spec`` needs under any plan (what admission checks at
     submit): the activation slots of the plan with the fewest (the whole model as one
     tail stage) and the gradient buffer of the plan with the narrowest stages (one layer
-    each), sized, not created."""
+    each), sized, not created; with the checkpoint staging an explicit
+    ``output.checkpoint_staging`` commits the job to ("auto" takes staging only if the
+    machine has it to spare when the job starts, so it adds nothing here)."""
     import dataclasses
 
     from roundpipe.shared.plan import Plan
 
     n = model.num_layers
     one_stage = Plan(forward=(), tail=(0, n), backward=())
-    fewest_slots = host_memory_needed(planned_layout(model, one_stage, spec), spec)
+    layout = planned_layout(model, one_stage, spec)
+    staging = committed_checkpoint_staging(layout, spec)
+    fewest_slots = host_memory_needed(layout, spec, checkpoint_staging=staging)
     if n < 2:
         return fewest_slots
     narrowest = Plan.uniform(n, num_forward=1, num_backward=n - 1, tail_layers=1)
@@ -199,6 +218,32 @@ def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> in
         ]
         return sum(2 * n + 2 * 4 * absmax_numel(n) for n in numels)
     return 4 * trainable if spec.optimizer.momentum else 0
+
+
+def checkpoint_staging_needed(layout: JobLayout, spec: JobSpec) -> int:
+    """Bytes of staging background checkpoints need (Note [background checkpoint] in
+    roundpipe.coordinator.snapshot): one checkpoint's per-layer state, that is per
+    trainable parameter its fp32 master (4), its optimizer state
+    (:func:`optimizer_state_nbytes`) and its previous compute-dtype weight (``prev/*``).
+    0 for a job that checkpoints only after its last step: nothing to overlap with."""
+    every = spec.output.checkpoint_every
+    if every <= 0 or every >= spec.train.steps:
+        return 0
+    trainable = layout.model.parameter_count(trainable_only=True)
+    prev = layout.compute_dtype.itemsize * trainable
+    return 4 * trainable + optimizer_state_nbytes(layout, spec) + prev
+
+
+def committed_checkpoint_staging(layout: JobLayout, spec: JobSpec) -> int:
+    """The checkpoint staging ``spec`` commits the job to before it starts: with a size
+    in ``output.checkpoint_staging``, one checkpoint's (:func:`checkpoint_staging_needed`)
+    if the size holds it, else 0 (checkpoints drain the pipeline); with ``"auto"``, 0:
+    the trainer takes staging only if the machine has it to spare when it prepares."""
+    from roundpipe.coordinator.jobspec import staging_limit_bytes
+
+    limit = staging_limit_bytes(spec.output.checkpoint_staging)
+    need = checkpoint_staging_needed(layout, spec)
+    return need if limit is not None and need <= limit else 0
 
 
 def release_freed_memory() -> None:

@@ -16,20 +16,25 @@ Trainer in a job thread with a port over ZeroMQ; tests use in-process ``WorkerCo
 threads.
 
 Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
-``output.checkpoint_every`` steps and after the last step the trainer drains the
-pipeline (Note [checkpoint cut]) and writes the model in Hugging Face layout plus the
-training state; ``prepare`` resumes from the job's newest good checkpoint, or from
+``output.checkpoint_every`` steps and after the last step the trainer writes the model
+in Hugging Face layout plus the training state as of the cut (Note [checkpoint cut]):
+captured layer by layer as the optimizer updates them and written by a background
+thread while training goes on (roundpipe.coordinator.snapshot, Note [background
+checkpoint]), or, without staging memory, with the pipeline drained; ``prepare`` resumes from the job's newest good checkpoint, or from
 ``model.resume_from``. The model files come from ``write_hf_model``, which ``export``
 uses too.
 
 Note [checkpoint cut]
 ~~~~~~~~~~~~~~~~~~~~~
-A checkpoint "after step s" is taken at a cut where every task of iterations <= s has
-completed, the optimizer has applied step s to every layer, and no task of iteration
-s+1 has been sent. (The trainer simply stops dispatching at a checkpoint step until
-that holds; the workers idle for the length of the write.) At the cut the state is:
+A checkpoint "after step s" holds the state at a cut where every task of iterations
+<= s has completed, the optimizer has applied step s to every layer, and no task of
+iteration s+1 has been sent. A drained checkpoint stops dispatching until that holds
+(the workers idle for the length of the write); a background one assembles the same
+state per layer while training runs on (Note [background checkpoint] in
+roundpipe.coordinator.snapshot). At the cut the state is:
 
-* the fp32 masters W_s and the AdamW moments and step counts after step s;
+* the fp32 masters W_s (stored once, as the model files' tensors) and the AdamW
+  moments and step counts after step s;
 * params[s % 2] = compute-dtype W_s (a cast of the masters, recomputed on load);
 * params[(s-1) % 2] = compute-dtype W_{s-1}. With staleness 1 iteration s+1 computes
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
@@ -78,7 +83,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -95,6 +100,7 @@ from roundpipe.coordinator.checkpoint import (
 )
 from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.job_events import (
+    CheckpointSettled,
     CheckpointWritten,
     InboxEvent,
     JobEvent,
@@ -105,11 +111,18 @@ from roundpipe.coordinator.job_events import (
     WorkerPort,
     progress_page,
 )
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec, validate_against_model
+from roundpipe.coordinator.jobspec import (
+    JobSpec,
+    model_config_from_spec,
+    staging_limit_bytes,
+    validate_against_model,
+)
 from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import (
     InsufficientMemory,
     check_host_memory,
+    checkpoint_staging_needed,
+    committed_checkpoint_staging,
     grad_buffer_layers,
     host_memory_needed,
     release_freed_memory,
@@ -129,6 +142,7 @@ from roundpipe.coordinator.planning.profile import ProfileAggregator
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
 from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.schedule import ScheduleBuilder
+from roundpipe.coordinator.snapshot import BackgroundCheckpoints, LayerState
 from roundpipe.coordinator.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
@@ -233,9 +247,10 @@ class Trainer:
         self.step = 0
         self.last_loss: float | None = None
         self.checkpoints = CheckpointDir(self.output_dir / "checkpoints")
-        self._output_root = self.output_dir
-        """Where to write into the output directory: its pin while one is held
-        (``_pinned_output``), else its path."""
+        self._pins = threading.local()
+        """Per thread (the run loop's and the background checkpoint writer's each hold
+        their own): ``root``, the output directory's pin while ``_pinned_output`` holds
+        one; see ``_output_root``."""
         self._held_output_fd: int | None = None
         self.held_output = self.output_dir
         """The output directory checked in ``prepare`` and held open until ``close`` (its
@@ -246,6 +261,10 @@ class Trainer:
         """Step of the newest checkpoint written or resumed from (None: none yet)."""
         self.resumed_from: CheckpointInfo | None = None
         self._base_model_written = False
+        self.staging_bytes = 0
+        """Host memory set aside for background checkpoints (0: checkpoints drain the
+        pipeline); decided in ``prepare`` (Note [background checkpoint])."""
+        self._background: BackgroundCheckpoints | None = None
         self._cancel = threading.Event()
         self._optimizer_error: BaseException | None = None
         self._optimizer_done_step = 0
@@ -342,8 +361,12 @@ class Trainer:
         )
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        self.staging_bytes = self._choose_staging(layout)
         try:
-            check_host_memory(host_memory_needed(layout, spec), self.arena_dir)
+            check_host_memory(
+                host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
+                self.arena_dir,
+            )
         except InsufficientMemory as exc:
             raise JobFailed(str(exc)) from None
         layout.create(self.arena_dir, self.namespace)
@@ -395,6 +418,36 @@ class Trainer:
             self._sync_with_group()
         self._plan_chosen(self.start_step + 1, why)
         self.prepared = True
+
+    def _choose_staging(self, layout: JobLayout) -> int:
+        """Bytes of staging for background checkpoints (``output.checkpoint_staging``):
+        one checkpoint's per-layer state, if the setting allows that much ("auto": if
+        the machine has it available besides the job); else 0, and checkpoints drain."""
+        spec = self.spec
+        need = checkpoint_staging_needed(layout, spec)
+        if need == 0:
+            return 0
+        limit = staging_limit_bytes(spec.output.checkpoint_staging)
+        if limit is not None:
+            if committed_checkpoint_staging(layout, spec):
+                return need
+            why = f"output.checkpoint_staging is {limit} bytes"
+        else:
+            try:
+                check_host_memory(
+                    host_memory_needed(layout, spec, checkpoint_staging=need), self.arena_dir
+                )
+                return need
+            except InsufficientMemory:
+                why = "the machine does not have that much memory to spare"
+        log.info(
+            "[trainer] job %s: checkpoints stop the pipeline while they are written: "
+            "writing them in the background needs %d bytes of staging and %s",
+            self.job_id,
+            need,
+            why,
+        )
+        return 0
 
     def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
         """The job's first plan and why: the spec's, or the planner's cold start."""
@@ -541,11 +594,15 @@ class Trainer:
             raise JobFailed(f"cannot read {info.path / STATE_FILE}: {exc}") from None
         with state:
             keys = set(state.keys())
+            # Masters are in the model files (checkpoint_name keys); checkpoints written
+            # before that hold them as master/<name> too.
+            masters_in_state = any(k.startswith("master/") for k in keys)
+            kinds = ("master",) * masters_in_state + ("prev", *self.optimizer.kinds)
             expected = {
                 f"{kind}/{name}"
                 for names in self.masters.values()
                 for name in names
-                for kind in ("master", "prev", *self.optimizer.kinds)
+                for kind in kinds
             }
             saved = {k for k in keys if not k.startswith("rng/")}
             if saved != expected:
@@ -566,6 +623,20 @@ class Trainer:
                     )
                 return t
 
+            if masters_in_state:
+                exported: dict[str, torch.Tensor] = {}
+            else:
+                names = [name for per in self.masters.values() for name in per]
+                try:
+                    exported = self.model.read_exported(info.path, names)
+                except (OSError, ValueError) as exc:
+                    raise JobFailed(f"cannot read the model files of {where}: {exc}") from None
+                lacking = [n for n in names if n not in exported]
+                if lacking:
+                    raise JobFailed(
+                        f"{where}: its model files lack {len(lacking)} trained weight(s) of "
+                        f"this job's model, e.g. {lacking[:3]}"
+                    )
             optimizer_state = self.optimizer.state_dict()  # live buffers
             for key, buf in optimizer_state["tensors"].items():
                 layer_and_name, kind = key.rsplit(".", 1)
@@ -576,7 +647,15 @@ class Trainer:
             c = layout.counters
             for layer, names in self.masters.items():
                 for name, master in names.items():
-                    master.copy_(load(f"master/{name}", master))
+                    saved = exported.get(name)
+                    if saved is None:
+                        saved = load(f"master/{name}", master)
+                    elif saved.shape != master.shape or saved.dtype != torch.float32:
+                        raise JobFailed(
+                            f"{where}: {name} in the model files is {saved.dtype} "
+                            f"{tuple(saved.shape)}, this job's model float32 {tuple(master.shape)}"
+                        )
+                    master.copy_(saved)
                     refs = layout.params[layer][name]
                     current, previous = refs[s % 2], refs[(s - 1) % 2]
                     assert current is not None and previous is not None
@@ -660,6 +739,13 @@ class Trainer:
         optimizer_thread.start()
         if self.group is not None:
             self._start_reducer()
+        if self.staging_bytes and (self.group is None or self.group.leader):
+            self._background = BackgroundCheckpoints(
+                self._state_tensors,
+                self._write_checkpoint,
+                lambda: self.inbox.put(CheckpointSettled()),
+                name=f"rp-checkpoints-{self.job_id}",
+            )
         tracker = TaskTracker(port.send_task, port.live_workers, self.recovery_policy)
         self.tracker = tracker
         self._port = port
@@ -667,6 +753,7 @@ class Trainer:
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
         next_task_id = 0
+        next_task_iteration = self.start_step + 1  # the first iteration not dispatched
         tokens_per_step = spec.global_batch_size * spec.data.seq_len
         started = time.perf_counter()
         last_time = started
@@ -693,6 +780,11 @@ class Trainer:
 
         def handle_next() -> None:
             self._handle(self._next_message(), unfinished, pending_per_iteration)
+            if self._background is not None:
+                # A background checkpoint's writer waits for its step's report: report
+                # whatever has finished at once (the drained path's reports stay as
+                # they were).
+                report_through(next_task_iteration - 1)
 
         try:
             for k in range(self.start_step + 1, steps + 1):
@@ -710,6 +802,14 @@ class Trainer:
                 batch = self.loader.next_batch()
                 assert batch.step == k, (batch.step, k)
                 parity = k % 2
+                if self.checkpoint_due(k) and self._background is not None:
+                    # Note [background checkpoint]: begun before any task of iteration
+                    # k exists, so before the optimizer's step k; the cursor is now k+1.
+                    waited = time.perf_counter()
+                    while not self._background.can_begin:  # bounded memory
+                        handle_next()
+                    self._note_checkpoint_wait(k, time.perf_counter() - waited)
+                    self._background.begin(k, self._checkpoint_context())
                 # With a group: this node's share; the loss is still normalised over
                 # the global batch (batch.num_label_tokens below).
                 layout.write_batch(parity, self._node_share(batch))
@@ -719,13 +819,15 @@ class Trainer:
                 tasks = self.schedule.tasks(k, batch.num_label_tokens, next_task_id)
                 next_task_id += len(tasks)
                 pending_per_iteration[k] = len(tasks)
+                next_task_iteration = k + 1
                 for task in tasks:
                     if task.kind == "tail":
                         tail_task[k] = task.task_id
                     unfinished[task.task_id] = task
                     tracker.dispatch(task)  # parked if no worker is connected
                 report_through(k - 1)
-                if self.checkpoint_due(k):
+                writes_checkpoints = self.group is None or self.group.leader  # rank 0 only
+                if self.checkpoint_due(k) and self._background is None and writes_checkpoints:
                     # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
                     # pipeline has drained and the optimizer has applied step k.
                     while any(pending_per_iteration.values()) or not self._loss_known(k):
@@ -733,19 +835,25 @@ class Trainer:
                         report_through(k)
                     self._wait_optimizer(k)
                     report_through(k)
-                    if self.group is None or self.group.leader:  # one writer: rank 0
-                        path = self.save_checkpoint(k)
-                        self._emit(CheckpointWritten(k, path, self.last_loss))
+                    path = self.save_checkpoint(k)
+                    self._emit(CheckpointWritten(k, path, self.last_loss))
             while any(pending_per_iteration.values()) or not self._loss_known(steps):
                 handle_next()
                 report_through(steps)
             self._wait_optimizer(steps)
+            while self._background is not None and self._background.busy:
+                handle_next()  # the final checkpoint
+            self._settle_background()  # one that settled after the last message
         finally:
             self._cancel.set()
             with self._optimizer_cv:
                 self._optimizer_cv.notify_all()
+            if self._background is not None:
+                # Abandons an unfinished checkpoint and wakes a capture waiting for it.
+                self._background.close()
             optimizer_thread.join(timeout=30)
             self._stop_reducer()
+            self._background = None  # a later save_checkpoint drains, as without staging
         log.info(
             "[trainer] job %s finished steps %d..%d in %.1fs",
             self.job_id,
@@ -791,6 +899,8 @@ class Trainer:
         )
         with self._progress_lock:
             self.progress.append(event)
+        if self._background is not None:
+            self._background.reported(k)
         self.timeline.step_reported(event)  # observability
         if on_progress is not None:
             on_progress(event)
@@ -838,6 +948,9 @@ class Trainer:
             return
         if isinstance(msg, Wakeup):
             return  # what it wakes the loop for (cancel, optimizer error) is checked there
+        if isinstance(msg, CheckpointSettled):
+            self._settle_background()  # announce it, or raise why it was not written
+            return
         if isinstance(msg, TaskFailed):
             if msg.task_id not in unfinished:
                 return
@@ -928,14 +1041,19 @@ class Trainer:
 
     def _publisher(self, k: int) -> Callable[[int], None]:
         """Called as each layer's step-k update is written: publish its version at once
-        (the next forward may start on it) and time it for the timeline's optimizer lane."""
+        (the next forward may start on it), capture it for a background checkpoint of
+        step k, and time it for the timeline's optimizer lane."""
         assert self.layout is not None and self.layout.events is not None
         events, c = self.layout.events, self.layout.counters
         since = time.time()
 
+        background = self._background
+
         def publish(layer: int) -> None:
             nonlocal since
             events.signal(c.version(layer), k)
+            if background is not None:  # Note [background checkpoint]
+                background.capture(k, layer)
             now = time.time()
             self.timeline.optimizer_layer(k, layer, since, now)  # observability
             since = now
@@ -1147,11 +1265,14 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def _progress_rows(self) -> list[list[float]]:
-        """The progress events as a checkpoint manifest stores them (one list per step)."""
+    def _progress_rows(self, up_to: int | None = None) -> list[list[float]]:
+        """The progress events (of steps up to ``up_to``) as a checkpoint manifest stores
+        them (one list per step)."""
         with self._progress_lock:
             return [
-                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in self.progress
+                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s]
+                for e in self.progress
+                if up_to is None or e.step <= up_to
             ]
 
     def _confirm_output(self) -> None:
@@ -1176,11 +1297,17 @@ class Trainer:
             raise JobFailed(str(exc)) from None
         try:
             pinned = pinned_dir(fd) or self.output_dir  # no /proc: the checked path
-            self._output_root = pinned
+            self._pins.root = pinned
             yield pinned
         finally:
-            self._output_root = self.output_dir
+            self._pins.root = None
             os.close(fd)
+
+    @property
+    def _output_root(self) -> Path:
+        """Where this thread writes into the output directory: the pin it holds
+        (``_pinned_output``), else the directory's path."""
+        return getattr(self._pins, "root", None) or self.output_dir
 
     def _shown(self, text: object) -> str:
         """``text`` (a path, a message) as the user knows it: the output directory's pin
@@ -1191,14 +1318,26 @@ class Trainer:
         return text
 
     def save_checkpoint(self, step: int) -> Path:
-        """Write the checkpoint after ``step`` (call only at a cut: Note [checkpoint cut])
-        and prune to ``output.keep_last``. Raises JobPaused if it cannot be written."""
+        """Write the checkpoint after ``step`` from the live state (call only at a cut:
+        Note [checkpoint cut]) and prune to ``output.keep_last``. Raises JobPaused if it
+        cannot be written."""
+        return self._write_checkpoint(step, self._state_tensors(step), self._checkpoint_context())
+
+    def _write_checkpoint(self, step: int, state: LayerState, context: dict) -> Path:
+        """Write checkpoint ``step`` of ``state`` (live at a cut, or staged: the
+        background writer calls this in its thread) atomically, through the output
+        directory held open for the whole write (``_pinned_output``), then prune. Raises
+        JobPaused if it cannot be written, JobFailed if the output directory is refused."""
         started = time.perf_counter()
+        background = self._background
+        check = background.check_abort if background is not None else (lambda: None)
         with self._pinned_output() as output:
             checkpoints = CheckpointDir(output / self.checkpoints.root.name)
             try:
                 written = checkpoints.write(
-                    step, lambda d: self._fill_checkpoint(d, step), self._manifest(step)
+                    step,
+                    lambda d: self._fill_checkpoint(d, state, context["rng"], check),
+                    self._manifest(step, context),
                 )
             except OSError as exc:
                 raise JobPaused(
@@ -1215,35 +1354,112 @@ class Trainer:
                     self._shown(str(exc)),
                 )
         log.info(
-            "[trainer] job %s: checkpoint step %d written to %s in %.2fs",
+            "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",
             self.job_id,
             step,
             path,
             time.perf_counter() - started,
+            " (in the background)" if background is not None else "",
         )
         return path
 
-    def _fill_checkpoint(self, directory: Path, step: int) -> None:
+    def _settle_background(self) -> None:
+        """In the run loop: announce background checkpoints written since the last call
+        (``CheckpointWritten``); raise JobPaused (or JobFailed) for one that could not be
+        written."""
+        if self._background is None:
+            return
+        finished, failed = self._background.take_settled()
+        for step, path in finished:
+            self._emit(CheckpointWritten(step, path, self._loss_at(step)))
+        if failed is None:
+            return
+        step, error = failed
+        if isinstance(error, (JobPaused, JobFailed)):  # full disk; output directory refused
+            raise error
+        raise JobFailed(f"cannot write checkpoint step {step}: {error}") from error
+
+    def _loss_at(self, step: int) -> float | None:
+        """The loss reported for ``step`` (a background checkpoint is announced after
+        later steps have run)."""
+        with self._progress_lock:
+            for event in reversed(self.progress):
+                if event.step == step:
+                    return event.loss
+        return None
+
+    def _note_checkpoint_wait(self, step: int, waited_s: float) -> None:
+        if waited_s > 0.01:
+            log.info(
+                "[trainer] job %s: checkpoint step %d waited %.2fs for the one before the "
+                "previous one to be written (output.checkpoint_staging holds one)",
+                self.job_id,
+                step,
+                waited_s,
+            )
+
+    def _state_tensors(self, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The live per-layer tensors of checkpoint ``step`` (Note [checkpoint cut]): fp32
+        masters, optimizer state, and the compute-dtype weights of version step - 1."""
         assert self.layout is not None
-        self.write_hf_model(directory)
-        state: dict[str, torch.Tensor] = {}
         moments = self.optimizer.state_dict()["tensors"]
+        out: dict[int, dict[str, torch.Tensor]] = {}
         for layer in sorted(self.masters):
+            per = out[layer] = {}
             for name, master in self.masters[layer].items():
-                state[f"master/{name}"] = master
+                per[f"master/{name}"] = master
                 for kind in self.optimizer.kinds:  # AdamW's moments, SGD's momentum
-                    state[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
+                    per[f"{kind}/{name}"] = moments[f"{layer}.{name}.{kind}"]
                 previous = self.layout.params[layer][name][(step - 1) % 2]
                 assert previous is not None
-                state[f"prev/{name}"] = self.layout.view(previous)
-        state["rng/torch_cpu"] = torch.get_rng_state()
-        (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-        save_tensors(directory / STATE_FILE, state, {"format": "roundpipe-training-state"})
+                per[f"prev/{name}"] = self.layout.view(previous)
+        return out
 
-    def _manifest(self, step: int) -> dict:
+    def _checkpoint_context(self) -> dict:
+        """What a checkpoint takes from the run loop at its cut (the loader then stands
+        at the step after it): data cursor, RNG state, plans."""
+        return {
+            "data_cursor": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+            "plan": str(self.plan),
+            "plan_history": [list(entry) for entry in self.plan_history],
+        }
+
+    def _fill_checkpoint(
+        self,
+        directory: Path,
+        state: LayerState,
+        rng: torch.Tensor,
+        check_abort: Callable[[], None],
+    ) -> None:
+        """The model files, then the training state. The fp32 masters are stored once,
+        in the model files (read back by ``checkpoint_name``); the training state holds
+        the rest (docs/checkpoints.md, "What is on disk")."""
+        assert self.layout is not None
+        masters = {
+            layer: {key[len("master/") :]: t for key, t in per.items() if key.startswith("master/")}
+            for layer, per in state.items()
+        }
+        self.write_hf_model(directory, self._weights_with(masters))
+        check_abort()
+        tensors = {
+            key: t
+            for per in state.values()
+            for key, t in per.items()
+            if not key.startswith("master/")
+        }
+        tensors["rng/torch_cpu"] = rng
+        (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        save_tensors(
+            directory / STATE_FILE,
+            tensors,
+            {"format": "roundpipe-training-state", "masters": "model files"},
+        )
+
+    def _manifest(self, step: int, context: dict) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
-        progress = self._progress_rows()
+        progress = self._progress_rows(up_to=step)  # a background checkpoint: later steps ran
         return {
             "job_id": self.job_id,
             "total_steps": self.spec.train.steps,
@@ -1255,18 +1471,20 @@ class Trainer:
                 "base_model": str(self._base_model_dir()) if self.model.lora else None,
                 "trainable_tensors": sum(len(v) for v in self.masters.values()),
             },
-            "plan": str(self.plan),
-            "plan_history": [list(entry) for entry in self.plan_history],
+            "plan": context["plan"],
+            "plan_history": context["plan_history"],
             "staleness": self.spec.train.staleness,
             # The weight version saved as prev/* (Note [checkpoint cut]).
             "prev_version": step - 1 if weight_copies(self.spec) == 2 else step,
             "compute_dtype": self.spec.train.dtype,
-            "data_cursor": self.loader.state_dict(),
+            "data_cursor": context["data_cursor"],
             "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},
             "optimizer": {
                 "impl": self.optimizer_impl,
-                "steps": {str(layer): self.optimizer.last_step(layer) for layer in self.masters},
+                # Every layer's step count is the checkpoint's (Note [checkpoint cut]).
+                "steps": {str(layer): step for layer in self.masters},
             },
+            "masters": "model files",
             "rng": {
                 "torch_cpu": f"{STATE_FILE}:rng/torch_cpu",
                 "seed": self.spec.train.seed,
@@ -1304,16 +1522,8 @@ class Trainer:
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
-        assert self.layout is not None
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, names in self.layout.params.items():
-            out[layer] = {}
-            for name, (even, _odd) in names.items():
-                if name in self.masters.get(layer, {}):
-                    out[layer][name] = self.masters[layer][name].clone()
-                else:
-                    out[layer][name] = self.layout.view(even).to(torch.float32).clone()
-        return out
+        weights = self._weights_with(self.masters)
+        return {layer: {n: t.clone() for n, t in per.items()} for layer, per in weights.items()}
 
     def _base_model_dir(self) -> Path:
         """The base model a LoRA adapter names: the job's local model directory, or for
@@ -1322,16 +1532,37 @@ class Trainer:
             return Path(self.spec.model.path).resolve()
         return (self.output_dir / "base_model").resolve()
 
-    def write_hf_model(self, directory: Path) -> None:
+    def _weights_with(
+        self, masters: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every layer's weights: ``masters`` for trainable ones (no copy), the params
+        arena's for frozen ones (they never change)."""
+        assert self.layout is not None
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, names in self.layout.params.items():
+            out[layer] = {}
+            for name, (even, _odd) in names.items():
+                if name in self.masters.get(layer, {}):
+                    out[layer][name] = masters[layer][name]
+                else:
+                    out[layer][name] = self.layout.view(even).to(torch.float32)
+        return out
+
+    def write_hf_model(
+        self, directory: Path, weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
         """Write the current model in Hugging Face layout into ``directory`` (shared by
         ``export`` and checkpoints): ``save_pretrained`` of the transformers model
         (safetensors + config), or for LoRA a PEFT adapter directory whose
         ``base_model_name_or_path`` is ``_base_model_dir()``, so that
         ``AutoPeftModelForCausalLM.from_pretrained`` works offline; plus the tokenizer.
         A randomly initialised base is written once per run, atomically, to
-        ``<output>/base_model`` (it never changes: only adapters train)."""
+        ``<output>/base_model`` (it never changes: only adapters train). ``weights``:
+        the weights to write (default: the current ones, ``final_weights()``)."""
         from transformers.utils import logging as hf_logging
 
+        if weights is None:
+            weights = self.final_weights()
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
@@ -1339,14 +1570,14 @@ class Trainer:
                 base_dir = self._base_model_dir()
                 if self.spec.model.path is None and not self._base_model_written:
                     # First, so that peft finds the base's config when saving the adapter.
-                    base = self.model.to_hf_model(self.final_weights()).unload()
+                    base = self.model.hf_model_of(weights).unload()
                     self._write_base_model(base, self._output_root / base_dir.name)
-                model = self.model.to_hf_model(self.final_weights())
+                model = self.model.hf_model_of(weights)
                 for config in model.peft_config.values():
                     config.base_model_name_or_path = str(base_dir)
                 model.save_pretrained(str(directory))
             else:
-                model = self.model.to_hf_model(self.final_weights())
+                model = self.model.hf_model_of(weights)
                 model.save_pretrained(str(directory))
         finally:
             if bars:
@@ -1402,6 +1633,8 @@ class Trainer:
 
     def close(self) -> None:
         self._cancel.set()
+        if self._background is not None:
+            self._background.close()
         self.timeline.close()  # observability: settle the last step, finish the trace
         if self._held_output_fd is not None:
             os.close(self._held_output_fd)

@@ -438,6 +438,18 @@ class LayeredModel:
             return re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", name)
         return _strip_peft(name).replace(".base_layer.", ".")
 
+    def read_exported(self, hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as an exported checkpoint in ``hf_dir`` holds them (under
+        ``checkpoint_name``), read one at a time; names it lacks are left out."""
+        reader = _SafetensorsDir(Path(hf_dir))
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            key = self.checkpoint_name(name)
+            t = None if key is None else reader.get(key)
+            if t is not None:
+                out[name] = t
+        return out
+
     # ------------------------------------------------------ skeleton accessors
     # For the executor: which module runs which layer, and the prefix that turns a full
     # parameter name into a name relative to that module.
@@ -671,6 +683,28 @@ class LayeredModel:
                 f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         model.train()
+        return model
+
+    def hf_model_of(self, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> nn.Module:
+        """A transformers / peft model whose parameters *are* ``weights``: no copy, no
+        random initialisation, the process RNG untouched (``save_pretrained`` in a
+        background thread must not disturb the training's RNG state). Its non-persistent
+        buffers (rotary tables) stay on the meta device: for saving, not for running."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation=self.attn_implementation
+            )
+            if self.lora is not None:
+                model = self._wrap_lora(model)
+        missing, unexpected = model.load_state_dict(
+            self.flat_weights(weights), strict=False, assign=True
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         return model
 
 

@@ -246,6 +246,11 @@ class InProcessWorkers:
                 self.trainer.inbox.put(self._failed(task, i, exc))
 
     def close(self) -> None:
+        # A job stopped mid-iteration (cancelled after a background checkpoint) leaves
+        # tasks waiting for counters that will not move: stop them, as a JobTeardown
+        # does, before the trainer unmaps the arenas they use.
+        for core in self.cores:
+            core.interrupt_job(self.trainer.job_id)
         for q in self.queues:
             q.put(None)
         for t in self.threads:

@@ -103,6 +103,20 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
+def test_checkpoint_benchmark_smoke() -> None:
+    """`checkpoint.py --smoke`: the three ways run, checkpoints have bytes and a write
+    bandwidth, and the RESULT line carries both figures (no timing asserted)."""
+    out = _run_benchmark("checkpoint.py", "--smoke", timeout_s=600)
+    rows = {f[0]: f for f in (line.split() for line in out.splitlines()) if len(f) >= 5}
+    assert {"none", "background", "drained"} <= rows.keys(), out
+    for mode in ("background", "drained"):
+        assert float(rows[mode][5]) > 0 and float(rows[mode][7]) > 0, rows[mode]
+    assert "# disk: sequential write" in out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT checkpoint_stall_steps=-?\d+\.\d{3} write_vs_disk=\d+\.\d\d", last)
+
+
 @pytest.mark.slow  # about 20 s: transformers builds three models
 def test_moe_benchmark_smoke() -> None:
     """`moe.py --smoke`: the grouped MoE layer, the expert loop and the dense layer of the
@@ -122,7 +136,8 @@ def test_host_memory_benchmark_smoke() -> None:
     """`host_memory.py --smoke`: a tiny job through the daemons; the table has every
     predicted component and the measured figures, the RESULT line both numbers."""
     out = _run_benchmark("host_memory.py", "--smoke")
-    for row in ("weights", "grads", "activations", "masters", "moments", "staging", "total"):
+    rows = ("weights", "grads", "activations", "masters", "moments", "staging")
+    for row in (*rows, "checkpoint_staging", "total"):
         assert re.search(rf"^predicted {row} +[\d,]+ +\d+\.\d\d$", out, re.M), (row, out)
     assert re.search(r"^measured arenas \(/dev/shm\) +[\d,]+", out, re.M), out
     assert re.fullmatch(

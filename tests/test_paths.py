@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import DEMO_DATA, tiny_spec
+from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.checkpoint import CheckpointDir, save_tensors
-from roundpipe.coordinator.jobspec import JobSpecError
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -194,10 +195,10 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
     )
     write_model = trainer.write_hf_model
 
-    def swap_then_write(directory: Path) -> None:
+    def swap_then_write(directory: Path, *weights) -> None:
         out.rename(tree / "write" / "swapped-away")
         out.symlink_to(tree / "victim")
-        write_model(directory)
+        write_model(directory, *weights)
 
     try:
         trainer.prepare(1)
@@ -217,6 +218,55 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
     assert away.find_latest("job-swap") is not None
     if lora:
         assert (tree / "write" / "swapped-away" / "base_model" / "config.json").is_file()
+
+
+def test_output_swapped_while_a_background_checkpoint_is_written_receives_nothing(
+    tree: Path, arena_dir: Path
+) -> None:
+    """As above, with the checkpoint written in the background while training goes on
+    (coordinator.snapshot): the writer thread holds the checked directory open for the
+    whole write, so its files land there; the next background checkpoint is refused and
+    the job fails with the reason; the link's target gets nothing."""
+    from roundpipe.coordinator.trainer import JobFailed, Trainer
+
+    (tree / "write").chmod(0o777)
+    out = tree / "write" / "swapped-bg"
+    spec = tiny_spec(out, steps=6).to_dict()
+    spec["output"]["checkpoint_every"] = 1
+    trainer = Trainer(
+        "job-swap-bg",
+        JobSpec.from_dict(spec),
+        arena_dir=arena_dir,
+        namespace="swapbg",
+        output_dir=out,
+        paths=PathPolicy.create([tree / "read", DEMO_DATA], [tree / "write"]),
+    )
+    write_model = trainer.write_hf_model
+    writers: list[str] = []
+
+    def swap_then_write(directory: Path, *weights) -> None:
+        if not writers:  # the first checkpoint's files: swap under them
+            out.rename(tree / "write" / "swapped-bg-away")
+            out.symlink_to(tree / "victim")
+        writers.append(threading.current_thread().name)
+        write_model(directory, *weights)
+
+    pool = None
+    try:
+        trainer.prepare(2)
+        assert trainer.staging_bytes > 0  # written in the background
+        trainer.write_hf_model = swap_then_write  # type: ignore[method-assign]
+        pool = InProcessWorkers(trainer, 2)
+        with pytest.raises(JobFailed, match="symbolic link"):
+            trainer.run(pool)
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+    assert writers == ["rp-checkpoints-job-swap-bg"]
+    assert list((tree / "victim").iterdir()) == []
+    away = CheckpointDir(tree / "write" / "swapped-bg-away" / "checkpoints")
+    assert [c.step for c in away.complete("job-swap-bg")] == [1]
 
 
 # --------------------------------------------------------------------------- the coordinator

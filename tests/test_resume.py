@@ -45,8 +45,9 @@ from roundpipe.coordinator.checkpoint import (
     verify_checkpoint,
 )
 from roundpipe.coordinator.job_events import CheckpointWritten, JobEvent
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, model_config_from_spec
 from roundpipe.coordinator.trainer import JobCancelled, JobPaused, Trainer
+from roundpipe.shared.model import LayeredModel
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -167,19 +168,22 @@ def test_lora_checkpoint_is_a_peft_adapter_and_resumes_exactly(
     assert (step2 / "adapter_config.json").is_file()
     assert (tmp_path / "out" / "base_model" / "config.json").is_file()
     model = AutoPeftModelForCausalLM.from_pretrained(str(step2))
-    saved = _saved_masters(step2)
+    saved = _saved_masters(step2, spec)
     params = dict(model.named_parameters())
     assert saved and all(torch.equal(params[n], t) for n, t in saved.items())
     assert_bitwise(train(spec, arena_dir), reference(1, 2, lora=True))
 
 
-def _saved_masters(step_dir: Path) -> dict[str, torch.Tensor]:
-    """The fp32 master weights a checkpoint holds, by parameter name."""
-    return {
-        k[len("master/") :]: t
-        for k, t in load_tensors(step_dir / STATE_FILE)
-        if k.startswith("master/")
-    }
+def _saved_masters(step_dir: Path, spec: JobSpec) -> dict[str, torch.Tensor]:
+    """The fp32 master weights a checkpoint holds, by parameter name: in its model files
+    only (the training state does not repeat them)."""
+    state_keys = [k for k, _ in load_tensors(step_dir / STATE_FILE)]
+    assert state_keys and not any(k.startswith("master/") for k in state_keys)
+    lora = spec.lora.model_settings() if spec.lora is not None else None
+    model = LayeredModel(model_config_from_spec(spec.model), lora)
+    saved = model.read_exported(step_dir, model.trainable_names)
+    assert saved.keys() == set(model.trainable_names)
+    return saved
 
 
 def test_full_checkpoint_loads_with_transformers_and_as_a_new_jobs_model(
@@ -191,7 +195,7 @@ def test_full_checkpoint_loads_with_transformers_and_as_a_new_jobs_model(
     assert train(spec, arena_dir, stop_after=2) is None
     step2 = tmp_path / "out" / "checkpoints" / step_name(2)
     model = AutoModelForCausalLM.from_pretrained(str(step2))
-    saved = _saved_masters(step2)
+    saved = _saved_masters(step2, spec)
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in saved.items())
     # A new job whose model.path is the checkpoint starts from those weights (fresh

@@ -1,0 +1,205 @@
+"""What checkpoints cost a running job (issue 25): background against drained writes.
+
+One Qwen3-shaped full fine-tuning job (fp32, AdamW, staleness 1) through real daemons
+(LocalCluster) on CPU workers, three ways, interleaved ``--repeats`` times:
+
+  none        no checkpoint in the timed steps
+  background  a checkpoint every ``--every`` steps, written by the background writer
+              (``output.checkpoint_staging: auto``; Note [background checkpoint])
+  drained     the same checkpoints with ``checkpoint_staging: 0``: the pipeline drains
+              and the write is on the critical path (what every checkpoint did before)
+
+and, first, the output file system's sequential write bandwidth (``--disk-bytes`` written
+in 4 MiB pieces, then fsync).
+
+For each way: seconds per step (mean over the steps after ``--warmup``), seconds lost per
+checkpoint (the timed steps' total minus the none run's, per checkpoint in them), that
+as a fraction of a step, bytes per checkpoint, and the writer's bandwidth (bytes / the
+seconds from start of a write to ``latest`` moved, from the job log) against the disk's.
+
+Last line ``RESULT checkpoint_stall_steps=<background: lost seconds per checkpoint / step
+seconds> write_vs_disk=<background write bandwidth / disk bandwidth>``.
+
+The default model has ~50M parameters (hidden 768, 8 layers): the shared 2-core, 23 GiB
+development machine cannot hold a few hundred million with two workers beside other
+work; ``--hidden 1536 --layers 12`` gives ~350M where memory allows.
+
+Usage: python benchmarks/checkpoint.py [--hidden 768] [--layers 8] [--steps 14]
+       [--warmup 2] [--every 2] [--repeats 1] [--workers 2] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import demo_data_spec, run_runtime
+
+from roundpipe.coordinator.jobspec import JobSpec
+
+MODES = ("none", "background", "drained")
+_WRITTEN = re.compile(r"checkpoint step (\d+) written to \S+ in ([0-9.]+)s")
+
+
+def model_config(hidden: int, layers: int) -> dict:
+    heads = max(1, hidden // 64)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 8 // 3 // 64 * 64 or 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 64 if hidden >= 64 else hidden,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+    }
+
+
+def disk_write_bandwidth(directory: Path, nbytes: int) -> float:
+    """Bytes/s of a sequential write of ``nbytes`` into ``directory``, fsync included."""
+    path = directory / f".disk-probe-{os.getpid()}"
+    piece = os.urandom(4 << 20)
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, piece)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return written / elapsed
+
+
+def job_spec(args, out: Path, mode: str) -> JobSpec:
+    output = {"keep_last": 1}
+    if mode != "none":
+        output["checkpoint_every"] = args.every
+        output["checkpoint_staging"] = "auto" if mode == "background" else 0
+    return demo_data_spec(
+        model_config(args.hidden, args.layers),
+        out,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        microbatch_size=args.rows,
+        num_microbatches=args.microbatches,
+        output=output,
+    )
+
+
+def checkpoint_bytes(out: Path) -> int:
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    if not ckpts:
+        return 0
+    return sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file())
+
+
+def write_seconds(root: Path) -> list[float]:
+    """Seconds each checkpoint's write took, from the job's log."""
+    out = []
+    for log in root.rglob("job.log"):
+        out += [float(m.group(2)) for m in _WRITTEN.finditer(log.read_text())]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=2, help="microbatch size")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--disk-bytes", type=float, default=1 << 30)
+    parser.add_argument("--output", type=Path, default=None, help="where jobs write (a disk)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, a few steps")
+    args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.steps, args.warmup = 64, 4, 7, 1
+        args.seq_len, args.disk_bytes = 32, 16 << 20
+    base = Path(tempfile.mkdtemp(prefix="rp-bench-ckpt-", dir=args.output))
+    try:
+        disk_bps = disk_write_bandwidth(base, int(args.disk_bytes))
+        stop_after = args.steps - 1  # cancel before the final checkpoint
+        step_s: dict[str, list[float]] = {m: [] for m in MODES}
+        sizes: dict[str, int] = {}
+        writes: dict[str, list[float]] = {m: [] for m in MODES}
+        plan = ""
+        for r in range(args.repeats):
+            for mode in MODES:  # interleaved: a change in load hits all alike
+                root = base / f"{mode}-{r}"
+                out = root / "out"
+                run = run_runtime(
+                    job_spec(args, out, mode),
+                    [["--cpu", "--threads", "1"]] * args.workers,
+                    warmup=args.warmup,
+                    root=root,
+                    coordinator_threads=1,
+                    env={"OMP_NUM_THREADS": "1"},
+                    stop_after=stop_after,
+                    coordinator_args=["--log-level", "INFO"],
+                )
+                plan = run.plan
+                step_s[mode] += run.step_s
+                sizes[mode] = max(sizes.get(mode, 0), checkpoint_bytes(out))
+                writes[mode] += write_seconds(root)
+                shutil.rmtree(root, ignore_errors=True)
+        timed = range(args.warmup + 1, stop_after + 1)  # the steps run_runtime times
+        per_run = sum(1 for k in timed if k % args.every == 0)
+        none_total = sum(step_s["none"]) / args.repeats
+        step = statistics.mean(step_s["none"])
+        params = _param_count(job_spec(args, base / "count", "none"))
+        print(f"# model: {params / 1e6:.1f}M parameters, plan {plan}, {args.workers} CPU workers")
+        print(f"# disk: sequential write {disk_bps / 1e6:.0f} MB/s ({args.disk_bytes:.0f} bytes)")
+        print(
+            f"# checkpoints every {args.every} steps: {per_run} in each run's timed steps "
+            f"{timed.start}..{timed.stop - 1}"
+        )
+        print(
+            f"{'mode':11} {'s/step':>8} {'steps/s':>8} {'lost s/ckpt':>12} {'/ step':>7} "
+            f"{'MB/ckpt':>8} {'write s':>8} {'MB/s':>7} {'vs disk':>7}"
+        )
+        results: dict[str, tuple[float, float]] = {}
+        for mode in MODES:
+            mean = statistics.mean(step_s[mode])
+            total = sum(step_s[mode]) / args.repeats
+            lost = (total - none_total) / per_run if mode != "none" and per_run else 0.0
+            size = sizes.get(mode, 0)
+            write_s = statistics.mean(writes[mode]) if writes[mode] else float("nan")
+            bandwidth = size / write_s if writes[mode] else float("nan")
+            results[mode] = (lost / step, bandwidth / disk_bps)
+            if mode == "none":  # no checkpoint in its timed steps
+                print(f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {'-':>12} {'-':>7}")
+                continue
+            print(
+                f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {lost:12.3f} {lost / step:7.2f} "
+                f"{size / 1e6:8.1f} {write_s:8.2f} {bandwidth / 1e6:7.0f} "
+                f"{bandwidth / disk_bps:7.2f}"
+            )
+        stall, vs_disk = results["background"]
+        print(f"RESULT checkpoint_stall_steps={stall:.3f} write_vs_disk={vs_disk:.2f}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _param_count(spec: JobSpec) -> int:
+    from roundpipe.coordinator.jobspec import model_config_from_spec
+    from roundpipe.shared.model import LayeredModel
+
+    return LayeredModel(model_config_from_spec(spec.model)).parameter_count()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Checkpoints written in the background (coordinator/snapshot.py, Note [background
+checkpoint]): training is bitwise the same with and without them, each holds exactly
+what a drained checkpoint of its step holds, memory is bounded, and a process killed
+while one is being written resumes exactly.
+
+The SIGKILL-during-save trials, the coordinator-kill resume and the full-disk pause in
+tests/test_resume.py run with background checkpoints too (their jobs checkpoint more
+often than they end).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import tiny_spec, trained_in_process
+
+from roundpipe.coordinator import trainer as trainer_module
+from roundpipe.coordinator.checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointDir,
+    load_tensors,
+    step_name,
+    verify_checkpoint,
+)
+from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.memory import InsufficientMemory, host_memory_needed
+from roundpipe.coordinator.trainer import JobPaused
+from roundpipe.shared.model import LayeredModel
+
+STEPS = 5
+
+
+def spec_for(output: Path, every: int, staging: str | int = "auto", **kw) -> JobSpec:
+    d = tiny_spec(output, steps=STEPS, staleness=1, **kw).to_dict()
+    d["output"].update(checkpoint_every=every, keep_last=0, checkpoint_staging=staging)
+    return JobSpec.from_dict(d)
+
+
+def train(spec: JobSpec, arena_dir: Path, job_id: str = "job-bg"):
+    """(staging bytes, final weights by name, [(step, loss)])."""
+    with trained_in_process(spec, arena_dir, 2, job_id=job_id) as trainer:
+        weights = {n: t for per in trainer.final_weights().values() for n, t in per.items()}
+        return trainer.staging_bytes, weights, [(e.step, e.loss) for e in trainer.progress]
+
+
+def assert_same_training(a, b) -> None:
+    (_, wa, pa), (_, wb, pb) = a, b
+    assert wa.keys() == wb.keys()
+    assert [n for n in wa if not torch.equal(wa[n], wb[n])] == []
+    assert pa == pb
+
+
+def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    out = {f"state:{k}": t for k, t in load_tensors(step_dir / STATE_FILE)}
+    out.update({f"model:{k}": t for k, t in load_tensors(step_dir / "model.safetensors")})
+    return out
+
+
+def test_background_checkpoints_change_no_bit_and_equal_drained_ones(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A checkpoint after every step, written in the background, leaves the training
+    bitwise as without checkpoints; every checkpoint holds the very tensors (and the
+    cursor and history) of the drained checkpoint of its step."""
+    none = train(spec_for(tmp_path / "none", every=0), arena_dir)
+    background = train(spec_for(tmp_path / "bg", every=1), arena_dir)
+    drained = train(spec_for(tmp_path / "drained", every=1, staging=0), arena_dir)
+    assert none[0] == 0 and drained[0] == 0
+    # fp32 masters, two AdamW moments, fp32 prev: 16 bytes per trainable parameter.
+    numel = sum(t.numel() for t in background[1].values())
+    assert background[0] == 16 * numel
+    assert_same_training(background, none)
+    assert_same_training(drained, none)
+    for step in range(1, STEPS + 1):
+        bg_dir = tmp_path / "bg" / "checkpoints" / step_name(step)
+        dr_dir = tmp_path / "drained" / "checkpoints" / step_name(step)
+        verify_checkpoint(bg_dir)
+        bg, dr = checkpoint_tensors(bg_dir), checkpoint_tensors(dr_dir)
+        assert bg.keys() == dr.keys()
+        # In-process workers reseed this process's generator for every task (in their
+        # threads), so its state here is not the job's; in a coordinator nothing else
+        # draws from it (nothing does in the loop either).
+        assert [k for k in bg if k != "state:rng/torch_cpu" and not torch.equal(bg[k], dr[k])] == []
+        bg_manifest = json.loads((bg_dir / MANIFEST).read_text())
+        dr_manifest = json.loads((dr_dir / MANIFEST).read_text())
+        assert bg_manifest["data_cursor"] == dr_manifest["data_cursor"]
+        assert [p[:2] for p in bg_manifest["progress"]] == [p[:2] for p in dr_manifest["progress"]]
+        assert bg_manifest["progress"][-1][0] == step  # later steps ran meanwhile
+        assert bg_manifest["masters"] == "model files"
+
+
+def test_slow_writer_delays_the_next_checkpoint_and_changes_nothing(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """A writer slower than a step: each checkpoint waits for the previous one (one
+    staging copy, never two), every checkpoint is still written, the weights are those
+    of the run without checkpoints."""
+    real_save = trainer_module.save_tensors
+
+    def slow_save(path, tensors, metadata=None):
+        time.sleep(0.5)
+        real_save(path, tensors, metadata)
+
+    monkeypatch.setattr(trainer_module, "save_tensors", slow_save)
+    caplog.set_level(logging.INFO, logger="roundpipe.coordinator")
+    spec = spec_for(tmp_path / "bg", every=1, plan="F[0:2] T[2:6] B[0:2]")
+    background = train(spec, arena_dir)
+    assert background[0] > 0
+    assert re.search(r"checkpoint step \d+ waited [0-9.]+s for the previous one", caplog.text)
+    ckpts = CheckpointDir(tmp_path / "bg" / "checkpoints")
+    assert [c.step for c in ckpts.complete("job-bg")] == list(range(1, STEPS + 1))
+    monkeypatch.setattr(trainer_module, "save_tensors", real_save)
+    none = train(spec_for(tmp_path / "none", every=0, plan="F[0:2] T[2:6] B[0:2]"), arena_dir)
+    assert_same_training(background, none)
+
+
+def test_staging_is_counted_and_bounded_by_the_setting(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """The staging copy is part of the host-memory figure; a limit below one
+    checkpoint, or (auto) a machine without the memory to spare, means drained
+    checkpoints, with the reason in the log."""
+    from roundpipe.coordinator.trainer import Trainer
+
+    caplog.set_level(logging.INFO, logger="roundpipe.coordinator.trainer")
+
+    def prepared(spec: JobSpec) -> int:
+        t = Trainer("job-mem", spec, arena_dir=arena_dir, namespace="bgmem", output_dir=tmp_path)
+        try:
+            t.prepare(1)
+            need = host_memory_needed(t.layout, spec, checkpoint_staging=t.staging_bytes)
+            assert need.total == host_memory_needed(t.layout, spec).total + t.staging_bytes
+            assert need.components()["checkpoint_staging"] == t.staging_bytes
+            assert "checkpoint staging" in need.describe()
+            return t.staging_bytes
+        finally:
+            t.close()
+
+    auto = prepared(spec_for(tmp_path, every=2))
+    assert auto > 0
+    assert prepared(spec_for(tmp_path, every=2, staging=auto)) == auto
+    assert prepared(spec_for(tmp_path, every=2, staging=auto - 1)) == 0
+    assert f"output.checkpoint_staging is {auto - 1} bytes" in caplog.text
+    assert prepared(spec_for(tmp_path, every=0)) == 0  # the final checkpoint only
+
+    real_check = trainer_module.check_host_memory
+
+    def tight(need, arena, **kw):  # room for the job, not for the staging copy
+        if need.checkpoint_staging:
+            raise InsufficientMemory("no room")
+        real_check(need, arena, **kw)
+
+    monkeypatch.setattr(trainer_module, "check_host_memory", tight)
+    assert prepared(spec_for(tmp_path, every=2)) == 0
+    assert "does not have that much memory to spare" in caplog.text
+
+
+def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> None:
+    """Admission (coordinator.admission, ``least_host_memory``) counts the staging an
+    explicit ``output.checkpoint_staging`` commits the job to: a machine with room for
+    the job but not for its staging refuses it at submit, naming the staging; "auto", a
+    size too small for one checkpoint (drained checkpoints) or no periodic checkpoints
+    add nothing, and are accepted on the same machine."""
+    from roundpipe.coordinator import memory
+    from roundpipe.coordinator.admission import validate_spec
+    from roundpipe.coordinator.jobspec import JobSpecError
+
+    def spec(every: int, staging: str | int) -> dict:
+        return spec_for(tmp_path / "out", every=every, staging=staging).to_dict()
+
+    def least(d: dict) -> memory.HostMemory:
+        job = JobSpec.from_dict(d)
+        model = LayeredModel(model_config_from_spec(job.model))
+        return memory.least_host_memory(model, job)
+
+    auto = least(spec(2, "auto"))
+    assert auto.checkpoint_staging == 0
+    plenty = least(spec(2, "1GiB"))
+    assert plenty.checkpoint_staging > 0
+    assert plenty.total == auto.total + plenty.checkpoint_staging
+    need = plenty.checkpoint_staging
+    assert least(spec(2, need - 1)).checkpoint_staging == 0  # drained: nothing staged
+    assert least(spec(0, "1GiB")).checkpoint_staging == 0  # only the final checkpoint
+
+    # A machine with room for the job and half its staging.
+    available = auto.total + need // 2
+    monkeypatch.setattr(
+        memory.psutil, "virtual_memory", lambda: type("VM", (), {"available": available})()
+    )
+    for accepted in (spec(2, "auto"), spec(2, need - 1), spec(0, "1GiB")):
+        validate_spec(accepted)
+    with pytest.raises(JobSpecError) as refused:
+        validate_spec(spec(2, "1GiB"))
+    assert "whatever its plan" in str(refused.value)
+    assert "checkpoint staging" in str(refused.value)
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+CHILD = Path(__file__).parent / "procs" / "bg_trainer.py"
+
+
+@pytest.mark.slow
+def test_sigkill_while_a_background_write_is_in_flight_resumes_exactly(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A trainer process checkpointing every step in the background is SIGKILLed just as
+    a write has begun (its temporary directory exists) while training runs on. Each
+    time ``latest`` names a complete checkpoint and the resumed job equals the
+    uninterrupted one bitwise."""
+    steps = 8
+    out = tmp_path / "out"
+    spec = _long_spec(out, steps)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    ckpts = CheckpointDir(out / "checkpoints")
+    seed = int(os.environ.get("RP_TEST_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    in_flight_kills = 0
+    for trial in range(2):
+        child = subprocess.Popen(
+            [sys.executable, str(CHILD), str(spec_file), str(arena_dir), f"kill{trial}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            seen = 0
+            while time.monotonic() < deadline and child.poll() is None:
+                temps = [p for p in _entries(ckpts.root) if p.name.startswith(".tmp-step-")]
+                if temps:
+                    seen += 1
+                    if seen >= 2 + trial:  # not always the first write
+                        time.sleep(rng.uniform(0.0, 0.05))
+                        child.send_signal(signal.SIGKILL)
+                        break
+                    while temps[0].exists() and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                time.sleep(0.002)
+            out_text, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == -signal.SIGKILL, f"trial {trial}: {out_text}\n{err}"
+        leftovers = [p.name for p in _entries(ckpts.root) if p.name.startswith(".tmp-")]
+        in_flight_kills += bool(leftovers)
+        latest = ckpts.find_latest("job-kill")
+        print(
+            f"background-write SIGKILL seed={seed} (RP_TEST_SEED) trial {trial}: latest "
+            f"{ckpts.pointer()}, temporary leftovers {leftovers}"
+        )
+        assert latest is not None and latest.path.name == ckpts.pointer()
+    assert in_flight_kills >= 1
+    resumed = train(spec, arena_dir, job_id="job-kill")
+    uninterrupted = train(_long_spec(tmp_path / "ref2", steps), arena_dir, job_id="job-ref")
+    assert_same_training(resumed, uninterrupted)
+
+
+def _entries(root: Path) -> list[Path]:
+    try:
+        return list(root.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def _long_spec(out: Path, steps: int) -> JobSpec:
+    d = tiny_spec(out, steps=steps, staleness=1).to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=2)
+    return JobSpec.from_dict(d)
+
+
+def test_full_disk_while_the_next_checkpoint_waits_pauses_the_job(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of checkpoint 2 fails (ENOSPC) late, while checkpoint 4, the last
+    step's, waits for its staging: the job pauses with the reason, nothing hangs, and
+    no temporary directory is left."""
+
+    def full_disk(path, tensors, metadata=None):
+        time.sleep(1.0)  # long enough for the run to reach its last step
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer_module, "save_tensors", full_disk)
+    d = spec_for(tmp_path / "out", every=2).to_dict()
+    d["train"]["steps"] = 4
+    with pytest.raises(JobPaused) as info:
+        train(JobSpec.from_dict(d), arena_dir)
+    message = str(info.value)
+    for part in ("cannot write checkpoint step 2", "No space left", "ENOSPC", "roundpipe resume"):
+        assert part in message, message
+    root = tmp_path / "out" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == []
