@@ -21,7 +21,7 @@
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
-# `--steps throughput`, then `--steps vs-paper`, then `--steps overlap,optimizer,moe`, then `--steps sync-mode`.
+# `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
