@@ -14,12 +14,14 @@
 #   vs-paper    the same shape, this runtime beside the paper's library (PyPI roundpipe 0.1.1
 #               from .whl/ref, in /tmp/ref; skipped with --quick): issue 14's RESULT vs_paper
 #   moe         benchmarks/moe.py: a Qwen3-30B-A3B-shaped MoE layer against the dense layer
+#   sync-mode   benchmarks/sync_mode.py: staleness 0 vs 1 on CPU workers, on a quiet many-core
+#               host (issue 18's sync_vs_async; the shared 2-core machine is too noisy)
 #   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
 #               figure)
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
-# `--steps throughput`, then `--steps vs-paper`, then `--steps overlap,optimizer,moe`.
+# `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
@@ -112,6 +114,7 @@ if [ $smoke -eq 1 ]; then
   [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py --smoke
   step optimizer 300 python3 benchmarks/optimizer.py --smoke --no-paper
   step moe 300 python3 benchmarks/moe.py --smoke
+  step sync-mode 120 python3 benchmarks/sync_mode.py --no-runtime
 else
   step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
   step bandwidth 120 python3 benchmarks/bandwidth.py
@@ -123,6 +126,7 @@ else
     --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1
   step optimizer 300 python3 benchmarks/optimizer.py
   step moe 300 python3 benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
+  step sync-mode 600 python3 benchmarks/sync_mode.py --no-clip-runs --repeats 3
 fi
 
 {

@@ -31,6 +31,7 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
         "overlap",
         "optimizer",
         "moe",
+        "sync-mode",
     ]
     assert all(s["exit"] == 0 for s in steps), steps
     env = json.loads((out / "env.json").read_text())
