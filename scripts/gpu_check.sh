@@ -16,12 +16,17 @@
 #   moe         benchmarks/moe.py: a Qwen3-30B-A3B-shaped MoE layer against the dense layer
 #   sync-mode   benchmarks/sync_mode.py: staleness 0 vs 1 on CPU workers, on a quiet many-core
 #               host (issue 18's sync_vs_async; the shared 2-core machine is too noisy)
+#   checkpoint  benchmarks/checkpoint.py: background vs drained checkpoints on CPU workers, on
+#               a many-core host (issue 25's stall and write-bandwidth targets; skipped with --quick)
+#   grad-buffer benchmarks/host_memory.py --throughput: what the bounded gradient buffer
+#               costs in tokens/s on a quiet host (issue 24's < 2%)
 #   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
 #               figure)
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
-# `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`.
+# `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`,
+# `--steps checkpoint,grad-buffer`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
@@ -115,6 +120,7 @@ if [ $smoke -eq 1 ]; then
   step optimizer 300 python3 benchmarks/optimizer.py --smoke --no-paper
   step moe 300 python3 benchmarks/moe.py --smoke
   step sync-mode 120 python3 benchmarks/sync_mode.py --no-runtime
+  [ $quick -eq 1 ] || step checkpoint 300 python3 benchmarks/checkpoint.py --smoke
 else
   step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
   step bandwidth 120 python3 benchmarks/bandwidth.py
@@ -127,6 +133,8 @@ else
   step optimizer 300 python3 benchmarks/optimizer.py
   step moe 300 python3 benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
   step sync-mode 600 python3 benchmarks/sync_mode.py --no-clip-runs --repeats 3
+  step checkpoint 330 python3 benchmarks/checkpoint.py --repeats 2 --workers 4
+  step grad-buffer 270 python3 benchmarks/host_memory.py --throughput --rounds 3
 fi
 
 {
