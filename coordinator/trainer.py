@@ -79,6 +79,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import shutil
 import threading
@@ -1275,15 +1276,10 @@ class Trainer:
                 if up_to is None or e.step <= up_to
             ]
 
-    def _confirm_output(self) -> None:
-        """Before writing into the output directory: it is still a directory below a
-        write root that only the coordinator can change (coordinator.paths)."""
-        with self._pinned_output():
-            pass
-
     @contextlib.contextmanager
     def _pinned_output(self) -> Iterator[Path]:
-        """Check the output directory (:meth:`_confirm_output`) and yield a path to write
+        """Check that the output directory is still a directory below a write root that
+        only the coordinator can change (coordinator.paths), and yield a path to write
         into it through that checked directory held open (coordinator.paths.pinned_dir):
         in a write root others can write to, the directory could otherwise be renamed
         away and replaced by a link between the check and the last file written.
@@ -1314,7 +1310,8 @@ class Trainer:
         replaced by its path."""
         text = str(text)
         for pin in {self._output_root, self.held_output} - {self.output_dir}:
-            text = text.replace(str(pin), str(self.output_dir))
+            # Not inside a longer fd number: /proc/self/fd/1 is no prefix of .../fd/12.
+            text = re.sub(re.escape(str(pin)) + r"(?![0-9])", lambda _: str(self.output_dir), text)
         return text
 
     def save_checkpoint(self, step: int) -> Path:
