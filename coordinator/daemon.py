@@ -1042,14 +1042,16 @@ class Coordinator:
             trainer.close()
             if job_group is not None:
                 job_group.close()
+            # Release the job's memory (masters, AdamW moments, checkpoint staging, dataset,
+            # model) before its end is announced: a client that sees the final state sees
+            # the memory given back too. Only its step, loss and progress events stay.
+            self.book.let_go(job)
+            trainer = None
+            release_freed_memory()
             self.book.finish(job, state, message)
             with self._lock:
                 for key in [k for k in self._assigned if k[0] == job.job_id]:
                     del self._assigned[key]
-            # Release the job's memory (masters, AdamW moments, dataset, model: ~12 bytes
-            # per parameter) now: only its step, loss and progress events stay.
-            trainer = None
-            release_freed_memory()
             log.info("[coordinator] job %s %s: %s", job.job_id, job.state, job.message)
             logging.getLogger("roundpipe").removeHandler(handler)
             handler.close()

@@ -365,10 +365,9 @@ class JobBook:
             except JobStoreError as exc:
                 log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
 
-    def finish(self, job: JobRecord, state: JobState, message: str) -> None:
-        """The end of a run: its final state, and the trainer let go (only the job's step,
-        loss and progress events stay)."""
-        self.set_state(job, state, message)
+    def let_go(self, job: JobRecord) -> None:
+        """Drop the job's trainer (and with it the run's memory); only its step, loss and
+        progress events stay."""
         with self._lock:
             trainer = job.trainer
             if trainer is not None:
@@ -376,6 +375,12 @@ class JobBook:
                     job.step, job.loss = trainer.step, trainer.last_loss
                 job.progress = trainer.progress
             job.trainer = None
+
+    def finish(self, job: JobRecord, state: JobState, message: str) -> None:
+        """The end of a run: the trainer let go (``let_go``), then its final state."""
+        self.let_go(job)
+        self.set_state(job, state, message)
+        with self._lock:
             if self.active is job:
                 self.active = None
 
