@@ -47,6 +47,7 @@ __all__ = [
     "CudaEventReader",
     "EventHandleBoard",
     "cuda_available",
+    "open_ipc_event",
     "pin_arena",
     "unpin_arena",
 ]
@@ -100,15 +101,30 @@ class CudaEventRing:
             # Interprocess events cannot carry timing; blocking=False keeps host waits spinning
             # only when someone explicitly synchronises, which the runtime never does.
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
-            self.handles = [ev.ipc_handle() for ev in self._events]
+            self.handles = [bytes(ev.ipc_handle()) for ev in self._events]
         self._next = 0
+        self.records = 0
+        """How many records so far (the number of the latest, from 1)."""
+
+    @property
+    def events(self) -> list:
+        return list(self._events)
 
     def record(self, stream: torch.cuda.Stream | None = None) -> int:
         """Record the next slot on ``stream`` (default: current); return the slot index."""
         slot = self._next
         self._events[slot].record(stream)
         self._next = (slot + 1) % len(self._events)
+        self.records += 1
         return slot
+
+
+def open_ipc_event(device: torch.device | int, handle: bytes):
+    """Open another process's interprocess event from its 64-byte handle."""
+    if not cuda_available():
+        raise RuntimeError("opening a CUDA event handle needs CUDA")
+    device = torch.device("cuda", device) if isinstance(device, int) else device
+    return torch.cuda.Event.from_ipc_handle(device, handle)
 
 
 class CudaEventReader:
@@ -120,7 +136,7 @@ class CudaEventReader:
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         # Opening a handle in the process that created it fails in the driver; the runtime
         # only opens other processes' rings.
-        self._events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles]
+        self._events = [open_ipc_event(self.device, h) for h in handles]
 
     def wait(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` wait (on the device, not the host) for the producer's record."""
