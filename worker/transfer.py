@@ -774,7 +774,10 @@ class CudaEngine(_LinkedEngine):
         thread) when the ticket carries no usable event."""
         if handoff.landed():
             return  # long landed: nothing to wait for, no foreign event touched
-        event = self._event_for(handoff.ticket.handle) if handoff.ticket.handle else None
+        ticket = handoff.ticket
+        usable = ticket.handle and (ticket.pid != self.pid or ticket.handle in self._own)
+        # (Another engine of this process: its handles cannot be opened here; tests only.)
+        event = self._event_for(ticket.handle) if usable else None
         if event is None:
             handoff.wait_landed()
             return
