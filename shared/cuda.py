@@ -9,18 +9,23 @@ substitute: it *copies* into a new pinned buffer and the copy is no longer share
 
 Interprocess events. A producer that writes an arena with an asynchronous device-to-host
 copy cannot just store the event-table counter afterwards: the bytes are not there yet.
-It records an interprocess CUDA event on the copy's stream, publishes which ring slot
-holds that record, then signals the counter (Note [event-table fences] in
-roundpipe.shared.events). The consumer waits for the counter on the host, then makes its
-own stream wait on the producer's event — no host synchronisation on the critical path.
+It records an interprocess CUDA event on the copy's stream, publishes which record that
+is, then signals the counter (Note [event-table fences] in roundpipe.shared.events). The
+consumer waits for the counter on the host, then makes its own stream wait on the
+producer's event — no host synchronisation on the critical path. The worker does this
+for activation hand-offs (roundpipe.shared.handoff): its ``CudaEngine`` keeps one
+``CudaEventRing`` and puts each record's IPC handle into the counter's ticket, which a
+consumer opens with ``open_ipc_event`` (once per handle). ``EventHandleBoard`` and
+``CudaEventReader`` are the older fixed-board variant, kept for tests/test_cuda.py.
 
 Why a ring: a CUDA event stands only for its *latest* record, so a slot must not be
 re-recorded before every reader has enqueued its wait on it (``cudaStreamWaitEvent``
 captures the record current at enqueue time; later re-records do not affect it). With a
-ring of K slots a slot is reused after K records; the coordinator keeps at most a few
-tasks in flight per worker, so K = 16 leaves a wide margin. Waiting on a *later* record of
-the same stream is always safe (it covers the earlier copy too), which is why a reader
-may use whatever slot was published most recently.
+ring of K slots a slot is reused after K records; the worker's download link keeps at
+most two copies in flight and consumers skip the event once the copy's landed mark is
+set, so K = 64 leaves a wide margin (Note [activation hand-off] in
+roundpipe.worker.transfer). Waiting on a *later* record of the same stream is always safe
+(it covers the earlier copy too).
 
 Handle board layout (a region of an arena, 64-byte aligned)::
 
