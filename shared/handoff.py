@@ -141,6 +141,10 @@ class Handoff:
     def landed(self) -> bool:
         return self.board.landed(self.counter, self.value)
 
+    def producer_alive(self) -> bool:
+        """Whether the ticket's producer process still runs (same host; True if unknown)."""
+        return self.ticket.pid <= 0 or _pid_alive(self.ticket.pid)
+
     def wait_landed(self, should_abort: Callable[[], bool] | None = None) -> bool:
         """Block until the producer's copy has landed; return whether it had to wait.
 

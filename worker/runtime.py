@@ -297,6 +297,7 @@ class WorkerCore:
         try:
             self._compute(state, task, copies)
         except BaseException:
+            copies.cancel()  # uploads still waiting for a producer's copy give up
             copies.wait_all()
             state.inflight.discard(copies)
             raise
@@ -456,6 +457,7 @@ class WorkerCore:
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         priority: Priority,
         signals: Sequence[EventSignal],
+        after_issue: Callable[[], None] | None = None,
     ) -> Transfer:
         """Copy ``pairs`` to the arenas and store ``signals``: act/dact counters at issue
         with a ticket and their landed marks once the bytes are there on an engine that
@@ -474,6 +476,8 @@ class WorkerCore:
                 board.write_ticket(sig.counter, sig.value, mark)
             for sig in early:  # signal() fences: the tickets before the counters
                 self._signal(state, sig)
+            if after_issue is not None:
+                after_issue()
 
         def landed() -> None:
             for sig in early:
@@ -596,6 +600,11 @@ class _TaskCopies:
     def add(self, transfer: Transfer, *, up: bool) -> None:
         with self._lock:
             self._transfers.append((transfer, up))
+
+    def cancel(self) -> None:
+        for t, up in list(self._transfers):
+            if up:
+                t.cancel()
 
     def wait_all(self) -> None:
         for t, _ in list(self._transfers):
@@ -875,6 +884,8 @@ class _MicrobatchFeed:
             self.copies.add(ahead, up=True)
             self._uploads[(what, nxt)] = ahead
         waited = time.perf_counter()
+        if up.follows:
+            self._await_producers(up)
         tensors = up.tensors()
         self.core._waited_s += time.perf_counter() - waited
         if what == "labels":
@@ -885,6 +896,17 @@ class _MicrobatchFeed:
             parts = [tensors[f"r{i}"] for i in range(len(tensors))]
             return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
         return tensors["x"]
+
+    def _await_producers(self, up: Upload) -> None:
+        """Wait for an upload that follows other workers' copies, as for a counter: a
+        torn-down job or a lower-numbered task (the re-run of a dead producer's task,
+        which may be what this upload waits for) makes the task give up and yield."""
+        job_id = self.task.job_id
+        while not up.wait_landed(0.05):
+            if job_id in self.core._interrupted:
+                raise TaskInterrupted(f"job {job_id} was torn down while a task waited")
+            if self.core.should_abort():
+                raise TaskAborted(f"task {self.task.task_id} gave up waiting for a producer's copy")
 
     def inputs(self) -> _LazyInputs:
         return _LazyInputs(self, "input")
@@ -933,7 +955,13 @@ class _MicrobatchFeed:
         # Saved inputs travel with the output: one copy, one completion, then the
         # microbatch's counters (its signals cover both).
         pairs = saved + [(tensor, self.state.view(mb.output))]
-        copy = self.core._download(self.state, pairs, Priority.ACTIVATION, mb.signals)
+        copy = self.core._download(
+            self.state,
+            pairs,
+            Priority.ACTIVATION,
+            mb.signals,
+            after_issue=lambda: self.core._fault_point("issued", self.task, mb.index),
+        )
         self.copies.add(copy, up=False)
         if not self.core.overlap:
             copy.wait()

@@ -167,6 +167,8 @@ class Transfer:
         self.handoff_wait_s = 0.0
         """Seconds the link waited for producers' copies before this upload could start
         (Note [activation hand-off])."""
+        self.cancelled = threading.Event()
+        """Set by ``cancel``: a link waiting for a producer's copy on its behalf gives up."""
         if chunks == 0:
             self.started_at = self.finished_at = self.queued_at
             self._done.set()
@@ -180,9 +182,15 @@ class Transfer:
         if self.error is not None:
             raise self.error
 
-    def wait_landed(self) -> None:
-        """Block until the copy is over, successful or not (never raises)."""
-        self._done.wait()
+    def wait_landed(self, timeout_s: float | None = None) -> bool:
+        """Block until the copy is over, successful or not (never raises); False if
+        ``timeout_s`` passed first."""
+        return self._done.wait(timeout_s)
+
+    def cancel(self) -> None:
+        """Stop waiting for producers' copies (the task gave up); the copy then fails
+        unless it already started. Harmless on a copy that waits for nothing."""
+        self.cancelled.set()
 
     def then(self, callback: Callable[[], None], *, always: bool = False) -> None:
         with self._lock:
@@ -236,10 +244,19 @@ class Transfer:
 class Upload(Transfer):
     """An upload: ``tensors()`` gives the device tensors once they may be computed on."""
 
-    def __init__(self, engine: TransferEngine, dst: dict[str, torch.Tensor], chunks: int, nbytes):
+    def __init__(
+        self,
+        engine: TransferEngine,
+        dst: dict[str, torch.Tensor],
+        chunks: int,
+        nbytes,
+        follows: Sequence[Handoff] = (),
+    ):
         super().__init__(chunks, nbytes)
         self._engine = engine
         self._dst = dst
+        self.follows = tuple(follows)
+        """The producers' copies this upload waits for (Note [activation hand-off])."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The uploaded tensors, usable on the caller's (compute) stream."""
@@ -409,7 +426,8 @@ class _EmulatedLink(_Link):
         waited_until = 0.0
         if chunk.handoffs and self.wait_for_producers:
             started = time.perf_counter()
-            if any([h.wait_landed() for h in chunk.handoffs]):
+            abort = chunk.transfer.cancelled.is_set
+            if any([h.wait_landed(should_abort=abort) for h in chunk.handoffs]):
                 waited_until = time.perf_counter()
                 chunk.transfer.handoff_wait_s += waited_until - started
         nbytes = chunk.src.numel() * chunk.src.element_size()
@@ -427,6 +445,11 @@ class _EmulatedLink(_Link):
         if delay > 0:
             time.sleep(delay)
         chunk.dst.copy_(taken)
+
+
+_DEAD_GRACE_S = 2.0
+"""How long a CUDA upload may still wait on a producer's event after the producer's
+process is seen gone without its landed mark (Note [dead producers and imported events])."""
 
 
 class _CudaLink(_Link):
@@ -467,21 +490,27 @@ class _CudaLink(_Link):
         # The copy follows other processes' events: poll it with a deadline instead of
         # blocking, so a producer that died cannot hang this thread unseen (Note [dead
         # producers and imported events] in roundpipe.shared.handoff, point c).
-        deadline = time.perf_counter() + max(h.timeout_s for h in chunk.handoffs)
+        timeout_s = max(h.timeout_s for h in chunk.handoffs)
+        deadline = time.perf_counter() + timeout_s
+        dead_since: float | None = None
         pause = 20e-6
         while not token.query():  # type: ignore[attr-defined]
-            if time.perf_counter() > deadline:
-                lost = [h for h in chunk.handoffs if not h.landed()]
+            now = time.perf_counter()
+            lost = [h for h in chunk.handoffs if not h.landed()]
+            if dead_since is None and any(not h.producer_alive() for h in lost):
+                dead_since = now
+            if now > deadline or (dead_since is not None and now - dead_since > _DEAD_GRACE_S):
                 why = (
-                    f"{len(lost)} of its producers' copies never landed (landed mark missing)"
+                    f"{len(lost)} of its producers' copies never landed (landed mark missing"
+                    + (", producer process gone)" if dead_since is not None else ")")
                     if lost
                     else "its producers' landed marks came but the stream never moved"
                 )
                 self.engine.broken = (
-                    f"an activation upload waited on another process's CUDA event past the "
-                    f"{max(h.timeout_s for h in chunk.handoffs):.3g}s wait timeout: {why}. "
-                    "This worker's stream can no longer be trusted; it exits so its CUDA "
-                    "context is torn down (the coordinator re-runs its tasks)"
+                    "an activation upload's stream waits on another process's CUDA event "
+                    f"that did not fire ({why}). This worker's stream can no longer be "
+                    "trusted; it exits so its CUDA context is torn down (the coordinator "
+                    "re-runs its tasks)"
                 )
                 raise HandoffLost(self.engine.broken)
             time.sleep(pause)
@@ -630,7 +659,8 @@ class _LinkedEngine(TransferEngine):
     def upload(self, tensors, priority, wait_for=()):
         dst = {name: self._alloc(t) for name, t in tensors.items()}
         pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
-        up = Upload(self, dst, len(pieces), sum(_nbytes(t) for t in tensors.values()))
+        nbytes = sum(_nbytes(t) for t in tensors.values())
+        up = Upload(self, dst, len(pieces), nbytes, wait_for if pieces else ())
         if pieces:
             self.h2d.put(priority, pieces, up, self._after_host(), tuple(wait_for))
         return up
@@ -779,7 +809,7 @@ class CudaEngine(_LinkedEngine):
         # (Another engine of this process: its handles cannot be opened here; tests only.)
         event = self._event_for(ticket.handle) if usable else None
         if event is None:
-            handoff.wait_landed()
+            handoff.wait_landed()  # the host fallback: bounded by the wait timeout
             return
         event.wait(stream)
 
