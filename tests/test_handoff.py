@@ -301,3 +301,60 @@ def test_a_producer_lost_between_issue_and_landing_costs_a_rerun(
         for engine in engines:
             engine.close()
         trainer.close()
+
+
+def test_a_consumer_waiting_for_a_lost_producer_yields_to_the_rerun(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """The re-run of the lost producer's task may come to the very worker whose upload
+    waits for it: the waiting task gives up (TaskAborted: the daemon runs the lower-
+    numbered re-run first), its link stops waiting, and both then run there."""
+    from roundpipe.worker.runtime import TaskAborted
+
+    trainer, tasks = first_iteration(tmp_path, arena_dir, "job-ho", "hoyield")
+    frozen = _FrozenDownloads()
+    engines = [frozen, EmulatedEngine(1e9, latency_s=0.0)]
+    dying, consumer = (WorkerCore(i, transfer=e) for i, e in enumerate(engines))
+    try:
+        for core in (dying, consumer):
+            core.setup_job(trainer.job_setup())
+        dying.start_task(tasks[0], lambda result: None)
+        trainer.layout.events.wait_at_least(trainer.layout.counters.act(2, 0), 1, 10)
+        rerun_arrived = threading.Event()
+        consumer.should_abort = rerun_arrived.is_set
+        threading.Timer(0.3, rerun_arrived.set).start()
+        started = time.perf_counter()
+        with pytest.raises(TaskAborted, match="gave up waiting for a producer's copy"):
+            consumer.run_task(tasks[1])  # its wait timeout is 30 s
+        assert time.perf_counter() - started < 10
+        consumer.should_abort = lambda: False
+        consumer.run_task(replace(tasks[0], attempt=1))  # the link is free again
+        consumer.run_task(tasks[1])
+    finally:
+        frozen.gate.set()
+        for core in (dying, consumer):
+            core.close()
+        for engine in engines:
+            engine.close()
+        trainer.close()
+
+
+def test_ipc_exit_measurement_without_a_gpu_says_so(tmp_path: Path) -> None:
+    """scripts/ipc_event_after_exit.py (a gpu_check.sh step) runs anywhere and never
+    hangs; on a GPU, tests/test_cuda.py checks its findings are written."""
+    import json
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("covered by tests/test_cuda.py on a GPU")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "scripts" / "ipc_event_after_exit.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "RESULT cuda=false"
+    assert json.loads((tmp_path / "ipc_event_after_exit.json").read_text()) == {"cuda": False}
