@@ -70,9 +70,10 @@ Note [ticket layout]
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import psutil
 
 from roundpipe.shared.arena import DATA_START
 from roundpipe.shared.events import Counters, EventTable, EventTimeout, fence, table_nbytes
@@ -268,10 +269,4 @@ class HandoffBoard:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return psutil.pid_exists(pid)
