@@ -474,7 +474,7 @@ class _CudaLink(_Link):
             if chunk.after is not None:
                 chunk.after(stream)
             for handoff in chunk.handoffs:  # Note [activation hand-off]
-                self.engine._wait_for_producer(handoff, stream)
+                self.engine._wait_for_producer(handoff, stream, chunk.transfer.cancelled.is_set)
             chunk.dst.copy_(chunk.src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
@@ -798,7 +798,7 @@ class CudaEngine(_LinkedEngine):
 
         return issued
 
-    def _wait_for_producer(self, handoff, stream) -> None:
+    def _wait_for_producer(self, handoff, stream, abort: Callable[[], bool]) -> None:
         """Make ``stream`` wait (on the device) for the producer's copy: its ring event,
         opened once per handle. Falls back to a host wait for the landed mark (this link
         thread) when the ticket carries no usable event."""
@@ -809,14 +809,16 @@ class CudaEngine(_LinkedEngine):
         # (Another engine of this process: its handles cannot be opened here; tests only.)
         event = self._event_for(ticket.handle) if usable else None
         if event is None:
-            handoff.wait_landed()  # the host fallback: bounded by the wait timeout
+            handoff.wait_landed(should_abort=abort)  # host fallback, bounded by the timeout
             return
         event.wait(stream)
 
     def _event_for(self, handle: bytes):
         from roundpipe.shared.cuda import open_ipc_event
 
-        event = self._own.get(handle) or self._imported.get(handle)
+        event = self._own.get(handle)
+        if event is None:
+            event = self._imported.get(handle)
         if event is not None:
             return event
         try:
