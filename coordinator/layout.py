@@ -21,7 +21,8 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
               loss contribution [1] fp32; with a router auxiliary loss also, per layer
               that starts a forward stage, that stage's router statistics [2, experts]
               fp32, and the tail's complete top-k counts [experts] fp32
-    events  the event table (roundpipe.shared.events) at DATA_START
+    events  the event table (roundpipe.shared.events) at DATA_START, then the hand-off
+              tickets of the act/dact counters (roundpipe.shared.handoff)
 
 Activation boundaries are the layers that start a forward stage, the tail or a backward
 stage (layer 0 excluded: its input is ``io.input_ids``); gradient boundaries are the
@@ -87,6 +88,9 @@ or weight versions; 0 = nothing yet)::
     wgrad[l]      writer: the task that writes layer l's gradients (tied aliases of the
                   tail count for the tail layer)
     version[l]    writer: the optimizer; newest weight version of layer l in params
+    landed[c][p]  writer: the writer of act/dact counter c; newest value of parity p
+                  whose bytes have landed (act and dact are stored when their copy is
+                  issued: roundpipe.shared.handoff)
 
 Their index arithmetic is roundpipe.shared.events.Counters: workers rebuild it from
 JobSetup to name counters in their timeout errors. See Note [weight-update ordering] in
@@ -105,7 +109,8 @@ import torch
 
 from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
 from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator
-from roundpipe.shared.events import Counters, EventTable, table_nbytes
+from roundpipe.shared.events import Counters, EventTable
+from roundpipe.shared.handoff import events_arena_nbytes
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -222,7 +227,7 @@ class JobLayout:
         router_stats, router_counts = _router_slots(model, allocs["io"], num_microbatches)
         counters = Counters(model.num_layers, num_microbatches)
         sizes = {name: a.nbytes_needed for name, a in allocs.items()}
-        sizes[EVENTS_ARENA] = table_nbytes(counters.total)
+        sizes[EVENTS_ARENA] = events_arena_nbytes(counters)
         layout = cls(
             model=model,
             plan=plan,

@@ -6,7 +6,9 @@
 # Steps, each under its own timeout, each writing a log (and JSON where it has figures)
 # under DIR (default: $OUT, else ./gpu-check-out):
 #   env         nvidia-smi, torch / transformers versions, /dev/shm, ulimit -l, cores, memory
-#   cuda-tests  pytest tests/test_cuda.py tests/test_transfer.py
+#   cuda-tests  pytest tests/test_cuda.py tests/test_transfer.py tests/test_handoff.py
+#   ipc-exit    scripts/ipc_event_after_exit.py: what an imported CUDA IPC event does once
+#               its exporter was SIGKILLed (ipc_event_after_exit.json; docs/runtime.md)
 #   bandwidth   benchmarks/bandwidth.py: pinned vs pageable copies, the engine's start-up test
 #   parity      scripts/gpu_parity.py: a tiny job on a GPU worker vs CPU-worker losses
 #   overlap     benchmarks/overlap.py (CPU, emulated bus)
@@ -24,7 +26,7 @@
 #               figure)
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
-# over several commands with --steps, e.g. `--steps env,cuda-tests,bandwidth,parity`, then
+# over several commands with --steps, e.g. `--steps env,cuda-tests,ipc-exit,bandwidth,parity`, then
 # `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`,
 # `--steps checkpoint,grad-buffer`.
 #
@@ -122,7 +124,9 @@ if [ $smoke -eq 1 ]; then
   step sync-mode 120 python3 benchmarks/sync_mode.py --no-runtime
   [ $quick -eq 1 ] || step checkpoint 300 python3 benchmarks/checkpoint.py --smoke
 else
-  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py
+  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py \
+    tests/test_handoff.py
+  step ipc-exit 300 python3 scripts/ipc_event_after_exit.py --out "$out"
   step bandwidth 120 python3 benchmarks/bandwidth.py
   step parity 600 python3 scripts/gpu_parity.py --json "$out/parity.json"
   step overlap 600 python3 benchmarks/overlap.py --iterations 2

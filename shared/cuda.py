@@ -9,18 +9,23 @@ substitute: it *copies* into a new pinned buffer and the copy is no longer share
 
 Interprocess events. A producer that writes an arena with an asynchronous device-to-host
 copy cannot just store the event-table counter afterwards: the bytes are not there yet.
-It records an interprocess CUDA event on the copy's stream, publishes which ring slot
-holds that record, then signals the counter (Note [event-table fences] in
-roundpipe.shared.events). The consumer waits for the counter on the host, then makes its
-own stream wait on the producer's event — no host synchronisation on the critical path.
+It records an interprocess CUDA event on the copy's stream, publishes which record that
+is, then signals the counter (Note [event-table fences] in roundpipe.shared.events). The
+consumer waits for the counter on the host, then makes its own stream wait on the
+producer's event — no host synchronisation on the critical path. The worker does this
+for activation hand-offs (roundpipe.shared.handoff): its ``CudaEngine`` keeps one
+``CudaEventRing`` and puts each record's IPC handle into the counter's ticket, which a
+consumer opens with ``open_ipc_event`` (once per handle). ``EventHandleBoard`` and
+``CudaEventReader`` are the older fixed-board variant, kept for tests/test_cuda.py.
 
 Why a ring: a CUDA event stands only for its *latest* record, so a slot must not be
 re-recorded before every reader has enqueued its wait on it (``cudaStreamWaitEvent``
 captures the record current at enqueue time; later re-records do not affect it). With a
-ring of K slots a slot is reused after K records; the coordinator keeps at most a few
-tasks in flight per worker, so K = 16 leaves a wide margin. Waiting on a *later* record of
-the same stream is always safe (it covers the earlier copy too), which is why a reader
-may use whatever slot was published most recently.
+ring of K slots a slot is reused after K records; the worker's download link keeps at
+most two copies in flight and consumers skip the event once the copy's landed mark is
+set, so K = 64 leaves a wide margin (Note [activation hand-off] in
+roundpipe.worker.transfer). Waiting on a *later* record of the same stream is always safe
+(it covers the earlier copy too).
 
 Handle board layout (a region of an arena, 64-byte aligned)::
 
@@ -47,6 +52,7 @@ __all__ = [
     "CudaEventReader",
     "EventHandleBoard",
     "cuda_available",
+    "open_ipc_event",
     "pin_arena",
     "unpin_arena",
 ]
@@ -100,15 +106,30 @@ class CudaEventRing:
             # Interprocess events cannot carry timing; blocking=False keeps host waits spinning
             # only when someone explicitly synchronises, which the runtime never does.
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
-            self.handles = [ev.ipc_handle() for ev in self._events]
+            self.handles = [bytes(ev.ipc_handle()) for ev in self._events]
         self._next = 0
+        self.records = 0
+        """How many records so far (the number of the latest, from 1)."""
+
+    @property
+    def events(self) -> list:
+        return list(self._events)
 
     def record(self, stream: torch.cuda.Stream | None = None) -> int:
         """Record the next slot on ``stream`` (default: current); return the slot index."""
         slot = self._next
         self._events[slot].record(stream)
         self._next = (slot + 1) % len(self._events)
+        self.records += 1
         return slot
+
+
+def open_ipc_event(device: torch.device | int, handle: bytes):
+    """Open another process's interprocess event from its 64-byte handle."""
+    if not cuda_available():
+        raise RuntimeError("opening a CUDA event handle needs CUDA")
+    device = torch.device("cuda", device) if isinstance(device, int) else device
+    return torch.cuda.Event.from_ipc_handle(device, handle)
 
 
 class CudaEventReader:
@@ -120,7 +141,7 @@ class CudaEventReader:
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         # Opening a handle in the process that created it fails in the driver; the runtime
         # only opens other processes' rings.
-        self._events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles]
+        self._events = [open_ipc_event(self.device, h) for h in handles]
 
     def wait(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` wait (on the device, not the host) for the producer's record."""

@@ -30,9 +30,11 @@ reads the data. Nothing in Python orders these memory accesses for another proce
   is ordered (the lock is sequentially consistent), data accesses cannot sink below
   release(1), and the counter access cannot rise above acquire(2). This is the same fix
   vLLM adopted for its shared-memory broadcast queue (vllm issue 27858/29389).
-* On a GPU the "data write" is an asynchronous device-to-host copy: the producer records
-  an interprocess CUDA event after the copy and publishes the counter; the consumer waits
-  for the counter, then makes its stream wait on the event (see roundpipe.shared.cuda).
+* With an asynchronous device-to-host copy the "data write" is not over when the copy is
+  issued. Activation hand-offs (act, dact) then store the counter at issue, with a ticket
+  and a later *landed mark* the consumer's upload waits for; every other counter is
+  stored after its copy landed (roundpipe.shared.handoff, Note [dead producers and
+  imported events] there).
 
 Note [waiting in three phases]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -342,8 +344,23 @@ class Counters:
         return 2 * self.num_layers * self.num_microbatches + self.num_layers + layer
 
     @property
+    def handoff_counters(self) -> int:
+        """The act and dact counters: indices [0, handoff_counters)."""
+        return 2 * self.num_layers * self.num_microbatches
+
+    def is_handoff(self, index: int) -> bool:
+        """Whether counter ``index`` stands for an activation hand-off between workers
+        (roundpipe.shared.handoff): act or dact."""
+        return 0 <= index < self.handoff_counters
+
+    def landed(self, index: int, value: int) -> int:
+        """The landed mark of act/dact counter ``index`` for values of ``value``'s parity
+        (roundpipe.shared.handoff)."""
+        return self.handoff_counters + 2 * self.num_layers + 2 * index + value % 2
+
+    @property
     def total(self) -> int:
-        return 2 * self.num_layers * self.num_microbatches + 2 * self.num_layers
+        return 3 * self.handoff_counters + 2 * self.num_layers
 
     def label(self, index: int) -> str:
         """Readable name of a counter, used in timeout errors."""
@@ -360,4 +377,7 @@ class Counters:
         index -= 2 * per_kind
         if index < self.num_layers:
             return f"wgrad[layer {index}]"
-        return f"version[layer {index - self.num_layers}]"
+        if index < 2 * self.num_layers:
+            return f"version[layer {index - self.num_layers}]"
+        index -= 2 * self.num_layers
+        return f"landed {self.label(index // 2)} (parity {index % 2})"

@@ -295,6 +295,19 @@ def trained_in_process(
         trainer.close()
 
 
+def final_weights_in_process(
+    spec: JobSpec, arena_dir: Path, namespace: str, engine, job_id: str = "job-ip"
+) -> dict[str, torch.Tensor]:
+    """Train ``spec`` on two in-process workers (``engine``: their transfer-engine
+    factory, None for the CPU one); a copy of the final weights by parameter name."""
+    with trained_in_process(
+        spec, arena_dir, 2, job_id=job_id, namespace=namespace, engine=engine, wait_timeout_s=120
+    ) as trainer:
+        return {
+            n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()
+        }
+
+
 def run_in_process(spec: JobSpec, arena_dir: Path, num_workers: int = 2, job_id: str = "job-ip"):
     """A job's progress events, run as in :func:`trained_in_process`."""
     with trained_in_process(spec, arena_dir, num_workers, job_id=job_id) as trainer:

@@ -164,3 +164,31 @@ def test_worker_faults_on_an_emulated_bus_leave_the_result_bitwise_unchanged(
         max_trials=8,
         worker_args=["--emulate-pcie", "100MB/s", "--emulate-latency", "1ms"],
     )
+
+
+def test_a_producer_killed_between_counter_at_issue_and_landing_changes_nothing(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """Note [dead producers and imported events]: a worker SIGKILLs itself right after it
+    stored an activation counter at issue, before the copy landed. Consumers that read
+    the ticket wait for a landed mark that only the re-run provides; the job ends bitwise
+    equal to the fault-free run."""
+    seed = chaos_seed()
+    spec = tiny_spec(tmp_path / "out", steps=6, staleness=1)
+    # Iteration 4: the armed (restarted) worker has joined and gets tasks by then; a
+    # trial where it still got none is repeated.
+    point = [FaultSpec("point", point="kill@iteration=4,when=issued")]
+    report = run_chaos(
+        spec,
+        root=tmp_path,
+        arena_dir=arena_dir,
+        num_workers=3,
+        trials=[point],
+        seeds=[seed],
+        min_injected=1,
+        more=lambda i: (point, seed + i),
+        max_trials=3,
+        worker_args=["--emulate-pcie", "100MB/s", "--emulate-latency", "20ms"],
+    )
+    print(report.table())
+    assert report.injected >= 1 and report.ok, f"seed {seed}\n{report.table()}"

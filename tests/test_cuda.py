@@ -194,3 +194,46 @@ def test_gpu_worker_core_matches_the_cpu_worker(tmp_path: Path, arena_dir: Path)
     assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
     for name, g in cpu_grads.items():
         assert torch.allclose(gpu_grads[name], g, rtol=1e-3, atol=1e-5), name
+
+
+def test_cuda_engines_hand_off_an_activation_through_an_ipc_event(
+    arena_dir: Path, spawn_child
+) -> None:
+    """Note [activation hand-off]: the producer process stores the counter at issue; this
+    process's upload link makes its stream wait on the producer's interprocess event, so
+    it reads the complete payload though the counter came ~1 s before the bytes."""
+    sys.path.insert(0, str(Path(__file__).parent / "procs"))
+    import cuda_handoff_child as child_mod
+
+    from roundpipe.shared.handoff import HandoffBoard, events_arena_nbytes
+    from roundpipe.worker.transfer import Priority
+
+    counters = child_mod.COUNTERS
+    nbytes = child_mod.payload_offset() - DATA_START + child_mod.WORDS * 4
+    assert nbytes > events_arena_nbytes(counters)
+    with Arena.create("handoff", nbytes, directory=arena_dir) as arena:
+        table = EventTable.create(arena, DATA_START, counters.total)
+        board = HandoffBoard(table, counters)
+        payload = arena.view(
+            arena.ref(child_mod.payload_offset(), torch.float32, (child_mod.WORDS,))
+        )
+        payload.zero_()
+        engine = _cuda_engine()
+        engine.register([arena])
+        try:
+            child = spawn_child("cuda_handoff_child.py", arena.path)
+            table.wait_at_least(child_mod.COUNTER, 1, timeout_s=120)
+            handoff = board.handoff(child_mod.COUNTER, 1, timeout_s=60)
+            assert handoff is not None, "the counter came after landing, not at issue"
+            assert handoff.ticket.handle and handoff.ticket.seq >= 1
+            up = engine.upload({"x": payload}, Priority.ACTIVATION, [handoff])
+            got = up.tensors()["x"]
+            assert bool((got == 42.0).all()), "consumer copied before the producer's D2H"
+            assert board.landed(child_mod.COUNTER, 1)
+            table.signal(child_mod.DONE, 1)
+            assert child.wait(timeout=60) == 0, child.stderr.read()
+        finally:
+            engine.unregister([arena])
+            engine.close()
+            board.close()
+            table.close()

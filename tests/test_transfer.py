@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import first_iteration, tiny_spec, trained_in_process
+from runtime_helpers import final_weights_in_process, first_iteration, tiny_spec
 
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import EventTable
@@ -224,12 +224,7 @@ def test_a_stale_prefetch_is_discarded(tmp_path: Path, arena_dir: Path) -> None:
 
 
 def _train(spec, arena_dir: Path, namespace: str, engine) -> dict[str, torch.Tensor]:
-    with trained_in_process(
-        spec, arena_dir, 2, job_id="job-tx", namespace=namespace, engine=engine, wait_timeout_s=120
-    ) as trainer:
-        return {
-            n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()
-        }
+    return final_weights_in_process(spec, arena_dir, namespace, engine, job_id="job-tx")
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

@@ -52,6 +52,7 @@ from roundpipe.protocol import (
     encode,
 )
 from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.handoff import HandoffLost
 from roundpipe.shared.keys import ConnectKeys, KeyError_, apply_connect_keys, connect_keys
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
@@ -122,9 +123,21 @@ class WorkerDaemon:
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self.core: WorkerCore | None = None
+        self.exit_code = 0
+        """3 when the transfer engine broke (Note [dead producers and imported events] in
+        roundpipe.shared.handoff): the supervisor restarts the worker."""
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _exit_if_broken(self, core: WorkerCore) -> None:
+        """A CUDA stream that waited on a dead producer's event cannot be trusted: stop,
+        so the process (and its CUDA context) goes away; its failure is reported first."""
+        broken = core.engine.broken
+        if broken is not None and not self._stop.is_set():
+            log.error("[worker] stopping: %s", broken)
+            self.exit_code = 3
+            self.stop()
 
     # -- handshake --------------------------------------------------------------------
 
@@ -372,7 +385,9 @@ class WorkerDaemon:
                         task.iteration,
                         traceback.format_exc(),
                     )
-                    outbox.send(self._failed(core, task, exc, retryable=False))
+                    retry = isinstance(exc, HandoffLost)  # its producer died: not this task's fault
+                    outbox.send(self._failed(core, task, exc, retryable=retry))
+                    self._exit_if_broken(core)
                 finally:
                     queue_.done_running()
         finally:
@@ -381,6 +396,7 @@ class WorkerDaemon:
     def _result(self, core: WorkerCore, task: StageTask, result) -> Message:
         if isinstance(result, BaseException):
             log.error("[worker] a copy of task %d failed: %r", task.task_id, result)
+            self._exit_if_broken(core)
             return self._failed(core, task, result, retryable=True)
         return result
 
@@ -661,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     except HandshakeError as exc:
         print(f"roundpipe-worker: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return daemon.exit_code
 
 
 def _exit_now(code: int) -> None:

@@ -6,14 +6,17 @@ Set ``ROUNDPIPE_FAULT`` in a worker's environment to make it fail at a chosen po
     ROUNDPIPE_FAULT="stop@iteration=2,kind=forward,mb=0"    # SIGSTOP itself (a hang)
     ROUNDPIPE_FAULT="raise@iteration=4,kind=tail"            # an exception in the task
     ROUNDPIPE_FAULT="kill@task=7,when=end"                   # after the outputs, before TaskDone
+    ROUNDPIPE_FAULT="kill@kind=forward,mb=1,when=issued"     # act counter out, bytes not landed
 
 Actions: ``kill`` (SIGKILL itself: a crash), ``stop`` (SIGSTOP itself: frozen, as a stuck
 kernel or a paused VM looks from outside), ``raise`` (a Python exception: the task fails
 and is reported). Conditions (all optional, all must match): ``iteration``, ``kind``
 (forward / tail / backward), ``task`` (task id), ``layer`` (the stage starts at it),
 ``mb`` (microbatch index; the fault fires when that microbatch starts), ``when``
-(``start`` of the task, ``mb`` start (default when ``mb`` is given), or ``end``: after
-every output and signal, before TaskDone is sent), ``attempt`` (default 0: a re-run of
+(``start`` of the task, ``mb`` start (default when ``mb`` is given), ``end``: after
+every output and signal, before TaskDone is sent, or ``issued``: on the transfer link,
+right after microbatch ``mb``'s act/dact counter was stored at issue and before its copy
+landed, roundpipe.shared.handoff), ``attempt`` (default 0: a re-run of
 the task elsewhere does not fail again; ``any``: every attempt). The fault fires once per
 process, or on every matching task with ``repeat=always`` (a deterministic failure, like
 a stage that does not fit in memory).
@@ -46,7 +49,7 @@ class Fault:
     fired: bool = False
 
     def point(self, where: str, *, task, mb: int | None = None) -> None:
-        """Fire if this point (``start``, ``mb`` or ``end``) of ``task`` matches."""
+        """Fire if this point (``start``, ``mb``, ``issued`` or ``end``) of ``task`` matches."""
         if self.fired:
             return
         c = self.conditions
@@ -91,8 +94,8 @@ def parse_fault(text: str | None) -> Fault | None:
                 f"{FAULT_ENV}: condition {part!r} must be key=value with key in {', '.join(_KEYS)}"
             )
         conditions[key] = value
-    if conditions.get("when", "start") not in ("start", "mb", "end"):
-        raise ValueError(f"{FAULT_ENV}: when= must be start, mb or end")
+    if conditions.get("when", "start") not in ("start", "mb", "issued", "end"):
+        raise ValueError(f"{FAULT_ENV}: when= must be start, mb, issued or end")
     if conditions.get("repeat", "always") != "always":
         raise ValueError(f"{FAULT_ENV}: repeat= only takes 'always'")
     return Fault(action, conditions)

@@ -14,7 +14,8 @@ Running a task, in order:
 2. stream microbatches: before microbatch m is read, wait for its counters and upload
    it (microbatch m + 1 is uploaded while m computes if its counters are already met);
    as soon as its output (forward) or input gradient (backward, tail) exists, download
-   it to its slot, and store its counters once the copy has landed, so the next stage
+   it to its slot, and store its counters (at issue with a ticket, or once the copy has
+   landed: Note [activation hand-off] in roundpipe.worker.transfer), so the next stage
    on another worker can start on it while this one continues with m + 1;
 3. wait until the gradient slots are free, download the summed weight gradients (every
    slot is written, zeros where a parameter got no gradient, so a re-run writes the same
@@ -30,13 +31,34 @@ and computes the same bytes; counters never move backwards.
 
 Note [no rewrite after signal]
     When a task is re-run because its first worker died, some of its outputs may already
-    be published (their counters stored). Those are never written again: a counter is
-    stored only after all the writes it covers, so if any of a microbatch's (or of the
-    task's gradient) counters has reached its value, every byte it covers is already in
-    place, and a second write could land on a slot that a later iteration already reuses
-    (a gradient slot is refilled with g_{k+1} as soon as the optimizer consumed g_k). The
-    re-run only stores the counters that are still missing. A task that fails or aborts
-    first waits for its copies in flight, so the re-run sees what really landed.
+    be published. Those are never written again: once the bytes a microbatch's (or the
+    task's gradient) signals cover are all in place, a second write could land on a slot
+    that a later iteration already reuses (a gradient slot is refilled with g_{k+1} as
+    soon as the optimizer consumed g_k). "In place" is the *landed mark* for act/dact
+    counters, which are stored when their copy is issued (Note [activation hand-off] in
+    roundpipe.worker.transfer), and the counter itself for the others (stored after
+    landing). Every producer stores the landed marks, the ``cpu`` backend too (landed
+    mark first, then the counter), so the check means the same whoever ran first. The
+    re-run only stores what is still missing.
+
+    An act/dact counter that is stored but whose landed mark is not (the first producer
+    died between issue and landing) does not stop the re-run: its slot cannot have been
+    reused, because every consumer of it waits for that landed mark before it uses the
+    bytes (and before it publishes anything computed from them), and the slot is reused
+    only after its consumers finished. So the re-run writes the data again, with a new
+    ticket, and stores the landed mark; the counter store is a no-op.
+
+    A re-run racing with the first attempt's slow copy: the re-run checks the landed mark,
+    finds it missing, and issues its copy; then the first attempt's copy lands and stores
+    the mark, consumers go on, and only after they finished could the slot be reused
+    (iteration k + 2), while the re-run's copy of the same bytes is still due. That race
+    needs the first attempt to still be copying when the coordinator has already given
+    its task to another worker, i.e. a worker declared lost while alive; it is the same
+    race as with counters stored after landing, and the same fencing prevents it (a lost
+    worker's process is killed before its tasks are re-run when the coordinator can
+    prove which process it is: roundpipe.coordinator.recovery, docs/fault-tolerance.md).
+    A task that fails or aborts first waits for its copies in flight, so a re-run on the
+    same worker sees what really landed.
 
 Note [weight prefetch]
     While task k computes, the weights of the task queued next on this worker are
@@ -72,6 +94,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import Counters, EventTable, fence
+from roundpipe.shared.handoff import Handoff, HandoffBoard, IssueMark
 from roundpipe.shared.model import LayeredModel
 from roundpipe.worker.executor import RngKey, StageExecutor, TailLabels, tail_labels
 from roundpipe.worker.faults import Fault
@@ -109,6 +132,7 @@ class JobState:
     executor: StageExecutor
     arenas: dict[str, Arena]
     events: EventTable
+    handoffs: HandoffBoard
     # layer -> (parity-0 name->view, parity-1 overrides name->view)
     weights: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(
         default_factory=dict
@@ -128,6 +152,7 @@ class JobState:
         ]
 
     def close(self) -> None:
+        self.handoffs.close()
         self.events.close()
         self.weights.clear()
         for arena in self.arenas.values():
@@ -178,9 +203,11 @@ class WorkerCore:
             executor = StageExecutor(model, self.device, dtype)
             self.engine.register(arenas.values())
             events = EventTable(arenas[EVENTS_ARENA], DATA_START)
+            counters = Counters(model.num_layers, setup.num_microbatches)
             # Name counters in timeout errors the way the coordinator does.
-            events.set_labeler(Counters(model.num_layers, setup.num_microbatches).label)
-            state = JobState(setup, model, executor, arenas, events)
+            events.set_labeler(counters.label)
+            handoffs = HandoffBoard(events, counters)
+            state = JobState(setup, model, executor, arenas, events, handoffs)
             for layout in setup.layers:
                 even = {p.name: state.view(p.ref) for p in layout.params}
                 odd = {p.name: state.view(p.ref) for p in layout.params_odd}
@@ -270,6 +297,7 @@ class WorkerCore:
         try:
             self._compute(state, task, copies)
         except BaseException:
+            copies.cancel()  # uploads still waiting for a producer's copy give up
             copies.wait_all()
             state.inflight.discard(copies)
             raise
@@ -389,6 +417,7 @@ class WorkerCore:
             feed.write_grad_inputs(result.grad_inputs)
             # Losses come down once per task; the coordinator reads them after TaskDone,
             # so they need no counter.
+            feed.verify_inputs()  # Note [dead producers and imported events], point a
             pairs = []
             for m, mb in enumerate(task.microbatches):
                 assert mb.loss is not None
@@ -405,10 +434,10 @@ class WorkerCore:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
             signals = list(task.grad_signals)
-            if self._published(state, signals):  # Note [no rewrite after signal]
-                for sig in signals:
-                    self._signal(state, sig)
+            if self._landed(state, signals):  # Note [no rewrite after signal]
+                self._publish_landed(state, signals)
             else:
+                feed.verify_inputs()  # Note [dead producers and imported events], point a
                 pairs = []
                 for name, dst in slots:
                     grad = grads.get(name)
@@ -418,15 +447,53 @@ class WorkerCore:
                         pairs.append((grad, dst))
                 # Weight gradients go behind activations (Note [priority-aware transfers]);
                 # their counters are stored once they have landed.
-                copies.add(
-                    self.engine.download(
-                        pairs, Priority.WEIGHT, then=lambda: self._signal_all(state, signals)
-                    ),
-                    up=False,
-                )
+                copies.add(self._download(state, pairs, Priority.WEIGHT, signals), up=False)
+        feed.verify_inputs()
         self._fault_point("end", task)
 
-    def _signal_all(self, state: JobState, signals: Sequence[EventSignal]) -> None:
+    def _download(
+        self,
+        state: JobState,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        priority: Priority,
+        signals: Sequence[EventSignal],
+        after_issue: Callable[[], None] | None = None,
+    ) -> Transfer:
+        """Copy ``pairs`` to the arenas and store ``signals``: act/dact counters at issue
+        with a ticket and their landed marks once the bytes are there on an engine that
+        does so (Note [activation hand-off] in roundpipe.worker.transfer); every other
+        counter, and every counter on the ``cpu`` backend, once the bytes are there."""
+        board = state.handoffs
+        early = [s for s in signals if board.is_handoff(s.counter)]
+        if not (self.engine.counter_at_issue and early):
+            return self.engine.download(
+                pairs, priority, then=lambda: self._publish_landed(state, signals)
+            )
+        late = [s for s in signals if not board.is_handoff(s.counter)]
+
+        def issued(mark: IssueMark) -> None:
+            for sig in early:
+                board.write_ticket(sig.counter, sig.value, mark)
+            for sig in early:  # signal() fences: the tickets before the counters
+                self._signal(state, sig)
+            if after_issue is not None:
+                after_issue()
+
+        def landed() -> None:
+            for sig in early:
+                board.mark_landed(sig.counter, sig.value)
+            for sig in late:
+                self._signal(state, sig)
+
+        return self.engine.download(pairs, priority, then=landed, on_issue=issued)
+
+    def _publish_landed(self, state: JobState, signals: Sequence[EventSignal]) -> None:
+        """Store ``signals`` whose bytes are all in place: landed marks first, so a reader
+        that sees a counter sees its landed mark too."""
+        board = state.handoffs
+        for sig in signals:
+            if board.is_handoff(sig.counter):
+                board.mark_landed(sig.counter, sig.value)
         for sig in signals:
             self._signal(state, sig)
 
@@ -488,9 +555,31 @@ class WorkerCore:
         state.events.signal(sig.counter, sig.value)
 
     @staticmethod
-    def _published(state: JobState, signals: Sequence[EventSignal]) -> bool:
-        """Whether an earlier run already stored any of these (so all its writes are done)."""
-        return any(state.events.read(s.counter) >= s.value for s in signals)
+    def _landed(state: JobState, signals: Sequence[EventSignal]) -> bool:
+        """Whether an earlier run's bytes for these signals are all in place: it stored
+        a landed mark (act/dact) or a counter (the rest) of any of them."""
+        board = state.handoffs
+        return any(
+            board.landed(s.counter, s.value)
+            if board.is_handoff(s.counter)
+            else state.events.read(s.counter) >= s.value
+            for s in signals
+        )
+
+    def _verify_landed(self, state: JobState, handoffs: Sequence[Handoff]) -> None:
+        """Block until these inputs' copies have landed (normally long since)."""
+        job_id = state.setup.job_id
+        for handoff in handoffs:
+            try:
+                handoff.wait_landed(
+                    should_abort=lambda: self.should_abort() or job_id in self._interrupted
+                )
+            except InterruptedError as exc:
+                if job_id in self._interrupted:
+                    raise TaskInterrupted(
+                        f"job {job_id} was torn down while a task waited"
+                    ) from None
+                raise TaskAborted(str(exc)) from None
 
     def _fault_point(self, where: str, task: StageTask, mb: int | None = None) -> None:
         if self.fault is not None:
@@ -511,6 +600,11 @@ class _TaskCopies:
     def add(self, transfer: Transfer, *, up: bool) -> None:
         with self._lock:
             self._transfers.append((transfer, up))
+
+    def cancel(self) -> None:
+        for t, up in list(self._transfers):
+            if up:
+                t.cancel()
 
     def wait_all(self) -> None:
         for t, _ in list(self._transfers):
@@ -704,6 +798,9 @@ class _MicrobatchFeed:
         self._written: set[int] = set()
         self._uploads: dict[tuple[str, int], Upload] = {}
         self._saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Inputs that came through tickets, per microbatch, not yet seen landed (Note
+        # [dead producers and imported events] in roundpipe.shared.handoff).
+        self._handoffs: dict[int, list[Handoff]] = {}
 
     # -- in ---------------------------------------------------------------------------
 
@@ -712,8 +809,28 @@ class _MicrobatchFeed:
         if m not in self._ready:
             for wait in mb.waits:
                 self.core._wait(self.state, wait, self.task.wait_timeout_s)
-            self._ready.add(m)
+            self._became_ready(m)
         return mb
+
+    def _became_ready(self, m: int) -> None:
+        """Microbatch m's counters are met: note which inputs came through tickets."""
+        self._ready.add(m)
+        board = self.state.handoffs
+        found = []
+        for wait in self.task.microbatches[m].waits:
+            h = board.handoff(wait.counter, wait.at_least, self.task.wait_timeout_s)
+            if h is not None:
+                found.append(h)
+        if found:
+            self._handoffs[m] = found
+
+    def verify_inputs(self, upto: int | None = None) -> None:
+        """Before publishing anything computed from microbatches [0, upto] (all: None):
+        their inputs' copies must have landed, or the task fails (HandoffLost)."""
+        for m in sorted(self._handoffs):
+            if upto is not None and m > upto:
+                break
+            self.core._verify_landed(self.state, self._handoffs.pop(m))
 
     def _ready_now(self, m: int) -> bool:
         """Whether microbatch m's counters are all met already (no waiting)."""
@@ -722,25 +839,28 @@ class _MicrobatchFeed:
         events = self.state.events
         if all(events.read(w.counter) >= w.at_least for w in self.task.microbatches[m].waits):
             fence()  # Note [event-table fences]: the counters before the data
-            self._ready.add(m)
+            self._became_ready(m)
             return True
         return False
 
     def _upload(self, what: str, m: int) -> Upload:
         mb = self.task.microbatches[m]
+        # The link waits for the producers' copies of this microbatch's inputs, if they
+        # came at issue (Note [activation hand-off] in roundpipe.worker.transfer).
+        after = self._handoffs.get(m, ())
+        engine = self.core.engine
         if what == "router_in":
             views = {f"r{i}": self.state.view(r) for i, r in enumerate(mb.router_in)}
-            return self.core.engine.upload(views, Priority.ACTIVATION)
+            return engine.upload(views, Priority.ACTIVATION, after)
         ref = _PICK[what](mb)
         assert ref is not None, what
         view = self.state.view(ref)
         if what == "labels":
-            # Label positions are found on the host: the device never syncs for them.
+            # Label positions are found on the host: the device never syncs for them (the
+            # labels come from the coordinator, which writes before it signals).
             shifted, positions = tail_labels(view)
-            return self.core.engine.upload(
-                {"shifted": shifted, "positions": positions}, Priority.ACTIVATION
-            )
-        return self.core.engine.upload({"x": view}, Priority.ACTIVATION)
+            return engine.upload({"shifted": shifted, "positions": positions}, Priority.ACTIVATION)
+        return engine.upload({"x": view}, Priority.ACTIVATION, after)
 
     def fetch(self, what: str, m: int):
         if m not in self._faulted:
@@ -764,6 +884,8 @@ class _MicrobatchFeed:
             self.copies.add(ahead, up=True)
             self._uploads[(what, nxt)] = ahead
         waited = time.perf_counter()
+        if up.follows:
+            self._await_producers(up)
         tensors = up.tensors()
         self.core._waited_s += time.perf_counter() - waited
         if what == "labels":
@@ -774,6 +896,17 @@ class _MicrobatchFeed:
             parts = [tensors[f"r{i}"] for i in range(len(tensors))]
             return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
         return tensors["x"]
+
+    def _await_producers(self, up: Upload) -> None:
+        """Wait for an upload that follows other workers' copies, as for a counter: a
+        torn-down job or a lower-numbered task (the re-run of a dead producer's task,
+        which may be what this upload waits for) makes the task give up and yield."""
+        job_id = self.task.job_id
+        while not up.wait_landed(0.05):
+            if job_id in self.core._interrupted:
+                raise TaskInterrupted(f"job {job_id} was torn down while a task waited")
+            if self.core.should_abort():
+                raise TaskAborted(f"task {self.task.task_id} gave up waiting for a producer's copy")
 
     def inputs(self) -> _LazyInputs:
         return _LazyInputs(self, "input")
@@ -810,25 +943,25 @@ class _MicrobatchFeed:
 
     # -- out --------------------------------------------------------------------------
 
-    def _publish(self, m: int) -> None:
-        for sig in self.task.microbatches[m].signals:
-            self.core._signal(self.state, sig)
-
-    def _already_published(self, m: int) -> bool:
-        return self.core._published(self.state, self.task.microbatches[m].signals)
-
     def write_output(self, m: int, tensor: torch.Tensor) -> None:
         mb = self.task.microbatches[m]
         assert mb.output is not None
         self._written.add(m)
         saved = self._saved.pop(m, [])
-        if self._already_published(m):  # Note [no rewrite after signal]
-            self._publish(m)
+        self.verify_inputs(m)  # Note [dead producers and imported events], point a
+        if self.core._landed(self.state, mb.signals):  # Note [no rewrite after signal]
+            self.core._publish_landed(self.state, mb.signals)
             return
         # Saved inputs travel with the output: one copy, one completion, then the
         # microbatch's counters (its signals cover both).
         pairs = saved + [(tensor, self.state.view(mb.output))]
-        copy = self.core.engine.download(pairs, Priority.ACTIVATION, then=lambda: self._publish(m))
+        copy = self.core._download(
+            self.state,
+            pairs,
+            Priority.ACTIVATION,
+            mb.signals,
+            after_issue=lambda: self.core._fault_point("issued", self.task, mb.index),
+        )
         self.copies.add(copy, up=False)
         if not self.core.overlap:
             copy.wait()
@@ -846,4 +979,5 @@ class _MicrobatchFeed:
                 self.write_output(m, grad_inputs[m])
             else:
                 self._written.add(m)
-                self._publish(m)
+                self.verify_inputs(m)
+                self.core._publish_landed(self.state, mb.signals)

@@ -44,7 +44,32 @@ Note [counter after landing]
     On a GPU the callback runs after the copy's CUDA event completed; on the emulated
     link after the delayed copy was done. Within one priority a link completes copies in
     the order they were queued, so a callback also knows every earlier copy of its
-    priority has landed.
+    priority has landed. This holds for weight gradients and losses (the CPU coordinator
+    reads them) and on the ``cpu`` backend; activation hand-offs between workers on the
+    ``emulated`` and ``cuda`` backends follow Note [activation hand-off] instead.
+
+Note [activation hand-off]
+    The act and dact counters are stored when the copy is *issued*, not when it landed
+    (roundpipe.shared.handoff has the protocol and its safety rules): the download's
+    ``on_issue`` runs on the link thread right after the copy's last chunk was issued
+    (CUDA: after recording the next event of this process's interprocess ring on the
+    download stream) and writes the ticket, then the counter; ``then`` stores the
+    landed mark once the bytes are there. A consumer's upload of such an input carries
+    the hand-offs (``wait_for``) and its *link* waits for them, never its compute
+    thread: on CUDA ``cudaStreamWaitEvent`` of the activation-upload stream on the
+    producer's event (skipped if the landed mark is already there), then a copy whose
+    completion the link polls against the wait timeout; on the emulated bus the link
+    blocks until the landed mark arrives and only then takes the source bytes, so an
+    upload that skipped the wait (``_EmulatedLink.wait_for_producers = False``, a test
+    switch) copies the stale slot, and the tests see it.
+
+    Why a ring of 64 events is enough: a slot is re-recorded after 64 more hand-off
+    copies of the same process, and a d2h link keeps at most ``window`` (2) copies in
+    flight, so by then the slot's copy landed long ago and its landed mark is set; a
+    consumer checks the landed mark before touching the event and skips the event when
+    it is set. Only a consumer that read "not landed" and is then descheduled while the
+    producer lands 60 more copies could capture a later record of the same download
+    stream, which is still correct (the later copy completes after the earlier one).
 """
 
 from __future__ import annotations
@@ -52,6 +77,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import re
 import threading
 import time
@@ -61,6 +87,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
+
+from roundpipe.shared.handoff import Handoff, HandoffLost, IssueMark
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -132,6 +160,15 @@ class Transfer:
         """When the last chunk landed (host clock)."""
         self.link_s = 0.0
         """Seconds the link spent on this copy's chunks."""
+        self._unissued = chunks
+        self._on_issue: Callable[[object], None] | None = None
+        self.issued_at: float | None = None
+        """When the link had issued every chunk (and ran ``on_issue``)."""
+        self.handoff_wait_s = 0.0
+        """Seconds the link waited for producers' copies before this upload could start
+        (Note [activation hand-off])."""
+        self.cancelled = threading.Event()
+        """Set by ``cancel``: a link waiting for a producer's copy on its behalf gives up."""
         if chunks == 0:
             self.started_at = self.finished_at = self.queued_at
             self._done.set()
@@ -145,9 +182,15 @@ class Transfer:
         if self.error is not None:
             raise self.error
 
-    def wait_landed(self) -> None:
-        """Block until the copy is over, successful or not (never raises)."""
-        self._done.wait()
+    def wait_landed(self, timeout_s: float | None = None) -> bool:
+        """Block until the copy is over, successful or not (never raises); False if
+        ``timeout_s`` passed first."""
+        return self._done.wait(timeout_s)
+
+    def cancel(self) -> None:
+        """Stop waiting for producers' copies (the task gave up); the copy then fails
+        unless it already started. Harmless on a copy that waits for nothing."""
+        self.cancelled.set()
 
     def then(self, callback: Callable[[], None], *, always: bool = False) -> None:
         with self._lock:
@@ -158,6 +201,20 @@ class Transfer:
             callback()
 
     # -- link side ----------------------------------------------------------------
+
+    def _chunk_issued(self, context: object) -> None:
+        """A chunk is on its way (link thread); after the last one, ``on_issue`` runs."""
+        self._unissued -= 1
+        if self._unissued or self._on_issue is None:
+            return
+        callback, self._on_issue = self._on_issue, None
+        self.issued_at = time.perf_counter()
+        callback(context)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
 
     def _chunk_started(self, now: float) -> None:
         if self.started_at is None:
@@ -187,10 +244,19 @@ class Transfer:
 class Upload(Transfer):
     """An upload: ``tensors()`` gives the device tensors once they may be computed on."""
 
-    def __init__(self, engine: TransferEngine, dst: dict[str, torch.Tensor], chunks: int, nbytes):
+    def __init__(
+        self,
+        engine: TransferEngine,
+        dst: dict[str, torch.Tensor],
+        chunks: int,
+        nbytes,
+        follows: Sequence[Handoff] = (),
+    ):
         super().__init__(chunks, nbytes)
         self._engine = engine
         self._dst = dst
+        self.follows = tuple(follows)
+        """The producers' copies this upload waits for (Note [activation hand-off])."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The uploaded tensors, usable on the caller's (compute) stream."""
@@ -233,6 +299,8 @@ class _Chunk:
     transfer: Transfer = field(compare=False)
     after: Callable[[], None] | None = field(compare=False, default=None)
     """CUDA: makes the link's stream wait for the producer of ``src`` (compute)."""
+    handoffs: tuple = field(compare=False, default=())
+    """Producers' copies (roundpipe.shared.handoff.Handoff) this upload must follow."""
     queued_at: float = field(compare=False, default_factory=time.perf_counter)
     """When the chunk was put on its link (the emulated bus may start it from then)."""
 
@@ -256,13 +324,15 @@ class _Link(ABC):
         pieces: Iterable[tuple[torch.Tensor, torch.Tensor]],
         transfer,
         after=None,
+        handoffs: tuple = (),
     ) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"transfer link {self.name} is closed")
             for src, dst in pieces:
                 heapq.heappush(
-                    self._heap, _Chunk(priority, next(self._seq), src, dst, transfer, after)
+                    self._heap,
+                    _Chunk(priority, next(self._seq), src, dst, transfer, after, handoffs),
                 )
             self._cv.notify()
 
@@ -291,6 +361,11 @@ class _Link(ABC):
                     chunk.transfer._chunk_done(time.perf_counter() - started, exc)
                     continue
                 inflight.append((chunk, token, started))
+                try:
+                    chunk.transfer._chunk_issued(self._issue_context(chunk))
+                except BaseException as exc:  # noqa: BLE001 - fails the copy when it is over
+                    log.exception("a transfer's issue callback failed")
+                    chunk.transfer._fail(exc)
             # Issue up to ``window`` chunks ahead; finish the oldest when the window is
             # full or nothing else is queued.
             if inflight and (len(inflight) >= self.window or chunk is None):
@@ -304,6 +379,10 @@ class _Link(ABC):
 
     def _thread_setup(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def _issue_context(self, chunk: _Chunk) -> object:
+        """What a transfer's ``on_issue`` gets (CUDA: the stream its copy went on)."""
+        return None
 
     @abstractmethod
     def _issue(self, chunk: _Chunk) -> object:
@@ -336,29 +415,53 @@ class _EmulatedLink(_Link):
         self.bandwidth = bandwidth
         self.latency_s = latency_s
         self._free_at = 0.0  # perf_counter time the emulated bus becomes free
+        self.wait_for_producers = True
+        """Test switch: False makes uploads skip their hand-off waits (a broken consumer,
+        which the tests must catch)."""
         super().__init__(name, window=1)
 
     def _issue(self, chunk: _Chunk) -> object:
+        # Note [activation hand-off]: the model of cudaStreamWaitEvent. This link (not
+        # the compute thread) waits until the producers' copies have landed.
+        waited_until = 0.0
+        if chunk.handoffs and self.wait_for_producers:
+            started = time.perf_counter()
+            abort = chunk.transfer.cancelled.is_set
+            if any([h.wait_landed(should_abort=abort) for h in chunk.handoffs]):
+                waited_until = time.perf_counter()
+                chunk.transfer.handoff_wait_s += waited_until - started
         nbytes = chunk.src.numel() * chunk.src.element_size()
-        if nbytes:
-            start = max(self._free_at, chunk.queued_at)
-            self._free_at = start + self.latency_s + nbytes / self.bandwidth
-            taken = chunk.src.clone()
-            delay = self._free_at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            chunk.dst.copy_(taken)
-        return None
+        if not nbytes:
+            return None
+        start = max(self._free_at, chunk.queued_at, waited_until)
+        self._free_at = start + self.latency_s + nbytes / self.bandwidth
+        return chunk.src.clone(), self._free_at
 
     def _finish(self, chunk: _Chunk, token: object) -> None:
-        return None
+        if token is None:
+            return
+        taken, land_at = token  # type: ignore[misc]
+        delay = land_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        chunk.dst.copy_(taken)
+
+
+_DEAD_GRACE_S = 2.0
+"""How long a CUDA upload may still wait on a producer's event after the producer's
+process is seen gone without its landed mark (Note [dead producers and imported events])."""
 
 
 class _CudaLink(_Link):
     def __init__(
-        self, name: str, device: torch.device, streams: Mapping[int, object], window: int
+        self,
+        name: str,
+        engine: CudaEngine,
+        streams: Mapping[int, object],
+        window: int,
     ) -> None:
-        self.device = device
+        self.engine = engine
+        self.device = engine.device
         self.streams = streams
         super().__init__(name, window=window)
 
@@ -370,13 +473,48 @@ class _CudaLink(_Link):
         with torch.cuda.stream(stream):
             if chunk.after is not None:
                 chunk.after(stream)
+            for handoff in chunk.handoffs:  # Note [activation hand-off]
+                self.engine._wait_for_producer(handoff, stream, chunk.transfer.cancelled.is_set)
             chunk.dst.copy_(chunk.src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
 
+    def _issue_context(self, chunk: _Chunk) -> object:
+        return self.streams[chunk.priority]
+
     def _finish(self, chunk: _Chunk, token: object) -> None:
-        token.synchronize()  # type: ignore[attr-defined]
+        if not chunk.handoffs:
+            token.synchronize()  # type: ignore[attr-defined]
+            return
+        # The copy follows other processes' events: poll it with a deadline instead of
+        # blocking, so a producer that died cannot hang this thread unseen (Note [dead
+        # producers and imported events] in roundpipe.shared.handoff, point c).
+        timeout_s = max(h.timeout_s for h in chunk.handoffs)
+        deadline = time.perf_counter() + timeout_s
+        dead_since: float | None = None
+        pause = 20e-6
+        while not token.query():  # type: ignore[attr-defined]
+            now = time.perf_counter()
+            lost = [h for h in chunk.handoffs if not h.landed()]
+            if dead_since is None and any(not h.producer_alive() for h in lost):
+                dead_since = now
+            if now > deadline or (dead_since is not None and now - dead_since > _DEAD_GRACE_S):
+                why = (
+                    f"{len(lost)} of its producers' copies never landed (landed mark missing"
+                    + (", producer process gone)" if dead_since is not None else ")")
+                    if lost
+                    else "its producers' landed marks came but the stream never moved"
+                )
+                self.engine.broken = (
+                    "an activation upload's stream waits on another process's CUDA event "
+                    f"that did not fire ({why}). This worker's stream can no longer be "
+                    "trusted; it exits so its CUDA context is torn down (the coordinator "
+                    "re-runs its tasks)"
+                )
+                raise HandoffLost(self.engine.broken)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
 
 # --------------------------------------------------------------------------- engines
@@ -401,8 +539,16 @@ class TransferEngine(ABC):
 
     kind: str = "abstract"
 
+    counter_at_issue = False
+    """Whether activation hand-offs store their counter when the copy is issued, with a
+    ticket, and a landed mark later (Note [activation hand-off]); otherwise counters are
+    stored once the copy has landed."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.broken: str | None = None
+        """Why this engine's streams cannot be trusted any more (the worker must exit),
+        or None. Note [dead producers and imported events] in roundpipe.shared.handoff."""
 
     # -- arenas -----------------------------------------------------------------------
 
@@ -415,8 +561,16 @@ class TransferEngine(ABC):
     # -- copies -----------------------------------------------------------------------
 
     @abstractmethod
-    def upload(self, tensors: Mapping[str, torch.Tensor], priority: Priority) -> Upload:
-        """Start copying host tensors to the device; the handle gives the device tensors."""
+    def upload(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        priority: Priority,
+        wait_for: Sequence[Handoff] = (),
+    ) -> Upload:
+        """Start copying host tensors to the device; the handle gives the device tensors.
+
+        ``wait_for``: producers' copies (announced at issue) the copy must follow; the
+        link waits for them, never the caller. Note [activation hand-off]."""
 
     @abstractmethod
     def download(
@@ -424,11 +578,14 @@ class TransferEngine(ABC):
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         priority: Priority,
         then: Callable[[], None] | None = None,
+        on_issue: Callable[[IssueMark], None] | None = None,
     ) -> Transfer:
         """Start copying (device tensor, host view) pairs; ``then`` runs once all landed.
 
-        The device tensors must not be written again by the caller. Note [counter after
-        landing]."""
+        ``on_issue`` runs once the copy is issued and its completion event recorded
+        (before it landed): where a hand-off's ticket and counter are stored. The device
+        tensors must not be written again by the caller. Note [counter after landing],
+        Note [activation hand-off]."""
 
     def stopwatch(self) -> Stopwatch:
         return Stopwatch()
@@ -456,13 +613,19 @@ class CpuEngine(TransferEngine):
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
 
-    def upload(self, tensors, priority):
+    def upload(self, tensors, priority, wait_for=()):
+        # The "upload" is the arena view itself: a producer's copy it follows must have
+        # landed before the caller computes on it (only a job mixing backends gets here).
+        for handoff in wait_for:
+            handoff.wait_landed()
         return Upload(self, dict(tensors), 0, 0)
 
-    def download(self, pairs, priority, then=None):
+    def download(self, pairs, priority, then=None, on_issue=None):
         for src, dst in pairs:
             dst.copy_(src)
         t = Transfer(0, 0)
+        if on_issue is not None:
+            on_issue(IssueMark(os.getpid()))
         if then is not None:
             then()
         return t
@@ -471,11 +634,13 @@ class CpuEngine(TransferEngine):
 class _LinkedEngine(TransferEngine):
     """Shared by the emulated and CUDA engines: two links, chunked weight copies."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int, counter_at_issue: bool) -> None:
         super().__init__(device)
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self.counter_at_issue = counter_at_issue
+        self.pid = os.getpid()
         self.h2d: _Link
         self.d2h: _Link
 
@@ -491,24 +656,34 @@ class _LinkedEngine(TransferEngine):
                 out.append((src, dst))
         return out
 
-    def upload(self, tensors, priority):
+    def upload(self, tensors, priority, wait_for=()):
         dst = {name: self._alloc(t) for name, t in tensors.items()}
         pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
-        up = Upload(self, dst, len(pieces), sum(_nbytes(t) for t in tensors.values()))
+        nbytes = sum(_nbytes(t) for t in tensors.values())
+        up = Upload(self, dst, len(pieces), nbytes, wait_for if pieces else ())
         if pieces:
-            self.h2d.put(priority, pieces, up, self._after_host())
+            self.h2d.put(priority, pieces, up, self._after_host(), tuple(wait_for))
         return up
 
-    def download(self, pairs, priority, then=None):
+    def download(self, pairs, priority, then=None, on_issue=None):
         pieces = self._pieces(pairs, priority)
         t = Transfer(len(pieces), sum(_nbytes(s) for s, _ in pairs))
         keep = [s for s, _ in pairs]  # the device tensors live until their copy landed
         t.then(keep.clear, always=True)
+        if on_issue is not None:
+            if pieces:
+                t._on_issue = self._issue_callback(on_issue)
+            else:
+                on_issue(IssueMark(self.pid))
         if then is not None:
             t.then(then)
         if pieces:
             self.d2h.put(priority, pieces, t, self._after_compute())
         return t
+
+    def _issue_callback(self, on_issue: Callable[[IssueMark], None]) -> Callable[[object], None]:
+        """``on_issue`` as the link calls it, with the issue context (CUDA: a stream)."""
+        return lambda _context: on_issue(IssueMark(self.pid))
 
     def _after_host(self):
         return None
@@ -532,12 +707,13 @@ class EmulatedEngine(_LinkedEngine):
         latency_s: float = 10e-6,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        counter_at_issue: bool = True,
     ) -> None:
         if not bandwidth_bytes_per_s > 0:
             raise ValueError(f"emulated bandwidth must be positive, got {bandwidth_bytes_per_s}")
         if latency_s < 0:
             raise ValueError(f"emulated latency must be >= 0, got {latency_s}")
-        super().__init__(torch.device("cpu"), chunk_bytes)
+        super().__init__(torch.device("cpu"), chunk_bytes, counter_at_issue)
         self.bandwidth = float(bandwidth_bytes_per_s)
         self.latency_s = latency_s
         self.h2d = _EmulatedLink("rp-h2d-emulated", self.bandwidth, latency_s)
@@ -559,10 +735,17 @@ class CudaEngine(_LinkedEngine):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         window: int = 2,
         memory_limit_bytes: int | None = None,
+        counter_at_issue: bool = True,
+        ring_size: int = 64,
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CudaEngine needs a cuda device, got {device}")
-        super().__init__(device, chunk_bytes)
+        super().__init__(device, chunk_bytes, counter_at_issue)
+        self.ring_size = ring_size
+        self._ring = None  # this process's interprocess events, made at the first hand-off
+        self._own: dict[bytes, object] = {}  # IPC handle -> this process's ring event
+        self._imported: dict[bytes, object] = {}  # IPC handle -> another process's event
+        self._ring_lock = threading.Lock()
         self.memory_limit_bytes = memory_limit_bytes
         with torch.cuda.device(device):
             lo, hi = torch.cuda.Stream.priority_range()  # (lowest, highest) numerically
@@ -571,11 +754,11 @@ class CudaEngine(_LinkedEngine):
             self.down = torch.cuda.Stream(device)
         self.h2d = _CudaLink(
             "rp-h2d",
-            device,
+            self,
             {Priority.ACTIVATION: self.activation_up, Priority.WEIGHT: self.weight_up},
             window,
         )
-        self.d2h = _CudaLink("rp-d2h", device, {p: self.down for p in Priority}, window)
+        self.d2h = _CudaLink("rp-d2h", self, {p: self.down for p in Priority}, window)
         self._pinned: set[int] = set()  # id() of the arenas this engine registered
 
     def register(self, arenas):
@@ -592,6 +775,61 @@ class CudaEngine(_LinkedEngine):
             if id(arena) in self._pinned:
                 self._pinned.discard(id(arena))
                 unpin_arena(arena)
+
+    # -- activation hand-offs (Note [activation hand-off]) ------------------------------
+
+    def _ring_events(self):
+        from roundpipe.shared.cuda import CudaEventRing
+
+        with self._ring_lock:
+            if self._ring is None:
+                self._ring = CudaEventRing(self.device, self.ring_size)
+                for event, handle in zip(self._ring.events, self._ring.handles):
+                    self._own[bytes(handle)] = event  # a handle cannot be opened by its exporter
+            return self._ring
+
+    def _issue_callback(self, on_issue):
+        def issued(stream) -> None:
+            # On the d2h link, right after the copy's last chunk went on ``stream``: the
+            # ring event recorded here completes when the copy has landed.
+            ring = self._ring_events()
+            slot = ring.record(stream)
+            on_issue(IssueMark(self.pid, ring.records, bytes(ring.handles[slot])))
+
+        return issued
+
+    def _wait_for_producer(self, handoff, stream, abort: Callable[[], bool]) -> None:
+        """Make ``stream`` wait (on the device) for the producer's copy: its ring event,
+        opened once per handle. Falls back to a host wait for the landed mark (this link
+        thread) when the ticket carries no usable event."""
+        if handoff.landed():
+            return  # long landed: nothing to wait for, no foreign event touched
+        ticket = handoff.ticket
+        usable = ticket.handle and (ticket.pid != self.pid or ticket.handle in self._own)
+        # (Another engine of this process: its handles cannot be opened here; tests only.)
+        event = self._event_for(ticket.handle) if usable else None
+        if event is None:
+            handoff.wait_landed(should_abort=abort)  # host fallback, bounded by the timeout
+            return
+        event.wait(stream)
+
+    def _event_for(self, handle: bytes):
+        from roundpipe.shared.cuda import open_ipc_event
+
+        event = self._own.get(handle)
+        if event is None:
+            event = self._imported.get(handle)
+        if event is not None:
+            return event
+        try:
+            event = open_ipc_event(self.device, handle)
+        except Exception as exc:  # noqa: BLE001 - a torn or stale handle: wait on the host
+            log.warning("cannot open a producer's CUDA event (%s); waiting on the host", exc)
+            return None
+        if len(self._imported) >= 4096:  # producers that restarted many times: forget old
+            self._imported.pop(next(iter(self._imported)))
+        self._imported[handle] = event
+        return event
 
     def _after_compute(self):
         # A download reads what the compute stream produced: the download stream waits
