@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from roundpipe.coordinator.checkpoint import CheckpointDir
 from roundpipe.coordinator.job_events import progress_page
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
@@ -185,6 +186,8 @@ class JobBook:
         for stored in self.store.all():
             job = self._record_from_store(stored)
             if job.state == "queued":
+                if job.job_id in interrupted:
+                    self._catch_up_checkpoint(job)
                 # It resumes from its newest checkpoint: show that step until it runs
                 # (the stored step may be later, from a shutdown between checkpoints).
                 job.step = job.checkpoint_step or 0
@@ -202,6 +205,28 @@ class JobBook:
                 len(self.queue),
                 len(interrupted),
             )
+
+    def _catch_up_checkpoint(self, job: JobRecord) -> None:
+        """A crash can fall between a checkpoint's completion on disk and its step
+        reaching the store: take the newest of this job's complete checkpoints (their
+        manifests only; the trainer verifies the files when it resumes), so that the
+        status and message name the step the job really resumes from."""
+        if not job.output_dir:
+            return
+        try:
+            found = CheckpointDir(Path(job.output_dir) / "checkpoints").complete(job.job_id)
+        except OSError as exc:
+            log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
+            return
+        newest = found[-1].step if found else None
+        if newest is None or newest <= (job.checkpoint_step or 0):
+            return
+        job.checkpoint_step = newest
+        job.message = f"interrupted by a coordinator restart; resumes from checkpoint step {newest}"
+        try:
+            self.store.update(job.job_id, checkpoint_step=newest, message=job.message)
+        except JobStoreError as exc:
+            log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
 
     def _record_from_store(self, stored: StoredJob) -> JobRecord:
         spec, message = None, stored.message

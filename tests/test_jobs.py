@@ -3,12 +3,14 @@ job store on disk."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
 from runtime_helpers import tiny_spec
 
+from roundpipe.coordinator.checkpoint import FORMAT, FORMAT_VERSION, MANIFEST, step_name
 from roundpipe.coordinator.jobs import BadState, JobBook, outcome
 from roundpipe.coordinator.jobstore import JobStore
 from roundpipe.coordinator.paths import PathPolicy
@@ -96,3 +98,30 @@ def test_outcome_of_a_run(tmp_path: Path) -> None:
     # ... unless its owner had asked to cancel it.
     job.cancel_requested = True
     assert outcome(job, JobCancelled("c"), stopping=True)[0] == "cancelled"
+
+
+def _manifest(out: Path, step: int, job_id: str) -> None:
+    """A checkpoint's manifest as the trainer writes it last (files are not looked at)."""
+    d = out / "checkpoints" / step_name(step)
+    d.mkdir(parents=True)
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "job_id": job_id}
+    (d / MANIFEST).write_text(json.dumps({**manifest, "files": {}}))
+
+
+def test_restart_after_a_checkpoint_the_store_missed_shows_its_step(tmp_path: Path) -> None:
+    """A crash between a checkpoint's completion on disk and the store's update: after the
+    restart the job says it resumes from that checkpoint (it said step 0)."""
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    assert book.take_next(threading.Event()) is a
+    book.record_checkpoint(a, 2, 5.5)
+    _manifest(tmp_path / "a", 2, a.job_id)
+    _manifest(tmp_path / "a", 4, a.job_id)  # on disk, never recorded: the crash
+    _manifest(tmp_path / "a", 6, "job-of-someone-else")
+
+    again = book_in(tmp_path / "state")  # the coordinator restarts
+    job = again.jobs[a.job_id]
+    assert job.state == "queued" and job.checkpoint_step == 4
+    assert job.status().step == 4
+    assert job.message == "interrupted by a coordinator restart; resumes from checkpoint step 4"
+    assert book_in(tmp_path / "state").jobs[a.job_id].checkpoint_step == 4  # stored too
