@@ -258,3 +258,22 @@ def test_overlap_benchmark_smoke() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT overlap_efficiency=") and "speedup=" in last
+
+
+def test_issue_is_seen_before_landing_and_a_failed_copy_counts_as_issued() -> None:
+    """Note [compute waits on the device]: a CUDA compute thread waits only until every
+    chunk is issued (``wait_issued``); the host engines wait for landing (``wait_usable``).
+    A copy that fails must still wake whoever waits for its issue."""
+    e = EmulatedEngine(1e9, latency_s=1.0, chunk_bytes=MB)  # lands 1 s after issue
+    try:
+        up = e.upload({"x": torch.ones(10)}, Priority.ACTIVATION)
+        assert up.wait_issued(10)
+        assert not up.done() and up.issued_at is not None
+        assert e.wait_usable(up, 0.01) is False  # the host engine waits for the bytes
+        assert e.wait_usable(up, 10) and up.done()
+        bad = e.download([(torch.ones(10), torch.zeros(11))], Priority.ACTIVATION)
+        assert bad.wait_issued(10)
+        with pytest.raises(RuntimeError):
+            bad.wait(10)
+    finally:
+        e.close()

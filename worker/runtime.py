@@ -902,7 +902,7 @@ class _MicrobatchFeed:
         torn-down job or a lower-numbered task (the re-run of a dead producer's task,
         which may be what this upload waits for) makes the task give up and yield."""
         job_id = self.task.job_id
-        while not up.wait_landed(0.05):
+        while not self.core.engine.wait_usable(up, 0.05):
             if job_id in self.core._interrupted:
                 raise TaskInterrupted(f"job {job_id} was torn down while a task waited")
             if self.core.should_abort():

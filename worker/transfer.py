@@ -70,6 +70,20 @@ Note [activation hand-off]
     it is set. Only a consumer that read "not landed" and is then descheduled while the
     producer lands 60 more copies could capture a later record of the same download
     stream, which is still correct (the later copy completes after the earlier one).
+
+Note [compute waits on the device]
+    On CUDA the compute thread does not wait for an upload to land: ``tensors()`` waits
+    only until the link has *issued* every chunk, then makes the compute stream wait on
+    the event recorded after the last chunk (one transfer's chunks all go on one stream,
+    in order, so that event covers them all). The host thread goes on enqueueing kernels;
+    the device orders them after the copy. For an activation that follows a producer's
+    copy (Note [activation hand-off]) the chain is device-only: producer's copy, its
+    interprocess event, this worker's upload stream, its event, the compute stream.
+    The host engines (``cpu``, ``emulated``) have no device queue, so there the compute
+    thread waits for the landing itself (``TransferEngine.wait_usable``). An error the
+    link finds after issue (a failed copy, a producer that died: Note [dead producers and
+    imported events]) fails the task when its copies are collected; a stream stuck on a
+    dead producer's event makes the worker exit (its context goes with it).
 """
 
 from __future__ import annotations
@@ -169,8 +183,13 @@ class Transfer:
         (Note [activation hand-off])."""
         self.cancelled = threading.Event()
         """Set by ``cancel``: a link waiting for a producer's copy on its behalf gives up."""
+        self._issued = threading.Event()  # every chunk issued, or the copy is over
+        self.last_token: object | None = None
+        """What the link returned for the last chunk it issued (CUDA: the event recorded
+        after it on the copy's stream; it covers the earlier chunks, same stream)."""
         if chunks == 0:
             self.started_at = self.finished_at = self.queued_at
+            self._issued.set()
             self._done.set()
 
     def done(self) -> bool:
@@ -186,6 +205,10 @@ class Transfer:
         """Block until the copy is over, successful or not (never raises); False if
         ``timeout_s`` passed first."""
         return self._done.wait(timeout_s)
+
+    def wait_issued(self, timeout_s: float | None = None) -> bool:
+        """Block until every chunk is issued (or the copy is over); False on timeout."""
+        return self._issued.wait(timeout_s)
 
     def cancel(self) -> None:
         """Stop waiting for producers' copies (the task gave up); the copy then fails
@@ -205,11 +228,15 @@ class Transfer:
     def _chunk_issued(self, context: object) -> None:
         """A chunk is on its way (link thread); after the last one, ``on_issue`` runs."""
         self._unissued -= 1
-        if self._unissued or self._on_issue is None:
+        if self._unissued:
             return
-        callback, self._on_issue = self._on_issue, None
         self.issued_at = time.perf_counter()
-        callback(context)
+        try:
+            if self._on_issue is not None:
+                callback, self._on_issue = self._on_issue, None
+                callback(context)
+        finally:
+            self._issued.set()
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -238,6 +265,7 @@ class Transfer:
                 cb()
             except Exception:  # a callback's failure must not kill the link
                 log.exception("transfer completion callback failed")
+        self._issued.set()  # a chunk that failed to issue never set it
         self._done.set()
 
 
@@ -361,6 +389,7 @@ class _Link(ABC):
                     chunk.transfer._chunk_done(time.perf_counter() - started, exc)
                     continue
                 inflight.append((chunk, token, started))
+                chunk.transfer.last_token = token
                 try:
                     chunk.transfer._chunk_issued(self._issue_context(chunk))
                 except BaseException as exc:  # noqa: BLE001 - fails the copy when it is over
@@ -601,6 +630,13 @@ class TransferEngine(ABC):
     def close(self) -> None:  # noqa: B027
         pass
 
+    def wait_usable(self, upload: Upload, timeout_s: float | None = None) -> bool:
+        """Block until ``tensors()`` of ``upload`` would not block for long: it landed
+        (host-side engines) or, on CUDA, every chunk is issued, since the compute stream
+        then waits for it on the device (Note [compute waits on the device]). False if
+        ``timeout_s`` passed first."""
+        return upload.wait_landed(timeout_s)
+
     def _ready_for_compute(self, upload: Upload) -> None:
         upload.wait()
 
@@ -838,12 +874,20 @@ class CudaEngine(_LinkedEngine):
         event.record(torch.cuda.current_stream(self.device))
         return lambda stream: stream.wait_event(event)
 
+    def wait_usable(self, upload: Upload, timeout_s: float | None = None) -> bool:
+        return upload.wait_issued(timeout_s)
+
     def _ready_for_compute(self, upload: Upload) -> None:
-        # Uploads are complete on the host side once the link saw their events finish;
-        # the compute stream may use them at once. record_stream keeps the allocator from
-        # handing their blocks to another stream while the compute stream still reads.
-        upload.wait()
+        # Note [compute waits on the device]. record_stream keeps the allocator from
+        # handing the blocks to another stream while the compute stream still reads.
+        upload.wait_issued()
         stream = torch.cuda.current_stream(self.device)
+        if upload.done() or upload.last_token is None:
+            upload.wait()  # over already (or nothing was issued): its error, if any
+        else:
+            if upload.error is not None:  # an issue callback failed
+                raise upload.error
+            stream.wait_event(upload.last_token)  # type: ignore[arg-type]
         for t in upload._dst.values():
             t.record_stream(stream)
 
