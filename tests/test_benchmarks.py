@@ -107,6 +107,22 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
+def test_sync_mode_benchmark_runtime_runs_a_forced_plan() -> None:
+    """The runtime part with ``--plan``: the forced plan reaches the jobs (``train.plan``),
+    both settings run, and the table has its row (a few steps; no timing asserted)."""
+    edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
+    stdout = _run_benchmark(
+        "sync_mode.py",
+        *("--steps", "3", "--warmup", "1", "--repeats", "1", "--no-clip-runs", "--plan", edge),
+        timeout_s=600,
+    )
+    for staleness in (0, 1):
+        assert f"# runtime, {edge}, staleness {staleness}, run 0: plan {edge}," in stdout, stdout
+    assert re.search(rf"^runtime, {re.escape(edge)} +\d+ +\d+ +\d+\.\d\d$", stdout, re.M)
+    assert re.fullmatch(r"RESULT sync_vs_async=\d+\.\d\d", stdout.splitlines()[-1])
+
+
 def test_sync_mode_benchmark_rejects_a_plan_that_does_not_fit_the_demo() -> None:
     result = subprocess.run(
         [
