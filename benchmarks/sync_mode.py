@@ -10,7 +10,9 @@ tokens), 2 CPU workers of one thread each:
   simulator  the planner's plan for the job, simulated at staleness 0 and 1 with the
              planner's cost model (roundpipe.coordinator.planning.simulator); and the
              best plan for each staleness over every partition of the layers (the
-             planner's candidate search skips most of them), and any ``--plan``
+             planner's candidate search skips most of them), and any ``--plan``; and
+             a what-if the runtime cannot run: stages split by microbatch over both
+             workers (Note [microbatch-split stages] in that module)
   runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
              at the median step after the warm-up, mean of ``--repeats`` interleaved
              runs (with their spread and the ratio of each interleaved pair);
@@ -32,6 +34,7 @@ import itertools
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from common import run_runtime
@@ -40,6 +43,7 @@ from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
+from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -116,8 +120,8 @@ def simulate(
             plan, costs, hw, m, staleness=staleness, tokens_per_iteration=tokens
         ).predicted_iteration_s
 
+    best: dict[int, float] = {}
     if len(costs) <= EXHAUSTIVE_MAX_LAYERS:
-        best = {}
         for staleness in (0, 1):
             s, plan = min(
                 ((step_s(p, staleness), p) for p in every_plan(len(costs))),
@@ -131,7 +135,51 @@ def simulate(
         rows.append(("simulator, every plan", best[0], best[1]))
     for plan in forced:
         rows.append((f"simulator, {plan}", tokens / step_s(plan, 0), tokens / step_s(plan, 1)))
+    if len(costs) == 6 and m == 3:  # the demo's shape
+        split = {}
+        for staleness in (0, 1):
+            split[staleness] = tokens / what_if_split_s(
+                evaluate_plan(Plan.parse(WHAT_IF_PLAN), costs, hw, m).sim_stages,
+                num_workers,
+                m,
+                staleness,
+            )
+        print(
+            f"# simulator, what-if (the runtime cannot run it): {WHAT_IF_PLAN} with the "
+            "forward as tasks over microbatches {0} and {1, 2} and the backward over "
+            "{0, 1} and {2} (Note [microbatch-split stages]): staleness 0 at "
+            f"{split[0] / max(planned[1], best.get(1, 0.0)):.2f} of the best staleness-1 plan"
+        )
+        rows.append(("simulator, what-if split", split[0], split[1]))
     return rows
+
+
+# Note [microbatch-split stages] in roundpipe.coordinator.planning.simulator: the best
+# the demo reaches in the simulator when a stage's microbatches may run as two tasks.
+WHAT_IF_PLAN = "F[0:4] T[4:6] B[0:4]"
+
+
+def what_if_split_s(
+    stages: Sequence[SimStage], num_workers: int, num_microbatches: int, staleness: int
+) -> float:
+    """Seconds per step of ``stages`` (F, T, B) with the forward split {0} / the rest and
+    the backward split all but the last microbatch / the last."""
+    f, t, b = stages
+    mbs = tuple(range(num_microbatches))
+    split = [
+        replace(f, microbatches=mbs[:1], label="Fa"),
+        replace(f, microbatches=mbs[1:], label="Fb"),
+        t,
+        replace(b, microbatches=mbs[:-1], label="Ba"),
+        replace(b, microbatches=mbs[-1:], label="Bb"),
+    ]
+    return simulate_roundpipe(
+        split,
+        num_workers=num_workers,
+        num_microbatches=num_microbatches,
+        iterations=8,
+        staleness=staleness,
+    ).iteration_s
 
 
 def main() -> None:

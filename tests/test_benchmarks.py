@@ -102,7 +102,13 @@ def test_sync_mode_benchmark_simulator_part() -> None:
     for minutes, is for the docs' figures)."""
     edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
     stdout = _run_benchmark("sync_mode.py", "--no-runtime", "--plan", edge)
-    for label in ("simulator", "simulator, every plan", f"simulator, {edge}"):
+    labels = (
+        "simulator",
+        "simulator, every plan",
+        f"simulator, {edge}",
+        "simulator, what-if split",
+    )
+    for label in labels:
         assert re.search(rf"^{re.escape(label)} +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
 
