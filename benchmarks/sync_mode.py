@@ -51,7 +51,8 @@ from roundpipe.shared.plan import Plan
 DEMO_JOB = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data" / "demo_job.yaml"
 
 
-# Every partition of a model of up to this many layers is simulated (4^(layers-2) plans).
+# Every partition of a model of up to this many layers is simulated (about 4^(layers-2)
+# plans: 341 for the demo's 6).
 EXHAUSTIVE_MAX_LAYERS = 8
 
 
@@ -88,9 +89,8 @@ def simulate(
     spec: JobSpec, num_workers: int, plans: Sequence[str]
 ) -> list[tuple[str, float, float, float]]:
     """Rows (label, staleness-0 tokens/s, staleness-1 tokens/s, their ratio) the simulator
-    predicts:
-    the planner's plan for each staleness, the best plan for each over every partition,
-    and each of ``plans``."""
+    predicts: the planner's plan for each staleness, the best plan for each over every
+    partition, each of ``plans``, and (the demo's shape) the microbatch-split what-if."""
     from roundpipe.coordinator.jobspec import model_config_from_spec
 
     model = LayeredModel(model_config_from_spec(spec.model))
@@ -158,7 +158,8 @@ def simulate(
 
 
 # Note [microbatch-split stages] in roundpipe.coordinator.planning.simulator: the best
-# the demo reaches in the simulator when a stage's microbatches may run as two tasks.
+# split found for the demo with round-robin workers (searched over plans of up to 6 tasks,
+# each stage whole or split in two by microbatch), for the staleness-0 what-if row.
 WHAT_IF_PLAN = "F[0:4] T[4:6] B[0:4]"
 
 
