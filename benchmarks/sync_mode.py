@@ -158,8 +158,9 @@ def simulate(
 
 
 # Note [microbatch-split stages] in roundpipe.coordinator.planning.simulator: the best
-# split found for the demo with round-robin workers (searched over plans of up to 6 tasks,
-# each stage whole or split in two by microbatch), for the staleness-0 what-if row.
+# split found for the demo with round-robin workers (searched over plans of up to 6
+# stages, each whole or split in two by microbatch: gradient stages only as all but the
+# last microbatch / the last), for the staleness-0 what-if row.
 WHAT_IF_PLAN = "F[0:4] T[4:6] B[0:4]"
 
 
