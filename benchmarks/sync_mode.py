@@ -8,24 +8,34 @@ iteration k's backward. Measured side by side for the demo-sized model (the
 tokens), 2 CPU workers of one thread each:
 
   simulator  the planner's plan for the job, simulated at staleness 0 and 1 with the
-             planner's cost model (roundpipe.coordinator.planning.simulator)
+             planner's cost model (roundpipe.coordinator.planning.simulator); and the
+             best plan for each staleness over every partition of the layers (the
+             planner's candidate search skips most of them), and any ``--plan``; and
+             a what-if the runtime cannot run: stages split by microbatch over both
+             workers (Note [microbatch-split stages] in that module)
   runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
-             over the steps after the warm-up, mean of ``--repeats`` interleaved runs;
+             at the median step after the warm-up, mean of ``--repeats`` interleaved
+             runs (with their spread and the ratio of each interleaved pair);
              with the demo's global-norm clipping (which makes the optimizer wait for
-             the whole step) and without
+             the whole step) and without; and each ``--plan`` forced on both settings
+             (``train.plan``), e.g. edge stages ``'F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]'``
 
 Prints a table and last ``RESULT sync_vs_async=<staleness-0 tokens/s / staleness-1
-tokens/s>`` for the runtime without clipping (the plain synchronous case).
+tokens/s>`` for the runtime without clipping (the plain synchronous case): the median of
+the interleaved pairs' ratios (with ``--no-runtime``: the simulator's).
 
 Usage: python benchmarks/sync_mode.py [--steps 24] [--warmup 4] [--repeats 2]
-       [--no-clip-runs] [--no-runtime]
+       [--no-clip-runs] [--no-runtime] [--plan PLAN ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from common import run_runtime
@@ -33,22 +43,54 @@ from common import run_runtime
 from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
-from roundpipe.coordinator.planning.search import plan_stages
+from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
+from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
 from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
 
 DEMO_JOB = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data" / "demo_job.yaml"
 
 
-def demo_spec(staleness: int, grad_clip: float | None, steps: int, out: Path) -> JobSpec:
+# Every partition of a model of up to this many layers is simulated (about 4^(layers-2)
+# plans: 341 for the demo's 6).
+EXHAUSTIVE_MAX_LAYERS = 8
+
+
+def demo_spec(
+    staleness: int, grad_clip: float | None, steps: int, out: Path, plan: str | None = None
+) -> JobSpec:
     d = load_job_spec(DEMO_JOB).to_dict()
     d["train"].update(steps=steps, staleness=staleness)
+    # A short run (the tests' smoke run) must stay valid: no more lr warm-up than steps.
+    d["optimizer"]["warmup_steps"] = min(d["optimizer"]["warmup_steps"], steps)
+    if plan is not None:
+        d["train"]["plan"] = plan
     d["optimizer"]["grad_clip"] = grad_clip
     d["output"] = {"dir": str(out), "checkpoint_every": 0, "keep_last": 1}
     return JobSpec.from_dict(d)
 
 
-def simulate(spec: JobSpec, num_workers: int) -> dict[int, float]:
-    """Predicted tokens/s at staleness 0 and 1, each with the planner's plan for it."""
+def partitions(stop: int) -> Iterator[list[tuple[int, int]]]:
+    """Every cut of [0, stop) into contiguous ascending ranges."""
+    for cuts in itertools.product((False, True), repeat=stop - 1):
+        bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [stop]
+        yield [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def every_plan(num_layers: int) -> Iterator[Plan]:
+    """Every plan of ``num_layers`` layers: tail length, forward and backward cuts."""
+    for t in range(1, num_layers):
+        for forward in partitions(t):
+            for backward in partitions(t):
+                yield Plan(forward=forward, tail=(t, num_layers), backward=backward[::-1])
+
+
+def simulate(
+    spec: JobSpec, num_workers: int, plans: Sequence[str]
+) -> list[tuple[str, float, float, float]]:
+    """Rows (label, staleness-0 tokens/s, staleness-1 tokens/s, their ratio) the simulator
+    predicts: the planner's plan for each staleness, the best plan for each over every
+    partition, each of ``plans``, and (the demo's shape) the microbatch-split what-if."""
     from roundpipe.coordinator.jobspec import model_config_from_spec
 
     model = LayeredModel(model_config_from_spec(spec.model))
@@ -60,22 +102,89 @@ def simulate(spec: JobSpec, num_workers: int) -> dict[int, float]:
         compute_dtype=spec.train.dtype,
         flops_per_s=hw.flops_per_s,
     )
+    forced = [Plan.parse(text) for text in plans]
+    for plan in forced:
+        plan.validate(len(costs))
+    m = spec.batch.num_microbatches
     tokens = spec.global_batch_size * spec.data.seq_len
-    out = {}
+    planned = {}
     for staleness in (0, 1):
-        result = plan_stages(
-            costs,
-            hw,
-            spec.batch.num_microbatches,
-            staleness=staleness,
-            tokens_per_iteration=tokens,
-        )
-        out[staleness] = tokens / result.predicted_iteration_s
+        result = plan_stages(costs, hw, m, staleness=staleness, tokens_per_iteration=tokens)
+        planned[staleness] = tokens / result.predicted_iteration_s
         print(
-            f"# simulator, staleness {staleness}: plan {result.plan}, "
+            f"# simulator, staleness {staleness}: planner's plan {result.plan}, "
             f"{result.predicted_iteration_s * 1e3:.1f} ms per step"
         )
-    return out
+    rows = [("simulator", planned[0], planned[1], planned[0] / planned[1])]
+
+    def step_s(plan: Plan, staleness: int) -> float:
+        return evaluate_plan(
+            plan, costs, hw, m, staleness=staleness, tokens_per_iteration=tokens
+        ).predicted_iteration_s
+
+    best: dict[int, float] = {}
+    if len(costs) <= EXHAUSTIVE_MAX_LAYERS:
+        for staleness in (0, 1):
+            s, plan = min(
+                ((step_s(p, staleness), p) for p in every_plan(len(costs))),
+                key=lambda r: (round(r[0], 4), len(r[1].stages())),
+            )
+            best[staleness] = tokens / s
+            print(
+                f"# simulator, staleness {staleness}: best of every plan {plan}, "
+                f"{s * 1e3:.1f} ms per step"
+            )
+        rows.append(("simulator, every plan", best[0], best[1], best[0] / best[1]))
+    for plan in forced:
+        s0, s1 = tokens / step_s(plan, 0), tokens / step_s(plan, 1)
+        rows.append((f"simulator, {plan}", s0, s1, s0 / s1))
+    if len(costs) == 6 and m == 3:  # the demo's shape
+        split = {}
+        for staleness in (0, 1):
+            split[staleness] = tokens / what_if_split_s(
+                evaluate_plan(Plan.parse(WHAT_IF_PLAN), costs, hw, m).sim_stages,
+                num_workers,
+                m,
+                staleness,
+            )
+        print(
+            f"# simulator, what-if (the runtime cannot run it): {WHAT_IF_PLAN} with the "
+            "forward as tasks over microbatches {0} and {1, 2} and the backward over "
+            "{0, 1} and {2} (Note [microbatch-split stages]): staleness 0 at "
+            f"{split[0] / max(planned[1], best.get(1, 0.0)):.2f} of the best staleness-1 plan"
+        )
+        rows.append(("simulator, what-if split", split[0], split[1], split[0] / split[1]))
+    return rows
+
+
+# Note [microbatch-split stages] in roundpipe.coordinator.planning.simulator: the best
+# split found for the demo with round-robin workers (searched over plans of up to 6
+# stages, each whole or split in two by microbatch: gradient stages only as all but the
+# last microbatch / the last), for the staleness-0 what-if row.
+WHAT_IF_PLAN = "F[0:4] T[4:6] B[0:4]"
+
+
+def what_if_split_s(
+    stages: Sequence[SimStage], num_workers: int, num_microbatches: int, staleness: int
+) -> float:
+    """Seconds per step of ``stages`` (F, T, B) with the forward split {0} / the rest and
+    the backward split all but the last microbatch / the last."""
+    f, t, b = stages
+    mbs = tuple(range(num_microbatches))
+    split = [
+        replace(f, microbatches=mbs[:1], label="Fa"),
+        replace(f, microbatches=mbs[1:], label="Fb"),
+        t,
+        replace(b, microbatches=mbs[:-1], label="Ba"),
+        replace(b, microbatches=mbs[-1:], label="Bb"),
+    ]
+    return simulate_roundpipe(
+        split,
+        num_workers=num_workers,
+        num_microbatches=num_microbatches,
+        iterations=8,
+        staleness=staleness,
+    ).iteration_s
 
 
 def main() -> None:
@@ -86,36 +195,76 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
     parser.add_argument("--no-clip-runs", action="store_true", help="skip the clipped runs")
     parser.add_argument("--no-runtime", action="store_true", help="the simulator only")
+    parser.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        help="also run this plan (train.plan) at both settings; may be repeated",
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rp-bench-sync-"))
-    rows: list[tuple[str, float, float]] = []
-    sim = simulate(demo_spec(1, None, args.steps, root / "sim"), args.workers)
-    rows.append(("simulator", sim[0], sim[1]))
+    spec = demo_spec(1, None, args.steps, root / "sim")
+    try:
+        rows = simulate(spec, args.workers, args.plan)
+    except ValueError as exc:  # a --plan that does not parse or fit the demo's layers
+        parser.error(f"--plan: {exc}")
+    cases: list[tuple[str, float | None, str | None]] = []
+    if not args.no_runtime:
+        cases.append(("runtime", None, None))
+        if not args.no_clip_runs:
+            cases.append(("runtime, clip 1.0", 1.0, None))
+        cases += [(f"runtime, {Plan.parse(t)}", None, t) for t in args.plan]
     cpu = ["--cpu", "--threads", "1"]
-    clips = [] if args.no_runtime else [None] if args.no_clip_runs else [None, 1.0]
-    for clip in clips:
-        rates: dict[int, list[float]] = {0: [], 1: []}
-        # Interleaved, so that a change in the machine's load hits both alike.
-        for r in range(args.repeats):
+    tokens_per_step = spec.global_batch_size * spec.data.seq_len
+    rates = {(label, s): [] for label, _, _ in cases for s in (0, 1)}
+    # Interleaved, so that a change in the machine's load hits every case alike.
+    for r in range(args.repeats):
+        for c, (label, clip, plan) in enumerate(cases):
             for staleness in (0, 1):
-                name = f"s{staleness}-clip{clip}-{r}"
+                name = f"case{c}-s{staleness}-{r}"
                 run = run_runtime(
-                    demo_spec(staleness, clip, args.steps, root / name / "out"),
+                    demo_spec(staleness, clip, args.steps, root / name / "out", plan),
                     [cpu] * args.workers,
                     warmup=args.warmup,
                     root=root / name,
                     coordinator_threads=1,
                     env={"OMP_NUM_THREADS": "1"},
                 )
-                rates[staleness].append(run.tokens_per_s)
-                print(f"# runtime {name}: plan {run.plan}, {run.tokens_per_s:.0f} tokens/s")
-        label = "runtime" if clip is None else f"runtime, clip {clip}"
-        rows.append((label, statistics.mean(rates[0]), statistics.mean(rates[1])))
-    print(f"{'system':22} {'staleness 0':>12} {'staleness 1':>12} {'0 / 1':>7}  (tokens/s)")
-    for label, s0, s1 in rows:
-        print(f"{label:22} {s0:12.0f} {s1:12.0f} {s0 / s1:7.2f}")
+                # The median step: robust to a burst of load from other processes on
+                # the machine, which would weigh on the mean of one run.
+                rate = tokens_per_step / statistics.median(run.step_s)
+                rates[(label, staleness)].append(rate)
+                print(
+                    f"# {label}, staleness {staleness}, run {r}: plan {run.plan}, "
+                    f"{rate:.0f} tokens/s at the median step ({run.tokens_per_s:.0f} mean)"
+                )
+    for label, _, _ in cases:
+        s0, s1 = rates[(label, 0)], rates[(label, 1)]
+        pairs = [a / b for a, b in zip(s0, s1, strict=True)]
+        print(
+            f"# {label}: staleness 0 {_spread(s0)}, staleness 1 {_spread(s1)}, "
+            f"0 / 1 per interleaved pair {_spread(pairs, '.2f')}"
+        )
+        # The ratio: the median of the interleaved pairs, which a burst of load on the
+        # shared machine during one run cannot drag as it drags the means.
+        rows.append((label, statistics.mean(s0), statistics.mean(s1), statistics.median(pairs)))
+    width = max(len(row[0]) for row in rows)
+    print(
+        f"{'system':{width}} {'staleness 0':>12} {'staleness 1':>12} {'0 / 1':>7}  "
+        "(tokens/s; runtime: means, and the median ratio of the interleaved pairs)"
+    )
+    for label, s0, s1, ratio in rows:
+        print(f"{label:{width}} {s0:12.0f} {s1:12.0f} {ratio:7.2f}")
     key = [r for r in rows if r[0] == "runtime"] or rows
-    print(f"RESULT sync_vs_async={key[0][1] / key[0][2]:.2f}")
+    print(f"RESULT sync_vs_async={key[0][3]:.2f}")
+
+
+def _spread(values: Sequence[float], fmt: str = ".0f") -> str:
+    """``mean (min..max)`` of ``values``."""
+    return (
+        f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}..{max(values):{fmt}}, "
+        f"n={len(values)})"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_throughput  # noqa: E402 -- benchmarks/ is not a package
+import sync_mode  # noqa: E402
 
 
 def _run_benchmark(script: str, *args: str, timeout_s: float = 300) -> str:
@@ -96,11 +97,63 @@ def test_optimizer_benchmark_smoke() -> None:
 
 @pytest.mark.slow
 def test_sync_mode_benchmark_simulator_part() -> None:
-    """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job
-    (the runtime part, real daemons for minutes, is for the docs' figures)."""
-    stdout = _run_benchmark("sync_mode.py", "--no-runtime")
-    assert re.search(r"^simulator +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
+    """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job,
+    the best plans over every partition and a forced plan (the runtime part, real daemons
+    for minutes, is for the docs' figures)."""
+    edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
+    stdout = _run_benchmark("sync_mode.py", "--no-runtime", "--plan", edge)
+    labels = (
+        "simulator",
+        "simulator, every plan",
+        f"simulator, {edge}",
+        "simulator, what-if split",
+    )
+    for label in labels:
+        assert re.search(rf"^{re.escape(label)} +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
     assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sync_mode_benchmark_runtime_runs_a_forced_plan() -> None:
+    """The runtime part with ``--plan``: the forced plan reaches the jobs (``train.plan``),
+    both settings run, and the table has its row (a few steps; no timing asserted)."""
+    edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
+    stdout = _run_benchmark(
+        "sync_mode.py",
+        *("--steps", "3", "--warmup", "1", "--repeats", "1", "--no-clip-runs", "--plan", edge),
+        timeout_s=600,
+    )
+    for staleness in (0, 1):
+        assert f"# runtime, {edge}, staleness {staleness}, run 0: plan {edge}," in stdout, stdout
+    assert re.search(rf"^runtime, {re.escape(edge)} +\d+ +\d+ +\d+\.\d\d$", stdout, re.M)
+    assert re.fullmatch(r"RESULT sync_vs_async=\d+\.\d\d", stdout.splitlines()[-1])
+
+
+def test_sync_mode_benchmark_rejects_a_plan_that_does_not_fit_the_demo() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "sync_mode.py"),
+            "--no-runtime",
+            "--plan",
+            "F[0:1] T[1:9] B[0:1]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--plan: " in result.stderr and "F[0:1] T[1:9] B[0:1]" in result.stderr
+
+
+def test_every_plan_enumerates_each_partition_once() -> None:
+    """The simulator rows' exhaustive search: 4^(t-1) plans per tail start t, all valid."""
+    plans = list(sync_mode.every_plan(6))
+    assert len(plans) == sum(4 ** (t - 1) for t in range(1, 6))
+    assert len(set(plans)) == len(plans)
+    for plan in plans:
+        plan.validate(6)
+    assert sync_mode.Plan.parse("F[0:4] T[4:6] B[3:4,2:3,0:2]") in plans
 
 
 @pytest.mark.slow

@@ -103,6 +103,70 @@ def test_staleness_zero_waits_for_the_optimizer() -> None:
     assert f2 >= exact.iteration_ends[0] + 2.0 - 1e-9
 
 
+def test_microbatch_split_stage_by_hand() -> None:
+    """Note [microbatch-split stages]: F[0:2] as tasks over {0} and {1} on two workers
+    run side by side from the iteration's start; the tail's microbatch 1 waits for the
+    part that ran it. w0: Fa m0 [0,1], T m0 [1,3] m1 [3,5]; w1: Fb m1 [0,1], B m0 [3,4]
+    m1 [5,6]."""
+    f, t, b = three_stages()
+    stages = [
+        SimStage("F", 0, 2, 1.0, microbatches=(0,), label="Fa"),
+        SimStage("F", 0, 2, 1.0, microbatches=(1,), label="Fb"),
+        t,
+        b,
+    ]
+    r = simulate_roundpipe(stages, num_workers=2, num_microbatches=2)
+    assert r.grid() == "w0: Fam0 | Tm0 Tm1\nw1: Fbm1 | B0m0 B0m1"
+    spans = {e.label: (e.start, e.end) for e in r.events if e.what == "compute"}
+    assert [spans[x] for x in ("Fam0", "Fbm1", "Tm1", "B0m1")] == [(0, 1), (0, 1), (3, 5), (5, 6)]
+    assert r.iteration_s == pytest.approx(6.0)
+
+
+def test_split_stages_on_one_worker_cost_only_their_overhead() -> None:
+    """Splitting a stage changes nothing but the extra task's overhead on one worker."""
+    whole = [SimStage("F", 0, 3, 0.3), SimStage("T", 3, 4, 0.7), SimStage("B", 0, 3, 0.9)]
+    split = [
+        whole[0],
+        whole[1],
+        SimStage("B", 0, 3, 0.9, microbatches=(0, 1, 2)),
+        SimStage("B", 0, 3, 0.9, microbatches=(3,)),
+    ]
+    kw = dict(num_workers=1, num_microbatches=4, iterations=3)
+    assert simulate_roundpipe(split, **kw).iteration_s == pytest.approx(
+        simulate_roundpipe(whole, **kw).iteration_s
+    )
+
+
+def test_splitting_the_last_backward_stage_shares_the_drain_at_staleness_zero() -> None:
+    """Staleness 0 pays one microbatch of the last backward stage alone on one worker
+    (the drain); split {0, 1} / {2} over both workers, the next iteration starts sooner,
+    and the optimizer still waits for both parts."""
+    f = SimStage("F", 0, 4, 1.0)
+    t = SimStage("T", 4, 6, 1.3)
+    b = SimStage("B", 0, 4, 3.0, optimizer_s=0.1)
+    split = [
+        SimStage("F", 0, 4, 1.0, microbatches=(0,)),
+        SimStage("F", 0, 4, 1.0, microbatches=(1, 2)),
+        t,
+        SimStage("B", 0, 4, 3.0, microbatches=(0, 1), optimizer_s=0.1),
+        SimStage("B", 0, 4, 3.0, microbatches=(2,), optimizer_s=0.1),
+    ]
+    kw = dict(num_workers=2, num_microbatches=3, iterations=6, staleness=0)
+    whole_r = simulate_roundpipe([f, t, b], **kw)
+    split_r = simulate_roundpipe(split, **kw)
+    assert split_r.iteration_s < 0.9 * whole_r.iteration_s
+    for k in range(2, 7):  # each forward of k waits for both parts' optimizer updates
+        first = min(e.start for e in split_r.events if e.iteration == k)
+        opt = [e.end for e in split_r.optimizer_events if e.iteration == k - 1]
+        assert len(opt) == 2 and first >= max(opt) - 1e-9
+
+
+def test_split_microbatches_are_checked() -> None:
+    bad = [SimStage("F", 0, 2, 1.0, microbatches=(0, 2)), SimStage("T", 2, 3, 1.0)]
+    with pytest.raises(ValueError, match=r"microbatches \[0, 2\]: expected distinct"):
+        simulate_roundpipe(bad, num_workers=1, num_microbatches=2)
+
+
 # ------------------------------------------------------------------ sanity properties
 
 

@@ -26,6 +26,16 @@ RoundPipe (``simulate_roundpipe``)
       ``max(i - 1 - staleness, 0)``, so its uploads wait for that optimizer step;
     * the trainer sends iteration i only once iteration i-2 has finished entirely.
 
+Note [microbatch-split stages]
+    A what-if for design work (the runtime's tasks always run all microbatches): a
+    stage may be given as several consecutive ``SimStage`` s with the same layers and
+    ``microbatches`` subsets, which then run as separate tasks (round-robin like the
+    rest). Microbatch m of a task depends on the task before it that ran m, and a
+    forward task over layer 0 on the iteration's start only. At staleness 0 this is what
+    could let both workers share an iteration's fill and drain; a real gradient stage
+    split that way needs its partial gradients summed in microbatch order to keep the
+    results bitwise (docs/benchmarks.md, sync mode).
+
 GPipe / 1F1B (``simulate_bound``)
     The classic schedules: stage i is *bound* to GPU i, its weights stay resident, and
     every iteration ends with a flush. GPipe runs all forwards, then all backwards;
@@ -78,6 +88,10 @@ class SimStage:
     """CPU optimizer time for this stage's layers (tail and backward stages)."""
     label: str = ""
     """Short name used in grids; ``F0``/``T``/``B3`` when empty (set by the simulator)."""
+    microbatches: tuple[int, ...] | None = None
+    """The microbatches this task runs, in order (None: all). A what-if the runtime does
+    not run: one stage split into consecutive tasks over disjoint microbatches (Note
+    [microbatch-split stages])."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +326,15 @@ def simulate_roundpipe(
     if staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
     n, m_count, s_count = num_workers, num_microbatches, len(stages)
+    for st in stages:
+        mbs = st.microbatches
+        if mbs is not None and (
+            not mbs or len(set(mbs)) != len(mbs) or not all(0 <= m < m_count for m in mbs)
+        ):
+            raise ValueError(
+                f"stage {st.kind}[{st.start}:{st.stop}] runs microbatches {list(mbs)}: "
+                f"expected distinct indices in 0..{m_count - 1}"
+            )
     v = _speeds(speeds, n)
     labels = _stage_labels(stages)
     # Optimizer chunks: the tail and backward stages (their layers), in task order.
@@ -329,7 +352,7 @@ def simulate_roundpipe(
     last_start: list[float | None] = [None] * n  # compute start of the worker's last task
     opt_free = 0.0
     opt_end: dict[tuple[int, int], float] = {}  # (iteration, chunk stage) -> time
-    prev_mb_end: list[float] = []
+    chain_end: list[float] = []  # per microbatch: when the task before finished it
     optimizer_events: list[SimEvent] = []
     for k in range(1, iterations + 1):
         gate = iteration_ends[k - 3] if k >= 3 else 0.0
@@ -354,15 +377,18 @@ def simulate_roundpipe(
             start = max(worker_free[w], up_end, gate)
             last_start[w] = start
             t = start + st.overhead_s
-            mb_end = []
-            for m in range(m_count):
-                dep = prev_mb_end[m] + st.handoff_s if s > 0 else gate
+            if s == 0:
+                chain_end = [gate] * m_count
+            # Note [microbatch-split stages]: a first stage (or a part of one) starts
+            # from the batch, every other from the task before it that ran m.
+            first = s == 0 or (st.kind == "F" and st.start == 0)
+            for m in range(m_count) if st.microbatches is None else st.microbatches:
+                dep = gate if first else chain_end[m] + st.handoff_s
                 a = max(t, dep)
                 t = a + st.compute_s / v[w]
-                mb_end.append(t)
+                chain_end[m] = t
                 events.append(SimEvent(w, k, s, m, "compute", a, t, f"{labels[s]}m{m}"))
             worker_free[w] = t
-            prev_mb_end = mb_end
             end = t
             if st.kind in ("T", "B"):
                 d_start = max(t, down_free[w], opt_end.get((k - 1, s), 0.0))
