@@ -146,6 +146,16 @@ class Handoff:
         """Whether the ticket's producer process still runs (same host; True if unknown)."""
         return self.ticket.pid <= 0 or _pid_alive(self.ticket.pid)
 
+    def superseded(self) -> bool:
+        """Whether the ticket for this value is no longer the one followed: a re-run of
+        the producer wrote the data again (or is writing it)."""
+        now = self.board.ticket(self.counter, self.value)
+        return now is None or (now.pid, now.seq, now.handle) != (
+            self.ticket.pid,
+            self.ticket.seq,
+            self.ticket.handle,
+        )
+
     def wait_landed(self, should_abort: Callable[[], bool] | None = None) -> bool:
         """Block until the producer's copy has landed; return whether it had to wait.
 

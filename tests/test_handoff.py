@@ -9,6 +9,8 @@ that a consumer which skipped the wait is caught, and that a producer which dies
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,6 +76,22 @@ def test_tickets_and_landed_marks_sit_after_the_counters(board: HandoffBoard) ->
     assert board.handoff(counter, 1, 1.0) is not None
     board.mark_landed(counter, 1)
     assert board.handoff(counter, 1, 1.0) is None
+
+
+def test_a_rerun_of_the_producer_supersedes_the_ticket_a_consumer_followed(
+    board: HandoffBoard,
+) -> None:
+    """A CUDA consumer whose stream followed the first producer's event must not publish
+    once a re-run re-produced the data (the first event's outcome is undefined if its
+    process died); the runtime asks ``superseded`` after the landed mark came."""
+    counter = board.counters.dact(1, 1)
+    board.write_ticket(counter, 3, IssueMark(pid=111, seq=5, handle=b"a" * 64))
+    followed = board.handoff(counter, 3, 1.0)
+    assert followed is not None and not followed.superseded()
+    board.write_ticket(counter, 3, IssueMark(pid=222, seq=1, handle=b"b" * 64))  # the re-run
+    board.mark_landed(counter, 3)
+    assert followed.superseded()
+    assert board.handoff(counter, 3, 1.0) is None  # landed: later consumers follow nothing
 
 
 def _produce(engine, board: HandoffBoard, counter: int, value: int, src, dst):
@@ -359,3 +377,22 @@ def test_ipc_exit_measurement_runs_and_never_hangs(tmp_path: Path) -> None:
         return
     assert found["cuda"] and {"pending", "done"} <= found.keys()
     assert result.stdout.strip().splitlines()[-1].startswith("RESULT pending=")
+
+
+def test_a_worker_whose_engine_broke_exits_even_with_threads_stuck(tmp_path: Path) -> None:
+    """Note [dead producers and imported events], point c: threads queued behind a CUDA
+    stream that waits on a dead process's event never finish, so the worker's hook exits
+    the process (status 3) after a short grace, whatever its other threads do."""
+    code = (
+        "import threading, time\n"
+        "from roundpipe.worker.daemon import _exit_when_broken\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()  # a stuck non-daemon thread\n"
+        "_exit_when_broken('a stream waits on a dead producer')\n"
+        "time.sleep(60)\n"
+    )
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    assert done.returncode == 3, done.stderr
+    assert time.perf_counter() - started < 20

@@ -659,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - e.g. no CUDA streams: say so and exit 2
         print(f"roundpipe-worker: cannot start the transfer engine: {exc}", file=sys.stderr)
         return 2
+    engine.on_broken = _exit_when_broken
     daemon = WorkerDaemon(
         args.coordinator,
         device=device,
@@ -678,6 +679,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"roundpipe-worker: {exc}", file=sys.stderr)
         return 2
     return daemon.exit_code
+
+
+BROKEN_EXIT_GRACE_S = 1.0
+"""How long a worker whose engine broke waits for its own orderly stop before it exits."""
+
+
+def _exit_when_broken(why: str) -> None:
+    """The transfer engine broke (Note [dead producers and imported events] in
+    roundpipe.shared.handoff): give the orderly stop (the task's failure reported, exit
+    status 3) a moment, then exit anyway. Threads stuck on the CUDA stream that waits for
+    a dead process's event can never finish, so only the process's end frees them; the
+    coordinator re-runs this worker's tasks as for any lost worker."""
+    log.error("[worker] exiting in %.0f s: %s", BROKEN_EXIT_GRACE_S, why)
+    timer = threading.Timer(BROKEN_EXIT_GRACE_S, _exit_now, (3,))
+    timer.daemon = True
+    timer.start()
 
 
 def _exit_now(code: int) -> None:

@@ -94,7 +94,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import Counters, EventTable, fence
-from roundpipe.shared.handoff import Handoff, HandoffBoard, IssueMark
+from roundpipe.shared.handoff import Handoff, HandoffBoard, HandoffLost, IssueMark
 from roundpipe.shared.model import LayeredModel
 from roundpipe.worker.executor import RngKey, StageExecutor, TailLabels, tail_labels
 from roundpipe.worker.faults import Fault
@@ -463,6 +463,8 @@ class WorkerCore:
         with a ticket and their landed marks once the bytes are there on an engine that
         does so (Note [activation hand-off] in roundpipe.worker.transfer); every other
         counter, and every counter on the ``cpu`` backend, once the bytes are there."""
+        if self.engine.broken is not None:  # its announcements could never land
+            raise HandoffLost(self.engine.broken)
         board = state.handoffs
         early = [s for s in signals if board.is_handoff(s.counter)]
         if not (self.engine.counter_at_issue and early):
@@ -574,6 +576,14 @@ class WorkerCore:
                 handoff.wait_landed(
                     should_abort=lambda: self.should_abort() or job_id in self._interrupted
                 )
+                if self.engine.kind == "cuda" and handoff.superseded():
+                    # The device followed the first producer's event, and that producer
+                    # was re-run: what the stream read is not known to be its data.
+                    raise HandoffLost(
+                        f"{state.events.label(handoff.counter)} = {handoff.value} was "
+                        f"re-produced after this task's stream followed process "
+                        f"{handoff.ticket.pid}'s copy of it; the task is re-run on the new copy"
+                    )
             except InterruptedError as exc:
                 if job_id in self._interrupted:
                     raise TaskInterrupted(
@@ -879,6 +889,7 @@ class _MicrobatchFeed:
             and (what, nxt) not in self._uploads
             and self.core.engine.kind != "cpu"
             and self._ready_now(nxt)
+            and not self._blocks_the_link(nxt)
         ):
             ahead = self._upload(what, nxt)
             self.copies.add(ahead, up=True)
@@ -896,6 +907,15 @@ class _MicrobatchFeed:
             parts = [tensors[f"r{i}"] for i in range(len(tensors))]
             return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
         return tensors["x"]
+
+    def _blocks_the_link(self, m: int) -> bool:
+        """Whether uploading microbatch m now would hold the upload link: on the host
+        engines the link itself waits for a producer's copy that has not landed, and
+        every copy queued behind it (microbatch m - 1's other inputs, the next task's
+        weights) would wait too, with no way to yield. On CUDA only the device waits."""
+        if self.core.engine.kind == "cuda":
+            return False
+        return any(not h.landed() for h in self._handoffs.get(m, ()))
 
     def _await_producers(self, up: Upload) -> None:
         """Wait for an upload that follows other workers' copies, as for a counter: a

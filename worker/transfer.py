@@ -541,6 +541,8 @@ class _CudaLink(_Link):
                     "trusted; it exits so its CUDA context is torn down (the coordinator "
                     "re-runs its tasks)"
                 )
+                if self.engine.on_broken is not None:
+                    self.engine.on_broken(self.engine.broken)
                 raise HandoffLost(self.engine.broken)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -578,6 +580,10 @@ class TransferEngine(ABC):
         self.broken: str | None = None
         """Why this engine's streams cannot be trusted any more (the worker must exit),
         or None. Note [dead producers and imported events] in roundpipe.shared.handoff."""
+        self.on_broken: Callable[[str], None] | None = None
+        """Called (on a link thread) when the engine breaks. The worker process sets it to
+        exit: streams queued behind the stuck one (labels, later microbatches, downloads
+        after compute) would otherwise block its threads, and its teardown, for good."""
 
     # -- arenas -----------------------------------------------------------------------
 
@@ -680,7 +686,7 @@ class _LinkedEngine(TransferEngine):
         self.h2d: _Link
         self.d2h: _Link
 
-    def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+    def _alloc(self, like: torch.Tensor, priority: Priority) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def _pieces(self, pairs, priority):
@@ -693,7 +699,7 @@ class _LinkedEngine(TransferEngine):
         return out
 
     def upload(self, tensors, priority, wait_for=()):
-        dst = {name: self._alloc(t) for name, t in tensors.items()}
+        dst = {name: self._alloc(t, priority) for name, t in tensors.items()}
         pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
         nbytes = sum(_nbytes(t) for t in tensors.values())
         up = Upload(self, dst, len(pieces), nbytes, wait_for if pieces else ())
@@ -796,6 +802,16 @@ class CudaEngine(_LinkedEngine):
         )
         self.d2h = _CudaLink("rp-d2h", self, {p: self.down for p in Priority}, window)
         self._pinned: set[int] = set()  # id() of the arenas this engine registered
+
+    def _alloc(self, like: torch.Tensor, priority: Priority) -> torch.Tensor:
+        # Allocated on the stream that writes it. A block from the compute stream's pool
+        # may have been freed by compute work still queued on the device, and the upload
+        # stream, which does not wait for the compute stream, would overwrite it under
+        # those kernels. The compute stream's use is recorded at hand-over
+        # (``_ready_for_compute``), so the block is not reused before that work is done.
+        stream = self.activation_up if priority == Priority.ACTIVATION else self.weight_up
+        with torch.cuda.stream(stream):
+            return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def register(self, arenas):
         from roundpipe.shared.cuda import pin_arena
