@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING
 from roundpipe.coordinator.checkpoint import CheckpointDir
 from roundpipe.coordinator.job_events import progress_page
 from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
-from roundpipe.coordinator.jobstore import JobStore, JobStoreError, StoredJob
+from roundpipe.coordinator.jobstore import (
+    JobStore,
+    JobStoreError,
+    StoredJob,
+    interrupted_message,
+)
 from roundpipe.coordinator.metrics import job_figures
 from roundpipe.coordinator.paths import PathPolicy, modes
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused
@@ -222,7 +227,7 @@ class JobBook:
         if newest is None or newest <= (job.checkpoint_step or 0):
             return
         job.checkpoint_step = newest
-        job.message = f"interrupted by a coordinator restart; resumes from checkpoint step {newest}"
+        job.message = interrupted_message(newest)
         try:
             self.store.update(job.job_id, checkpoint_step=newest, message=job.message)
         except JobStoreError as exc:

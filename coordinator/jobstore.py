@@ -205,16 +205,7 @@ class JobStore:
             "SELECT job_id, checkpoint_step FROM jobs WHERE state = 'running'"
         )
         for job_id, checkpoint_step in interrupted:
-            where = (
-                f"from checkpoint step {checkpoint_step}"
-                if checkpoint_step
-                else "from the start (no checkpoint had been written)"
-            )
-            self.update(
-                job_id,
-                state="queued",
-                message=f"interrupted by a coordinator restart; resumes {where}",
-            )
+            self.update(job_id, state="queued", message=interrupted_message(checkpoint_step))
         return [job_id for job_id, _ in interrupted]
 
     # -- reading --
@@ -229,6 +220,16 @@ class JobStore:
         """Every job, in submission order."""
         rows, _ = self._execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs ORDER BY seq")
         return [_row(r) for r in rows]
+
+
+def interrupted_message(checkpoint_step: int | None) -> str:
+    """What a job cut off by a coordinator restart says it resumes from."""
+    where = (
+        f"from checkpoint step {checkpoint_step}"
+        if checkpoint_step
+        else "from the start (no checkpoint had been written)"
+    )
+    return f"interrupted by a coordinator restart; resumes {where}"
 
 
 def _row(row: tuple) -> StoredJob:

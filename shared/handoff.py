@@ -149,12 +149,7 @@ class Handoff:
     def superseded(self) -> bool:
         """Whether the ticket for this value is no longer the one followed: a re-run of
         the producer wrote the data again (or is writing it)."""
-        now = self.board.ticket(self.counter, self.value)
-        return now is None or (now.pid, now.seq, now.handle) != (
-            self.ticket.pid,
-            self.ticket.seq,
-            self.ticket.handle,
-        )
+        return self.board.ticket(self.counter, self.value) != self.ticket
 
     def wait_landed(self, should_abort: Callable[[], bool] | None = None) -> bool:
         """Block until the producer's copy has landed; return whether it had to wait.

@@ -185,8 +185,8 @@ class Transfer:
         """Set by ``cancel``: a link waiting for a producer's copy on its behalf gives up."""
         self._issued = threading.Event()  # every chunk issued, or the copy is over
         self.last_token: object | None = None
-        """What the link returned for the last chunk it issued (CUDA: the event recorded
-        after it on the copy's stream; it covers the earlier chunks, same stream)."""
+        """CUDA: the event recorded after the last chunk issued so far, on the copy's
+        stream (it covers the earlier chunks: one stream, in order)."""
         if chunks == 0:
             self.started_at = self.finished_at = self.queued_at
             self._issued.set()
@@ -389,7 +389,6 @@ class _Link(ABC):
                     chunk.transfer._chunk_done(time.perf_counter() - started, exc)
                     continue
                 inflight.append((chunk, token, started))
-                chunk.transfer.last_token = token
                 try:
                     chunk.transfer._chunk_issued(self._issue_context(chunk))
                 except BaseException as exc:  # noqa: BLE001 - fails the copy when it is over
@@ -507,6 +506,7 @@ class _CudaLink(_Link):
             chunk.dst.copy_(chunk.src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        chunk.transfer.last_token = event  # Note [compute waits on the device]
         return event
 
     def _issue_context(self, chunk: _Chunk) -> object:
