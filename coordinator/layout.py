@@ -11,7 +11,10 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
               frozen:     one copy (LoRA base weights)
     grads   per trainable parameter, fp32: the current step's weight gradient (+ one per
               tied alias: the tail's LM-head contribution to the owner); layers of the
-              same shape share a bounded pool of slots (Note [gradient buffer])
+              same shape share a bounded pool of slots (Note [gradient buffer]); plus,
+              for the layers of microbatch-split backward stages, a second slot each
+              for the second part (``grads_part``, Note [microbatch-split stages] in
+              roundpipe.shared.plan)
     acts    per activation boundary b, per parity, per microbatch: [rows, seq, hidden]
               hidden state entering layer b (compute dtype)
     dacts   per gradient boundary b, per parity, per microbatch: [rows, seq, hidden]
@@ -87,6 +90,8 @@ or weight versions; 0 = nothing yet)::
     dact[l][m]    writer: the tail / backward task starting at layer l
     wgrad[l]      writer: the task that writes layer l's gradients (tied aliases of the
                   tail count for the tail layer)
+    wgrad_part[l] writer: the second task of a microbatch-split backward stage over l,
+                  once it wrote l's ``grads_part``
     version[l]    writer: the optimizer; newest weight version of layer l in params
     landed[c][p]  writer: the writer of act/dact counter c; newest value of parity p
                   whose bytes have landed (act and dact are stored when their copy is
@@ -152,6 +157,10 @@ class JobLayout:
     router_counts: dict[tuple[int, int], TensorRef] = field(default_factory=dict)
     grad_slot: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Trainable layer -> (shape class, slot) of its gradients (Note [gradient buffer])."""
+    grads_part: dict[int, dict[str, TensorRef]] = field(default_factory=dict)
+    """Second gradient slots of the layers a split backward stage may cover (Note
+    [microbatch-split stages] in roundpipe.shared.plan); fixed for the job, like the
+    pools, so a re-plan can only split stages over these layers (``fits``)."""
     arenas: dict[str, Arena] = field(default_factory=dict)
     events: EventTable | None = None
     # (layer, parity, mb) -> slot, for the plan currently assigned
@@ -174,16 +183,20 @@ class JobLayout:
         dact_capacity: int | None = None,
         grad_buffer_layers: int | None = None,
         weight_copies: int = 2,
+        split_gradient_layers: frozenset[int] = frozenset(),
     ) -> JobLayout:
         """Lay out a job for ``plan``. ``act_capacity`` / ``dact_capacity``: how many
         activation / gradient boundaries the slot pools hold (default: exactly what
         ``plan`` needs; more leaves room for a re-plan, Note [slot pools]).
         ``grad_buffer_layers``: gradient slots per shape class (Note [gradient buffer];
         None: one per trainable layer). ``weight_copies``: compute-dtype copies of each
-        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies])."""
+        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies]).
+        ``split_gradient_layers``: layers given a second gradient slot beyond those
+        ``plan`` splits (room for a re-plan to split them)."""
         if weight_copies not in (1, 2):
             raise ValueError(f"weight_copies must be 1 or 2, got {weight_copies}")
         plan.validate(model.num_layers)
+        plan.validate_microbatches(num_microbatches)
         need_a = len(cls.activation_boundaries(plan))
         need_d = len(cls.gradient_boundaries(plan))
         act_capacity = need_a if act_capacity is None else act_capacity
@@ -196,6 +209,14 @@ class JobLayout:
         allocs = {name: ArenaAllocator(name) for name in ("params", "grads", "acts", "dacts", "io")}
         params: dict[int, dict[str, tuple[TensorRef, TensorRef | None]]] = {}
         grads, grad_slot = cls._grad_slots(model, allocs["grads"], grad_buffer_layers)
+        grads_part = {
+            layer: {
+                name: allocs["grads"].alloc(torch.float32, tuple(ref.shape))
+                for name, ref in grads[layer].items()
+            }
+            for layer in sorted(plan.split_gradient_layers() | split_gradient_layers)
+            if grads[layer]
+        }
         for layer in range(model.num_layers):
             params[layer] = {}
             for spec in model.layer_params(layer):
@@ -248,6 +269,7 @@ class JobLayout:
             router_stats=router_stats,
             router_counts=router_counts,
             grad_slot=grad_slot,
+            grads_part=grads_part,
         )
         if not layout.fits(plan):
             raise ValueError(
@@ -312,8 +334,16 @@ class JobLayout:
         return len(self.dact_slots) // (2 * self.num_microbatches)
 
     def fits(self, plan: Plan) -> bool:
-        """Whether ``plan``'s boundaries fit the slot pools (Note [slot pools]) and no
-        stage writes two layers of one gradient slot (Note [gradient buffer])."""
+        """Whether ``plan``'s boundaries fit the slot pools (Note [slot pools]), no
+        stage writes two layers of one gradient slot (Note [gradient buffer]) and every
+        split gradient stage has its second slots (Note [microbatch-split stages])."""
+        try:
+            plan.validate_microbatches(self.num_microbatches)
+        except ValueError:
+            return False
+        needs_part = {layer for layer in plan.split_gradient_layers() if self.grads[layer]}
+        if not needs_part <= set(self.grads_part):
+            return False
         for start, stop in (plan.tail, *plan.backward):
             slots = [
                 self.grad_slot[layer] for layer in range(start, stop) if layer in self.grad_slot
@@ -333,8 +363,11 @@ class JobLayout:
             raise ValueError(
                 f"plan {plan} needs {len(self.activation_boundaries(plan))} activation and "
                 f"{len(self.gradient_boundaries(plan))} gradient boundaries and distinct "
-                "gradient slots per stage (Note [gradient buffer]); the slot pools "
-                f"hold {self.act_capacity} and {self.dact_capacity}"
+                "gradient slots per stage (Note [gradient buffer]) and second gradient "
+                f"slots for layers {sorted(plan.split_gradient_layers())}; the slot pools "
+                f"hold {self.act_capacity} and {self.dact_capacity} boundaries, second "
+                f"slots exist for layers {sorted(self.grads_part)} (Note [microbatch-split "
+                "stages])"
             )
         m = self.num_microbatches
 
@@ -423,7 +456,12 @@ class JobLayout:
                 if r[1] is not None
             ]
             grads = [NamedTensorRef(name=n, ref=r) for n, r in self.grads[layer].items()]
-            out.append(LayerLayout(layer=layer, params=even, params_odd=odd, grads=grads))
+            part = [
+                NamedTensorRef(name=n, ref=r) for n, r in self.grads_part.get(layer, {}).items()
+            ]
+            out.append(
+                LayerLayout(layer=layer, params=even, params_odd=odd, grads=grads, grads_part=part)
+            )
         return out
 
     def trainable_layers(self) -> list[int]:

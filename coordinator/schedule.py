@@ -20,8 +20,9 @@ Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator
 1. A task reads layer l's trainable weights of version v only after ``version[l] >= v``
    (the tail also waits for the owner of a tied weight).
 2. The optimizer updates layer l for step k once ``wgrad[l] >= k`` (and the tail's
-   ``wgrad`` when l owns a tied weight), writes W_k into params parity k % 2, then stores
-   ``version[l] = k``.
+   ``wgrad`` when l owns a tied weight, and ``wgrad_part[l]`` when a split backward
+   stage covers l: Note [microbatch-split stages] in roundpipe.shared.plan), writes W_k
+   into params parity k % 2, then stores ``version[l] = k``.
 3. Parity k % 2 held W_{k-2}. Its readers are iteration k's tasks (staleness 1) or
    iteration k-1's (staleness 0); in both cases they finished reading layer l before
    ``wgrad[l] >= k`` could be stored, so the optimizer never overwrites weights in use.
@@ -74,18 +75,25 @@ class ScheduleBuilder:
     wait_timeout_s: float
 
     def tasks(self, iteration: int, loss_denominator: int, first_task_id: int) -> list[StageTask]:
-        plan = self.layout.plan
         tasks: list[StageTask] = []
-        task_id = first_task_id
-        for start, stop in plan.forward:
-            tasks.append(self._forward(iteration, task_id, start, stop))
-            task_id += 1
-        tasks.append(self._tail(iteration, task_id, loss_denominator))
-        task_id += 1
-        for start, stop in plan.backward:
-            tasks.append(self._backward(iteration, task_id, start, stop))
-            task_id += 1
+        for stage in self.layout.plan.stages():
+            for part, mbs in enumerate(self._parts(stage.split)):
+                task_id = first_task_id + len(tasks)
+                if stage.kind == "F":
+                    tasks.append(self._forward(iteration, task_id, stage.start, stage.stop, mbs))
+                elif stage.kind == "T":
+                    tasks.append(self._tail(iteration, task_id, loss_denominator))
+                else:
+                    tasks.append(
+                        self._backward(iteration, task_id, stage.start, stage.stop, mbs, part)
+                    )
         return tasks
+
+    def _parts(self, split: int) -> list[range]:
+        """The microbatches of each task of a stage (Note [microbatch-split stages] in
+        roundpipe.shared.plan): all of them, or [0, split) and [split, M)."""
+        m = self.layout.num_microbatches
+        return [range(m)] if not split else [range(split), range(split, m)]
 
     # -- pieces shared by all kinds ---------------------------------------------------
 
@@ -125,9 +133,10 @@ class ScheduleBuilder:
             for layer in self._weight_owner_layers(start, stop)
         ]
 
-    def _grad_order(self, iteration: int, start: int, stop: int) -> dict:
+    def _grad_order(self, iteration: int, start: int, stop: int, part: int = 0) -> dict:
         """The ordering of the gradient slots a backward/tail task writes (Note 4); the
-        slots themselves are in JobSetup (LayerLayout.grads)."""
+        slots themselves are in JobSetup (LayerLayout.grads, or grads_part for ``part``
+        1: a second slot of its own per layer, shared with no other layer)."""
         c = self.layout.counters
         model = self.layout.model
         owners, signal_layers = set(), []
@@ -141,7 +150,7 @@ class ScheduleBuilder:
                 owners.add(model.layer_of(spec_owner) if spec_owner else layer)
         # Layer -> the weight version its optimizer must have published (Note 4).
         needed: dict[int, int] = {o: iteration - 1 for o in owners}
-        for layer in signal_layers:
+        for layer in signal_layers if part == 0 else []:
             for sharer in self.layout.grad_sharers(layer):
                 if start <= sharer < stop:
                     continue  # never: a plan's stage maps its layers to distinct slots
@@ -152,8 +161,9 @@ class ScheduleBuilder:
             for layer, v in sorted(needed.items())
             if v > 0
         ]
-        signals = [EventSignal(counter=c.wgrad(layer), value=iteration) for layer in signal_layers]
-        return dict(grad_waits=waits, grad_signals=signals)
+        counter = c.wgrad_part if part else c.wgrad
+        signals = [EventSignal(counter=counter(layer), value=iteration) for layer in signal_layers]
+        return dict(grad_waits=waits, grad_signals=signals, grad_part=part)
 
     def _input_ref(self, layer: int, parity: int, mb: int):
         if layer == 0:
@@ -168,11 +178,13 @@ class ScheduleBuilder:
 
     # -- the three kinds --------------------------------------------------------------
 
-    def _forward(self, k: int, task_id: int, start: int, stop: int) -> StageTask:
+    def _forward(
+        self, k: int, task_id: int, start: int, stop: int, microbatches: range
+    ) -> StageTask:
         c, p = self.layout.counters, k % 2
         inner = sorted(b for b in self.layout.plan.backward_boundaries() if start < b < stop)
         mbs = []
-        for m in range(self.layout.num_microbatches):
+        for m in microbatches:
             signals = [self._signal(c.act(stop, m), k)] + [
                 self._signal(c.act(b, m), k) for b in inner
             ]
@@ -238,10 +250,12 @@ class ScheduleBuilder:
             loss_denominator=loss_denominator,
         )
 
-    def _backward(self, k: int, task_id: int, start: int, stop: int) -> StageTask:
+    def _backward(
+        self, k: int, task_id: int, start: int, stop: int, microbatches: range, part: int
+    ) -> StageTask:
         c, p = self.layout.counters, k % 2
         mbs = []
-        for m in range(self.layout.num_microbatches):
+        for m in microbatches:
             mbs.append(
                 MicrobatchIO(
                     index=m,
@@ -262,6 +276,6 @@ class ScheduleBuilder:
         return StageTask(
             **self._common(k, task_id, "backward", start, stop),
             microbatches=mbs,
-            **self._grad_order(k, start, stop),
+            **self._grad_order(k, start, stop, part),
             loss_denominator=0,
         )

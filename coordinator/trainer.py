@@ -403,6 +403,17 @@ class Trainer:
             for layer, items in self._tied.items()
             for _, _, owner in items
         }
+        # Note [microbatch-split stages] (roundpipe.shared.plan): the two parts of a
+        # split layer's gradient are added out of place, so summing twice (clipping
+        # reads the gradients before the update does) gives the same bits.
+        self._split_scratch = {
+            layer: {name: torch.empty_like(self.masters[layer][name]) for name in names}
+            for layer, names in layout.grads_part.items()
+            if layer in self.masters
+        }
+        self._split_layers_of_step: dict[int, frozenset[int]] = {}
+        """Step -> the layers whose gradient comes in two parts that step (the plan of
+        the step's tasks; the optimizer may still step k after a re-plan for k+1)."""
         log.info(
             "[trainer] job %s: %s, %d layers, plan %s, %d trainable tensors",
             self.job_id,
@@ -456,7 +467,11 @@ class Trainer:
         assert hw is not None
         if spec.train.plan:
             plan = Plan.parse(spec.train.plan)
-            plan.validate(model.num_layers)
+            try:
+                plan.validate(model.num_layers)
+                plan.validate_microbatches(self.node_microbatches)
+            except ValueError as exc:
+                raise JobFailed(f"train.plan does not fit this job: {exc}") from None
             return plan, "set by train.plan in the job spec"
         try:
             result = initial_plan(
@@ -818,6 +833,10 @@ class Trainer:
                 for m in range(layout.num_microbatches):
                     layout.events.signal(layout.counters.act(0, m), k)
                 tasks = self.schedule.tasks(k, batch.num_label_tokens, next_task_id)
+                self._split_layers_of_step[k] = self.plan.split_gradient_layers() & set(
+                    layout.grads_part
+                )
+                self._split_layers_of_step.pop(k - 4, None)
                 next_task_id += len(tasks)
                 pending_per_iteration[k] = len(tasks)
                 next_task_iteration = k + 1
@@ -1013,13 +1032,13 @@ class Trainer:
             for layer in remaining:
                 self._wait_grads(layer, k)
             coef = clip_coefficient(
-                global_grad_norm({layer: self._grads(layer) for layer in remaining}), clip
+                global_grad_norm({layer: self._grads(layer, k) for layer in remaining}), clip
             )
         busy_s = 0.0
         while remaining:
             self._wait_grads(remaining[0], k)
             ready = [layer for layer in remaining if self._grads_landed(layer, k)]
-            grads = {layer: self._grads(layer) for layer in ready}
+            grads = {layer: self._grads(layer, k) for layer in ready}
             for layer in ready:  # observability: grad norm (TensorBoard)
                 self.timeline.layer_grads(k, grads[layer])
             started = time.perf_counter()
@@ -1069,7 +1088,17 @@ class Trainer:
         sources = {layer} | {t for t, _, _ in self._tied.get(layer, [])}
         if self.reducer is not None:
             return all(self.reducer.reduced(src, k) for src in sources)
-        return all(events.read(c.wgrad(src)) >= k for src in sources)
+        return all(
+            events.read(c.wgrad(src)) >= k
+            and (not self._split_at(src, k) or events.read(c.wgrad_part(src)) >= k)
+            for src in sources
+        )
+
+    def _split_at(self, layer: int, k: int) -> bool:
+        """Whether step k's gradient of ``layer`` comes in two parts (Note
+        [microbatch-split stages] in roundpipe.shared.plan). Asked only once ``wgrad[l]
+        >= k``, so after step k's tasks were built."""
+        return layer in self._split_layers_of_step.get(k, ())
 
     def _wait_grads(self, layer: int, k: int) -> None:
         """Wait for step k's gradients of ``layer``, including tied contributions."""
@@ -1082,20 +1111,32 @@ class Trainer:
             self._wait_local_grads(src, k)
 
     def _wait_local_grads(self, layer: int, k: int) -> None:
-        """Wait until this node's step-k gradient of ``layer`` is in the grads arena."""
+        """Wait until this node's step-k gradient of ``layer`` is in the grads arena
+        (both parts of it when a split stage wrote it)."""
         assert self.layout is not None and self.layout.events is not None
-        self.layout.events.wait_at_least(
-            self.layout.counters.wgrad(layer),
-            k,
-            timeout_s=self.wait_timeout_s * 4,
-            should_abort=self._cancel.is_set,
-        )
+        counters = self.layout.counters
+        for counter in (counters.wgrad, counters.wgrad_part):
+            self.layout.events.wait_at_least(
+                counter(layer),
+                k,
+                timeout_s=self.wait_timeout_s * 4,
+                should_abort=self._cancel.is_set,
+            )
+            if not self._split_at(layer, k):  # known once wgrad[l] >= k
+                break
 
-    def _grads(self, layer: int) -> dict[str, torch.Tensor]:
-        """Layer's gradients as fp32 views, tied contributions summed into scratch."""
+    def _grads(self, layer: int, k: int) -> dict[str, torch.Tensor]:
+        """Layer's step-k gradients as fp32 views; the second part of a split stage's
+        gradient (first part + second, Note [microbatch-split stages] in
+        roundpipe.shared.plan) and tied contributions summed into scratch."""
         assert self.layout is not None
         layout = self.layout
         grads = {name: layout.view(layout.grads[layer][name]) for name in self.masters[layer]}
+        if self._split_at(layer, k):
+            part = layout.grads_part[layer]
+            for name, scratch in self._split_scratch[layer].items():
+                torch.add(grads[name], layout.view(part[name]), out=scratch)
+                grads[name] = scratch
         for tail_layer, alias, owner in self._tied.get(layer, []):
             total = self._tied_scratch[owner]
             torch.add(grads[owner], layout.view(layout.grads[tail_layer][alias]), out=total)
@@ -1181,7 +1222,13 @@ class Trainer:
             first_step=self.start_step + 1,
             last_step=self.spec.train.steps,
             wait_grads=self._wait_local_grads,
-            grads=lambda layer: [layout.view(ref) for ref in layout.grads[layer].values()],
+            # Both parts of a split layer's gradient are summed over the nodes (their
+            # sum is then the global one); the optimizer adds them as on one node.
+            grads=lambda layer: [
+                layout.view(ref)
+                for slots in (layout.grads[layer], layout.grads_part.get(layer, {}))
+                for ref in slots.values()
+            ],
             stopped=self._cancel.is_set,
             wake=lambda why: self.inbox.put(Wakeup(why)),
         )

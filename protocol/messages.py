@@ -159,7 +159,7 @@ __all__ = [
     "Ack",
 ]
 
-PROTOCOL_VERSION: int = 11
+PROTOCOL_VERSION: int = 12
 """Bump on any change to any message (see "Version rule" above)."""
 
 MAX_REPLY_BYTES: int = 1024 * 1024
@@ -336,6 +336,10 @@ class LayerLayout(Struct):
     #: a tied alias has its own): a backward or tail task over the layer writes each one
     #: once, at its end, after its grad_waits
     grads: list[NamedTensorRef] = field(default_factory=list)
+    #: second fp32 gradient slot of every trainable weight, same names as `grads`: where
+    #: the second task of a microbatch-split backward stage writes (StageTask.grad_part
+    #: 1); empty for layers no plan of the job splits that way
+    grads_part: list[NamedTensorRef] = field(default_factory=list)
 
 
 @_struct
@@ -564,7 +568,9 @@ class StageTask(Message):
     backward from `grad_output`; the input gradient goes to `output` (again None at layer
     0). Backward and tail tasks accumulate weight gradients over all their microbatches
     and write them once, at the end, to the gradient slots of their layers
-    (JobSetup.layers[i].grads).
+    (JobSetup.layers[i].grads, or grads_part for ``grad_part`` 1). A microbatch-split
+    stage is two tasks over disjoint `microbatches` (Note [microbatch-split stages] in
+    roundpipe.shared.plan).
     """
 
     #: job id
@@ -604,6 +610,10 @@ class StageTask(Message):
     wait_timeout_s: PosFloat
     #: free-form knobs that do not change the protocol
     options: dict[str, Any] = field(default_factory=dict)
+    #: which gradient slots a backward or tail task writes: 0 = LayerLayout.grads, 1 =
+    #: LayerLayout.grads_part (the second task of a microbatch-split backward stage; the
+    #: optimizer adds the two); 0 for a forward task
+    grad_part: NonNegInt = 0
 
     @property
     def num_microbatches(self) -> int:
@@ -634,6 +644,14 @@ class StageTask(Message):
                 "loss_denominator",
                 f"0 for a {kind} task (only the tail computes the loss)",
                 _seen(self.loss_denominator),
+            )
+        if self.grad_part > 1:
+            raise _fail("grad_part", "0 or 1 (a split stage has two parts)", _seen(self.grad_part))
+        if self.grad_part and kind != "backward":
+            raise _fail(
+                "grad_part",
+                f"0 for a {kind} task (only a backward stage is split into gradient parts)",
+                _seen(self.grad_part),
             )
         if kind == "forward" and (self.grad_waits or self.grad_signals):
             name = next(n for n in ("grad_waits", "grad_signals") if getattr(self, n))

@@ -358,9 +358,14 @@ class Counters:
         (roundpipe.shared.handoff)."""
         return self.handoff_counters + 2 * self.num_layers + 2 * index + value % 2
 
+    def wgrad_part(self, layer: int) -> int:
+        """Like ``wgrad``, for the second gradient part of a microbatch-split backward
+        stage (Note [microbatch-split stages] in roundpipe.shared.plan)."""
+        return 3 * self.handoff_counters + 2 * self.num_layers + layer
+
     @property
     def total(self) -> int:
-        return 3 * self.handoff_counters + 2 * self.num_layers
+        return 3 * self.handoff_counters + 3 * self.num_layers
 
     def label(self, index: int) -> str:
         """Readable name of a counter, used in timeout errors."""
@@ -380,4 +385,6 @@ class Counters:
         if index < 2 * self.num_layers:
             return f"version[layer {index - self.num_layers}]"
         index -= 2 * self.num_layers
+        if index >= 2 * self.handoff_counters:
+            return f"wgrad_part[layer {index - 2 * self.handoff_counters}]"
         return f"landed {self.label(index // 2)} (parity {index % 2})"

@@ -94,8 +94,14 @@ class RngKey:
     seed: int = 0
     """Job seed."""
     iteration: int = 0
+    microbatches: tuple[int, ...] = ()
+    """The iteration's index of the task's m-th microbatch (empty: m itself). A
+    microbatch-split stage's second task starts past 0 (Note [microbatch-split stages] in
+    roundpipe.shared.plan), and its masks must be the unsplit task's."""
 
     def layer_seed(self, layer: int, microbatch: int) -> int:
+        if self.microbatches:
+            microbatch = self.microbatches[microbatch]
         h = hashlib.blake2b(digest_size=8)
         for part in (self.seed, self.iteration, layer, microbatch):
             h.update(int(part).to_bytes(16, "little", signed=True))

@@ -139,17 +139,30 @@ class JobState:
     )
     # layer -> its gradient slots, name -> view (JobSetup's LayerLayout.grads)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # layer -> its second gradient slots (LayerLayout.grads_part; split stages only)
+    grads_part: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     # copies of this job's tasks still in flight: teardown waits for them before unmapping
     inflight: set[_TaskCopies] = field(default_factory=set)
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         return self.arenas[ref.arena].view(ref)
 
-    def grad_slots(self, start: int, stop: int) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, slot view) of every gradient slot of layers [start, stop)."""
-        return [
-            (n, v) for layer in range(start, stop) for n, v in self.grads.get(layer, {}).items()
-        ]
+    def grad_slots(self, start: int, stop: int, part: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, slot view) of every gradient slot of layers [start, stop):
+        the first slots, or the second ones for ``part`` 1 (a split stage's second task)."""
+        if part:
+            missing = [
+                layer
+                for layer in range(start, stop)
+                if self.grads.get(layer) and not self.grads_part.get(layer)
+            ]
+            if missing:
+                raise ValueError(
+                    f"a task writes the second gradient part of layers {missing}, which "
+                    "JobSetup gave no second slots (LayerLayout.grads_part)"
+                )
+        slots = self.grads_part if part else self.grads
+        return [(n, v) for layer in range(start, stop) for n, v in slots.get(layer, {}).items()]
 
     def close(self) -> None:
         self.handoffs.close()
@@ -213,6 +226,9 @@ class WorkerCore:
                 odd = {p.name: state.view(p.ref) for p in layout.params_odd}
                 state.weights[layout.layer] = (even, odd)
                 state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
+                state.grads_part[layout.layer] = {
+                    g.name: state.view(g.ref) for g in layout.grads_part
+                }
         except BaseException:
             self.engine.unregister(arenas.values())
             for arena in arenas.values():
@@ -365,7 +381,11 @@ class WorkerCore:
         self._waited_before_s = self._waited_s
         self._waited_s = 0.0  # from here on: waits inside the compute window
         watch.start(_TASK_KEY)
-        rng = RngKey(seed=task.seed, iteration=task.iteration)
+        rng = RngKey(
+            seed=task.seed,
+            iteration=task.iteration,
+            microbatches=tuple(mb.index for mb in task.microbatches),
+        )
         feed = _MicrobatchFeed(self, state, task, copies)
         ex = state.executor
         start, stop = task.layer_start, task.layer_stop
@@ -429,7 +449,7 @@ class WorkerCore:
         # Only waits inside the stopwatch's window come off compute_s; the gradient-slot
         # waits below are after it (they still count in the task's wait_s).
         self._waited_in_compute_s = self._waited_s
-        slots = state.grad_slots(start, stop) if task.kind != "forward" else []
+        slots = state.grad_slots(start, stop, task.grad_part) if task.kind != "forward" else []
         if slots:
             for wait in task.grad_waits:
                 self._wait(state, wait, timeout)
@@ -945,8 +965,11 @@ class _MicrobatchFeed:
         return _LazyInputs(self, "router_in")
 
     def batch_tokens(self) -> int:
-        """Tokens of the global batch: a task holds every microbatch of it."""
-        return sum(mb.input.shape[0] * mb.input.shape[1] for mb in self.task.microbatches)
+        """Tokens of the global batch: every microbatch slot has the same shape, and a
+        task holds all of them or, split (Note [microbatch-split stages] in
+        roundpipe.shared.plan), some."""
+        shape = self.task.microbatches[0].input.shape
+        return self.state.setup.num_microbatches * shape[0] * shape[1]
 
     def write_router(self, m: int, tensor: torch.Tensor) -> None:
         """Microbatch m's router statistics / counts travel with its output (so they
