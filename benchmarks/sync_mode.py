@@ -8,24 +8,28 @@ iteration k's backward. Measured side by side for the demo-sized model (the
 tokens), 2 CPU workers of one thread each:
 
   simulator  the planner's plan for the job, simulated at staleness 0 and 1 with the
-             planner's cost model (roundpipe.coordinator.planning.simulator); and the
-             best plan for each staleness over every partition of the layers (the
-             planner's candidate search skips most of them), and any ``--plan``; and
-             a what-if the runtime cannot run: stages split by microbatch over both
-             workers (Note [microbatch-split stages] in that module)
+             planner's cost model (roundpipe.coordinator.planning.simulator): at
+             staleness 0 it splits stages by microbatch (Note [microbatch-split
+             stages] in roundpipe.shared.plan); "unsplit": the planner's best plan
+             without splits (what it chose before splits existed); the best unsplit
+             plan for each staleness over every partition of the layers (the planner's
+             candidate search skips most of them); and any ``--plan``
   runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
              at the median step after the warm-up, mean of ``--repeats`` interleaved
-             runs (with their spread and the ratio of each interleaved pair);
-             with the demo's global-norm clipping (which makes the optimizer wait for
-             the whole step) and without; and each ``--plan`` forced on both settings
-             (``train.plan``), e.g. edge stages ``'F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]'``
+             runs (with their spread and the ratio of each interleaved pair): the
+             planner's plans; the unsplit plan forced on both settings ("runtime,
+             unsplit", the figure before splits); with the demo's global-norm
+             clipping (which makes the optimizer wait for the whole step); and each
+             ``--plan`` forced on both settings (``train.plan``), e.g. edge stages
+             ``'F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]'``
 
 Prints a table and last ``RESULT sync_vs_async=<staleness-0 tokens/s / staleness-1
-tokens/s>`` for the runtime without clipping (the plain synchronous case): the median of
-the interleaved pairs' ratios (with ``--no-runtime``: the simulator's).
+tokens/s> unsplit=<the same, unsplit plan>`` for the runtime without clipping (the plain
+synchronous case): the median of the interleaved pairs' ratios (with ``--no-runtime``:
+the simulator's).
 
 Usage: python benchmarks/sync_mode.py [--steps 24] [--warmup 4] [--repeats 2]
-       [--no-clip-runs] [--no-runtime] [--plan PLAN ...]
+       [--no-clip-runs] [--no-unsplit-runs] [--no-runtime] [--plan PLAN ...]
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import itertools
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from common import run_runtime
@@ -44,7 +47,6 @@ from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
-from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -87,10 +89,11 @@ def every_plan(num_layers: int) -> Iterator[Plan]:
 
 def simulate(
     spec: JobSpec, num_workers: int, plans: Sequence[str]
-) -> list[tuple[str, float, float, float]]:
+) -> tuple[list[tuple[str, float, float, float]], Plan]:
     """Rows (label, staleness-0 tokens/s, staleness-1 tokens/s, their ratio) the simulator
-    predicts: the planner's plan for each staleness, the best plan for each over every
-    partition, each of ``plans``, and (the demo's shape) the microbatch-split what-if."""
+    predicts: the planner's plan for each staleness, its best unsplit plan, the best
+    unsplit plan for each over every partition, and each of ``plans``; and the planner's
+    unsplit staleness-0 plan."""
     from roundpipe.coordinator.jobspec import model_config_from_spec
 
     model = LayeredModel(model_config_from_spec(spec.model))
@@ -107,15 +110,25 @@ def simulate(
         plan.validate(len(costs))
     m = spec.batch.num_microbatches
     tokens = spec.global_batch_size * spec.data.seq_len
-    planned = {}
-    for staleness in (0, 1):
-        result = plan_stages(costs, hw, m, staleness=staleness, tokens_per_iteration=tokens)
-        planned[staleness] = tokens / result.predicted_iteration_s
-        print(
-            f"# simulator, staleness {staleness}: planner's plan {result.plan}, "
-            f"{result.predicted_iteration_s * 1e3:.1f} ms per step"
-        )
-    rows = [("simulator", planned[0], planned[1], planned[0] / planned[1])]
+    planned: dict[tuple[str, int], float] = {}
+    unsplit_plan = None
+    for label, fits in (("planner's", None), ("unsplit", _unsplit)):
+        for staleness in (0, 1):
+            result = plan_stages(
+                costs, hw, m, staleness=staleness, tokens_per_iteration=tokens, fits=fits
+            )
+            planned[(label, staleness)] = tokens / result.predicted_iteration_s
+            if fits is not None and staleness == 0:
+                unsplit_plan = result.plan
+            print(
+                f"# simulator, staleness {staleness}: {label} plan {result.plan}, "
+                f"{result.predicted_iteration_s * 1e3:.1f} ms per step"
+            )
+    assert unsplit_plan is not None
+    rows = [
+        (name, planned[(label, 0)], planned[(label, 1)], planned[(label, 0)] / planned[(label, 1)])
+        for name, label in (("simulator", "planner's"), ("simulator, unsplit", "unsplit"))
+    ]
 
     def step_s(plan: Plan, staleness: int) -> float:
         return evaluate_plan(
@@ -134,57 +147,15 @@ def simulate(
                 f"# simulator, staleness {staleness}: best of every plan {plan}, "
                 f"{s * 1e3:.1f} ms per step"
             )
-        rows.append(("simulator, every plan", best[0], best[1], best[0] / best[1]))
+        rows.append(("simulator, every unsplit plan", best[0], best[1], best[0] / best[1]))
     for plan in forced:
         s0, s1 = tokens / step_s(plan, 0), tokens / step_s(plan, 1)
         rows.append((f"simulator, {plan}", s0, s1, s0 / s1))
-    if len(costs) == 6 and m == 3:  # the demo's shape
-        split = {}
-        for staleness in (0, 1):
-            split[staleness] = tokens / what_if_split_s(
-                evaluate_plan(Plan.parse(WHAT_IF_PLAN), costs, hw, m).sim_stages,
-                num_workers,
-                m,
-                staleness,
-            )
-        print(
-            f"# simulator, what-if (the runtime cannot run it): {WHAT_IF_PLAN} with the "
-            "forward as tasks over microbatches {0} and {1, 2} and the backward over "
-            "{0, 1} and {2} (Note [microbatch-split stages]): staleness 0 at "
-            f"{split[0] / max(planned[1], best.get(1, 0.0)):.2f} of the best staleness-1 plan"
-        )
-        rows.append(("simulator, what-if split", split[0], split[1], split[0] / split[1]))
-    return rows
+    return rows, unsplit_plan
 
 
-# Note [microbatch-split stages] in roundpipe.coordinator.planning.simulator: the best
-# split found for the demo with round-robin workers (searched over plans of up to 6
-# stages, each whole or split in two by microbatch: gradient stages only as all but the
-# last microbatch / the last), for the staleness-0 what-if row.
-WHAT_IF_PLAN = "F[0:4] T[4:6] B[0:4]"
-
-
-def what_if_split_s(
-    stages: Sequence[SimStage], num_workers: int, num_microbatches: int, staleness: int
-) -> float:
-    """Seconds per step of ``stages`` (F, T, B) with the forward split {0} / the rest and
-    the backward split all but the last microbatch / the last."""
-    f, t, b = stages
-    mbs = tuple(range(num_microbatches))
-    split = [
-        replace(f, microbatches=mbs[:1], label="Fa"),
-        replace(f, microbatches=mbs[1:], label="Fb"),
-        t,
-        replace(b, microbatches=mbs[:-1], label="Ba"),
-        replace(b, microbatches=mbs[-1:], label="Bb"),
-    ]
-    return simulate_roundpipe(
-        split,
-        num_workers=num_workers,
-        num_microbatches=num_microbatches,
-        iterations=8,
-        staleness=staleness,
-    ).iteration_s
+def _unsplit(plan: Plan) -> bool:
+    return not plan.is_split
 
 
 def main() -> None:
@@ -194,6 +165,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
     parser.add_argument("--no-clip-runs", action="store_true", help="skip the clipped runs")
+    parser.add_argument(
+        "--no-unsplit-runs", action="store_true", help="skip the runs of the unsplit plan"
+    )
     parser.add_argument("--no-runtime", action="store_true", help="the simulator only")
     parser.add_argument(
         "--plan",
@@ -205,12 +179,14 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rp-bench-sync-"))
     spec = demo_spec(1, None, args.steps, root / "sim")
     try:
-        rows = simulate(spec, args.workers, args.plan)
+        rows, unsplit_plan = simulate(spec, args.workers, args.plan)
     except ValueError as exc:  # a --plan that does not parse or fit the demo's layers
         parser.error(f"--plan: {exc}")
     cases: list[tuple[str, float | None, str | None]] = []
     if not args.no_runtime:
         cases.append(("runtime", None, None))
+        if not args.no_unsplit_runs:
+            cases.append(("runtime, unsplit", None, str(unsplit_plan)))
         if not args.no_clip_runs:
             cases.append(("runtime, clip 1.0", 1.0, None))
         cases += [(f"runtime, {Plan.parse(t)}", None, t) for t in args.plan]
@@ -255,8 +231,11 @@ def main() -> None:
     )
     for label, s0, s1, ratio in rows:
         print(f"{label:{width}} {s0:12.0f} {s1:12.0f} {ratio:7.2f}")
-    key = [r for r in rows if r[0] == "runtime"] or rows
-    print(f"RESULT sync_vs_async={key[0][3]:.2f}")
+    ratio = {row[0]: row[3] for row in rows}
+    runtime = "runtime" in ratio
+    unsplit = ratio.get("runtime, unsplit" if runtime else "simulator, unsplit")
+    line = f"RESULT sync_vs_async={ratio['runtime' if runtime else 'simulator']:.2f}"
+    print(line if unsplit is None else f"{line} unsplit={unsplit:.2f}")
 
 
 def _spread(values: Sequence[float], fmt: str = ".0f") -> str:

@@ -31,6 +31,7 @@ weights the trainer loads once at start (they become the masters, or are freed).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ class HostMemory:
     checkpoint_staging: int = 0
     """One checkpoint's training state copied for the background writer (coordinator
     memory; 0: checkpoints drain the pipeline)."""
+    split_sums: int = 0
+    """Where the optimizer adds the two parts of a microbatch-split stage's gradient
+    (coordinator memory, as large as the second parts: Note [microbatch-split stages] in
+    roundpipe.shared.plan); 0 when no stage is split."""
 
     @property
     def arenas(self) -> int:
@@ -98,7 +103,14 @@ class HostMemory:
 
     @property
     def total(self) -> int:
-        return self.arenas + self.masters + self.moments + self.staging + self.checkpoint_staging
+        return (
+            self.arenas
+            + self.masters
+            + self.moments
+            + self.staging
+            + self.checkpoint_staging
+            + self.split_sums
+        )
 
     def components(self) -> dict[str, int]:
         """Every component by name, in the order ``describe`` gives them."""
@@ -110,6 +122,7 @@ class HostMemory:
             "moments": self.moments,
             "staging": self.staging,
             "checkpoint_staging": self.checkpoint_staging,
+            "split_sums": self.split_sums,
         }
 
     def describe(self, parameters: int | None = None) -> str:
@@ -120,7 +133,7 @@ class HostMemory:
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
             f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
             f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}, checkpoint staging "
-            f"{_gib(self.checkpoint_staging)}){per}"
+            f"{_gib(self.checkpoint_staging)}, split-gradient sums {_gib(self.split_sums)}){per}"
         )
 
 
@@ -140,6 +153,11 @@ def host_memory_needed(
         masters=4 * trainable,
         moments=optimizer_state_nbytes(layout, spec),
         checkpoint_staging=checkpoint_staging,
+        split_sums=sum(
+            4 * math.prod(ref.shape)
+            for slots in layout.grads_part.values()
+            for ref in slots.values()
+        ),
     )
 
 

@@ -98,31 +98,39 @@ def test_optimizer_benchmark_smoke() -> None:
 @pytest.mark.slow
 def test_sync_mode_benchmark_simulator_part() -> None:
     """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job,
-    the best plans over every partition and a forced plan (the runtime part, real daemons
-    for minutes, is for the docs' figures)."""
+    with the planner's plans (split at staleness 0) and unsplit, the best unsplit plans
+    over every partition and a forced plan (the runtime part, real daemons for minutes,
+    is for the docs' figures)."""
     edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
     stdout = _run_benchmark("sync_mode.py", "--no-runtime", "--plan", edge)
     labels = (
         "simulator",
-        "simulator, every plan",
+        "simulator, unsplit",
+        "simulator, every unsplit plan",
         f"simulator, {edge}",
-        "simulator, what-if split",
     )
     for label in labels:
         assert re.search(rf"^{re.escape(label)} +\d+ +\d+ +\d\.\d\d$", stdout, re.M), stdout
-    assert re.fullmatch(r"RESULT sync_vs_async=\d\.\d\d", stdout.splitlines()[-1])
+    assert re.search(r"^# simulator, staleness 0: planner's plan \S*\[[^]]*/", stdout, re.M)
+    last = re.fullmatch(
+        r"RESULT sync_vs_async=(\d\.\d\d) unsplit=(\d\.\d\d)", stdout.splitlines()[-1]
+    )
+    assert last is not None and float(last[1]) > float(last[2]), stdout
 
 
 @pytest.mark.slow
 def test_sync_mode_benchmark_runtime_runs_a_forced_plan() -> None:
     """The runtime part with ``--plan``: the forced plan reaches the jobs (``train.plan``),
-    both settings run, and the table has its row (a few steps; no timing asserted)."""
+    both settings run, and the table has its row (a few steps; no timing asserted). The
+    planner's staleness-0 plan splits stages by microbatch: real daemons run it."""
     edge = "F[0:1,1:4] T[4:6] B[3:4,2:3,1:2,0:1]"
     stdout = _run_benchmark(
         "sync_mode.py",
-        *("--steps", "3", "--warmup", "1", "--repeats", "1", "--no-clip-runs", "--plan", edge),
+        *("--steps", "3", "--warmup", "1", "--repeats", "1", "--no-clip-runs"),
+        *("--no-unsplit-runs", "--plan", edge),
         timeout_s=600,
     )
+    assert re.search(r"^# runtime, staleness 0, run 0: plan \S*\[[^]]*/", stdout, re.M), stdout
     for staleness in (0, 1):
         assert f"# runtime, {edge}, staleness {staleness}, run 0: plan {edge}," in stdout, stdout
     assert re.search(rf"^runtime, {re.escape(edge)} +\d+ +\d+ +\d+\.\d\d$", stdout, re.M)

@@ -234,7 +234,14 @@ def _stage_tasks(draw: st.DrawFn) -> StageTask:
     stop = draw(st.integers(start + 1, start + 100))
     indices = draw(st.lists(st.integers(0, 2**20), min_size=1, max_size=3, unique=True))
     mbs = [draw(_microbatches(kind, start, stop, m)) for m in indices]
-    per_kind = {"microbatches", "layer_start", "layer_stop", "kind", "loss_denominator"}
+    per_kind = {
+        "microbatches",
+        "layer_start",
+        "layer_stop",
+        "kind",
+        "loss_denominator",
+        "grad_part",
+    }
     grad_fields = {"grad_waits", "grad_signals"}
     base = draw(_builds_fields(StageTask, skip=per_kind | grad_fields))
     if kind != "forward":
@@ -248,6 +255,7 @@ def _stage_tasks(draw: st.DrawFn) -> StageTask:
         layer_stop=stop,
         microbatches=mbs,
         loss_denominator=draw(st.integers(1, 2**40)) if kind == "tail" else 0,
+        grad_part=draw(st.integers(0, 1)) if kind == "backward" else 0,
     )
 
 
@@ -266,6 +274,7 @@ def _job_setups(draw: st.DrawFn) -> JobSetup:
                     params=st.lists(refs, max_size=3),
                     params_odd=st.lists(refs, max_size=2),
                     grads=st.lists(refs, max_size=2),
+                    grads_part=st.lists(refs, max_size=2),
                 ),
                 max_size=3,
             )
@@ -816,6 +825,9 @@ _KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
     (lambda: _stage_task(loss_denominator=5), "loss_denominator", "0 for a forward task"),
     (lambda: _backward_task(loss_denominator=5), "loss_denominator", "0 for a backward task"),
     (lambda: _tail_task(loss_denominator=0), "loss_denominator", "a positive int for a tail"),
+    (lambda: _tail_task(grad_part=1), "grad_part", "0 for a tail task"),
+    (lambda: _stage_task(grad_part=1), "grad_part", "0 for a forward task"),
+    (lambda: _backward_task(grad_part=2), "grad_part", "0 or 1"),
     (
         lambda: _swap_mb(_backward_task(), grad_output=None),
         "microbatches[1].grad_output",

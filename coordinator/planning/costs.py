@@ -368,6 +368,32 @@ def plan_estimates(cm: CostModel, plan: Plan) -> list[StageEstimate]:
     return [replace(e, memory_bytes=e.run_bytes + largest + cm.hw.reserved_bytes) for e in ests]
 
 
+def plan_sim_stages(cm: CostModel, plan: Plan, ests: Sequence[StageEstimate]) -> list[SimStage]:
+    """One ``SimStage`` per task of ``plan`` (``ests`` are its stages): a split stage
+    (Note [microbatch-split stages] in roundpipe.shared.plan) is two tasks over its two
+    microbatch ranges, each uploading the stage's weights and, for a gradient stage,
+    downloading its gradient part; the optimizer's work falls on the second part, the
+    one it waits for last."""
+    out = []
+    for stage, est in zip(plan.stages(), ests):
+        sim = cm.sim_stage(est)
+        if not stage.split:
+            out.append(sim)
+            continue
+        mbs = tuple(range(cm.m))
+        out.append(
+            replace(sim, microbatches=mbs[: stage.split], optimizer_s=0.0, label=f"{est.label}a")
+        )
+        out.append(replace(sim, microbatches=mbs[stage.split :], label=f"{est.label}b"))
+    return out
+
+
+def task_estimates(plan: Plan, ests: Sequence[StageEstimate]) -> list[StageEstimate]:
+    """``ests`` (one per stage) repeated per task: a split stage's two tasks need the
+    stage's memory each."""
+    return [est for stage, est in zip(plan.stages(), ests) for _ in range(1 + bool(stage.split))]
+
+
 def per_worker_memory(
     cm: CostModel, ests: Sequence[StageEstimate], iterations: int, counter_start: int = 0
 ) -> list[int]:

@@ -16,6 +16,8 @@ from roundpipe.coordinator.planning.costs import (
     estimate_costs,
     per_worker_memory,
     plan_estimates,
+    plan_sim_stages,
+    task_estimates,
 )
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.simulator import (
@@ -87,7 +89,7 @@ def _evaluate(
     objective: float | None = None,
 ) -> PlanResult:
     ests = plan_estimates(cm, plan)
-    sims = [cm.sim_stage(e) for e in ests]
+    sims = plan_sim_stages(cm, plan, ests)
     # Task j runs on worker j mod N: the assignment repeats every N / gcd(S, N)
     # iterations; simulate at least one full period after the first iteration.
     n_workers = cm.hw.num_workers
@@ -117,7 +119,7 @@ def _evaluate(
         num_workers=cm.hw.num_workers,
         num_microbatches=cm.m,
         memory_limit_bytes=cm.hw.memory_limit_bytes,
-        per_worker_memory=tuple(per_worker_memory(cm, ests, iterations)),
+        per_worker_memory=tuple(per_worker_memory(cm, task_estimates(plan, ests), iterations)),
         simulation=sim,
         sim_stages=tuple(sims),
         tokens_per_iteration=tokens_per_iteration,
@@ -639,11 +641,95 @@ def plan_stages(
         best = min(results, key=lambda r: (r.objective_s, len(r.stages)))
     else:
         best = min(results, key=lambda r: (r.predicted_iteration_s, len(r.stages)))
+        if staleness == 0 and hw.num_workers > 1 and cm.m > 1:
+            best = _best_split(cm, results, best, tokens_per_iteration, sim_iterations, fits)
     extra = (
         f"searched {tried_tails} tail length(s), simulated {len(results)} candidate plans; "
         f"search objective max(stages, N) x slowest = {format_seconds(best.objective_s)}"
     )
     return replace(best, notes=best.notes + (extra,))
+
+
+_SPLIT_BASES = 4
+"""How many of the best simulated plans ``_best_split`` tries split variants of."""
+
+_SPLIT_MIN_GAIN = 0.02
+"""A split plan must be predicted this much faster than the best unsplit one: it costs a
+second gradient buffer (host memory) and a second weight upload per split stage."""
+
+
+def split_variants(plan: Plan, num_microbatches: int) -> list[Plan]:
+    """Variants of ``plan`` with microbatch-split stages (Note [microbatch-split stages]
+    in roundpipe.shared.plan) where staleness 0 idles a worker: the first forward stage
+    split at any point (the next iteration's fill), and the last one or two backward
+    stages split before their last microbatch (the drain; that split point keeps the
+    gradient sum bitwise the unsplit plan's). Split, a stage is shared by two workers,
+    so the backward stages are also tried merged: the last two into one, and all."""
+    m = num_microbatches
+    if m < 2 or not plan.forward:
+        return []
+    nf = len(plan.forward)
+    back = plan.backward
+    partitions = {back, (*back[:-2], (back[-1][0], back[-2][1])) if len(back) > 1 else back}
+    partitions.add(((0, plan.tail[0]),))
+    forward_options = [()] + [(j,) + (0,) * (nf - 1) for j in range(1, m)]
+    out = []
+    for backward in sorted(partitions):
+        nb = len(backward)
+        backward_options = [()] + [
+            tuple(m - 1 if i >= nb - last else 0 for i in range(nb))
+            for last in range(1, min(nb, 2) + 1)
+        ]
+        for fs in forward_options:
+            for bs in backward_options:
+                if fs or bs:
+                    out.append(
+                        Plan(
+                            forward=plan.forward,
+                            tail=plan.tail,
+                            backward=backward,
+                            forward_split=fs,
+                            backward_split=bs,
+                        )
+                    )
+    return out
+
+
+def _best_split(
+    cm: CostModel,
+    results: Sequence[PlanResult],
+    best: PlanResult,
+    tokens_per_iteration: int | None,
+    sim_iterations: int,
+    fits: Callable[[Plan], bool] | None,
+) -> PlanResult:
+    """``best``, or a split variant of one of the best few plans predicted at least
+    ``_SPLIT_MIN_GAIN`` faster at staleness 0. Its iterations cannot overlap (each
+    waits for the last step's first layers), so every step pays the pipeline's fill and
+    drain with one worker idle; splitting the stages there by microbatch gives both
+    workers a share (docs/benchmarks.md, sync mode)."""
+    bases = sorted(results, key=lambda r: r.predicted_iteration_s)[:_SPLIT_BASES]
+    winner = best
+    for base in bases:
+        for plan in split_variants(base.plan, cm.m):
+            if fits is not None and not fits(plan):
+                continue
+            res = _evaluate(
+                cm,
+                plan,
+                staleness=0,
+                iterations=sim_iterations,
+                tokens_per_iteration=tokens_per_iteration,
+                notes=(*base.notes, "stages split by microbatch for staleness 0"),
+                objective=base.objective_s,
+            )
+            if max(res.per_worker_memory) > cm.hw.memory_limit_bytes:
+                continue  # a merged backward stage that does not fit
+            if res.predicted_iteration_s < winner.predicted_iteration_s:
+                winner = res
+    if winner.predicted_iteration_s < best.predicted_iteration_s * (1 - _SPLIT_MIN_GAIN):
+        return winner
+    return best
 
 
 def evaluate_plan(

@@ -27,14 +27,13 @@ RoundPipe (``simulate_roundpipe``)
     * the trainer sends iteration i only once iteration i-2 has finished entirely.
 
 Note [microbatch-split stages]
-    A what-if for design work (the runtime's tasks always run all microbatches): a
-    stage may be given as several consecutive ``SimStage`` s with the same layers and
-    ``microbatches`` subsets, which then run as separate tasks (round-robin like the
-    rest). Microbatch m of a task depends on the task before it that ran m, and a
-    forward task over layer 0 on the iteration's start only. At staleness 0 this is what
-    could let both workers share an iteration's fill and drain; a real gradient stage
-    split that way needs its partial gradients summed in microbatch order to keep the
-    results bitwise (docs/benchmarks.md, sync mode).
+    A plan's split stage (Note [microbatch-split stages] in roundpipe.shared.plan) is
+    given as consecutive ``SimStage`` s with the same layers and ``microbatches``
+    subsets, which run as separate tasks (round-robin like the rest;
+    roundpipe.coordinator.planning.costs.plan_sim_stages). Microbatch m of a task
+    depends on the task before it that ran m, and a forward task over layer 0 on the
+    iteration's start only. At staleness 0 this is what lets both workers share an
+    iteration's fill and drain (docs/benchmarks.md, sync mode).
 
 GPipe / 1F1B (``simulate_bound``)
     The classic schedules: stage i is *bound* to GPU i, its weights stay resident, and
@@ -89,9 +88,8 @@ class SimStage:
     label: str = ""
     """Short name used in grids; ``F0``/``T``/``B3`` when empty (set by the simulator)."""
     microbatches: tuple[int, ...] | None = None
-    """The microbatches this task runs, in order (None: all). A what-if the runtime does
-    not run: one stage split into consecutive tasks over disjoint microbatches (Note
-    [microbatch-split stages])."""
+    """The microbatches this task runs, in order (None: all): one stage split into
+    consecutive tasks over disjoint microbatches (Note [microbatch-split stages])."""
 
 
 @dataclass(frozen=True)
