@@ -68,14 +68,15 @@ def test_each_node_takes_an_equal_share_of_the_microbatches() -> None:
 
 @pytest.mark.slow
 def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> None:
-    """Full fine-tuning at staleness 0 and 1, LoRA, and a job resumed from a one-node
+    """Full fine-tuning at staleness 0 (with stages split by microbatch: both gradient
+    parts are summed over the nodes) and 1, LoRA, and a job resumed from a one-node
     checkpoint, submitted to rank 0 at once; each runs on both nodes and equals the
     oracle of the whole global batch (the resumed one: of the uninterrupted run)."""
     from runtime_helpers import trained_in_process
 
     specs = {
         "exact": tiny_spec(
-            tmp_path / "exact", steps=4, num_microbatches=4, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]"
+            tmp_path / "exact", steps=4, num_microbatches=4, plan="F[0:2/1,2:4] T[4:6] B[2:4,0:2/1]"
         ),
         "stale": tiny_spec(tmp_path / "stale", steps=4, staleness=1, num_microbatches=4),
         "lora": tiny_spec(tmp_path / "lora", steps=4, num_microbatches=4, lora=LORA),
