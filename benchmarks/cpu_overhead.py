@@ -160,7 +160,7 @@ def observability(args: argparse.Namespace, root: Path) -> None:
     per_task, per_layer = hooks_cost(spec)
     # Calls per step of this job: one per task of its plan, one per layer (with the
     # embedding and the head).
-    num_tasks = len(Plan.parse(run.plan).stages())
+    num_tasks = Plan.parse(run.plan).num_tasks
     step_off = statistics.median(off_s)
     step_on = statistics.median(on_s)
     hooks_s = num_tasks * per_task + (CONFIG["num_hidden_layers"] + 2) * per_layer
