@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 
 def describe(result: PlanResult) -> str:
     """A printable table of a plan: stage, layers, times, transfers, memory."""
+    split = sum(1 for s in result.plan.stages() if s.split)
     hw_line = (
         f"plan {result.plan}   ({len(result.plan.forward)} forward, 1 tail, "
-        f"{len(result.plan.backward)} backward stages; {result.num_workers} workers, "
-        f"{result.num_microbatches} microbatches)"
+        f"{len(result.plan.backward)} backward stages"
+        + (f", {split} split by microbatch into two tasks" if split else "")
+        + f"; {result.num_workers} workers, {result.num_microbatches} microbatches)"
     )
     headers = ("stage", "layers", "compute", "upload", "download", "time", "bound", "memory")
     rows = []
