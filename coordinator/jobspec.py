@@ -924,7 +924,8 @@ def _validate(spec: JobSpec) -> list[FieldError]:
         _check_lora(e, spec.lora)
     _check_data(e, spec)
     _check_int(e, "batch.microbatch_size", spec.batch.microbatch_size, lo=1)
-    _check_int(e, "batch.num_microbatches", spec.batch.num_microbatches, lo=1)
+    if _check_int(e, "batch.num_microbatches", spec.batch.num_microbatches, lo=1):
+        _check_plan_splits(e, spec.train.plan, spec.batch.num_microbatches)
     _check_optimizer(e, spec.optimizer, spec.train.steps if train_ok else None)
     _check_output(e, spec.output)
     if model_config is not None and _is_int(spec.data.seq_len):
@@ -933,6 +934,24 @@ def _validate(spec: JobSpec) -> list[FieldError]:
         # Only on an otherwise valid spec: the comparisons below assume valid values.
         _check_resume(e, spec)
     return e.items
+
+
+def _check_plan_splits(e: _Errors, plan: Any, num_microbatches: int) -> None:
+    """A microbatch split in ``train.plan`` must leave both tasks of its stage at least
+    one microbatch (Note [microbatch-split stages] in roundpipe.shared.plan); a data-
+    parallel group checks its nodes' shares again when the job starts."""
+    from roundpipe.shared.plan import Plan
+
+    if not isinstance(plan, str):
+        return
+    try:
+        parsed = Plan.parse(plan)
+    except ValueError:
+        return  # _check_train reports it
+    try:
+        parsed.validate_microbatches(num_microbatches)
+    except ValueError as exc:
+        e.bad("train.plan", plan, f"splits that fit batch.num_microbatches ({exc})")
 
 
 def _check_train(e: _Errors, t: TrainSpec) -> bool:

@@ -581,7 +581,8 @@ class GradientReducer:
 
     ``layers`` is the order, the same on every node (descending: the tail's gradient is
     complete first). ``wait_grads(layer, k)`` blocks until this node's share is in the
-    arena; ``grads(layer)`` are the arena views to reduce in place.
+    arena; ``grads(layer, k)`` are the tensors holding it, reduced in place (the same
+    shapes on every node, whatever its plan).
     """
 
     def __init__(
@@ -592,7 +593,7 @@ class GradientReducer:
         first_step: int,
         last_step: int,
         wait_grads: Callable[[int, int], None],
-        grads: Callable[[int], list[torch.Tensor]],
+        grads: Callable[[int, int], list[torch.Tensor]],
         stopped: Callable[[], bool],
         wake: Callable[[str], None],
     ):
@@ -611,7 +612,7 @@ class GradientReducer:
         self.reduce_s: dict[int, float] = {}
         """Seconds spent inside all-reduces per step (waiting for other nodes included)."""
         self.bytes_per_step = sum(
-            t.numel() * t.element_size() for layer in layers for t in grads(layer)
+            t.numel() * t.element_size() for layer in layers for t in grads(layer, first_step)
         )
         self.thread = threading.Thread(
             target=self._run, name=f"rp-allreduce-{group.job_id}", daemon=True
@@ -628,7 +629,7 @@ class GradientReducer:
                     self._wait_grads(layer, k)
                     started = time.perf_counter()
                     self.group.all_reduce(
-                        self._grads(layer),
+                        self._grads(layer, k),
                         f"grad/{layer}",
                         k - self.first_step + 1,
                         f"layer {layer}'s gradient of step {k} from every node",

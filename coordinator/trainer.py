@@ -341,35 +341,23 @@ class Trainer:
         self.compute_dtype = getattr(torch, spec.train.dtype)
         self.hardware = hardware or cpu_hardware(max(1, num_workers))
         plan, why = self._initial_plan(model)
-        capacity: dict[str, int] = {}
-        if self.profile is not None:  # leave room in the slot pools for a re-plan
-            for key, boundaries in (
-                ("act_capacity", JobLayout.activation_boundaries(plan)),
-                ("dact_capacity", JobLayout.gradient_boundaries(plan)),
-            ):
-                n = len(boundaries)
-                capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
-        layout = JobLayout.plan_layout(
-            model,
-            plan,
-            compute_dtype=self.compute_dtype,
-            microbatch_rows=spec.batch.microbatch_size,
-            seq_len=spec.data.seq_len,
-            num_microbatches=self.node_microbatches,
-            grad_buffer_layers=grad_buffer_layers(spec, plan),
-            weight_copies=weight_copies(spec),
-            **capacity,
-        )
-        # Admission control: refuse before any arena, master or moment exists, with the
-        # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
-        self.staging_bytes = self._choose_staging(layout)
         try:
-            check_host_memory(
-                host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
-                self.arena_dir,
-            )
+            layout = self._checked_layout(model, plan)
         except InsufficientMemory as exc:
-            raise JobFailed(str(exc)) from None
+            if not plan.is_split or spec.train.plan:
+                raise JobFailed(str(exc)) from None
+            # The planner's split plan needs a second gradient buffer (and sums) that
+            # this host cannot hold: the best unsplit plan may fit.
+            log.info(
+                "[trainer] job %s: no room for split stages (%s); planning unsplit",
+                self.job_id,
+                exc,
+            )
+            plan, why = self._initial_plan(model, fits=lambda p: not p.is_split)
+            try:
+                layout = self._checked_layout(model, plan)
+            except InsufficientMemory as exc2:
+                raise JobFailed(str(exc2)) from None
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
         # fp32 masters (coordinator memory) and W_0 in params parity 0.
@@ -461,8 +449,43 @@ class Trainer:
         )
         return 0
 
-    def _initial_plan(self, model: LayeredModel) -> tuple[Plan, str]:
-        """The job's first plan and why: the spec's, or the planner's cold start."""
+    def _checked_layout(self, model: LayeredModel, plan: Plan) -> JobLayout:
+        """The job's layout for ``plan``, sized, not created; raises InsufficientMemory
+        when the host cannot hold it. Sets ``staging_bytes``."""
+        spec = self.spec
+        capacity: dict[str, int] = {}
+        if self.profile is not None:  # leave room in the slot pools for a re-plan
+            for key, boundaries in (
+                ("act_capacity", JobLayout.activation_boundaries(plan)),
+                ("dact_capacity", JobLayout.gradient_boundaries(plan)),
+            ):
+                n = len(boundaries)
+                capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
+        layout = JobLayout.plan_layout(
+            model,
+            plan,
+            compute_dtype=self.compute_dtype,
+            microbatch_rows=spec.batch.microbatch_size,
+            seq_len=spec.data.seq_len,
+            num_microbatches=self.node_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
+            **capacity,
+        )
+        # Admission control: refuse before any arena, master or moment exists, with the
+        # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        self.staging_bytes = self._choose_staging(layout)
+        check_host_memory(
+            host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
+            self.arena_dir,
+        )
+        return layout
+
+    def _initial_plan(
+        self, model: LayeredModel, fits: Callable[[Plan], bool] | None = None
+    ) -> tuple[Plan, str]:
+        """The job's first plan and why: the spec's, or the planner's cold start (among
+        the plans ``fits`` accepts)."""
         spec, hw = self.spec, self.hardware
         assert hw is not None
         if spec.train.plan:
@@ -482,6 +505,7 @@ class Trainer:
                 num_microbatches=self.node_microbatches,
                 compute_dtype=self.compute_dtype,
                 staleness=spec.train.staleness,
+                fits=fits,
             )
         except ValueError as exc:
             raise JobFailed(f"cannot plan this job: {exc}") from None
@@ -1125,18 +1149,37 @@ class Trainer:
             if not self._split_at(layer, k):  # known once wgrad[l] >= k
                 break
 
+    def _split_sum(self, layer: int) -> dict[str, torch.Tensor]:
+        """A split layer's gradient, first part + second (Note [microbatch-split stages]
+        in roundpipe.shared.plan), added out of place into its scratch: summing again
+        gives the same bits."""
+        assert self.layout is not None
+        layout = self.layout
+        first, second = layout.grads[layer], layout.grads_part[layer]
+        scratch = self._split_scratch[layer]
+        for name, out in scratch.items():
+            torch.add(layout.view(first[name]), layout.view(second[name]), out=out)
+        return scratch
+
+    def _node_grads(self, layer: int, k: int) -> list[torch.Tensor]:
+        """What the group reducer all-reduces in place for step k: this node's gradient
+        of ``layer``, its two parts added first when split, so that every node reduces
+        one tensor per weight whatever its plan (nodes plan for their own workers)."""
+        assert self.layout is not None
+        if self._split_at(layer, k):
+            return list(self._split_sum(layer).values())
+        return [self.layout.view(ref) for ref in self.layout.grads[layer].values()]
+
     def _grads(self, layer: int, k: int) -> dict[str, torch.Tensor]:
-        """Layer's step-k gradients as fp32 views; the second part of a split stage's
-        gradient (first part + second, Note [microbatch-split stages] in
-        roundpipe.shared.plan) and tied contributions summed into scratch."""
+        """Layer's step-k gradients as fp32 views; a split stage's two parts (Note
+        [microbatch-split stages] in roundpipe.shared.plan; with a group the reducer
+        added them before reducing) and tied contributions summed into scratch."""
         assert self.layout is not None
         layout = self.layout
         grads = {name: layout.view(layout.grads[layer][name]) for name in self.masters[layer]}
         if self._split_at(layer, k):
-            part = layout.grads_part[layer]
-            for name, scratch in self._split_scratch[layer].items():
-                torch.add(grads[name], layout.view(part[name]), out=scratch)
-                grads[name] = scratch
+            summed = self._split_scratch[layer] if self.reducer else self._split_sum(layer)
+            grads.update(summed)
         for tail_layer, alias, owner in self._tied.get(layer, []):
             total = self._tied_scratch[owner]
             torch.add(grads[owner], layout.view(layout.grads[tail_layer][alias]), out=total)
@@ -1222,13 +1265,7 @@ class Trainer:
             first_step=self.start_step + 1,
             last_step=self.spec.train.steps,
             wait_grads=self._wait_local_grads,
-            # Both parts of a split layer's gradient are summed over the nodes (their
-            # sum is then the global one); the optimizer adds them as on one node.
-            grads=lambda layer: [
-                layout.view(ref)
-                for slots in (layout.grads[layer], layout.grads_part.get(layer, {}))
-                for ref in slots.values()
-            ],
+            grads=self._node_grads,
             stopped=self._cancel.is_set,
             wake=lambda why: self.inbox.put(Wakeup(why)),
         )

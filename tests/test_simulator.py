@@ -161,6 +161,25 @@ def test_splitting_the_last_backward_stage_shares_the_drain_at_staleness_zero() 
         assert len(opt) == 2 and first >= max(opt) - 1e-9
 
 
+def test_a_split_stage_writes_its_slot_again_only_after_the_optimizer_step() -> None:
+    """Staleness 1: a split backward stage's first part downloads iteration k's gradient
+    only once the optimizer has consumed k-1's, which it does after the *last* part
+    (Note 4 of the weight-update ordering), however little the first part carries."""
+    stages = [
+        SimStage("F", 0, 2, 0.1),
+        SimStage("T", 2, 3, 0.1, download_s=0.01),
+        SimStage("B", 0, 2, 0.1, download_s=0.01, microbatches=(0,), optimizer_s=0.0),
+        SimStage("B", 0, 2, 0.1, download_s=0.01, microbatches=(1,), optimizer_s=5.0),
+    ]
+    r = simulate_roundpipe(stages, num_workers=2, num_microbatches=2, iterations=3, staleness=1)
+    for k in (2, 3):
+        optimized = max(e.end for e in r.optimizer_events if e.iteration == k - 1 and e.stage == 3)
+        download = next(
+            e for e in r.events if e.what == "download" and e.iteration == k and e.stage == 2
+        )
+        assert download.start >= optimized - 1e-9, (k, download, optimized)
+
+
 def test_split_microbatches_are_checked() -> None:
     bad = [SimStage("F", 0, 2, 1.0, microbatches=(0, 2)), SimStage("T", 2, 3, 1.0)]
     with pytest.raises(ValueError, match=r"microbatches \[0, 2\]: expected distinct"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import (
+    TINY_QWEN3,
     assert_params_match,
     oracle_train,
     tiny_spec,
@@ -20,12 +21,18 @@ from roundpipe.coordinator.layout import JobLayout
 from roundpipe.coordinator.memory import host_memory_needed
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
-from roundpipe.coordinator.planning.search import plan_stages, split_variants
+from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages, split_variants
 from roundpipe.coordinator.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan, Stage
 
 UNSPLIT = "F[0:4] T[4:6] B[0:4]"
+DEMO_SHAPE = dict(  # the demo job's shape: the planner splits it at staleness 0
+    config=dict(TINY_QWEN3, hidden_size=128, intermediate_size=384),
+    microbatch_size=4,
+    seq_len=128,
+    staleness=0,
+)
 SPLIT = "F[0:4/1] T[4:6] B[0:4/2]"  # 3 microbatches: the backward's second part is the last
 
 
@@ -144,15 +151,14 @@ def _views(layout: JobLayout, slots) -> list[torch.Tensor]:
     return [layout.view(r) for r in slots.values()]
 
 
-def test_a_train_plan_that_splits_past_the_microbatches_fails_the_job(tmp_path, arena_dir) -> None:
-    from roundpipe.coordinator.trainer import JobFailed
+def test_a_train_plan_that_splits_past_the_microbatches_is_a_bad_spec(tmp_path) -> None:
+    from roundpipe.coordinator.jobspec import JobSpecError
 
-    trainer = _trainer(tmp_path, arena_dir, "F[0:4] T[4:6] B[0:4/3]")
-    try:
-        with pytest.raises(JobFailed, match=r"train.plan does not fit this job.*B\[0:4/3\]"):
-            trainer.prepare(2)
-    finally:
-        trainer.close()
+    with pytest.raises(JobSpecError, match=r"train.plan.*splits that fit batch.num_microbatches"):
+        tiny_spec(tmp_path, plan="F[0:4] T[4:6] B[0:4/3]")
+    with pytest.raises(ValueError, match=r"B\[0:4/3\] splits its microbatches at 3"):
+        costs, hw = _costs()
+        evaluate_plan(Plan.parse("F[0:4] T[4:6] B[0:4/3]"), costs, hw, 3)
 
 
 # -- numbers --------------------------------------------------------------------------
@@ -189,6 +195,17 @@ def test_split_before_the_last_microbatch_is_bitwise_the_unsplit_plan(
     _assert_bitwise(split, unsplit)
     if dtype == "float32":
         assert_params_match(split, oracle_train(tiny_spec(tmp_path, **kw)))
+
+
+def test_a_split_stage_over_a_tied_embedding_is_bitwise_the_unsplit_plan(
+    tmp_path, arena_dir
+) -> None:
+    """The embedding's gradient is (first part + second part) + the tail's LM-head
+    contribution, in the unsplit plan's order."""
+    kw = dict(steps=3, staleness=0, config=dict(TINY_QWEN3, tie_word_embeddings=True))
+    unsplit = _train(tmp_path, arena_dir, "unsplit", plan=UNSPLIT, **kw)
+    split = _train(tmp_path, arena_dir, "split", plan=SPLIT, **kw)
+    _assert_bitwise(split, unsplit)
 
 
 def test_split_tasks_replay_the_unsplit_dropout_masks(tmp_path, arena_dir) -> None:
@@ -255,3 +272,43 @@ def test_split_variants_cover_the_fill_and_the_drain() -> None:
     assert all(p.is_split for p in split_variants(base, 3))
     assert all(j in (0, 2) for p in split_variants(base, 3) for j in p.backward_split)
     assert split_variants(base, 1) == []
+
+
+def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
+    tmp_path, arena_dir, monkeypatch
+) -> None:
+    """The planner's split plan needs a second gradient buffer and the sums; when the
+    host cannot hold them, the job starts on the best unsplit plan instead of failing."""
+    import roundpipe.coordinator.trainer as trainer_module
+    from roundpipe.coordinator.memory import InsufficientMemory
+
+    real = trainer_module.check_host_memory
+
+    def no_room_for_splits(need, directory):
+        if need.split_sums:
+            raise InsufficientMemory(f"test: no room for {need.split_sums} bytes of sums")
+        return real(need, directory)
+
+    monkeypatch.setattr(trainer_module, "check_host_memory", no_room_for_splits)
+    trainer = _trainer(tmp_path, arena_dir, None, **DEMO_SHAPE)
+    try:
+        trainer.prepare(2)
+        assert not trainer.plan.is_split and not trainer.layout.grads_part
+    finally:
+        trainer.close()
+    # Without the limit the same job is split (so the test above can fail).
+    monkeypatch.setattr(trainer_module, "check_host_memory", real)
+    trainer = _trainer(tmp_path, arena_dir, None, **DEMO_SHAPE)
+    try:
+        trainer.prepare(2)
+        assert trainer.plan.is_split and trainer.layout.grads_part
+    finally:
+        trainer.close()
+    # A split train.plan is the user's: no fallback, the job fails with the figures.
+    monkeypatch.setattr(trainer_module, "check_host_memory", no_room_for_splits)
+    trainer = _trainer(tmp_path, arena_dir, SPLIT, staleness=0)
+    try:
+        with pytest.raises(trainer_module.JobFailed, match="no room for"):
+            trainer.prepare(2)
+    finally:
+        trainer.close()

@@ -661,7 +661,9 @@ second gradient buffer (host memory) and a second weight upload per split stage.
 def split_variants(plan: Plan, num_microbatches: int) -> list[Plan]:
     """Variants of ``plan`` with microbatch-split stages (Note [microbatch-split stages]
     in roundpipe.shared.plan) where staleness 0 idles a worker: the first forward stage
-    split at any point (the next iteration's fill), and the last one or two backward
+    split after its first microbatch, half of them or all but the last (the next
+    iteration's fill; three points keep the search short with many microbatches), and
+    the last one or two backward
     stages split before their last microbatch (the drain; that split point keeps the
     gradient sum bitwise the unsplit plan's). Split, a stage is shared by two workers,
     so the backward stages are also tried merged: the last two into one, and all."""
@@ -672,7 +674,8 @@ def split_variants(plan: Plan, num_microbatches: int) -> list[Plan]:
     back = plan.backward
     partitions = {back, (*back[:-2], (back[-1][0], back[-2][1])) if len(back) > 1 else back}
     partitions.add(((0, plan.tail[0]),))
-    forward_options = [()] + [(j,) + (0,) * (nf - 1) for j in range(1, m)]
+    points = sorted({1, m // 2, m - 1} - {0})
+    forward_options = [()] + [(j,) + (0,) * (nf - 1) for j in points]
     out = []
     for backward in sorted(partitions):
         nb = len(backward)
@@ -745,6 +748,7 @@ def evaluate_plan(
     """Predict what a given plan does under ``costs`` (no search; memory not enforced,
     an over-limit stage is named in the notes)."""
     plan.validate(len(costs))
+    plan.validate_microbatches(num_microbatches)
     cm = CostModel(costs, hw, num_microbatches)
     return _evaluate(
         cm,
@@ -809,8 +813,10 @@ def initial_plan(
     num_microbatches: int,
     compute_dtype: Any = "bfloat16",
     staleness: int = 1,
+    fits: Callable[[Plan], bool] | None = None,
 ) -> PlanResult:
-    """A job's cold-start plan on ``hardware``: ``estimate_costs`` + ``plan_stages``.
+    """A job's cold-start plan on ``hardware``: ``estimate_costs`` + ``plan_stages``
+    (``fits`` as there).
 
     The result's ``costs`` are the prior to give ``ProfileAggregator`` for re-planning.
     Raises ValueError when no plan fits (the message says what to change).
@@ -828,4 +834,5 @@ def initial_plan(
         num_microbatches,
         staleness=staleness,
         tokens_per_iteration=num_microbatches * microbatch_rows * seq_len,
+        fits=fits,
     )

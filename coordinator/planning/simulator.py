@@ -337,6 +337,13 @@ def simulate_roundpipe(
     labels = _stage_labels(stages)
     # Optimizer chunks: the tail and backward stages (their layers), in task order.
     chunk_of = {s: st for s, st in enumerate(stages) if st.kind in ("T", "B")}
+    # The chunk that consumes a task's gradient slot: its own, or for a part of a split
+    # stage the stage's last part (the layers' optimizer waits for every part).
+    consumer = list(range(s_count))
+    for s in range(s_count - 2, -1, -1):
+        here, after = stages[s], stages[s + 1]
+        if (here.kind, here.start, here.stop) == (after.kind, after.start, after.stop):
+            consumer[s] = consumer[s + 1]
     # For each stage, the chunks whose layers it reads (overlapping ranges).
     reads = [
         [c for c, ch in chunk_of.items() if ch.start < st.stop and st.start < ch.stop]
@@ -389,7 +396,7 @@ def simulate_roundpipe(
             worker_free[w] = t
             end = t
             if st.kind in ("T", "B"):
-                d_start = max(t, down_free[w], opt_end.get((k - 1, s), 0.0))
+                d_start = max(t, down_free[w], opt_end.get((k - 1, consumer[s]), 0.0))
                 d_end = d_start + st.download_s
                 down_free[w] = d_end
                 if st.download_s > 0:
