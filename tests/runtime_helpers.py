@@ -416,3 +416,16 @@ def fake_hello(**overrides: Any) -> Hello:
     )
     fields.update(overrides)
     return Hello(**fields)
+
+
+def load_output(output_dir: Path, lora: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters of a job's exported model (a PEFT adapter with ``lora``)."""
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(output_dir))
+    return {n: p.detach() for n, p in model.named_parameters()}

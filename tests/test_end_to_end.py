@@ -58,9 +58,10 @@ def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
 
 
 def test_queued_jobs_match_the_oracle(cluster: LocalCluster, tmp_path: Path) -> None:
-    """Three jobs submitted at once run one after another; each equals its oracle."""
+    """Three jobs submitted at once run one after another; each equals its oracle. The
+    exact one splits stages by microbatch (Note [microbatch-split stages])."""
     specs = {
-        "exact": tiny_spec(tmp_path / "exact", staleness=0),
+        "exact": tiny_spec(tmp_path / "exact", staleness=0, plan="F[0:4/1] T[4:6] B[2:4,0:2/2]"),
         "stale": tiny_spec(tmp_path / "stale", staleness=1),
         "lora": tiny_spec(
             tmp_path / "lora",

@@ -312,3 +312,29 @@ def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
             trainer.prepare(2)
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_in_a_split_task_changes_no_result(tmp_path) -> None:
+    """Real daemons: the worker running the second part of the split backward stage (its
+    microbatch 2) is killed at that microbatch; the task goes to the other worker, which
+    writes the second gradient slots, and the job ends equal to its oracle, and equal to
+    the same job without the kill."""
+    from runtime_helpers import cpu_cluster, load_output
+
+    kill = "kill@iteration=2,kind=backward,layer=0,mb=2"
+    results = {}
+    for name, fault in (("killed", kill), ("clean", None)):
+        spec = tiny_spec(tmp_path / name, steps=4, staleness=0, plan=SPLIT)
+        with cpu_cluster(tmp_path / f"c-{name}", f"split-{name}") as cluster:
+            cluster.add_worker("w1", fault=fault)
+            cluster.add_worker("w2", fault=fault)
+            cluster.wait_for_workers(2)
+            status = cluster.client.submit(spec).wait(timeout_s=300)
+            assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+            alive = [w for w in cluster.client.workers()]
+            if fault:
+                assert len(alive) == 1, cluster.logs()  # the fault fired: one worker died
+        results[name] = load_output(Path(spec.output.dir))
+    _assert_bitwise(results["killed"], results["clean"])
+    assert_params_match(results["killed"], oracle_train(spec))
