@@ -120,7 +120,8 @@ def test_a_deterministically_failing_task_fails_the_job_after_bounded_retries(
 def test_job_waits_with_no_worker_and_continues_when_one_joins(
     tmp_path: Path, arena_dir: Path
 ) -> None:
-    spec = tiny_spec(tmp_path / "ref", steps=20, staleness=0)
+    # Ten steps: both workers are killed at step 3, long before the job could end.
+    spec = tiny_spec(tmp_path / "ref", steps=10, staleness=0)
     cluster = LocalCluster(tmp_path, arena_dir, coordinator_args=["--worker-timeout", "2"])
     try:
         cluster.add_worker("a")
