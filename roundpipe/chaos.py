@@ -245,10 +245,15 @@ def _trial(
     armed = []
     for fault in faults:
         if fault.kind == "point":
-            victim = rng.choice(_running(cluster))
-            cluster.signal_worker(victim, signal.SIGTERM)
-            cluster.workers[victim].proc.wait(timeout=60)
-            del cluster.workers[victim]
+            # Never replace a worker armed for this trial: its fault would be lost, and
+            # its exit counted as a fault that fired. With every worker armed, one more
+            # joins.
+            unarmed = [n for n in _running(cluster) if n not in {d.name for d in armed}]
+            if unarmed:
+                victim = rng.choice(unarmed)
+                cluster.signal_worker(victim, signal.SIGTERM)
+                cluster.workers[victim].proc.wait(timeout=60)
+                del cluster.workers[victim]
             armed.append(cluster.add_worker(next(names), fault=fault.point))
     _keep_workers(cluster, num_workers, names)
     cluster.wait_for_workers(num_workers)

@@ -84,17 +84,6 @@ def test_packing_benchmark_smoke() -> None:
     assert re.search(r"^RESULT documents_over_none_step_time=[0-9.]+$", out.splitlines()[-1])
 
 
-def test_optimizer_benchmark_smoke() -> None:
-    """`optimizer.py --smoke --no-paper`: every system of the table runs and the RESULT
-    line carries both ratios (no timing asserted)."""
-    stdout = _run_benchmark("optimizer.py", "--smoke", "--no-paper")
-    lines = stdout.splitlines()
-    rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
-    assert {"runtime", "runtime-dft", "torch-fused", "loop", "paper", "copy", "in-place"} <= rows
-    assert "paper        skipped (--no-paper)" in stdout
-    assert re.fullmatch(r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d", lines[-1])
-
-
 @pytest.mark.slow
 def test_sync_mode_benchmark_simulator_part() -> None:
     """`sync_mode.py --no-runtime`: the simulator's staleness 0 / 1 ratio for the demo job,
@@ -176,20 +165,6 @@ def test_checkpoint_benchmark_smoke() -> None:
     assert "# disk: sequential write" in out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT checkpoint_stall_steps=-?\d+\.\d{3} write_vs_disk=\d+\.\d\d", last)
-
-
-@pytest.mark.slow  # about 20 s: transformers builds three models
-def test_moe_benchmark_smoke() -> None:
-    """`moe.py --smoke`: the grouped MoE layer, the expert loop and the dense layer of the
-    same active parameter count all run (as forward + backward tasks of the executor)."""
-    lines = _run_benchmark("moe.py", "--smoke").splitlines()
-    rows = {line[:28].strip() for line in lines if line and not line.startswith(("#", "RESULT"))}
-    assert {
-        "moe grouped_mm (worker)",
-        "moe eager (expert loop)",
-        "dense, same active params",
-    } <= rows
-    assert re.fullmatch(r"RESULT moe_vs_dense=\d+\.\d\d grouped_vs_eager=\d+\.\d\d", lines[-1])
 
 
 @pytest.mark.slow

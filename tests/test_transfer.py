@@ -244,22 +244,6 @@ def test_slow_emulated_bus_trains_bitwise_like_the_cpu_backend(
         assert torch.equal(cpu[name], emulated[name]), name
 
 
-def test_overlap_benchmark_smoke() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "benchmarks/overlap.py", "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[1],
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT overlap_efficiency=") and "speedup=" in last
-
-
 def test_issue_is_seen_before_landing_and_a_failed_copy_counts_as_issued() -> None:
     """Note [compute waits on the device]: a CUDA compute thread waits only until every
     chunk is issued (``wait_issued``); the host engines wait for landing (``wait_usable``).
