@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import assert_params_match, fake_hello, oracle_train, tiny_spec
+from runtime_helpers import assert_params_match, fake_hello, load_output, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.protocol import Reject, decode, encode
@@ -43,18 +43,6 @@ def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
         arena_dir.rmdir()
         assert c.coordinator.proc.returncode == 0, c.logs()
         assert leaked == [], f"arenas leaked: {leaked}"
-
-
-def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    if lora:
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(output_dir))
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def test_queued_jobs_match_the_oracle(cluster: LocalCluster, tmp_path: Path) -> None:

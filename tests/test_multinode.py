@@ -17,25 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from multinode_helpers import node_group
-from runtime_helpers import assert_params_match, oracle_train, tiny_spec
+from runtime_helpers import assert_params_match, load_output, oracle_train, tiny_spec
 
 from roundpipe.client import RoundPipeError
 from roundpipe.coordinator.jobspec import JobSpec
 from roundpipe.coordinator.multinode import node_microbatches, settings_from_args
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-
-
-def load_output(output_dir: Path, lora: bool) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    if lora:
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
-        return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
-    model = AutoModelForCausalLM.from_pretrained(str(output_dir))
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def oracle(spec, lora: bool) -> dict[str, torch.Tensor]:

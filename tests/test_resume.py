@@ -31,7 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from runtime_helpers import InProcessWorkers, assert_params_match, oracle_train, tiny_spec
+from runtime_helpers import (
+    InProcessWorkers,
+    assert_params_match,
+    load_output,
+    oracle_train,
+    tiny_spec,
+)
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
@@ -382,13 +388,6 @@ def wait_for(cluster: LocalCluster, what: str, predicate, timeout_s: float = 120
             pass  # e.g. the coordinator is still starting
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}\n{cluster.logs()}")
-
-
-def load_output(output_dir: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(output_dir))
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 @pytest.fixture
