@@ -419,13 +419,15 @@ def fake_hello(**overrides: Any) -> Hello:
 
 
 def load_output(output_dir: Path, lora: bool = False) -> dict[str, torch.Tensor]:
-    """The parameters of a job's exported model (a PEFT adapter with ``lora``)."""
+    """The parameters of a job's exported model; with ``lora``, the trained adapter's
+    only (the export is a PEFT adapter)."""
     from transformers import AutoModelForCausalLM
 
     if lora:
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(str(output_dir))
+        return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
     else:
         model = AutoModelForCausalLM.from_pretrained(str(output_dir))
     return {n: p.detach() for n, p in model.named_parameters()}
