@@ -183,16 +183,15 @@ class JobLayout:
         dact_capacity: int | None = None,
         grad_buffer_layers: int | None = None,
         weight_copies: int = 2,
-        split_gradient_layers: frozenset[int] = frozenset(),
     ) -> JobLayout:
         """Lay out a job for ``plan``. ``act_capacity`` / ``dact_capacity``: how many
         activation / gradient boundaries the slot pools hold (default: exactly what
         ``plan`` needs; more leaves room for a re-plan, Note [slot pools]).
         ``grad_buffer_layers``: gradient slots per shape class (Note [gradient buffer];
         None: one per trainable layer). ``weight_copies``: compute-dtype copies of each
-        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies]).
-        ``split_gradient_layers``: layers given a second gradient slot beyond those
-        ``plan`` splits (room for a re-plan to split them)."""
+        trainable weight, 2 or 1 (staleness 0 only: Note [weight copies]). The layers
+        of ``plan``'s split backward stages get second gradient slots (Note
+        [microbatch-split stages] in roundpipe.shared.plan)."""
         if weight_copies not in (1, 2):
             raise ValueError(f"weight_copies must be 1 or 2, got {weight_copies}")
         plan.validate(model.num_layers)
@@ -214,7 +213,7 @@ class JobLayout:
                 name: allocs["grads"].alloc(torch.float32, tuple(ref.shape))
                 for name, ref in grads[layer].items()
             }
-            for layer in sorted(plan.split_gradient_layers() | split_gradient_layers)
+            for layer in sorted(plan.split_gradient_layers())
             if grads[layer]
         }
         for layer in range(model.num_layers):

@@ -663,10 +663,10 @@ def split_variants(plan: Plan, num_microbatches: int) -> list[Plan]:
     in roundpipe.shared.plan) where staleness 0 idles a worker: the first forward stage
     split after its first microbatch, half of them or all but the last (the next
     iteration's fill; three points keep the search short with many microbatches), and
-    the last one or two backward
-    stages split before their last microbatch (the drain; that split point keeps the
-    gradient sum bitwise the unsplit plan's). Split, a stage is shared by two workers,
-    so the backward stages are also tried merged: the last two into one, and all."""
+    the last one or two backward stages split before their last microbatch (the drain;
+    that split point keeps the gradient sum bitwise the unsplit plan's). Split, a stage
+    is shared by two workers, so the backward stages are also tried merged: the last two
+    into one, and all."""
     m = num_microbatches
     if m < 2 or not plan.forward:
         return []
