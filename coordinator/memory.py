@@ -31,7 +31,6 @@ weights the trainer loads once at start (they become the masters, or are freed).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -154,9 +153,7 @@ def host_memory_needed(
         moments=optimizer_state_nbytes(layout, spec),
         checkpoint_staging=checkpoint_staging,
         split_sums=sum(
-            4 * math.prod(ref.shape)
-            for slots in layout.grads_part.values()
-            for ref in slots.values()
+            4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         ),
     )
 

@@ -1138,16 +1138,16 @@ class Trainer:
         """Wait until this node's step-k gradient of ``layer`` is in the grads arena
         (both parts of it when a split stage wrote it)."""
         assert self.layout is not None and self.layout.events is not None
-        counters = self.layout.counters
-        for counter in (counters.wgrad, counters.wgrad_part):
-            self.layout.events.wait_at_least(
-                counter(layer),
-                k,
-                timeout_s=self.wait_timeout_s * 4,
-                should_abort=self._cancel.is_set,
+        events, counters = self.layout.events, self.layout.counters
+
+        def wait(counter: int) -> None:
+            events.wait_at_least(
+                counter, k, timeout_s=self.wait_timeout_s * 4, should_abort=self._cancel.is_set
             )
-            if not self._split_at(layer, k):  # known once wgrad[l] >= k
-                break
+
+        wait(counters.wgrad(layer))
+        if self._split_at(layer, k):  # known once wgrad[l] >= k
+            wait(counters.wgrad_part(layer))
 
     def _split_sum(self, layer: int) -> dict[str, torch.Tensor]:
         """A split layer's gradient, first part + second (Note [microbatch-split stages]

@@ -713,10 +713,12 @@ def _best_split(
     workers a share (docs/benchmarks.md, sync mode)."""
     bases = sorted(results, key=lambda r: r.predicted_iteration_s)[:_SPLIT_BASES]
     winner = best
+    seen: set[Plan] = set()  # bases that differ only in the merged stages give one variant
     for base in bases:
         for plan in split_variants(base.plan, cm.m):
-            if fits is not None and not fits(plan):
+            if plan in seen or (fits is not None and not fits(plan)):
                 continue
+            seen.add(plan)
             res = _evaluate(
                 cm,
                 plan,
