@@ -38,7 +38,7 @@ from roundpipe.coordinator.jobstore import (
     interrupted_message,
 )
 from roundpipe.coordinator.metrics import job_figures
-from roundpipe.coordinator.paths import PathPolicy, modes
+from roundpipe.coordinator.paths import OwnedDir, PathPolicy, check_ownership, modes
 from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
@@ -177,6 +177,7 @@ class JobBook:
         self.store = store
         self._lock = lock
         self._wakeup = threading.Condition(lock)
+        self._submitting = threading.Lock()
         self.jobs: dict[str, JobRecord] = {}
         self.queue: list[str] = []
         self.active: JobRecord | None = None
@@ -279,12 +280,26 @@ class JobBook:
                 log.error("[coordinator] cannot record job %s as %s: %s", job.job_id, state, exc)
         job.state, job.message = state, message
 
-    def submit(self, spec: JobSpec | None, spec_dict: dict, owner: str) -> JobRecord:
-        """A new queued job. Raises JobStoreError if the store cannot record it (then
-        it does not exist)."""
+    def owned_dirs(self) -> list[OwnedDir]:
+        """The directories each known job owns: its job directory (its log; the default
+        output lies inside) and its output directory."""
+        with self._lock:
+            jobs = list(self.jobs.values())
+        out = []
+        for job in jobs:
+            out.append(OwnedDir(os.path.realpath(self.job_dir(job.job_id)), job.owner, job.job_id))
+            if job.output_dir:
+                out.append(OwnedDir(os.path.realpath(job.output_dir), job.owner, job.job_id))
+        return out
+
+    def submit(
+        self, spec: JobSpec | None, spec_dict: dict, owner: str, *, admin: bool = False
+    ) -> JobRecord:
+        """A new queued job. Raises JobSpecError if its paths reach into another owner's
+        job (coordinator.paths.check_ownership; ``admin``: the submitter may read those),
+        JobStoreError if the store cannot record it (then it does not exist either)."""
         job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         job_dir = self.job_dir(job_id)
-        job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
         out_dir = spec_dict["output"]["dir"]
         # Resolved, as the spec's paths are: the output must lie below a write root
         # even where the state directory is reached through a link.
@@ -300,11 +315,19 @@ class JobBook:
             owner=owner,
         )
         assert self.store is not None
-        self.store.add(job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=owner)
-        with self._lock:
-            self.jobs[job_id] = record
-            self.queue.append(job_id)
-            self._wakeup.notify_all()
+        # One submission at a time from the ownership check to the record: two owners
+        # submitting the same output directory at once cannot both be accepted. (Not
+        # the shared lock: the I/O thread must not wait for the store's disk write.)
+        with self._submitting:
+            check_ownership(spec_dict, owner, admin=admin, owned=self.owned_dirs())
+            job_dir.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+            self.store.add(
+                job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=owner
+            )
+            with self._lock:
+                self.jobs[job_id] = record
+                self.queue.append(job_id)
+                self._wakeup.notify_all()
         log.info("[coordinator] job %s of %s queued (%d steps)", job_id, owner, steps)
         return record
 

@@ -62,12 +62,17 @@ __all__ = [
     "ModelSpec",
     "OptimizerSpec",
     "OutputSpec",
+    "PATH_ACCESS",
+    "PATH_FIELDS",
+    "PathField",
     "TrainSpec",
     "has_tokenizer_files",
     "load_job_spec",
     "model_config_from_spec",
+    "read_path",
     "staging_limit_bytes",
     "validate_against_model",
+    "write_path",
 ]
 
 ARCHITECTURES = tuple(FAMILIES)
@@ -184,6 +189,53 @@ def _abs_path(value: Any) -> Any:
     return value
 
 
+# Note [paths are a type]
+# A field that names a file or directory is declared with read_path() or write_path(),
+# never as a plain string. Everything that must treat paths specially walks the schema
+# for those fields instead of keeping its own list: normalisation (_normalise_paths),
+# relative paths in a YAML file (JobSpec.from_dict), and above all the coordinator's
+# confinement to its --allow-read / --allow-write roots (coordinator.paths), so a new
+# path field cannot be forgotten by any of them. tests/test_paths.py refuses a string
+# field that is neither a path nor on its list of known non-path strings.
+
+PATH_ACCESS = "roundpipe.path_access"
+"""Field metadata key of a path field: ``"read"`` or ``"write"``."""
+
+
+def read_path() -> Any:
+    """A spec field naming something the coordinator reads (default ``None``)."""
+    return field(default=None, metadata={PATH_ACCESS: "read"})
+
+
+def write_path() -> Any:
+    """A spec field naming a directory the coordinator writes into (default ``None``)."""
+    return field(default=None, metadata={PATH_ACCESS: "write"})
+
+
+@dataclass(frozen=True)
+class PathField:
+    """One path-typed field of the job spec."""
+
+    section: str
+    key: str
+    access: str
+    """``"read"`` or ``"write"``."""
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.key}"
+
+
+def _path_fields_of(section_cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(section_cls) if PATH_ACCESS in f.metadata]
+
+
+def _normalise_paths(section: Any) -> None:
+    """Make every path field of a section object absolute (Note [paths are a type])."""
+    for f in _path_fields_of(type(section)):
+        object.__setattr__(section, f.name, _abs_path(getattr(section, f.name)))
+
+
 def _freeze_seq(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
@@ -192,7 +244,7 @@ def _freeze_seq(value: Any) -> Any:
 class ModelSpec:
     """Which model to train. Exactly one of ``path`` and ``architecture``."""
 
-    path: str | None = None
+    path: str | None = read_path()
     """Local Hugging Face model directory (holds ``config.json`` and safetensors
     weights). Nothing is downloaded."""
     architecture: str | None = None
@@ -203,12 +255,12 @@ class ModelSpec:
     init_seed: int | None = None
     """With ``architecture`` only: seed of the random initialisation; ``None`` uses
     ``train.seed``."""
-    tokenizer: str | None = None
+    tokenizer: str | None = read_path()
     """Local tokenizer directory; ``None`` uses ``path`` (a path model's own tokenizer)."""
     dequantize: bool = False
     """With ``path`` only: dequantise MXFP4-packed expert weights (GPT-OSS checkpoints
     from the hub) while loading; the job trains and exports the unquantised model."""
-    resume_from: str | None = None
+    resume_from: str | None = read_path()
     """A RoundPipe checkpoint to continue from: a ``step-*`` checkpoint directory, a
     ``checkpoints`` directory or a job's output directory (its newest good checkpoint).
     Weights, optimizer state, step count and data cursor come from it, so the model,
@@ -217,9 +269,7 @@ class ModelSpec:
     docs/checkpoints.md."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", _abs_path(self.path))
-        object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
-        object.__setattr__(self, "resume_from", _abs_path(self.resume_from))
+        _normalise_paths(self)
         if isinstance(self.config, Mapping) and _json_like(dict(self.config)):
             # A private deep copy (tuples become lists, as after a msgpack/YAML trip): the
             # spec must not change under the caller's feet, and must round-trip.
@@ -257,7 +307,7 @@ class LoraSpec:
 class DataSpec:
     """Training data and how it becomes fixed-length rows."""
 
-    path: str | None = None
+    path: str | None = read_path()
     """Local data (required): a ``.jsonl`` or ``.parquet`` file of records, a ``.txt``
     file, or a folder saved by ``datasets`` (``save_to_disk``) or of Parquet / Arrow
     shards."""
@@ -276,12 +326,12 @@ class DataSpec:
     """``chat``: ``assistant`` trains on assistant turns only; ``prompt_completion``: on
     the completion only; ``all``: every token. Other formats train on every token (or
     on their ``labels``)."""
-    chat_template: str | None = None
+    chat_template: str | None = read_path()
     """A Jinja chat template file, for a tokenizer without one (or to replace its own)."""
     overlong: str = "truncate"
     """A labelled record longer than ``seq_len``: ``truncate`` it (dropped if nothing
     trained remains) or ``refuse`` the data."""
-    tokenizer: str | None = None
+    tokenizer: str | None = read_path()
     """Local tokenizer directory; ``None`` uses the model's (``model.tokenizer``, else
     ``model.path``)."""
     seq_len: int = 1024
@@ -296,9 +346,7 @@ class DataSpec:
     documents; ``none`` (or ``false``): each document starts a new row, padded."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", _abs_path(self.path))
-        object.__setattr__(self, "tokenizer", _abs_path(self.tokenizer))
-        object.__setattr__(self, "chat_template", _abs_path(self.chat_template))
+        _normalise_paths(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,7 +449,7 @@ class OptimizerSpec:
 class OutputSpec:
     """Where results go and how often."""
 
-    dir: str | None = None
+    dir: str | None = write_path()
     """Output directory (created if missing); ``None``: the coordinator chooses one
     under its state directory, named by job id."""
     checkpoint_every: int = 0
@@ -422,7 +470,7 @@ class OutputSpec:
     TensorBoard scalars to ``<dir>/tensorboard/``."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dir", _abs_path(self.dir))
+        _normalise_paths(self)
 
 
 _SECTIONS: dict[str, type] = {
@@ -536,14 +584,14 @@ class JobSpec:
             _check_keys(errors, name, raw, names)
             kwargs = {k: v for k, v in raw.items() if k in names}
             if base_dir is not None:
-                for key in _PATH_FIELDS.get(name, ()):
-                    value = kwargs.get(key)
+                for f in _path_fields_of(section_cls):
+                    value = kwargs.get(f.name)
                     if (
                         isinstance(value, str)
                         and value
                         and not os.path.isabs(os.path.expanduser(value))
                     ):
-                        kwargs[key] = os.path.join(os.fspath(base_dir), value)
+                        kwargs[f.name] = os.path.join(os.fspath(base_dir), value)
             sections[name] = section_cls(**kwargs)
         sections = {k: v for k, v in sections.items() if v is not None}
         try:
@@ -566,11 +614,12 @@ class JobSpec:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-_PATH_FIELDS = {
-    "model": ("path", "tokenizer", "resume_from"),
-    "data": ("path", "tokenizer"),
-    "output": ("dir",),
-}
+PATH_FIELDS: tuple[PathField, ...] = tuple(
+    PathField(section, f.name, f.metadata[PATH_ACCESS])
+    for section, section_cls in _SECTIONS.items()
+    for f in _path_fields_of(section_cls)
+)
+"""Every path-typed field of the spec, read from the schema (Note [paths are a type])."""
 
 
 def _plain(value: Any) -> Any:

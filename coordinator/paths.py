@@ -24,6 +24,12 @@ Rules (docs/deploy.md, "Paths and file modes"):
   (:data:`PRIVATE_MODES`); ``--group-access`` makes them 0640 / 0750 for a team that
   shares results through the coordinator's group.
 * Write roots are readable too (resuming from a checkpoint, training an exported model).
+* Which fields are paths is read from the job-spec schema (``jobspec.PATH_FIELDS``, Note
+  [paths are a type]), never from a list kept here: a new path field is confined the
+  day it is declared.
+* What a job writes belongs to its owner (:func:`check_ownership`): another owner's job
+  may neither write into nor read from a job's output or job directory (admins may read
+  them); the job book says which directories are whose.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -40,11 +46,11 @@ __all__ = [
     "DEMO_DATA_DIR",
     "GROUP_MODES",
     "PRIVATE_MODES",
-    "READ_FIELDS",
-    "WRITE_FIELDS",
     "FileModes",
+    "OwnedDir",
     "PathPolicy",
     "PathRefused",
+    "check_ownership",
     "modes",
     "open_for_read",
     "open_no_symlinks",
@@ -56,12 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-READ_FIELDS = (("model", "path"), ("model", "tokenizer"), ("model", "resume_from"),
-               ("data", "path"), ("data", "tokenizer"))  # fmt: skip
-"""Spec fields (section, key) that name something the coordinator reads."""
-WRITE_FIELDS = (("output", "dir"),)
-"""Spec fields that name where the coordinator writes."""
 
 DEMO_DATA_DIR = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 """The shipped demo corpus and tokenizer: always readable (they are part of the install)."""
@@ -330,44 +330,46 @@ class PathPolicy:
     def confine_spec(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of a raw spec dict whose path fields are resolved and allowed; raises
         JobSpecError listing every refused path (nothing in the spec is opened here)."""
-        from roundpipe.coordinator.jobspec import FieldError, JobSpecError
+        from roundpipe.coordinator.jobspec import PATH_FIELDS, FieldError, JobSpecError
 
         if not isinstance(spec, Mapping):
             return spec  # not a spec at all: its validation says so
         out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in spec.items()}
         problems: list[FieldError] = []
-        for fields, check in ((READ_FIELDS, self.check_read), (WRITE_FIELDS, self.check_write)):
-            for section, key in fields:
-                raw = out.get(section)
-                if not isinstance(raw, dict) or raw.get(key) in (None, ""):
-                    continue  # missing or malformed: the spec's own validation says so
-                try:
-                    raw[key] = check(raw[key], f"{section}.{key}")
-                except PathRefused as exc:
-                    problems.append(FieldError(exc.field, exc.reason))
+        for f in PATH_FIELDS:
+            raw = out.get(f.section)
+            if not isinstance(raw, dict) or raw.get(f.key) in (None, ""):
+                continue  # missing or malformed: the spec's own validation says so
+            try:
+                raw[f.key] = self._checker(f.access)(raw[f.key], f.dotted)
+            except PathRefused as exc:
+                problems.append(FieldError(exc.field, exc.reason))
         if problems:
             raise JobSpecError(problems)
         return out
+
+    def _checker(self, access: str) -> Callable[[str, str], str]:
+        return {"read": self.check_read, "write": self.check_write}[access]
 
     # -- checks when a job runs --
 
     def recheck(self, spec: Mapping[str, Any]) -> None:
         """Before a job opens its files: each path still resolves to itself (no link
         appeared since it was accepted) and lies below a root. Raises PathRefused."""
-        for fields, check in ((READ_FIELDS, self.check_read), (WRITE_FIELDS, self.check_write)):
-            for section, key in fields:
-                raw = spec.get(section)
-                value = raw.get(key) if isinstance(raw, Mapping) else None
-                if not value:
-                    continue
-                where = f"{section}.{key}"
-                if check(value, where) != value:
-                    raise PathRefused(
-                        where,
-                        f"access refused to {value!r}: it resolved to itself when the job "
-                        "was accepted, and now leads elsewhere (a symbolic link or a "
-                        "renamed directory appeared in it); submit the job again",
-                    )
+        from roundpipe.coordinator.jobspec import PATH_FIELDS
+
+        for f in PATH_FIELDS:
+            raw = spec.get(f.section)
+            value = raw.get(f.key) if isinstance(raw, Mapping) else None
+            if not value:
+                continue
+            if self._checker(f.access)(value, f.dotted) != value:
+                raise PathRefused(
+                    f.dotted,
+                    f"access refused to {value!r}: it resolved to itself when the job "
+                    "was accepted, and now leads elsewhere (a symbolic link or a "
+                    "renamed directory appeared in it); submit the job again",
+                )
 
     def prepare_output(self, directory: str | os.PathLike[str], field: str = "output.dir") -> Path:
         """Create ``directory`` (and missing parents) below its write root and prove that
@@ -440,11 +442,66 @@ class PathPolicy:
 def spec_read_dirs(spec: Any) -> list[str]:
     """Directories holding what a spec (a JobSpec or its dict) reads: for launchers that
     start their own private coordinator for one user's job (the demo, benchmarks)."""
+    from roundpipe.coordinator.jobspec import PATH_FIELDS
+
     raw = spec.to_dict() if hasattr(spec, "to_dict") else spec
     dirs = []
-    for section, key in READ_FIELDS:
-        value = (raw.get(section) or {}).get(key)
+    for f in PATH_FIELDS:
+        value = (raw.get(f.section) or {}).get(f.key) if f.access == "read" else None
         if value:
             p = os.path.abspath(value)
             dirs.append(p if os.path.isdir(p) else os.path.dirname(p))
     return dirs
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+@dataclass(frozen=True)
+class OwnedDir:
+    """A directory that belongs to one job, and so to its owner: the job's own directory
+    in the state directory (its log) and its output directory. Resolved paths."""
+
+    path: str
+    owner: str
+    job_id: str
+
+
+def check_ownership(
+    spec: Mapping[str, Any], owner: str, *, admin: bool, owned: Iterable[OwnedDir]
+) -> None:
+    """Refuse a (confined) spec whose paths reach into another owner's job: writing into
+    (or around) another owner's output or job directory, for anyone; reading from one,
+    for anyone but an admin. Raises JobSpecError listing every such field. The message
+    names neither the other owner nor their job."""
+    from roundpipe.coordinator.jobspec import PATH_FIELDS, FieldError, JobSpecError
+
+    theirs = [d for d in owned if d.owner != owner]
+    problems: list[FieldError] = []
+    for f in PATH_FIELDS:
+        raw = spec.get(f.section)
+        value = raw.get(f.key) if isinstance(raw, Mapping) else None
+        if not isinstance(value, str) or not value or (admin and f.access == "read"):
+            continue
+        path = os.path.realpath(value)
+        for d in theirs:
+            inside, around = _within(path, d.path), _within(d.path, path)
+            if not (inside or around):
+                continue
+            where = "lies in" if inside else "holds"
+            if f.access == "write":
+                why = (
+                    f"it {where} the output or log of a job that belongs to another owner, and "
+                    "a job's output is written only by its owner's jobs; choose another "
+                    f"{f.dotted}, or leave it empty for a directory of this job's own"
+                )
+            else:
+                why = (
+                    f"it {where} the output or log of a job that belongs to another owner, which "
+                    "only that owner's jobs (and admins) may read; ask its owner to share "
+                    "a copy below a directory of --allow-read"
+                )
+            problems.append(FieldError(f.dotted, f"access refused to {value!r}: {why}"))
+            break
+    if problems:
+        raise JobSpecError(problems)

@@ -10,6 +10,7 @@ Then a real job writes its state, checkpoints, export and log 0600 / 0700.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -23,12 +24,20 @@ from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.checkpoint import CheckpointDir, save_tensors
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.jobspec import (
+    _SECTIONS,
+    PATH_ACCESS,
+    PATH_FIELDS,
+    JobSpec,
+    JobSpecError,
+)
 from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
+    OwnedDir,
     PathPolicy,
     PathRefused,
+    check_ownership,
     modes,
     open_no_symlinks,
     set_modes,
@@ -144,6 +153,126 @@ def test_confine_spec_lists_every_refused_path(tree: Path) -> None:
             }
         )
     assert sorted(e.path for e in err.value.errors) == ["data.path", "model.path", "output.dir"]
+
+
+# --------------------------------------------------------------------------- paths are a type
+
+NON_PATH_STRINGS = {
+    "model.architecture",
+    "model.config",
+    "lora.target_modules",
+    "data.columns",
+    "data.format",
+    "data.text_field",
+    "data.split",
+    "data.loss_on",
+    "data.overlong",
+    "data.packing",
+    "train.dtype",
+    "train.plan",
+    "optimizer.name",
+    "optimizer.no_decay",
+    "optimizer.schedule",
+    "optimizer.schedule_convention",
+    "optimizer.state_dtype",
+    "output.checkpoint_staging",
+}
+"""Every string field of the spec that does not name a file: a new string field must be
+added here or declared read_path()/write_path() (Note [paths are a type])."""
+
+
+def test_every_string_field_of_the_spec_is_a_path_or_known_not_to_be() -> None:
+    unclassified = []
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            dotted = f"{section}.{f.name}"
+            if PATH_ACCESS in f.metadata:
+                assert dotted not in NON_PATH_STRINGS, dotted
+            elif "str" in str(f.type) and dotted not in NON_PATH_STRINGS:
+                unclassified.append(dotted)
+    assert unclassified == [], (
+        f"spec fields {unclassified} take strings: declare each that names a file with "
+        "read_path()/write_path() in coordinator/jobspec.py, or add it to NON_PATH_STRINGS"
+    )
+    # The fields the issue names, among them the one a list once forgot.
+    assert {f.dotted for f in PATH_FIELDS} >= {
+        "model.path",
+        "model.tokenizer",
+        "model.resume_from",
+        "data.path",
+        "data.tokenizer",
+        "data.chat_template",
+        "output.dir",
+    }
+
+
+@pytest.mark.parametrize("field", PATH_FIELDS, ids=lambda f: f.dotted)
+def test_every_path_typed_field_is_refused_outside_the_roots(tree: Path, field) -> None:
+    """Whatever the field, a path outside the roots is refused before anything opens it,
+    with the same answer whether it exists or not."""
+    (tree / "secret" / "sub").mkdir()
+    messages = []
+    for target in (tree / "secret" / "secret.json", tree / "secret" / "nothing-here.json"):
+        with pytest.raises(JobSpecError) as err:
+            _policy(tree).confine_spec({field.section: {field.key: str(target)}})
+        [error] = err.value.errors
+        assert error.path == field.dotted
+        flag = "--allow-read" if field.access == "read" else "--allow-write"
+        assert "access refused" in error.message and flag in error.message
+        assert SECRET not in str(err.value)
+        messages.append(str(err.value).replace(target.name, "X"))
+    assert messages[0] == messages[1]
+    # Inside the roots it is accepted, resolved.
+    inside = tree / ("read" if field.access == "read" else "write") / "ok.jsonl"
+    confined = _policy(tree).confine_spec({field.section: {field.key: str(inside)}})
+    assert confined[field.section][field.key] == str(inside)
+
+
+@pytest.mark.parametrize("field", PATH_FIELDS, ids=lambda f: f.dotted)
+def test_every_path_field_is_made_absolute_and_relative_to_the_yaml(
+    tmp_path: Path, field, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Normalisation walks the same schema: a relative path in a spec file is taken
+    relative to the file, for every path field (data.chat_template was left relative)."""
+    from roundpipe.coordinator import jobspec
+
+    assert getattr(_SECTIONS[field.section](**{field.key: "rel/x"}), field.key) == (
+        os.path.abspath("rel/x")
+    )
+    monkeypatch.setattr(jobspec, "_validate", lambda spec: [])  # the paths alone
+    spec = JobSpec.from_dict({field.section: {field.key: "rel/x"}}, base_dir=tmp_path)
+    assert getattr(getattr(spec, field.section), field.key) == str(tmp_path / "rel" / "x")
+
+
+def test_ownership_outputs_and_logs_belong_to_their_owner(tree: Path) -> None:
+    alice_out = str(tree / "write" / "alice-out")
+    alice_job = str(tree / "write" / "jobs" / "job-a")
+    owned = [OwnedDir(alice_out, "alice", "job-7f"), OwnedDir(alice_job, "alice", "job-7f")]
+
+    def refused(spec: dict, owner: str, admin: bool = False) -> list[str]:
+        try:
+            check_ownership(spec, owner, admin=admin, owned=owned)
+        except JobSpecError as exc:
+            for e in exc.errors:  # names neither the other owner nor their job
+                text = e.message.replace(repr(spec[e.path.split(".")[0]][e.path.split(".")[1]]), "")
+                assert "alice" not in text and "job-7f" not in text, text
+            return [e.path for e in exc.errors]
+        return []
+
+    into = {"output": {"dir": alice_out + "/sub"}}
+    around = {"output": {"dir": str(tree / "write")}}
+    read_ckpt = {"model": {"resume_from": alice_out}}
+    read_log = {"data": {"path": alice_job + "/job.log"}, "output": {"dir": str(tree / "w2")}}
+    assert refused(into, "bob") == ["output.dir"]
+    assert refused(around, "bob") == ["output.dir"]
+    assert refused(into, "bob", admin=True) == ["output.dir"]  # admins read, never overwrite
+    assert refused(read_ckpt, "bob") == ["model.resume_from"]
+    assert refused(read_log, "bob") == ["data.path"]
+    assert refused(read_ckpt, "bob", admin=True) == []
+    for spec in (into, around, read_ckpt, read_log):
+        assert refused(spec, "alice") == []
+    # A sibling whose name merely starts the same is someone else's directory.
+    assert refused({"output": {"dir": alice_out + "-2"}}, "bob") == []
 
 
 @pytest.mark.parametrize("chosen", [PRIVATE_MODES, GROUP_MODES], ids=["private", "group"])
@@ -301,9 +430,9 @@ def confined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCl
         assert cluster.coordinator.proc.returncode == 0, cluster.logs()
 
 
-def _submit_raw(cluster: LocalCluster, spec: dict) -> Message:
+def _submit_raw(cluster: LocalCluster, spec: dict, name: str = "user") -> Message:
     """What a hostile client sends: no local validation, any paths."""
-    sock = cluster.dealer("user")
+    sock = cluster.dealer(name)
     try:
         sock.send_multipart(encode(SubmitJob(spec=spec)))
         assert sock.poll(120_000), "the coordinator did not answer"
@@ -320,9 +449,9 @@ def _spec(base: Path, **paths: str) -> dict:
     return spec
 
 
-def _refused(cluster: LocalCluster, spec: dict, field: str, flag: str) -> str:
+def _refused(cluster: LocalCluster, spec: dict, field: str, flag: str, name: str = "user") -> str:
     jobs = len(cluster.client.jobs())
-    reply = _submit_raw(cluster, spec)
+    reply = _submit_raw(cluster, spec, name)
     assert isinstance(reply, ErrorReply) and reply.code == "bad_spec", reply
     assert f"{field}: access refused" in reply.message and flag in reply.message, reply.message
     assert SECRET not in reply.message
@@ -358,6 +487,64 @@ def test_coordinator_refuses_reads_outside_its_roots(confined) -> None:
     _refused(
         cluster, _spec(base, model__resume_from=str(base / "secret")), "model.resume_from", "--"
     )
+
+
+def test_a_chat_template_naming_the_coordinators_secret_key_is_refused(confined) -> None:
+    """data.chat_template was confined by no list: any client could name the
+    coordinator's own secret key and get it copied into the exported model."""
+    cluster, base = confined
+    secret_key = cluster.keys_dir / "coordinator.key_secret"
+    secret_text = secret_key.read_text().split("secret-key")[1].split('"')[1]
+    spec = _spec(base, data__chat_template=str(secret_key), output__dir=str(base / "write" / "t"))
+    message = _refused(cluster, spec, "data.chat_template", "--allow-read")
+    assert secret_text not in message
+    assert not (base / "write" / "t").exists()
+
+
+def test_outputs_and_logs_belong_to_their_owner(confined) -> None:
+    """Bob may neither write into nor read from alice's job (her chosen output, her
+    default output, her log); alice may reuse her own; an admin may read hers."""
+    cluster, base = confined
+    for name in ("alice", "bob"):
+        cluster.add_key(name, "client")
+    alice_out = base / "write" / "alice-model"
+    reply = _submit_raw(cluster, _spec(base, output__dir=str(alice_out)), "alice")
+    assert isinstance(reply, JobAccepted), reply
+    default = _submit_raw(cluster, _spec(base, output__dir=None), "alice")
+    assert isinstance(default, JobAccepted), default
+    jobs_root = (base / "cluster" / "state" / "jobs").resolve()
+    accepted = [reply.job_id, default.job_id]
+    try:
+        for out in (alice_out, alice_out / "sub", base / "write", jobs_root / default.job_id):
+            message = _refused(cluster, _spec(base, output__dir=str(out)), "output.dir", "", "bob")
+            assert "belongs to another owner" in message and "alice" not in message.replace(
+                str(out), ""
+            )
+        bob_out = str(base / "write" / "bob-model")
+        _refused(
+            cluster,
+            _spec(base, model__resume_from=str(alice_out), output__dir=bob_out),
+            "model.resume_from",
+            "",
+            "bob",
+        )
+        log = jobs_root / default.job_id / "job.log"
+        spec = _spec(base, data__path=str(log), data__format="text", output__dir=bob_out)
+        _refused(cluster, spec, "data.path", "", "bob")
+        # Alice may write into her own output again (a second run beside the first).
+        again = _submit_raw(cluster, _spec(base, output__dir=str(alice_out)), "alice")
+        assert isinstance(again, JobAccepted), again
+        accepted.append(again.job_id)
+        # An admin reads anyone's output (what it then finds there is another matter).
+        admin = _submit_raw(
+            cluster, _spec(base, model__resume_from=str(alice_out), output__dir=bob_out), "admin"
+        )
+        assert not (isinstance(admin, ErrorReply) and "another owner" in admin.message), admin
+        if isinstance(admin, JobAccepted):
+            accepted.append(admin.job_id)
+    finally:
+        for job_id in accepted:  # the module's later tests wait for their own jobs only
+            cluster.client.cancel(job_id)
 
 
 def test_coordinator_refuses_writes_outside_its_roots(confined) -> None:
