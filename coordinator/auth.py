@@ -5,7 +5,9 @@ Two ways to authenticate, chosen by the coordinator's key directory (roundpipe.s
 - **keys** (``coordinator.key_secret`` exists; required for tcp://): the ROUTER is a
   CurveZMQ server; a peer completes the handshake only with a key listed in
   ``authorized/``, and its identity is that file's name, its role the file's ``role``.
-  Removing a key takes effect at the peer's next message.
+  A connection is bound to the key it shook hands with, not to the name: removing a
+  key, or replacing the key or role behind a name, applies to every open connection
+  from the next re-read on (see Note [sessions belong to keys]).
 - **peer credentials** (ipc:// without keys): who may connect is decided by the
   socket directory's permissions (0770 with a group, see docs/deploy.md); the kernel
   tells the coordinator the connecting process's uid (SO_PEERCRED, which libzmq passes
@@ -18,6 +20,14 @@ coordinator's I/O loop) once per connection; a refused peer never completes its
 handshake, so nothing it sends reaches the coordinator. Every accepted message carries
 the identity the handler returned (``User-Id``) and, on ipc://, the peer's credentials
 (``Peer-Address``): :meth:`Authenticator.peer` turns those into a :class:`Peer`.
+
+``authorized/`` is re-read when it changes: the coordinator's I/O loop checks once a
+second, and every handshake checks first (:meth:`Authenticator.reload`). The check
+compares a fingerprint of the directory and of each ``*.key`` file (inode, size,
+modification and change times), so a file rewritten in place (``cp`` over it, an editor
+turning ``admin`` into ``client``) counts as a change, not only an added or removed
+name. SIGHUP (:func:`request_reload`, installed by the daemon) forces a re-read whatever
+the fingerprint says.
 """
 
 from __future__ import annotations
@@ -34,13 +44,31 @@ from zmq.utils import z85
 
 from roundpipe.shared.keys import AUTHORIZED, authorized_keys, coordinator_key_pair
 
-__all__ = ["ZAP_ENDPOINT", "Authenticator", "AuthSetupError", "Peer", "RateLimitedLog"]
+__all__ = [
+    "ZAP_ENDPOINT",
+    "Authenticator",
+    "AuthSetupError",
+    "Peer",
+    "RateLimitedLog",
+    "request_reload",
+]
 
 log = logging.getLogger("roundpipe.coordinator")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"roundpipe"
 _UNIX_PREFIX = "unix:"
+
+_reload_requests = 0
+"""How many times this process was asked to re-read its keys (SIGHUP)."""
+
+
+def request_reload(signum: int | None = None, frame: object = None) -> None:
+    """Make every Authenticator of this process re-read ``authorized/`` at its next
+    check, whether or not the files look changed. Usable as a signal handler (the
+    coordinator's SIGHUP): it only counts; the I/O loop does the reading."""
+    global _reload_requests
+    _reload_requests += 1
 
 
 class AuthSetupError(RuntimeError):
@@ -79,8 +107,11 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self._next: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+        """Every refusal of each kind so far, logged or not."""
 
     def warning(self, kind: str, text: str, *args: object) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
         now = time.monotonic()
         if now < self._next.get(kind, 0.0):
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
@@ -109,8 +140,11 @@ class Authenticator:
         self.mode = "keys" if self.server_keys is not None else "peer-credentials"
         self.refusals = RateLimitedLog()
         self._by_key: dict[bytes, tuple[str, str]] = {}  # Z85 public key -> (name, role)
-        self._roles: dict[str, frozenset[str]] = {}  # identity -> roles
-        self._authorized_mtime: float | None = None
+        self._roles: dict[str, frozenset[str]] = {}  # unix:<user> -> roles (ipc only)
+        self._fingerprint: object = _NEVER_READ
+        self._requests_seen = _reload_requests
+        self.reloads = 0
+        """How many times ``authorized/`` was read."""
         self.reload()
 
     # -- setup ----------------------------------------------------------------------
@@ -123,24 +157,39 @@ class Authenticator:
             router.curve_publickey, router.curve_secretkey = self.server_keys
 
     def reload(self) -> None:
-        """Re-read ``authorized/`` if it changed (cheap when it did not: one stat)."""
+        """Re-read ``authorized/`` if it changed since the last read, or if SIGHUP asked
+        for it (:func:`request_reload`). Cheap when nothing changed: one stat per file.
+        It runs once a second and before each handshake."""
         if self.server_keys is None:
             return
         directory = self.keys_dir / AUTHORIZED
-        try:
-            mtime = directory.stat().st_mtime_ns
-        except OSError:
-            mtime = None
-        if mtime == self._authorized_mtime and mtime is not None:
+        requested = self._requests_seen != _reload_requests
+        self._requests_seen = _reload_requests
+        # Taken before the files are read: a change made while they are read shows up
+        # as a new fingerprint at the next check.
+        fingerprint = _fingerprint(directory)
+        if fingerprint == self._fingerprint and not requested:
             return
-        self._authorized_mtime = mtime
+        self._fingerprint = fingerprint
         keys = authorized_keys(self.keys_dir)
+        names: dict[bytes, list[str]] = {}
+        for k in keys:
+            names.setdefault(k.public_key, []).append(k.name)
+        shared = {key: found for key, found in names.items() if len(found) > 1}
+        for found in shared.values():
+            log.warning(
+                "[coordinator] one key is authorised as %s: it is refused under every "
+                "name until all but one of them are removed (`roundpipe keys remove NAME`)",
+                " and ".join(found),
+            )
+        keys = [k for k in keys if k.public_key not in shared]
         self._by_key = {k.public_key: (k.name, k.role) for k in keys}
-        self._roles = {k.name: frozenset({k.role}) for k in keys}
+        self.reloads += 1
         log.info(
-            "[coordinator] %d authorised key(s) in %s: %s",
+            "[coordinator] %d authorised key(s) in %s%s: %s",
             len(keys),
             directory,
+            " (re-read on request)" if requested else "",
             ", ".join(f"{k.name} ({k.role})" for k in keys) or "none",
         )
 
@@ -198,7 +247,9 @@ class Authenticator:
                     z85.encode(credentials[0]).decode()[:12] + "...",
                 )
                 return b"400", b"", b"key not authorised"
-            return b"200", found[0].encode(), b"OK"
+            # The User-Id every message of this connection carries is the key itself,
+            # not the name it is authorised under: Note [sessions belong to keys].
+            return b"200", z85.encode(credentials[0]), b"OK"
         creds = _ipc_credentials(address) if self.ipc else None
         if mechanism != b"NULL" or creds is None:
             self.refusals.warning(
@@ -216,15 +267,25 @@ class Authenticator:
     # -- per message ----------------------------------------------------------------
 
     def peer(self, frame: zmq.Frame) -> Peer | None:
-        """The peer who sent the message ending in ``frame``, or None if its identity is
-        no longer authorised (its key was removed)."""
+        """The peer who sent the message ending in ``frame``, or None if the key its
+        connection shook hands with is no longer authorised (removed, or replaced by
+        another key under the same name)."""
         try:
-            name = frame.get("User-Id")
+            user_id = frame.get("User-Id")
         except zmq.ZMQError:
             return None
-        roles = self._roles.get(name) if name else None
-        if roles is None:
+        if not user_id:
             return None
+        if self.server_keys is not None:
+            found = self._by_key.get(user_id.encode())
+            if found is None:
+                return None
+            name, roles = found[0], frozenset({found[1]})
+        else:
+            name = user_id
+            roles = self._roles.get(name)
+            if roles is None:
+                return None
         pid = None
         if self.ipc:
             try:
@@ -233,6 +294,50 @@ class Authenticator:
                 creds = None
             pid = creds[2] if creds else None
         return Peer(name, roles, pid)
+
+
+# Note [sessions belong to keys]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# libzmq asks the ZAP handler once per connection; every later message on that
+# connection carries the User-Id the handler returned then. When that was the key's
+# name, a role was looked up by name at each message, so after `keys remove carol` and
+# `keys add carol --public-key NEW.key` the connection made with carol's old key
+# answered again, with whatever role the new carol got. The User-Id is therefore the
+# public key the peer proved it holds, and each message is looked up by key: a removed
+# or replaced key finds nothing from the next re-read on, and its messages are dropped;
+# a new connection with it fails the handshake. A role changed in place (the same key,
+# another role) applies to the open connections too. Jobs still belong to the name, so
+# a re-keyed user keeps them.
+#
+# One public key authorised under two names would make the identity depend on the
+# order of the files; `roundpipe keys add` refuses it, and the re-read refuses such a
+# key under every name.
+
+_NEVER_READ = object()
+
+
+def _fingerprint(directory: Path) -> tuple | None:
+    """What changes when a file in ``directory`` is added, removed, renamed or written:
+    the directory's own inode and times, and each ``*.key`` file's name, device, inode,
+    size, modification and change times (nanoseconds). None if it cannot be listed."""
+    try:
+        top = directory.stat()
+        files = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".key"):
+                    continue
+                try:
+                    st = entry.stat()  # follows a link: a changed target counts
+                except OSError:
+                    files.append((entry.name,))
+                    continue
+                files.append(
+                    (entry.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                )
+    except OSError:
+        return None
+    return (top.st_ino, top.st_mtime_ns, top.st_ctime_ns), tuple(sorted(files))
 
 
 def _ipc_credentials(address: str) -> tuple[int, int, int] | None:

@@ -71,6 +71,7 @@ from roundpipe.coordinator.auth import (
     AuthSetupError,
     Peer,
     RateLimitedLog,
+    request_reload,
 )
 from roundpipe.coordinator.job_events import (
     CheckpointWritten,
@@ -1269,6 +1270,10 @@ def _job_log_handler(job: JobRecord) -> logging.Handler:
 
 def main(argv: list[str] | None = None) -> int:
     from roundpipe.defaults import DEFAULT_ADDRESS, default_state_dir
+
+    # SIGHUP: re-read the authorised keys (only counted here; the I/O loop's next key
+    # check re-reads). Set first, so a SIGHUP while starting up does not end the process.
+    signal.signal(signal.SIGHUP, request_reload)
 
     parser = argparse.ArgumentParser(
         prog="roundpipe-coordinator",

@@ -11,7 +11,7 @@
     roundpipe logs JOB [--follow]        # a job's log, from the coordinator (owner/admin)
     roundpipe timeline JOB -o t.png      # the measured pipeline as a picture
     roundpipe demo                       # coordinator + workers + a tiny job, end to end
-    roundpipe keys init|new|add|list|remove   # CurveZMQ keys and who may connect
+    roundpipe keys init|new|add|list|remove|reload   # CurveZMQ keys and who may connect
 
 Every subcommand that talks to a coordinator connects with ``--key`` /
 ``$ROUNDPIPE_KEY`` and ``--coordinator-key`` / ``$ROUNDPIPE_COORDINATOR_KEY`` (see
@@ -640,8 +640,17 @@ def _add_keys_parser(add: Callable[..., argparse.ArgumentParser]) -> None:
         "--out", default=".", metavar="DIR", help="where a new NAME.key_secret goes (default .)"
     )
     sub.add_parser("list", parents=[keys_dir], help="list authorised identities and roles")
-    p = sub.add_parser("remove", parents=[keys_dir], help="withdraw an identity's key")
+    p = sub.add_parser(
+        "remove",
+        parents=[keys_dir],
+        help="withdraw an identity's key (its open connections end too)",
+    )
     p.add_argument("name", metavar="NAME")
+    sub.add_parser(
+        "reload",
+        parents=[keys_dir],
+        help="make a running coordinator re-read authorized/ (it also does on any change)",
+    )
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -665,8 +674,10 @@ def _cmd_keys(args: argparse.Namespace) -> int:
                 print(f"wrote {path}")
             print(
                 f"clients and workers need {keys_dir / 'coordinator.key'} (public); workers on "
-                f"this host connect with {keys_dir / 'worker.key_secret'} (ROUNDPIPE_KEY); "
-                "authorise users with `roundpipe keys add NAME --role client|admin`"
+                f"this host connect with {keys_dir / 'worker.key_secret'} (ROUNDPIPE_KEY), "
+                "workers on other hosts each with their own key (`roundpipe keys add HOST "
+                "--role worker`); authorise users with `roundpipe keys add NAME --role "
+                "client|admin`"
             )
         elif args.keys_command == "add":
             path = keys.add_key(
@@ -694,9 +705,27 @@ def _cmd_keys(args: argparse.Namespace) -> int:
                 _error(
                     f"{name}.key is ignored: not a public key with a role (client, worker, admin)"
                 )
+            names: dict[bytes, list[str]] = {}
+            for k in listed:
+                names.setdefault(k.public_key, []).append(k.name)
+            for shared in (found for found in names.values() if len(found) > 1):
+                _error(
+                    f"{' and '.join(shared)} hold the same key: the coordinator refuses it "
+                    "under every name; remove all but one (`roundpipe keys remove NAME`)"
+                )
         elif args.keys_command == "remove":
             path = keys.remove_key(keys_dir, args.name)
-            print(f"removed {path}; the coordinator refuses {args.name} from its next message on")
+            print(
+                f"removed {path}; within a second a running coordinator refuses this key, "
+                "on connections already open too"
+            )
+        elif args.keys_command == "reload":
+            directory = keys.ask_reload(keys_dir)
+            print(
+                f"marked {directory} changed: a running coordinator using these keys re-reads "
+                "them within a second (its log then lists the authorised keys); to make it "
+                "re-read at once, send it SIGHUP"
+            )
     except (keys.KeyError_, OSError) as exc:
         _error(str(exc))
         return EXIT_FAILURE

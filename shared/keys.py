@@ -14,7 +14,15 @@ The coordinator's key directory (``--keys-dir``, ``$ROUNDPIPE_KEYS_DIR``, else
         ops.key                  metadata role = "admin"
 
 Files are pyzmq's certificate format (``zmq.auth``), so czmq tools can read them too.
-The file name (without ``.key``) is the identity: jobs belong to it, logs name it.
+The file name (without ``.key``) is the identity: jobs belong to it, logs name it. A
+connection belongs to the key it was made with (roundpipe.coordinator.auth): removing
+or replacing a key ends the connections made with it. One key is one identity: give
+each worker host its own (``roundpipe keys add gpu-host-2 --role worker``), so that one
+host can be revoked alone.
+
+A running coordinator re-reads ``authorized/`` within a second of any change, a file
+rewritten in place included; :func:`ask_reload` (``roundpipe keys reload``) marks the
+directory changed, which makes it re-read even when no file changed.
 
 A client or worker finds its keys in ``--key`` / ``$ROUNDPIPE_KEY`` (its own
 ``*.key_secret``; default ``~/.config/roundpipe/client.key_secret``) and
@@ -41,6 +49,7 @@ __all__ = [
     "KeyError_",
     "add_key",
     "apply_connect_keys",
+    "ask_reload",
     "authorized_keys",
     "check_name",
     "config_dir",
@@ -211,6 +220,13 @@ def add_key(
         )
     if public_key is not None:
         key, _ = _load(Path(public_key), secret=False)
+        for other in authorized_keys(keys_dir):
+            if other.public_key == key:
+                raise KeyError_(
+                    f"the key in {public_key} is authorised already as {other.name!r} "
+                    f"({other.path}); one key is one identity: make {name} a key pair of "
+                    "its own (`roundpipe keys new`, or `keys add` without --public-key)"
+                )
         _write_key_file(target, key, None, role)
         return target
     if out_dir is None:
@@ -225,7 +241,8 @@ def add_key(
 
 
 def remove_key(keys_dir: Path, name: str) -> Path:
-    """Withdraw identity ``name``: the coordinator refuses it from its next message on."""
+    """Withdraw identity ``name``: within a second a running coordinator refuses its
+    key, on connections already open too (their messages are dropped)."""
     check_name(name)
     target = Path(keys_dir) / AUTHORIZED / f"{name}.key"
     try:
@@ -233,6 +250,28 @@ def remove_key(keys_dir: Path, name: str) -> Path:
     except FileNotFoundError:
         raise KeyError_(f"no authorised key named {name!r} in {target.parent}") from None
     return target
+
+
+def ask_reload(keys_dir: Path) -> Path:
+    """Mark ``keys_dir/authorized`` changed (its modification time becomes now): every
+    coordinator using it re-reads its keys at its next check, within a second, even if
+    no file changed. No signal and no pid needed, only the write access that ``keys
+    add`` and ``keys remove`` need. Returns the directory."""
+    authorized = Path(keys_dir) / AUTHORIZED
+    if not authorized.is_dir():
+        raise KeyError_(
+            f"{authorized} does not exist; is --keys-dir the coordinator's key directory? "
+            f"(create one with `roundpipe keys init --keys-dir {keys_dir}`)"
+        )
+    try:
+        os.utime(authorized)
+    except PermissionError:
+        raise KeyError_(
+            f"no permission to mark {authorized} changed; run this as the user that owns "
+            "the keys (e.g. `sudo -u roundpipe roundpipe keys reload ...`), or send the "
+            "coordinator SIGHUP"
+        ) from None
+    return authorized
 
 
 def authorized_keys(keys_dir: Path) -> list[AuthorizedKey]:
