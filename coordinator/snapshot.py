@@ -34,20 +34,43 @@ disk), and a third is not begun (the run loop waits, still handling task complet
 So a writer that falls behind delays training instead of growing memory, and it has
 until the optimizer reaches the next checkpoint step, not only until that iteration is
 dispatched.
+
+Fault point (tests, docs/fault-tolerance.md): ``ROUNDPIPE_CHECKPOINT_FAULT`` makes the
+writer stop in the middle of a write, between the model files and the training state
+(the ``check_abort`` call), with the temporary directory on disk and nothing renamed::
+
+    ROUNDPIPE_CHECKPOINT_FAULT="stall@step=3,marker=/tmp/reached"   # wait until closed
+    ROUNDPIPE_CHECKPOINT_FAULT="kill@step=3"                        # SIGKILL the process
+
+``stall`` waits until the job stops (``close``: the write is then abandoned as any
+other); ``kill`` is a crash at that point. ``step`` (optional) picks the checkpoint;
+``marker`` (optional, last: the rest of the value is its path) is created when the
+point is reached, before the action, so a test can act on a write that is provably in
+flight. It fires once per writer (one job run); drained checkpoints have no such point.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["BackgroundCheckpoints", "CheckpointAborted", "LayerState"]
+__all__ = [
+    "CHECKPOINT_FAULT_ENV",
+    "BackgroundCheckpoints",
+    "CheckpointAborted",
+    "LayerState",
+    "WriterFault",
+    "parse_writer_fault",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +81,41 @@ LayerState = Mapping[int, Mapping[str, torch.Tensor]]
 
 class CheckpointAborted(RuntimeError):
     """A background checkpoint was abandoned (the job stopped); nothing was published."""
+
+
+CHECKPOINT_FAULT_ENV = "ROUNDPIPE_CHECKPOINT_FAULT"
+
+
+@dataclass
+class WriterFault:
+    """The writer's fault point (module docstring): ``action`` at ``step`` (any if None)."""
+
+    action: str  # "stall" or "kill"
+    step: int | None = None
+    marker: Path | None = None
+    fired: bool = False
+
+
+def parse_writer_fault(text: str | None) -> WriterFault | None:
+    """Parse ``ACTION@step=N,marker=PATH`` (both optional); raise ValueError if malformed."""
+    if not text:
+        return None
+    action, _, rest = text.partition("@")
+    if action not in ("stall", "kill"):
+        raise ValueError(f"{CHECKPOINT_FAULT_ENV}: action {action!r} must be stall or kill")
+    fault = WriterFault(action)
+    while rest:
+        if rest.startswith("marker="):
+            fault.marker, rest = Path(rest[len("marker=") :]), ""
+            continue
+        part, _, rest = rest.partition(",")
+        key, _, value = part.partition("=")
+        if key != "step" or not value.isdigit():
+            raise ValueError(
+                f"{CHECKPOINT_FAULT_ENV}: {part!r} must be step=N or (last) marker=PATH"
+            )
+        fault.step = int(value)
+    return fault
 
 
 class BackgroundCheckpoints:
@@ -92,6 +150,7 @@ class BackgroundCheckpoints:
         self._finished: list[tuple[int, Path]] = []
         self._failed: tuple[int, BaseException] | None = None
         self._closed = False
+        self._fault = parse_writer_fault(os.environ.get(CHECKPOINT_FAULT_ENV))
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -176,9 +235,29 @@ class BackgroundCheckpoints:
             return finished, failed
 
     def check_abort(self) -> None:
-        """Raise CheckpointAborted if ``close`` was called (for ``write``)."""
+        """Raise CheckpointAborted if ``close`` was called (for ``write``). The fault
+        point (module docstring) is here: mid-write, in the writer thread."""
+        if self._fault is not None:
+            self._fault_point(self._fault)
         if self._closed:
             raise CheckpointAborted("the job stopped while a checkpoint was being written")
+
+    def _fault_point(self, fault: WriterFault) -> None:
+        with self._cv:
+            step = self._step
+        if fault.fired or fault.step not in (None, step):
+            return
+        fault.fired = True
+        log.warning("[checkpoint] fault point: %s while writing checkpoint %s", fault.action, step)
+        if fault.marker is not None:  # whole or absent: a watcher may read it at once
+            part = fault.marker.with_name(fault.marker.name + ".part")
+            part.write_text(f"{step}\n")
+            os.replace(part, fault.marker)
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        with self._cv:
+            while not self._closed:
+                self._cv.wait()
 
     def close(self) -> None:
         """Stop the writer: an unfinished checkpoint is abandoned at its next file (its

@@ -14,7 +14,6 @@ import errno
 import json
 import logging
 import os
-import random
 import re
 import signal
 import subprocess
@@ -208,6 +207,22 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
     assert "checkpoint staging" in str(refused.value)
 
 
+def test_writer_fault_point_setting_is_parsed_strictly() -> None:
+    """ROUNDPIPE_CHECKPOINT_FAULT: stall/kill, optional step, marker last (its path may
+    hold commas); anything else is refused with the setting's name."""
+    from roundpipe.coordinator.snapshot import WriterFault, parse_writer_fault
+
+    assert parse_writer_fault("") is None
+    assert parse_writer_fault("stall") == WriterFault("stall")
+    assert parse_writer_fault("kill@step=3") == WriterFault("kill", step=3)
+    assert parse_writer_fault("stall@step=2,marker=/tmp/a,b") == WriterFault(
+        "stall", step=2, marker=Path("/tmp/a,b")
+    )
+    for bad in ("raise@step=1", "stall@step=x", "stall@iteration=1", "kill@step=1,when=end"):
+        with pytest.raises(ValueError, match="ROUNDPIPE_CHECKPOINT_FAULT"):
+            parse_writer_fault(bad)
+
+
 # --------------------------------------------------------------------------- SIGKILL
 
 CHILD = Path(__file__).parent / "procs" / "bg_trainer.py"
@@ -217,56 +232,62 @@ CHILD = Path(__file__).parent / "procs" / "bg_trainer.py"
 def test_sigkill_while_a_background_write_is_in_flight_resumes_exactly(
     tmp_path: Path, arena_dir: Path
 ) -> None:
-    """A trainer process checkpointing every step in the background is SIGKILLed just as
-    a write has begun (its temporary directory exists) while training runs on. Each
-    time ``latest`` names a complete checkpoint and the resumed job equals the
-    uninterrupted one bitwise."""
+    """A trainer process checkpointing every step in the background is SIGKILLed while
+    a write is provably in flight: the writer's fault point (ROUNDPIPE_CHECKPOINT_FAULT,
+    coordinator/snapshot.py), between the model files and the training state of
+    checkpoint ``kill_at``, creates a marker and then stalls (the test kills on the
+    marker) or kills the process itself. Each time ``latest`` names the checkpoint
+    before it, the killed write's temporary directory is the only one left, and the
+    resumed job equals the uninterrupted one bitwise. No timing decides anything: the
+    kill cannot land before or after the write."""
     steps = 8
     out = tmp_path / "out"
     spec = _long_spec(out, steps)
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec.to_dict()))
     ckpts = CheckpointDir(out / "checkpoints")
-    seed = int(os.environ.get("RP_TEST_SEED", time.time_ns() % 10_000))
-    rng = random.Random(seed)
-    in_flight_kills = 0
-    for trial in range(2):
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), str(spec_file), str(arena_dir), f"kill{trial}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    # The first run stalls at checkpoint 3 and the test kills it; the second resumes
+    # from step 2 and kills itself at the point in checkpoint 6.
+    for trial, (kill_at, action) in enumerate(((3, "stall"), (6, "kill"))):
+        marker = tmp_path / f"reached-{trial}"
+        fault = f"{action}@step={kill_at},marker={marker}"
+        env = dict(os.environ, ROUNDPIPE_CHECKPOINT_FAULT=fault)
+        log_file = tmp_path / f"child-{trial}.log"  # not a pipe: a stalled reader blocks no one
+        with log_file.open("w") as log_out:
+            child = subprocess.Popen(
+                [sys.executable, str(CHILD), str(spec_file), str(arena_dir), f"kill{trial}"],
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         try:
-            deadline = time.monotonic() + 120
-            seen = 0
-            while time.monotonic() < deadline and child.poll() is None:
-                temps = [p for p in _entries(ckpts.root) if p.name.startswith(".tmp-step-")]
-                if temps:
-                    seen += 1
-                    if seen >= 2 + trial:  # not always the first write
-                        time.sleep(rng.uniform(0.0, 0.05))
-                        child.send_signal(signal.SIGKILL)
-                        break
-                    while temps[0].exists() and time.monotonic() < deadline:
-                        time.sleep(0.005)
-                time.sleep(0.002)
-            out_text, err = child.communicate(timeout=60)
+            deadline = time.monotonic() + 300
+            while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not marker.exists():
+                pytest.fail(f"trial {trial}: fault point not reached\n{log_file.read_text()}")
+            in_flight = [p.name for p in _entries(ckpts.root) if p.name.startswith(".tmp-step-")]
+            assert in_flight and all(
+                n.startswith(f".tmp-{step_name(kill_at)}-{child.pid}-") for n in in_flight
+            ), in_flight
+            assert not (ckpts.root / step_name(kill_at)).exists()
+            if action == "stall":
+                child.send_signal(signal.SIGKILL)
+            child.wait(timeout=60)
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        assert child.returncode == -signal.SIGKILL, f"trial {trial}: {out_text}\n{err}"
+        assert child.returncode == -signal.SIGKILL, f"trial {trial}: {log_file.read_text()}"
+        assert marker.read_text() == f"{kill_at}\n"
         leftovers = [p.name for p in _entries(ckpts.root) if p.name.startswith(".tmp-")]
-        in_flight_kills += bool(leftovers)
+        assert leftovers == in_flight  # the resumed run removed the earlier one
         latest = ckpts.find_latest("job-kill")
-        print(
-            f"background-write SIGKILL seed={seed} (RP_TEST_SEED) trial {trial}: latest "
-            f"{ckpts.pointer()}, temporary leftovers {leftovers}"
-        )
+        print(f"background-write SIGKILL trial {trial}: latest {ckpts.pointer()}, {leftovers}")
         assert latest is not None and latest.path.name == ckpts.pointer()
-    assert in_flight_kills >= 1
+        assert latest.step == kill_at - 1
     resumed = train(spec, arena_dir, job_id="job-kill")
+    assert [p.name for p in _entries(ckpts.root) if p.name.startswith(".tmp-")] == []
     uninterrupted = train(_long_spec(tmp_path / "ref2", steps), arena_dir, job_id="job-ref")
     assert_same_training(resumed, uninterrupted)
 
