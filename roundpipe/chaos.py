@@ -32,8 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roundpipe.client import JobRejected
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
 from roundpipe.coordinator.paths import spec_read_dirs
 
 __all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]
@@ -386,26 +387,77 @@ def _recoveries(cluster: LocalCluster, mark: int, injected_at: list[float]) -> l
     return out
 
 
+PROG = "roundpipe chaos"
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fault_point(text: str) -> str:
+    """An argparse type: a ROUNDPIPE_FAULT value the workers will accept."""
+    from roundpipe.worker.faults import parse_fault
+
+    try:
+        parse_fault(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bandwidth(text: str) -> str:
+    """An argparse type: a positive bandwidth the workers' --emulate-pcie accepts."""
+    from roundpipe.shared.units import parse_quantity
+
+    try:
+        ok = parse_quantity(text, what="--emulate-pcie") > 0
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a positive bandwidth, got {text!r}")
+    return text
+
+
+def _error(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``roundpipe chaos``. A user's mistake (arguments, the spec, the work directory, a
+    spec the coordinator refuses) is one message on stderr and exit status 2 (1 for the
+    work directory), never a traceback; 0 when every trial is bitwise equal, else 1."""
     parser = argparse.ArgumentParser(
-        prog="roundpipe chaos",
+        prog=PROG,
         description="Run a job with injected worker/coordinator faults and check the result "
         "is bitwise equal to a fault-free run (CPU workers).",
     )
     parser.add_argument("spec", help="job spec YAML (keep it small: it runs 1 + trials times)")
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--faults-per-trial", type=int, default=1)
+    parser.add_argument("--workers", type=_count(1), default=3)
+    parser.add_argument("--trials", type=_count(1), default=5)
+    parser.add_argument("--faults-per-trial", type=_count(0), default=1)
     parser.add_argument("--seed", type=int, default=None, help="replay a run (printed)")
     parser.add_argument(
         "--point",
+        type=_fault_point,
         default=None,
         help="one fixed ROUNDPIPE_FAULT point instead of random faults, "
         "e.g. kill@iteration=3,kind=backward,mb=1",
     )
     parser.add_argument(
         "--coordinator-kills",
-        type=int,
+        type=_count(0),
         default=0,
         help="also SIGKILL the coordinator this many times per trial "
         "(needs output.checkpoint_every in the spec)",
@@ -413,15 +465,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stop", action="store_true", help="only kills, no SIGSTOP hangs")
     parser.add_argument(
         "--emulate-pcie",
+        type=_bandwidth,
         default=None,
         metavar="BANDWIDTH",
         help="run the workers' copies through an emulated bus (roundpipe-worker --emulate-pcie)",
     )
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
+    try:
+        spec = load_job_spec(args.spec)
+    except JobSpecError as exc:
+        return _error(str(exc), 2)
+    try:
+        root = Path(args.workdir or tempfile.mkdtemp(prefix="roundpipe-chaos-"))
+        root.mkdir(parents=True, exist_ok=True)
+        arena_dir = Path(tempfile.mkdtemp(prefix="roundpipe-chaos-", dir="/dev/shm"))
+    except OSError as exc:
+        return _error(f"cannot create directory {exc.filename!r}: {exc.strerror or exc}", 1)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
     print(f"chaos: seed {seed}", flush=True)
-    spec = load_job_spec(args.spec)
     rng = random.Random(seed)
     trials, seeds = [], []
     for _ in range(args.trials):
@@ -435,8 +497,6 @@ def main(argv: list[str] | None = None) -> int:
         ]
         trials.append(faults)
         seeds.append(rng.randrange(1, 10**6))
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="roundpipe-chaos-"))
-    arena_dir = Path(tempfile.mkdtemp(prefix="roundpipe-chaos-", dir="/dev/shm"))
     try:
         report = run_chaos(
             spec,
@@ -447,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
             seeds=seeds,
             worker_args=["--emulate-pcie", args.emulate_pcie] if args.emulate_pcie else (),
         )
+    except JobRejected as exc:  # e.g. more host memory than this machine has
+        return _error(str(exc), 2)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
     finally:
         for f in arena_dir.iterdir():
             f.unlink()

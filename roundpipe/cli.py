@@ -21,8 +21,9 @@ Every subcommand that talks to a coordinator takes ``--address`` (default
 ``$ROUNDPIPE_ADDRESS``, else ``tcp://127.0.0.1:7420``). Errors are one line on stderr
 (an invalid spec lists each problem on its own line), never a traceback.
 
-Exit status: 0 success; 1 a runtime failure (coordinator unreachable, unknown job, the
-job failed or was cancelled); 2 a usage error or an invalid job spec; 130 interrupted.
+Exit status: 0 success; 1 a runtime failure (coordinator unreachable, unknown job, a
+file or directory that cannot be read or written, the job failed or was cancelled); 2 a
+usage error or an invalid job spec; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -809,6 +810,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_FAILURE
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user named: show where it came from
+            raise
+        # A file or directory the command reads or writes (a missing output directory,
+        # no permission): the user's to fix.
+        _error(_path_error(exc))
+        return EXIT_FAILURE
+
+
+def _path_error(exc: OSError) -> str:
+    """``'PATH': reason`` (``'A' -> 'B'`` for a rename) of an OSError about a path."""
+    where = repr(str(exc.filename))
+    if exc.filename2 is not None:
+        where += f" -> {str(exc.filename2)!r}"
+    return f"{where}: {exc.strerror or exc}"
 
 
 if __name__ == "__main__":

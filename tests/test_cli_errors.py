@@ -1,0 +1,193 @@
+"""Every ``roundpipe`` verb given bad input says what is wrong in one message on stderr
+(never a traceback) and exits non-zero: a spec whose relative paths do not resolve, a
+missing or malformed spec, a bad argument, a path that cannot be written, a coordinator
+that is not running, a job id the (real) coordinator does not know.
+
+Each case runs the installed ``roundpipe`` executable, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from roundpipe.cluster import LocalCluster
+
+ROUNDPIPE = str(Path(sys.executable).with_name("roundpipe"))
+DEMO_SPEC = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data" / "demo_job.yaml"
+
+# What stderr holds: "line" one line; "last" progress lines, then the one error line;
+# "spec" the error line then one line per problem of the spec; "usage" argparse's usage
+# lines then the error line.
+LINE, LAST, SPEC, USAGE = "line", "last", "spec", "usage"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def roundpipe(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [ROUNDPIPE, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ROUNDPIPE_ADDRESS": f"tcp://127.0.0.1:{_free_port()}", **(env or {})},
+    )
+
+
+def assert_user_error(
+    result: subprocess.CompletedProcess, status: int, shape: str, *needles: str
+) -> None:
+    """Exit ``status``, a clear message of ``shape`` naming every needle, no traceback."""
+    shown = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == status, shown
+    assert "Traceback" not in result.stdout + result.stderr, shown
+    lines = result.stderr.rstrip("\n").splitlines()
+    assert lines, shown
+    if shape in (LINE, LAST):
+        assert len(lines) == 1 or shape == LAST, shown
+        assert [line for line in lines if ": error: " in line] == lines[-1:], shown
+        assert lines[-1].startswith("roundpipe"), shown
+    elif shape == SPEC:
+        assert lines[0].startswith("roundpipe") and ": error: invalid job spec" in lines[0], shown
+        assert lines[1].startswith("  - "), shown
+    else:
+        assert lines[0].startswith("usage: "), shown
+        assert lines[-1].startswith("roundpipe") and ": error: " in lines[-1], shown
+    for needle in needles:
+        assert needle in result.stderr, shown
+
+
+@pytest.fixture
+def specs(tmp_path: Path) -> dict[str, Path]:
+    """Spec files that are wrong in different ways (and the demo's valid one)."""
+    text = DEMO_SPEC.read_text()
+    unresolved = tmp_path / "unresolved.yaml"  # the demo spec moved away from its files
+    unresolved.write_text(text)
+    malformed = tmp_path / "malformed.yaml"
+    malformed.write_text("model: [unclosed\n  x: :\n")
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- 1\n")
+    return {
+        "unresolved": unresolved,
+        "missing": tmp_path / "missing.yaml",
+        "malformed": malformed,
+        "list": not_a_mapping,
+        "valid": DEMO_SPEC,
+    }
+
+
+@pytest.mark.parametrize("verb", [["chaos"], ["submit"], ["data", "inspect"]])
+def test_bad_spec_files(verb: list[str], specs: dict[str, Path]) -> None:
+    """A spec whose relative paths do not resolve (the chaos traceback this file was
+    written for), a missing, a malformed and a non-mapping spec: exit 2, the problems."""
+    prefix = f"roundpipe {' '.join(verb)}" if verb != ["submit"] else "roundpipe"
+    result = roundpipe(*verb, str(specs["unresolved"]))
+    assert_user_error(result, 2, SPEC, "data.path: data file", "does not exist", "tokenizer")
+    assert result.stderr.startswith(f"{prefix}: error: ")
+    assert_user_error(roundpipe(*verb, str(specs["missing"])), 2, SPEC, "cannot read job spec")
+    assert_user_error(roundpipe(*verb, str(specs["malformed"])), 2, SPEC, "not valid YAML")
+    assert_user_error(roundpipe(*verb, str(specs["list"])), 2, SPEC, "expected a mapping")
+    assert_user_error(roundpipe(*verb, str(specs["list"].parent)), 2, SPEC, "Is a directory")
+
+
+def test_demo_bad_spec(specs: dict[str, Path]) -> None:
+    for name, needle in (("missing", "cannot read job spec"), ("malformed", "not valid YAML")):
+        result = roundpipe("demo", "--spec", str(specs[name]))
+        assert_user_error(result, 2, SPEC, needle)
+
+
+def test_chaos_bad_arguments(specs: dict[str, Path], tmp_path: Path) -> None:
+    """Arguments the harness used to pass on to its workers (which then never came up,
+    and the run hung) or trip over later: refused at once."""
+    valid = str(specs["valid"])
+    for argv, needle in (
+        (["--workers", "0"], "argument --workers: expected an integer >= 1, got '0'"),
+        (["--trials", "-1"], "argument --trials"),
+        (["--coordinator-kills", "x"], "argument --coordinator-kills"),
+        (["--point", "bogus"], "argument --point: ROUNDPIPE_FAULT: action 'bogus'"),
+        (["--point", "kill@when=never"], "when= must be"),
+        (["--emulate-pcie", "fast"], "cannot read --emulate-pcie 'fast'"),
+        (["--emulate-pcie", "0"], "expected a positive bandwidth"),
+    ):
+        assert_user_error(roundpipe("chaos", valid, *argv), 2, USAGE, needle)
+    assert_user_error(roundpipe("chaos"), 2, USAGE, "required: spec")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = roundpipe("chaos", valid, "--workdir", str(blocker / "work"), "--trials", "1")
+    assert_user_error(result, 1, LINE, f"cannot create directory '{blocker / 'work'}'")
+    assert "chaos: seed" not in result.stdout  # nothing started
+
+
+def test_unwritable_output_paths(tmp_path: Path) -> None:
+    """A path the command must write under a regular file: one line naming it (the
+    central OSError handler of roundpipe.cli)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    png = blocker / "t.png"
+    result = roundpipe(
+        "plan", "--architecture", "llama", "--set", "num_hidden_layers=2", "--set",
+        "hidden_size=64", "--set", "intermediate_size=128", "--set", "num_attention_heads=4",
+        "--set", "num_key_value_heads=4", "--set", "vocab_size=128",
+        "--workers", "2", "--seq-len", "32", "--timeline", str(png),
+    )  # fmt: skip
+    assert_user_error(result, 1, LINE, f"'{png}': Not a directory")
+    result = roundpipe("demo", "--cpu", "--workers", "1", "--output", str(blocker / "out"))
+    assert_user_error(result, 1, LAST, str(blocker / "out"), "Not a directory")
+    result = roundpipe("plan", "--model-config", str(tmp_path / "none.json"), "--workers", "2",
+                       "--seq-len", "32")  # fmt: skip
+    assert_user_error(result, 2, LINE, "cannot read model config")
+
+
+def test_no_coordinator_running() -> None:
+    """Every verb that talks to a coordinator, with none there: exit 1, one line."""
+    for argv in (["status", "job-x"], ["jobs"], ["workers"], ["cancel", "job-x"],
+                 ["resume", "job-x"], ["logs", "job-x"], ["timeline", "job-x"]):  # fmt: skip
+        result = roundpipe(*argv, "--timeout", "0.3")
+        assert_user_error(result, 1, LINE, "no reply from the RoundPipe coordinator")
+    result = roundpipe("status", "job-x", "--address", "nonsense")
+    assert_user_error(result, 2, LINE, "invalid coordinator address 'nonsense'")
+
+
+def test_local_files_that_are_not_there(tmp_path: Path) -> None:
+    result = roundpipe("logs", "job-x", "--state-dir", str(tmp_path / "nowhere"))
+    assert_user_error(result, 1, LINE, "no log for job job-x")
+    result = roundpipe("logs", "../job-x", "--state-dir", str(tmp_path))
+    assert_user_error(result, 2, LINE, "invalid job id '../job-x'")
+    result = roundpipe("timeline", str(tmp_path))  # a directory: read as an output dir
+    assert_user_error(result, 1, LINE, "no timeline trace")
+    result = roundpipe("timeline", str(tmp_path), "--steps", "x")
+    assert_user_error(result, 2, LINE, "--steps 'x'")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A real coordinator (no workers: nothing here runs a job)."""
+    root = tmp_path_factory.mktemp("cli-errors")
+    arena = Path(f"/dev/shm/rp-cli-errors-{os.getpid()}")
+    arena.mkdir()
+    c = LocalCluster(root, arena)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(arena, ignore_errors=True)
+
+
+def test_unknown_job_id(cluster: LocalCluster) -> None:
+    """Verbs naming a job the coordinator does not know: exit 1, one line naming it."""
+    env = {"ROUNDPIPE_ADDRESS": cluster.address, **cluster.key_env("admin")}
+    for argv in (["status", "job-nope"], ["cancel", "job-nope"], ["resume", "job-nope"],
+                 ["logs", "job-nope"], ["timeline", "job-nope"]):  # fmt: skip
+        assert_user_error(roundpipe(*argv, env=env), 1, LINE, "unknown job 'job-nope'")
+    assert roundpipe("jobs", env=env).returncode == 0  # the same connection works
