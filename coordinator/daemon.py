@@ -149,7 +149,12 @@ from roundpipe.protocol import (
     encoded_size,
 )
 from roundpipe.protocol.polling import poll_spinning
-from roundpipe.shared.arena import default_arena_dir, remove_stale_arenas
+from roundpipe.shared.arena import (
+    ArenaError,
+    check_arena_root,
+    default_arena_dir,
+    remove_stale_arenas,
+)
 from roundpipe.shared.keys import KeyError_
 
 __all__ = ["Coordinator", "main"]
@@ -227,6 +232,8 @@ class Coordinator:
         # Where job specs may read and write (coordinator.paths); by default only the
         # job outputs in the state directory and the shipped demo data.
         self.paths = paths or PathPolicy.for_coordinator(self.state_dir)
+        # The arena root: each job's arenas go to a private directory in it (Note [private
+        # arena directory] in roundpipe.shared.arena).
         self.arena_dir = Path(arena_dir) if arena_dir is not None else default_arena_dir()
         # Arena files carry the namespace: coordinators on different addresses never
         # clean up each other's leftovers.
@@ -264,10 +271,7 @@ class Coordinator:
         log.info("[coordinator] job paths: %s", self.paths.describe())
         self.paths.warn_about_open_roots()
         self.book.store = JobStore.in_state_dir(self.state_dir)
-        if not self.arena_dir.is_dir():
-            raise FileNotFoundError(
-                f"arena directory {self.arena_dir} does not exist (set --arena-dir)"
-            )
+        check_arena_root(self.arena_dir)  # ArenaError: missing, or others could tamper
         self.auth = Authenticator(self.address, self.keys_dir)  # AuthSetupError: no keys
         if self.address.startswith("ipc://") and _someone_listens(self.address):
             # ZeroMQ would silently take over an ipc path; check for a live owner first.
@@ -1410,6 +1414,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator.bind()
     except (
         AddressInUse,
+        ArenaError,
         AuthSetupError,
         FileNotFoundError,
         JobStoreError,

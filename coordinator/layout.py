@@ -113,7 +113,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
-from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator
+from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator, ArenaDir, prepare_arena_dir
 from roundpipe.shared.events import Counters, EventTable
 from roundpipe.shared.handoff import events_arena_nbytes
 from roundpipe.shared.model import LayeredModel
@@ -162,6 +162,9 @@ class JobLayout:
     [microbatch-split stages] in roundpipe.shared.plan); fixed for the job, like the
     pools, so a re-plan can only split stages over these layers (``fits``)."""
     arenas: dict[str, Arena] = field(default_factory=dict)
+    space: ArenaDir | None = None
+    """The job's private arena directory (Note [private arena directory] in
+    roundpipe.shared.arena), while its arenas exist."""
     events: EventTable | None = None
     # (layer, parity, mb) -> slot, for the plan currently assigned
     acts: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
@@ -398,11 +401,16 @@ class JobLayout:
     # -- allocation -------------------------------------------------------------------
 
     def create(self, directory: str | Path, namespace: str) -> None:
-        """Create the arenas (owner side) and a zeroed event table."""
+        """Create the arenas (owner side) and a zeroed event table, in a directory private
+        to this job below the arena root ``directory`` (``rp.<namespace>.<pid>.<start>.
+        <random>.d``, mode 0700; the root itself when it is private already), which
+        :meth:`destroy` removes again (Note [private arena directory] in
+        roundpipe.shared.arena)."""
         try:
+            self.space = prepare_arena_dir(directory, namespace)
             for name, nbytes in self.sizes.items():
                 self.arenas[name] = Arena.create(
-                    name, nbytes, directory=directory, namespace=namespace
+                    name, nbytes, directory=self.space.path, namespace=namespace
                 )
         except BaseException:
             self.destroy()
@@ -413,7 +421,7 @@ class JobLayout:
             "[layout] %d arenas, %.1f MiB in %s: %s",
             len(self.arenas),
             self.total_bytes / 2**20,
-            directory,
+            self.space.path,
             ", ".join(f"{n}={s / 2**20:.1f}MiB" for n, s in self.sizes.items()),
         )
 
@@ -424,6 +432,9 @@ class JobLayout:
         for arena in self.arenas.values():
             arena.destroy()
         self.arenas.clear()
+        if self.space is not None:
+            self.space.close()  # empty now
+            self.space = None
 
     def write_batch(self, parity: int, batch: GlobalBatch) -> None:
         """Copy ``batch``'s token ids, labels and position ids into the io slots of

@@ -219,7 +219,8 @@ class LocalCluster:
         return "\n".join(f"--- {d.name} ({d.log_path})\n{d.tail(chars)}" for d in self.daemons)
 
     def stop(self, timeout_s: float = 30.0) -> list[Path]:
-        """Terminate every daemon (SIGCONT first for frozen ones); return leftover arenas."""
+        """Terminate every daemon (SIGCONT first for frozen ones); return leftover arenas
+        (and arena directories)."""
         for daemon in reversed(self.daemons):
             if daemon.alive():
                 daemon.proc.send_signal(signal.SIGCONT)
@@ -231,4 +232,12 @@ class LocalCluster:
                 daemon.proc.kill()
                 daemon.proc.wait()
         self.client.close()
-        return sorted(p for p in self.arena_dir.iterdir() if p.name.startswith("rp."))
+        # Arena files, and the coordinator's private arena directory with what is in it
+        # (roundpipe.shared.arena: rp.<namespace>.<pid>.<start>.<random>.d).
+        leftovers = []
+        for path in sorted(self.arena_dir.iterdir()):
+            if path.name.startswith("rp."):
+                leftovers.append(path)
+                if path.is_dir() and not path.is_symlink():
+                    leftovers.extend(sorted(path.iterdir()))
+        return leftovers

@@ -140,7 +140,7 @@ def _make_arena_dir(tmp: Path) -> Path:
         except OSError:
             pass
     arenas = tmp / "arenas"
-    arenas.mkdir()
+    arenas.mkdir(mode=0o700)  # private: the coordinator keeps its arenas right in it
     return arenas
 
 

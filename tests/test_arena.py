@@ -134,6 +134,7 @@ def test_bad_names_and_missing_files(arena_dir: Path) -> None:
         Arena.attach(arena_dir / "rp.default.1.1.gone")
     junk = arena_dir / "junk"
     junk.write_bytes(b"\0" * 8192)
+    junk.chmod(0o600)  # passes the ownership checks: the header is what is wrong
     with pytest.raises(ArenaError, match="not a RoundPipe arena"):
         Arena.attach(junk)
     junk.unlink()

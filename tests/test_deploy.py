@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from roundpipe.coordinator.sdnotify import Notifier
+from roundpipe.shared.arena import check_arena_root
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -118,6 +119,31 @@ def test_units_are_hardened_but_keep_dev_shm_and_ipc_shared(name: str) -> None:
         assert "PrivateDevices" not in found
         allowed = " ".join(found["DeviceAllow"])
         assert "char-nvidia-frontend rw" in allowed and "char-nvidia-uvm rw" in allowed
+
+
+def test_workers_share_the_user_their_private_arenas_belong_to() -> None:
+    """Each job's arenas are in a directory private to the coordinator's user (0700, files
+    0600; roundpipe.shared.arena), so the workers run as that user; the configured root
+    is what the coordinator gets, and it is one the coordinator accepts: a directory
+    every user may write to only with the sticky bit, as /dev/shm."""
+    coordinator = _directives(DEPLOY / "roundpipe-coordinator.service")
+    worker = _directives(DEPLOY / "roundpipe-worker@.service")
+    assert coordinator["User"] == worker["User"] == ["roundpipe"]
+    assert coordinator["Group"] == worker["Group"]
+    assert re.search(r"--arena-dir\s+\$\{ROUNDPIPE_ARENA_DIR\}", coordinator["ExecStart"][0])
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "roundpipe.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    root = env["ROUNDPIPE_ARENA_DIR"]
+    assert root == "/dev/shm"
+    # /run (RuntimeDirectory=) is a small tmpfs, and a root below the state directory
+    # would not be RAM-backed: neither may hold the arenas.
+    assert not root.startswith(("/run", "/var/lib"))
+    if Path(root).is_dir():  # here as on the servers: root's, world-writable, sticky
+        service_uid = 4242  # the roundpipe user does not exist here: any uid but root's
+        assert check_arena_root(root, uid=service_uid) == Path(root).resolve()
 
 
 SECURITY_LIMITS = {"roundpipe-coordinator.service": 4.0, "roundpipe-worker@3.service": 4.0}

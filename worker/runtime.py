@@ -210,6 +210,8 @@ class WorkerCore:
         arenas: dict[str, Arena] = {}
         try:
             for info in setup.arenas:
+                # Only a regular file of this user (the coordinator's), mode 0600, and no
+                # link (Note [private arena directory] in roundpipe.shared.arena).
                 arenas[info.name] = Arena.attach(info.path)
             model = LayeredModel.from_config(dict(setup.model_config), setup.lora)
             dtype = name_to_dtype(setup.compute_dtype)
