@@ -42,7 +42,7 @@ from roundpipe.protocol import (
     encode,
 )
 from roundpipe.protocol.polling import poll_spinning
-from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir
+from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir, prepare_arena_dir
 from roundpipe.shared.events import EventTable
 
 TABLE_OFFSET = DATA_START
@@ -267,7 +267,14 @@ def measure_codec_parts(n: int = 300) -> dict[str, float]:
 
 def measure_wake(n: int, delay_s: float) -> tuple[list[float], float]:
     """Signal-to-wake latencies, and the waiter's CPU time as a share of its waiting."""
-    arena = Arena.create("bench-events", 4096 + 8 * n, directory=default_arena_dir())
+    # A private directory below the arena root, as a coordinator's job gets (Note
+    # [private arena directory]): arena files are never created in a shared /dev/shm.
+    with prepare_arena_dir(default_arena_dir(), "bench") as where:
+        return _measure_wake(n, delay_s, where.path)
+
+
+def _measure_wake(n: int, delay_s: float, directory: Path) -> tuple[list[float], float]:
+    arena = Arena.create("bench-events", 4096 + 8 * n, directory=directory)
     try:
         table = EventTable.create(arena, TABLE_OFFSET, 4)
         stamps = _stamps(arena, n)
@@ -300,7 +307,14 @@ def measure_copy(mib: int, reps: int) -> tuple[float, float]:
     source = torch.randn(nbytes // 4)
     plain = torch.empty_like(source)
     plain.zero_()  # fault the pages in before timing
-    arena = Arena.create("bench-copy", nbytes, directory=default_arena_dir())
+    with prepare_arena_dir(default_arena_dir(), "bench") as where:
+        return _measure_copy(source, plain, nbytes, reps, where.path)
+
+
+def _measure_copy(
+    source: torch.Tensor, plain: torch.Tensor, nbytes: int, reps: int, directory: Path
+) -> tuple[float, float]:
+    arena = Arena.create("bench-copy", nbytes, directory=directory)
     try:
         view = arena.view(arena.ref(DATA_START, torch.float32, (nbytes // 4,)))
         view.zero_()

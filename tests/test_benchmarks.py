@@ -191,3 +191,13 @@ def test_multinode_benchmark_smoke() -> None:
     assert float(rows["2nodes"][3]) > 0 and int(rows["2nodes"][5]) > 0, out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT step_ratio=\d+\.\d{3} allreduce_gbps=\d+\.\d{3}", last), last
+
+
+def test_ipc_benchmark_runs_its_three_parts() -> None:
+    """Its arenas go into a private directory below the arena root (a shared /dev/shm
+    is refused for arena files), and the arena leaves nothing behind."""
+    out = _run_benchmark(
+        "ipc.py", "--roundtrips", "50", "--wakes", "5", "--copy-mib", "4", "--copy-reps", "1"
+    )
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("RESULT roundtrip_us=") and "arena_copy_ratio=" in last, out
