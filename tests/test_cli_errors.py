@@ -147,6 +147,10 @@ def test_unwritable_output_paths(tmp_path: Path) -> None:
     result = roundpipe("plan", "--model-config", str(tmp_path / "none.json"), "--workers", "2",
                        "--seq-len", "32")  # fmt: skip
     assert_user_error(result, 2, LINE, "cannot read model config")
+    (tmp_path / "list.json").write_text("[1]")
+    result = roundpipe("plan", "--model-config", str(tmp_path / "list.json"), "--workers", "2",
+                       "--seq-len", "32")  # fmt: skip
+    assert_user_error(result, 2, LINE, "holds a JSON list, not an object")
 
 
 def test_no_coordinator_running() -> None:

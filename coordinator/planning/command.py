@@ -113,6 +113,11 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
             raise ValueError(f"cannot read model config {str(path)!r}: {e}") from e
         except json.JSONDecodeError as e:
             raise ValueError(f"model config {str(path)!r} is not JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"model config {str(path)!r} holds a JSON {type(config).__name__}, not an "
+                "object; expected a Hugging Face config.json"
+            )
         config.update(overrides)
         for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
             config.pop(key, None)
