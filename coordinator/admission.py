@@ -218,6 +218,11 @@ class SpecValidator:
         self._lock = threading.Lock()
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        """The pool, started now if there is none; one whose child has died (killed
+        while idle: the OOM killer, an operator) is discarded and replaced."""
+        if self._pool is not None and not self._alive(self._pool):
+            log.warning("[admission] the spec-checking process died; starting a new one")
+            self._discard()
         if self._pool is None:
             # spawn, never fork: the coordinator has threads and a ZeroMQ context.
             self._pool = concurrent.futures.ProcessPoolExecutor(
@@ -227,6 +232,15 @@ class SpecValidator:
                 initargs=(self.strict_reads, os.getpid()),
             )
         return self._pool
+
+    @staticmethod
+    def _alive(pool: concurrent.futures.ProcessPoolExecutor) -> bool:
+        """Whether ``pool`` and its child still work. A dead child is found by reaping
+        it here, or by the pool's own thread, which marks the pool broken before it
+        reaps: so ``_broken`` is read after the children."""
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        alive = all(proc.is_alive() for proc in processes)
+        return alive and not getattr(pool, "_broken", False)
 
     def _discard(self) -> None:
         pool, self._pool = self._pool, None
@@ -239,15 +253,42 @@ class SpecValidator:
     def start(self) -> None:
         """Start the child and its imports now (without waiting for them)."""
         with self._lock:
-            self._executor().submit(_warm_up)
+            try:
+                self._executor().submit(_warm_up)
+            except (BrokenProcessPool, RuntimeError, OSError) as exc:
+                # The first validation tries again (and says why if it fails too).
+                log.warning("[admission] cannot start the spec-checking process: %s", exc)
+                self._discard()
+
+    def _submit(self, *args: Any) -> concurrent.futures.Future:
+        """Submit to the pool; a pool found broken (its child died while idle, after the
+        liveness check) is replaced once. Raises ValidationUnavailable if no child can
+        be started (e.g. the coordinator is out of file descriptors or memory)."""
+        for attempt in (1, 2):
+            try:
+                return self._executor().submit(*args)
+            except (BrokenProcessPool, RuntimeError) as exc:
+                self._discard()
+                if attempt == 2:
+                    raise ValidationUnavailable(
+                        f"the process that checks job specs cannot be started ({exc}); "
+                        "the spec was not accepted: try again, and see the coordinator's log"
+                    ) from None
+            except OSError as exc:
+                self._discard()
+                raise ValidationUnavailable(
+                    f"the process that checks job specs cannot be started ({exc}); the spec "
+                    "was not accepted: try again in a moment, and see the coordinator's log"
+                ) from None
+        raise AssertionError("unreachable")
 
     def validate(
         self, spec: Mapping[str, Any], hardware: HardwareSpec | None = None
     ) -> dict[str, Any]:
         """The normalised spec; ``hardware``: the workers connected now, if any."""
         with self._lock:
-            future = self._executor().submit(check_spec, dict(spec), self.arena_dir, hardware)
             try:
+                future = self._submit(check_spec, dict(spec), self.arena_dir, hardware)
                 normalised, errors = future.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError:
                 self._discard()

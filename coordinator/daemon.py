@@ -47,13 +47,16 @@ job without cancelling it: it stays queued and resumes on the next start.
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import logging
 import os
 import queue
+import resource
 import secrets
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -63,6 +66,7 @@ from pathlib import Path
 
 import psutil
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
 from roundpipe.coordinator.auth import (
@@ -105,6 +109,7 @@ from roundpipe.coordinator.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
     PathPolicy,
+    check_ownership,
     modes,
     set_modes,
     set_strict_reads,
@@ -128,6 +133,7 @@ from roundpipe.protocol import (
     JobAccepted,
     JobList,
     JobLog,
+    JobState,
     JobTeardown,
     ListJobs,
     ListWorkers,
@@ -178,6 +184,23 @@ every byte became a 3-byte replacement character; a small read on the I/O thread
 MAX_PENDING_ADMISSIONS = 32
 """Submissions/resumes waiting for the admission thread; more are refused as busy, so a
 flood of SubmitJobs cannot grow the coordinator."""
+MAX_LISTED_JOBS = 5
+"""Most job ids named in a refusal for ``--max-jobs-per-owner`` (the rest are counted)."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""ZMQ_HANDSHAKE_IVL of the ROUTER: a connection that has not completed its handshake by
+then is closed (libzmq's default is 30 s). Note [connection budget]."""
+FD_RESERVE = 128
+"""File descriptors kept out of the connection budget, besides those open when the
+coordinator starts: a running job's files (arenas, checkpoint files, its log, the model
+and data it reads, TensorBoard), the job store, the spec checker. A job on the tiny test
+model holds about 12 more than an idle coordinator."""
+MAX_CONNECTIONS = 4096
+"""The connection budget's ceiling, whatever RLIMIT_NOFILE allows: every connection costs
+libzmq buffers too."""
+MIN_CONNECTIONS = 8
+"""The connection budget's floor (with a warning) when RLIMIT_NOFILE leaves less."""
+WANTED_OPEN_FILES = 65536
+"""The soft RLIMIT_NOFILE ``main`` raises to (at most the hard limit)."""
 
 
 @dataclass
@@ -189,9 +212,9 @@ class WorkerEntry:
     # The authenticated identity (key name) that registered it: its messages must come
     # from that identity on this connection.
     peer_name: str = ""
-    # The worker's process, when the coordinator can prove which one it is (its own
-    # child, or the pid the kernel reported for its ipc connection); only such a process
-    # is ever signalled. See Note [no fencing by hearsay].
+    # The worker's process, when the kernel says which one it is (the pid at the other
+    # end of its ipc:// connection); only such a process is ever signalled. See Note
+    # [no fencing by hearsay].
     process: psutil.Process | None = None
     state: str = "idle"
     tasks_done: int = 0
@@ -216,8 +239,12 @@ class Coordinator:
         paths: PathPolicy | None = None,
         keys_dir: str | Path | None = None,
         group: NodeGroup | None = None,
+        max_jobs_per_owner: int | None = None,
     ):
         self.address = address
+        self.max_jobs_per_owner = max_jobs_per_owner
+        """Most jobs one owner may have queued or running (``--max-jobs-per-owner``; None:
+        no limit). A submission or resume beyond it is refused (``busy``, saying why)."""
         self.group = group
         """The data-parallel group this coordinator is a node of (coordinator.multinode):
         rank 0 takes jobs and runs them on every node; the others run what it announces."""
@@ -286,17 +313,27 @@ class Coordinator:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.auth.configure(self.router)
-        # A peer that fails the handshake before the ZAP handler is asked (no key at all:
-        # the wrong mechanism; garbage instead of a greeting) shows up only here.
-        self.handshake_events = self.router.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
+        # Note [connection budget]: an idle or slow handshake is closed after a while.
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT_S * 1000))
+        # The ROUTER's monitor: each connection accepted and closed (with its descriptor:
+        # Note [connection budget]), and each peer that fails the handshake before the
+        # ZAP handler is asked (no key at all: the wrong mechanism; garbage instead of a
+        # greeting; silence past HANDSHAKE_TIMEOUT_S), which shows up only here. Its
+        # queue is unbounded (RCVHWM 0): an event dropped would miscount connections.
+        monitor_address = f"inproc://rp-router-monitor-{self.coordinator_id}"
+        self.router.monitor(monitor_address, _ROUTER_EVENTS)
+        self.handshake_events = self.ctx.socket(zmq.PAIR)
+        self.handshake_events.setsockopt(zmq.RCVHWM, 0)
+        self.handshake_events.setsockopt(zmq.LINGER, 0)
+        self.handshake_events.connect(monitor_address)
         try:
             self.router.bind(self.address)
             if self.address.startswith("ipc://"):
                 # Owner and group may connect, whatever the umask (docs/deploy.md).
                 os.chmod(self.address[len("ipc://") :], 0o660)
         except zmq.ZMQError as exc:
+            self.router.disable_monitor()
+            self.handshake_events.close()
             self.router.close()
             self.zap.close()
             if exc.errno == zmq.EADDRINUSE:
@@ -311,6 +348,18 @@ class Coordinator:
         if removed:
             log.info("[coordinator] removed %d arena(s) left by a dead coordinator", len(removed))
         self.book.load()
+        self.connections = _ConnectionBudget(
+            connection_budget(), _local_identity(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
+        )
+        log.info(
+            "[coordinator] at most %d connections at a time (RLIMIT_NOFILE %s, %d open files, "
+            "%d kept for jobs); handshakes time out after %gs",
+            self.connections.budget,
+            _soft_open_files_limit(),
+            _open_files(),
+            FD_RESERVE,
+            HANDSHAKE_TIMEOUT_S,
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -352,8 +401,7 @@ class Coordinator:
                             assert self.auth is not None
                             self.auth.handle_zap(self.zap)
                         elif sock is self.handshake_events:
-                            assert self.auth is not None
-                            self.auth.on_handshake_failed(self.handshake_events)
+                            self._on_connection_events()
                         else:
                             frames = self.outbox.recv_multipart()
                             self._send(frames[0], frames[1:])
@@ -366,6 +414,9 @@ class Coordinator:
                     try:
                         assert self.auth is not None
                         self.auth.reload()  # a removed key is refused from now on
+                    except Exception:  # e.g. out of descriptors: the workers still count
+                        log.exception("[coordinator] re-reading the authorised keys failed")
+                    try:
                         self._check_workers()
                     except Exception:
                         log.exception("[coordinator] checking the workers failed")
@@ -405,6 +456,48 @@ class Coordinator:
             self._noisy.warning("not-reading", "peer %r is not reading; message dropped", identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): its loss is handled
             self._noisy.warning("unreachable", "cannot reach peer %r: %s", identity, exc)
+
+    def _on_connection_events(self) -> None:
+        """Read every event the ROUTER's monitor has queued (connections accepted and
+        closed, failed handshakes), then hang up what exceeds the connection budget
+        (Note [connection budget])."""
+        assert self.auth is not None
+        budget = self.connections
+        while True:
+            try:
+                event = recv_monitor_message(self.handshake_events, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                budget.accepted(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                budget.closed(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self.auth.refusals.warning(
+                    "no-key",
+                    "refused a connection that failed the handshake: it offered another "
+                    "security mechanism (no key?)",
+                )
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.auth.refusals.warning(
+                    "no-key",
+                    "closed a connection that failed the handshake: it does not speak ZMTP, "
+                    "or did not finish its handshake within %gs",
+                    HANDSHAKE_TIMEOUT_S,
+                )
+        silent, waiting = budget.enforce()
+        if silent or waiting:
+            self._noisy.warning(
+                "budget",
+                "connection budget of %d reached: hung up %d connection(s) that had sent "
+                "nothing and %d still in their handshake, oldest first (%d so far); a flood "
+                "of connections? (docs/deploy.md, threat model)",
+                budget.budget,
+                silent,
+                waiting,
+                budget.hung_up,
+            )
 
     def _reply(self, identity: bytes, reply: Message) -> None:
         """Send a reply; one that cannot be encoded becomes an ErrorReply saying so."""
@@ -791,20 +884,60 @@ class Coordinator:
             more=more,
         )
 
-    def _validated(self, spec: dict) -> tuple[JobSpec | None, dict]:
+    def _validated(
+        self, spec: dict, owner: str | None = None, *, admin: bool = False
+    ) -> tuple[JobSpec | None, dict]:
         """(the JobSpec if it was built here, the normalised spec dict). Raises
-        JobSpecError or ValidationUnavailable. Paths outside the allowed roots are
-        refused first, before anything is opened."""
+        JobSpecError or ValidationUnavailable. Paths outside the allowed roots, and
+        (with ``owner``) paths into another owner's jobs, are refused first, before
+        anything is opened."""
         spec = self.paths.confine_spec(spec)
+        if owner is not None:
+            check_ownership(spec, owner, admin=admin, owned=self.book.owned_dirs())
         hardware = self._hardware()  # CPU workers (or none): no GPU memory to check
         if self.validator is not None:
             return None, self.validator.validate(spec, hardware)
         built = validate_spec(spec, str(self.arena_dir), hardware)
         return built, built.to_dict()
 
+    def _owner_limit_refusal(self, owner: str, resuming: str | None = None) -> ErrorReply | None:
+        """An ErrorReply if ``owner`` already has ``max_jobs_per_owner`` jobs queued or
+        running (another one, submitted or ``resuming``, would exceed it), else None.
+        SubmitJob and ResumeJob are answered one at a time (the admission thread), so no
+        other submission of theirs can slip in between this count and the queueing."""
+        limit = self.max_jobs_per_owner
+        if limit is None:
+            return None
+        with self._lock:
+            active = [
+                j.job_id
+                for j in self.book.jobs.values()
+                if j.owner == owner and j.state in ("queued", "running")
+            ]
+        if len(active) < limit:
+            return None
+        shown = ", ".join(active[:MAX_LISTED_JOBS]) + (
+            f" and {len(active) - MAX_LISTED_JOBS} more" if len(active) > MAX_LISTED_JOBS else ""
+        )
+        who = bounded_text(owner, MAX_NAME_CHARS)
+        if resuming is None:
+            head, again = f"{who} already has", "submit again"
+        else:
+            head = f"job {resuming} cannot be queued again: its owner {who} already has"
+            again = f"resume it again (`roundpipe resume {resuming}`)"
+        return ErrorReply(
+            code="busy",  # ErrorCode: "cannot take the request now; try again"
+            message=f"{head} {len(active)} jobs queued or running ({shown}), the limit of "
+            f"{limit} per owner on this coordinator (--max-jobs-per-owner): wait for one of "
+            f"them to finish, or cancel one (`roundpipe cancel JOB`), then {again}",
+        )
+
     def _submit(self, msg: SubmitJob, peer: Peer) -> Message:
+        refusal = self._owner_limit_refusal(peer.name)  # before any file is read
+        if refusal is not None:
+            return refusal
         try:
-            spec, spec_dict = self._validated(dict(msg.spec))
+            spec, spec_dict = self._validated(dict(msg.spec), peer.name, admin=peer.admin)
         except JobSpecError as exc:
             return ErrorReply(code="bad_spec", message=str(exc))
         except ValidationUnavailable as exc:
@@ -815,7 +948,9 @@ class Coordinator:
             except ValueError as exc:
                 return ErrorReply(code="bad_spec", message=str(exc))
         try:
-            job = self.book.submit(spec, spec_dict, owner=peer.name)
+            job = self.book.submit(spec, spec_dict, owner=peer.name, admin=peer.admin)
+        except JobSpecError as exc:  # another owner's job took the output meanwhile
+            return ErrorReply(code="bad_spec", message=str(exc))
         except JobStoreError as exc:
             log.error("[coordinator] job not accepted: %s", exc)
             return ErrorReply(code="store_error", message=f"the job was not accepted: {exc}")
@@ -833,9 +968,14 @@ class Coordinator:
         job = self._job_of(job_id, peer)
         if job is None:
             return _unknown(job_id)
+        if job.state in STOPPED_JOB_STATES and job.state != "succeeded":
+            # It would be queued again: it counts against its owner's limit.
+            refusal = self._owner_limit_refusal(job.owner, resuming=job.job_id)
+            if refusal is not None:
+                return refusal
         if self.book.needs_spec_check_to_resume(job):  # outside the lock: reads its files
             try:
-                self._validated(job.spec_dict)
+                self._validated(job.spec_dict, job.owner, admin=peer.admin)
             except JobSpecError as exc:
                 return ErrorReply(code="bad_spec", message=f"job {job_id} cannot run again: {exc}")
             except ValidationUnavailable as exc:
@@ -853,7 +993,12 @@ class Coordinator:
         push.connect(_OUTBOX + self.coordinator_id)
         try:
             while (job := self.book.take_next(self._stop)) is not None:
-                self._run_job(job, push)
+                try:
+                    self._run_job(job, push)
+                except Exception as exc:  # this thread must outlive any one job
+                    log.exception("[coordinator] running job %s failed", job.job_id)
+                    if job.state == "running":
+                        self.book.finish(job, *_stopped_by(job, exc))
         finally:
             push.close(linger=1000)
 
@@ -959,7 +1104,11 @@ class Coordinator:
         """Run one job on the job thread: build its trainer, prepare, train, export; the
         book (coordinator.jobs) records the state it ends in. ``announcement``: a job
         rank 0 of the data-parallel group announced (this node is a follower)."""
-        handler = _job_log_handler(job)
+        try:
+            handler = _job_log_handler(job)
+        except OSError as exc:  # e.g. out of descriptors: the job never started
+            self.book.finish(job, *_stopped_by(job, exc))
+            return
         try:
             job_group = self._job_group(job, announcement)
         except (GroupError, RuntimeError) as exc:
@@ -1035,6 +1184,8 @@ class Coordinator:
             error = exc
             if not isinstance(exc, (JobCancelled, JobPaused, JobFailed)):
                 log.error("[coordinator] job %s failed:\n%s", job.job_id, traceback.format_exc())
+            if isinstance(exc, OSError) and exc.errno in _OUT_OF_RESOURCES:
+                error = JobPaused(_stopped_by(job, exc)[1])  # the coordinator's, not the job's
         finally:
             state, message = outcome(job, error, stopping=self._stop.is_set())
             if state == "succeeded" and job_group is not None and not job_group.leader:
@@ -1106,25 +1257,48 @@ class _SocketPort:
 # A lost worker that still runs must never wake up and write into a job's arenas, so the
 # coordinator SIGKILLs it. But a Hello's pid is only what the peer claims: a fake Hello
 # naming another process (a root daemon, a real worker, the coordinator itself) made the
-# coordinator kill that process. The coordinator therefore signals only a process it can
-# prove is the worker: its own child, or the process the kernel reports at the other end
-# of the worker's ipc:// connection (SO_PEERCRED). Any other lost worker is dropped (its
-# connection forgotten, its tasks re-dispatched), not killed. The start time, taken by
-# the coordinator itself, rules out a pid reused later.
+# coordinator kill that process. So did a Hello naming one of the coordinator's own
+# children (the spec checker, multiprocessing's resource tracker), while "our own child"
+# still counted as proof: every later submission then failed. The coordinator starts no
+# workers (LocalCluster, `roundpipe demo` and systemd start them beside it), so only the
+# kernel's word proves a worker's process: the pid at the other end of the worker's
+# ipc:// connection (SO_PEERCRED), when the Hello names that same pid and its start time.
+# Even then the coordinator itself and its descendants (its helpers) are never
+# candidates. A lost worker on tcp:// is dropped by identity and connection (its
+# connection forgotten, its tasks re-dispatched), never signalled. The start time, read
+# by the coordinator itself, rules out a pid reused later.
+
+CREATE_TIME_SLACK_S = 1.0
+"""How far a Hello's ``process_create_time`` may be from the start time the coordinator
+reads for the kernel's pid (both come from psutil on the same host: normally equal)."""
 
 
 def _provable_worker_process(hello: Hello, peer: Peer) -> psutil.Process | None:
-    """The worker's process if the coordinator can prove which it is, else None."""
+    """The worker's process if the kernel says which it is, else None (Note [no fencing
+    by hearsay]): the pid of the peer's ipc:// connection, named by the Hello too, with
+    the Hello's start time, and neither this process nor one it started."""
+    if peer.pid is None or peer.pid != hello.pid:
+        return None  # tcp:// (no peer credentials), or a pid the peer only claims
     try:
-        proc = psutil.Process(hello.pid)
-        proc.create_time()  # cached by psutil: is_running() later compares against it
-        if peer.pid is not None and peer.pid == hello.pid:
-            return proc  # the kernel says this process is on the other end
-        if proc.ppid() == os.getpid():
-            return proc  # our own child (a worker this coordinator started)
+        proc = psutil.Process(peer.pid)
+        # Cached by psutil: is_running() later compares against it.
+        if abs(proc.create_time() - hello.process_create_time) > CREATE_TIME_SLACK_S:
+            return None  # not the process that connected (its pid was reused since)
+        if _own_process(proc):
+            return None
     except psutil.Error:
-        pass
-    return None
+        return None
+    return proc
+
+
+def _own_process(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is this coordinator or one of its descendants (the spec checker,
+    the resource tracker, ...): never a worker's process. True when it cannot be told."""
+    me = os.getpid()
+    try:
+        return proc.pid == me or any(p.pid == me for p in proc.parents())
+    except psutil.Error:
+        return True
 
 
 def _process_gone(proc: psutil.Process | None) -> bool:
@@ -1142,10 +1316,10 @@ def _fence(entry: WorkerEntry) -> None:
     """SIGKILL a lost worker that still runs, if its process is provably the worker's
     (Note [no fencing by hearsay]); otherwise it is only dropped."""
     proc = entry.process
-    if proc is None:
+    if proc is None or _own_process(proc):
         log.warning(
-            "[coordinator] worker %d (%s) dropped, not killed: its process cannot be "
-            "verified (not a child, not on an ipc:// connection)",
+            "[coordinator] worker %d (%s) dropped, not killed: the kernel did not say "
+            "which process it is (only an ipc:// connection's peer pid proves that)",
             entry.worker_id,
             bounded_text(entry.hello.worker_name, MAX_NAME_CHARS),
         )
@@ -1185,6 +1359,37 @@ def implausible_hardware(hello: Hello) -> str | None:
                 f"{MIN_BUS_BYTES_PER_S:g} and {MAX_BUS_BYTES_PER_S:g} bytes/s"
             )
     return None
+
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT}
+"""I/O errors that say the coordinator's host ran out of something (descriptors, memory,
+space): a job that meets one is paused, to be resumed, never failed."""
+
+
+def _stopped_by(job: JobRecord, exc: Exception) -> tuple[JobState, str]:
+    """The state and message of a job whose run raised ``exc`` outside the trainer's own
+    handling: paused for an I/O error (descriptors, memory, space: the host's, not the
+    job's), failed otherwise."""
+    if not isinstance(exc, OSError):
+        return "failed", f"{type(exc).__name__}: {exc}"
+    where = (
+        f"its checkpoint step {job.checkpoint_step}"
+        if job.checkpoint_step
+        else "the start (it has no checkpoint)"
+    )
+    why = {
+        errno.EMFILE: "the coordinator had too many files open (a flood of connections? "
+        "see its log)",
+        errno.ENFILE: "the system had too many files open",
+        errno.ENOMEM: "the coordinator ran out of memory",
+        errno.ENOSPC: "a file system is full",
+        errno.EDQUOT: "a disk quota is exceeded",
+    }.get(exc.errno or 0, "an I/O error")
+    return (
+        "paused",
+        f"{exc}. The job is paused ({why}) and continues from {where}: once that is "
+        f"fixed, run `roundpipe resume {job.job_id}`",
+    )
 
 
 def _unknown(job_id: str) -> ErrorReply:
@@ -1246,6 +1451,213 @@ def _someone_listens(address: str) -> bool:
         return False
     finally:
         probe.close()
+
+
+# Note [connection budget]
+# Every connection the ROUTER accepts holds a file descriptor from the moment it is
+# accepted, long before its handshake says who is on the other end. 1,100 idle TCP
+# connections against a coordinator limited to 1,024 open files left it unable to open
+# anything: libzmq could no longer accept the admin's connection, and the running job's
+# checkpoint could not open its files. So:
+# - ``main`` raises the soft RLIMIT_NOFILE towards the hard one (WANTED_OPEN_FILES);
+# - the ROUTER closes a connection whose handshake is not complete after
+#   HANDSHAKE_TIMEOUT_S (ZMQ_HANDSHAKE_IVL);
+# - the connections are bounded by a budget: the soft limit less the descriptors open at
+#   start and FD_RESERVE (a job's files), at most MAX_CONNECTIONS. The ROUTER's monitor
+#   reports each accepted connection with its descriptor and each closed one. Beyond the
+#   budget the coordinator hangs up (shutdown(2): libzmq then closes the connection as it
+#   would a peer's hang-up) connections that can still be in their handshake, i.e. that
+#   were accepted less than HANDSHAKE_TIMEOUT_S ago (an older one has finished it, or
+#   libzmq would have closed it): first those that have not sent a byte (TCP_INFO: an
+#   idle flood), oldest first, then the others, oldest first. A legitimate peer sends
+#   its greeting at once, so an idle flood never costs it its connection; an
+#   authenticated connection older than the handshake limit is never hung up.
+# - A descriptor is touched only after every event queued so far has been read, and only
+#   if it still is a connection on the coordinator's own address (its local port or ipc
+#   path; not a listener): a number libzmq has closed and reused for anything else is
+#   left alone.
+# ZMQ_MAX_SOCKETS bounds a context's ZeroMQ sockets, not the connections of one socket;
+# ZMQ_BACKLOG only the kernel's queue of connections not yet accepted: neither helps.
+
+_ROUTER_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_TCP_INFO_BYTES_RECEIVED = 128
+"""Offset of ``tcpi_bytes_received`` (a u64) in Linux's ``struct tcp_info`` (4.1+)."""
+
+
+class _ConnectionBudget:
+    """The ROUTER's open connections by descriptor, and the hang-ups that keep them within
+    ``budget`` (Note [connection budget]). Used on the I/O thread only."""
+
+    def __init__(self, budget: int, local: str | bytes | int | None) -> None:
+        self.budget = budget
+        self.local = local  # the ROUTER's TCP port or ipc path; None: not checkable
+        self._open: dict[int, float] = {}  # descriptor -> when accepted, oldest first
+        self.hung_up = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def accepted(self, fd: int) -> None:
+        self._open.pop(fd, None)
+        self._open[fd] = time.monotonic()
+
+    def closed(self, fd: int) -> None:
+        self._open.pop(fd, None)
+
+    def enforce(self) -> tuple[int, int]:
+        """Hang up connections beyond the budget; returns how many of them had sent
+        nothing and how many had (but could still be in their handshake)."""
+        excess = len(self._open) - self.budget
+        if excess <= 0 or self.local is None:
+            return 0, 0
+        young_since = time.monotonic() - HANDSHAKE_TIMEOUT_S - 1.0
+        silent: list[int] = []
+        spoken: list[int] = []
+        for fd, since in list(self._open.items()):  # oldest first
+            if len(silent) >= excess:
+                break
+            if since < young_since:
+                continue  # its handshake is over: authenticated
+            received = _received_bytes(fd, self.local)
+            if received is None:  # not our connection any more: a stale entry
+                self._open.pop(fd, None)
+                excess -= 1
+                continue
+            (silent if received == 0 else spoken).append(fd)
+        victims = (silent + spoken)[: max(excess, 0)]
+        hung = [fd for fd in victims if _hang_up(fd, self.local)]
+        for fd in victims:
+            self._open.pop(fd, None)  # its DISCONNECTED event, if any, finds nothing
+        self.hung_up += len(hung)
+        quiet = len(set(hung) & set(silent))
+        return quiet, len(hung) - quiet
+
+
+def _our_connection(fd: int, local: str | bytes | int) -> socket.socket | None:
+    """A socket object over ``fd`` if it is a connection accepted on the ROUTER's address
+    (else None); the caller must ``detach()`` it, never close it: libzmq owns ``fd``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError("a listener")
+        name = sock.getsockname()
+        if sock.family == socket.AF_UNIX:
+            ours = name == local
+        elif sock.family in (socket.AF_INET, socket.AF_INET6):
+            ours = name[1] == local
+            sock.getpeername()  # connected
+        else:
+            ours = False
+        if ours:
+            return sock
+    except OSError:
+        pass
+    sock.detach()
+    return None
+
+
+def _received_bytes(fd: int, local: str | bytes | int) -> int | None:
+    """Bytes received so far on connection ``fd`` (-1: cannot tell, e.g. ipc://), or None
+    if ``fd`` is not a connection on the ROUTER's address."""
+    sock = _our_connection(fd, local)
+    if sock is None:
+        return None
+    try:
+        if sock.family == socket.AF_UNIX or not hasattr(socket, "TCP_INFO"):
+            return -1
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        if len(info) < _TCP_INFO_BYTES_RECEIVED + 8:
+            return -1
+        return struct.unpack_from("=Q", info, _TCP_INFO_BYTES_RECEIVED)[0]
+    except OSError:
+        return -1
+    finally:
+        sock.detach()
+
+
+def _hang_up(fd: int, local: str | bytes | int) -> bool:
+    """shutdown(2) connection ``fd`` if it is one on the ROUTER's address: libzmq sees
+    the hang-up and closes it (the descriptor stays libzmq's to close)."""
+    sock = _our_connection(fd, local)
+    if sock is None:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+def _local_identity(endpoint: str) -> str | bytes | int | None:
+    """What ``getsockname()`` says for a connection accepted on ``endpoint`` (the
+    ROUTER's bound address): its TCP port, or its ipc path (bytes for an abstract one)."""
+    if endpoint.startswith("tcp://"):
+        try:
+            return int(endpoint.rsplit(":", 1)[1])
+        except ValueError:
+            return None
+    if endpoint.startswith("ipc://@"):
+        return b"\0" + endpoint[len("ipc://@") :].encode()
+    if endpoint.startswith("ipc://"):
+        return endpoint[len("ipc://") :]
+    return None
+
+
+def _soft_open_files_limit() -> int | None:
+    """The soft RLIMIT_NOFILE (None: unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return psutil.Process().num_fds()
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, at most WANTED_OPEN_FILES (systemd
+    starts services at 1,024): more room for connections and job files alike."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("[coordinator] cannot raise RLIMIT_NOFILE from %d: %s", soft, exc)
+
+
+def connection_budget() -> int:
+    """How many connections the ROUTER may hold (Note [connection budget]): the soft
+    RLIMIT_NOFILE less the descriptors open now and FD_RESERVE, within
+    [MIN_CONNECTIONS, MAX_CONNECTIONS]."""
+    soft = _soft_open_files_limit()
+    if soft is None:
+        return MAX_CONNECTIONS
+    budget = soft - _open_files() - FD_RESERVE
+    if budget < MIN_CONNECTIONS:
+        log.warning(
+            "[coordinator] RLIMIT_NOFILE is %d: with %d files open and %d kept for jobs, "
+            "that leaves room for only %d connections; allowing %d. Raise the limit "
+            "(LimitNOFILE= in the systemd unit, `ulimit -n`)",
+            soft,
+            _open_files(),
+            FD_RESERVE,
+            budget,
+            MIN_CONNECTIONS,
+        )
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, budget))
 
 
 class _JobThreads(logging.Filter):
@@ -1370,8 +1782,18 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for the other coordinators to join, and for a silent or "
         "stuck node before the job pauses (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-jobs-per-owner",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most jobs one identity may have queued or running at once; a submission or "
+        "resume beyond it is refused, saying to wait or cancel one (default: no limit)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.max_jobs_per_owner is not None and args.max_jobs_per_owner < 1:
+        parser.error(f"--max-jobs-per-owner must be at least 1, got {args.max_jobs_per_owner}")
     try:
         group_settings = settings_from_args(
             args.dist_init, args.rank, args.world_size, args.dist_timeout
@@ -1395,6 +1817,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     threading.current_thread().name = "rp-coordinator"
+    raise_open_files_limit()  # Note [connection budget]
     # Job specs are validated on the I/O thread; import transformers (seconds) now, not
     # inside the first client request, which would then miss the client's timeout.
     import transformers  # noqa: F401
@@ -1409,6 +1832,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_timeout_s=args.worker_timeout,
         paths=PathPolicy.for_coordinator(state_dir, args.allow_read, args.allow_write),
         keys_dir=keys_dir,
+        max_jobs_per_owner=args.max_jobs_per_owner,
     )
     try:
         coordinator.bind()

@@ -1361,13 +1361,14 @@ class Trainer:
             ]
 
     @contextlib.contextmanager
-    def _pinned_output(self) -> Iterator[Path]:
+    def _pinned_output(self, what: str) -> Iterator[Path]:
         """Check that the output directory is still a directory below a write root that
         only the coordinator can change (coordinator.paths), and yield a path to write
         into it through that checked directory held open (coordinator.paths.pinned_dir):
         in a write root others can write to, the directory could otherwise be renamed
         away and replaced by a link between the check and the last file written.
-        Raises JobFailed if the check fails."""
+        Raises JobFailed if the check fails, JobPaused (the message begins with ``what``)
+        if the directory cannot be opened at all (out of file descriptors, I/O error)."""
         if self.paths is None:
             yield self.output_dir
             return
@@ -1375,6 +1376,8 @@ class Trainer:
             fd = self.paths.open_output(self.output_dir)
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
+        except OSError as exc:
+            raise JobPaused(self._io_error_message(what, _with_path(exc, self.output_dir))) from exc
         try:
             pinned = pinned_dir(fd) or self.output_dir  # no /proc: the checked path
             self._pins.root = pinned
@@ -1412,7 +1415,7 @@ class Trainer:
         started = time.perf_counter()
         background = self._background
         check = background.check_abort if background is not None else (lambda: None)
-        with self._pinned_output() as output:
+        with self._pinned_output(f"cannot write checkpoint step {step}") as output:
             checkpoints = CheckpointDir(output / self.checkpoints.root.name)
             try:
                 written = checkpoints.write(
@@ -1458,6 +1461,10 @@ class Trainer:
         step, error = failed
         if isinstance(error, (JobPaused, JobFailed)):  # full disk; output directory refused
             raise error
+        os_error = as_os_error(error, self.checkpoints.root)
+        if os_error is not None:  # any I/O error pauses, as a drained checkpoint's does
+            what = f"cannot write checkpoint step {step}"
+            raise JobPaused(self._io_error_message(what, os_error)) from error
         raise JobFailed(f"cannot write checkpoint step {step}: {error}") from error
 
     def _loss_at(self, step: int) -> float | None:
@@ -1584,6 +1591,8 @@ class Trainer:
             fix = "free space on that file system"
         elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             fix = "make the directory writable by the coordinator"
+        elif exc.errno in (errno.EMFILE, errno.ENFILE):
+            fix = "see the coordinator's log for what holds its files (a flood of connections?)"
         else:
             fix = "fix the problem"
         if self.checkpoint_step:
@@ -1698,7 +1707,7 @@ class Trainer:
         ``directory`` (default: the output directory). Raises JobPaused if it cannot be
         written (the final checkpoint holds the same model)."""
         directory = self.output_dir if directory is None else Path(directory)
-        with self._pinned_output() as output:
+        with self._pinned_output(f"cannot write the final model to {directory}") as output:
             target = output if directory == self.output_dir else directory
             try:
                 target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
@@ -1724,6 +1733,13 @@ class Trainer:
         if self.layout is not None:
             self.layout.destroy()
             self.layout = None
+
+
+def _with_path(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` if it names no file itself (an error message says where)."""
+    if exc.filename is not None:
+        return exc
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def _progress_from_rows(rows: Iterable[Sequence[float]]) -> list[ProgressEvent]:

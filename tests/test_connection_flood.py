@@ -1,0 +1,175 @@
+"""Security, round two (issue 33), item 7: an idle-connection flood fails nothing.
+
+1,100 idle unauthenticated TCP connections against a coordinator limited to 1,024 open
+files left the admin without answers and a running job ``failed``: libzmq accepted
+connections until the process ran out of descriptors, and the checkpoint that could no
+longer open a file failed the job. Now the coordinator bounds its connections (a budget
+from RLIMIT_NOFILE minus a reserve for job files; the oldest silent handshakes go
+first), and a checkpoint that cannot open a file pauses the job instead.
+
+The end-to-end test floods a real coordinator (RLIMIT_NOFILE 256, set by its launcher)
+on loopback with more idle raw TCP connections than it may open files, while a job that
+checkpoints every step runs; the unit test makes a checkpoint's output directory fail to
+open (EMFILE) at a chosen step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from runtime_helpers import tiny_spec, trained_in_process
+
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.paths import PathPolicy
+from roundpipe.coordinator.trainer import JobPaused
+
+NOFILE = 256
+FLOOD = 2 * NOFILE
+
+# The coordinator, started with a hard and soft RLIMIT_NOFILE of its first argument.
+_LAUNCH = (
+    "import resource, sys; n = int(sys.argv.pop(1)); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "from roundpipe.coordinator.daemon import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+class _LimitedTcpCluster(LocalCluster):
+    """A LocalCluster whose coordinator serves tcp:// on loopback with few descriptors."""
+
+    def __init__(self, root: Path, arena_dir: Path, port: int, nofile: int) -> None:
+        self._port, self._nofile = port, nofile
+        super().__init__(root, arena_dir)
+
+    def start_coordinator(self):
+        self.address = f"tcp://127.0.0.1:{self._port}"
+        return super().start_coordinator()
+
+    def _spawn(self, name, args, env=None):
+        if name == "coordinator":
+            assert args[:2] == ["-m", "roundpipe.coordinator.daemon"], args
+            args = ["-c", _LAUNCH, str(self._nofile), *args[2:]]
+        return super()._spawn(name, args, env)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[_LimitedTcpCluster]:
+    arena_dir = Path("/dev/shm") / f"rp-flood-{os.getpid()}"
+    arena_dir.mkdir()
+    c = _LimitedTcpCluster(tmp_path / "c", arena_dir, _free_port(), NOFILE)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+    assert c.coordinator.proc.returncode == 0, c.logs()
+
+
+def _flood(port: int, count: int) -> list[socket.socket]:
+    """``count`` idle TCP connections (connects in flight: the backlog may be full)."""
+    socks = []
+    for _ in range(count):
+        s = socket.socket()
+        s.setblocking(False)
+        err = s.connect_ex(("127.0.0.1", port))
+        assert err in (0, errno.EINPROGRESS), os.strerror(err)
+        socks.append(s)
+    return socks
+
+
+def test_idle_connection_flood_neither_silences_the_admin_nor_fails_a_job(
+    cluster: _LimitedTcpCluster, tmp_path: Path
+) -> None:
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    d = tiny_spec(tmp_path / "out", steps=12).to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=2, checkpoint_staging=0)
+    handle = cluster.client.submit(JobSpec.from_dict(d))
+    deadline = time.monotonic() + 120
+    while handle.status().step < 1:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.05)
+    flood = _flood(cluster._port, FLOOD)
+    try:
+        # A new admin connection, queued behind the whole flood, is answered.
+        admin = cluster.client_as("admin", timeout_s=20)
+        try:
+            assert any(j.job_id == handle.job_id for j in admin.jobs()), cluster.logs()
+            assert [w.name for w in admin.workers()] == ["w1"]
+        finally:
+            admin.close()
+        # The coordinator hung up idle handshakes beyond its budget, and said so.
+        deadline = time.monotonic() + 60
+        while "connection budget" not in cluster.coordinator.tail(200_000):
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.05)
+        status = handle.wait(timeout_s=300)
+    finally:
+        for s in flood:
+            s.close()
+    assert status.state in ("succeeded", "paused"), f"{status}\n{cluster.logs()}"
+    assert status.state == "succeeded" or "roundpipe resume" in status.message, status
+    assert cluster.coordinator.alive() and cluster.workers["w1"].alive(), cluster.logs()
+
+
+# --------------------------------------------------------------------------- unit level
+
+
+class _NoDescriptorsAt:
+    """A PathPolicy whose ``open_output`` fails with EMFILE on its ``at``-th call (the
+    first is the trainer's own check in ``prepare``; each checkpoint opens it again)."""
+
+    def __init__(self, policy: PathPolicy, at: int) -> None:
+        self._policy, self._at, self.calls = policy, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def open_output(self, path):
+        self.calls += 1
+        if self.calls == self._at:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self._policy.open_output(path)
+
+
+@pytest.mark.parametrize("staging", [0, "auto"], ids=["drained", "background"])
+def test_checkpoint_that_cannot_open_its_directory_pauses_the_job(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, staging
+) -> None:
+    """The output directory cannot be opened for checkpoint step 2 (EMFILE: the process
+    is out of descriptors). The job pauses, naming the error and what to do; step 1's
+    checkpoint is kept."""
+    from roundpipe.coordinator import trainer as trainer_module
+
+    d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=staging)
+    spec = JobSpec.from_dict(d)
+    policy = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "state", [], [tmp_path]), 3)
+    real_init = trainer_module.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs["paths"] = policy
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", init)
+    with pytest.raises(JobPaused) as info:
+        with trained_in_process(spec, arena_dir, 2, job_id="job-emfile"):
+            pass
+    message = str(info.value)
+    for part in ("checkpoint step 2", "Too many open files", "EMFILE", "roundpipe resume"):
+        assert part in message, message
+    assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()
