@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -176,6 +177,9 @@ def _child_init(strict_reads: bool, coordinator_pid: int) -> None:
     threading.Thread(
         target=_exit_with_parent, args=(coordinator_pid,), name="rp-parent-watch", daemon=True
     ).start()
+    # SIGHUP asks the coordinator to re-read its keys (systemd's ExecReload may send it
+    # to the whole group); it must not end the checker.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # The child only reads files; never let it reach the hub or use every core.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from roundpipe.coordinator.paths import set_strict_reads

@@ -215,19 +215,6 @@ class Authenticator:
             status, user_id, text = b"500", b"", b"internal error"
         sock.send_multipart([*envelope, version, request_id, status, text, user_id, b""])
 
-    def on_handshake_failed(self, monitor: zmq.Socket) -> None:
-        """Log (rate-limited) one handshake that failed before authentication: a peer
-        without a key, or one that does not speak ZMTP at all."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(monitor).get("event")
-        why = (
-            "it offered another security mechanism (no key?)"
-            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            else "it does not speak ZMTP"
-        )
-        self.refusals.warning("no-key", "refused a connection that failed the handshake: %s", why)
-
     def _decide(self, mechanism: bytes, credentials: list[bytes], address: str):
         if self.server_keys is not None:
             if mechanism != b"CURVE" or len(credentials) != 1:

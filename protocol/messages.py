@@ -313,7 +313,8 @@ class ArenaInfo(Struct):
 
     #: arena name that TensorRef.arena refers to
     name: Name
-    #: file to map (under the coordinator's arena_dir, e.g. /dev/shm/roundpipe/...)
+    #: file to map: in the job's private directory below the coordinator's arena root
+    #: (e.g. /dev/shm/roundpipe/rp.<ns>.<pid>.<start>.<random>.d/<random name>)
     path: Name
     #: size of the mapping in bytes
     nbytes: NonNegInt
