@@ -181,6 +181,27 @@ def test_spec_validator_replaces_a_dead_pool(tmp_path: Path) -> None:
         validator.close()
 
 
+def test_sighup_to_the_spec_checker_leaves_it_working(tmp_path: Path) -> None:
+    """`systemctl reload` may send SIGHUP to the coordinator's whole group: the spec
+    checker ignores it (its default action would end the child)."""
+    spec = tiny_spec(tmp_path / "out", steps=2).to_dict()
+    validator = SpecValidator(timeout_s=120)
+    try:
+        assert validator.validate(spec)["train"]["steps"] == 2
+        first = validator._pool
+        assert first is not None
+        children = [psutil.Process(p.pid) for p in first._processes.values()]
+        for child in children:
+            child.send_signal(signal.SIGHUP)
+        # SIGHUP is delivered before the next request is read; one more round trip
+        # through the same child proves it survived it.
+        assert validator.validate(spec)["train"]["steps"] == 2
+        assert validator._pool is first
+        assert all(child.is_running() for child in children)
+    finally:
+        validator.close()
+
+
 def test_only_the_kernels_word_proves_a_workers_process() -> None:
     """``Hello.pid`` is a claim: on tcp:// (no peer credentials) nothing is provable, not
     even a child of this process; on ipc:// the kernel's pid is, unless it is this process
