@@ -2,7 +2,7 @@
 
 What a GPU worker's transfers can reach: a 256 MB buffer copied to and from the device,
 from pageable memory and from memory registered with ``cudaHostRegister`` (as the worker
-registers its arenas, roundpipe.shared.cuda.pin_arena), plus what the transfer engine
+registers its arenas, roundpipe.worker.cuda.pin_arena), plus what the transfer engine
 measures at start-up (``Hello.h2d_bytes_per_s``). ``--smoke`` runs the same code on the
 CPU (a plain copy stands in for each direction) so the tests can run the script.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.cuda import pin_arena, unpin_arena
+from roundpipe.worker.cuda import pin_arena, unpin_arena
 
 
 def rate(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from common import demo_data_spec, run_runtime
 
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 
 MODES = ("none", "background", "drained")
 _WRITTEN = re.compile(r"checkpoint step (\d+) written to \S+ in ([0-9.]+)s")
@@ -195,7 +195,7 @@ def main() -> None:
 
 
 def _param_count(spec: JobSpec) -> int:
-    from roundpipe.coordinator.jobspec import model_config_from_spec
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
     from roundpipe.shared.model import LayeredModel
 
     return LayeredModel(model_config_from_spec(spec.model)).parameter_count()

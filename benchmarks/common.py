@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.paths import spec_read_dirs
+from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.spec.paths import spec_read_dirs
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 
 

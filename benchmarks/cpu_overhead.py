@@ -41,7 +41,7 @@ from pathlib import Path
 
 from common import demo_data_spec, plain_loop, run_runtime
 
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.shared.plan import Plan
 
 CONFIG = {
@@ -109,7 +109,7 @@ def hooks_cost(spec: JobSpec, calls: int = 20000) -> tuple[float, float]:
     """(seconds per task_done, per optimizer_layer) of a recorder writing a trace."""
     from types import SimpleNamespace
 
-    from roundpipe.coordinator.timeline import TimelineRecorder
+    from roundpipe.coordinator.training.timeline import TimelineRecorder
     from roundpipe.protocol import TaskDone
 
     with tempfile.TemporaryDirectory() as d:

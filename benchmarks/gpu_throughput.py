@@ -50,7 +50,7 @@ from pathlib import Path
 
 from common import plain_loop, run_runtime
 
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.units import parse_quantity
 

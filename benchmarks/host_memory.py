@@ -10,7 +10,7 @@ and one CPU worker, ``LocalCluster``). While it runs, a sampler records
   front (``posix_fallocate``);
 
 and keeps the peak of their sum. Divided by the model's parameter count, that is set
-against ``host_memory_needed`` (coordinator/memory.py) for the plan the job ran: the
+against ``host_memory_needed`` (coordinator/training/memory.py) for the plan the job ran: the
 figure ``roundpipe plan`` prints and admission control checks. The CPU worker's working
 memory (autograd's saved tensors while it computes) is not part of either figure.
 
@@ -38,9 +38,9 @@ from pathlib import Path
 
 from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
 
-from roundpipe.coordinator.jobspec import JobSpec, TrainSpec, model_config_from_spec
-from roundpipe.coordinator.memory import HostMemory, host_memory_needed, planned_layout
-from roundpipe.coordinator.trainer import default_plan
+from roundpipe.coordinator.spec.jobspec import JobSpec, TrainSpec, model_config_from_spec
+from roundpipe.coordinator.training.memory import HostMemory, host_memory_needed, planned_layout
+from roundpipe.coordinator.training.trainer import default_plan
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -140,7 +140,7 @@ def make_spec(
 
 
 def predicted(spec: JobSpec, plan: str) -> tuple[HostMemory, int]:
-    """What coordinator/memory.py says the job needs under the plan it ran, and the
+    """What coordinator/training/memory.py says the job needs under the plan it ran, and the
     model's parameter count."""
     model = LayeredModel(model_config_from_spec(spec.model), None)
     layout = planned_layout(model, Plan.parse(plan), spec)

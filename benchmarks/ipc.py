@@ -41,7 +41,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir, prepare_arena_dir
 from roundpipe.shared.events import EventTable
 

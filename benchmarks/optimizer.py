@@ -247,7 +247,11 @@ def main() -> None:
         paper_child(args)
         return
 
-    from roundpipe.coordinator.optimizer import LayerwiseOptimizer, LRSchedule, default_threads
+    from roundpipe.coordinator.training.optimizer import (
+        LayerwiseOptimizer,
+        LRSchedule,
+        default_threads,
+    )
 
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or cores

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from common import demo_data_spec
 
-from roundpipe.coordinator.jobspec import JobSpec
-from roundpipe.coordinator.trainer import Trainer
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.worker.runtime import WorkerCore
 from roundpipe.worker.transfer import CpuEngine, EmulatedEngine
 

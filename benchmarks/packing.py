@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from roundpipe.coordinator.data import build_dataset
+from roundpipe.coordinator.spec.data import build_dataset
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor

@@ -37,7 +37,7 @@ import psutil
 from common import demo_data_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 
 TINY = {
     "hidden_size": 64,

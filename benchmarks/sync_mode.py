@@ -43,7 +43,7 @@ from pathlib import Path
 
 from common import run_runtime
 
-from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
@@ -94,7 +94,7 @@ def simulate(
     predicts: the planner's plan for each staleness, its best unsplit plan, the best
     unsplit plan for each over every partition, and each of ``plans``; and the planner's
     unsplit staleness-0 plan."""
-    from roundpipe.coordinator.jobspec import model_config_from_spec
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
 
     model = LayeredModel(model_config_from_spec(spec.model))
     hw = cpu_hardware(num_workers)

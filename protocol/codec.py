@@ -28,7 +28,7 @@ Example, a heartbeat at version 2::
   (``[identity, *encode(msg)]``).
 - Who sends a message is not part of it: the connection is authenticated below the
   protocol (CurveZMQ on tcp://, peer credentials or CurveZMQ on ipc://;
-  roundpipe.coordinator.auth), and the coordinator decides what a message may do from
+  roundpipe.coordinator.service.auth), and the coordinator decides what a message may do from
   the sender's identity and role, never from a field it carries (``worker_id``,
   ``pid``).
 - Body values use msgpack's native types only: nil, bool, int (-2**63 .. 2**64-1),

@@ -810,7 +810,7 @@ class Shutdown(Message):
 
 
 JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
-"""A job's lifecycle state (roundpipe.coordinator.jobs draws the state machine)."""
+"""A job's lifecycle state (roundpipe.coordinator.service.jobs draws the state machine)."""
 JOB_STATES: tuple[str, ...] = typing.get_args(JobState)
 """Every job state, in lifecycle order; the coordinator, the client and the CLI share it."""
 FINAL_JOB_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -869,7 +869,7 @@ class JobStatus(Message):
     #: training throughput of the latest step (None: no step yet or not running)
     tokens_per_s: NonNegFloat | None = None
     #: measured share of worker time not computing in the newest settled step
-    #: (roundpipe.coordinator.timeline); None until measured
+    #: (roundpipe.coordinator.training.timeline); None until measured
     bubble_fraction: NonNegFloat | None = None
     #: steps the pipeline has finished that the optimizer has not applied yet
     optimizer_lag_steps: NonNegInt = 0

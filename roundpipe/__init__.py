@@ -41,9 +41,9 @@ _LAZY = {
     "NotAuthorized": "roundpipe.client",
     "RoundPipeError": "roundpipe.client",
     "UnknownJob": "roundpipe.client",
-    "JobSpec": "roundpipe.coordinator.jobspec",
-    "JobSpecError": "roundpipe.coordinator.jobspec",
-    "load_job_spec": "roundpipe.coordinator.jobspec",
+    "JobSpec": "roundpipe.coordinator.spec.jobspec",
+    "JobSpecError": "roundpipe.coordinator.spec.jobspec",
+    "load_job_spec": "roundpipe.coordinator.spec.jobspec",
 }
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
         RoundPipeError,
         UnknownJob,
     )
-    from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
+    from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
 
 
 def __getattr__(name: str) -> Any:

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from roundpipe.client import JobRejected
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.coordinator.paths import spec_read_dirs
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.paths import spec_read_dirs
 
 __all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]
 
@@ -171,8 +171,8 @@ def run_chaos(
     worker never runs the matching task), at most ``max_trials`` in all. ``worker_args``
     go to every worker (e.g. ``--emulate-pcie 2GB/s``: asynchronous copies under faults).
     """
-    from roundpipe.coordinator.jobspec import model_config_from_spec
-    from roundpipe.coordinator.trainer import default_plan
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
+    from roundpipe.coordinator.training.trainer import default_plan
 
     # Pin the plan: the reference and the faulty runs must cut the model identically,
     # whatever number of workers happens to be connected when a job starts.

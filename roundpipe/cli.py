@@ -47,8 +47,8 @@ from roundpipe.client import (
     JobRejected,
     RoundPipeError,
 )
-from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, default_address
+from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
+from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.progress import (
     ProgressPrinter,
     WatchResult,
@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_data_inspect)
 
     _add_keys_parser(add)
-    from roundpipe.coordinator.planning.command import build_plan_parser
+    from roundpipe.plan_command import build_plan_parser
 
     p = add(
         "plan",
@@ -757,7 +757,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from roundpipe.coordinator.planning.command import run_plan_command
+    from roundpipe.plan_command import run_plan_command
 
     try:
         return run_plan_command(args)

@@ -19,14 +19,14 @@ socket to it and sends one request (the single frame of
 A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
 the socket is then closed and a fresh one connected, so a reply that arrives late can
 never be taken for the answer to a later request. ``submit`` and ``resume`` wait at least
-:data:`~roundpipe.defaults.SUBMIT_TIMEOUT_S` (120 s): the coordinator reads the job's
+:data:`~roundpipe.shared.defaults.SUBMIT_TIMEOUT_S` (120 s): the coordinator reads the job's
 whole data file before it answers.
 
 Errors. An :class:`~roundpipe.protocol.ErrorReply` from the coordinator becomes a typed
 exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
 :class:`JobRejected`, or :class:`RoundPipeError` itself (with ``code``) for anything
 else. A spec that fails validation on the client raises
-:class:`~roundpipe.coordinator.jobspec.JobSpecError` before any request is sent.
+:class:`~roundpipe.coordinator.spec.jobspec.JobSpecError` before any request is sent.
 
 Authentication. A coordinator with keys (every tcp:// one) accepts only clients whose
 CurveZMQ key it has authorised (docs/deploy.md, "Keys and access"). The client connects
@@ -52,8 +52,8 @@ from typing import Any, TypeVar
 
 import zmq
 
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     NUM_FRAMES,
@@ -186,7 +186,7 @@ class Client:
     """A connection to the RoundPipe coordinator.
 
     ``address`` is the coordinator's ZeroMQ endpoint; ``None`` means
-    :func:`roundpipe.defaults.default_address` (``$ROUNDPIPE_ADDRESS``, else
+    :func:`roundpipe.shared.defaults.default_address` (``$ROUNDPIPE_ADDRESS``, else
     ``tcp://127.0.0.1:7420``). ``timeout_s`` bounds the wait for each reply.
 
     Connecting does not talk to the coordinator: the first request does, and raises

@@ -153,7 +153,7 @@ class LocalCluster:
             "coordinator",
             [
                 "-m",
-                "roundpipe.coordinator.daemon",
+                "roundpipe.coordinator.service.daemon",
                 "--address",
                 self.address,
                 "--state-dir",

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import IO
 
 from roundpipe.client import Client, CoordinatorUnavailable, RoundPipeError
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.coordinator.paths import spec_read_dirs
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.paths import spec_read_dirs
 from roundpipe.progress import watch_job
 from roundpipe.shared.keys import add_key, init_keys
 
@@ -281,7 +281,7 @@ def run_demo(
     ``startup_timeout_s`` the wait for the coordinator to see every worker.
 
     ``coordinator_command`` / ``worker_command`` replace the command prefix that starts a
-    daemon (default ``[sys.executable, "-m", "roundpipe.coordinator.daemon"]`` and
+    daemon (default ``[sys.executable, "-m", "roundpipe.coordinator.service.daemon"]`` and
     ``[..., "roundpipe.worker.daemon"]``); the daemon arguments are appended. Progress
     and diagnostics go to ``stderr``, the result to ``stdout``.
     """
@@ -307,7 +307,7 @@ def run_demo(
         fail("the demo needs at least one worker")
         return EXIT_USAGE
     coordinator_cmd = list(
-        coordinator_command or [sys.executable, "-m", "roundpipe.coordinator.daemon"]
+        coordinator_command or [sys.executable, "-m", "roundpipe.coordinator.service.daemon"]
     )
     worker_cmd = list(worker_command or [sys.executable, "-m", "roundpipe.worker.daemon"])
 

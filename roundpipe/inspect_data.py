@@ -1,6 +1,6 @@
 """``roundpipe data inspect SPEC``: what a job's data gives, before any GPU hour is spent.
 
-Builds the job's rows exactly as the coordinator will (roundpipe.coordinator.data) and
+Builds the job's rows exactly as the coordinator will (roundpipe.coordinator.spec.data) and
 prints how many documents, rows, tokens and trained tokens there are, then one rendered
 row with the trained tokens marked: every token that a label trains is wrapped in
 ``[[...]]``, so the masking (assistant-only, completion-only, packing boundaries) can be
@@ -46,14 +46,14 @@ def render_row(tokens: list[int], labels: list[int], positions: list[int], decod
 def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) -> int:
     """Print the data summary and row ``row`` of the job spec at ``spec_path``; an exit
     status (0 ok, 2 bad spec or data)."""
-    from roundpipe.coordinator.data import (
+    from roundpipe.coordinator.spec.data import (
         DataError,
         build_dataset_from_spec,
         columns_of,
         load_tokenizer,
         resolve_format,
     )
-    from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
+    from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
 
     stream = sys.stdout if out is None else out
     try:

@@ -62,7 +62,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 def boxes_from_trace(tasks: Sequence[dict], *, multi_step: bool) -> list[Box]:
     """Boxes of the ``ph: X`` events ``coordinator.timeline.read_trace`` returns."""
-    from roundpipe.coordinator.timeline import OPTIMIZER_TID
+    from roundpipe.coordinator.training.timeline import OPTIMIZER_TID
 
     boxes = []
     for e in tasks:
@@ -222,7 +222,7 @@ def draw_job_timeline(
     """Draw the steps ``steps`` (default: the last three recorded) of the trace in a job's
     output directory. Returns (picture, steps drawn, per-step figures). Raises
     FileNotFoundError (no trace) or ValueError (no such steps)."""
-    from roundpipe.coordinator.timeline import TRACE_DIR, read_trace
+    from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace
 
     directory = Path(output_dir) / TRACE_DIR
     if steps is None:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 
 DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 

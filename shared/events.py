@@ -69,7 +69,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from roundpipe.defaults import env_non_negative
+from roundpipe.shared.defaults import env_non_negative
 from roundpipe.shared.arena import Arena, ArenaError
 
 __all__ = [
@@ -324,7 +324,7 @@ class EventTable:
 @dataclass(frozen=True)
 class Counters:
     """Index arithmetic of a training job's event table for ``num_layers`` layers and M
-    microbatches (what each counter stands for: roundpipe.coordinator.layout). The
+    microbatches (what each counter stands for: roundpipe.coordinator.training.layout). The
     coordinator lays the table out with it; a worker rebuilds it from JobSetup, so both
     name a counter the same way in their errors."""
 

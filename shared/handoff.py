@@ -8,7 +8,7 @@ counter, the consumer wakes). So activation hand-offs take two steps instead
 (ARCHITECTURE.md section 5):
 
 1. The producer issues the copy, records a completion event after it (CUDA: an
-   interprocess event of its ring, roundpipe.shared.cuda), writes a *ticket* for the
+   interprocess event of its ring, roundpipe.worker.cuda), writes a *ticket* for the
    counter (which process, which ring record, the event's IPC handle), fences, and stores
    the counter at once: "counter at issue".
 2. When the copy has really landed, the producer's completion thread stores the entry's

@@ -15,7 +15,7 @@ The coordinator's key directory (``--keys-dir``, ``$ROUNDPIPE_KEYS_DIR``, else
 
 Files are pyzmq's certificate format (``zmq.auth``), so czmq tools can read them too.
 The file name (without ``.key``) is the identity: jobs belong to it, logs name it. A
-connection belongs to the key it was made with (roundpipe.coordinator.auth): removing
+connection belongs to the key it was made with (roundpipe.coordinator.service.auth): removing
 or replacing a key ends the connections made with it. One key is one identity: give
 each worker host its own (``roundpipe keys add gpu-host-2 --role worker``), so that one
 host can be revoked alone.
@@ -98,7 +98,7 @@ class ConnectKeys:
 
 def default_keys_dir() -> Path:
     """``$ROUNDPIPE_KEYS_DIR``, else ``<default state dir>/keys``."""
-    from roundpipe.defaults import default_state_dir
+    from roundpipe.shared.defaults import default_state_dir
 
     explicit = os.environ.get("ROUNDPIPE_KEYS_DIR")
     return Path(explicit).expanduser() if explicit else default_state_dir() / "keys"

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.optimizer import LRSchedule, decays
+from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.training.optimizer import LRSchedule, decays
 from roundpipe.protocol import Hello, StageTask, TaskFailed
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 from roundpipe.worker.runtime import WorkerCore
@@ -209,7 +209,7 @@ class InProcessWorkers:
         with q.mutex:
             return q.queue[0] if q.queue else None
 
-    # The trainer's WorkerPort (roundpipe.coordinator.job_events).
+    # The trainer's WorkerPort (roundpipe.coordinator.training.job_events).
     def send_task(self, task: StageTask, worker_id: int) -> None:
         self.queues[worker_id].put(task)
 
@@ -273,7 +273,7 @@ def trained_in_process(
     """Run a job through a Trainer on ``num_workers`` in-process workers (``engine``: a
     transfer-engine factory for them) and yield the trainer after its last step; it is
     closed on exit (its output directory holds the rest)."""
-    from roundpipe.coordinator.trainer import Trainer
+    from roundpipe.coordinator.training.trainer import Trainer
 
     trainer = Trainer(
         job_id,
@@ -346,7 +346,7 @@ def first_iteration(
     """A prepared one-worker trainer of a small fixed plan whose iteration 1 can run
     without the coordinator: its batch written, its inputs signalled. Returns (trainer,
     iteration 1's tasks); the caller closes the trainer."""
-    from roundpipe.coordinator.trainer import Trainer
+    from roundpipe.coordinator.training.trainer import Trainer
 
     spec = tiny_spec(tmp_path, steps=2, plan="F[0:2,2:4] T[4:6] B[2:4,0:2]")
     trainer = Trainer(

@@ -27,7 +27,7 @@ import pytest
 from runtime_helpers import first_iteration, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.daemon import Coordinator, _namespace_for
+from roundpipe.coordinator.service.daemon import Coordinator, _namespace_for
 from roundpipe.shared.arena import (
     Arena,
     ArenaError,

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (coordinator/snapshot.py, Note [background
+"""Checkpoints written in the background (coordinator/training/snapshot.py, Note [background
 checkpoint]): training is bitwise the same with and without them, each holds exactly
 what a drained checkpoint of its step holds, memory is bounded, and a process killed
 while one is being written resumes exactly.
@@ -25,8 +25,8 @@ import pytest
 import torch
 from runtime_helpers import tiny_spec, trained_in_process
 
-from roundpipe.coordinator import trainer as trainer_module
-from roundpipe.coordinator.checkpoint import (
+from roundpipe.coordinator.training import trainer as trainer_module
+from roundpipe.coordinator.training.checkpoint import (
     MANIFEST,
     STATE_FILE,
     CheckpointDir,
@@ -34,9 +34,9 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.memory import InsufficientMemory, host_memory_needed
-from roundpipe.coordinator.trainer import JobPaused
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.training.memory import InsufficientMemory, host_memory_needed
+from roundpipe.coordinator.training.trainer import JobPaused
 from roundpipe.shared.model import LayeredModel
 
 STEPS = 5
@@ -132,9 +132,9 @@ def test_staging_is_counted_and_bounded_by_the_setting(
     """The staging copy is part of the host-memory figure; a limit below one
     checkpoint, or (auto) a machine without the memory to spare, means drained
     checkpoints, with the reason in the log."""
-    from roundpipe.coordinator.trainer import Trainer
+    from roundpipe.coordinator.training.trainer import Trainer
 
-    caplog.set_level(logging.INFO, logger="roundpipe.coordinator.trainer")
+    caplog.set_level(logging.INFO, logger="roundpipe.coordinator.training.trainer")
 
     def prepared(spec: JobSpec) -> int:
         t = Trainer("job-mem", spec, arena_dir=arena_dir, namespace="bgmem", output_dir=tmp_path)
@@ -173,9 +173,9 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
     the job but not for its staging refuses it at submit, naming the staging; "auto", a
     size too small for one checkpoint (drained checkpoints) or no periodic checkpoints
     add nothing, and are accepted on the same machine."""
-    from roundpipe.coordinator import memory
-    from roundpipe.coordinator.admission import validate_spec
-    from roundpipe.coordinator.jobspec import JobSpecError
+    from roundpipe.coordinator.training import memory
+    from roundpipe.coordinator.service.admission import validate_spec
+    from roundpipe.coordinator.spec.jobspec import JobSpecError
 
     def spec(every: int, staging: str | int) -> dict:
         return spec_for(tmp_path / "out", every=every, staging=staging).to_dict()
@@ -210,7 +210,7 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
 def test_writer_fault_point_setting_is_parsed_strictly() -> None:
     """ROUNDPIPE_CHECKPOINT_FAULT: stall/kill, optional step, marker last (its path may
     hold commas); anything else is refused with the setting's name."""
-    from roundpipe.coordinator.snapshot import WriterFault, parse_writer_fault
+    from roundpipe.coordinator.training.snapshot import WriterFault, parse_writer_fault
 
     assert parse_writer_fault("") is None
     assert parse_writer_fault("stall") == WriterFault("stall")
@@ -234,7 +234,7 @@ def test_sigkill_while_a_background_write_is_in_flight_resumes_exactly(
 ) -> None:
     """A trainer process checkpointing every step in the background is SIGKILLed while
     a write is provably in flight: the writer's fault point (ROUNDPIPE_CHECKPOINT_FAULT,
-    coordinator/snapshot.py), between the model files and the training state of
+    coordinator/training/snapshot.py), between the model files and the training state of
     checkpoint ``kill_at``, creates a marker and then stalls (the test kills on the
     marker) or kills the process itself. Each time ``latest`` names the checkpoint
     before it, the killed write's temporary directory is the only one left, and the

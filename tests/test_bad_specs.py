@@ -19,7 +19,7 @@ import yaml
 from runtime_helpers import DEMO_DATA, TINY_QWEN3, coordinator_only, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES
 
 CLI = [sys.executable, "-m", "roundpipe.cli"]
 

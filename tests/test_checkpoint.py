@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from roundpipe.coordinator.checkpoint import (
+from roundpipe.coordinator.training.checkpoint import (
     LATEST,
     MANIFEST,
     STATE_FILE,

@@ -44,7 +44,7 @@ from roundpipe.client import (
     RoundPipeError,
     UnknownJob,
 )
-from roundpipe.coordinator.jobspec import JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
 from roundpipe.demo import run_demo
 from roundpipe.protocol import (
     Ack,
@@ -499,7 +499,7 @@ def test_client_argument_errors(fake: FakeCoordinator) -> None:
 
 
 def test_default_address_and_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from roundpipe import defaults
+    from roundpipe.shared import defaults
 
     monkeypatch.delenv("ROUNDPIPE_ADDRESS", raising=False)
     assert defaults.default_address() == "tcp://127.0.0.1:7420"

@@ -27,9 +27,9 @@ import pytest
 from runtime_helpers import tiny_spec, trained_in_process
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec
-from roundpipe.coordinator.paths import PathPolicy
-from roundpipe.coordinator.trainer import JobPaused
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.paths import PathPolicy
+from roundpipe.coordinator.training.trainer import JobPaused
 
 NOFILE = 256
 FLOOD = 2 * NOFILE
@@ -38,7 +38,7 @@ FLOOD = 2 * NOFILE
 _LAUNCH = (
     "import resource, sys; n = int(sys.argv.pop(1)); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
-    "from roundpipe.coordinator.daemon import main; sys.exit(main(sys.argv[1:]))"
+    "from roundpipe.coordinator.service.daemon import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
@@ -55,7 +55,7 @@ class _LimitedTcpCluster(LocalCluster):
 
     def _spawn(self, name, args, env=None):
         if name == "coordinator":
-            assert args[:2] == ["-m", "roundpipe.coordinator.daemon"], args
+            assert args[:2] == ["-m", "roundpipe.coordinator.service.daemon"], args
             args = ["-c", _LAUNCH, str(self._nofile), *args[2:]]
         return super()._spawn(name, args, env)
 
@@ -153,7 +153,7 @@ def test_checkpoint_that_cannot_open_its_directory_pauses_the_job(
     """The output directory cannot be opened for checkpoint step 2 (EMFILE: the process
     is out of descriptors). The job pauses, naming the error and what to do; step 1's
     checkpoint is kept."""
-    from roundpipe.coordinator import trainer as trainer_module
+    from roundpipe.coordinator.training import trainer as trainer_module
 
     d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
     d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=staging)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.cuda import (
+from roundpipe.worker.cuda import (
     CudaEventReader,
     EventHandleBoard,
     cuda_available,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from roundpipe.coordinator.data import (
+from roundpipe.coordinator.spec.data import (
     IGNORE_INDEX,
     DataError,
     DataLoader,
@@ -22,7 +22,7 @@ from roundpipe.coordinator.data import (
     read_documents,
     resolve_format,
 )
-from roundpipe.coordinator.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 EOS, PAD = 0, 99

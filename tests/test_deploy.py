@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from roundpipe.coordinator.sdnotify import Notifier
+from roundpipe.coordinator.service.sdnotify import Notifier
 from roundpipe.shared.arena import check_arena_root
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -210,7 +210,7 @@ def test_coordinator_notifies_ready_watchdog_and_stopping(tmp_path: Path, arena_
         [
             sys.executable,
             "-m",
-            "roundpipe.coordinator.daemon",
+            "roundpipe.coordinator.service.daemon",
             "--address",
             f"ipc://{tmp_path}/c.sock",
             "--state-dir",

@@ -117,7 +117,7 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
         [
             sys.executable,
             "-m",
-            "roundpipe.coordinator.daemon",
+            "roundpipe.coordinator.service.daemon",
             "--address",
             cluster.address,
             "--state-dir",

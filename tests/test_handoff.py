@@ -19,7 +19,7 @@ import pytest
 import torch
 from runtime_helpers import final_weights_in_process, first_iteration, tiny_spec
 
-from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.protocol import replace
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import Counters, EventTable

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from runtime_helpers import InProcessWorkers, assert_params_match, tiny_spec
 
-from roundpipe.coordinator.data import DataLoader, build_dataset_from_spec
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.trainer import Trainer
+from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 
 

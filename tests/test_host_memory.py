@@ -1,5 +1,5 @@
 """Host memory per parameter: the bounded gradient buffer (Note [gradient buffer] in
-roundpipe.coordinator.layout) changes no bit of training, and the figures admission and
+roundpipe.coordinator.training.layout) changes no bit of training, and the figures admission and
 ``roundpipe plan`` give follow the layout."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
 
-from roundpipe.coordinator.checkpoint import CheckpointDir
-from roundpipe.coordinator.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import host_memory_needed, least_host_memory
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.memory import host_memory_needed, least_host_memory
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -95,7 +95,7 @@ def test_a_stage_that_would_write_one_slot_twice_does_not_fit(tmp_path) -> None:
 
 
 def test_grad_clip_keeps_one_gradient_slot_per_layer(tmp_path) -> None:
-    from roundpipe.coordinator.memory import grad_buffer_layers
+    from roundpipe.coordinator.training.memory import grad_buffer_layers
 
     plan = Plan.parse(NARROW)
     assert grad_buffer_layers(tiny_spec(tmp_path, plan=NARROW), plan) == 4  # 2 x widest stage
@@ -108,7 +108,7 @@ def test_one_weight_copy_at_staleness_0_changes_no_bit(tmp_path, arena_dir, monk
     """Note [weight copies]: staleness 0 keeps one compute-dtype copy per trainable
     weight; the result equals the two-copy layout's bit for bit (bf16 compute, so the
     copies are real casts)."""
-    import roundpipe.coordinator.trainer as trainer_module
+    import roundpipe.coordinator.training.trainer as trainer_module
 
     def spec(where: str):
         return tiny_spec(tmp_path / where, staleness=0, steps=4, plan=NARROW, dtype="bfloat16")
@@ -145,7 +145,7 @@ def test_checkpoints_say_which_weight_version_prev_holds(tmp_path, arena_dir) ->
 
 
 def _optimizers(state_dtype: str, seed: int = 0):
-    from roundpipe.coordinator.optimizer import LayerwiseOptimizer, LRSchedule
+    from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer, LRSchedule
 
     gen = torch.Generator().manual_seed(seed)
     # Sizes off the block and chunk grid, so partial blocks are exercised.
@@ -203,7 +203,7 @@ def test_int8_states_follow_fp32_adamw_and_resume_bit_for_bit() -> None:
 
 
 def test_int8_state_dtype_is_checked(tmp_path) -> None:
-    from roundpipe.coordinator.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpecError
 
     with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
         tiny_spec(tmp_path, optimizer={"state_dtype": "int4"})

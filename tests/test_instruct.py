@@ -13,14 +13,14 @@ from model_helpers import run_iteration
 from runtime_helpers import TINY_QWEN3, assert_params_match, oracle_train, tiny_spec
 from test_trainer import train_in_process
 
-from roundpipe.coordinator.data import (
+from roundpipe.coordinator.spec.data import (
     IGNORE_INDEX,
     Columns,
     DataError,
     build_dataset,
     resolve_format,
 )
-from roundpipe.coordinator.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor
@@ -311,7 +311,7 @@ def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) ->
     assert cli.main(["data", "inspect", str(CHAT_DEMO_SPEC_PATH)]) == 0
     out = capsys.readouterr().out
     spec = demo_spec(spec_path=CHAT_DEMO_SPEC_PATH, output_dir=tmp_path)
-    from roundpipe.coordinator.data import build_dataset_from_spec
+    from roundpipe.coordinator.spec.data import build_dataset_from_spec
 
     ds = build_dataset_from_spec(spec)
     assert f"rows:           {ds.num_rows} of 256 tokens" in out
@@ -335,8 +335,8 @@ def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) ->
 
 def test_chat_demo_spec_is_valid_and_sized_to_its_tokenizer(tmp_path: Path) -> None:
     from roundpipe import cli
-    from roundpipe.coordinator.data import build_dataset_from_spec
-    from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
+    from roundpipe.coordinator.spec.data import build_dataset_from_spec
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec, validate_against_model
     from roundpipe.demo import CHAT_DEMO_SPEC_PATH, demo_spec
 
     spec = demo_spec(spec_path=CHAT_DEMO_SPEC_PATH, output_dir=tmp_path)

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import yaml
 
-from roundpipe.coordinator.jobspec import (
+from roundpipe.coordinator.spec.jobspec import (
     HF_NO_DECAY,
     DataSpec,
     JobSpec,

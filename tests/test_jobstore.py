@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from runtime_helpers import tiny_spec
 
-from roundpipe.coordinator.auth import Peer
-from roundpipe.coordinator.daemon import Coordinator
-from roundpipe.coordinator.jobstore import JobStore, JobStoreError
+from roundpipe.coordinator.service.auth import Peer
+from roundpipe.coordinator.service.daemon import Coordinator
+from roundpipe.coordinator.service.jobstore import JobStore, JobStoreError
 from roundpipe.protocol import (
     Ack,
     CancelJob,

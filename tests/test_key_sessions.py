@@ -29,8 +29,8 @@ import zmq
 
 from roundpipe import cli
 from roundpipe.client import Client, NotAuthorized
-from roundpipe.coordinator.daemon import Coordinator
-from roundpipe.coordinator.jobs import JobRecord
+from roundpipe.coordinator.service.daemon import Coordinator
+from roundpipe.coordinator.service.jobs import JobRecord
 from roundpipe.protocol import JobList, ListJobs, Message, decode, encode
 from roundpipe.shared.keys import apply_connect_keys, connect_keys
 
@@ -230,7 +230,7 @@ def test_sighup_makes_the_coordinator_daemon_reread_its_keys(
     log = tmp_path / "coordinator.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "roundpipe.coordinator.daemon"]
+            [sys.executable, "-m", "roundpipe.coordinator.service.daemon"]
             + ["--address", f"ipc://{tmp_path}/c.sock", "--state-dir", str(tmp_path / "state")]
             + ["--arena-dir", str(arena_dir), "--keys-dir", str(keys_dir), "--threads", "1"],
             stdout=out,

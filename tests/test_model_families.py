@@ -119,7 +119,7 @@ def test_packed_documents_are_refused_on_linear_attention() -> None:
 def test_job_spec_refuses_documents_packing_for_linear_attention(tmp_path: Path) -> None:
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpecError
 
     kw = dict(architecture="qwen3_5_text", config=_spec_config("qwen3_5_text"))
     with pytest.raises(JobSpecError, match="data.packing.*linear-attention"):
@@ -381,7 +381,7 @@ def test_job_spec_dequantize_option(tmp_path: Path) -> None:
     config (so admission and the workers build the plain model); it needs a path model."""
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.jobspec import (
+    from roundpipe.coordinator.spec.jobspec import (
         JobSpec,
         JobSpecError,
         ModelSpec,
@@ -407,7 +407,7 @@ def test_job_trains_a_dequantised_mxfp4_checkpoint(tmp_path: Path, arena_dir: Pa
     from runtime_helpers import DEMO_DATA, tiny_spec, trained_in_process
     from transformers import AutoModelForCausalLM
 
-    from roundpipe.coordinator.jobspec import JobSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec
 
     (tmp_path / "ckpt").mkdir()
     _mxfp4_checkpoint(tmp_path / "ckpt", vocab_size=512)

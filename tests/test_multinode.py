@@ -20,8 +20,8 @@ from multinode_helpers import node_group
 from runtime_helpers import assert_params_match, load_output, oracle_train, tiny_spec
 
 from roundpipe.client import RoundPipeError
-from roundpipe.coordinator.jobspec import JobSpec
-from roundpipe.coordinator.multinode import node_microbatches, settings_from_args
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.multinode import node_microbatches, settings_from_args
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -193,7 +193,7 @@ def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
 def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
     gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
-    from roundpipe.coordinator.planning.command import plan_main
+    from roundpipe.plan_command import plan_main
     from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
 
     predict = functools.partial(

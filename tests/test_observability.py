@@ -17,8 +17,8 @@ from runtime_helpers import cpu_cluster, oracle_train, run_in_process, tiny_spec
 
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.jobspec import JobSpec
-from roundpipe.coordinator.timeline import TRACE_DIR, read_trace, trace_files
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace, trace_files
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from roundpipe.coordinator.jobspec import HF_NO_DECAY
-from roundpipe.coordinator.optimizer import (
+from roundpipe.coordinator.spec.jobspec import HF_NO_DECAY
+from roundpipe.coordinator.training.optimizer import (
     CHUNK_NUMEL,
     IMPLS,
     LayerwiseOptimizer,

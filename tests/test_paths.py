@@ -23,15 +23,15 @@ import torch
 from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.checkpoint import CheckpointDir, save_tensors
-from roundpipe.coordinator.jobspec import (
+from roundpipe.coordinator.training.checkpoint import CheckpointDir, save_tensors
+from roundpipe.coordinator.spec.jobspec import (
     _SECTIONS,
     PATH_ACCESS,
     PATH_FIELDS,
     JobSpec,
     JobSpecError,
 )
-from roundpipe.coordinator.paths import (
+from roundpipe.coordinator.spec.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
     OwnedDir,
@@ -192,7 +192,7 @@ def test_every_string_field_of_the_spec_is_a_path_or_known_not_to_be() -> None:
                 unclassified.append(dotted)
     assert unclassified == [], (
         f"spec fields {unclassified} take strings: declare each that names a file with "
-        "read_path()/write_path() in coordinator/jobspec.py, or add it to NON_PATH_STRINGS"
+        "read_path()/write_path() in coordinator/spec/jobspec.py, or add it to NON_PATH_STRINGS"
     )
     # The fields the issue names, among them the one a list once forgot.
     assert {f.dotted for f in PATH_FIELDS} >= {
@@ -234,7 +234,7 @@ def test_every_path_field_is_made_absolute_and_relative_to_the_yaml(
 ) -> None:
     """Normalisation walks the same schema: a relative path in a spec file is taken
     relative to the file, for every path field (data.chat_template was left relative)."""
-    from roundpipe.coordinator import jobspec
+    from roundpipe.coordinator.spec import jobspec
 
     assert getattr(_SECTIONS[field.section](**{field.key: "rel/x"}), field.key) == (
         os.path.abspath("rel/x")
@@ -309,7 +309,7 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
     nothing, and the next checkpoint is refused."""
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.trainer import JobFailed, Trainer
+    from roundpipe.coordinator.training.trainer import JobFailed, Trainer
 
     (tree / "write").chmod(0o777)  # the shared write root the attack needs
     out = tree / "write" / "swapped"
@@ -356,7 +356,7 @@ def test_output_swapped_while_a_background_checkpoint_is_written_receives_nothin
     (coordinator.snapshot): the writer thread holds the checked directory open for the
     whole write, so its files land there; the next background checkpoint is refused and
     the job fails with the reason; the link's target gets nothing."""
-    from roundpipe.coordinator.trainer import JobFailed, Trainer
+    from roundpipe.coordinator.training.trainer import JobFailed, Trainer
 
     (tree / "write").chmod(0o777)
     out = tree / "write" / "swapped-bg"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from model_helpers import ALL_ARCHS, tiny_config
 
-from roundpipe.coordinator.planning.command import describe, plan_main
+from roundpipe.plan_command import describe, plan_main
 from roundpipe.coordinator.planning.costs import LayerCost, estimate_costs
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
 from roundpipe.coordinator.planning.profile import ProfileAggregator
@@ -394,13 +394,13 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
     """`roundpipe plan` gives the host-memory figure the coordinator checks a job
-    against (roundpipe.coordinator.memory), for the plan it chose."""
+    against (roundpipe.coordinator.training.memory), for the plan it chose."""
     import json
 
     import torch
 
-    from roundpipe.coordinator.layout import JobLayout
-    from roundpipe.coordinator.memory import host_memory_needed
+    from roundpipe.coordinator.training.layout import JobLayout
+    from roundpipe.coordinator.training.memory import host_memory_needed
     from roundpipe.shared.model import LayeredModel
 
     config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6}

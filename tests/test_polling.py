@@ -1,4 +1,4 @@
-"""protocol/polling.py: the daemons' I/O loops receive with a brief non-blocking spin."""
+"""shared/polling.py: the daemons' I/O loops receive with a brief non-blocking spin."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import zmq
 from runtime_helpers import assert_import_fails
 
 from roundpipe.protocol import Heartbeat, decode, encode
-from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.polling import poll_spinning
 
 
 def _pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
@@ -62,7 +62,7 @@ def test_nothing_to_receive_spins_then_blocks_until_the_timeout() -> None:
 
 def test_bad_spin_setting_is_a_clear_error() -> None:
     assert_import_fails(
-        "roundpipe.protocol.polling",
+        "roundpipe.shared.polling",
         {"ROUNDPIPE_RECV_SPIN_US": "-3"},
         "ROUNDPIPE_RECV_SPIN_US must be >= 0, got '-3'",
     )

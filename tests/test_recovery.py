@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
+from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.protocol import MicrobatchIO, StageTask, TaskDone, TaskFailed, TensorRef
 
 

@@ -41,8 +41,8 @@ from runtime_helpers import (
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator import trainer as trainer_module
-from roundpipe.coordinator.checkpoint import (
+from roundpipe.coordinator.training import trainer as trainer_module
+from roundpipe.coordinator.training.checkpoint import (
     LATEST,
     STATE_FILE,
     CheckpointDir,
@@ -50,9 +50,9 @@ from roundpipe.coordinator.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from roundpipe.coordinator.job_events import CheckpointWritten, JobEvent
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError, model_config_from_spec
-from roundpipe.coordinator.trainer import JobCancelled, JobPaused, Trainer
+from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, model_config_from_spec
+from roundpipe.coordinator.training.trainer import JobCancelled, JobPaused, Trainer
 from roundpipe.shared.model import LayeredModel
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from roundpipe.client import Client
-from roundpipe.coordinator.daemon import Coordinator
-from roundpipe.coordinator.jobs import JobRecord
+from roundpipe.coordinator.service.daemon import Coordinator
+from roundpipe.coordinator.service.jobs import JobRecord
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
 

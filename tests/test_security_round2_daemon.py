@@ -5,7 +5,7 @@
   "worker" went silent: every later submission then failed until a restart. Only the
   kernel's word (the pid at the other end of an ipc:// connection) proves a worker's
   process now, and the coordinator's own children are never candidates
-  (Note [no fencing by hearsay] in coordinator/daemon.py).
+  (Note [no fencing by hearsay] in coordinator/service/daemon.py).
 - A spec checker that died anyway (the OOM killer) is replaced for the next submission.
 - ``--max-jobs-per-owner``: an owner's queued and running jobs are bounded; resumes
   count; admins see and cancel everyone's jobs.
@@ -26,9 +26,9 @@ from runtime_helpers import cpu_cluster, fake_hello, tiny_spec
 
 from roundpipe.client import JobRejected, RoundPipeError
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.admission import SpecValidator
-from roundpipe.coordinator.auth import Peer
-from roundpipe.coordinator.daemon import _provable_worker_process
+from roundpipe.coordinator.service.admission import SpecValidator
+from roundpipe.coordinator.service.auth import Peer
+from roundpipe.coordinator.service.daemon import _provable_worker_process
 from roundpipe.protocol import ErrorReply, SubmitJob, Welcome, decode, encode
 
 WORKER_TIMEOUT_S = 2

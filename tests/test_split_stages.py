@@ -17,12 +17,12 @@ from runtime_helpers import (
     trained_in_process,
 )
 
-from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import host_memory_needed
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.memory import host_memory_needed
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages, split_variants
-from roundpipe.coordinator.trainer import Trainer
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan, Stage
 
@@ -152,7 +152,7 @@ def _views(layout: JobLayout, slots) -> list[torch.Tensor]:
 
 
 def test_a_train_plan_that_splits_past_the_microbatches_is_a_bad_spec(tmp_path) -> None:
-    from roundpipe.coordinator.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpecError
 
     with pytest.raises(JobSpecError, match=r"train.plan.*splits that fit batch.num_microbatches"):
         tiny_spec(tmp_path, plan="F[0:4] T[4:6] B[0:4/3]")
@@ -233,7 +233,7 @@ def test_another_split_point_sums_the_same_gradient_to_float_noise(tmp_path, are
 def _costs(num_workers: int = 2):
     from runtime_helpers import TINY_QWEN3
 
-    from roundpipe.coordinator.jobspec import model_config_from_spec
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
 
     spec = tiny_spec(
         Path("unused"), config=dict(TINY_QWEN3, hidden_size=128, intermediate_size=384)
@@ -279,8 +279,8 @@ def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
 ) -> None:
     """The planner's split plan needs a second gradient buffer and the sums; when the
     host cannot hold them, the job starts on the best unsplit plan instead of failing."""
-    import roundpipe.coordinator.trainer as trainer_module
-    from roundpipe.coordinator.memory import InsufficientMemory
+    import roundpipe.coordinator.training.trainer as trainer_module
+    from roundpipe.coordinator.training.memory import InsufficientMemory
 
     real = trainer_module.check_host_memory
 

@@ -11,7 +11,7 @@ import pytest
 
 from roundpipe.cli import main as cli_main
 from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
-from roundpipe.coordinator.timeline import (
+from roundpipe.coordinator.training.timeline import (
     TaskRecord,
     TimelineRecorder,
     bubble_in_window,

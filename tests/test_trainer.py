@@ -21,7 +21,7 @@ from runtime_helpers import (
     trained_in_process,
 )
 
-from roundpipe.coordinator.trainer import Trainer
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.plan import Plan
 
 
@@ -137,7 +137,7 @@ def test_model_dir_without_tokenizer_trains_token_data_and_exports_no_tokenizer(
     model carries no (empty) tokenizer."""
     import json
 
-    from roundpipe.coordinator.jobspec import TOKENIZER_FILES, JobSpec
+    from roundpipe.coordinator.spec.jobspec import TOKENIZER_FILES, JobSpec
     from roundpipe.shared.model import LayeredModel
 
     layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))

@@ -51,7 +51,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.handoff import HandoffLost
 from roundpipe.shared.keys import ConnectKeys, KeyError_, apply_connect_keys, connect_keys
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
@@ -506,7 +506,7 @@ class _TaskQueue:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.defaults import DEFAULT_ADDRESS
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS
 
     parser = argparse.ArgumentParser(
         prog="roundpipe-worker", description="RoundPipe stateless worker (one per GPU)."

@@ -30,7 +30,7 @@ Note [global loss normalisation]
 
 Note [packed documents]
     Each microbatch may come with position ids ``[rows, seq]`` (None: 0..seq-1). They
-    restart at 0 where a packed document starts (roundpipe.coordinator.data), and every
+    restart at 0 where a packed document starts (roundpipe.coordinator.spec.data), and every
     decoder layer gets them twice: as rotary positions, so a document's positions are
     those it would have alone, and through transformers' ``create_causal_mask``, whose
     packed-sequence detection (a position that does not follow its predecessor starts a

@@ -9,7 +9,7 @@ task reads its inputs from and writes its results to shared memory.
 Running a task, in order:
 
 1. wait for the weights' version counters (Note [weight-update ordering] in
-   roundpipe.coordinator.schedule), and upload the right params parity, unless the
+   roundpipe.coordinator.training.schedule), and upload the right params parity, unless the
    prefetcher already did while the previous task computed (Note [weight prefetch]);
 2. stream microbatches: before microbatch m is read, wait for its counters and upload
    it (microbatch m + 1 is uploaded while m computes if its counters are already met);
@@ -56,7 +56,7 @@ Note [no rewrite after signal]
     its task to another worker, i.e. a worker declared lost while alive; it is the same
     race as with counters stored after landing, and the same fencing prevents it (a lost
     worker's process is killed before its tasks are re-run when the coordinator can
-    prove which process it is: roundpipe.coordinator.recovery, docs/fault-tolerance.md).
+    prove which process it is: roundpipe.coordinator.training.recovery, docs/fault-tolerance.md).
     A task that fails or aborts first waits for its copies in flight, so a re-run on the
     same worker sees what really landed.
 
@@ -69,7 +69,7 @@ Note [weight prefetch]
     valid as an upload made when the task starts: the same version waits were met, and
     the params parity it read is not rewritten before this task's iteration has
     finished with it (Note [weight-update ordering], point 3; with the single copy of
-    staleness 0, Note [weight copies] in roundpipe.coordinator.layout).
+    staleness 0, Note [weight copies] in roundpipe.coordinator.training.layout).
 """
 
 from __future__ import annotations

@@ -814,14 +814,14 @@ class CudaEngine(_LinkedEngine):
             return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def register(self, arenas):
-        from roundpipe.shared.cuda import pin_arena
+        from roundpipe.worker.cuda import pin_arena
 
         for arena in arenas:
             if id(arena) not in self._pinned and pin_arena(arena):
                 self._pinned.add(id(arena))
 
     def unregister(self, arenas):
-        from roundpipe.shared.cuda import unpin_arena
+        from roundpipe.worker.cuda import unpin_arena
 
         for arena in arenas:
             if id(arena) in self._pinned:
@@ -831,7 +831,7 @@ class CudaEngine(_LinkedEngine):
     # -- activation hand-offs (Note [activation hand-off]) ------------------------------
 
     def _ring_events(self):
-        from roundpipe.shared.cuda import CudaEventRing
+        from roundpipe.worker.cuda import CudaEventRing
 
         with self._ring_lock:
             if self._ring is None:
@@ -866,7 +866,7 @@ class CudaEngine(_LinkedEngine):
         event.wait(stream)
 
     def _event_for(self, handle: bytes):
-        from roundpipe.shared.cuda import open_ipc_event
+        from roundpipe.worker.cuda import open_ipc_event
 
         event = self._own.get(handle)
         if event is None:

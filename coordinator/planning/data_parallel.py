@@ -1,5 +1,5 @@
 """What ``roundpipe plan --nodes W --network-bandwidth B`` predicts: the step of W servers
-in a data-parallel group (roundpipe.coordinator.multinode), each running the one-node plan.
+in a data-parallel group (roundpipe.coordinator.training.multinode), each running the one-node plan.
 
 The cost model is a ring all-reduce of the fp32 gradients of the trainable parameters
 over the servers' network, overlapped with the step as docs/multi-node.md describes.

@@ -546,7 +546,7 @@ def plan_stages(
     on worker i mod N) with stages sized to their worker's speed are candidates too.
 
     ``fits``: only plans it accepts are candidates (the trainer's re-planner passes the
-    slot-pool check, Note [slot pools] in roundpipe.coordinator.layout).
+    slot-pool check, Note [slot pools] in roundpipe.coordinator.training.layout).
 
     Raises ValueError when a single layer cannot fit the memory limit (naming it and the
     numbers) or when no plan fits at all.

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime_helpers import trained_in_process  # noqa: E402
 
-from roundpipe.coordinator.jobspec import JobSpec  # noqa: E402
+from roundpipe.coordinator.spec.jobspec import JobSpec  # noqa: E402
 
 
 def main() -> None:

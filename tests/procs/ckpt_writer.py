@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from roundpipe.coordinator.checkpoint import STATE_FILE, CheckpointDir, load_tensors, save_tensors
+from roundpipe.coordinator.training.checkpoint import (
+    STATE_FILE,
+    CheckpointDir,
+    load_tensors,
+    save_tensors,
+)
 
 JOB = "trial"
 

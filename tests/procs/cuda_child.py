@@ -12,7 +12,7 @@ import time
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.cuda import CudaEventRing, EventHandleBoard, pin_arena
+from roundpipe.worker.cuda import CudaEventRing, EventHandleBoard, pin_arena
 from roundpipe.shared.events import EventTable
 
 TABLE_OFFSET = DATA_START

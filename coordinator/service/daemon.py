@@ -19,7 +19,7 @@ One ROUTER socket at ``--address`` serves both workers and clients (both use DEA
 sockets): a worker introduces itself with ``Hello``; anything else is a client request
 and gets exactly one reply. Signal handlers only set a flag.
 
-Every connection is authenticated before its first message (roundpipe.coordinator.auth:
+Every connection is authenticated before its first message (roundpipe.coordinator.service.auth:
 CurveZMQ keys, or ipc:// peer credentials; the ZAP handler runs on the I/O thread).
 Each message is handled as its sender's identity and role allow: jobs belong to their
 submitter (others, unless admin, are told the job does not exist); ``Hello`` and
@@ -35,7 +35,7 @@ a count of what was cut), so every reply is encodable; a reply that still cannot
 encoded becomes an ErrorReply; and any exception while handling one message is logged
 and the loop goes on with the next.
 
-Jobs are durable (roundpipe.coordinator.jobstore): every job and state change goes to
+Jobs are durable (roundpipe.coordinator.service.jobstore): every job and state change goes to
 ``<state-dir>/jobs.sqlite3``. On start the coordinator loads them; jobs that were running
 are queued again and, like every job, resume from their newest checkpoint
 (docs/checkpoints.md). A job whose checkpoint or final model cannot be written is
@@ -68,8 +68,12 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from roundpipe.coordinator.admission import SpecValidator, ValidationUnavailable, validate_spec
-from roundpipe.coordinator.auth import (
+from roundpipe.coordinator.service.admission import (
+    SpecValidator,
+    ValidationUnavailable,
+    validate_spec,
+)
+from roundpipe.coordinator.service.auth import (
     ZAP_ENDPOINT,
     Authenticator,
     AuthSetupError,
@@ -77,14 +81,14 @@ from roundpipe.coordinator.auth import (
     RateLimitedLog,
     request_reload,
 )
-from roundpipe.coordinator.job_events import (
+from roundpipe.coordinator.training.job_events import (
     CheckpointWritten,
     JobEvent,
     PlanChosen,
     WorkerJoined,
     WorkerLost,
 )
-from roundpipe.coordinator.jobs import (
+from roundpipe.coordinator.service.jobs import (
     MAX_TEXT_CHARS,
     BadState,
     JobBook,
@@ -92,11 +96,11 @@ from roundpipe.coordinator.jobs import (
     bounded_text,
     outcome,
 )
-from roundpipe.coordinator.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
-from roundpipe.coordinator.jobstore import JobStore, JobStoreError
-from roundpipe.coordinator.memory import release_freed_memory
-from roundpipe.coordinator.metrics import MetricsServer, current_tasks
-from roundpipe.coordinator.multinode import (
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
+from roundpipe.coordinator.service.jobstore import JobStore, JobStoreError
+from roundpipe.coordinator.training.memory import release_freed_memory
+from roundpipe.coordinator.service.metrics import MetricsServer, current_tasks
+from roundpipe.coordinator.training.multinode import (
     DEFAULT_DIST_TIMEOUT_S,
     GroupError,
     JobAnnouncement,
@@ -105,7 +109,7 @@ from roundpipe.coordinator.multinode import (
     node_microbatches,
     settings_from_args,
 )
-from roundpipe.coordinator.paths import (
+from roundpipe.coordinator.spec.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
     PathPolicy,
@@ -115,8 +119,8 @@ from roundpipe.coordinator.paths import (
     set_strict_reads,
 )
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware, gpu_hardware
-from roundpipe.coordinator.sdnotify import Notifier
-from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused, Trainer
+from roundpipe.coordinator.service.sdnotify import Notifier
+from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_REPLY_BYTES,
@@ -154,7 +158,7 @@ from roundpipe.protocol import (
     encode,
     encoded_size,
 )
-from roundpipe.protocol.polling import poll_spinning
+from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.arena import (
     ArenaError,
     check_arena_root,
@@ -1685,7 +1689,7 @@ def _job_log_handler(job: JobRecord) -> logging.Handler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.defaults import DEFAULT_ADDRESS, default_state_dir
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS, default_state_dir
 
     # SIGHUP: re-read the authorised keys (only counted here; the I/O loop's next key
     # check re-reads). Set first, so a SIGHUP while starting up does not end the process.
@@ -1806,7 +1810,7 @@ def main(argv: list[str] | None = None) -> int:
     set_strict_reads(True)
     import torch
 
-    from roundpipe.coordinator.optimizer import default_threads
+    from roundpipe.coordinator.training.optimizer import default_threads
 
     torch.set_num_threads(args.threads or default_threads())
     # Models, tokenizers and data are local by design: never wait on the hub.

@@ -6,7 +6,7 @@ it, so jobs survive a coordinator restart (a crash, ``systemctl restart``, an up
 * ``queued`` jobs run again, in submission order;
 * ``running`` jobs were interrupted: :meth:`JobStore.recover` turns them back into
   ``queued`` (with a message saying so), and when they run the trainer resumes them from
-  their newest checkpoint (roundpipe.coordinator.checkpoint);
+  their newest checkpoint (roundpipe.coordinator.training.checkpoint);
 * ``paused`` jobs wait for ``roundpipe resume JOB``;
 * ``succeeded``, ``failed`` and ``cancelled`` jobs are kept for ``roundpipe jobs``.
 

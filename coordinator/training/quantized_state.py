@@ -15,7 +15,7 @@ Quantization", 2022):
 
 The optimizer dequantizes one chunk of a tensor into fp32 scratch, runs the same fused
 AdamW kernel as for fp32 states, and quantizes the chunk back (Note [chunked fused
-AdamW] in roundpipe.coordinator.optimizer). Codes and scales are the state: checkpoints
+AdamW] in roundpipe.coordinator.training.optimizer). Codes and scales are the state: checkpoints
 save them as they are, so a resumed job continues bit for bit.
 
 Layout of one tensor's state (``n`` elements, ``ceil(n / BLOCK)`` blocks)::

@@ -8,7 +8,7 @@ Pipeline (all in the coordinator, once per job; the rows are small next to the m
                                               rows, split into microbatches
 
 Input formats (``resolve_format`` picks one for ``format="auto"``); records come from
-JSONL, Parquet or a ``datasets`` folder (roundpipe.coordinator.records), column names
+JSONL, Parquet or a ``datasets`` folder (roundpipe.coordinator.spec.records), column names
 from ``Columns``:
 
 * ``jsonl_text``: the document in the ``text`` column; loss on every token;
@@ -16,7 +16,7 @@ from ``Columns``:
   is still used, if available, for the EOS and pad ids); optional ``labels`` of the same
   length (-100 = no loss) are used as given, else the loss covers every token;
 * ``chat``: ``messages`` rendered with the chat template, loss on assistant turns
-  (``loss_on: assistant``) or everything (``all``); roundpipe.coordinator.instruct;
+  (``loss_on: assistant``) or everything (``all``); roundpipe.coordinator.spec.instruct;
 * ``prompt_completion``: ``prompt`` and ``completion`` (strings or message lists), loss
   on the completion (or everything with ``loss_on: all``);
 * ``text``: UTF-8 text; documents are separated by one or more blank lines.
@@ -75,19 +75,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.coordinator import records
-from roundpipe.coordinator.instruct import (
+from roundpipe.coordinator.spec import records
+from roundpipe.coordinator.spec.instruct import (
     LOSS_ON,
     InstructError,
     load_chat_template,
     render_chat,
     render_prompt_completion,
 )
-from roundpipe.coordinator.jobspec import TOKENIZER_FILES, has_tokenizer_files
-from roundpipe.coordinator.paths import open_for_read
+from roundpipe.coordinator.spec.jobspec import TOKENIZER_FILES, has_tokenizer_files
+from roundpipe.coordinator.spec.paths import open_for_read
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.jobspec import JobSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec
 
 __all__ = [
     "IGNORE_INDEX",

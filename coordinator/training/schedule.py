@@ -15,7 +15,7 @@ g_k on W_v with v = max(k - 1 - staleness, 0):
 * staleness 1: v = k - 2, the loop that applies each gradient one step late, giving the
   optimizer of step k - 1 a whole iteration to finish.
 
-Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator.layout):
+Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator.training.layout):
 
 1. A task reads layer l's trainable weights of version v only after ``version[l] >= v``
    (the tail also waits for the owner of a tied weight).
@@ -27,12 +27,12 @@ Orderings, each enforced by an event-table wait (layout in roundpipe.coordinator
    iteration k-1's (staleness 0); in both cases they finished reading layer l before
    ``wgrad[l] >= k`` could be stored, so the optimizer never overwrites weights in use.
    At staleness 0 both parities are one buffer (Note [weight copies] in
-   roundpipe.coordinator.layout): it held W_{k-1}, whose readers are iteration k's own
+   roundpipe.coordinator.training.layout): it held W_{k-1}, whose readers are iteration k's own
    tasks, finished by then too.
 4. A task writes layer l's gradient slot for iteration k only after ``version[l] >= k-1``:
    the optimizer has consumed g_{k-1}. A slow optimizer throttles the pipeline instead
    of corrupting it. Where layers share a slot (Note [gradient buffer] in
-   roundpipe.coordinator.layout), also after the optimizer consumed the gradient of
+   roundpipe.coordinator.training.layout), also after the optimizer consumed the gradient of
    every sharer written before: ``version[l'] >= k`` above l, ``>= k-1`` below it.
 5. Activation and io slots are double-buffered by iteration parity; the trainer sends
    iteration k's tasks (and writes its batch) only after every task of iteration k-2 has
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.protocol import (
     EventSignal,
     EventWait,

@@ -3,23 +3,23 @@
 ``Trainer`` owns a job's state: the model description, the arenas (via ``JobLayout``),
 the fp32 masters and the layer-wise AdamW, the data loader. ``run`` drives iterations:
 it writes each global batch into the io arena, builds the iteration's StageTasks
-(roundpipe.coordinator.schedule) and hands them to workers round-robin through a
+(roundpipe.coordinator.training.schedule) and hands them to workers round-robin through a
 ``WorkerPort``, with a task counter that persists across iterations. Workers report
 completions into ``inbox``. A separate optimizer thread updates layers as their gradients
 complete (Note [weight-update ordering]).
 
 Everything that crosses between a trainer and the world is typed, in
-roundpipe.coordinator.job_events: results and worker events come in through ``inbox``,
+roundpipe.coordinator.training.job_events: results and worker events come in through ``inbox``,
 the trainer's ``JobEvent``s (plan chosen, checkpoint written) go out through one
 ``on_event`` callable, and tasks go out through the port. The coordinator daemon runs a
 Trainer in a job thread with a port over ZeroMQ; tests use in-process ``WorkerCore``
 threads.
 
-Checkpoints (roundpipe.coordinator.checkpoint, docs/checkpoints.md). Every
+Checkpoints (roundpipe.coordinator.training.checkpoint, docs/checkpoints.md). Every
 ``output.checkpoint_every`` steps and after the last step the trainer writes the model
 in Hugging Face layout plus the training state as of the cut (Note [checkpoint cut]):
 captured layer by layer as the optimizer updates them and written by a background
-thread while training goes on (roundpipe.coordinator.snapshot, Note [background
+thread while training goes on (roundpipe.coordinator.training.snapshot, Note [background
 checkpoint]), or, without staging memory, with the pipeline drained; ``prepare`` resumes from the job's newest good checkpoint, or from
 ``model.resume_from``. The model files come from ``write_hf_model``, which ``export``
 uses too.
@@ -31,7 +31,7 @@ A checkpoint "after step s" holds the state at a cut where every task of iterati
 iteration s+1 has been sent. A drained checkpoint stops dispatching until that holds
 (the workers idle for the length of the write); a background one assembles the same
 state per layer while training runs on (Note [background checkpoint] in
-roundpipe.coordinator.snapshot). At the cut the state is:
+roundpipe.coordinator.training.snapshot). At the cut the state is:
 
 * the fp32 masters W_s (stored once, as the model files' tensors) and the AdamW
   moments and step counts after step s;
@@ -40,7 +40,7 @@ roundpipe.coordinator.snapshot). At the cut the state is:
   its gradient on W_{s-1} (Note [weight-update ordering]), so it is saved
   (``prev/<name>``); this is the "in-flight delayed gradient" of the uninterrupted run,
   stored as the weights it is computed from. At staleness 0 the job keeps one weight
-  copy (Note [weight copies] in roundpipe.coordinator.layout), so ``prev`` holds W_s
+  copy (Note [weight copies] in roundpipe.coordinator.training.layout), so ``prev`` holds W_s
   (manifest ``prev_version``); resumed under staleness 1, iterations s+1 and s+2 then
   both compute on W_s, as iterations 1 and 2 of a fresh run both compute on W_0;
 * the data cursor (next step s+1; ``batch_for_step`` is a pure function of the step),
@@ -59,7 +59,7 @@ Note [re-planning]
 Unless the job spec pins ``train.plan``, ``prepare`` plans from parameter sizes
 (roundpipe.coordinator.planning.search.initial_plan) for the connected
 workers' hardware, and sizes the activation slot pools with room for other plans (Note
-[slot pools] in roundpipe.coordinator.layout). While the job runs, every ``TaskDone``'s
+[slot pools] in roundpipe.coordinator.training.layout). While the job runs, every ``TaskDone``'s
 per-layer times feed a ``ProfileAggregator``. Once those have settled, at the start of an
 iteration, the trainer asks ``replan_if_better`` for a plan that fits the pools and is
 predicted at least 5% faster under the measured costs. If there is one, it stops
@@ -89,7 +89,7 @@ from pathlib import Path
 
 import torch
 
-from roundpipe.coordinator.checkpoint import (
+from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
     CheckpointError,
@@ -99,8 +99,8 @@ from roundpipe.coordinator.checkpoint import (
     save_tensors,
     step_name,
 )
-from roundpipe.coordinator.data import DataError, DataLoader, build_dataset_from_spec
-from roundpipe.coordinator.job_events import (
+from roundpipe.coordinator.spec.data import DataError, DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.training.job_events import (
     CheckpointSettled,
     CheckpointWritten,
     InboxEvent,
@@ -112,14 +112,14 @@ from roundpipe.coordinator.job_events import (
     WorkerPort,
     progress_page,
 )
-from roundpipe.coordinator.jobspec import (
+from roundpipe.coordinator.spec.jobspec import (
     JobSpec,
     model_config_from_spec,
     staging_limit_bytes,
     validate_against_model,
 )
-from roundpipe.coordinator.layout import JobLayout
-from roundpipe.coordinator.memory import (
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.memory import (
     InsufficientMemory,
     check_host_memory,
     checkpoint_staging_needed,
@@ -129,9 +129,13 @@ from roundpipe.coordinator.memory import (
     release_freed_memory,
     weight_copies,
 )
-from roundpipe.coordinator.multinode import GradientReducer, GroupError, JobGroup
-from roundpipe.coordinator.optimizer import LayerwiseOptimizer, clip_coefficient, global_grad_norm
-from roundpipe.coordinator.paths import (
+from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
+from roundpipe.coordinator.training.optimizer import (
+    LayerwiseOptimizer,
+    clip_coefficient,
+    global_grad_norm,
+)
+from roundpipe.coordinator.spec.paths import (
     PathPolicy,
     PathRefused,
     modes,
@@ -141,10 +145,10 @@ from roundpipe.coordinator.paths import (
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
 from roundpipe.coordinator.planning.profile import ProfileAggregator
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
-from roundpipe.coordinator.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
-from roundpipe.coordinator.schedule import ScheduleBuilder
-from roundpipe.coordinator.snapshot import BackgroundCheckpoints, LayerState
-from roundpipe.coordinator.timeline import TimelineRecorder
+from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
+from roundpipe.coordinator.training.schedule import ScheduleBuilder
+from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints, LayerState
+from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
 from roundpipe.shared.plan import Plan
@@ -239,7 +243,7 @@ class Trainer:
         self.wait_timeout_s = wait_timeout_s
         self.optimizer_impl = optimizer_impl
         self.inbox: queue.Queue[TaskDone | TaskFailed | InboxEvent] = queue.Queue()
-        """Results and events for the run loop (roundpipe.coordinator.job_events)."""
+        """Results and events for the run loop (roundpipe.coordinator.training.job_events)."""
         self.recovery_policy = recovery_policy or RecoveryPolicy()
         self._port: WorkerPort | None = None
         self.progress: list[ProgressEvent] = []
@@ -763,7 +767,7 @@ class Trainer:
         way (each one a ``CheckpointWritten`` event). Raises JobFailed / JobCancelled /
         JobPaused (a checkpoint could not be written; the previous one is intact).
 
-        Tasks go out through ``port`` (roundpipe.coordinator.job_events.WorkerPort).
+        Tasks go out through ``port`` (roundpipe.coordinator.training.job_events.WorkerPort).
         Worker loss arrives in ``inbox`` as ``WorkerLost`` and a new worker as
         ``WorkerJoined``; the lost worker's tasks are re-dispatched (coordinator.recovery).
         A worker that stopped making progress is fenced through the port.
@@ -1674,12 +1678,12 @@ class Trainer:
                 hf_logging.enable_progress_bar()
         tokenizer_dir = self.spec.tokenizer_path
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-            from roundpipe.coordinator.data import load_tokenizer
+            from roundpipe.coordinator.spec.data import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_dir)
             if self.spec.data.chat_template is not None:
                 # The exported model chats with the template it was trained on.
-                from roundpipe.coordinator.instruct import load_chat_template
+                from roundpipe.coordinator.spec.instruct import load_chat_template
 
                 load_chat_template(tokenizer, self.spec.data.chat_template)
             tokenizer.save_pretrained(str(directory))

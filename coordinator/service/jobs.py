@@ -11,9 +11,9 @@ A job's state is one of ``JOB_STATES`` (roundpipe.protocol, shared with the clie
 
 A coordinator shutdown puts a running job back to ``queued``: it continues from its
 newest checkpoint when the coordinator comes back. ``JobBook`` holds the records, the
-queue the job thread takes them from and the store (roundpipe.coordinator.jobstore) that
+queue the job thread takes them from and the store (roundpipe.coordinator.service.jobstore) that
 makes them survive a restart; every change goes to the store first. ``outcome`` says
-which state a run ends in. The daemon (roundpipe.coordinator.daemon) does the I/O around
+which state a run ends in. The daemon (roundpipe.coordinator.service.daemon) does the I/O around
 it: it authenticates and validates requests, answers them, and runs the job thread.
 """
 
@@ -28,18 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from roundpipe.coordinator.checkpoint import CheckpointDir
-from roundpipe.coordinator.job_events import progress_page
-from roundpipe.coordinator.jobspec import JobSpec, JobSpecError
-from roundpipe.coordinator.jobstore import (
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
+from roundpipe.coordinator.training.job_events import progress_page
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.service.jobstore import (
     JobStore,
     JobStoreError,
     StoredJob,
     interrupted_message,
 )
-from roundpipe.coordinator.metrics import job_figures
-from roundpipe.coordinator.paths import OwnedDir, PathPolicy, check_ownership, modes
-from roundpipe.coordinator.trainer import JobCancelled, JobFailed, JobPaused
+from roundpipe.coordinator.service.metrics import job_figures
+from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
+from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     MAX_REPLY_BYTES,
@@ -49,7 +49,7 @@ from roundpipe.protocol import (
 )
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.trainer import Trainer
+    from roundpipe.coordinator.training.trainer import Trainer
 
 __all__ = [
     "MAX_TEXT_CHARS",

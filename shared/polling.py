@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from roundpipe.defaults import env_non_negative
+from roundpipe.shared.defaults import env_non_negative
 
 __all__ = ["RECV_SPIN_S", "poll_spinning"]
 

@@ -5,7 +5,7 @@ memory is checked against the machine before anything is allocated"), by compone
 (:class:`HostMemory`, docs/memory.md):
 
 * its arenas (``JobLayout.sizes``): compute-dtype weights (two copies at staleness 1,
-  one at staleness 0: Note [weight copies] in roundpipe.coordinator.layout), the
+  one at staleness 0: Note [weight copies] in roundpipe.coordinator.training.layout), the
   bounded fp32 gradient buffer (Note [gradient buffer]), activation and gradient slots,
   the io arena and the event table; files under ``--arena-dir`` that take RAM
   (/dev/shm); GPU workers pin these same pages, so pinning adds nothing;
@@ -14,7 +14,7 @@ memory is checked against the machine before anything is allocated"), by compone
   coordinator's own memory;
 * the staging copy of one checkpoint's training state, when checkpoints are written in
   the background (:func:`checkpoint_staging_needed`; Note [background checkpoint] in
-  roundpipe.coordinator.snapshot).
+  roundpipe.coordinator.training.snapshot).
 
 :func:`host_memory_needed` adds them up from a layout that has been planned but not
 created (:func:`planned_layout` builds it as the trainer does); :func:`check_host_memory`
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from roundpipe.coordinator.layout import JobLayout
+from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.shared.model import LayeredModel
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.jobspec import JobSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec
     from roundpipe.shared.plan import Plan
 
 __all__ = [
@@ -76,9 +76,9 @@ class HostMemory:
 
     weights: int
     """Compute-dtype weights in the params arena (Note [weight copies] in
-    roundpipe.coordinator.layout) and the frozen weights."""
+    roundpipe.coordinator.training.layout) and the frozen weights."""
     grads: int
-    """The gradient arena (Note [gradient buffer] in roundpipe.coordinator.layout)."""
+    """The gradient arena (Note [gradient buffer] in roundpipe.coordinator.training.layout)."""
     activations: int
     """Activation and activation-gradient slots, the io arena and the event table."""
     masters: int
@@ -160,7 +160,7 @@ def host_memory_needed(
 
 def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
     """Gradient slots per shape class for ``spec`` under ``plan`` (Note [gradient
-    buffer] in roundpipe.coordinator.layout); None: one slot per trainable layer."""
+    buffer] in roundpipe.coordinator.training.layout); None: one slot per trainable layer."""
     stages = spec.train.grad_buffer_stages
     if stages == 0 or spec.optimizer.grad_clip is not None:
         return None
@@ -169,7 +169,7 @@ def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
 
 def weight_copies(spec: JobSpec) -> int:
     """Compute-dtype copies of each trainable weight (Note [weight copies] in
-    roundpipe.coordinator.layout)."""
+    roundpipe.coordinator.training.layout)."""
     return 1 if spec.train.staleness == 0 else 2
 
 
@@ -223,7 +223,7 @@ def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> in
     if spec is None or (spec.optimizer.name == "adamw" and spec.optimizer.state_dtype != "int8"):
         return 8 * trainable
     if spec.optimizer.name == "adamw":
-        from roundpipe.coordinator.quantized_state import absmax_numel
+        from roundpipe.coordinator.training.quantized_state import absmax_numel
 
         numels = [
             s.numel
@@ -237,7 +237,7 @@ def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> in
 
 def checkpoint_staging_needed(layout: JobLayout, spec: JobSpec) -> int:
     """Bytes of staging background checkpoints need (Note [background checkpoint] in
-    roundpipe.coordinator.snapshot): one checkpoint's per-layer state, that is per
+    roundpipe.coordinator.training.snapshot): one checkpoint's per-layer state, that is per
     trainable parameter its fp32 master (4), its optimizer state
     (:func:`optimizer_state_nbytes`) and its previous compute-dtype weight (``prev/*``).
     0 for a job that checkpoints only after its last step: nothing to overlap with."""
@@ -254,7 +254,7 @@ def committed_checkpoint_staging(layout: JobLayout, spec: JobSpec) -> int:
     in ``output.checkpoint_staging``, one checkpoint's (:func:`checkpoint_staging_needed`)
     if the size holds it, else 0 (checkpoints drain the pipeline); with ``"auto"``, 0:
     the trainer takes staging only if the machine has it to spare when it prepares."""
-    from roundpipe.coordinator.jobspec import staging_limit_bytes
+    from roundpipe.coordinator.spec.jobspec import staging_limit_bytes
 
     limit = staging_limit_bytes(spec.output.checkpoint_staging)
     need = checkpoint_staging_needed(layout, spec)

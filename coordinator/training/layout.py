@@ -37,7 +37,7 @@ Note [slot pools]
 Only the acts and dacts arenas depend on the plan, and every slot in one of them has the
 same shape. So each is a *pool* of interchangeable slots, ``capacity`` boundaries x 2
 parities x M microbatches, and ``assign(plan)`` maps the plan's boundaries onto it. A
-re-plan (roundpipe.coordinator.trainer) re-assigns the pools once the pipeline has
+re-plan (roundpipe.coordinator.training.trainer) re-assigns the pools once the pipeline has
 drained: no arena is re-created, workers see nothing change (tasks carry the
 descriptors), and the event-table counters are per layer, so they stay valid too. The
 capacity is chosen when the job starts; a plan with more boundaries than that does not
@@ -99,7 +99,7 @@ or weight versions; 0 = nothing yet)::
 
 Their index arithmetic is roundpipe.shared.events.Counters: workers rebuild it from
 JobSetup to name counters in their timeout errors. See Note [weight-update ordering] in
-roundpipe.coordinator.schedule for how these order
+roundpipe.coordinator.training.schedule for how these order
 the optimizer against the tasks.
 """
 
@@ -120,7 +120,7 @@ from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.data import GlobalBatch
+    from roundpipe.coordinator.spec.data import GlobalBatch
 
 __all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
 

@@ -9,7 +9,7 @@ process it delays nothing but the submission it belongs to.
 
 :class:`SpecValidator` keeps one spawned child (started on first use, reused, replaced
 when it dies or overruns its time limit). ``validate(spec)`` returns the normalised spec
-dict (``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.jobspec.JobSpecError`
+dict (``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.spec.jobspec.JobSpecError`
 with every problem the child found, exactly as ``JobSpec.from_dict`` would have.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.coordinator.jobspec import FieldError, JobSpec, JobSpecError
+from roundpipe.coordinator.spec.jobspec import FieldError, JobSpec, JobSpecError
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.planning.hardware import HardwareSpec
@@ -56,8 +56,8 @@ def validate_spec(
     needs under any plan against what the machine (and ``arena_dir``) has, and, when
     ``hardware`` describes connected GPU workers, whether any plan fits their memory.
     Raises JobSpecError."""
-    from roundpipe.coordinator.data import DataError, build_dataset_from_spec
-    from roundpipe.coordinator.jobspec import model_config_from_spec, validate_against_model
+    from roundpipe.coordinator.spec.data import DataError, build_dataset_from_spec
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec, validate_against_model
 
     job = JobSpec.from_dict(spec)
     try:
@@ -89,7 +89,7 @@ def validate_spec(
 def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None) -> None:
     """Refuse a job that cannot fit this machine under any plan (``least_host_memory``).
     The trainer checks the real plan's figure before it allocates."""
-    from roundpipe.coordinator.memory import (
+    from roundpipe.coordinator.training.memory import (
         InsufficientMemory,
         check_host_memory,
         least_host_memory,
@@ -158,7 +158,7 @@ def check_spec(
     except JobSpecError as exc:
         return None, [(e.path, e.message) for e in exc.errors]
     finally:
-        from roundpipe.coordinator.memory import release_freed_memory
+        from roundpipe.coordinator.training.memory import release_freed_memory
 
         release_freed_memory()  # the dataset was built and dropped: give it back
 
@@ -182,7 +182,7 @@ def _child_init(strict_reads: bool, coordinator_pid: int) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # The child only reads files; never let it reach the hub or use every core.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from roundpipe.coordinator.paths import set_strict_reads
+    from roundpipe.coordinator.spec.paths import set_strict_reads
 
     set_strict_reads(strict_reads)
     try:
@@ -198,8 +198,8 @@ def _warm_up() -> None:
     # coordinator starts, not inside the first client's submission.
     import transformers  # noqa: F401
 
-    import roundpipe.coordinator.data  # noqa: F401
-    import roundpipe.coordinator.layout  # noqa: F401
+    import roundpipe.coordinator.spec.data  # noqa: F401
+    import roundpipe.coordinator.training.layout  # noqa: F401
     import roundpipe.shared.model  # noqa: F401
 
 

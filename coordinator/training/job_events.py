@@ -1,6 +1,6 @@
 """The seam between a job's trainer and the daemon around it: typed events both ways.
 
-A ``Trainer`` (roundpipe.coordinator.trainer) is socket-free. What it needs from the
+A ``Trainer`` (roundpipe.coordinator.training.trainer) is socket-free. What it needs from the
 outside world, and what it tells it, crosses here and nowhere else:
 
 * into the trainer, through its ``inbox``: the workers' results (``TaskDone``,
@@ -12,7 +12,7 @@ outside world, and what it tells it, crosses here and nowhere else:
   receives: send a task, list the live workers, fence a worker that stopped making
   progress.
 
-The daemon (roundpipe.coordinator.daemon) implements the port with its sockets; tests
+The daemon (roundpipe.coordinator.service.daemon) implements the port with its sockets; tests
 and benchmarks implement it with in-process workers.
 """
 
@@ -55,7 +55,7 @@ class WorkerJoined:
 @dataclass(frozen=True)
 class WorkerLost:
     """A worker is gone (process exited, heartbeats stopped, fenced): its tasks are sent
-    again to the others (roundpipe.coordinator.recovery)."""
+    again to the others (roundpipe.coordinator.training.recovery)."""
 
     worker_id: int
     reason: str
@@ -71,7 +71,7 @@ class Wakeup:
 
 @dataclass(frozen=True)
 class CheckpointSettled:
-    """A background checkpoint was written or could not be (roundpipe.coordinator.snapshot;
+    """A background checkpoint was written or could not be (roundpipe.coordinator.training.snapshot;
     sent by its writer thread): the run loop announces it (``CheckpointWritten``) or
     stops the job with the reason."""
 

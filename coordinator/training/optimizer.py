@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.coordinator.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
-from roundpipe.coordinator.quantized_state import (
+from roundpipe.coordinator.spec.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
+from roundpipe.coordinator.training.quantized_state import (
     BLOCK,
     CodeMap,
     absmax_numel,
@@ -69,7 +69,7 @@ from roundpipe.coordinator.quantized_state import (
 )
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.jobspec import JobSpec, OptimizerSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec, OptimizerSpec
 
 __all__ = [
     "HF_NO_DECAY",
@@ -242,7 +242,7 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 # Note [8-bit states]
 # ~~~~~~~~~~~~~~~~~~~
 # With ``state_dtype="int8"`` AdamW's moments are block-wise quantized
-# (roundpipe.coordinator.quantized_state): per tensor, uint8 codes and one fp32 scale per
+# (roundpipe.coordinator.training.quantized_state): per tensor, uint8 codes and one fp32 scale per
 # 256 elements, ~2.03 bytes per parameter instead of 8. A chunk is dequantized into fp32
 # scratch, stepped by the same fused kernel and quantized back, so the update differs
 # from fp32 states only by the rounding of the stored moments. Codes and scales are the

@@ -7,7 +7,7 @@ Written with ``torch.utils.tensorboard.SummaryWriter`` to ``<output>/tensorboard
     train/grad_norm                                       every step: the global L2 norm
                                                           of the step's gradients
     pipeline/bubble_fraction                              every step, once measured
-                                                          (roundpipe.coordinator.timeline)
+                                                          (roundpipe.coordinator.training.timeline)
 
 The writer flushes in the background every few seconds (SummaryWriter's own thread);
 nothing here blocks the training loop on the disk.

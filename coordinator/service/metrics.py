@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from roundpipe.coordinator.timeline import stage_label
+from roundpipe.coordinator.training.timeline import stage_label
 from roundpipe.protocol import JOB_STATES
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.daemon import Coordinator
-    from roundpipe.coordinator.trainer import Trainer
+    from roundpipe.coordinator.service.daemon import Coordinator
+    from roundpipe.coordinator.training.trainer import Trainer
 
 __all__ = ["JobFigures", "MetricsServer", "current_tasks", "job_figures", "parse_address"]
 

@@ -3,7 +3,7 @@ after its update, and a background thread writes the checkpoint while the pipeli
 
 Note [background checkpoint]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The state Note [checkpoint cut] (coordinator/trainer.py) lists is, per trainable layer
+The state Note [checkpoint cut] (coordinator/training/trainer.py) lists is, per trainable layer
 l: the fp32 masters and the optimizer moments after step k, and the compute-dtype
 W_{k-1} in params[(k-1) % 2]. The optimizer thread is their only writer, and it next
 writes them in step k+1 of layer l. So a copy taken *in the optimizer thread* right
@@ -24,7 +24,7 @@ fsync, rename, ``latest``), so crash safety and verification are unchanged; like
 drained one it writes through the output directory checked and held open for the whole
 write (``Trainer._pinned_output``), so a directory swapped for a link meanwhile gets
 nothing. The run loop learns of each result from a ``CheckpointSettled`` in its inbox
-(roundpipe.coordinator.job_events) and announces it as ``CheckpointWritten``.
+(roundpipe.coordinator.training.job_events) and announces it as ``CheckpointWritten``.
 
 Bounded memory: the staging buffers hold one checkpoint's state. They are allocated on
 the first checkpoint and reused. A checkpoint begun while the previous one is still

@@ -132,9 +132,9 @@ def _host_memory(
     model's parameter count."""
     import torch
 
-    from roundpipe.coordinator.jobspec import TrainSpec
-    from roundpipe.coordinator.layout import JobLayout
-    from roundpipe.coordinator.memory import host_memory_needed
+    from roundpipe.coordinator.spec.jobspec import TrainSpec
+    from roundpipe.coordinator.training.layout import JobLayout
+    from roundpipe.coordinator.training.memory import host_memory_needed
 
     layout = JobLayout.plan_layout(
         model,

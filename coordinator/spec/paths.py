@@ -34,6 +34,7 @@ Rules (docs/deploy.md, "Paths and file modes"):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import stat
@@ -63,10 +64,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEMO_DATA_DIR = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
+# Found through the `roundpipe` package itself, wherever the install put it (a checkout's
+# roundpipe/ folder, or site-packages/roundpipe/).
+DEMO_DATA_DIR = Path(importlib.util.find_spec("roundpipe").origin).resolve().parent / "demo_data"
 """The shipped demo corpus and tokenizer: always readable (they are part of the install)."""
-if not DEMO_DATA_DIR.is_dir():  # installed layout: roundpipe/coordinator -> roundpipe/demo_data
-    DEMO_DATA_DIR = Path(__file__).resolve().parent.parent / "demo_data"
 
 MAX_TREE_ENTRIES = 100_000
 """Most entries a directory named by a spec may hold (each is checked for links out)."""
@@ -330,7 +331,7 @@ class PathPolicy:
     def confine_spec(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of a raw spec dict whose path fields are resolved and allowed; raises
         JobSpecError listing every refused path (nothing in the spec is opened here)."""
-        from roundpipe.coordinator.jobspec import PATH_FIELDS, FieldError, JobSpecError
+        from roundpipe.coordinator.spec.jobspec import PATH_FIELDS, FieldError, JobSpecError
 
         if not isinstance(spec, Mapping):
             return spec  # not a spec at all: its validation says so
@@ -356,7 +357,7 @@ class PathPolicy:
     def recheck(self, spec: Mapping[str, Any]) -> None:
         """Before a job opens its files: each path still resolves to itself (no link
         appeared since it was accepted) and lies below a root. Raises PathRefused."""
-        from roundpipe.coordinator.jobspec import PATH_FIELDS
+        from roundpipe.coordinator.spec.jobspec import PATH_FIELDS
 
         for f in PATH_FIELDS:
             raw = spec.get(f.section)
@@ -442,7 +443,7 @@ class PathPolicy:
 def spec_read_dirs(spec: Any) -> list[str]:
     """Directories holding what a spec (a JobSpec or its dict) reads: for launchers that
     start their own private coordinator for one user's job (the demo, benchmarks)."""
-    from roundpipe.coordinator.jobspec import PATH_FIELDS
+    from roundpipe.coordinator.spec.jobspec import PATH_FIELDS
 
     raw = spec.to_dict() if hasattr(spec, "to_dict") else spec
     dirs = []
@@ -474,7 +475,7 @@ def check_ownership(
     (or around) another owner's output or job directory, for anyone; reading from one,
     for anyone but an admin. Raises JobSpecError listing every such field. The message
     names neither the other owner nor their job."""
-    from roundpipe.coordinator.jobspec import PATH_FIELDS, FieldError, JobSpecError
+    from roundpipe.coordinator.spec.jobspec import PATH_FIELDS, FieldError, JobSpecError
 
     theirs = [d for d in owned if d.owner != owner]
     problems: list[FieldError] = []

@@ -62,7 +62,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from roundpipe.coordinator.paths import modes
+from roundpipe.coordinator.spec.paths import modes
 
 __all__ = [
     "FORMAT",

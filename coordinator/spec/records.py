@@ -14,7 +14,7 @@ Sources (``record_source`` tells them apart; nothing is ever downloaded):
 * a directory of ``.parquet`` or ``.arrow`` shards (as ``push_to_hub`` / ``to_parquet``
   leave them): every shard in name order.
 
-Plain text (``.txt``) is not a record source; roundpipe.coordinator.data reads it.
+Plain text (``.txt``) is not a record source; roundpipe.coordinator.spec.data reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roundpipe.coordinator.paths import open_for_read
+from roundpipe.coordinator.spec.paths import open_for_read
 
 __all__ = [
     "JSONL_EXTS",

@@ -1,7 +1,7 @@
 """A job's pipeline timeline: what every worker and the optimizer did, and when.
 
 The trainer calls a ``TimelineRecorder`` at four points (each a few lines in
-roundpipe.coordinator.trainer, marked ``# observability``):
+roundpipe.coordinator.training.trainer, marked ``# observability``):
 
 * ``task_done(msg, task)``: a worker's ``TaskDone``. The worker reports when the task
   started (``started_at``, wall clock: coordinator and workers share the host's clock),
@@ -214,7 +214,7 @@ class TimelineRecorder:
         self._tensorboard = None
         self._grad_sq: dict[int, float] = {}  # step -> sum of squared gradient norms so far
         if tensorboard_dir is not None:
-            from roundpipe.coordinator.tensorboard import ScalarWriter
+            from roundpipe.coordinator.training.tensorboard import ScalarWriter
 
             try:
                 self._tensorboard = ScalarWriter(Path(tensorboard_dir))

@@ -18,7 +18,7 @@ Checks that need the model's config (sequence length against
 :func:`validate_against_model`, which the coordinator calls once it has built the config;
 construction already runs the cheap form of that check (``config.json`` of a path model,
 or the transformers config class of an architecture model). Checks that need the data
-(the dataset is not empty, lines parse) happen in :mod:`roundpipe.coordinator.data`.
+(the dataset is not empty, lines parse) happen in :mod:`roundpipe.coordinator.spec.data`.
 
 See docs/job-spec.md for every field with its default and an example.
 """
@@ -418,7 +418,7 @@ class OptimizerSpec:
     """Clip gradients to this global L2 norm (> 0); ``None``: no clipping. Clipping
     makes the optimizer wait for all of a step's gradients before updating any layer."""
     schedule: str = "cosine"
-    """One of ``SCHEDULES``; see :class:`roundpipe.coordinator.optimizer.LRSchedule`."""
+    """One of ``SCHEDULES``; see :class:`roundpipe.coordinator.training.optimizer.LRSchedule`."""
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to ``lr`` (>= 0, at most ``train.steps``)."""
     min_lr_ratio: float = 0.0
@@ -1044,7 +1044,7 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     if m.resume_from is not None and _check_dir(
         e, "model.resume_from", m.resume_from, "a checkpoint directory"
     ):
-        from roundpipe.coordinator.checkpoint import MANIFEST
+        from roundpipe.coordinator.training.checkpoint import MANIFEST
 
         if not any(
             os.path.isfile(os.path.join(m.resume_from, *parts))
@@ -1088,7 +1088,7 @@ def _check_model(e: _Errors, m: ModelSpec) -> Mapping[str, Any] | Any | None:
             )
             return None
         try:
-            from roundpipe.coordinator.paths import open_for_read
+            from roundpipe.coordinator.spec.paths import open_for_read
 
             with open_for_read(cfg_file) as f:
                 cfg = json.load(f)
@@ -1127,7 +1127,7 @@ def _resume_manifest(e: _Errors, path: str) -> tuple[str, int, dict[str, Any]] |
     names, read without checksums (the coordinator verifies the files when it loads
     them). None if it cannot be told here: a damaged ``latest`` may still leave an older
     good checkpoint, which the coordinator finds."""
-    from roundpipe.coordinator.checkpoint import (
+    from roundpipe.coordinator.training.checkpoint import (
         MANIFEST,
         CheckpointDir,
         CheckpointError,
@@ -1288,7 +1288,7 @@ def _check_data(e: _Errors, spec: JobSpec) -> None:
         return
     if not (format_ok and text_field_ok and columns_ok):
         return  # format detection would only repeat those errors
-    from roundpipe.coordinator.data import DataError, columns_of, resolve_format
+    from roundpipe.coordinator.spec.data import DataError, columns_of, resolve_format
 
     try:
         fmt = resolve_format(
