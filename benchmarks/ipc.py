@@ -41,9 +41,9 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.arena import DATA_START, Arena, default_arena_dir, prepare_arena_dir
 from roundpipe.shared.events import EventTable
+from roundpipe.shared.polling import poll_spinning
 
 TABLE_OFFSET = DATA_START
 STAMPS_OFFSET = DATA_START + 4096

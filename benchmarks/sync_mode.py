@@ -43,10 +43,10 @@ from pathlib import Path
 
 from common import run_runtime
 
-from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 

@@ -48,7 +48,6 @@ from roundpipe.client import (
     RoundPipeError,
 )
 from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
-from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.progress import (
     ProgressPrinter,
     WatchResult,
@@ -57,6 +56,7 @@ from roundpipe.progress import (
     watch_job,
 )
 from roundpipe.protocol import JobStatus, WorkerInfo
+from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, default_address
 from roundpipe.shared.units import format_bytes
 
 __all__ = ["ProgressPrinter", "main", "watch_job"]

@@ -53,7 +53,6 @@ from typing import Any, TypeVar
 import zmq
 
 from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
-from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     NUM_FRAMES,
@@ -82,6 +81,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
 from roundpipe.shared.keys import ConnectKeys, apply_connect_keys, connect_keys
 
 __all__ = [

@@ -69,8 +69,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from roundpipe.shared.defaults import env_non_negative
 from roundpipe.shared.arena import Arena, ArenaError
+from roundpipe.shared.defaults import env_non_negative
 
 __all__ = [
     "COUNTERS_START",

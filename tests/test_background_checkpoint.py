@@ -25,6 +25,7 @@ import pytest
 import torch
 from runtime_helpers import tiny_spec, trained_in_process
 
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training import trainer as trainer_module
 from roundpipe.coordinator.training.checkpoint import (
     MANIFEST,
@@ -34,7 +35,6 @@ from roundpipe.coordinator.training.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training.memory import InsufficientMemory, host_memory_needed
 from roundpipe.coordinator.training.trainer import JobPaused
 from roundpipe.shared.model import LayeredModel
@@ -173,9 +173,9 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
     the job but not for its staging refuses it at submit, naming the staging; "auto", a
     size too small for one checkpoint (drained checkpoints) or no periodic checkpoints
     add nothing, and are accepted on the same machine."""
-    from roundpipe.coordinator.training import memory
     from roundpipe.coordinator.service.admission import validate_spec
     from roundpipe.coordinator.spec.jobspec import JobSpecError
+    from roundpipe.coordinator.training import memory
 
     def spec(every: int, staging: str | int) -> dict:
         return spec_for(tmp_path / "out", every=every, staging=staging).to_dict()

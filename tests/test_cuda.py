@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena
+from roundpipe.shared.events import EventTable
 from roundpipe.worker.cuda import (
     CudaEventReader,
     EventHandleBoard,
@@ -17,7 +18,6 @@ from roundpipe.worker.cuda import (
     pin_arena,
     unpin_arena,
 )
-from roundpipe.shared.events import EventTable
 
 pytestmark = [
     pytest.mark.cuda,

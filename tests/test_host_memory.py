@@ -10,8 +10,8 @@ import pytest
 import torch
 from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
 
-from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import host_memory_needed, least_host_memory
 from roundpipe.shared.model import LayeredModel

@@ -193,8 +193,8 @@ def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
 def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
     gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
-    from roundpipe.plan_command import plan_main
     from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
+    from roundpipe.plan_command import plan_main
 
     predict = functools.partial(
         predict_data_parallel,

@@ -23,7 +23,6 @@ import torch
 from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.training.checkpoint import CheckpointDir, save_tensors
 from roundpipe.coordinator.spec.jobspec import (
     _SECTIONS,
     PATH_ACCESS,
@@ -42,6 +41,7 @@ from roundpipe.coordinator.spec.paths import (
     open_no_symlinks,
     set_modes,
 )
+from roundpipe.coordinator.training.checkpoint import CheckpointDir, save_tensors
 from roundpipe.protocol import ErrorReply, JobAccepted, Message, SubmitJob, decode, encode
 
 SECRET = "TOPSECRET_KEY_7f3a"

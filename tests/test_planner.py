@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 from model_helpers import ALL_ARCHS, tiny_config
 
-from roundpipe.plan_command import describe, plan_main
 from roundpipe.coordinator.planning.costs import LayerCost, estimate_costs
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
 from roundpipe.coordinator.planning.profile import ProfileAggregator
@@ -17,6 +16,7 @@ from roundpipe.coordinator.planning.search import (
     plan_stages,
     replan_if_better,
 )
+from roundpipe.plan_command import describe, plan_main
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import GiB, MiB, parse_quantity

@@ -41,6 +41,7 @@ from runtime_helpers import (
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, model_config_from_spec
 from roundpipe.coordinator.training import trainer as trainer_module
 from roundpipe.coordinator.training.checkpoint import (
     LATEST,
@@ -51,7 +52,6 @@ from roundpipe.coordinator.training.checkpoint import (
     verify_checkpoint,
 )
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, model_config_from_spec
 from roundpipe.coordinator.training.trainer import JobCancelled, JobPaused, Trainer
 from roundpipe.shared.model import LayeredModel
 

@@ -17,11 +17,11 @@ from runtime_helpers import (
     trained_in_process,
 )
 
-from roundpipe.coordinator.training.layout import JobLayout
-from roundpipe.coordinator.training.memory import host_memory_needed
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages, split_variants
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.memory import host_memory_needed
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan, Stage

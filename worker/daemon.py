@@ -51,9 +51,9 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.handoff import HandoffLost
 from roundpipe.shared.keys import ConnectKeys, KeyError_, apply_connect_keys, connect_keys
+from roundpipe.shared.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
 from roundpipe.worker.transfer import TransferEngine, make_engine, parse_duration

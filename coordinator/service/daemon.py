@@ -68,6 +68,7 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware, gpu_hardware
 from roundpipe.coordinator.service.admission import (
     SpecValidator,
     ValidationUnavailable,
@@ -81,13 +82,6 @@ from roundpipe.coordinator.service.auth import (
     RateLimitedLog,
     request_reload,
 )
-from roundpipe.coordinator.training.job_events import (
-    CheckpointWritten,
-    JobEvent,
-    PlanChosen,
-    WorkerJoined,
-    WorkerLost,
-)
 from roundpipe.coordinator.service.jobs import (
     MAX_TEXT_CHARS,
     BadState,
@@ -96,19 +90,10 @@ from roundpipe.coordinator.service.jobs import (
     bounded_text,
     outcome,
 )
-from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.service.jobstore import JobStore, JobStoreError
-from roundpipe.coordinator.training.memory import release_freed_memory
 from roundpipe.coordinator.service.metrics import MetricsServer, current_tasks
-from roundpipe.coordinator.training.multinode import (
-    DEFAULT_DIST_TIMEOUT_S,
-    GroupError,
-    JobAnnouncement,
-    JobGroup,
-    NodeGroup,
-    node_microbatches,
-    settings_from_args,
-)
+from roundpipe.coordinator.service.sdnotify import Notifier
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
 from roundpipe.coordinator.spec.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -118,8 +103,23 @@ from roundpipe.coordinator.spec.paths import (
     set_modes,
     set_strict_reads,
 )
-from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware, gpu_hardware
-from roundpipe.coordinator.service.sdnotify import Notifier
+from roundpipe.coordinator.training.job_events import (
+    CheckpointWritten,
+    JobEvent,
+    PlanChosen,
+    WorkerJoined,
+    WorkerLost,
+)
+from roundpipe.coordinator.training.memory import release_freed_memory
+from roundpipe.coordinator.training.multinode import (
+    DEFAULT_DIST_TIMEOUT_S,
+    GroupError,
+    JobAnnouncement,
+    JobGroup,
+    NodeGroup,
+    node_microbatches,
+    settings_from_args,
+)
 from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused, Trainer
 from roundpipe.protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -158,7 +158,6 @@ from roundpipe.protocol import (
     encode,
     encoded_size,
 )
-from roundpipe.shared.polling import poll_spinning
 from roundpipe.shared.arena import (
     ArenaError,
     check_arena_root,
@@ -166,6 +165,7 @@ from roundpipe.shared.arena import (
     remove_stale_arenas,
 )
 from roundpipe.shared.keys import KeyError_
+from roundpipe.shared.polling import poll_spinning
 
 __all__ = ["Coordinator", "main"]
 

@@ -28,9 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from roundpipe.coordinator.training.checkpoint import CheckpointDir
-from roundpipe.coordinator.training.job_events import progress_page
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.service.jobstore import (
     JobStore,
     JobStoreError,
@@ -38,7 +35,10 @@ from roundpipe.coordinator.service.jobstore import (
     interrupted_message,
 )
 from roundpipe.coordinator.service.metrics import job_figures
+from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
+from roundpipe.coordinator.training.job_events import progress_page
 from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import (
     FINAL_JOB_STATES,

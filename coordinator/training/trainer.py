@@ -89,6 +89,23 @@ from pathlib import Path
 
 import torch
 
+from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
+from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
+from roundpipe.coordinator.spec.data import DataError, DataLoader, build_dataset_from_spec
+from roundpipe.coordinator.spec.jobspec import (
+    JobSpec,
+    model_config_from_spec,
+    staging_limit_bytes,
+    validate_against_model,
+)
+from roundpipe.coordinator.spec.paths import (
+    PathPolicy,
+    PathRefused,
+    modes,
+    pinned_dir,
+    restrict_tree,
+)
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
@@ -99,7 +116,6 @@ from roundpipe.coordinator.training.checkpoint import (
     save_tensors,
     step_name,
 )
-from roundpipe.coordinator.spec.data import DataError, DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.training.job_events import (
     CheckpointSettled,
     CheckpointWritten,
@@ -111,12 +127,6 @@ from roundpipe.coordinator.training.job_events import (
     WorkerLost,
     WorkerPort,
     progress_page,
-)
-from roundpipe.coordinator.spec.jobspec import (
-    JobSpec,
-    model_config_from_spec,
-    staging_limit_bytes,
-    validate_against_model,
 )
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import (
@@ -135,16 +145,6 @@ from roundpipe.coordinator.training.optimizer import (
     clip_coefficient,
     global_grad_norm,
 )
-from roundpipe.coordinator.spec.paths import (
-    PathPolicy,
-    PathRefused,
-    modes,
-    pinned_dir,
-    restrict_tree,
-)
-from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
-from roundpipe.coordinator.planning.profile import ProfileAggregator
-from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.training.schedule import ScheduleBuilder
 from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints, LayerState

@@ -12,8 +12,8 @@ import time
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.worker.cuda import CudaEventRing, EventHandleBoard, pin_arena
 from roundpipe.shared.events import EventTable
+from roundpipe.worker.cuda import CudaEventRing, EventHandleBoard, pin_arena
 
 TABLE_OFFSET = DATA_START
 BOARD_OFFSET = DATA_START + 1024
