@@ -1,4 +1,4 @@
-"""Nothing a peer sends can crash or stall the coordinator (ARCHITECTURE.md section 9).
+"""Nothing a peer sends can crash or stall the coordinator (docs/deploy.md).
 
 Each test plays one of the routes that used to end the coordinator's I/O loop (an
 oversized reply, encoded outside any error handler) against a real coordinator process

@@ -1,6 +1,6 @@
 """Where one job's training state lives in shared memory, and which counter means what.
 
-The coordinator creates five arenas per job (ARCHITECTURE.md section 3) and one event
+The coordinator creates five arenas per job (docs/runtime.md, "Shared memory") and one event
 table; workers map them from the ``JobSetup`` message. Slots are keyed by *layer index*
 and by *parity* (iteration or weight version mod 2), never by stage or worker::
 
