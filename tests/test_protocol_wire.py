@@ -73,7 +73,7 @@ MESSAGE_TYPE_NAMES = [
     "WorkerList",
 ]
 
-# Captured before protocol/messages.py was split (issue 34): type name -> its fields in
+# Captured before the catalogue of messages was split into modules (issue 34): type name -> its fields in
 # wire order, "name: type(constraints) = default".
 WIRE_CATALOGUE = {
     "Ack": [],
