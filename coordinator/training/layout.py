@@ -114,7 +114,7 @@ import torch
 
 from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
 from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator, ArenaDir, prepare_arena_dir
-from roundpipe.shared.events import Counters, EventTable
+from roundpipe.shared.events import EVENTS_ARENA, Counters, EventTable
 from roundpipe.shared.handoff import events_arena_nbytes
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
@@ -125,8 +125,6 @@ if TYPE_CHECKING:
 __all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
 
 log = logging.getLogger(__name__)
-
-EVENTS_ARENA = "events"
 
 
 @dataclass
