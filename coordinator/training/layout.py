@@ -122,7 +122,7 @@ from roundpipe.shared.plan import Plan
 if TYPE_CHECKING:
     from roundpipe.coordinator.spec.data import GlobalBatch
 
-__all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
+__all__ = ["JobLayout"]
 
 log = logging.getLogger(__name__)
 
