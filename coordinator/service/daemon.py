@@ -164,7 +164,7 @@ from roundpipe.shared.arena import (
     default_arena_dir,
     remove_stale_arenas,
 )
-from roundpipe.shared.keys import KeyError_
+from roundpipe.shared.keys import KeyFileError
 from roundpipe.shared.polling import poll_spinning
 
 __all__ = ["Coordinator", "main"]
@@ -1846,7 +1846,7 @@ def main(argv: list[str] | None = None) -> int:
         AuthSetupError,
         FileNotFoundError,
         JobStoreError,
-        KeyError_,
+        KeyFileError,
         zmq.ZMQError,
     ) as exc:
         print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
