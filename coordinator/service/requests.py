@@ -4,8 +4,8 @@ job status, progress, log pieces, job and worker lists, submit, cancel, resume.
 Jobs belong to their submitter: an identity that is neither the job's owner nor an admin
 is told the job does not exist, exactly as for an id that does not exist. Lists are
 answered a page of at most ``MAX_REPLY_BYTES`` at a time. SubmitJob and ResumeJob are
-answered on the daemon's admission thread (validating a spec reads files), every other
-request on its I/O thread (roundpipe.coordinator.service.daemon).
+answered on the admission thread (``Admissions``: validating a spec reads files), every
+other request on the daemon's I/O thread (roundpipe.coordinator.service.daemon).
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ LOG_PIECE_BYTES = 256 * 1024
 every byte became a 3-byte replacement character; a small read on the I/O thread)."""
 MAX_LISTED_JOBS = 5
 """Most job ids named in a refusal for ``--max-jobs-per-owner`` (the rest are counted)."""
+MAX_PENDING_ADMISSIONS = 32
+"""Submissions/resumes waiting for the admission thread; more are refused as busy, so a
+flood of SubmitJobs cannot grow the coordinator."""
 
 
 class ClientRequests:
@@ -315,11 +318,6 @@ class ClientRequests:
         return Ack()
 
 
-MAX_PENDING_ADMISSIONS = 32
-"""Submissions/resumes waiting for the admission thread; more are refused as busy, so a
-flood of SubmitJobs cannot grow the coordinator."""
-
-
 class Admissions:
     """The admission thread (``rp-admission``): SubmitJob and ResumeJob wait here for
     their answer, so that validating a spec (file checks, reading the data) never holds
@@ -355,7 +353,7 @@ class Admissions:
         return None
 
     def wake(self) -> None:
-        """Make the thread exit now (it also sees ``stopping`` within its poll interval)."""
+        """Make the thread exit now, rather than at its next look at ``stopping``."""
         try:
             self._queue.put_nowait(None)
         except queue.Full:
