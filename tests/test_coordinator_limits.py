@@ -22,9 +22,10 @@ from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.service.daemon import MAX_NAME_CHARS, Coordinator
+from roundpipe.coordinator.service.daemon import Coordinator
 from roundpipe.coordinator.service.jobs import MAX_TEXT_CHARS, JobRecord
 from roundpipe.coordinator.service.jobstore import JobStore
+from roundpipe.coordinator.service.workers import MAX_NAME_CHARS
 from roundpipe.coordinator.spec.jobspec import MAX_LISTED_PROBLEMS, MAX_SPEC_BYTES
 from roundpipe.protocol import (
     MAX_REPLY_BYTES,
