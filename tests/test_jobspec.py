@@ -12,18 +12,20 @@ import msgpack
 import pytest
 import yaml
 
+from roundpipe.coordinator.spec.choices import HF_NO_DECAY
+from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import (
-    HF_NO_DECAY,
-    DataSpec,
     JobSpec,
-    JobSpecError,
+    load_job_spec,
+    model_config_from_spec,
+    validate_against_model,
+)
+from roundpipe.coordinator.spec.sections import (
+    DataSpec,
     LoraSpec,
     ModelSpec,
     OptimizerSpec,
     TrainSpec,
-    load_job_spec,
-    model_config_from_spec,
-    validate_against_model,
 )
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
