@@ -17,8 +17,9 @@ from roundpipe.coordinator.spec.data import (
     build_dataset,
     build_dataset_from_spec,
 )
-from roundpipe.coordinator.spec.documents import read_documents, resolve_format
+from roundpipe.coordinator.spec.documents import read_documents
 from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import resolve_format
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.spec.tokenizers import load_tokenizer
 from roundpipe.shared.model import IGNORE_INDEX

@@ -14,8 +14,8 @@ from runtime_helpers import TINY_QWEN3, assert_params_match, oracle_train, tiny_
 from test_trainer import train_in_process
 
 from roundpipe.coordinator.spec.data import build_dataset
-from roundpipe.coordinator.spec.documents import Columns, resolve_format
 from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import Columns, resolve_format
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel
 from roundpipe.shared.plan import Plan

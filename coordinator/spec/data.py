@@ -62,15 +62,14 @@ from typing import Any
 import torch
 
 from roundpipe.coordinator.spec.choices import DATA_LOSS_ON, DATA_OVERLONG, packing_mode
-from roundpipe.coordinator.spec.documents import (
+from roundpipe.coordinator.spec.documents import Document, documents
+from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import (
     Columns,
-    Document,
     check_data_path,
     columns_of,
-    documents,
     resolve_format,
 )
-from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.instruct import InstructError, load_chat_template
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.tokenizers import load_tokenizer

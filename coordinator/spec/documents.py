@@ -1,7 +1,6 @@
-"""Data files -> documents: which format a file holds, and its documents as token ids
-with labels.
+"""Data files -> documents: the documents of a file, as token ids with labels.
 
-Input formats (``resolve_format`` picks one for ``format="auto"``); rows come from
+Input formats (roundpipe.coordinator.spec.formats tells them apart); rows come from
 JSONL, Parquet or a ``datasets`` folder (roundpipe.coordinator.spec.sources), column
 names from ``Columns``:
 
@@ -26,140 +25,28 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from roundpipe.coordinator.spec.choices import DATA_FORMATS
 from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import (
+    Columns,
+    check_data_path,
+    resolve_format,
+    show_keys,
+    source_rows,
+)
 from roundpipe.coordinator.spec.instruct import (
     InstructError,
     render_chat,
     render_prompt_completion,
 )
 from roundpipe.coordinator.spec.paths import open_for_read
-from roundpipe.coordinator.spec.sections import DataSpec
-from roundpipe.coordinator.spec.sources import (
-    SourceError,
-    SourceRow,
-    decode_line,
-    read_rows,
-    source_kind,
-)
+from roundpipe.coordinator.spec.sources import SourceError, SourceRow, decode_line
 from roundpipe.shared.model import IGNORE_INDEX
 
-__all__ = [
-    "Columns",
-    "Document",
-    "check_data_path",
-    "columns_of",
-    "documents",
-    "read_documents",
-    "resolve_format",
-]
+__all__ = ["Document", "documents", "read_documents"]
 
-_TEXT_EXTS = (".txt", ".text", ".md")
 _TOKENIZE_CHUNK = 1024  # documents per tokenizer call: batched for speed, bounded memory
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which record fields (JSON keys, Parquet / datasets columns) hold what."""
-
-    text: str = "text"
-    messages: str = "messages"
-    prompt: str = "prompt"
-    completion: str = "completion"
-    input_ids: str = "input_ids"
-    labels: str = "labels"
-
-
-def columns_of(data: DataSpec) -> Columns:
-    """The record columns a data section names (``text_field`` and ``columns``)."""
-    return Columns(**{"text": data.text_field, **dict(data.columns or {})})
-
-
-def check_data_path(p: str) -> None:
-    if not os.path.exists(p):
-        raise DataError(f"data file not found: {p}")
-    if os.path.isdir(p):
-        if source_kind(p) is None:
-            raise DataError(
-                f"data folder {p} is neither saved by datasets (save_to_disk) nor holds "
-                ".parquet/.arrow shards; point data.path at a data file or such a folder"
-            )
-    elif not os.path.isfile(p):
-        raise DataError(f"data path is not a regular file: {p}")
-
-
-def _rows(p: str, split: str) -> Iterator[SourceRow]:
-    try:
-        yield from read_rows(p, split=split)
-    except SourceError as exc:
-        raise DataError(str(exc)) from None
-
-
-def _keys(fields: dict[str, Any]) -> str:
-    return ", ".join(map(repr, list(fields)[:8])) or "none"
-
-
-def resolve_format(
-    path: str | os.PathLike[str],
-    format: str = "auto",
-    text_field: str = "text",
-    *,
-    columns: Columns | None = None,
-    split: str = "train",
-) -> str:
-    """The concrete format of ``path``: ``format`` itself unless it is ``"auto"``.
-
-    ``auto``: ``.txt``/``.text``/``.md`` is text; for record sources (JSONL, Parquet,
-    datasets folders) the first record's columns decide: ``messages`` -> chat,
-    ``prompt`` + ``completion`` -> prompt_completion, ``input_ids`` -> jsonl_tokens,
-    the text column -> jsonl_text. A record matching more than one is refused.
-    """
-    p = os.fspath(path)
-    cols = columns or Columns(text=text_field)
-    if format not in DATA_FORMATS:
-        raise DataError(
-            f"unknown data format {format!r}; expected one of {', '.join(DATA_FORMATS)}"
-        )
-    if format != "auto":
-        return format
-    check_data_path(p)
-    if not os.path.isdir(p) and Path(p).suffix.lower() in _TEXT_EXTS:
-        return "text"
-    if source_kind(p) is None:
-        ext = Path(p).suffix.lower()
-        raise DataError(
-            f"cannot tell the format of {p} from its extension {ext or '(none)'!r}; "
-            f"set data.format to one of {', '.join(DATA_FORMATS[1:])}"
-        )
-    first = next(iter(_rows(p, split)), None)
-    if first is None:
-        raise DataError(f"empty dataset: {p} holds no records")
-    f = first.fields
-    found = [
-        name
-        for name, present in (
-            ("chat", cols.messages in f),
-            ("prompt_completion", cols.prompt in f and cols.completion in f),
-            ("jsonl_tokens", cols.input_ids in f),
-            ("jsonl_text", cols.text in f),
-        )
-        if present
-    ]
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise DataError(
-            f"{first.where}: the record fits more than one format ({', '.join(found)}; its "
-            f"keys: {_keys(f)}); set data.format"
-        )
-    raise DataError(
-        f"{first.where}: record has neither the text field {cols.text!r} nor "
-        f"{cols.input_ids!r}, {cols.messages!r} or {cols.prompt!r}+{cols.completion!r} "
-        f"(its keys: {_keys(f)}); set data.text_field / data.columns or data.format"
-    )
 
 
 def read_documents(
@@ -183,32 +70,32 @@ def read_documents(
     if fmt == "text":
         yield from _read_paragraphs(p)
         return
-    for rec in _rows(p, split):
+    for row in source_rows(p, split):
         if fmt == "jsonl_text":
-            yield rec.where, _text_of(rec, cols.text)
+            yield row.where, _text_of(row, cols.text)
         elif fmt == "jsonl_tokens":
-            yield rec.where, _token_list(rec, cols.input_ids)
+            yield row.where, _token_list(row, cols.input_ids)
         else:
             raise DataError(f"read_documents reads unlabelled formats, not {fmt}")
 
 
-def _text_of(rec: SourceRow, name: str) -> str:
-    if name not in rec.fields:
-        raise DataError(f"{rec.where}: no {name!r} field (its keys: {_keys(rec.fields)})")
-    text = rec.fields[name]
+def _text_of(row: SourceRow, name: str) -> str:
+    if name not in row.fields:
+        raise DataError(f"{row.where}: no {name!r} field (its keys: {show_keys(row.fields)})")
+    text = row.fields[name]
     if not isinstance(text, str):
-        raise DataError(f"{rec.where}: field {name!r} is {type(text).__name__}; expected a string")
+        raise DataError(f"{row.where}: field {name!r} is {type(text).__name__}; expected a string")
     return text
 
 
-def _token_list(rec: SourceRow, name: str, *, labels: bool = False) -> list[int]:
-    ids = rec.fields.get(name)
+def _token_list(row: SourceRow, name: str, *, labels: bool = False) -> list[int]:
+    ids = row.fields.get(name)
     ok = isinstance(ids, list) and all(
         type(t) is int and (0 <= t < 2**31 or (labels and t == IGNORE_INDEX)) for t in ids
     )
     if not ok:
         what = "integers in [0, 2**31) or -100" if labels else "integers in [0, 2**31)"
-        raise DataError(f"{rec.where}: {name!r} must be a list of {what}")
+        raise DataError(f"{row.where}: {name!r} must be a list of {what}")
     return list(ids)
 
 
@@ -238,9 +125,12 @@ def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
 
 @dataclass
 class Document:
+    """One document's token ids and unshifted labels (IGNORE_INDEX: no loss)."""
+
     ids: list[int]
     labels: list[int]
     where: str
+    """The file (text documents) or ``path:line`` / ``path row N`` (records)."""
     whole: bool
     """A labelled record: cut to seq_len (or refused) and never split across rows."""
 
@@ -248,6 +138,9 @@ class Document:
 def documents(
     p: str, fmt: str, cols: Columns, split: str, tokenizer: Any, loss_on: str, eos: int | None
 ) -> Iterator[Document]:
+    """Every document of file ``p`` in format ``fmt``: text tokenized (EOS appended when
+    ``eos`` is given), token rows as they are, chats and prompt/completion pairs rendered
+    with their labels (``loss_on``)."""
     if fmt in ("text", "jsonl_text", "jsonl_tokens"):
         has_labels = fmt == "jsonl_tokens" and _first_has(p, split, cols.labels)
         if has_labels:
@@ -258,59 +151,59 @@ def documents(
                 ids.append(eos)
             yield Document(ids, list(ids), p, whole=False)
         return
-    for rec in _rows(p, split):
+    for row in source_rows(p, split):
         try:
             if fmt == "chat":
-                if cols.messages not in rec.fields:
+                if cols.messages not in row.fields:
                     raise DataError(
-                        f"{rec.where}: no {cols.messages!r} field (its keys: "
-                        f"{_keys(rec.fields)}); set data.columns.messages"
+                        f"{row.where}: no {cols.messages!r} field (its keys: "
+                        f"{show_keys(row.fields)}); set data.columns.messages"
                     )
                 ids, labels = render_chat(
-                    tokenizer, rec.fields[cols.messages], rec.where, loss_on=loss_on,
+                    tokenizer, row.fields[cols.messages], row.where, loss_on=loss_on,
                     field=cols.messages,
                 )  # fmt: skip
             else:
-                missing = [c for c in (cols.prompt, cols.completion) if c not in rec.fields]
+                missing = [c for c in (cols.prompt, cols.completion) if c not in row.fields]
                 if missing:
                     raise DataError(
-                        f"{rec.where}: no {' or '.join(map(repr, missing))} field (its keys: "
-                        f"{_keys(rec.fields)}); set data.columns.prompt / .completion"
+                        f"{row.where}: no {' or '.join(map(repr, missing))} field (its keys: "
+                        f"{show_keys(row.fields)}); set data.columns.prompt / .completion"
                     )
                 ids, labels = render_prompt_completion(
                     tokenizer,
-                    rec.fields[cols.prompt],
-                    rec.fields[cols.completion],
-                    rec.where,
+                    row.fields[cols.prompt],
+                    row.fields[cols.completion],
+                    row.where,
                     loss_on=loss_on,
                     eos_token_id=eos,
                     fields=(cols.prompt, cols.completion),
                 )
         except InstructError as exc:
             raise DataError(str(exc)) from None
-        yield Document(ids, labels, rec.where, whole=True)
+        yield Document(ids, labels, row.where, whole=True)
 
 
 def _first_has(p: str, split: str, name: str) -> bool:
-    first = next(iter(_rows(p, split)), None)
+    first = next(iter(source_rows(p, split)), None)
     return first is not None and name in first.fields
 
 
 def _labelled_tokens(p: str, split: str, cols: Columns) -> Iterator[Document]:
-    for rec in _rows(p, split):
-        ids = _token_list(rec, cols.input_ids)
-        if cols.labels not in rec.fields:
+    for row in source_rows(p, split):
+        ids = _token_list(row, cols.input_ids)
+        if cols.labels not in row.fields:
             raise DataError(
-                f"{rec.where}: no {cols.labels!r} (the first record has them, so every "
+                f"{row.where}: no {cols.labels!r} (the first record has them, so every "
                 "record needs them)"
             )
-        labels = _token_list(rec, cols.labels, labels=True)
+        labels = _token_list(row, cols.labels, labels=True)
         if len(labels) != len(ids):
             raise DataError(
-                f"{rec.where}: {len(labels)} labels for {len(ids)} input_ids; they must "
+                f"{row.where}: {len(labels)} labels for {len(ids)} input_ids; they must "
                 "have the same length (-100 where no loss)"
             )
-        yield Document(ids, labels, rec.where, whole=True)
+        yield Document(ids, labels, row.where, whole=True)
 
 
 def _token_documents(

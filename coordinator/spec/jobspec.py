@@ -49,8 +49,8 @@ from roundpipe.coordinator.spec.choices import (
     SCHEDULE_CONVENTIONS,  # noqa: F401 (see below)
     STATE_DTYPES,  # noqa: F401 (see below)
 )
-from roundpipe.coordinator.spec.documents import columns_of, resolve_format
 from roundpipe.coordinator.spec.errors import DataError, FieldError, JobSpecError, Problems
+from roundpipe.coordinator.spec.formats import columns_of, resolve_format
 from roundpipe.coordinator.spec.section_checks import (
     check_data,
     check_int,

@@ -30,7 +30,7 @@ from roundpipe.coordinator.spec.choices import (
     SCHEDULES,
     STATE_DTYPES,
 )
-from roundpipe.coordinator.spec.errors import Problems
+from roundpipe.coordinator.spec.errors import Problems, show_value
 from roundpipe.coordinator.spec.paths import open_for_read
 from roundpipe.coordinator.spec.sections import (
     DataSpec,
@@ -42,9 +42,11 @@ from roundpipe.coordinator.spec.sections import (
     json_like,
     staging_limit_bytes,
 )
+from roundpipe.coordinator.spec.spec_yaml import number_string_hint
 from roundpipe.coordinator.spec.tokenizers import NO_TOKENIZER_FILES, has_tokenizer_files
 
 __all__ = [
+    "bad_number",
     "check_bool",
     "check_choice",
     "check_data",
@@ -73,6 +75,19 @@ def is_int(v: Any) -> bool:
 
 def is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def bad_number(e: Problems, path: str, v: Any, expected: str) -> None:
+    """``e.bad`` for a field of numbers; a string such as ``'3e-3'`` (or a list holding
+    one) also gets why YAML made it a string (Note [YAML 1.1 numbers])."""
+    items = v if isinstance(v, tuple) else (v,)
+    hint = next((h for x in items if (h := number_string_hint(x)) is not None), None)
+    if hint is None:
+        e.bad(path, v, expected)
+    elif isinstance(v, str):
+        e.add(path, f"got the string {v!r}; expected {expected}: {hint}")
+    else:
+        e.add(path, f"got {show_value(v)}; expected {expected}: {hint}")
 
 
 def check_int(e: Problems, path: str, v: Any, lo: int | None = None, hi: int | None = None) -> bool:
@@ -248,9 +263,9 @@ def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:
 def check_lora(e: Problems, lora: LoraSpec) -> None:
     check_int(e, "lora.r", lora.r, lo=1)
     if not (is_num(lora.alpha) and lora.alpha > 0):
-        e.bad("lora.alpha", lora.alpha, "a number > 0")
+        bad_number(e, "lora.alpha", lora.alpha, "a number > 0")
     if not (is_num(lora.dropout) and 0 <= lora.dropout < 1):
-        e.bad("lora.dropout", lora.dropout, "a number in [0, 1)")
+        bad_number(e, "lora.dropout", lora.dropout, "a number in [0, 1)")
     tm = lora.target_modules
     if tm == "all-linear":
         return
@@ -309,16 +324,16 @@ def check_data(e: Problems, d: DataSpec) -> bool:
 
 def check_optimizer(e: Problems, o: OptimizerSpec, steps: int | None) -> None:
     if not (is_num(o.lr) and o.lr > 0):
-        e.bad("optimizer.lr", o.lr, "a number > 0")
+        bad_number(e, "optimizer.lr", o.lr, "a number > 0")
     b = o.betas
     if not (isinstance(b, tuple) and len(b) == 2 and all(is_num(x) and 0 <= x < 1 for x in b)):
-        e.bad("optimizer.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.999]")
+        bad_number(e, "optimizer.betas", b, "two numbers in [0, 1), e.g. [0.9, 0.999]")
     if not (is_num(o.eps) and o.eps > 0):
-        e.bad("optimizer.eps", o.eps, "a number > 0")
+        bad_number(e, "optimizer.eps", o.eps, "a number > 0")
     if not (is_num(o.weight_decay) and o.weight_decay >= 0):
-        e.bad("optimizer.weight_decay", o.weight_decay, "a number >= 0")
+        bad_number(e, "optimizer.weight_decay", o.weight_decay, "a number >= 0")
     if o.grad_clip is not None and not (is_num(o.grad_clip) and o.grad_clip > 0):
-        e.bad("optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
+        bad_number(e, "optimizer.grad_clip", o.grad_clip, "null (no clipping) or a number > 0")
     check_choice(e, "optimizer.schedule", o.schedule, SCHEDULES)
     check_choice(e, "optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
     if o.state_dtype == "int8" and o.name != "adamw":
@@ -348,11 +363,11 @@ def check_optimizer(e: Problems, o: OptimizerSpec, steps: int | None) -> None:
                 f"got {o.warmup_steps}, more than train.steps ({steps}); expected at most {steps}",
             )
     if not (is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1):
-        e.bad("optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+        bad_number(e, "optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
     check_int(e, "optimizer.threads", o.threads, lo=0)
     check_choice(e, "optimizer.name", o.name, OPTIMIZERS)
     if not (is_num(o.momentum) and 0 <= o.momentum < 1):
-        e.bad("optimizer.momentum", o.momentum, "a number in [0, 1)")
+        bad_number(e, "optimizer.momentum", o.momentum, "a number in [0, 1)")
     if not isinstance(o.nesterov, bool):
         e.bad("optimizer.nesterov", o.nesterov, "true or false")
     elif o.nesterov and not (o.name == "sgd" and is_num(o.momentum) and o.momentum > 0):

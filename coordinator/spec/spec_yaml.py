@@ -12,7 +12,17 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MAX_SPEC_NODES", "SpecYamlError", "parse_spec_yaml"]
+__all__ = [
+    "EXPONENT_NUMBER",
+    "MAX_SPEC_NODES",
+    "SpecYamlError",
+    "number_string_hint",
+    "parse_spec_yaml",
+]
+
+EXPONENT_NUMBER = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""A number in exponent form (``3e-3``, ``1.5E6``), with or without a dot or a sign in
+the exponent."""
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -27,11 +37,42 @@ class _YamlLoader(yaml.SafeLoader):
 _YamlLoader.yaml_implicit_resolvers = {
     k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_NUMBER, list("-+0123456789"))
+
+
+# Note [YAML 1.1 numbers]
+# load_job_spec reads `lr: 3e-3` as a number, but other YAML 1.1 loaders (PyYAML's
+# yaml.safe_load, ruamel in 1.1 mode) read an exponent without a dot, or without a sign
+# after the e, as a string. A user who loads a spec that way and submits the dict gets
+# "expected a number" for what looks like one; the message then names the trap
+# (number_string_hint). The shipped examples write numbers every loader reads (0.003).
+
+
+def number_string_hint(value: Any) -> str | None:
+    """For a string that a YAML 1.1 loader left unread as a number, such as ``'3e-3'``:
+    why, and how to write it so that every loader reads a number. None otherwise."""
+    if not isinstance(value, str) or not EXPONENT_NUMBER.match(value):
+        return None
+    mantissa, _, exponent = value.lower().partition("e")
+    missing = []
+    if "." not in mantissa:
+        missing.append("a dot")
+        mantissa += ".0"
+    elif mantissa.endswith("."):
+        mantissa += "0"
+    if exponent[0] not in "+-":
+        missing.append("a sign after the e")
+        exponent = "+" + exponent
+    if not missing:
+        return None  # a YAML 1.1 float already: the string came from elsewhere (quotes)
+    spellings = [f"{mantissa}e{exponent}"]
+    plain = repr(float(value.replace("_", "")))
+    if "e" not in plain and "inf" not in plain:
+        spellings.append(plain)
+    return (
+        f"YAML 1.1 loaders such as PyYAML read {value} without {' and '.join(missing)} as a "
+        f"string; write {' or '.join(spellings)}"
+    )
 
 
 MAX_SPEC_NODES = 100_000
