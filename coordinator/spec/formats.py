@@ -43,11 +43,12 @@ class Columns:
 
 
 def columns_of(data: DataSpec) -> Columns:
-    """The record columns a data section names (``text_field`` and ``columns``)."""
+    """The columns a data section names (``text_field`` and ``columns``)."""
     return Columns(**{"text": data.text_field, **dict(data.columns or {})})
 
 
 def check_data_path(p: str) -> None:
+    """DataError unless ``p`` is a data file, or a folder of a ``datasets`` source."""
     if not os.path.exists(p):
         raise DataError(f"data file not found: {p}")
     if os.path.isdir(p):
