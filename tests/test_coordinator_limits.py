@@ -26,7 +26,8 @@ from roundpipe.coordinator.service.daemon import Coordinator
 from roundpipe.coordinator.service.jobs import MAX_TEXT_CHARS, JobRecord
 from roundpipe.coordinator.service.jobstore import JobStore
 from roundpipe.coordinator.service.workers import MAX_NAME_CHARS
-from roundpipe.coordinator.spec.jobspec import MAX_LISTED_PROBLEMS, MAX_SPEC_BYTES
+from roundpipe.coordinator.spec.errors import MAX_LISTED_PROBLEMS
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES
 from roundpipe.protocol import (
     MAX_REPLY_BYTES,
     ErrorReply,
