@@ -37,6 +37,13 @@ from roundpipe.worker.executor import RngKey, StageExecutor  # noqa: E402
 torch.set_num_threads(1)
 
 TOL = 1e-5
+# A gated delta net's per-head decay parameters get a gradient that is a sum over every
+# token of terms of both signs, which mostly cancel: a 1e-7 relative difference in the
+# hidden-state gradients (the chunked LM head sums the loss in another order than
+# transformers' cross-entropy; the losses are bitwise equal) comes out as about 1e-5
+# relative there, and its size moves with the torch build. Every other gradient stays
+# within TOL.
+LINEAR_ATTENTION_DECAY_TOL = {"linear_attn.A_log": 5e-5, "linear_attn.dt_bias": 5e-5}
 PLAN_KINDS = ("whole", "single", "uneven", "random0", "random1")
 
 
@@ -82,7 +89,7 @@ def test_stages_match_transformers(arch: str, m: int, kind: str) -> None:
     ctx = f"{arch} M={m} {plan}"
     assert abs(res.loss - ref_loss) <= TOL * abs(ref_loss), f"{ctx}: loss {res.loss} vs {ref_loss}"
     assert len(res.microbatch_losses) == m
-    assert_grads_close(res.grads, ref_grads, TOL, ctx)
+    assert_grads_close(res.grads, ref_grads, TOL, ctx, looser=LINEAR_ATTENTION_DECAY_TOL)
 
 
 def test_tied_embedding_gets_both_contributions() -> None:
