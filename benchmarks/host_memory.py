@@ -38,7 +38,8 @@ from pathlib import Path
 
 from common import demo_data_spec, run_runtime  # benchmarks/ is on sys.path
 
-from roundpipe.coordinator.spec.jobspec import JobSpec, TrainSpec, model_config_from_spec
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.spec.sections import TrainSpec
 from roundpipe.coordinator.training.memory import HostMemory, host_memory_needed, planned_layout
 from roundpipe.coordinator.training.trainer import default_plan
 from roundpipe.shared.model import LayeredModel

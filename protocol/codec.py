@@ -34,16 +34,16 @@ Example, a heartbeat at version 2::
 - Body values use msgpack's native types only: nil, bool, int (-2**63 .. 2**64-1),
   float, str (UTF-8), bin (bytes), array, map with str keys. No ext types (timestamps
   included). A list or tuple is an array.
-- A nested record (e.g. a :class:`TensorRef` inside a StageTask) is an *array* of its
+- A nested struct (e.g. a :class:`TensorRef` inside a StageTask) is an *array* of its
   field values in declaration order, e.g. ``["acts", 4096, "bfloat16", [4, 2048],
   nil]`` (a row-major TensorRef). Field names travel once, as the keys of the body map;
-  a StageTask carries ~80 records, and as maps they would double the body and triple
+  a StageTask carries ~80 structs, and as maps they would double the body and triple
   the cost of unpacking it. A message nested in a message (a JobStatus in a JobList) keeps the form
   it has alone: the map of its fields.
 - A key repeated in a map counts with its last value (msgpack leaves duplicates to the
   reader; this is what msgpack and msgspec do).
 - Every field is written by the encoder; a receiver fills an absent field only where
-  the class declares a default (a body map may leave out such a field, a record array
+  the class declares a default (a body map may leave out such a field, a struct array
   only such fields at its end).
 
 Limits and errors
@@ -62,7 +62,7 @@ Limits and errors
   :data:`MAX_ANY_DEPTH` levels); any ext type; invalid UTF-8; a non-str map key;
   trailing bytes after the body;
 - a body that is not a map, a missing required field, an unknown field, a nested
-  record that is not an array or has too many values, a value of the wrong type
+  struct that is not an array or has too many values, a value of the wrong type
   (``bool`` is not an ``int``; an ``int`` is accepted where a ``float`` is expected), a
   negative size/offset/index, a string outside a fixed set of choices, or a violated
   cross-field rule (e.g. ``len(stride) != len(shape)``, a ``grad_output`` on a forward
@@ -81,44 +81,43 @@ owns copies of its lists and maps; :func:`encode` does not validate again.
 Speed
 =====
 
-Records are msgspec Structs, so encoding and decoding run in msgspec's compiled codec,
+Messages and their structs are msgspec Structs, so encoding and decoding run in msgspec's compiled codec,
 which checks every field's type and constraints while it builds the objects; only the
 cross-field rules run in Python (see roundpipe.protocol.schema). The realistic backward
 StageTask of benchmarks/ipc.py (9 microbatches, 27 descriptors, 1.2 KB) encodes in
 5-9 us and decodes in 20-40 us on a 2-vCPU VM. What does not change from task to task
 travels once, in JobSetup (weight and gradient slots, the counter layout). A body the
-compiled decoder refuses goes to the plain validator, which decides and writes every error message, so the two agree (the fuzz tests check that they do).
-Construction in Python takes the compiled decoder for records that hold no other record
+compiled decoder refuses goes to the plain validator, which decides and writes every
+error message, so the two agree (the fuzz tests compare :func:`decode` with
+:func:`decode_reference`, which takes the plain validator alone).
+Construction in Python takes the compiled decoder for structs that hold no other struct
 and plain values only, and the plain validator otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 
-# Package-internal: the registry and the reference validator live in schema.
-from roundpipe.protocol.messages import PROTOCOL_VERSION
+# Every message type is declared in these two modules: imported here so that the
+# registry is complete before the frame prefixes below are built from it.
+from roundpipe.protocol import client_messages, worker_messages  # noqa: F401
 from roundpipe.protocol.schema import (
-    _DECODERS,
-    _ENCODER,
-    _REGISTRY,
-    _TYPE_NAME_RE,
     MAX_TYPE_NAME_BYTES,
+    MESSAGE_TYPES,
     Message,
     ProtocolError,
     ProtocolVersionError,
     Struct,
-    _Invalid,
-    _recheck_any,
-    _seen,
-    _struct_from_map,
+    decode_compiled,
+    describe,
+    encode_struct,
+    is_type_name,
+    message_from_fields,
 )
-
-if TYPE_CHECKING:
-    pass
+from roundpipe.protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -142,16 +141,14 @@ _HEADER = _MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 
 # --------------------------------------------------------------------------- encode / decode
 
-# Every message type is declared (roundpipe.protocol.messages is imported above): the
-# registry keyed by the type name as bytes (decode), and per class the bytes that start
-# its frame: header, type-name length, type name (encode).
+# The registry keyed by the type name as bytes (decode), and per class the bytes that
+# start its frame: header, type-name length, type name (encode).
 _REGISTRY_BY_NAME_BYTES: dict[bytes, type[Message]] = {
-    name.encode("ascii"): cls for name, cls in _REGISTRY.items()
+    name.encode("ascii"): cls for name, cls in MESSAGE_TYPES.items()
 }
 _PREFIX: dict[type, bytes] = {
-    cls: _HEADER + bytes([len(name)]) + name.encode("ascii") for name, cls in _REGISTRY.items()
+    cls: _HEADER + bytes([len(name)]) + name.encode("ascii") for name, cls in MESSAGE_TYPES.items()
 }
-_FAST_DECODE = True  # tests turn it off to check that both paths agree
 _M = TypeVar("_M", bound=Message)
 
 
@@ -170,10 +167,10 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
     cls = type(msg)
     prefix = _PREFIX.get(cls)
     if prefix is None:
-        raise ProtocolError(f"cannot encode {_seen(msg)}: not a registered message type")
+        raise ProtocolError(f"cannot encode {describe(msg)}: not a registered message type")
     name = cls.__name__
     try:
-        body = _ENCODER.encode(msg)
+        body = encode_struct(msg)
     except Exception as e:  # overflow, lone surrogates, cycles, garbage in a mutated message
         raise ProtocolError(
             f"cannot encode {name}: {type(e).__name__}: {e}", message_type=name
@@ -187,13 +184,13 @@ def encode(msg: Message, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> lis
     return [prefix + body]
 
 
-def encoded_size(record: Struct) -> int:
-    """Bytes ``record`` takes inside a body (a message as a map, a record as an array):
+def encoded_size(struct: Struct) -> int:
+    """Bytes ``struct`` takes inside a body (a message as a map, a struct as an array):
     what a sender filling a page up to MAX_REPLY_BYTES adds per item."""
     try:
-        return len(_ENCODER.encode(record))
+        return len(encode_struct(struct))
     except Exception as e:
-        raise ProtocolError(f"cannot encode {_seen(record)}: {type(e).__name__}: {e}") from e
+        raise ProtocolError(f"cannot encode {describe(struct)}: {type(e).__name__}: {e}") from e
 
 
 def decode(frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Message:
@@ -222,6 +219,16 @@ def decode_as(
     return msg
 
 
+def decode_reference(
+    frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> Message:
+    """What :func:`decode` does, with every frame taking the checked path and every body
+    read by the reference validator alone (never the compiled decoder): slower, and for
+    any input the same message or the same error. tests/test_protocol.py holds
+    :func:`decode` to it; the runtime has no use for it."""
+    return _decode_checked(frames, max_body_bytes, None, _decode_body_reference)
+
+
 def _decode(
     frames: Sequence[bytes], max_body_bytes: int, expected: type[Message] | None
 ) -> Message:
@@ -240,16 +247,19 @@ def _decode(
                 and len(frame) - body_at <= max_body_bytes
             ):
                 return _decode_body(cls, memoryview(frame)[body_at:])
-    return _decode_checked(frames, max_body_bytes, expected)
+    return _decode_checked(frames, max_body_bytes, expected, _decode_body)
 
 
 def _decode_checked(
-    frames: Sequence[bytes], max_body_bytes: int, expected: type[Message] | None
+    frames: Sequence[bytes],
+    max_body_bytes: int,
+    expected: type[Message] | None,
+    decode_body: Callable[[type[Message], memoryview], Message],
 ) -> Message:
     try:
         count = len(frames)
     except Exception:  # TypeError, or whatever a hostile __len__ raises
-        raise ProtocolError(f"expected a sequence of frames, got {_seen(frames)}") from None
+        raise ProtocolError(f"expected a sequence of frames, got {describe(frames)}") from None
     if count != NUM_FRAMES:
         raise ProtocolError(
             f"expected {NUM_FRAMES} frame (header, type, body) after routing frames are "
@@ -262,7 +272,7 @@ def _decode_checked(
     try:
         view = memoryview(frame)  # type: ignore[arg-type]
     except Exception:  # TypeError; ValueError for a released buffer; a hostile __buffer__
-        raise ProtocolError(f"frame 0 is {_seen(frame)}, expected a bytes-like object") from None
+        raise ProtocolError(f"frame 0 is {describe(frame)}, expected a bytes-like object") from None
     if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
         raise ProtocolError("frame 0 is not a contiguous byte buffer")
     view = view.cast("B")  # a bytearray or zmq.Frame may come as another 1-byte format
@@ -280,7 +290,7 @@ def _decode_checked(
     readable = (
         1 <= name_len <= MAX_TYPE_NAME_BYTES
         and len(type_bytes) == name_len
-        and _TYPE_NAME_RE.match(type_bytes) is not None
+        and is_type_name(type_bytes)
     )
     type_name = type_bytes.decode("ascii") if readable else None
 
@@ -295,7 +305,7 @@ def _decode_checked(
             f"{name_len if view.nbytes > _HEADER_BYTES else 'missing'} and "
             f"{type_bytes[:MAX_TYPE_NAME_BYTES]!r} ({view.nbytes} bytes in the frame)"
         )
-    cls = _REGISTRY.get(type_name)
+    cls = MESSAGE_TYPES.get(type_name)
     if cls is None:
         raise ProtocolError(f"unknown message type {type_name!r}", message_type=type_name)
     if expected is not None and cls is not expected:
@@ -310,22 +320,21 @@ def _decode_checked(
             "(max_body_bytes)",
             message_type=type_name,
         )
-    return _decode_body(cls, view[body_at:])
+    return decode_body(cls, view[body_at:])
 
 
 def _decode_body(cls: type[Message], body: memoryview) -> Message:
     """The body of a message whose header and type were found valid."""
-    if _FAST_DECODE:
-        try:
-            msg = _DECODERS[cls].decode(body)
-            _recheck_any(cls, msg)
-            return msg  # type: ignore[no-any-return]
-        except Exception:
-            pass  # refused: the reference decides, and names the problem
-    return _decode_reference(cls, body)
+    try:
+        return decode_compiled(cls, body)
+    except Exception:
+        pass  # refused: the reference decides, and names the problem
+    return _decode_body_reference(cls, body)
 
 
-def _decode_reference(cls: type[Message], body: memoryview) -> Message:
+def _decode_body_reference(cls: type[Message], body: memoryview) -> Message:
+    """The body of a message whose header and type were found valid, read by msgpack
+    with limits from the body's size and checked by the reference validator."""
     type_name = cls.__name__
     size = len(body)
     try:
@@ -334,7 +343,7 @@ def _decode_reference(cls: type[Message], body: memoryview) -> Message:
             raw=False,  # str stays str (and invalid UTF-8 is refused)
             strict_map_key=True,  # map keys must be str (or bin, refused later)
             # Arrays become tuples: cheaper to build, immutable as shape/stride must be,
-            # and nested records are arrays of their field values.
+            # and nested structs are arrays of their field values.
             use_list=False,
             # Every length is bounded by the body size, which is already bounded; ext
             # types (timestamps too) have no place in a body.
@@ -351,17 +360,10 @@ def _decode_reference(cls: type[Message], body: memoryview) -> Message:
         ) from None
     if type(fields) is not dict:
         raise ProtocolError(
-            f"invalid {type_name}: body: expected a map of fields, got {_seen(fields)}",
+            f"invalid {type_name}: body: expected a map of fields, got {describe(fields)}",
             message_type=type_name,
         )
-    try:
-        return _struct_from_map(cls, fields)  # type: ignore[return-value]
-    except _Invalid as e:
-        raise e.to_error(type_name) from None
-    except RecursionError:
-        raise ProtocolError(
-            f"invalid {type_name}: nested too deeply", message_type=type_name
-        ) from None
+    return message_from_fields(cls, fields)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

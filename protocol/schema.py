@@ -1,14 +1,16 @@
-"""The record machinery behind every message: base classes, registration, validation.
+"""The struct machinery behind every message: base classes, registration, validation.
 
-Records (:class:`Struct`) and messages (:class:`Message`) are msgspec Structs declared in
-roundpipe.protocol.messages; this module turns their field annotations into validation
-rules, registers message types by name (:data:`MESSAGE_TYPES`) and holds the errors
-(:class:`ProtocolError`). roundpipe.protocol.codec puts messages into frames and back.
+Structs (:class:`Struct`) and messages (:class:`Message`) are msgspec Structs declared in
+roundpipe.protocol.structs, roundpipe.protocol.worker_messages and
+roundpipe.protocol.client_messages; this module turns their field annotations into
+validation rules, registers message types by name (:data:`MESSAGE_TYPES`) and holds the
+errors (:class:`ProtocolError`). roundpipe.protocol.codec puts messages into frames and
+back.
 
 Validation has two layers that read one set of rules: the field annotations, whose
 constraints are written once, as msgspec ``Meta`` (``Meta(ge=0)`` and so on).
 
-1. The compiled codec (msgspec). Every record class is a msgspec.Struct, so msgspec's
+1. The compiled codec (msgspec). Every struct class is a msgspec.Struct, so msgspec's
    C decoder checks types, ranges, choices, unknown fields and
    array lengths while it builds the objects: no Python code runs per field. Cross-field
    rules (``_check``) run as msgspec's ``__post_init__``, and only on the classes that
@@ -16,21 +18,30 @@ constraints are written once, as msgspec ``Meta`` (``Meta(ge=0)`` and so on).
 
 2. The reference validator (this section). Every field annotation, its Meta included,
    is also compiled, when its class is defined, into a _Rule whose `convert(value, wire)` returns the
-   value to store or raises _Invalid. It is the specification: one small function per
+   value to store or raises Invalid. It is the specification: one small function per
    kind of annotation, and it writes every error message. `wire=True` means the value
-   came out of msgpack (nested records arrive as arrays, every array as a tuple);
-   `wire=False` means a Python caller is constructing a message (records must be
+   came out of msgpack (nested structs arrive as arrays, every array as a tuple);
+   `wire=False` means a Python caller is constructing a message (structs must be
    instances already). Decoding takes it only when msgspec refuses a body, to decide
    whether the body is really invalid and to say precisely why. The tests check that
    both layers agree on every fuzzed input.
 
-Construction must validate where a record is built, and msgspec does not validate
-constructor arguments. A record that holds no other record (TensorRef, EventWait,
-TaskDone, Heartbeat, ...: most records built) is constructed through the compiled
+Construction must validate where a struct is built, and msgspec does not validate
+constructor arguments. A struct that holds no other struct (TensorRef, EventWait,
+TaskDone, Heartbeat, ...: most structs built) is constructed through the compiled
 layer: its arguments are encoded and decoded again (_construct_flat), ~10x faster than
 the reference and holding exactly what a receiver will see. Anything that refuses --
-and every record that holds records, whose nested values must be instances of the
+and every struct that holds structs, whose nested values must be instances of the
 right class rather than anything that encodes alike -- takes the reference, which
+decides and writes the error.
+
+The package-internal interface (not re-exported by roundpipe.protocol):
+
+- for the modules that declare structs and messages: the decorators
+  :func:`declare_struct` and :func:`declare_message`, the field types (``NonNegInt``,
+  ``Name``, ...), and for cross-field rules :func:`invalid_field` and :func:`describe`;
+- for the codec: :func:`encode_struct`, :func:`decode_compiled` (the fast path),
+  :func:`message_from_fields` (the reference path) and :func:`is_type_name`.
 """
 
 from __future__ import annotations
@@ -39,12 +50,9 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple, TypeVar, Union
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, Union
 
 import msgspec
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "MAX_ANY_DEPTH",
@@ -69,7 +77,7 @@ _TYPE_NAME_RE = re.compile(rb"[A-Za-z][A-Za-z0-9_]*\Z")
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
 _SEEN_REPR_CHARS = 80
-# Construction of flat records encodes their arguments (_construct_flat).
+# Construction of flat structs encodes their arguments (_construct_flat).
 _ENCODER = msgspec.msgpack.Encoder()
 
 # --------------------------------------------------------------------------- errors
@@ -99,7 +107,7 @@ class ProtocolError(Exception):
 
 
 class ProtocolVersionError(ProtocolError):
-    """The peer speaks another protocol version; see "Version rule" in roundpipe.protocol.messages."""
+    """The peer speaks another protocol version; see "Version rule" in roundpipe.protocol.version."""
 
     def __init__(
         self, seen_version: int, expected_version: int, *, message_type: str | None = None
@@ -131,8 +139,9 @@ def _rebuild_version_error(
     return cls(seen, expected, message_type=message_type)
 
 
-class _Invalid(Exception):
-    """Internal: one value failed validation. Containers prepend their path segment as
+class Invalid(Exception):
+    """One value failed validation (raised by the rules, and by a struct's ``_check``,
+    through :func:`invalid_field`). Containers prepend their path segment as
     the exception unwinds, so the success path never builds path strings."""
 
     def __init__(self, expected: str, seen: str) -> None:
@@ -165,7 +174,7 @@ _WIRE_TYPE_NAMES: dict[type, str] = {
 }
 
 
-def _seen(value: object) -> str:
+def describe(value: object) -> str:
     """Describe a rejected value briefly: its repr (truncated) and its type."""
     try:
         text = repr(value)
@@ -175,9 +184,6 @@ def _seen(value: object) -> str:
         text = text[: _SEEN_REPR_CHARS - 3] + "..."
     kind = _WIRE_TYPE_NAMES.get(type(value), type(value).__name__)
     return f"{text} ({kind})"
-
-
-# decides and writes the error.
 
 
 # Every constraint is written once, as msgspec's Meta: the compiled decoder enforces it
@@ -195,7 +201,7 @@ _Conv = Callable[[Any, bool], Any]
 
 
 class _Rule(NamedTuple):
-    # The reference: (value, wire) -> value to store, or raise _Invalid.
+    # The reference: (value, wire) -> value to store, or raise Invalid.
     convert: _Conv
     # What it accepts, for error messages: "non-negative int", "list of TensorRef".
     expected: str
@@ -208,11 +214,11 @@ def _conv_int(v: Any, wire: bool) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         if not wire:
             if not _INT_MIN <= v <= _INT_MAX:
-                raise _Invalid("int in msgpack's range [-2**63, 2**64-1]", _seen(v))
+                raise Invalid("int in msgpack's range [-2**63, 2**64-1]", describe(v))
             if type(v) is not int:  # IntEnum and friends: store the plain value
                 return int(v)
         return v
-    raise _Invalid("int", _seen(v))
+    raise Invalid("int", describe(v))
 
 
 def _conv_float(v: Any, wire: bool) -> float:
@@ -222,15 +228,15 @@ def _conv_float(v: Any, wire: bool) -> float:
     # equality and arithmetic do not depend on how the sender spelled the number.
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if isinstance(v, int) and not _INT_MIN <= v <= _INT_MAX:
-            raise _Invalid("float", _seen(v))
+            raise Invalid("float", describe(v))
         return float(v)
-    raise _Invalid("float", _seen(v))
+    raise Invalid("float", describe(v))
 
 
 def _conv_str(v: Any, wire: bool) -> str:
     if type(v) is not str:
         if not isinstance(v, str):
-            raise _Invalid("str", _seen(v))
+            raise Invalid("str", describe(v))
         v = str.__str__(v)  # StrEnum etc.: store the plain value
     if not wire and not v.isascii():
         # Lone surrogates are valid in Python str but not in UTF-8; catch them here
@@ -238,14 +244,14 @@ def _conv_str(v: Any, wire: bool) -> str:
         try:
             v.encode("utf-8")
         except UnicodeEncodeError:
-            raise _Invalid("str encodable as UTF-8", _seen(v)) from None
+            raise Invalid("str encodable as UTF-8", describe(v)) from None
     return v
 
 
 def _conv_bool(v: Any, wire: bool) -> bool:
     if type(v) is bool:
         return v
-    raise _Invalid("bool", _seen(v))
+    raise Invalid("bool", describe(v))
 
 
 def _conv_bytes(v: Any, wire: bool) -> bytes:
@@ -253,13 +259,13 @@ def _conv_bytes(v: Any, wire: bool) -> bytes:
         return v
     if not wire and isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
-    raise _Invalid("bytes", _seen(v))
+    raise Invalid("bytes", describe(v))
 
 
 def _conv_none(v: Any, wire: bool) -> None:
     if v is None:
         return None
-    raise _Invalid("None", _seen(v))
+    raise Invalid("None", describe(v))
 
 
 _ANY_EXPECTED = "msgpack value (None, bool, int, float, str, bytes, list, map with str keys)"
@@ -278,15 +284,15 @@ def _conv_any(v: Any, wire: bool, depth: int = 0) -> Any:
         return _conv_str(v, wire)
     if t is list or t is tuple or t is dict:
         if depth >= MAX_ANY_DEPTH:
-            raise _Invalid(f"msgpack value nested at most {MAX_ANY_DEPTH} levels", "deeper nesting")
+            raise Invalid(f"msgpack value nested at most {MAX_ANY_DEPTH} levels", "deeper nesting")
         if t is dict:
             out: dict[str, Any] = {}
             for key, item in v.items():
                 if type(key) is not str:
-                    raise _Invalid("map with str keys", f"key {_seen(key)}")
+                    raise Invalid("map with str keys", f"key {describe(key)}")
                 try:
                     out[key] = _conv_any(item, wire, depth + 1)
-                except _Invalid as e:
+                except Invalid as e:
                     e.path.append(_key_segment(key))
                     raise
             return out
@@ -294,11 +300,11 @@ def _conv_any(v: Any, wire: bool, depth: int = 0) -> Any:
         for i, item in enumerate(v):
             try:
                 items.append(_conv_any(item, wire, depth + 1))
-            except _Invalid as e:
+            except Invalid as e:
                 e.path.append(f"[{i}]")
                 raise
         return items
-    raise _Invalid(_ANY_EXPECTED, _seen(v))
+    raise Invalid(_ANY_EXPECTED, describe(v))
 
 
 def _key_segment(key: str) -> str:
@@ -379,13 +385,13 @@ def _compile_annotated(inner: _Rule, marks: tuple[Any, ...]) -> _Rule:
     def convert(v: Any, wire: bool) -> Any:
         try:
             out = convert_inner(v, wire)
-        except _Invalid as e:
+        except Invalid as e:
             if e.expected == inner.expected and not e.path:
                 e.expected = expected  # "non-negative int", not just "int"
             raise
         for check in checks:
             if not check(out):  # `not (nan >= 0)` is True: NaN is refused too
-                raise _Invalid(expected, _seen(v))
+                raise Invalid(expected, describe(v))
         return out
 
     return _Rule(convert, expected, inner.has_any)
@@ -400,7 +406,7 @@ def _compile_literal(choices: tuple[Any, ...]) -> _Rule:
     def convert(v: Any, wire: bool) -> str:
         if isinstance(v, str) and v in allowed:
             return str.__str__(v)
-        raise _Invalid(expected, _seen(v))
+        raise Invalid(expected, describe(v))
 
     return _Rule(convert, expected)
 
@@ -419,7 +425,7 @@ def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
                 return None
             try:
                 return convert_inner(v, wire)
-            except _Invalid as e:
+            except Invalid as e:
                 if not e.path:
                     e.expected = expected
                 raise
@@ -427,15 +433,15 @@ def _compile_union(rules: list[_Rule], args: tuple[Any, ...]) -> _Rule:
         return _Rule(convert_optional, expected, has_any)
 
     if any(isinstance(a, type) and issubclass(a, Struct) for a in args):
-        raise TypeError("a Union of records is not supported (which record would it be?)")
+        raise TypeError("a Union of structs is not supported (which struct would it be?)")
 
     def convert(v: Any, wire: bool) -> Any:
         for rule in rules:
             try:
                 return rule.convert(v, wire)
-            except _Invalid:
+            except Invalid:
                 continue
-        raise _Invalid(expected, _seen(v))
+        raise Invalid(expected, describe(v))
 
     return _Rule(convert, expected, has_any)
 
@@ -450,12 +456,12 @@ def _compile_sequence(item: _Rule, *, as_tuple: bool) -> _Rule:
         # for list fields: a message owns its lists.
         t = type(v)
         if not (t is list or t is tuple):
-            raise _Invalid(expected, _seen(v))
+            raise Invalid(expected, describe(v))
         out = []
         for i, x in enumerate(v):
             try:
                 out.append(convert_item(x, wire))
-            except _Invalid as e:
+            except Invalid as e:
                 e.path.append(f"[{i}]")
                 raise
         return tuple(out) if as_tuple else out
@@ -469,14 +475,14 @@ def _compile_str_map(value: _Rule) -> _Rule:
 
     def convert(v: Any, wire: bool) -> dict[str, Any]:
         if type(v) is not dict:
-            raise _Invalid(expected, _seen(v))
+            raise Invalid(expected, describe(v))
         out: dict[str, Any] = {}
         for key, x in v.items():
             if type(key) is not str:
-                raise _Invalid(f"{expected} (str keys)", f"key {_seen(key)}")
+                raise Invalid(f"{expected} (str keys)", f"key {describe(key)}")
             try:
                 out[key] = convert_value(x, wire)
-            except _Invalid as e:
+            except Invalid as e:
                 e.path.append(_key_segment(key))
                 raise
         return out
@@ -494,16 +500,16 @@ def _compile_struct(cls: type[Struct]) -> _Rule:
             # A message inside a message (a JobStatus in a JobList) keeps its own form:
             # the map of its fields, as when it travels alone.
             if type(v) is not dict:
-                raise _Invalid(f"{name} as a map of its fields", _seen(v))
+                raise Invalid(f"{name} as a map of its fields", describe(v))
             return _struct_from_map(cls, v)
         if isinstance(v, cls):
             return v  # validated when it was constructed
-        raise _Invalid(name, _seen(v))
+        raise Invalid(name, describe(v))
 
     if any(spec.rule.has_any for spec in _SPECS[cls]):
         # The compiled decoder's `Any` values are re-checked per message field
-        # (_ANY_FIELDS); one inside a nested record would escape that check.
-        raise TypeError(f"{name}: a record nested in a message cannot hold an Any value")
+        # (_ANY_FIELDS); one inside a nested struct would escape that check.
+        raise TypeError(f"{name}: a struct nested in a message cannot hold an Any value")
     return _Rule(convert, name)
 
 
@@ -515,8 +521,8 @@ class _FieldSpec(NamedTuple):
 
 _SPECS: dict[type, tuple[_FieldSpec, ...]] = {}
 _REGISTRY: dict[str, type[Message]] = {}
-# Per message class: the compiled decoder. Per record class: the fields that may hold an
-# `Any`, and for a record that holds no other record the decoder that constructs it
+# Per message class: the compiled decoder. Per struct class: the fields that may hold an
+# `Any`, and for a struct that holds no other struct the decoder that constructs it
 # (_construct_flat).
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _ANY_FIELDS: dict[type, tuple[_FieldSpec, ...]] = {}
@@ -527,7 +533,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(_REGISTRY)
 
 # --------------------------------------------------------------------------- reference paths
 #
-# Whole-record validation: every construction, and the decoding of any body that the
+# Whole-struct validation: every construction, and the decoding of any body that the
 # compiled decoder refused (see the module doc).
 
 
@@ -540,7 +546,7 @@ def _build(cls: type[Struct], values: dict[str, Any]) -> Struct:
 def _convert_field(spec: _FieldSpec, value: Any, wire: bool) -> Any:
     try:
         return spec.rule.convert(value, wire)
-    except _Invalid as e:
+    except Invalid as e:
         e.path.append("." + spec.name)
         raise
 
@@ -549,7 +555,7 @@ def _construct(cls: type[Struct], args: tuple[Any, ...], kwargs: dict[str, Any])
     """What ``cls(**kwargs)`` does: validate every argument, then build."""
     specs = _SPECS.get(cls)
     if specs is None:
-        raise TypeError(f"{cls.__name__} is not a declared roundpipe.protocol record")
+        raise TypeError(f"{cls.__name__} is not a declared roundpipe.protocol struct")
     if args:
         raise TypeError(f"{cls.__name__}() takes keyword arguments only")
     unknown = kwargs.keys() - {spec.name for spec in specs}
@@ -571,7 +577,7 @@ def _construct(cls: type[Struct], args: tuple[Any, ...], kwargs: dict[str, Any])
             else:
                 raise TypeError(f"{cls.__name__}() missing keyword argument {spec.name!r}")
         return _build(cls, values)
-    except _Invalid as e:
+    except Invalid as e:
         raise e.to_error(cls.__name__) from None
     except RecursionError:
         raise ProtocolError(
@@ -585,8 +591,8 @@ def _construct_flat(
     specs: tuple[_FieldSpec, ...],
     kwargs: dict[str, Any],
 ) -> Struct:
-    """Construction of a record that holds no other record: its wire form, decoded. The
-    compiled decoder checks every value, and the record holds exactly what a receiver
+    """Construction of a struct that holds no other struct: its wire form, decoded. The
+    compiled decoder checks every value, and the struct holds exactly what a receiver
     will see (plain values, its own containers). Raises on anything wrong; the caller
     then lets the reference path name the problem (the module doc).
 
@@ -602,7 +608,7 @@ def _construct_flat(
         body = _ENCODER.encode(
             [kwargs[s.name] if s.name in kwargs else s.default() for s in specs]  # type: ignore[misc]
         )
-    # (No `Any` to re-check: a record with an `Any` field is not flat, see _declare.)
+    # (No `Any` to re-check: a struct with an `Any` field is not flat, see _declare.)
     return decoder.decode(body)  # type: ignore[no-any-return]
 
 
@@ -610,7 +616,7 @@ _PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _plain(value: Any) -> bool:
-    """A value of exactly the types a record without nested records holds: a scalar, a
+    """A value of exactly the types a struct without nested structs holds: a scalar, a
     list or tuple of scalars, or a str-keyed map of scalars."""
     t = type(value)
     if t in _PLAIN_SCALARS:
@@ -622,12 +628,12 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _recheck_any(cls: type[Struct], record: Struct) -> None:
+def _recheck_any(cls: type[Struct], struct: Struct) -> None:
     """msgspec takes any msgpack value for `Any` (ext types, any depth, int keys): hold
     those values to the reference's rules."""
     for spec in _ANY_FIELDS[cls]:
         msgspec.structs.force_setattr(
-            record, spec.name, spec.rule.convert(getattr(record, spec.name), True)
+            struct, spec.name, spec.rule.convert(getattr(struct, spec.name), True)
         )
 
 
@@ -649,13 +655,13 @@ def _struct_from_map(cls: type[Struct], d: dict[Any, Any]) -> Struct:
 
 
 def _struct_from_array(cls: type[Struct], items: Any) -> Struct:
-    """A nested record: an array of its field values in declaration order, of which
+    """A nested struct: an array of its field values in declaration order, of which
     trailing fields with a default may be left out."""
     specs = _SPECS[cls]
     if type(items) is not tuple and type(items) is not list:
-        raise _Invalid(_array_expected(cls), _seen(items))
+        raise Invalid(_array_expected(cls), describe(items))
     if len(items) > len(specs):
-        raise _Invalid(_array_expected(cls), f"{len(items)} values: {_seen(items)}")
+        raise Invalid(_array_expected(cls), f"{len(items)} values: {describe(items)}")
     values = {}
     for i, spec in enumerate(specs):
         if i < len(items):
@@ -672,19 +678,19 @@ def _array_expected(cls: type[Struct]) -> str:
     return f"{cls.__name__} as an array of its field values [{names}]"
 
 
-def _missing(cls: type[Struct], name: str) -> _Invalid:
+def _missing(cls: type[Struct], name: str) -> Invalid:
     rule = next(s.rule for s in _SPECS[cls] if s.name == name)
-    err = _Invalid(f"{rule.expected} (required field)", "nothing: field is missing")
+    err = Invalid(f"{rule.expected} (required field)", "nothing: field is missing")
     err.path.append("." + name)
     return err
 
 
-def _unknown(cls: type[Struct], d: dict[Any, Any]) -> _Invalid:
+def _unknown(cls: type[Struct], d: dict[Any, Any]) -> Invalid:
     known = {s.name for s in _SPECS[cls]}
     unknown = next(k for k in d if k not in known)
-    err = _Invalid(
+    err = Invalid(
         f"no such field; {cls.__name__} has: {', '.join(sorted(known)) or '(no fields)'}",
-        f"unknown field with value {_seen(d[unknown])}",
+        f"unknown field with value {describe(d[unknown])}",
     )
     label = unknown if isinstance(unknown, str) else repr(unknown)
     if len(label) > 40:  # the name came from the peer: keep the error message short
@@ -700,14 +706,14 @@ _C = TypeVar("_C", bound=type)
 _S = TypeVar("_S", bound="Struct")
 
 
-class _RecordMeta(msgspec.StructMeta):
-    """Metaclass of every record. Calling a record class validates its arguments
+class _StructMeta(msgspec.StructMeta):
+    """Metaclass of every struct. Calling a struct class validates its arguments
     (msgspec's __init__ would store anything); decoding does not come through here,
     msgspec builds those instances itself. A class that defines ``_check`` gets it as
     msgspec's ``__post_init__``, so the cross-field rules run on both paths."""
 
     def __new__(mcls, name: str, bases: tuple[type, ...], ns: dict[str, Any], **kw: Any) -> Any:
-        if "_check" in ns and any(isinstance(base, _RecordMeta) for base in bases):
+        if "_check" in ns and any(isinstance(base, _StructMeta) for base in bases):
             ns["__post_init__"] = ns["_check"]
         kw.setdefault("kw_only", True)  # msgspec applies it per class, not inherited
         return super().__new__(mcls, name, bases, ns, **kw)
@@ -731,30 +737,30 @@ def _declare(cls: _C, *, is_message: bool) -> _C:
     _ANY_FIELDS[cls] = tuple(s for s in specs if s.rule.has_any)
     if is_message:
         _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
-    if not any(_holds_records(hints[s.name]) or s.rule.has_any for s in specs):
-        # (An `Any` value may nest deeper than _plain looks: such records take the
+    if not any(_holds_structs(hints[s.name]) or s.rule.has_any for s in specs):
+        # (An `Any` value may nest deeper than _plain looks: such structs take the
         # reference, which checks and copies it.)
         _FLAT_DECODERS[cls] = _DECODERS.get(cls) or msgspec.msgpack.Decoder(cls)
     return cls
 
 
-def _holds_records(tp: Any) -> bool:
-    """Whether a field annotation can hold a record (a Struct) anywhere inside."""
+def _holds_structs(tp: Any) -> bool:
+    """Whether a field annotation can hold a struct (a Struct) anywhere inside."""
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return True
-    return any(_holds_records(arg) for arg in typing.get_args(tp))
+    return any(_holds_structs(arg) for arg in typing.get_args(tp))
 
 
 @typing.dataclass_transform(kw_only_default=True, frozen_default=True)
-def _struct(cls: _C) -> _C:
-    """Make a validated record: a frozen, keyword-only msgspec Struct whose field
+def declare_struct(cls: _C) -> _C:
+    """Make a validated struct: a frozen, keyword-only msgspec Struct whose field
     annotations are compiled into validation rules right away."""
     return _declare(cls, is_message=False)
 
 
 @typing.dataclass_transform(kw_only_default=True, frozen_default=True)
-def _message(cls: _C) -> _C:
-    """A record that may travel alone: registered under its class name (the type in its frame)."""
+def declare_message(cls: _C) -> _C:
+    """A struct that may travel alone: registered under its class name (the type in its frame)."""
     cls = _declare(cls, is_message=True)
     assert issubclass(cls, Message), cls
     name = cls.__name__
@@ -766,20 +772,20 @@ def _message(cls: _C) -> _C:
 
 class Struct(
     msgspec.Struct,
-    metaclass=_RecordMeta,
+    metaclass=_StructMeta,
     frozen=True,
     kw_only=True,
-    array_like=True,  # a nested record travels as the array of its field values
+    array_like=True,  # a nested struct travels as the array of its field values
     forbid_unknown_fields=True,  # ... and not one value more
     # Not tracked by the cycle collector: cheaper to allocate (a decoded StageTask is ~370
-    # objects, ~12% faster) and never scanned. Records cannot form cycles: they are
+    # objects, ~12% faster) and never scanned. Structs cannot form cycles: they are
     # frozen trees of plain values, and Any values are copied and bounded in depth.
     gc=False,
 ):
-    """Base of every record: frozen, keyword-only, validated on construction."""
+    """Base of every struct: frozen, keyword-only, validated on construction."""
 
     def _check(self) -> None:
-        """Cross-field rules; raise _Invalid with the offending field's path."""
+        """Cross-field rules; raise Invalid with the offending field's path."""
 
 
 class Message(Struct, array_like=False):
@@ -787,15 +793,58 @@ class Message(Struct, array_like=False):
     see MESSAGE_TYPES)."""
 
 
-def replace(record: _S, **changes: Any) -> _S:
-    """A copy of `record` with some fields changed, validated like a new record (the
+def replace(struct: _S, **changes: Any) -> _S:
+    """A copy of `struct` with some fields changed, validated like a new struct (the
     counterpart of dataclasses.replace)."""
-    values = {name: getattr(record, name) for name in record.__struct_fields__}
+    values = {name: getattr(struct, name) for name in struct.__struct_fields__}
     values.update(changes)
-    return type(record)(**values)
+    return type(struct)(**values)
 
 
-def _fail(field_name: str, expected: str, seen: str) -> _Invalid:
-    err = _Invalid(expected, seen)
+def invalid_field(field_name: str, expected: str, seen: str) -> Invalid:
+    """The error a cross-field rule (``_check``) raises: ``field_name`` (a dotted path
+    inside the struct) should have been ``expected``; ``seen`` is :func:`describe` of
+    what it holds."""
+    err = Invalid(expected, seen)
     err.path.append("." + field_name)
     return err
+
+
+# --------------------------------------------------------------------------- the codec's interface
+
+
+def is_type_name(name: bytes) -> bool:
+    """Whether ``name`` has the form of a message type name: ASCII
+    ``[A-Za-z][A-Za-z0-9_]*`` (its length is the codec's to check)."""
+    return _TYPE_NAME_RE.match(name) is not None
+
+
+def encode_struct(struct: Struct) -> bytes:
+    """The msgpack form of ``struct``: a message as the map of its fields, a struct as
+    the array of its field values. Raises whatever msgspec raises on a value it cannot
+    write (the codec words the error)."""
+    return _ENCODER.encode(struct)
+
+
+def decode_compiled(cls: type[Message], body: memoryview) -> Message:
+    """The fast path: a message body read by msgspec's compiled decoder, its ``Any``
+    values held to the reference's rules. Raises (any exception) where the body is not
+    valid; :func:`message_from_fields` then decides, and words the error."""
+    msg = _DECODERS[cls].decode(body)
+    _recheck_any(cls, msg)
+    return msg  # type: ignore[no-any-return]
+
+
+def message_from_fields(cls: type[Message], fields: dict[Any, Any]) -> Message:
+    """The reference path: a message from the map of its fields as msgpack unpacked them,
+    every value checked by the reference validator. Raises ProtocolError naming the
+    message type, the field path, what was expected and what was seen."""
+    type_name = cls.__name__
+    try:
+        return _struct_from_map(cls, fields)  # type: ignore[return-value]
+    except Invalid as e:
+        raise e.to_error(type_name) from None
+    except RecursionError:
+        raise ProtocolError(
+            f"invalid {type_name}: nested too deeply", message_type=type_name
+        ) from None

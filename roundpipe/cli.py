@@ -727,7 +727,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
                 "them within a second (its log then lists the authorised keys); to make it "
                 "re-read at once, send it SIGHUP"
             )
-    except (keys.KeyError_, OSError) as exc:
+    except (keys.KeyFileError, OSError) as exc:
         _error(str(exc))
         return EXIT_FAILURE
     return EXIT_OK

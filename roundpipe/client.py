@@ -205,7 +205,7 @@ class Client:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self._address = _check_address(default_address() if address is None else address)
-        # KeyError_ (a ValueError) for a configured key file that is missing or broken.
+        # KeyFileError (a ValueError) for a configured key file that is missing or broken.
         self._keys: ConnectKeys | None = connect_keys(key, coordinator_key)
         self._monitor: zmq.Socket | None = None
         self._timeout_s = float(timeout_s)

@@ -153,7 +153,7 @@ class LocalCluster:
             "coordinator",
             [
                 "-m",
-                "roundpipe.coordinator.service.daemon",
+                "roundpipe.coordinator.service.main",
                 "--address",
                 self.address,
                 "--state-dir",

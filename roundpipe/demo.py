@@ -281,7 +281,7 @@ def run_demo(
     ``startup_timeout_s`` the wait for the coordinator to see every worker.
 
     ``coordinator_command`` / ``worker_command`` replace the command prefix that starts a
-    daemon (default ``[sys.executable, "-m", "roundpipe.coordinator.service.daemon"]`` and
+    daemon (default ``[sys.executable, "-m", "roundpipe.coordinator.service.main"]`` and
     ``[..., "roundpipe.worker.daemon"]``); the daemon arguments are appended. Progress
     and diagnostics go to ``stderr``, the result to ``stdout``.
     """
@@ -307,7 +307,7 @@ def run_demo(
         fail("the demo needs at least one worker")
         return EXIT_USAGE
     coordinator_cmd = list(
-        coordinator_command or [sys.executable, "-m", "roundpipe.coordinator.service.daemon"]
+        coordinator_command or [sys.executable, "-m", "roundpipe.coordinator.service.main"]
     )
     worker_cmd = list(worker_command or [sys.executable, "-m", "roundpipe.worker.daemon"])
 

@@ -46,14 +46,11 @@ def render_row(tokens: list[int], labels: list[int], positions: list[int], decod
 def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) -> int:
     """Print the data summary and row ``row`` of the job spec at ``spec_path``; an exit
     status (0 ok, 2 bad spec or data)."""
-    from roundpipe.coordinator.spec.data import (
-        DataError,
-        build_dataset_from_spec,
-        columns_of,
-        load_tokenizer,
-        resolve_format,
-    )
-    from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
+    from roundpipe.coordinator.spec.data import build_dataset_from_spec
+    from roundpipe.coordinator.spec.errors import DataError, JobSpecError
+    from roundpipe.coordinator.spec.formats import columns_of, resolve_format
+    from roundpipe.coordinator.spec.jobspec import load_job_spec
+    from roundpipe.coordinator.spec.tokenizers import load_tokenizer
 
     stream = sys.stdout if out is None else out
     try:
@@ -61,9 +58,7 @@ def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) ->
         ds = build_dataset_from_spec(spec)
         d = spec.data
         assert d.path is not None
-        fmt = resolve_format(
-            d.path, d.format, d.text_field, columns=columns_of(spec), split=d.split
-        )
+        fmt = resolve_format(d.path, d.format, d.text_field, columns=columns_of(d), split=d.split)
     except (JobSpecError, DataError) as exc:
         print(f"roundpipe data inspect: error: {exc}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 Every counter has exactly one writer (the process that produces what the counter stands
 for); any number of processes read it. A counter only moves forward: it holds the newest
 iteration (or version) whose data is complete, so "wait until counter >= k" is the one
-synchronisation primitive the runtime needs (see ARCHITECTURE.md section 5 for the
-counters: act, dact, wgrad, version, uploaded, ...).
+synchronisation primitive the runtime needs (:class:`Counters` below numbers a job's
+counters: act, dact, wgrad, version, uploaded, ...; docs/runtime.md, "The event table").
 
 Layout (its own arena, or any 64-byte-aligned region of one)::
 
@@ -14,19 +14,19 @@ Layout (its own arena, or any 64-byte-aligned region of one)::
     offset 16   48 bytes reserved (rest of the first cache line)
     offset 64   i64 counter[0], counter[1], ..., counter[n-1]
 
-Note [event-table fences]
-~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [event-table barriers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A producer writes its data, then stores the counter; a consumer loads the counter, then
 reads the data. Nothing in Python orders these memory accesses for another process, so:
 
-* ``signal`` issues a full fence *between* the data writes and the counter store, and
-  ``wait_at_least`` issues one *after* it has seen the counter and before it returns
+* ``signal`` issues a full memory barrier *between* the data writes and the counter
+  store, and ``wait_at_least`` issues one *after* it has seen the counter and before it returns
   (before the caller reads the data). On x86-64 (total store order) the hardware already
-  keeps stores in order and loads in order, and the fence is what stops the compiler from
-  reordering across it; on weaker architectures (aarch64) the fence is what makes the
+  keeps stores in order and loads in order, and the barrier is what stops the compiler from
+  reordering across it; on weaker architectures (aarch64) the barrier is what makes the
   protocol correct at all. A counter store or load is one aligned 8-byte access, which is
   single-copy atomic on both, so a reader never sees half a counter.
-* The fence is two acquire/release pairs of a process-local lock: release(1) -> acquire(2)
+* The barrier is two acquire/release pairs of a process-local lock: release(1) -> acquire(2)
   is ordered (the lock is sequentially consistent), data accesses cannot sink below
   release(1), and the counter access cannot rise above acquire(2). This is the same fix
   vLLM adopted for its shared-memory broadcast queue (vllm issue 27858/29389).
@@ -74,16 +74,20 @@ from roundpipe.shared.defaults import env_non_negative
 
 __all__ = [
     "COUNTERS_START",
+    "EVENTS_ARENA",
     "Counters",
     "EventTable",
     "EventTimeout",
-    "fence",
+    "memory_barrier",
     "table_nbytes",
 ]
 
 log = logging.getLogger(__name__)
 
 COUNTERS_START = 64
+EVENTS_ARENA = "events"
+"""Name of the arena of a job that holds its event table, at DATA_START
+(roundpipe.shared.arena): the coordinator's layout creates it, workers map it by name."""
 # Note [waiting in three phases]
 _SPIN_S = 50e-6
 _POLL_SLICE_S = 100e-6
@@ -107,18 +111,18 @@ class EventTimeout(TimeoutError):
     """A wait on the event table passed its deadline."""
 
 
-_fence_lock = threading.Lock()
+_barrier_lock = threading.Lock()
 
 
-def fence() -> None:
-    """Full memory fence between the caller's earlier and later memory accesses.
+def memory_barrier() -> None:
+    """Full memory barrier between the caller's earlier and later memory accesses.
 
-    See Note [event-table fences].
+    See Note [event-table barriers].
     """
-    _fence_lock.acquire()
-    _fence_lock.release()
-    _fence_lock.acquire()
-    _fence_lock.release()
+    _barrier_lock.acquire()
+    _barrier_lock.release()
+    _barrier_lock.acquire()
+    _barrier_lock.release()
 
 
 class _Futex:
@@ -214,7 +218,7 @@ class EventTable:
             table_nbytes(num_counters)
         )
         ctypes.c_uint64.from_buffer(arena.buffer, offset + 8).value = num_counters
-        fence()
+        memory_barrier()
         return cls(arena, offset)
 
     def label(self, index: int) -> str:
@@ -251,9 +255,9 @@ class EventTable:
         self._check_index(index)
         if value <= self._counters[index]:
             return
-        fence()  # data writes before the counter store: Note [event-table fences]
+        memory_barrier()  # data writes before the counter store: Note [event-table barriers]
         self._counters[index] = value
-        fence()  # counter store before the doorbell bump
+        memory_barrier()  # counter store before the doorbell bump
         self._header[0] = (self._header[0] + 1) & 0xFFFFFFFF
         self._wake_all()
 
@@ -261,7 +265,7 @@ class EventTable:
         """Owner-only: set a counter backwards (new job on a reused table). Not for workers."""
         self._check_index(index)
         self._counters[index] = value
-        fence()
+        memory_barrier()
 
     # -- waiting ---------------------------------------------------------------------
 
@@ -284,7 +288,7 @@ class EventTable:
         counters = self._counters
         seen = counters[index]
         if seen >= value:
-            fence()  # the caller's data reads after the counter load
+            memory_barrier()  # the caller's data reads after the counter load
             return seen
         start = time.perf_counter()
         spin_until = start + _SPIN_S
@@ -295,7 +299,7 @@ class EventTable:
             doorbell = self._header[0]
             seen = counters[index]
             if seen >= value:
-                fence()
+                memory_barrier()
                 return seen
             now = time.perf_counter()
             if now >= deadline:

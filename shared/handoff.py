@@ -4,13 +4,13 @@ An activation (a stage's output, or an input gradient) is written by one worker 
 by the worker that runs the next stage. With a real bus the producer's device-to-host copy
 is asynchronous, and storing the event-table counter only once the copy has landed costs
 a host round trip per hand-off (the producer's completion thread wakes, stores the
-counter, the consumer wakes). So activation hand-offs take two steps instead
-(ARCHITECTURE.md section 5):
+counter, the consumer wakes). So activation hand-offs take two steps instead (the event
+table and its counters: roundpipe.shared.events; docs/runtime.md, "Activation hand-offs"):
 
 1. The producer issues the copy, records a completion event after it (CUDA: an
    interprocess event of its ring, roundpipe.worker.cuda), writes a *ticket* for the
-   counter (which process, which ring record, the event's IPC handle), fences, and stores
-   the counter at once: "counter at issue".
+   counter (which process, which ring record, the event's IPC handle), issues a memory
+   barrier, and stores the counter at once: "counter at issue".
 2. When the copy has really landed, the producer's completion thread stores the entry's
    *landed mark* (an ordinary event-table counter, one per act/dact counter and parity).
 
@@ -57,8 +57,8 @@ Note [ticket layout]
         offset 64   64 bytes       cudaIpcEventHandle of that record (CUDA; zeros otherwise)
 
     A ticket is rewritten only by a re-run of its task (after the first producer was
-    declared lost), so writers use a sequence lock: version made odd, fence, record,
-    fence, version made even. A reader reads the version, the record, and the version
+    declared lost), so writers use a sequence lock: version made odd, memory barrier,
+    record, memory barrier, version made even. A reader reads the version, the record, and the version
     again, and uses the record only if the version was even and unchanged and the value
     is the one it waited for. Otherwise it has no event to wait on and waits for the
     landed mark on the host instead, which is always safe. (Two writers at once, an
@@ -76,7 +76,13 @@ from dataclasses import dataclass
 import psutil
 
 from roundpipe.shared.arena import DATA_START
-from roundpipe.shared.events import Counters, EventTable, EventTimeout, fence, table_nbytes
+from roundpipe.shared.events import (
+    Counters,
+    EventTable,
+    EventTimeout,
+    memory_barrier,
+    table_nbytes,
+)
 
 __all__ = [
     "TICKET_BYTES",
@@ -156,7 +162,7 @@ class Handoff:
 
         Raises HandoffLost after ``timeout_s``."""
         if self.landed():
-            fence()
+            memory_barrier()
             return False
         self.board.wait_landed(self.counter, self.value, self.timeout_s, self.ticket, should_abort)
         return True
@@ -202,13 +208,13 @@ class HandoffBoard:
         base = rec * TICKET_BYTES // 8
         version = words[base + 3]
         words[base + 3] = version | 1
-        fence()
+        memory_barrier()
         words[base + 1] = mark.pid
         words[base + 2] = mark.seq
         at = self.offset + rec * TICKET_BYTES + _HANDLE_AT
         self._buf[at : at + _HANDLE_BYTES] = mark.handle.ljust(_HANDLE_BYTES, b"\0")
         words[base] = value
-        fence()
+        memory_barrier()
         words[base + 3] = (version | 1) + 1
 
     def mark_landed(self, counter: int, value: int) -> None:
@@ -224,11 +230,11 @@ class HandoffBoard:
         words = self._words
         base = rec * TICKET_BYTES // 8
         version = words[base + 3]
-        fence()
+        memory_barrier()
         found, pid, seq = words[base], words[base + 1], words[base + 2]
         at = self.offset + rec * TICKET_BYTES + _HANDLE_AT
         handle = bytes(self._buf[at : at + _HANDLE_BYTES])
-        fence()
+        memory_barrier()
         if version % 2 or words[base + 3] != version:
             # Being rewritten (by a re-run): no usable event; the landed mark will do.
             return Ticket(value, 0, 0, b"")

@@ -46,7 +46,7 @@ __all__ = [
     "ROLES",
     "AuthorizedKey",
     "ConnectKeys",
-    "KeyError_",
+    "KeyFileError",
     "add_key",
     "apply_connect_keys",
     "ask_reload",
@@ -71,9 +71,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ROLE_LINE = re.compile(r'^\s+role\s*=\s*"([^"]*)"\s*$', re.MULTILINE)
 
 
-class KeyError_(ValueError):
-    """A key file is missing, unreadable or malformed; the message says which and what to
-    do. (Named with a trailing underscore: ``KeyError`` is a builtin.)"""
+class KeyFileError(ValueError):
+    """A key file is missing, unreadable or malformed, or a key operation cannot be done
+    (a bad name or role, a key that exists already); the message says which and what to
+    do."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def config_dir() -> Path:
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name) or name == COORDINATOR:
-        raise KeyError_(
+        raise KeyFileError(
             f"invalid key name {name!r}: use 1-64 letters, digits, '_', '.' or '-' (not "
             f"starting with '.' or '-', and not {COORDINATOR!r})"
         )
@@ -154,14 +155,14 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
-        raise KeyError_(f"cannot read the key file {path}: {exc}") from None
+        raise KeyFileError(f"cannot read the key file {path}: {exc}") from None
     if (
         public is None
         or len(public) != 40
         or (secret and (not secret_key or len(secret_key) != 40))
     ):
         what = "a key pair (*.key_secret)" if secret else "a public key (*.key)"
-        raise KeyError_(f"{path} is not {what} in zmq.auth certificate format")
+        raise KeyFileError(f"{path} is not {what} in zmq.auth certificate format")
     return public, secret_key
 
 
@@ -171,7 +172,7 @@ def init_keys(keys_dir: Path) -> list[Path]:
     (every client would have to be given the new public key). Returns the files made."""
     keys_dir = Path(keys_dir)
     if (keys_dir / f"{COORDINATOR}.key_secret").exists():
-        raise KeyError_(
+        raise KeyFileError(
             f"{keys_dir} already holds a coordinator key; remove {keys_dir}/{COORDINATOR}.key* "
             "first to replace it (every client and worker then needs the new public key)"
         )
@@ -189,7 +190,7 @@ def new_key_pair(out_dir: Path, name: str = "client") -> Path:
     check_name(name)
     secret = Path(out_dir) / f"{name}.key_secret"
     if secret.exists():
-        raise KeyError_(f"{secret} exists already; remove it first to make a new key")
+        raise KeyFileError(f"{secret} exists already; remove it first to make a new key")
     return _write_pair(Path(out_dir), name, None)
 
 
@@ -206,15 +207,15 @@ def add_key(
     authorised public key file (with ``public_key``) or the new secret file."""
     check_name(name)
     if role not in ROLES:
-        raise KeyError_(f"invalid role {role!r}: choose one of {', '.join(ROLES)}")
+        raise KeyFileError(f"invalid role {role!r}: choose one of {', '.join(ROLES)}")
     authorized = Path(keys_dir) / AUTHORIZED
     if not authorized.is_dir():
-        raise KeyError_(
+        raise KeyFileError(
             f"{authorized} does not exist; run `roundpipe keys init --keys-dir {keys_dir}` first"
         )
     target = authorized / f"{name}.key"
     if target.exists():
-        raise KeyError_(
+        raise KeyFileError(
             f"identity {name!r} is authorised already ({target}); `roundpipe keys remove "
             f"{name}` first to replace its key"
         )
@@ -222,7 +223,7 @@ def add_key(
         key, _ = _load(Path(public_key), secret=False)
         for other in authorized_keys(keys_dir):
             if other.public_key == key:
-                raise KeyError_(
+                raise KeyFileError(
                     f"the key in {public_key} is authorised already as {other.name!r} "
                     f"({other.path}); one key is one identity: make {name} a key pair of "
                     "its own (`roundpipe keys new`, or `keys add` without --public-key)"
@@ -230,10 +231,10 @@ def add_key(
         _write_key_file(target, key, None, role)
         return target
     if out_dir is None:
-        raise KeyError_("give the user's public key (--public-key) or where to write a new pair")
+        raise KeyFileError("give the user's public key (--public-key) or where to write a new pair")
     secret = Path(out_dir) / f"{name}.key_secret"
     if secret.exists():
-        raise KeyError_(f"{secret} exists already; remove it or choose another --out")
+        raise KeyFileError(f"{secret} exists already; remove it or choose another --out")
     secret = _write_pair(Path(out_dir), name, role)
     public, _ = _load(secret, secret=True)
     _write_key_file(target, public, None, role)
@@ -248,7 +249,7 @@ def remove_key(keys_dir: Path, name: str) -> Path:
     try:
         target.unlink()
     except FileNotFoundError:
-        raise KeyError_(f"no authorised key named {name!r} in {target.parent}") from None
+        raise KeyFileError(f"no authorised key named {name!r} in {target.parent}") from None
     return target
 
 
@@ -259,14 +260,14 @@ def ask_reload(keys_dir: Path) -> Path:
     add`` and ``keys remove`` need. Returns the directory."""
     authorized = Path(keys_dir) / AUTHORIZED
     if not authorized.is_dir():
-        raise KeyError_(
+        raise KeyFileError(
             f"{authorized} does not exist; is --keys-dir the coordinator's key directory? "
             f"(create one with `roundpipe keys init --keys-dir {keys_dir}`)"
         )
     try:
         os.utime(authorized)
     except PermissionError:
-        raise KeyError_(
+        raise KeyFileError(
             f"no permission to mark {authorized} changed; run this as the user that owns "
             "the keys (e.g. `sudo -u roundpipe roundpipe keys reload ...`), or send the "
             "coordinator SIGHUP"
@@ -282,7 +283,7 @@ def authorized_keys(keys_dir: Path) -> list[AuthorizedKey]:
         try:
             public, _ = _load(path, secret=False)
             role_match = _ROLE_LINE.search(path.read_text(errors="replace"))
-        except (KeyError_, OSError):
+        except (KeyFileError, OSError):
             continue
         if role_match is None or role_match.group(1) not in ROLES or not _NAME.match(path.stem):
             continue
@@ -312,7 +313,7 @@ def connect_keys(
     key_path = Path(key or os.environ.get("ROUNDPIPE_KEY") or config_dir() / "client.key_secret")
     if not _exists(key_path.expanduser()):
         if explicit:
-            raise KeyError_(
+            raise KeyFileError(
                 f"key file {key_path} does not exist (--key / ROUNDPIPE_KEY); create one with "
                 "`roundpipe keys new` and ask the coordinator's admin to authorise it"
             )
@@ -336,7 +337,7 @@ def connect_keys(
             server, _ = _load(server_path, secret=False)
             assert secret is not None
             return ConnectKeys(public, secret, server, key_path, server_path)
-    raise KeyError_(
+    raise KeyFileError(
         f"no coordinator public key found (looked at {', '.join(map(str, candidates))}); "
         "copy the coordinator's coordinator.key there or point --coordinator-key / "
         "ROUNDPIPE_COORDINATOR_KEY at it"

@@ -25,15 +25,14 @@ import pytest
 import torch
 from runtime_helpers import tiny_spec, trained_in_process
 
+from roundpipe.coordinator.spec.checkpoint_format import MANIFEST, step_name
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training import checkpointer as checkpointer_module
 from roundpipe.coordinator.training import job_planner as job_planner_module
 from roundpipe.coordinator.training.checkpoint import (
-    MANIFEST,
     STATE_FILE,
     CheckpointDir,
     load_tensors,
-    step_name,
     verify_checkpoint,
 )
 from roundpipe.coordinator.training.job_errors import JobPaused
@@ -175,7 +174,7 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
     size too small for one checkpoint (drained checkpoints) or no periodic checkpoints
     add nothing, and are accepted on the same machine."""
     from roundpipe.coordinator.service.admission import validate_spec
-    from roundpipe.coordinator.spec.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.errors import JobSpecError
     from roundpipe.coordinator.training import memory
 
     def spec(every: int, staging: str | int) -> dict:

@@ -17,17 +17,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from roundpipe.coordinator.training.checkpoint import (
+from roundpipe.coordinator.spec.checkpoint_format import (
     LATEST,
     MANIFEST,
+    CheckpointError,
+    step_name,
+)
+from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
-    CheckpointError,
     as_os_error,
     load_tensors,
     resolve_checkpoint,
     save_tensors,
-    step_name,
     verify_checkpoint,
 )
 

@@ -44,7 +44,8 @@ from roundpipe.client import (
     RoundPipeError,
     UnknownJob,
 )
-from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import load_job_spec
 from roundpipe.demo import run_demo
 from roundpipe.protocol import (
     Ack,

@@ -38,7 +38,7 @@ FLOOD = 2 * NOFILE
 _LAUNCH = (
     "import resource, sys; n = int(sys.argv.pop(1)); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
-    "from roundpipe.coordinator.service.daemon import main; sys.exit(main(sys.argv[1:]))"
+    "from roundpipe.coordinator.service.main import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
@@ -55,7 +55,7 @@ class _LimitedTcpCluster(LocalCluster):
 
     def _spawn(self, name, args, env=None):
         if name == "coordinator":
-            assert args[:2] == ["-m", "roundpipe.coordinator.service.daemon"], args
+            assert args[:2] == ["-m", "roundpipe.coordinator.service.main"], args
             args = ["-c", _LAUNCH, str(self._nofile), *args[2:]]
         return super()._spawn(name, args, env)
 

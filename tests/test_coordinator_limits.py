@@ -1,4 +1,4 @@
-"""Nothing a peer sends can crash or stall the coordinator (ARCHITECTURE.md section 9).
+"""Nothing a peer sends can crash or stall the coordinator (docs/deploy.md).
 
 Each test plays one of the routes that used to end the coordinator's I/O loop (an
 oversized reply, encoded outside any error handler) against a real coordinator process
@@ -22,10 +22,12 @@ from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.service.daemon import MAX_NAME_CHARS, Coordinator
+from roundpipe.coordinator.service.daemon import Coordinator
 from roundpipe.coordinator.service.jobs import MAX_TEXT_CHARS, JobRecord
 from roundpipe.coordinator.service.jobstore import JobStore
-from roundpipe.coordinator.spec.jobspec import MAX_LISTED_PROBLEMS, MAX_SPEC_BYTES
+from roundpipe.coordinator.service.workers import MAX_NAME_CHARS
+from roundpipe.coordinator.spec.errors import MAX_LISTED_PROBLEMS
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES
 from roundpipe.protocol import (
     MAX_REPLY_BYTES,
     ErrorReply,

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from roundpipe.coordinator.spec.data import (
-    IGNORE_INDEX,
-    DataError,
     DataLoader,
     PackedDataset,
     build_dataset,
     build_dataset_from_spec,
-    load_tokenizer,
-    read_documents,
-    resolve_format,
 )
+from roundpipe.coordinator.spec.documents import read_documents
+from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import resolve_format
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.spec.tokenizers import load_tokenizer
+from roundpipe.shared.model import IGNORE_INDEX
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 EOS, PAD = 0, 99

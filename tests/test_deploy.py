@@ -210,7 +210,7 @@ def test_coordinator_notifies_ready_watchdog_and_stopping(tmp_path: Path, arena_
         [
             sys.executable,
             "-m",
-            "roundpipe.coordinator.service.daemon",
+            "roundpipe.coordinator.service.main",
             "--address",
             f"ipc://{tmp_path}/c.sock",
             "--state-dir",

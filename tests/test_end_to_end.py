@@ -117,7 +117,7 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
         [
             sys.executable,
             "-m",
-            "roundpipe.coordinator.service.daemon",
+            "roundpipe.coordinator.service.main",
             "--address",
             cluster.address,
             "--state-dir",

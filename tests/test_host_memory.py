@@ -206,7 +206,7 @@ def test_int8_states_follow_fp32_adamw_and_resume_bit_for_bit() -> None:
 
 
 def test_int8_state_dtype_is_checked(tmp_path) -> None:
-    from roundpipe.coordinator.spec.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.errors import JobSpecError
 
     with pytest.raises(JobSpecError, match="optimizer.state_dtype"):
         tiny_spec(tmp_path, optimizer={"state_dtype": "int4"})

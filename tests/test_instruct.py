@@ -13,15 +13,11 @@ from model_helpers import run_iteration
 from runtime_helpers import TINY_QWEN3, assert_params_match, oracle_train, tiny_spec
 from test_trainer import train_in_process
 
-from roundpipe.coordinator.spec.data import (
-    IGNORE_INDEX,
-    Columns,
-    DataError,
-    build_dataset,
-    resolve_format,
-)
+from roundpipe.coordinator.spec.data import build_dataset
+from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import Columns, resolve_format
 from roundpipe.coordinator.spec.jobspec import JobSpec
-from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.model import IGNORE_INDEX, LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,19 +13,22 @@ import msgpack
 import pytest
 import yaml
 
+from roundpipe.coordinator.spec.choices import HF_NO_DECAY
+from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import (
-    HF_NO_DECAY,
-    DataSpec,
     JobSpec,
-    JobSpecError,
-    LoraSpec,
-    ModelSpec,
-    OptimizerSpec,
-    TrainSpec,
     load_job_spec,
     model_config_from_spec,
     validate_against_model,
 )
+from roundpipe.coordinator.spec.sections import (
+    DataSpec,
+    LoraSpec,
+    ModelSpec,
+    OptimizerSpec,
+    TrainSpec,
+)
+from roundpipe.coordinator.spec.spec_yaml import number_string_hint
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 
@@ -324,6 +328,79 @@ def test_demo_spec_is_valid() -> None:
     assert cfg.vocab_size == len(tok["model"]["vocab"])
     validate_against_model(spec, cfg, vocab_size_needed=cfg.vocab_size)
     assert JobSpec.from_dict(copy.deepcopy(spec.to_dict())) == spec
+
+
+REPO = DEMO_DIR.parents[1]
+SHIPPED_SPECS = sorted(DEMO_DIR.glob("*.yaml"))
+
+
+def _yaml_1_1_number_strings(value: Any, where: str = "") -> list[str]:
+    """Strings in a plainly loaded YAML value that were meant as numbers (``3e-3``)."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _yaml_1_1_number_strings(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [
+            s for i, v in enumerate(value) for s in _yaml_1_1_number_strings(v, f"{where}[{i}]")
+        ]
+    return [f"{where}: {value!r}"] if number_string_hint(value) is not None else []
+
+
+@pytest.mark.parametrize("path", SHIPPED_SPECS, ids=lambda p: p.name)
+def test_shipped_specs_read_the_same_with_any_yaml_loader(path: Path) -> None:
+    """A user who loads a shipped spec with yaml.safe_load (YAML 1.1) and submits the dict
+    gets the spec load_job_spec reads: no number arrives as a string."""
+    assert SHIPPED_SPECS, "the demo specs ship in roundpipe/demo_data"
+    plain = yaml.safe_load(path.read_text())
+    assert _yaml_1_1_number_strings(plain) == []
+    submitted = JobSpec.from_dict(msgpack.unpackb(msgpack.packb(plain)), base_dir=path.parent)
+    assert submitted == load_job_spec(path)
+
+
+def test_yaml_examples_in_the_docs_hold_numbers_every_loader_reads() -> None:
+    found = []
+    for doc in sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]:
+        if not doc.is_file():
+            continue
+        text = doc.read_text()
+        for m in re.finditer(r"```ya?ml\n(.*?)```", text, re.S):
+            line = text.count("\n", 0, m.start()) + 1
+            found += [
+                f"{doc.name}:{line} {s}"
+                for s in _yaml_1_1_number_strings(yaml.safe_load(m.group(1)))
+            ]
+    assert found == []
+
+
+def test_a_number_that_yaml_1_1_read_as_a_string_names_the_trap(files: dict[str, Path]) -> None:
+    d = good(files)
+    d["optimizer"].update(lr="3e-3", eps="1e8", betas=[0.9, "95E-2"])
+    d["lora"] = {"alpha": "1.5e1"}
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    errs = errors_of(exc)
+    assert errs["optimizer.lr"] == (
+        "got the string '3e-3'; expected a number > 0: YAML 1.1 loaders such as PyYAML read "
+        "3e-3 without a dot as a string; write 3.0e-3 or 0.003"
+    )
+    assert (
+        "read 1e8 without a dot and a sign after the e as a string; write 1.0e+8 or "
+        in (errs["optimizer.eps"])
+    )
+    assert "read 95E-2 without a dot as a string; write 95.0e-2 or 0.95" in errs["optimizer.betas"]
+    assert (
+        "read 1.5e1 without a sign after the e as a string; write 1.5e+1 or 15.0"
+        in (errs["lora.alpha"])
+    )
+    # The suggested spellings are numbers to PyYAML, and the same numbers.
+    for text in ("3.0e-3", "0.003", "1.0e+8", "95.0e-2", "1.5e+1"):
+        assert isinstance(yaml.safe_load(f"x: {text}")["x"], float), text
+    assert yaml.safe_load("x: 3.0e-3")["x"] == yaml.safe_load("x: 0.003")["x"] == 3e-3
+    # Other strings keep the plain message.
+    d = good(files)
+    d["optimizer"]["lr"] = "fast"
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    assert errors_of(exc)["optimizer.lr"] == "got 'fast' (str); expected a number > 0"
 
 
 def test_optimizer_porting_settings(files: dict[str, Path]) -> None:

@@ -127,7 +127,7 @@ def test_coordinator_restart_requeues_running_and_keeps_paused(
     c = start(state, arena_dir, tmp_path)
     ids = []
     for name in ("a", "b", "c", "d"):
-        reply = c._on_request(SubmitJob(spec=tiny_spec(tmp_path / name).to_dict()), OWNER)
+        reply = c.requests.handle(SubmitJob(spec=tiny_spec(tmp_path / name).to_dict()), OWNER)
         assert isinstance(reply, JobAccepted)
         ids.append(reply.job_id)
     a, b, cc, d = (c.book.jobs[i] for i in ids)
@@ -143,23 +143,23 @@ def test_coordinator_restart_requeues_running_and_keeps_paused(
         a, b, cc, d = (c.book.jobs[i] for i in ids)
         assert a.state == "queued" and "interrupted by a coordinator restart" in a.message
         assert b.state == "paused" and "No space left" in b.message
-        listed = c._on_request(ListJobs(), OWNER)
+        listed = c.requests.handle(ListJobs(), OWNER)
         assert isinstance(listed, JobList)
         assert [j.job_id for j in listed.jobs] == ids
         assert [j.state for j in listed.jobs] == ["queued", "paused", "queued", "succeeded"]
 
-        assert isinstance(c._on_request(ResumeJob(job_id=b.job_id), OWNER), Ack)
+        assert isinstance(c.requests.handle(ResumeJob(job_id=b.job_id), OWNER), Ack)
         assert b.state == "queued" and "checkpoint step 2" in b.message
         assert c.book.queue[-1] == b.job_id
         # Resuming a job that is queued (here: resumed automatically after the restart)
         # is a no-op success: it keeps its place and its message.
-        assert isinstance(c._on_request(ResumeJob(job_id=a.job_id), OWNER), Ack)
+        assert isinstance(c.requests.handle(ResumeJob(job_id=a.job_id), OWNER), Ack)
         assert c.book.queue.count(a.job_id) == 1 and "coordinator restart" in a.message
         for job_id, code in ((d.job_id, "bad_state"), ("x", "unknown_job")):
-            reply = c._on_request(ResumeJob(job_id=job_id), OWNER)
+            reply = c.requests.handle(ResumeJob(job_id=job_id), OWNER)
             assert isinstance(reply, ErrorReply) and reply.code == code, reply
-        assert "model.resume_from" in c._on_request(ResumeJob(job_id=d.job_id), OWNER).message
-        assert isinstance(c._on_request(CancelJob(job_id=b.job_id), OWNER), Ack)
+        assert "model.resume_from" in c.requests.handle(ResumeJob(job_id=d.job_id), OWNER).message
+        assert isinstance(c.requests.handle(CancelJob(job_id=b.job_id), OWNER), Ack)
         assert b.state == "cancelled" and b.job_id not in c.book.queue
     finally:
         stop(c)
@@ -175,7 +175,7 @@ def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_
     spec = tiny_spec(tmp_path / "out").to_dict()
     spec["data"]["path"] = str(data)
     c = start(state, arena_dir, tmp_path)
-    job_id = c._on_request(SubmitJob(spec=spec), OWNER).job_id
+    job_id = c.requests.handle(SubmitJob(spec=spec), OWNER).job_id
     stop(c)
     data.unlink()
     c = start(state, arena_dir, tmp_path)
@@ -183,7 +183,7 @@ def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_
         job = c.book.jobs[job_id]
         assert job.state == "failed" and "no longer valid" in job.message
         assert "data.path" in job.message and c.book.queue == []
-        reply = c._on_request(ResumeJob(job_id=job_id), OWNER)
+        reply = c.requests.handle(ResumeJob(job_id=job_id), OWNER)
         assert isinstance(reply, ErrorReply) and reply.code == "bad_spec"
     finally:
         stop(c)

@@ -230,7 +230,7 @@ def test_sighup_makes_the_coordinator_daemon_reread_its_keys(
     log = tmp_path / "coordinator.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "roundpipe.coordinator.service.daemon"]
+            [sys.executable, "-m", "roundpipe.coordinator.service.main"]
             + ["--address", f"ipc://{tmp_path}/c.sock", "--state-dir", str(tmp_path / "state")]
             + ["--arena-dir", str(arena_dir), "--keys-dir", str(keys_dir), "--threads", "1"],
             stdout=out,

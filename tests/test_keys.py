@@ -10,7 +10,7 @@ import pytest
 
 from roundpipe import cli
 from roundpipe.shared.keys import (
-    KeyError_,
+    KeyFileError,
     add_key,
     authorized_keys,
     connect_keys,
@@ -61,17 +61,17 @@ def test_bad_names_roles_and_a_second_init_are_refused(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     init_keys(keys)
     before = coordinator_key_pair(keys)
-    with pytest.raises(KeyError_, match="already holds a coordinator key"):
+    with pytest.raises(KeyFileError, match="already holds a coordinator key"):
         init_keys(keys)
     assert coordinator_key_pair(keys) == before
     for name in ("../evil", ".hidden", "coordinator", "", "a b", "x" * 65):
-        with pytest.raises(KeyError_, match="invalid key name"):
+        with pytest.raises(KeyFileError, match="invalid key name"):
             add_key(keys, name, "client", out_dir=tmp_path)
-    with pytest.raises(KeyError_, match="invalid role"):
+    with pytest.raises(KeyFileError, match="invalid role"):
         add_key(keys, "eve", "root", out_dir=tmp_path)
-    with pytest.raises(KeyError_, match="keys init"):
+    with pytest.raises(KeyFileError, match="keys init"):
         add_key(tmp_path / "nowhere", "eve", "client", out_dir=tmp_path)
-    with pytest.raises(KeyError_, match="No public key found"):
+    with pytest.raises(KeyFileError, match="No public key found"):
         bad = tmp_path / "bad.key"
         bad.write_text("hello\n")
         add_key(keys, "eve", "client", public_key=bad)
@@ -84,14 +84,14 @@ def test_connect_keys_say_what_is_missing(tmp_path: Path, monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ROUNDPIPE_STATE_DIR", str(tmp_path / "state"))
     assert connect_keys() is None  # nothing configured: no CURVE
-    with pytest.raises(KeyError_, match="does not exist"):
+    with pytest.raises(KeyFileError, match="does not exist"):
         connect_keys(tmp_path / "missing.key_secret")
     keys = tmp_path / "keys"
     init_keys(keys)
     secret = add_key(keys, "bob", "client", out_dir=tmp_path)
-    with pytest.raises(KeyError_, match="no coordinator public key"):
+    with pytest.raises(KeyFileError, match="no coordinator public key"):
         connect_keys(secret)
-    with pytest.raises(KeyError_, match="is not a key pair"):
+    with pytest.raises(KeyFileError, match="is not a key pair"):
         connect_keys(keys / "coordinator.key", keys / "coordinator.key")
     found = connect_keys(secret, keys / "coordinator.key")
     assert found is not None and found.server_key == coordinator_key_pair(keys)[0]

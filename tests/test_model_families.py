@@ -119,7 +119,7 @@ def test_packed_documents_are_refused_on_linear_attention() -> None:
 def test_job_spec_refuses_documents_packing_for_linear_attention(tmp_path: Path) -> None:
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.spec.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.errors import JobSpecError
 
     kw = dict(architecture="qwen3_5_text", config=_spec_config("qwen3_5_text"))
     with pytest.raises(JobSpecError, match="data.packing.*linear-attention"):
@@ -381,12 +381,9 @@ def test_job_spec_dequantize_option(tmp_path: Path) -> None:
     config (so admission and the workers build the plain model); it needs a path model."""
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.spec.jobspec import (
-        JobSpec,
-        JobSpecError,
-        ModelSpec,
-        model_config_from_spec,
-    )
+    from roundpipe.coordinator.spec.errors import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+    from roundpipe.coordinator.spec.sections import ModelSpec
 
     _mxfp4_checkpoint(tmp_path)
     config = model_config_from_spec(ModelSpec(path=str(tmp_path), dequantize=True))

@@ -23,13 +23,8 @@ import torch
 from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.spec.jobspec import (
-    _SECTIONS,
-    PATH_ACCESS,
-    PATH_FIELDS,
-    JobSpec,
-    JobSpecError,
-)
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -41,6 +36,7 @@ from roundpipe.coordinator.spec.paths import (
     open_no_symlinks,
     set_modes,
 )
+from roundpipe.coordinator.spec.sections import PATH_ACCESS, PATH_FIELDS, SECTIONS
 from roundpipe.coordinator.training.checkpoint import CheckpointDir, save_tensors
 from roundpipe.protocol import ErrorReply, JobAccepted, Message, SubmitJob, decode, encode
 
@@ -183,7 +179,7 @@ added here or declared read_path()/write_path() (Note [paths are a type])."""
 
 def test_every_string_field_of_the_spec_is_a_path_or_known_not_to_be() -> None:
     unclassified = []
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             dotted = f"{section}.{f.name}"
             if PATH_ACCESS in f.metadata:
@@ -192,7 +188,7 @@ def test_every_string_field_of_the_spec_is_a_path_or_known_not_to_be() -> None:
                 unclassified.append(dotted)
     assert unclassified == [], (
         f"spec fields {unclassified} take strings: declare each that names a file with "
-        "read_path()/write_path() in coordinator/spec/jobspec.py, or add it to NON_PATH_STRINGS"
+        "read_path()/write_path() in coordinator/spec/sections.py, or add it to NON_PATH_STRINGS"
     )
     # The fields the issue names, among them the one a list once forgot.
     assert {f.dotted for f in PATH_FIELDS} >= {
@@ -236,7 +232,7 @@ def test_every_path_field_is_made_absolute_and_relative_to_the_yaml(
     relative to the file, for every path field (data.chat_template was left relative)."""
     from roundpipe.coordinator.spec import jobspec
 
-    assert getattr(_SECTIONS[field.section](**{field.key: "rel/x"}), field.key) == (
+    assert getattr(SECTIONS[field.section](**{field.key: "rel/x"}), field.key) == (
         os.path.abspath("rel/x")
     )
     monkeypatch.setattr(jobspec, "_validate", lambda spec: [])  # the paths alone

@@ -58,15 +58,17 @@ from roundpipe.protocol import (
     TaskDone,
     TensorRef,
     Welcome,
+    client_messages,
     codec,
     decode,
     decode_as,
     dtype_to_name,
     encode,
-    messages,
     name_to_dtype,
     replace,
     schema,
+    structs,
+    worker_messages,
 )
 
 _HDR = b"RP" + PROTOCOL_VERSION.to_bytes(2, "big")  # the header of this version
@@ -350,7 +352,7 @@ def _ref(**overrides: Any) -> TensorRef:
 
 def _at(cls: type, name: str) -> int:
     """Position of a field in the wire array of a nested record."""
-    return [spec.name for spec in schema._SPECS[cls]].index(name)  # type: ignore[attr-defined]
+    return list(cls.__struct_fields__).index(name)
 
 
 def _mb(index: int = 0, **overrides: Any) -> MicrobatchIO:
@@ -450,26 +452,19 @@ def _decode_error(frames: Any, **kw: Any) -> ProtocolError:
 def _outcome(frames: Any, **kw: Any) -> Message | ProtocolError:
     """The fuzz oracle: a valid Message (which must re-encode to the same thing) or a
     ProtocolError. Any other exception propagates and fails the test. The generated
-    fast decoder must agree exactly with the reference validator."""
+    fast decoder must agree exactly with the reference validator, which
+    codec.decode_reference takes alone."""
     try:
         msg = decode(frames, **kw)
     except ProtocolError as e:
         assert str(e)
-        assert _described(lambda: _decode_reference(frames, **kw)) == f"error {e}"
+        assert _described(lambda: codec.decode_reference(frames, **kw)) == f"error {e}"
         return e
     assert isinstance(msg, Message)
-    assert _described(lambda: _decode_reference(frames, **kw)) == f"ok {msg!r}"
+    assert _described(lambda: codec.decode_reference(frames, **kw)) == f"ok {msg!r}"
     again = encode(msg)
     assert encode(decode(again)) == again
     return msg
-
-
-def _decode_reference(frames: Any, **kw: Any) -> Message:
-    codec._FAST_DECODE = False  # type: ignore[attr-defined]
-    try:
-        return decode(frames, **kw)
-    finally:
-        codec._FAST_DECODE = True  # type: ignore[attr-defined]
 
 
 def _described(make: Callable[[], Any]) -> str:
@@ -500,14 +495,14 @@ def test_round_trip_every_message_type(type_name: str, data: st.DataObject) -> N
     assert encode(back) == frames  # encoding is deterministic
     assert decode_as(frames, cls) == msg
     # What this encoder writes, the compiled decoder takes without the reference's help.
-    assert repr(schema._DECODERS[cls].decode(body)) == repr(msg)  # type: ignore[attr-defined]
+    assert repr(schema.decode_compiled(cls, memoryview(body))) == repr(msg)
 
 
 def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any) -> None:
         raise AssertionError("the reference path was used")
 
-    monkeypatch.setattr(codec, "_decode_reference", refuse)
+    monkeypatch.setattr(codec, "_decode_body_reference", refuse)
     for task in (_stage_task(), _backward_task(), _tail_task(layer_start=0)):
         assert decode(encode(task)) == task
     assert decode(encode(_hello())) == _hello()
@@ -548,22 +543,39 @@ def test_every_message_type_is_registered_and_exported() -> None:
         assert hasattr(proto, name), name
 
 
-def test_docstring_lists_every_message_and_every_field_is_documented() -> None:
-    doc = messages.__doc__ or ""
-    source = inspect.getsource(messages)
+@pytest.mark.parametrize("module", [structs, worker_messages, client_messages])
+def test_docstring_lists_every_message_and_every_field_is_documented(
+    module: types.ModuleType,
+) -> None:
+    doc = module.__doc__ or ""
+    source = inspect.getsource(module)
     lines = source.splitlines()
     classes = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
-    structs = [c for c in vars(messages).values() if isinstance(c, type) and issubclass(c, Struct)]
-    assert len(structs) > len(MESSAGE_TYPES)
-    for cls in structs:
-        if cls in (Struct, Message):
-            continue
+    declared = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, Struct) and c.__module__ == module.__name__
+    ]
+    assert declared
+    for cls in declared:
         assert re.search(rf"\b{cls.__name__}\b", doc), f"{cls.__name__} missing from docstring"
         fields = [n for n in classes[cls.__name__].body if isinstance(n, ast.AnnAssign)]
-        assert [f.target.id for f in fields] == [s.name for s in schema._SPECS[cls]]  # type: ignore[attr-defined]
+        assert [f.target.id for f in fields] == list(cls.__struct_fields__)  # type: ignore[attr-defined]
         for f in fields:
             above = lines[f.lineno - 2].strip()
             assert above.startswith("#:"), f"{cls.__name__}.{f.target.id} has no #: comment"  # type: ignore[attr-defined]
+
+
+def test_every_struct_and_message_is_declared_in_one_of_the_catalogues() -> None:
+    modules = {m.__name__ for m in (structs, worker_messages, client_messages)}
+    exported = [getattr(proto, name) for name in proto.__all__]
+    declared = [c for c in exported if isinstance(c, type) and issubclass(c, Struct)]
+    assert len(declared) > len(MESSAGE_TYPES)
+    for cls in declared:
+        if cls not in (Struct, Message):
+            assert cls.__module__ in modules, cls
+    for cls in MESSAGE_TYPES.values():
+        assert cls.__module__ != structs.__name__, f"{cls.__name__} is a message"
 
 
 def test_records_alone_cannot_be_encoded() -> None:
@@ -583,7 +595,7 @@ def test_tuple_fields_decode_to_tuples() -> None:
 def test_nested_records_travel_as_arrays() -> None:
     frames = encode(_stage_task())
     body = _body(frames)
-    assert list(body) == [spec.name for spec in schema._SPECS[StageTask]]  # type: ignore[attr-defined]
+    assert list(body) == list(StageTask.__struct_fields__)
     ref = body["microbatches"][0][_at(MicrobatchIO, "input")]
     assert ref == ["acts", 0, "bfloat16", [2, 3], [3, 1]]
     # Trailing fields with a default may be left out of an array.

@@ -41,14 +41,14 @@ from runtime_helpers import (
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, model_config_from_spec
+from roundpipe.coordinator.spec.checkpoint_format import LATEST, step_name
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training import checkpointer as checkpointer_module
 from roundpipe.coordinator.training.checkpoint import (
-    LATEST,
     STATE_FILE,
     CheckpointDir,
     load_tensors,
-    step_name,
     verify_checkpoint,
 )
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent

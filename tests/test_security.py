@@ -1,4 +1,4 @@
-"""Access control (ARCHITECTURE.md section 9, issue 16): each attack that worked against
+"""Access control (docs/deploy.md, issue 16): each attack that worked against
 the coordinator, replayed by a peer without a key, with a key the coordinator does not
 know, or with a key of the wrong identity or role. Every one must be accepted 0 times.
 

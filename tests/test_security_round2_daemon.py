@@ -5,7 +5,7 @@
   "worker" went silent: every later submission then failed until a restart. Only the
   kernel's word (the pid at the other end of an ipc:// connection) proves a worker's
   process now, and the coordinator's own children are never candidates
-  (Note [no fencing by hearsay] in coordinator/service/daemon.py).
+  (Note [no fencing by hearsay] in coordinator/service/workers.py).
 - A spec checker that died anyway (the OOM killer) is replaced for the next submission.
 - ``--max-jobs-per-owner``: an owner's queued and running jobs are bounded; resumes
   count; admins see and cancel everyone's jobs.
@@ -28,7 +28,7 @@ from roundpipe.client import JobRejected, RoundPipeError
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.service.admission import SpecValidator
 from roundpipe.coordinator.service.auth import Peer
-from roundpipe.coordinator.service.daemon import _provable_worker_process
+from roundpipe.coordinator.service.workers import provable_worker_process
 from roundpipe.protocol import ErrorReply, SubmitJob, Welcome, decode, encode
 
 WORKER_TIMEOUT_S = 2
@@ -213,24 +213,23 @@ def test_only_the_kernels_word_proves_a_workers_process() -> None:
         claim = fake_hello(
             pid=child.pid, process_create_time=psutil.Process(child.pid).create_time()
         )
-        assert _provable_worker_process(claim, Peer("w", frozenset({"worker"}))) is None
+        assert provable_worker_process(claim, Peer("w", frozenset({"worker"}))) is None
         assert (
-            _provable_worker_process(claim, Peer("w", frozenset({"worker"}), pid=child.pid)) is None
+            provable_worker_process(claim, Peer("w", frozenset({"worker"}), pid=child.pid)) is None
         )
         me = fake_hello(pid=os.getpid(), process_create_time=psutil.Process().create_time())
         assert (
-            _provable_worker_process(me, Peer("w", frozenset({"worker"}), pid=os.getpid())) is None
+            provable_worker_process(me, Peer("w", frozenset({"worker"}), pid=os.getpid())) is None
         )
         # A process that is neither: the kernel's pid and the claim agree.
         parent = psutil.Process(os.getppid())
         other = fake_hello(pid=parent.pid, process_create_time=parent.create_time())
-        proven = _provable_worker_process(other, Peer("w", frozenset({"worker"}), pid=parent.pid))
+        proven = provable_worker_process(other, Peer("w", frozenset({"worker"}), pid=parent.pid))
         assert proven is not None and proven.pid == parent.pid
         # The kernel's pid, but a claimed start time that is not that process's.
         wrong = fake_hello(pid=parent.pid, process_create_time=parent.create_time() - 100)
         assert (
-            _provable_worker_process(wrong, Peer("w", frozenset({"worker"}), pid=parent.pid))
-            is None
+            provable_worker_process(wrong, Peer("w", frozenset({"worker"}), pid=parent.pid)) is None
         )
     finally:
         child.kill()

@@ -152,7 +152,7 @@ def _views(layout: JobLayout, slots) -> list[torch.Tensor]:
 
 
 def test_a_train_plan_that_splits_past_the_microbatches_is_a_bad_spec(tmp_path) -> None:
-    from roundpipe.coordinator.spec.jobspec import JobSpecError
+    from roundpipe.coordinator.spec.errors import JobSpecError
 
     with pytest.raises(JobSpecError, match=r"train.plan.*splits that fit batch.num_microbatches"):
         tiny_spec(tmp_path, plan="F[0:4] T[4:6] B[0:4/3]")

@@ -137,7 +137,8 @@ def test_model_dir_without_tokenizer_trains_token_data_and_exports_no_tokenizer(
     model carries no (empty) tokenizer."""
     import json
 
-    from roundpipe.coordinator.spec.jobspec import TOKENIZER_FILES, JobSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.coordinator.spec.tokenizers import TOKENIZER_FILES
     from roundpipe.shared.model import LayeredModel
 
     layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))

@@ -128,7 +128,7 @@ def test_counter_is_stored_only_after_the_data_landed(arena_dir: Path) -> None:
             while not stop.is_set():
                 k = table.read(0)
                 if k > last:
-                    table.wait_at_least(0, k, 1.0)  # fences like a real consumer
+                    table.wait_at_least(0, k, 1.0)  # with a memory barrier, like a real consumer
                     if not bool((data == float(k)).all()):
                         torn.append(k)
                     last = k

@@ -10,7 +10,7 @@ substitute: it *copies* into a new pinned buffer and the copy is no longer share
 Interprocess events. A producer that writes an arena with an asynchronous device-to-host
 copy cannot just store the event-table counter afterwards: the bytes are not there yet.
 It records an interprocess CUDA event on the copy's stream, publishes which record that
-is, then signals the counter (Note [event-table fences] in roundpipe.shared.events). The
+is, then signals the counter (Note [event-table barriers] in roundpipe.shared.events). The
 consumer waits for the counter on the host, then makes its own stream wait on the
 producer's event — no host synchronisation on the critical path. The worker does this
 for activation hand-offs (roundpipe.shared.handoff): its ``CudaEngine`` keeps one
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from roundpipe.shared.arena import DATA_START, Arena, ArenaError
-from roundpipe.shared.events import fence
+from roundpipe.shared.events import memory_barrier
 
 __all__ = [
     "HANDLE_BYTES",
@@ -174,7 +174,7 @@ class EventHandleBoard:
         base = self.offset + producer * self.stride
         buf = self.arena.buffer
         buf[base + 64 : base + 64 + len(handles) * HANDLE_BYTES] = b"".join(handles)
-        fence()  # handles before the count: a reader that sees the count sees the handles
+        memory_barrier()  # handles before the count: who sees the count sees the handles
         ctypes.c_uint64.from_buffer(buf, base).value = len(handles)
 
     def handles(self, producer: int) -> list[bytes]:
@@ -182,7 +182,7 @@ class EventHandleBoard:
         base = self.offset + producer * self.stride
         buf = self.arena.buffer
         count = ctypes.c_uint64.from_buffer(buf, base).value
-        fence()
+        memory_barrier()
         return [
             bytes(buf[base + 64 + i * HANDLE_BYTES : base + 64 + (i + 1) * HANDLE_BYTES])
             for i in range(count)

@@ -52,7 +52,7 @@ from roundpipe.protocol import (
     encode,
 )
 from roundpipe.shared.handoff import HandoffLost
-from roundpipe.shared.keys import ConnectKeys, KeyError_, apply_connect_keys, connect_keys
+from roundpipe.shared.keys import ConnectKeys, KeyFileError, apply_connect_keys, connect_keys
 from roundpipe.shared.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
 from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
     try:
         keys = connect_keys(args.key, args.coordinator_key)
-    except KeyError_ as exc:
+    except KeyFileError as exc:
         print(f"roundpipe-worker: {exc}", file=sys.stderr)
         return 2
     try:

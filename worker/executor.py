@@ -1,6 +1,7 @@
 """Stage execution: run a layer range of a ``LayeredModel`` over M microbatches.
 
-Three task kinds, each over microbatches 0..M-1 in order (ARCHITECTURE.md section 4):
+Three task kinds, each over microbatches 0..M-1 in order (the stages of a plan:
+roundpipe.shared.plan; docs/model-execution.md):
 
 - ``forward``: no autograd; returns each microbatch's output and keeps the input of every
   layer in ``save_layers`` (the backward boundaries) for the activation arena.

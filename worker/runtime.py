@@ -3,14 +3,17 @@
 ``WorkerCore`` is what ``roundpipe-worker`` wraps with ZeroMQ (roundpipe.worker.daemon),
 and what in-process tests drive directly. It is stateless between tasks in the sense the
 design asks for: everything it keeps per job (arena mappings, the model skeleton on the
-meta device, the executor) is rebuilt from the ``JobSetup`` message alone, and every
-task reads its inputs from and writes its results to shared memory.
+meta device, the executor: roundpipe.worker.job_state) is rebuilt from the ``JobSetup``
+message alone, and every task reads its inputs from and writes its results to shared
+memory. This module runs the tasks: the waits, the microbatch stream, the downloads
+and the signals.
 
 Running a task, in order:
 
 1. wait for the weights' version counters (Note [weight-update ordering] in
    roundpipe.coordinator.training.schedule), and upload the right params parity, unless the
-   prefetcher already did while the previous task computed (Note [weight prefetch]);
+   prefetcher already did while the previous task computed (Note [weight prefetch] in
+   roundpipe.worker.prefetch);
 2. stream microbatches: before microbatch m is read, wait for its counters and upload
    it (microbatch m + 1 is uploaded while m computes if its counters are already met);
    as soon as its output (forward) or input gradient (backward, tail) exists, download
@@ -59,17 +62,6 @@ Note [no rewrite after signal]
     prove which process it is: roundpipe.coordinator.training.recovery, docs/fault-tolerance.md).
     A task that fails or aborts first waits for its copies in flight, so a re-run on the
     same worker sees what really landed.
-
-Note [weight prefetch]
-    While task k computes, the weights of the task queued next on this worker are
-    uploaded (one stage ahead; two stages resident) as soon as that task's version
-    waits are met, if the device has room. The upload is keyed by the task (job, id,
-    attempt, weight version, layer range) and used only by exactly that task: a
-    re-dispatched attempt, another task, or a torn-down job discards it. Its data is as
-    valid as an upload made when the task starts: the same version waits were met, and
-    the params parity it read is not rewritten before this task's iteration has
-    finished with it (Note [weight-update ordering], point 3; with the single copy of
-    staleness 0, Note [weight copies] in roundpipe.coordinator.training.layout).
 """
 
 from __future__ import annotations
@@ -78,7 +70,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -90,14 +81,13 @@ from roundpipe.protocol import (
     StageTask,
     TaskDone,
     TensorRef,
-    name_to_dtype,
 )
-from roundpipe.shared.arena import DATA_START, Arena
-from roundpipe.shared.events import Counters, EventTable, fence
-from roundpipe.shared.handoff import Handoff, HandoffBoard, HandoffLost, IssueMark
-from roundpipe.shared.model import LayeredModel
-from roundpipe.worker.executor import RngKey, StageExecutor, TailLabels, tail_labels
+from roundpipe.shared.events import memory_barrier
+from roundpipe.shared.handoff import Handoff, HandoffLost, IssueMark
+from roundpipe.worker.executor import RngKey, TailLabels, tail_labels
 from roundpipe.worker.faults import Fault
+from roundpipe.worker.job_state import JobState, TaskCopies
+from roundpipe.worker.prefetch import WeightPrefetcher
 from roundpipe.worker.transfer import (
     Priority,
     Transfer,
@@ -106,11 +96,9 @@ from roundpipe.worker.transfer import (
     make_engine,
 )
 
-__all__ = ["EVENTS_ARENA", "JobState", "TaskAborted", "TaskInterrupted", "WorkerCore"]
+__all__ = ["TaskAborted", "TaskInterrupted", "WorkerCore"]
 
 log = logging.getLogger(__name__)
-
-EVENTS_ARENA = "events"  # the coordinator's layout puts the event table at DATA_START there
 
 
 class TaskAborted(RuntimeError):
@@ -123,53 +111,6 @@ class TaskInterrupted(RuntimeError):
     Nobody waits for its result any more: the worker drops it without a reply, so a
     cancelled job frees its workers within a layer's compute instead of a whole task's.
     """
-
-
-@dataclass
-class JobState:
-    setup: JobSetup
-    model: LayeredModel
-    executor: StageExecutor
-    arenas: dict[str, Arena]
-    events: EventTable
-    handoffs: HandoffBoard
-    # layer -> (parity-0 name->view, parity-1 overrides name->view)
-    weights: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(
-        default_factory=dict
-    )
-    # layer -> its gradient slots, name -> view (JobSetup's LayerLayout.grads)
-    grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # layer -> its second gradient slots (LayerLayout.grads_part; split stages only)
-    grads_part: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # copies of this job's tasks still in flight: teardown waits for them before unmapping
-    inflight: set[_TaskCopies] = field(default_factory=set)
-
-    def view(self, ref: TensorRef) -> torch.Tensor:
-        return self.arenas[ref.arena].view(ref)
-
-    def grad_slots(self, start: int, stop: int, part: int = 0) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, slot view) of every gradient slot of layers [start, stop):
-        the first slots, or the second ones for ``part`` 1 (a split stage's second task)."""
-        if part:
-            missing = [
-                layer
-                for layer in range(start, stop)
-                if self.grads.get(layer) and not self.grads_part.get(layer)
-            ]
-            if missing:
-                raise ValueError(
-                    f"a task writes the second gradient part of layers {missing}, which "
-                    "JobSetup gave no second slots (LayerLayout.grads_part)"
-                )
-        slots = self.grads_part if part else self.grads
-        return [(n, v) for layer in range(start, stop) for n, v in slots.get(layer, {}).items()]
-
-    def close(self) -> None:
-        self.handoffs.close()
-        self.events.close()
-        self.weights.clear()
-        for arena in self.arenas.values():
-            arena.close()
 
 
 class WorkerCore:
@@ -189,7 +130,10 @@ class WorkerCore:
         self.should_abort: Callable[[], bool] = lambda: False
         self.peek_next: Callable[[], StageTask | None] = lambda: None
         """The task queued after the running one (the daemon's queue), for prefetch."""
-        self.prefetcher = _Prefetcher(self)
+        # should_abort is looked up at each call: the daemon sets it after construction.
+        self.prefetcher = WeightPrefetcher(
+            self.engine, self.jobs, lambda: self.should_abort(), worker_id
+        )
         self.overlap = True
         """False: every copy is waited for where it is issued and nothing is fetched
         ahead (transfers, then compute): the serial baseline of benchmarks/overlap.py."""
@@ -207,38 +151,13 @@ class WorkerCore:
     def setup_job(self, setup: JobSetup) -> None:
         if setup.job_id in self.jobs:
             return  # a repeated setup (e.g. after a reconnect) changes nothing
-        arenas: dict[str, Arena] = {}
-        try:
-            for info in setup.arenas:
-                # Only a regular file of this user (the coordinator's), mode 0600, and no
-                # link (Note [private arena directory] in roundpipe.shared.arena).
-                arenas[info.name] = Arena.attach(info.path)
-            model = LayeredModel.from_config(dict(setup.model_config), setup.lora)
-            dtype = name_to_dtype(setup.compute_dtype)
-            executor = StageExecutor(model, self.device, dtype)
-            self.engine.register(arenas.values())
-            events = EventTable(arenas[EVENTS_ARENA], DATA_START)
-            counters = Counters(model.num_layers, setup.num_microbatches)
-            # Name counters in timeout errors the way the coordinator does.
-            events.set_labeler(counters.label)
-            handoffs = HandoffBoard(events, counters)
-            state = JobState(setup, model, executor, arenas, events, handoffs)
-            for layout in setup.layers:
-                even = {p.name: state.view(p.ref) for p in layout.params}
-                odd = {p.name: state.view(p.ref) for p in layout.params_odd}
-                state.weights[layout.layer] = (even, odd)
-                state.grads[layout.layer] = {g.name: state.view(g.ref) for g in layout.grads}
-                state.grads_part[layout.layer] = {
-                    g.name: state.view(g.ref) for g in layout.grads_part
-                }
-        except BaseException:
-            self.engine.unregister(arenas.values())
-            for arena in arenas.values():
-                arena.close()
-            raise
+        state = JobState.open(setup, self.device, self.engine)
         self.jobs[setup.job_id] = state
         log.info(
-            "[worker %d] job %s set up (%d layers)", self.worker_id, setup.job_id, model.num_layers
+            "[worker %d] job %s set up (%d layers)",
+            self.worker_id,
+            setup.job_id,
+            state.model.num_layers,
         )
 
     def interrupt_job(self, job_id: str) -> None:
@@ -307,7 +226,7 @@ class WorkerCore:
         started = time.perf_counter()
         started_at = time.time()  # wall clock, for the coordinator's timeline
         self._waited_s = self._waited_before_s = self._waited_in_compute_s = 0.0
-        copies = _TaskCopies()
+        copies = TaskCopies()
         state.inflight.add(copies)
         watch = self.engine.stopwatch()
         state.executor.stopwatch = watch
@@ -363,14 +282,14 @@ class WorkerCore:
             wait_s=wait_s,
         )
 
-    def _compute(self, state: JobState, task: StageTask, copies: _TaskCopies) -> None:
+    def _compute(self, state: JobState, task: StageTask, copies: TaskCopies) -> None:
         timeout = task.wait_timeout_s
         self._fault_point("start", task)
         for wait in task.weight_waits:
             self._wait(state, wait, timeout)
         upload = self.prefetcher.take(task)
         if upload is None:
-            upload = self.engine.upload(self._weights(state, task), Priority.WEIGHT)
+            upload = self.engine.upload(state.task_weights(task), Priority.WEIGHT)
         copies.add(upload, up=True)
         nxt = self.peek_next() if self.overlap else None
         if nxt is not None:
@@ -498,7 +417,7 @@ class WorkerCore:
         def issued(mark: IssueMark) -> None:
             for sig in early:
                 board.write_ticket(sig.counter, sig.value, mark)
-            for sig in early:  # signal() fences: the tickets before the counters
+            for sig in early:  # signal() has a memory barrier: the tickets before the counters
                 self._signal(state, sig)
             if after_issue is not None:
                 after_issue()
@@ -538,25 +457,6 @@ class WorkerCore:
             return {f"{layer}.fwd": s for layer, s in measured.items()}
         total = sum(measured.values()) or 1.0
         return {f"{layer}": busy_s * s / total for layer, s in measured.items()}
-
-    def _weights(self, state: JobState, task: StageTask) -> dict[str, torch.Tensor]:
-        odd = task.weight_version % 2 == 1
-        model = state.model
-        out: dict[str, torch.Tensor] = {}
-
-        def lookup(layer: int, name: str) -> torch.Tensor:
-            even_views, odd_views = state.weights[layer]
-            if odd and name in odd_views:
-                return odd_views[name]
-            return even_views[name]
-
-        for layer in range(task.layer_start, task.layer_stop):
-            for spec in model.layer_params(layer):
-                if spec.tied_to is None:
-                    out[spec.name] = lookup(layer, spec.name)
-                else:
-                    out[spec.name] = lookup(model.layer_of(spec.tied_to), spec.tied_to)
-        return out
 
     def _wait(self, state: JobState, wait: EventWait, timeout_s: float) -> None:
         started = time.perf_counter()
@@ -622,176 +522,6 @@ _TASK_KEY = -1
 """Stopwatch key of a task's whole compute (layer keys are >= 0)."""
 
 
-class _TaskCopies:
-    """The copies of one task: when all have landed, and what they cost."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._transfers: list[tuple[Transfer, bool]] = []
-
-    def add(self, transfer: Transfer, *, up: bool) -> None:
-        with self._lock:
-            self._transfers.append((transfer, up))
-
-    def cancel(self) -> None:
-        for t, up in list(self._transfers):
-            if up:
-                t.cancel()
-
-    def wait_all(self) -> None:
-        for t, _ in list(self._transfers):
-            try:
-                t.wait()
-            except Exception:  # noqa: BLE001 - the task fails anyway; its error is raised
-                pass
-
-    def when_all_landed(self, callback: Callable[[BaseException | None], None]) -> None:
-        """Call ``callback(first copy error or None)`` once, after every copy landed."""
-        with self._lock:
-            transfers = [t for t, _ in self._transfers]
-        left = [len(transfers) + 1]  # +1: the registration itself, so it fires once
-        lock = threading.Lock()
-
-        def one_landed() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                callback(next((t.error for t in transfers if t.error is not None), None))
-
-        for t in transfers:
-            t.then(one_landed, always=True)
-        one_landed()
-
-    def _sum(self, up: bool, what: str) -> float:
-        return sum(getattr(t, what) for t, u in self._transfers if u == up)
-
-    @property
-    def upload_s(self) -> float:
-        return self._sum(True, "link_s")
-
-    @property
-    def download_s(self) -> float:
-        return self._sum(False, "link_s")
-
-    @property
-    def upload_bytes(self) -> int:
-        return int(self._sum(True, "nbytes"))
-
-    @property
-    def download_bytes(self) -> int:
-        return int(self._sum(False, "nbytes"))
-
-
-def _task_key(task: StageTask) -> tuple:
-    return (
-        task.job_id,
-        task.task_id,
-        task.attempt,
-        task.weight_version,
-        task.layer_start,
-        task.layer_stop,
-    )
-
-
-class _Prefetcher:
-    """Uploads the next queued task's weights while the current one computes.
-
-    Note [weight prefetch]. A small thread per armed task waits for the task's version
-    counters (they are often met already), then issues the upload at weight priority.
-    """
-
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
-        self._lock = threading.Lock()
-        self._key: tuple | None = None
-        self._upload: Upload | None = None
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.used = 0
-        """Prefetched uploads a task used (for tests and logs)."""
-        self.discarded = 0
-        """Prefetched uploads thrown away: stale, for another task, or the job ended."""
-        self.last: Upload | None = None
-        """The most recent prefetched upload issued (for tests)."""
-
-    def arm(self, task: StageTask) -> None:
-        engine = self.core.engine
-        state = self.core.jobs.get(task.job_id)
-        key = _task_key(task)
-        if engine.kind == "cpu" or state is None:  # a CPU worker's "upload" is a view
-            return
-        with self._lock:
-            if self._key == key:
-                return
-        self.discard()
-        weights = self.core._weights(state, task)
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        if not engine.memory_free_for(nbytes):
-            log.debug("[worker %d] no room to prefetch task %d", self.core.worker_id, task.task_id)
-            return
-        cancel = threading.Event()
-        thread = threading.Thread(
-            target=self._fetch,
-            args=(state, task, key, weights, cancel),
-            name=f"rp-prefetch-{task.task_id}",
-            daemon=True,
-        )
-        with self._lock:
-            self._key, self._upload, self._cancel, self._thread = key, None, cancel, thread
-        thread.start()
-
-    def _fetch(self, state, task, key, weights, cancel: threading.Event) -> None:
-        try:
-            for wait in task.weight_waits:
-                state.events.wait_at_least(
-                    wait.counter,
-                    wait.at_least,
-                    task.wait_timeout_s,
-                    should_abort=lambda: cancel.is_set() or self.core.should_abort(),
-                )
-        except Exception:  # noqa: BLE001 - cancelled or timed out: the task waits itself
-            return
-        with self._lock:
-            if cancel.is_set() or self._key != key:
-                return
-            self._upload = self.core.engine.upload(weights, Priority.WEIGHT)
-            self.last = self._upload
-
-    def take(self, task: StageTask) -> Upload | None:
-        """The prefetched upload of exactly this task, if it was issued; else None (and
-        whatever was prefetched is discarded)."""
-        key = _task_key(task)
-        with self._lock:
-            if self._key == key and self._upload is not None:
-                upload, self._key, self._upload = self._upload, None, None
-                self.used += 1
-                return upload
-        self.discard()
-        return None
-
-    def discard(self, job_id: str | None = None, *, wait: bool = False) -> None:
-        """Drop the armed prefetch (only if it belongs to ``job_id``, when given). With
-        ``wait``, return only once nothing of it touches the job's arenas any more (its
-        thread has stopped waiting on the event table, its copy has landed): a job's
-        arenas are unmapped right after."""
-        with self._lock:
-            if self._key is None or (job_id is not None and self._key[0] != job_id):
-                return
-            self._cancel.set()
-            upload, self._key, self._upload = self._upload, None, None
-            thread, self._thread = self._thread, None
-            self.discarded += 1
-        # No upload can be issued any more: _fetch issues under the lock, if not cancelled.
-        if wait:
-            if thread is not None:
-                thread.join()
-            if upload is not None:
-                upload.wait_landed()
-        if upload is not None:
-            upload.then(upload.discard, always=True)
-
-
 class _LazyInputs(Sequence):
     """A sequence whose item m waits for microbatch m's counters, then uploads it."""
 
@@ -820,7 +550,7 @@ class _MicrobatchFeed:
     """Per-microbatch waits and uploads on the way in, downloads and signals on the way
     out (signals stored by the engine once the download has landed)."""
 
-    def __init__(self, core: WorkerCore, state: JobState, task: StageTask, copies: _TaskCopies):
+    def __init__(self, core: WorkerCore, state: JobState, task: StageTask, copies: TaskCopies):
         self.core = core
         self.state = state
         self.task = task
@@ -870,7 +600,7 @@ class _MicrobatchFeed:
             return True
         events = self.state.events
         if all(events.read(w.counter) >= w.at_least for w in self.task.microbatches[m].waits):
-            fence()  # Note [event-table fences]: the counters before the data
+            memory_barrier()  # Note [event-table barriers]: the counters before the data
             self._became_ready(m)
             return True
         return False

@@ -10,7 +10,8 @@ RoundPipe (``simulate_roundpipe``)
     task that runs microbatches 0..M-1 in order. Task j (counted over all iterations) runs
     on worker ``(counter_start + j) mod N``; the counter persists across iterations, so
     iteration k+1's first stages start while iteration k drains. Rules, one per line of
-    the real runtime (ARCHITECTURE.md sections 4-6, Note [weight-update ordering]):
+    the real runtime (docs/architecture.md, "One training step"; Note [weight-update
+    ordering]):
 
     * a worker runs its tasks one at a time, in task order;
     * microbatch m of stage s starts when stage s-1 finished microbatch m (plus the
@@ -26,7 +27,7 @@ RoundPipe (``simulate_roundpipe``)
       ``max(i - 1 - staleness, 0)``, so its uploads wait for that optimizer step;
     * the trainer sends iteration i only once iteration i-2 has finished entirely.
 
-Note [microbatch-split stages]
+Split stages
     A plan's split stage (Note [microbatch-split stages] in roundpipe.shared.plan) is
     given as consecutive ``SimStage`` s with the same layers and ``microbatches``
     subsets, which run as separate tasks (round-robin like the rest;

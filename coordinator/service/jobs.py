@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from roundpipe.coordinator.service.figures import job_figures
 from roundpipe.coordinator.service.jobstore import (
     JobStore,
     JobStoreError,
     StoredJob,
     interrupted_message,
 )
-from roundpipe.coordinator.service.metrics import job_figures
 from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
 from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
@@ -118,7 +118,7 @@ class JobRecord:
         # Until the trainer has restored its checkpoint, its step is 0: show the step the
         # job resumes from (kept in self.step) instead.
         live = t is not None and t.prepared
-        # observability: throughput, bubble, optimizer lag, busy workers (coordinator.metrics)
+        # observability: throughput, bubble, optimizer lag, busy workers (service.figures)
         figures = job_figures(t) if live else None
         return JobStatus(
             job_id=self.job_id,

@@ -1,9 +1,10 @@
 """Prometheus metrics of the coordinator (``roundpipe-coordinator --metrics-address``).
 
-Nothing is counted on the hot paths for this: a custom collector reads the
-coordinator's state when Prometheus scrapes (the job's progress, its
-``TimelineRecorder``, its task tracker, the worker table), so a coordinator nobody
-scrapes pays nothing. ``job_figures`` is the same reading for ``roundpipe status``.
+Nothing is counted on the hot paths for this: when Prometheus scrapes, a custom collector
+asks the daemon for a ``MetricsSnapshot`` (the job states, the running job's figures from
+roundpipe.coordinator.service.figures, the worker table) and formats it, so a coordinator
+nobody scrapes pays nothing. This module knows the snapshot only: neither the daemon nor
+the trainer.
 
 Metrics (all gauges unless ``_total``; docs/observability.md lists them with meanings):
 
@@ -29,111 +30,61 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import psutil
 
-from roundpipe.coordinator.training.timeline import stage_label
+from roundpipe.coordinator.service.figures import JobFigures
 from roundpipe.protocol import JOB_STATES
 
-if TYPE_CHECKING:
-    from roundpipe.coordinator.service.daemon import Coordinator
-    from roundpipe.coordinator.training.trainer import Trainer
-
-__all__ = ["JobFigures", "MetricsServer", "current_tasks", "job_figures", "parse_address"]
+__all__ = ["MetricsServer", "MetricsSnapshot", "WorkerFigures", "parse_address"]
 
 log = logging.getLogger(__name__)
 
 WORKER_STATES = ("idle", "busy", "lost")
 
 
-@dataclass
-class JobFigures:
-    """A running job's figures, read at one moment."""
+@dataclass(frozen=True)
+class WorkerFigures:
+    """One connected worker, as the metrics show it."""
 
-    step: int = 0
-    total_steps: int = 0
-    loss: float | None = None
-    lr: float | None = None
-    tokens_per_s: float | None = None
-    step_s: float | None = None
-    """Seconds between the last two reported steps."""
-    optimizer_lag_steps: int = 0
-    """Steps the pipeline has finished that the optimizer has not yet applied."""
-    optimizer_lag_s: float | None = None
-    """For the newest step the optimizer applied: seconds from the pipeline finishing
-    it to the optimizer finishing it (0 when the optimizer kept up)."""
-    bubble_fraction: float | None = None
-    """Measured bubble fraction of the newest settled step."""
-    busy: dict[int, float] = field(default_factory=dict)
-    """Per worker: busy fraction over the newest settled step."""
-    upload_bytes: dict[int, int] = field(default_factory=dict)
-    download_bytes: dict[int, int] = field(default_factory=dict)
-    task_retries: int = 0
-    """Tasks sent again: after a failure or with a lost worker's tasks."""
+    worker_id: int
+    name: str
+    heartbeat_age_s: float
+    """Seconds since the worker was last heard."""
+    tasks_done: int
+    busy_fraction: float
+    """Share of the newest settled step it spent computing (0 without a running job)."""
+    state: str
+    """One of WORKER_STATES: "busy" while it runs a task, else "idle"."""
 
 
-def job_figures(trainer: Trainer) -> JobFigures:
-    """Read a trainer's figures (any thread; no locks held long)."""
-    spec = trainer.spec
-    figures = JobFigures(step=trainer.step, total_steps=spec.train.steps, loss=trainer.last_loss)
-    last_two = trainer.recent_progress(2)
-    if last_two:
-        figures.lr = last_two[-1].lr
-        figures.tokens_per_s = last_two[-1].tokens_per_s
-        if len(last_two) == 2:
-            figures.step_s = max(0.0, last_two[1].time - last_two[0].time)
-        elif last_two[-1].tokens_per_s > 0:
-            tokens = spec.global_batch_size * spec.data.seq_len
-            figures.step_s = tokens / last_two[-1].tokens_per_s
-    timeline = trainer.timeline
-    if trainer.prepared:
-        figures.optimizer_lag_steps = max(0, trainer.step - timeline.optimizer_step)
-    figures.optimizer_lag_s = timeline.latest_optimizer_lag_s
-    figures.bubble_fraction = timeline.latest_bubble
-    figures.busy = dict(timeline.latest_busy)
-    for worker, (_, up, down) in timeline.worker_totals().items():
-        figures.upload_bytes[worker] = up
-        figures.download_bytes[worker] = down
-    tracker = getattr(trainer, "tracker", None)
-    if tracker is not None:
-        failures = list(tracker.failures.values())
-        recoveries = list(tracker.recoveries)
-        figures.task_retries = sum(failures) + sum(len(r["tasks"]) for r in recoveries)
-    return figures
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Everything the coordinator exports, read at one moment. The daemon builds it
+    (roundpipe.coordinator.service.daemon, ``Coordinator.metrics_snapshot``) under its
+    lock; the collector only formats it, so this module reads no coordinator state."""
 
-
-def current_tasks(trainer: Trainer | None) -> dict[int, str]:
-    """Per worker, the oldest task it was sent and has not finished (the one it runs:
-    a worker runs its tasks in order), e.g. ``"step 12 B1 [0:2]"``."""
-    tracker = getattr(trainer, "tracker", None)
-    if trainer is None or tracker is None or trainer.layout is None:
-        return {}
-    oldest: dict[int, object] = {}
-    for entry in list(tracker.in_flight.values()):
-        held = oldest.get(entry.worker_id)
-        if held is None or entry.task.task_id < held.task.task_id:  # type: ignore[attr-defined]
-            oldest[entry.worker_id] = entry
-    plan = trainer.plan
-    out = {}
-    for worker, entry in oldest.items():
-        t = entry.task  # type: ignore[attr-defined]
-        label = stage_label(plan, t.kind, t.layer_start, t.layer_stop)
-        out[worker] = f"step {t.iteration} {label} [{t.layer_start}:{t.layer_stop}]"
-    return out
+    jobs_by_state: Mapping[str, int]
+    """How many jobs the coordinator knows in each state."""
+    arena_bytes: int
+    """Bytes of shared-memory arenas the running job holds (0: none)."""
+    job_id: str | None = None
+    """The running job, if its trainer is prepared (then ``job`` holds its figures)."""
+    job: JobFigures | None = None
+    workers: tuple[WorkerFigures, ...] = ()
+    """The connected workers, by worker id."""
 
 
 # --------------------------------------------------------------------------- collector
 
 
 class CoordinatorCollector:
-    """A prometheus_client collector that reads a Coordinator at scrape time."""
+    """A prometheus_client collector that formats the daemon's snapshot at scrape time."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
+    def __init__(self, read_snapshot: Callable[[], MetricsSnapshot]) -> None:
+        self.read_snapshot = read_snapshot
         self._process = psutil.Process(os.getpid())
 
     def describe(self) -> list:
@@ -142,26 +93,17 @@ class CoordinatorCollector:
     def collect(self) -> Iterator:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        c = self.coordinator
-        with c._lock:
-            states = [j.state for j in c.book.jobs.values()]
-            active = c.book.active
-            trainer = active.trainer if active is not None else None
-            workers = [(w.worker_id, w.hello.worker_name, w.last_seen) for w in c.workers.values()]
-            tasks_done = {w.worker_id: w.tasks_done for w in c.workers.values()}
-        now = time.monotonic()
-
+        snapshot = self.read_snapshot()
         jobs = GaugeMetricFamily(
             "roundpipe_jobs", "Jobs the coordinator knows, by state", labels=["state"]
         )
         for state in JOB_STATES:
-            jobs.add_metric([state], states.count(state))
+            jobs.add_metric([state], snapshot.jobs_by_state.get(state, 0))
         yield jobs
-        layout = trainer.layout if trainer is not None else None
         yield GaugeMetricFamily(
             "roundpipe_arena_bytes",
             "Bytes of shared-memory arenas the running job holds",
-            value=layout.total_bytes if layout is not None else 0,
+            value=snapshot.arena_bytes,
         )
         vm = psutil.virtual_memory()
         yield GaugeMetricFamily("roundpipe_host_memory_total_bytes", "Host memory", value=vm.total)
@@ -174,11 +116,10 @@ class CoordinatorCollector:
             value=self._process.memory_info().rss,
         )
 
-        figures = job_figures(trainer) if trainer is not None and trainer.prepared else None
-        busy = figures.busy if figures is not None else {}
+        figures = snapshot.job
         if figures is not None:
-            assert active is not None
-            job = [active.job_id]
+            assert snapshot.job_id is not None
+            job = [snapshot.job_id]
 
             def gauge(name: str, doc: str, value: float | None) -> Iterator:
                 if value is not None:
@@ -237,7 +178,6 @@ class CoordinatorCollector:
                     counter.add_metric([*job, str(worker)], nbytes)
                 yield counter
 
-        running = current_tasks(trainer)
         busy_g = GaugeMetricFamily(
             "roundpipe_worker_busy_fraction",
             "Share of the newest settled step the worker spent computing",
@@ -254,14 +194,13 @@ class CoordinatorCollector:
         state_g = GaugeMetricFamily(
             "roundpipe_worker_state", "1 for the worker's state", labels=["worker", "name", "state"]
         )
-        for worker_id, name, last_seen in sorted(workers):
-            labels = [str(worker_id), name[:64]]
-            busy_g.add_metric(labels, busy.get(worker_id, 0.0))
-            done_c.add_metric(labels, tasks_done.get(worker_id, 0))
-            age_g.add_metric(labels, max(0.0, now - last_seen))
-            state = "busy" if worker_id in running else "idle"
+        for worker in snapshot.workers:
+            labels = [str(worker.worker_id), worker.name[:64]]
+            busy_g.add_metric(labels, worker.busy_fraction)
+            done_c.add_metric(labels, worker.tasks_done)
+            age_g.add_metric(labels, worker.heartbeat_age_s)
             for s in WORKER_STATES:
-                state_g.add_metric([*labels, s], 1.0 if s == state else 0.0)
+                state_g.add_metric([*labels, s], 1.0 if s == worker.state else 0.0)
         yield busy_g
         yield done_c
         yield age_g
@@ -279,12 +218,12 @@ def parse_address(text: str) -> tuple[str, int]:
 class MetricsServer:
     """Serves ``/metrics`` over HTTP on its own thread (prometheus_client's server)."""
 
-    def __init__(self, coordinator: Coordinator, address: str) -> None:
+    def __init__(self, read_snapshot: Callable[[], MetricsSnapshot], address: str) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
 
         host, port = parse_address(address)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(CoordinatorCollector(coordinator))
+        self.registry.register(CoordinatorCollector(read_snapshot))
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = self._server.server_port
         log.info("[metrics] serving Prometheus metrics on http://%s:%d/metrics", host, self.port)

@@ -1,4 +1,4 @@
-"""Training data: local files -> fixed-length token rows -> deterministic global batches.
+"""Training data: documents -> fixed-length token rows -> deterministic global batches.
 
 Pipeline (all in the coordinator, once per job; the rows are small next to the model):
 
@@ -7,20 +7,8 @@ Pipeline (all in the coordinator, once per job; the rows are small next to the m
          ──DataLoader.batch_for_step(step)──> GlobalBatch: microbatch_size * num_microbatches
                                               rows, split into microbatches
 
-Input formats (``resolve_format`` picks one for ``format="auto"``); records come from
-JSONL, Parquet or a ``datasets`` folder (roundpipe.coordinator.spec.records), column names
-from ``Columns``:
-
-* ``jsonl_text``: the document in the ``text`` column; loss on every token;
-* ``jsonl_tokens``: ``input_ids`` (a list of ints), taken as is: no tokenizer runs (one
-  is still used, if available, for the EOS and pad ids); optional ``labels`` of the same
-  length (-100 = no loss) are used as given, else the loss covers every token;
-* ``chat``: ``messages`` rendered with the chat template, loss on assistant turns
-  (``loss_on: assistant``) or everything (``all``); roundpipe.coordinator.spec.instruct;
-* ``prompt_completion``: ``prompt`` and ``completion`` (strings or message lists), loss
-  on the completion (or everything with ``loss_on: all``);
-* ``text``: UTF-8 text; documents are separated by one or more blank lines.
-Blank lines in JSONL files are skipped; empty documents are skipped.
+Reading a file into documents (its format, its rows, tokenizing and rendering chats) is
+roundpipe.coordinator.spec.documents; this module packs them and serves batches.
 
 Labelled records (chat, prompt_completion, token records with labels) are *whole*: one
 longer than ``seq_len`` is cut to ``seq_len`` (``overlong: truncate``, counted and
@@ -28,7 +16,6 @@ logged; dropped if no trained token is left) or refused (``overlong: refuse``), 
 with packing a whole record never straddles two rows. Text documents are cut anywhere.
 
 Packing (``packing``):
-
 * ``documents`` (default, ``true``): documents are concatenated into full rows, but each
   attends only to itself: the position ids restart at 0 at every document start (and at
   every row start), which the model turns into a block-diagonal causal mask and
@@ -70,265 +57,34 @@ import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from roundpipe.coordinator.spec import records
-from roundpipe.coordinator.spec.instruct import (
-    LOSS_ON,
-    InstructError,
-    load_chat_template,
-    render_chat,
-    render_prompt_completion,
+from roundpipe.coordinator.spec.choices import DATA_LOSS_ON, DATA_OVERLONG, packing_mode
+from roundpipe.coordinator.spec.documents import Document, documents
+from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.formats import (
+    Columns,
+    check_data_path,
+    columns_of,
+    resolve_format,
 )
-from roundpipe.coordinator.spec.jobspec import TOKENIZER_FILES, has_tokenizer_files
-from roundpipe.coordinator.spec.paths import open_for_read
-
-if TYPE_CHECKING:
-    from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.instruct import InstructError, load_chat_template
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.tokenizers import load_tokenizer
+from roundpipe.shared.model import IGNORE_INDEX
 
 __all__ = [
-    "IGNORE_INDEX",
-    "OVERLONG",
-    "PACKING",
-    "Columns",
-    "DataError",
     "DataLoader",
     "GlobalBatch",
     "PackedDataset",
     "build_dataset",
     "build_dataset_from_spec",
-    "load_tokenizer",
-    "packing_mode",
-    "read_documents",
-    "resolve_format",
 ]
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-"""Label of positions that carry no loss (padding, masked tokens), as torch's
-cross_entropy expects."""
-
-_TEXT_EXTS = (".txt", ".text", ".md")
-_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
-_SUPERVISED = ("chat", "prompt_completion")
-PACKING = ("documents", "concat", "none")
-OVERLONG = ("truncate", "refuse")
-_TOKENIZE_CHUNK = 1024  # documents per tokenizer call: batched for speed, bounded memory
 _STATE_VERSION = 1
-
-
-class DataError(ValueError):
-    """A data file, tokenizer or data cursor is unusable. The message names the path
-    (and the line number, for a bad JSONL line)."""
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which record fields (JSON keys, Parquet / datasets columns) hold what."""
-
-    text: str = "text"
-    messages: str = "messages"
-    prompt: str = "prompt"
-    completion: str = "completion"
-    input_ids: str = "input_ids"
-    labels: str = "labels"
-
-
-def packing_mode(packing: bool | str) -> str:
-    """``documents`` / ``concat`` / ``none`` for a ``data.packing`` value (``true`` is
-    ``documents``, ``false`` is ``none``)."""
-    if packing is True:
-        return "documents"
-    if packing is False:
-        return "none"
-    if packing not in PACKING:
-        raise DataError(f"unknown packing {packing!r}; expected true, false or one of {PACKING}")
-    return str(packing)
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def _check_path(p: str) -> None:
-    if not os.path.exists(p):
-        raise DataError(f"data file not found: {p}")
-    if os.path.isdir(p):
-        if records.record_source(p) is None:
-            raise DataError(
-                f"data folder {p} is neither saved by datasets (save_to_disk) nor holds "
-                ".parquet/.arrow shards; point data.path at a data file or such a folder"
-            )
-    elif not os.path.isfile(p):
-        raise DataError(f"data path is not a regular file: {p}")
-
-
-def _records(p: str, split: str) -> Iterator[records.Record]:
-    try:
-        yield from records.read_records(p, split=split)
-    except records.RecordError as exc:
-        raise DataError(str(exc)) from None
-
-
-def _keys(fields: dict[str, Any]) -> str:
-    return ", ".join(map(repr, list(fields)[:8])) or "none"
-
-
-def resolve_format(
-    path: str | os.PathLike[str],
-    format: str = "auto",
-    text_field: str = "text",
-    *,
-    columns: Columns | None = None,
-    split: str = "train",
-) -> str:
-    """The concrete format of ``path``: ``format`` itself unless it is ``"auto"``.
-
-    ``auto``: ``.txt``/``.text``/``.md`` is text; for record sources (JSONL, Parquet,
-    datasets folders) the first record's columns decide: ``messages`` -> chat,
-    ``prompt`` + ``completion`` -> prompt_completion, ``input_ids`` -> jsonl_tokens,
-    the text column -> jsonl_text. A record matching more than one is refused.
-    """
-    p = os.fspath(path)
-    cols = columns or Columns(text=text_field)
-    if format not in _FORMATS:
-        raise DataError(f"unknown data format {format!r}; expected one of {', '.join(_FORMATS)}")
-    if format != "auto":
-        return format
-    _check_path(p)
-    if not os.path.isdir(p) and Path(p).suffix.lower() in _TEXT_EXTS:
-        return "text"
-    if records.record_source(p) is None:
-        ext = Path(p).suffix.lower()
-        raise DataError(
-            f"cannot tell the format of {p} from its extension {ext or '(none)'!r}; "
-            f"set data.format to one of {', '.join(_FORMATS[1:])}"
-        )
-    first = next(iter(_records(p, split)), None)
-    if first is None:
-        raise DataError(f"empty dataset: {p} holds no records")
-    f = first.fields
-    found = [
-        name
-        for name, present in (
-            ("chat", cols.messages in f),
-            ("prompt_completion", cols.prompt in f and cols.completion in f),
-            ("jsonl_tokens", cols.input_ids in f),
-            ("jsonl_text", cols.text in f),
-        )
-        if present
-    ]
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise DataError(
-            f"{first.where}: the record fits more than one format ({', '.join(found)}; its "
-            f"keys: {_keys(f)}); set data.format"
-        )
-    raise DataError(
-        f"{first.where}: record has neither the text field {cols.text!r} nor "
-        f"{cols.input_ids!r}, {cols.messages!r} or {cols.prompt!r}+{cols.completion!r} "
-        f"(its keys: {_keys(f)}); set data.text_field / data.columns or data.format"
-    )
-
-
-def read_documents(
-    path: str | os.PathLike[str],
-    format: str = "auto",
-    text_field: str = "text",
-    *,
-    columns: Columns | None = None,
-    split: str = "train",
-) -> Iterator[tuple[int | str, str | list[int]]]:
-    """Yield ``(where, document)`` for the unlabelled formats: a ``str`` (text,
-    jsonl_text) or a ``list[int]`` (jsonl_tokens). ``where`` is the line number for text
-    files, ``path:line`` / ``path row N`` for records.
-
-    Raises DataError naming the path and line for malformed input.
-    """
-    p = os.fspath(path)
-    cols = columns or Columns(text=text_field)
-    fmt = resolve_format(p, format, text_field, columns=cols, split=split)
-    _check_path(p)
-    if fmt == "text":
-        yield from _read_paragraphs(p)
-        return
-    for rec in _records(p, split):
-        if fmt == "jsonl_text":
-            yield rec.where, _text_of(rec, cols.text)
-        elif fmt == "jsonl_tokens":
-            yield rec.where, _token_list(rec, cols.input_ids)
-        else:
-            raise DataError(f"read_documents reads unlabelled formats, not {fmt}")
-
-
-def _text_of(rec: records.Record, name: str) -> str:
-    if name not in rec.fields:
-        raise DataError(f"{rec.where}: no {name!r} field (its keys: {_keys(rec.fields)})")
-    text = rec.fields[name]
-    if not isinstance(text, str):
-        raise DataError(f"{rec.where}: field {name!r} is {type(text).__name__}; expected a string")
-    return text
-
-
-def _token_list(rec: records.Record, name: str, *, labels: bool = False) -> list[int]:
-    ids = rec.fields.get(name)
-    ok = isinstance(ids, list) and all(
-        type(t) is int and (0 <= t < 2**31 or (labels and t == IGNORE_INDEX)) for t in ids
-    )
-    if not ok:
-        what = "integers in [0, 2**31) or -100" if labels else "integers in [0, 2**31)"
-        raise DataError(f"{rec.where}: {name!r} must be a list of {what}")
-    return list(ids)
-
-
-def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
-    try:
-        f = open_for_read(path)  # no symbolic link followed in the coordinator
-    except OSError as exc:
-        raise DataError(f"cannot read data file {path}: {exc.strerror}") from None
-    lines: list[str] = []
-    start = 0
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = records.decode_line(raw, path, lineno)
-            except records.RecordError as exc:
-                raise DataError(str(exc)) from None
-            if line.strip():
-                if not lines:
-                    start = lineno
-                lines.append(line)
-            elif lines:
-                yield start, "".join(lines).strip()
-                lines = []
-    if lines:
-        yield start, "".join(lines).strip()
-
-
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """``AutoTokenizer.from_pretrained(path, local_files_only=True)`` with clear errors.
-
-    A directory without tokenizer files is refused: transformers 5 would return an
-    empty tokenizer (EOS id 0) instead of failing.
-    """
-    p = os.fspath(path)
-    if not os.path.isdir(p):
-        raise DataError(f"tokenizer directory not found: {p}")
-    if not has_tokenizer_files(p):
-        raise DataError(
-            f"cannot load a tokenizer from {p}: it holds no tokenizer files (none of "
-            f"{', '.join(TOKENIZER_FILES)}); set data.tokenizer to a tokenizer directory"
-        )
-    from transformers import AutoTokenizer  # lazy: slow import, unneeded for token data
-
-    try:
-        return AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
-        raise DataError(f"cannot load a tokenizer from {p}: {' '.join(str(exc).split())}") from None
 
 
 # --------------------------------------------------------------------------- dataset
@@ -432,15 +188,6 @@ def _default_labels(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     return tokens.masked_fill(pad, IGNORE_INDEX)
 
 
-@dataclass
-class _Doc:
-    ids: list[int]
-    labels: list[int]
-    where: str
-    whole: bool
-    """A labelled record: cut to seq_len (or refused) and never split across rows."""
-
-
 def build_dataset(
     path: str | os.PathLike[str],
     *,
@@ -468,12 +215,14 @@ def build_dataset(
     mode = packing_mode(packing)
     if seq_len < 2:
         raise DataError(f"seq_len must be >= 2, got {seq_len}")
-    if loss_on not in LOSS_ON:
-        raise DataError(f"unknown loss_on {loss_on!r}; expected one of {', '.join(LOSS_ON)}")
-    if overlong not in OVERLONG:
-        raise DataError(f"unknown overlong {overlong!r}; expected one of {', '.join(OVERLONG)}")
+    if loss_on not in DATA_LOSS_ON:
+        raise DataError(f"unknown loss_on {loss_on!r}; expected one of {', '.join(DATA_LOSS_ON)}")
+    if overlong not in DATA_OVERLONG:
+        raise DataError(
+            f"unknown overlong {overlong!r}; expected one of {', '.join(DATA_OVERLONG)}"
+        )
     fmt = resolve_format(p, format, cols.text, columns=cols, split=split)
-    _check_path(p)
+    check_data_path(p)
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     if tokenizer is None and fmt != "jsonl_tokens":
@@ -491,7 +240,7 @@ def build_dataset(
 
     packer = _Packer(seq_len, pad, mode)
     num_docs = cut = dropped = 0
-    docs = _documents(p, fmt, cols, split, tokenizer, loss_on, eos)
+    docs = documents(p, fmt, cols, split, tokenizer, loss_on, eos)
     for doc in docs:
         if not doc.ids:
             continue
@@ -554,7 +303,7 @@ def build_dataset_from_spec(spec: JobSpec) -> PackedDataset:
     """``build_dataset`` with the settings of a validated job spec."""
     d = spec.data
     assert d.path is not None, "a validated spec has data.path"
-    cols = columns_of(spec)
+    cols = columns_of(d)
     fmt = resolve_format(d.path, d.format, d.text_field, columns=cols, split=d.split)
     return build_dataset(
         d.path,
@@ -571,105 +320,6 @@ def build_dataset_from_spec(spec: JobSpec) -> PackedDataset:
         overlong=d.overlong,
         split=d.split,
     )
-
-
-def columns_of(spec: JobSpec) -> Columns:
-    """The record columns a spec names (``data.text_field`` and ``data.columns``)."""
-    return Columns(**{"text": spec.data.text_field, **dict(spec.data.columns or {})})
-
-
-def _documents(
-    p: str, fmt: str, cols: Columns, split: str, tokenizer: Any, loss_on: str, eos: int | None
-) -> Iterator[_Doc]:
-    if fmt in ("text", "jsonl_text", "jsonl_tokens"):
-        has_labels = fmt == "jsonl_tokens" and _first_has(p, split, cols.labels)
-        if has_labels:
-            yield from _labelled_tokens(p, split, cols)
-            return
-        for ids in _token_documents(read_documents(p, fmt, columns=cols, split=split), tokenizer):
-            if eos is not None and ids and ids[-1] != eos:
-                ids.append(eos)
-            yield _Doc(ids, list(ids), p, whole=False)
-        return
-    for rec in _records(p, split):
-        try:
-            if fmt == "chat":
-                if cols.messages not in rec.fields:
-                    raise DataError(
-                        f"{rec.where}: no {cols.messages!r} field (its keys: "
-                        f"{_keys(rec.fields)}); set data.columns.messages"
-                    )
-                ids, labels = render_chat(
-                    tokenizer, rec.fields[cols.messages], rec.where, loss_on=loss_on,
-                    field=cols.messages,
-                )  # fmt: skip
-            else:
-                missing = [c for c in (cols.prompt, cols.completion) if c not in rec.fields]
-                if missing:
-                    raise DataError(
-                        f"{rec.where}: no {' or '.join(map(repr, missing))} field (its keys: "
-                        f"{_keys(rec.fields)}); set data.columns.prompt / .completion"
-                    )
-                ids, labels = render_prompt_completion(
-                    tokenizer,
-                    rec.fields[cols.prompt],
-                    rec.fields[cols.completion],
-                    rec.where,
-                    loss_on=loss_on,
-                    eos_token_id=eos,
-                    fields=(cols.prompt, cols.completion),
-                )
-        except InstructError as exc:
-            raise DataError(str(exc)) from None
-        yield _Doc(ids, labels, rec.where, whole=True)
-
-
-def _first_has(p: str, split: str, name: str) -> bool:
-    first = next(iter(_records(p, split)), None)
-    return first is not None and name in first.fields
-
-
-def _labelled_tokens(p: str, split: str, cols: Columns) -> Iterator[_Doc]:
-    for rec in _records(p, split):
-        ids = _token_list(rec, cols.input_ids)
-        if cols.labels not in rec.fields:
-            raise DataError(
-                f"{rec.where}: no {cols.labels!r} (the first record has them, so every "
-                "record needs them)"
-            )
-        labels = _token_list(rec, cols.labels, labels=True)
-        if len(labels) != len(ids):
-            raise DataError(
-                f"{rec.where}: {len(labels)} labels for {len(ids)} input_ids; they must "
-                "have the same length (-100 where no loss)"
-            )
-        yield _Doc(ids, labels, rec.where, whole=True)
-
-
-def _token_documents(
-    docs: Iterator[tuple[int | str, str | list[int]]], tokenizer: Any
-) -> Iterator[list[int]]:
-    batch: list[str] = []
-    for _, doc in docs:
-        if isinstance(doc, list):
-            yield list(doc)
-            continue
-        if not doc.strip():
-            continue
-        batch.append(doc)
-        if len(batch) >= _TOKENIZE_CHUNK:
-            yield from _tokenize(tokenizer, batch)
-            batch = []
-    if batch:
-        yield from _tokenize(tokenizer, batch)
-
-
-def _tokenize(tokenizer: Any, texts: list[str]) -> Iterator[list[int]]:
-    # verbose=False: documents longer than the tokenizer's model_max_length are normal
-    # here (they are packed/cut afterwards), so its warning would only mislead.
-    out = tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
-    for ids in out:
-        yield list(ids)
 
 
 class _Packer:
@@ -692,7 +342,7 @@ class _Packer:
         """Tokens already in the open (last, unfinished) row."""
         return len(self.ids) - len(self.lengths) * self.seq_len
 
-    def add(self, doc: _Doc) -> None:
+    def add(self, doc: Document) -> None:
         self.max_id = max(self.max_id, max(doc.ids))
         s = self.seq_len
         if self.mode == "concat":

@@ -26,9 +26,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from roundpipe.shared.model import IGNORE_INDEX
+
 __all__ = [
-    "IGNORE_INDEX",
-    "LOSS_ON",
     "InstructError",
     "has_generation_markers",
     "load_chat_template",
@@ -36,8 +36,6 @@ __all__ = [
     "render_prompt_completion",
 ]
 
-IGNORE_INDEX = -100
-LOSS_ON = ("assistant", "all")
 _GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
 
 

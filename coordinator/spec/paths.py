@@ -24,7 +24,7 @@ Rules (docs/deploy.md, "Paths and file modes"):
   (:data:`PRIVATE_MODES`); ``--group-access`` makes them 0640 / 0750 for a team that
   shares results through the coordinator's group.
 * Write roots are readable too (resuming from a checkpoint, training an exported model).
-* Which fields are paths is read from the job-spec schema (``jobspec.PATH_FIELDS``, Note
+* Which fields are paths is read from the job-spec schema (``sections.PATH_FIELDS``, Note
   [paths are a type]), never from a list kept here: a new path field is confined the
   day it is declared.
 * What a job writes belongs to its owner (:func:`check_ownership`): another owner's job
@@ -42,6 +42,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from roundpipe.coordinator.spec.errors import FieldError, JobSpecError
+from roundpipe.coordinator.spec.sections import PATH_FIELDS
 
 __all__ = [
     "DEMO_DATA_DIR",
@@ -331,8 +334,6 @@ class PathPolicy:
     def confine_spec(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of a raw spec dict whose path fields are resolved and allowed; raises
         JobSpecError listing every refused path (nothing in the spec is opened here)."""
-        from roundpipe.coordinator.spec.jobspec import PATH_FIELDS, FieldError, JobSpecError
-
         if not isinstance(spec, Mapping):
             return spec  # not a spec at all: its validation says so
         out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in spec.items()}
@@ -357,8 +358,6 @@ class PathPolicy:
     def recheck(self, spec: Mapping[str, Any]) -> None:
         """Before a job opens its files: each path still resolves to itself (no link
         appeared since it was accepted) and lies below a root. Raises PathRefused."""
-        from roundpipe.coordinator.spec.jobspec import PATH_FIELDS
-
         for f in PATH_FIELDS:
             raw = spec.get(f.section)
             value = raw.get(f.key) if isinstance(raw, Mapping) else None
@@ -443,8 +442,6 @@ class PathPolicy:
 def spec_read_dirs(spec: Any) -> list[str]:
     """Directories holding what a spec (a JobSpec or its dict) reads: for launchers that
     start their own private coordinator for one user's job (the demo, benchmarks)."""
-    from roundpipe.coordinator.spec.jobspec import PATH_FIELDS
-
     raw = spec.to_dict() if hasattr(spec, "to_dict") else spec
     dirs = []
     for f in PATH_FIELDS:
@@ -475,8 +472,6 @@ def check_ownership(
     (or around) another owner's output or job directory, for anyone; reading from one,
     for anyone but an admin. Raises JobSpecError listing every such field. The message
     names neither the other owner nor their job."""
-    from roundpipe.coordinator.spec.jobspec import PATH_FIELDS, FieldError, JobSpecError
-
     theirs = [d for d in owned if d.owner != owner]
     problems: list[FieldError] = []
     for f in PATH_FIELDS:

@@ -43,6 +43,10 @@ Checkpoints belong to a job (``job_id`` in the manifest): ``find_latest(job_id=.
 and ``prune`` only look at that job's, so a new job writing into an output directory
 that holds another job's checkpoints neither resumes from them nor prunes them (a
 checkpoint of the same step number is replaced).
+
+The names on disk and the manifest reader live in the spec room
+(roundpipe.coordinator.spec.checkpoint_format), which reads a checkpoint's manifest when it
+checks ``model.resume_from``; this module writes, verifies and prunes.
 """
 
 from __future__ import annotations
@@ -56,56 +60,41 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from roundpipe.coordinator.spec.checkpoint_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    CheckpointInfo,
+    parse_step,
+    read_manifest,
+    read_pointer,
+    step_name,
+)
 from roundpipe.coordinator.spec.paths import modes
 
 __all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "LATEST",
-    "MANIFEST",
     "STATE_FILE",
     "CheckpointDir",
-    "CheckpointError",
-    "CheckpointInfo",
     "as_os_error",
     "load_tensors",
     "resolve_checkpoint",
     "save_tensors",
-    "step_name",
     "verify_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
 
-FORMAT = "roundpipe-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "checkpoint.json"
 STATE_FILE = "training_state/state.safetensors"
-LATEST = "latest"
 
-_STEP_RE = re.compile(r"step-(\d{8,})\Z")
 _TEMP_RE = re.compile(r"\.(?:tmp|trash)-.+-(\d+)-[0-9a-f]+\Z")
 _CHUNK = 1 << 22
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or damaged; the message names the file."""
-
-
-def step_name(step: int) -> str:
-    """Directory name of the checkpoint after optimizer step ``step``."""
-    return f"step-{step:08d}"
-
-
-def _parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 # --------------------------------------------------------------------------- fsync helpers
@@ -249,44 +238,6 @@ def load_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 # --------------------------------------------------------------------------- validation
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A checkpoint directory and its manifest."""
-
-    path: Path
-    step: int
-    manifest: dict[str, Any]
-
-    @property
-    def job_id(self) -> str | None:
-        return self.manifest.get("job_id")
-
-
-def read_manifest(path: Path) -> CheckpointInfo:
-    """Parse ``path/checkpoint.json`` (no file checks); CheckpointError if unusable."""
-    file = path / MANIFEST
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint: {MANIFEST} is missing"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {file}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a RoundPipe checkpoint manifest")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file} has checkpoint format version {manifest.get('version')!r}; this "
-            f"RoundPipe reads version {FORMAT_VERSION}"
-        )
-    step = manifest.get("step")
-    files = manifest.get("files")
-    if not isinstance(step, int) or step < 0 or not isinstance(files, dict):
-        raise CheckpointError(f"{file} lacks a valid step or file list")
-    return CheckpointInfo(path, step, manifest)
-
-
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> CheckpointInfo:
     """Check that ``path`` is a complete, undamaged checkpoint; return its manifest.
 
@@ -321,8 +272,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
         return verify_checkpoint(p)
     for root in (p, p / "checkpoints"):
         if root.is_dir() and (
-            (root / LATEST).is_file()
-            or any(_parse_step(e.name) is not None for e in root.iterdir())
+            (root / LATEST).is_file() or any(parse_step(e.name) is not None for e in root.iterdir())
         ):
             found = CheckpointDir(root).find_latest()
             if found is None:
@@ -389,19 +339,15 @@ class CheckpointDir:
 
     def pointer(self) -> str | None:
         """The checkpoint name ``latest`` holds, or None (absent or not a step name)."""
-        try:
-            name = (self.root / LATEST).read_text(encoding="utf-8").strip()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return name if _parse_step(name) is not None else None
+        return read_pointer(self.root)
 
     def _step_dirs(self) -> list[Path]:
         try:
             entries = list(self.root.iterdir())
         except (FileNotFoundError, NotADirectoryError):
             return []
-        dirs = [e for e in entries if _parse_step(e.name) is not None and e.is_dir()]
-        return sorted(dirs, key=lambda e: _parse_step(e.name) or 0)
+        dirs = [e for e in entries if parse_step(e.name) is not None and e.is_dir()]
+        return sorted(dirs, key=lambda e: parse_step(e.name) or 0)
 
     def complete(self, job_id: str | None = None) -> list[CheckpointInfo]:
         """Checkpoints with a readable manifest (of ``job_id`` if given), oldest first.
@@ -534,7 +480,7 @@ class CheckpointDir:
         was interrupted before its pointer moved, and superseded by the resumed run).
         Never removes what ``latest`` names, nor other jobs' checkpoints."""
         latest = self.pointer()
-        latest_step = _parse_step(latest) if latest else None
+        latest_step = parse_step(latest) if latest else None
         mine = self.complete(job_id)
         if latest_step is None:
             return []

@@ -51,14 +51,13 @@ from pathlib import Path
 
 import torch
 
+from roundpipe.coordinator.spec.checkpoint_format import CheckpointError, CheckpointInfo
 from roundpipe.coordinator.spec.data import DataError, DataLoader
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
-    CheckpointError,
-    CheckpointInfo,
     as_os_error,
     resolve_checkpoint,
     save_tensors,

@@ -18,8 +18,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from roundpipe.coordinator.spec.checkpoint_format import step_name
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused, pinned_dir
-from roundpipe.coordinator.training.checkpoint import CheckpointDir, step_name
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
 
 __all__ = ["JobOutput"]

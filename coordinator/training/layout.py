@@ -1,6 +1,6 @@
 """Where one job's training state lives in shared memory, and which counter means what.
 
-The coordinator creates five arenas per job (ARCHITECTURE.md section 3) and one event
+The coordinator creates five arenas per job (docs/runtime.md, "Shared memory") and one event
 table; workers map them from the ``JobSetup`` message. Slots are keyed by *layer index*
 and by *parity* (iteration or weight version mod 2), never by stage or worker::
 
@@ -114,7 +114,7 @@ import torch
 
 from roundpipe.protocol import ArenaInfo, LayerLayout, NamedTensorRef, TensorRef
 from roundpipe.shared.arena import DATA_START, Arena, ArenaAllocator, ArenaDir, prepare_arena_dir
-from roundpipe.shared.events import Counters, EventTable
+from roundpipe.shared.events import EVENTS_ARENA, Counters, EventTable
 from roundpipe.shared.handoff import events_arena_nbytes
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
@@ -122,11 +122,9 @@ from roundpipe.shared.plan import Plan
 if TYPE_CHECKING:
     from roundpipe.coordinator.spec.data import GlobalBatch
 
-__all__ = ["EVENTS_ARENA", "Counters", "JobLayout"]
+__all__ = ["JobLayout"]
 
 log = logging.getLogger(__name__)
-
-EVENTS_ARENA = "events"
 
 
 @dataclass

@@ -1,8 +1,7 @@
 """Host memory a job needs, checked against the machine before anything is allocated.
 
-A job's host memory is known before it exists (ARCHITECTURE.md section 9: "a job's
-memory is checked against the machine before anything is allocated"), by component
-(:class:`HostMemory`, docs/memory.md):
+A job's host memory is known before it exists, so no spec can make the coordinator run
+out. By component (:class:`HostMemory`, docs/memory.md):
 
 * its arenas (``JobLayout.sizes``): compute-dtype weights (two copies at staleness 1,
   one at staleness 0: Note [weight copies] in roundpipe.coordinator.training.layout), the

@@ -2,7 +2,7 @@
 
 The coordinator updates each layer as soon as that layer's gradient of step k is
 complete (``wgrad[l] >= k``), last layers first, while other layers' backward tasks are
-still running; see Note [weight-update ordering] (ARCHITECTURE.md section 5). So the
+still running; see Note [weight-update ordering] (roundpipe.coordinator.training.schedule). So the
 optimizer is not one object over the whole model but one ``torch.optim.AdamW`` per
 layer, driven by ``LayerwiseOptimizer.step_layer(layer, grads, step)``. This module keeps
 no counters: ``step_layer`` returns after the masters, the moments and the ``out``

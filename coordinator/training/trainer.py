@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
+from roundpipe.coordinator.spec.checkpoint_format import CheckpointInfo
 from roundpipe.coordinator.spec.data import DataLoader, GlobalBatch, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import (
     JobSpec,
@@ -49,7 +50,6 @@ from roundpipe.coordinator.spec.jobspec import (
     validate_against_model,
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
-from roundpipe.coordinator.training.checkpoint import CheckpointInfo
 from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember

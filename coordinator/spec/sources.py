@@ -1,9 +1,11 @@
-"""Reading training records from local files: JSONL, Parquet, and ``datasets`` folders.
+"""Where training rows come from: JSONL and Parquet files, and ``datasets`` folders.
 
-Every source yields ``Record(where, fields)``: ``where`` names the file and the line
-(JSONL) or row (Parquet / Arrow) for error messages, ``fields`` is the record as a dict.
+Every source yields ``SourceRow(where, fields)``: ``where`` names the file and the line
+(JSONL) or row (Parquet / Arrow) for error messages, ``fields`` is the row as a dict (one
+JSON object, one table row). These are a file's rows, before tokenizing; the fixed-length
+token rows a job trains on are packed from them in roundpipe.coordinator.spec.data.
 
-Sources (``record_source`` tells them apart; nothing is ever downloaded):
+Sources (``source_kind`` tells them apart; nothing is ever downloaded):
 
 * a ``.jsonl`` / ``.ndjson`` / ``.json`` file: one JSON object per line (blank lines
   skipped);
@@ -14,7 +16,7 @@ Sources (``record_source`` tells them apart; nothing is ever downloaded):
 * a directory of ``.parquet`` or ``.arrow`` shards (as ``push_to_hub`` / ``to_parquet``
   leave them): every shard in name order.
 
-Plain text (``.txt``) is not a record source; roundpipe.coordinator.spec.data reads it.
+Plain text (``.txt``) is not a row source; roundpipe.coordinator.spec.documents reads it.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from roundpipe.coordinator.spec.paths import open_for_read
 __all__ = [
     "JSONL_EXTS",
     "PARQUET_EXTS",
-    "Record",
-    "RecordError",
-    "first_record",
-    "read_records",
-    "record_source",
+    "SourceRow",
+    "SourceError",
+    "first_row",
+    "read_rows",
+    "source_kind",
 ]
 
 JSONL_EXTS = (".jsonl", ".ndjson", ".json")
@@ -43,20 +45,22 @@ PARQUET_EXTS = (".parquet", ".pq")
 _BATCH_ROWS = 1024
 
 
-class RecordError(ValueError):
-    """A record source is missing or unreadable; the message names the path (and line)."""
+class SourceError(ValueError):
+    """A source is missing or unreadable; the message names the path (and line)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
+class SourceRow:
+    """One row of a source: a JSON object of a JSONL file, or a table row."""
+
     where: str
     """``path:line`` (JSONL) or ``path row N`` (table sources), for messages."""
     fields: dict[str, Any]
 
 
-def record_source(path: str) -> str | None:
+def source_kind(path: str) -> str | None:
     """``"jsonl"``, ``"parquet"``, ``"datasets"`` (a saved Dataset / DatasetDict),
-    ``"shards"`` (a folder of Parquet / Arrow files), or None: not a record source."""
+    ``"shards"`` (a folder of Parquet / Arrow files), or None: not a row source."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(
             os.path.join(path, "dataset_dict.json")
@@ -73,9 +77,9 @@ def record_source(path: str) -> str | None:
     return None
 
 
-def read_records(path: str, *, split: str = "train") -> Iterator[Record]:
-    """Every record of ``path`` in order. RecordError for unreadable input."""
-    kind = record_source(path)
+def read_rows(path: str, *, split: str = "train") -> Iterator[SourceRow]:
+    """Every row of ``path`` in order. SourceError for unreadable input."""
+    kind = source_kind(path)
     if kind == "jsonl":
         yield from _jsonl(path)
     elif kind == "parquet":
@@ -89,54 +93,54 @@ def read_records(path: str, *, split: str = "train") -> Iterator[Record]:
             else:
                 yield from _parquet(shard, shard)
     else:
-        raise RecordError(
+        raise SourceError(
             f"{path} is not a JSONL or Parquet file, nor a folder saved by datasets "
             "(save_to_disk) or of .parquet/.arrow shards"
         )
 
 
-def first_record(path: str, *, split: str = "train") -> Record | None:
-    """The first record (for format detection), or None for an empty source."""
-    for record in read_records(path, split=split):
-        return record
+def first_row(path: str, *, split: str = "train") -> SourceRow | None:
+    """The first row (for format detection), or None for an empty source."""
+    for row in read_rows(path, split=split):
+        return row
     return None
 
 
 # ------------------------------------------------------------------------ JSONL
 
 
-def _jsonl(path: str) -> Iterator[Record]:
+def _jsonl(path: str) -> Iterator[SourceRow]:
     try:
         # Bytes: decode per line, so a bad byte has a line number. In the coordinator no
         # symbolic link is followed: the path was resolved when the job was accepted.
         f = open_for_read(path)
     except OSError as exc:
-        raise RecordError(f"cannot read data file {path}: {exc.strerror}") from None
+        raise SourceError(f"cannot read data file {path}: {exc.strerror}") from None
     with f:
         for lineno, raw in enumerate(f, 1):
             line = decode_line(raw, path, lineno).strip()
             if not line:
                 continue
-            yield Record(f"{path}:{lineno}", parse_json_object(line, path, lineno))
+            yield SourceRow(f"{path}:{lineno}", parse_json_object(line, path, lineno))
 
 
 def decode_line(raw: bytes, path: str, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise RecordError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
+        raise SourceError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
 
 
 def parse_json_object(line: str, path: str, lineno: int) -> dict[str, Any]:
     try:
-        record = json.loads(line)
+        obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise RecordError(
+        raise SourceError(
             f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
         ) from None
-    if not isinstance(record, dict):
-        raise RecordError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-    return record
+    if not isinstance(obj, dict):
+        raise SourceError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 # ------------------------------------------------------------------------ tables
@@ -149,44 +153,44 @@ def _shards(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in (parquet or arrow)]
 
 
-def _parquet(path: str, label: str) -> Iterator[Record]:
+def _parquet(path: str, label: str) -> Iterator[SourceRow]:
     try:
         import pyarrow.parquet as pq
     except ImportError:  # pragma: no cover - a dependency
-        raise RecordError("reading Parquet needs pyarrow: pip install pyarrow") from None
+        raise SourceError("reading Parquet needs pyarrow: pip install pyarrow") from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
-        raise RecordError(f"cannot read Parquet file {path}: {exc}") from None
+        raise SourceError(f"cannot read Parquet file {path}: {exc}") from None
     row = 0
     for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
         for fields in batch.to_pylist():
-            yield Record(f"{label} row {row}", fields)
+            yield SourceRow(f"{label} row {row}", fields)
             row += 1
 
 
-def _arrow(path: str) -> Iterator[Record]:
+def _arrow(path: str) -> Iterator[SourceRow]:
     from datasets import Dataset
 
     try:
         ds = Dataset.from_file(path)  # memory-mapped, no cache written
     except Exception as exc:
-        raise RecordError(f"cannot read Arrow shard {path}: {exc}") from None
+        raise SourceError(f"cannot read Arrow shard {path}: {exc}") from None
     yield from _rows_of(ds, path)
 
 
-def _saved_dataset(path: str, split: str) -> Iterator[Record]:
+def _saved_dataset(path: str, split: str) -> Iterator[SourceRow]:
     try:
         from datasets import DatasetDict, load_from_disk
     except ImportError:  # pragma: no cover - a dependency
-        raise RecordError("reading a saved dataset needs the datasets package") from None
+        raise SourceError("reading a saved dataset needs the datasets package") from None
     try:
         ds = load_from_disk(path)
     except Exception as exc:
-        raise RecordError(f"cannot load the dataset saved in {path}: {exc}") from None
+        raise SourceError(f"cannot load the dataset saved in {path}: {exc}") from None
     if isinstance(ds, DatasetDict):
         if split not in ds:
-            raise RecordError(
+            raise SourceError(
                 f"{path} holds splits {', '.join(sorted(ds))} but not {split!r}; "
                 "set data.split to one of them"
             )
@@ -195,9 +199,9 @@ def _saved_dataset(path: str, split: str) -> Iterator[Record]:
     yield from _rows_of(ds, path)
 
 
-def _rows_of(ds: Any, label: str) -> Iterator[Record]:
+def _rows_of(ds: Any, label: str) -> Iterator[SourceRow]:
     for start in range(0, len(ds), _BATCH_ROWS):
         chunk = ds[start : start + _BATCH_ROWS]  # a dict of columns
         names = list(chunk)
         for i, values in enumerate(zip(*(chunk[n] for n in names))):
-            yield Record(f"{label} row {start + i}", dict(zip(names, values)))
+            yield SourceRow(f"{label} row {start + i}", dict(zip(names, values)))

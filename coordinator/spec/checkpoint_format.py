@@ -1,0 +1,98 @@
+"""How a RoundPipe checkpoint looks on disk, read side: its names and its manifest.
+
+The spec room reads a checkpoint's manifest when it checks ``model.resume_from`` (the
+model, data and batch settings must be those the checkpoint was written with), before
+any training code runs; :mod:`roundpipe.coordinator.training.checkpoint` writes, verifies
+and prunes checkpoints with the same names (the layout is drawn there, Note [atomic
+checkpoint]). Nothing here checks file sizes or checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LATEST",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointInfo",
+    "parse_step",
+    "read_manifest",
+    "read_pointer",
+    "step_name",
+]
+
+FORMAT = "roundpipe-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "checkpoint.json"
+LATEST = "latest"
+
+_STEP_RE = re.compile(r"step-(\d{8,})\Z")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged; the message names the file."""
+
+
+def step_name(step: int) -> str:
+    """Directory name of the checkpoint after optimizer step ``step``."""
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint directory name (``step-00000004`` -> 4), or None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint directory and its manifest."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def job_id(self) -> str | None:
+        return self.manifest.get("job_id")
+
+
+def read_manifest(path: Path) -> CheckpointInfo:
+    """Parse ``path/checkpoint.json`` (no file checks); CheckpointError if unusable."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: {MANIFEST} is missing"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a RoundPipe checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has checkpoint format version {manifest.get('version')!r}; this "
+            f"RoundPipe reads version {FORMAT_VERSION}"
+        )
+    step = manifest.get("step")
+    files = manifest.get("files")
+    if not isinstance(step, int) or step < 0 or not isinstance(files, dict):
+        raise CheckpointError(f"{file} lacks a valid step or file list")
+    return CheckpointInfo(path, step, manifest)
+
+
+def read_pointer(root: Path) -> str | None:
+    """The checkpoint name ``root/latest`` holds, or None (absent or not a step name)."""
+    try:
+        name = (root / LATEST).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return name if parse_step(name) is not None else None

@@ -1,0 +1,65 @@
+"""The values a job spec's fields may take: data formats, packing, dtypes, schedules, ...
+
+Each list is defined here once; the spec's checks, the data pipeline and the optimizer
+read it from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.shared.families import FAMILIES
+
+__all__ = [
+    "ARCHITECTURES",
+    "DATA_COLUMNS",
+    "DATA_FORMATS",
+    "DATA_LOSS_ON",
+    "DATA_OVERLONG",
+    "DATA_PACKING",
+    "DTYPES",
+    "HF_NO_DECAY",
+    "OPTIMIZERS",
+    "PACKING_ALIASES",
+    "SCHEDULES",
+    "SCHEDULE_CONVENTIONS",
+    "STATE_DTYPES",
+    "packing_mode",
+]
+
+ARCHITECTURES = tuple(FAMILIES)
+"""``model.architecture`` choices: the model_type of every declared family
+(roundpipe.shared.families)."""
+DATA_FORMATS = ("auto", "jsonl_text", "jsonl_tokens", "text", "chat", "prompt_completion")
+DATA_PACKING = ("documents", "concat", "none")
+DATA_LOSS_ON = ("assistant", "all")
+DATA_OVERLONG = ("truncate", "refuse")
+PACKING_ALIASES: dict[Any, str] = {True: "documents", False: "none"}
+"""``data.packing``'s booleans: ``true`` is ``documents``, ``false`` is ``none``."""
+DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels")
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
+STATE_DTYPES = ("float32", "int8")
+"""``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
+SCHEDULE_CONVENTIONS = ("hf", "one_based")
+"""Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
+Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""
+
+HF_NO_DECAY = ("bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""The Hugging Face Trainer's rule (``Trainer.get_decay_parameter_names``): no weight
+decay for biases and normalisation weights (``input_layernorm``, ``model.norm``,
+``q_norm``, ...). The default of ``optimizer.no_decay``."""
+
+
+def packing_mode(packing: bool | str) -> str:
+    """``documents`` / ``concat`` / ``none`` for a ``data.packing`` value (``true`` is
+    ``documents``, ``false`` is ``none``)."""
+    if isinstance(packing, bool):
+        return PACKING_ALIASES[packing]
+    if packing not in DATA_PACKING:
+        raise DataError(
+            f"unknown packing {packing!r}; expected true, false or one of {DATA_PACKING}"
+        )
+    return str(packing)
