@@ -27,15 +27,16 @@ from runtime_helpers import tiny_spec, trained_in_process
 
 from roundpipe.coordinator.spec.checkpoint_format import MANIFEST, step_name
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.training import trainer as trainer_module
+from roundpipe.coordinator.training import checkpointer as checkpointer_module
+from roundpipe.coordinator.training import job_planner as job_planner_module
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
     load_tensors,
     verify_checkpoint,
 )
+from roundpipe.coordinator.training.job_errors import JobPaused
 from roundpipe.coordinator.training.memory import InsufficientMemory, host_memory_needed
-from roundpipe.coordinator.training.trainer import JobPaused
 from roundpipe.shared.model import LayeredModel
 
 STEPS = 5
@@ -106,13 +107,13 @@ def test_slow_writer_delays_the_next_checkpoint_and_changes_nothing(
     """A writer slower than a step: each checkpoint waits for the previous one (one
     staging copy, never two), every checkpoint is still written, the weights are those
     of the run without checkpoints."""
-    real_save = trainer_module.save_tensors
+    real_save = checkpointer_module.save_tensors
 
     def slow_save(path, tensors, metadata=None):
         time.sleep(0.5)
         real_save(path, tensors, metadata)
 
-    monkeypatch.setattr(trainer_module, "save_tensors", slow_save)
+    monkeypatch.setattr(checkpointer_module, "save_tensors", slow_save)
     caplog.set_level(logging.INFO, logger="roundpipe.coordinator")
     spec = spec_for(tmp_path / "bg", every=1, plan="F[0:2] T[2:6] B[0:2]")
     background = train(spec, arena_dir)
@@ -120,7 +121,7 @@ def test_slow_writer_delays_the_next_checkpoint_and_changes_nothing(
     assert re.search(r"checkpoint step \d+ waited [0-9.]+s for the previous one", caplog.text)
     ckpts = CheckpointDir(tmp_path / "bg" / "checkpoints")
     assert [c.step for c in ckpts.complete("job-bg")] == list(range(1, STEPS + 1))
-    monkeypatch.setattr(trainer_module, "save_tensors", real_save)
+    monkeypatch.setattr(checkpointer_module, "save_tensors", real_save)
     none = train(spec_for(tmp_path / "none", every=0, plan="F[0:2] T[2:6] B[0:2]"), arena_dir)
     assert_same_training(background, none)
 
@@ -133,7 +134,7 @@ def test_staging_is_counted_and_bounded_by_the_setting(
     checkpoints, with the reason in the log."""
     from roundpipe.coordinator.training.trainer import Trainer
 
-    caplog.set_level(logging.INFO, logger="roundpipe.coordinator.training.trainer")
+    caplog.set_level(logging.INFO, logger="roundpipe.coordinator.training.job_planner")
 
     def prepared(spec: JobSpec) -> int:
         t = Trainer("job-mem", spec, arena_dir=arena_dir, namespace="bgmem", output_dir=tmp_path)
@@ -154,14 +155,14 @@ def test_staging_is_counted_and_bounded_by_the_setting(
     assert f"output.checkpoint_staging is {auto - 1} bytes" in caplog.text
     assert prepared(spec_for(tmp_path, every=0)) == 0  # the final checkpoint only
 
-    real_check = trainer_module.check_host_memory
+    real_check = job_planner_module.check_host_memory
 
     def tight(need, arena, **kw):  # room for the job, not for the staging copy
         if need.checkpoint_staging:
             raise InsufficientMemory("no room")
         real_check(need, arena, **kw)
 
-    monkeypatch.setattr(trainer_module, "check_host_memory", tight)
+    monkeypatch.setattr(job_planner_module, "check_host_memory", tight)
     assert prepared(spec_for(tmp_path, every=2)) == 0
     assert "does not have that much memory to spare" in caplog.text
 
@@ -315,7 +316,7 @@ def test_full_disk_while_the_next_checkpoint_waits_pauses_the_job(
         time.sleep(1.0)  # long enough for the run to reach its last step
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(trainer_module, "save_tensors", full_disk)
+    monkeypatch.setattr(checkpointer_module, "save_tensors", full_disk)
     d = spec_for(tmp_path / "out", every=2).to_dict()
     d["train"]["steps"] = 4
     with pytest.raises(JobPaused) as info:

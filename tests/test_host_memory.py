@@ -108,13 +108,16 @@ def test_one_weight_copy_at_staleness_0_changes_no_bit(tmp_path, arena_dir, monk
     """Note [weight copies]: staleness 0 keeps one compute-dtype copy per trainable
     weight; the result equals the two-copy layout's bit for bit (bf16 compute, so the
     copies are real casts)."""
-    import roundpipe.coordinator.training.trainer as trainer_module
+    import roundpipe.coordinator.training.checkpointer as checkpointer_module
+    import roundpipe.coordinator.training.job_planner as job_planner_module
 
     def spec(where: str):
         return tiny_spec(tmp_path / where, staleness=0, steps=4, plan=NARROW, dtype="bfloat16")
 
     one, one_sizes, _ = _train(spec("one"), arena_dir)
-    monkeypatch.setattr(trainer_module, "weight_copies", lambda _spec: 2)
+    # The layout the planner sizes, and the manifest that says which version prev holds.
+    monkeypatch.setattr(job_planner_module, "weight_copies", lambda _spec: 2)
+    monkeypatch.setattr(checkpointer_module, "weight_copies", lambda _spec: 2)
     two, two_sizes, _ = _train(spec("two"), arena_dir)
     model = LayeredModel(model_config_from_spec(spec("x").model), None)
     trainable = sum(

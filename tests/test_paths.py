@@ -318,7 +318,6 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
         output_dir=out,
         paths=PathPolicy.create([tree / "read", DEMO_DATA], [tree / "write"]),
     )
-    write_model = trainer.write_hf_model
 
     def swap_then_write(directory: Path, *weights) -> None:
         out.rename(tree / "write" / "swapped-away")
@@ -327,9 +326,11 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
 
     try:
         trainer.prepare(1)
-        trainer.write_hf_model = swap_then_write  # type: ignore[method-assign]
+        exporter = trainer.exporter  # writes the checkpoints' model files
+        write_model = exporter.write_hf_model
+        exporter.write_hf_model = swap_then_write  # type: ignore[method-assign]
         path = trainer.save_checkpoint(1)
-        trainer.write_hf_model = write_model  # type: ignore[method-assign]
+        exporter.write_hf_model = write_model  # type: ignore[method-assign]
         assert path == out / "checkpoints" / "step-00000001"
         with pytest.raises(JobFailed, match="symbolic link"):
             trainer.save_checkpoint(2)
@@ -366,7 +367,6 @@ def test_output_swapped_while_a_background_checkpoint_is_written_receives_nothin
         output_dir=out,
         paths=PathPolicy.create([tree / "read", DEMO_DATA], [tree / "write"]),
     )
-    write_model = trainer.write_hf_model
     writers: list[str] = []
 
     def swap_then_write(directory: Path, *weights) -> None:
@@ -380,7 +380,9 @@ def test_output_swapped_while_a_background_checkpoint_is_written_receives_nothin
     try:
         trainer.prepare(2)
         assert trainer.staging_bytes > 0  # written in the background
-        trainer.write_hf_model = swap_then_write  # type: ignore[method-assign]
+        exporter = trainer.exporter  # writes the checkpoints' model files
+        write_model = exporter.write_hf_model
+        exporter.write_hf_model = swap_then_write  # type: ignore[method-assign]
         pool = InProcessWorkers(trainer, 2)
         with pytest.raises(JobFailed, match="symbolic link"):
             trainer.run(pool)

@@ -44,7 +44,7 @@ from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.checkpoint_format import LATEST, step_name
 from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.training import trainer as trainer_module
+from roundpipe.coordinator.training import checkpointer as checkpointer_module
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
@@ -279,7 +279,7 @@ def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
     tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = make_spec(tmp_path / "out", staleness=1)
-    real_save = trainer_module.save_tensors
+    real_save = checkpointer_module.save_tensors
     calls = []
 
     def full_disk(path, tensors, metadata=None):
@@ -288,7 +288,7 @@ def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_save(path, tensors, metadata)
 
-    monkeypatch.setattr(trainer_module, "save_tensors", full_disk)
+    monkeypatch.setattr(checkpointer_module, "save_tensors", full_disk)
     with pytest.raises(JobPaused) as info:
         train(spec, arena_dir)
     message = str(info.value)
@@ -297,7 +297,7 @@ def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
         assert part in message, message
     assert sorted(p.name for p in root.iterdir()) == [LATEST, step_name(2)]
     verify_checkpoint(root / step_name(2))
-    monkeypatch.setattr(trainer_module, "save_tensors", real_save)
+    monkeypatch.setattr(checkpointer_module, "save_tensors", real_save)
     assert_bitwise(train(spec, arena_dir), reference(1, 2))
 
 

@@ -279,17 +279,18 @@ def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
 ) -> None:
     """The planner's split plan needs a second gradient buffer and the sums; when the
     host cannot hold them, the job starts on the best unsplit plan instead of failing."""
-    import roundpipe.coordinator.training.trainer as trainer_module
+    import roundpipe.coordinator.training.job_planner as job_planner_module
+    from roundpipe.coordinator.training.job_errors import JobFailed
     from roundpipe.coordinator.training.memory import InsufficientMemory
 
-    real = trainer_module.check_host_memory
+    real = job_planner_module.check_host_memory
 
     def no_room_for_splits(need, directory):
         if need.split_sums:
             raise InsufficientMemory(f"test: no room for {need.split_sums} bytes of sums")
         return real(need, directory)
 
-    monkeypatch.setattr(trainer_module, "check_host_memory", no_room_for_splits)
+    monkeypatch.setattr(job_planner_module, "check_host_memory", no_room_for_splits)
     trainer = _trainer(tmp_path, arena_dir, None, **DEMO_SHAPE)
     try:
         trainer.prepare(2)
@@ -297,7 +298,7 @@ def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
     finally:
         trainer.close()
     # Without the limit the same job is split (so the test above can fail).
-    monkeypatch.setattr(trainer_module, "check_host_memory", real)
+    monkeypatch.setattr(job_planner_module, "check_host_memory", real)
     trainer = _trainer(tmp_path, arena_dir, None, **DEMO_SHAPE)
     try:
         trainer.prepare(2)
@@ -305,10 +306,10 @@ def test_a_host_without_room_for_split_stages_gets_the_unsplit_plan(
     finally:
         trainer.close()
     # A split train.plan is the user's: no fallback, the job fails with the figures.
-    monkeypatch.setattr(trainer_module, "check_host_memory", no_room_for_splits)
+    monkeypatch.setattr(job_planner_module, "check_host_memory", no_room_for_splits)
     trainer = _trainer(tmp_path, arena_dir, SPLIT, staleness=0)
     try:
-        with pytest.raises(trainer_module.JobFailed, match="no room for"):
+        with pytest.raises(JobFailed, match="no room for"):
             trainer.prepare(2)
     finally:
         trainer.close()

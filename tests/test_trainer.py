@@ -191,7 +191,7 @@ def test_slot_pools_take_any_plan_that_fits(tmp_path, arena_dir) -> None:
     try:
         trainer.prepare(2)
         layout = trainer.layout
-        assert trainer.profile is not None  # no train.plan: the trainer may re-plan
+        assert trainer.planner.profile is not None  # no train.plan: the trainer may re-plan
         assert layout.act_capacity >= len(layout.activation_boundaries(trainer.plan)) + 2
         wide = Plan.parse("F[0:1,1:2,2:3,3:4,4:5] T[5:6] B[4:5,3:4,2:3,1:2,0:1]")
         assert not layout.fits(wide)  # 5 boundaries of each kind, more than the pools
@@ -214,7 +214,7 @@ def test_a_pinned_plan_is_never_replanned(tmp_path, arena_dir) -> None:
     trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
-        assert trainer.profile is None
+        assert trainer.planner.profile is None
         assert trainer.layout.act_capacity == 2  # exactly what the plan needs
         assert trainer.plan_history == [(1, str(trainer.plan), "set by train.plan in the job spec")]
     finally:
@@ -238,7 +238,9 @@ def test_switching_plan_mid_run_matches_oracle(tmp_path, arena_dir, staleness) -
         trainer.prepare(2)
         assert trainer.plan != target and trainer.layout.fits(target)
         calls = iter(range(1, 100))
-        trainer._replan_candidate = lambda: (target, "test") if next(calls) == 3 else None
+        trainer.planner.replan_candidate = lambda _layout: (
+            (target, "test") if next(calls) == 3 else None
+        )
         runtime = _run_with(trainer, 2)
         history = trainer.plan_history
         assert [(k, p) for k, p, _ in history][1:] == [(3, str(target))]
@@ -257,7 +259,7 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
     trainer = new_trainer(spec, arena_dir)
     try:
         trainer.prepare(2)
-        profile = trainer.profile
+        profile = trainer.planner.profile
         skewed = [c.scaled(5.0) if i == 1 else c for i, c in enumerate(profile.prior)]
         expected = replan_if_better(
             trainer.plan,
@@ -272,7 +274,7 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
         monkeypatch.setattr(profile, "costs", lambda: skewed)
         runtime = _run_with(trainer, 2)
         assert profile.folded_iterations >= 2 and profile.covered
-        assert trainer._replan_attempts >= 1
+        assert trainer.planner.replan_attempts >= 1
         assert trainer.plan == expected.plan
         assert len(trainer.plan_history) == 2
         assert "re-planned from measured layer times" in trainer.plan_history[1][2]

@@ -1,6 +1,14 @@
 """Training: one job from its plan to its exported model, socket-free.
 
-- :mod:`~roundpipe.coordinator.training.trainer`: the job's life (prepare, run, export).
+- :mod:`~roundpipe.coordinator.training.trainer`: the job's life (prepare, run, export),
+  composed of :mod:`~roundpipe.coordinator.training.job_planner` (its plan and layout),
+  :mod:`~roundpipe.coordinator.training.optimizer_thread` (its weight updates),
+  :mod:`~roundpipe.coordinator.training.checkpointer` (its checkpoints, written and
+  restored), :mod:`~roundpipe.coordinator.training.exporter` (its model in Hugging Face
+  layout), :mod:`~roundpipe.coordinator.training.job_output` (its output directory),
+  :mod:`~roundpipe.coordinator.training.group_member` (its node of a data-parallel group)
+  and :mod:`~roundpipe.coordinator.training.progress_log` (its progress events); it
+  stops with :mod:`~roundpipe.coordinator.training.job_errors`.
 - :mod:`~roundpipe.coordinator.training.layout`: its arenas and counters;
   :mod:`~roundpipe.coordinator.training.schedule`: its tasks per iteration;
   :mod:`~roundpipe.coordinator.training.memory`: the host memory it needs.

@@ -3,7 +3,7 @@ after its update, and a background thread writes the checkpoint while the pipeli
 
 Note [background checkpoint]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The state Note [checkpoint cut] (coordinator/training/trainer.py) lists is, per trainable layer
+The state Note [checkpoint cut] (coordinator/training/checkpointer.py) lists is, per trainable layer
 l: the fp32 masters and the optimizer moments after step k, and the compute-dtype
 W_{k-1} in params[(k-1) % 2]. The optimizer thread is their only writer, and it next
 writes them in step k+1 of layer l. So a copy taken *in the optimizer thread* right
@@ -22,7 +22,7 @@ The writer thread waits for all of them, then writes through ``CheckpointDir.wri
 as a drained checkpoint is written (Note [atomic checkpoint]: temporary directory,
 fsync, rename, ``latest``), so crash safety and verification are unchanged; like a
 drained one it writes through the output directory checked and held open for the whole
-write (``Trainer._pinned_output``), so a directory swapped for a link meanwhile gets
+write (``JobOutput.pinned``), so a directory swapped for a link meanwhile gets
 nothing. The run loop learns of each result from a ``CheckpointSettled`` in its inbox
 (roundpipe.coordinator.training.job_events) and announces it as ``CheckpointWritten``.
 

@@ -1,7 +1,8 @@
 """A job's pipeline timeline: what every worker and the optimizer did, and when.
 
 The trainer calls a ``TimelineRecorder`` at four points (each a few lines in
-roundpipe.coordinator.training.trainer, marked ``# observability``):
+roundpipe.coordinator.training.trainer and its optimizer thread,
+roundpipe.coordinator.training.optimizer_thread, marked ``# observability``):
 
 * ``task_done(msg, task)``: a worker's ``TaskDone``. The worker reports when the task
   started (``started_at``, wall clock: coordinator and workers share the host's clock),

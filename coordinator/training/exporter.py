@@ -1,0 +1,161 @@
+"""A job's model in Hugging Face layout: the final export, and the model files of
+every checkpoint (docs/checkpoints.md).
+
+``write_hf_model`` writes ``save_pretrained`` of the transformers model, or for LoRA a
+PEFT adapter directory whose base is the job's model directory or, for a randomly
+initialised base, ``<output>/base_model`` (written once per run); plus the tokenizer.
+``export`` writes the final model into the output directory through its pin
+(roundpipe.coordinator.training.job_output)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.paths import modes, restrict_tree
+from roundpipe.coordinator.training.checkpoint import as_os_error
+from roundpipe.coordinator.training.job_errors import JobPaused
+from roundpipe.coordinator.training.job_output import JobOutput
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.shared.model import LayeredModel
+
+__all__ = ["ModelExporter"]
+
+
+class ModelExporter:
+    """Writes one prepared job's model: trainable weights from ``masters`` (fp32),
+    frozen ones from the params arena of ``layout``."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        model: LayeredModel,
+        layout: JobLayout,
+        masters: Mapping[int, Mapping[str, torch.Tensor]],
+        output: JobOutput,
+    ):
+        self.spec = spec
+        self.model = model
+        self.layout = layout
+        self.masters = masters
+        self.output = output
+        self._base_model_written = False
+
+    def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
+        """fp32 masters for trainable weights, params-arena copies for frozen ones."""
+        weights = self.weights_with(self.masters)
+        return {layer: {n: t.clone() for n, t in per.items()} for layer, per in weights.items()}
+
+    def base_model_dir(self) -> Path:
+        """The base model a LoRA adapter names: the job's local model directory, or for
+        a randomly initialised base, ``<output>/base_model``."""
+        if self.spec.model.path is not None:
+            return Path(self.spec.model.path).resolve()
+        return (self.output.output_dir / "base_model").resolve()
+
+    def weights_with(
+        self, masters: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every layer's weights: ``masters`` for trainable ones (no copy), the params
+        arena's for frozen ones (they never change)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, names in self.layout.params.items():
+            out[layer] = {}
+            for name, (even, _odd) in names.items():
+                if name in self.masters.get(layer, {}):
+                    out[layer][name] = masters[layer][name]
+                else:
+                    out[layer][name] = self.layout.view(even).to(torch.float32)
+        return out
+
+    def write_hf_model(
+        self, directory: Path, weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
+        """Write the current model in Hugging Face layout into ``directory`` (shared by
+        ``export`` and checkpoints): ``save_pretrained`` of the transformers model
+        (safetensors + config), or for LoRA a PEFT adapter directory whose
+        ``base_model_name_or_path`` is ``base_model_dir()``, so that
+        ``AutoPeftModelForCausalLM.from_pretrained`` works offline; plus the tokenizer.
+        A randomly initialised base is written once per run, atomically, to
+        ``<output>/base_model`` (it never changes: only adapters train). ``weights``:
+        the weights to write (default: the current ones, ``final_weights()``)."""
+        from transformers.utils import logging as hf_logging
+
+        if weights is None:
+            weights = self.final_weights()
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            if self.model.lora is not None:
+                base_dir = self.base_model_dir()
+                if self.spec.model.path is None and not self._base_model_written:
+                    # First, so that peft finds the base's config when saving the adapter.
+                    base = self.model.hf_model_of(weights).unload()
+                    self._write_base_model(base, self.output.root / base_dir.name)
+                model = self.model.hf_model_of(weights)
+                for config in model.peft_config.values():
+                    config.base_model_name_or_path = str(base_dir)
+                model.save_pretrained(str(directory))
+            else:
+                model = self.model.hf_model_of(weights)
+                model.save_pretrained(str(directory))
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        tokenizer_dir = self.spec.tokenizer_path
+        if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+            from roundpipe.coordinator.spec.data import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_dir)
+            if self.spec.data.chat_template is not None:
+                # The exported model chats with the template it was trained on.
+                from roundpipe.coordinator.spec.instruct import load_chat_template
+
+                load_chat_template(tokenizer, self.spec.data.chat_template)
+            tokenizer.save_pretrained(str(directory))
+        restrict_tree(directory)  # whatever the umask: full weights are private
+
+    def _write_base_model(self, base_model, base_dir: Path) -> None:
+        tmp = base_dir.parent / f".tmp-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        trash = base_dir.parent / f".trash-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            base_model.save_pretrained(str(tmp))
+            restrict_tree(tmp)
+            for file in tmp.iterdir():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+            if base_dir.exists():
+                os.rename(base_dir, trash)
+            os.rename(tmp, base_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(trash, ignore_errors=True)
+        self._base_model_written = True
+
+    def export(self, directory: Path | None = None) -> Path:
+        """Write the final model in Hugging Face layout (``write_hf_model``) into
+        ``directory`` (default: the output directory). Raises JobPaused if it cannot be
+        written (the final checkpoint holds the same model)."""
+        output_dir = self.output.output_dir
+        directory = output_dir if directory is None else Path(directory)
+        with self.output.pinned(f"cannot write the final model to {directory}") as output:
+            target = output if directory == output_dir else directory
+            try:
+                target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+                self.write_hf_model(target)
+            except Exception as exc:
+                os_error = as_os_error(exc, target)
+                if os_error is None:
+                    raise
+                raise JobPaused(
+                    self.output.io_error_message(
+                        f"cannot write the final model to {directory}", os_error
+                    )
+                ) from exc
+        return directory

@@ -1,0 +1,205 @@
+"""One node's side of a job trained by a data-parallel group of coordinators
+(roundpipe.coordinator.training.multinode, docs/multi-node.md).
+
+A ``GroupMember`` starts the node from rank 0's state (``sync``: only rank 0 reads
+checkpoints), trains the node's share of every global batch (``share``), runs the
+``GradientReducer`` that sums each layer's gradient over the nodes while the job runs,
+and turns a stopped group into JobPaused (another node left, went silent or failed a
+collective) or JobCancelled (rank 0's job was cancelled)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+
+from roundpipe.coordinator.spec.data import DataError, DataLoader, GlobalBatch, PackedDataset
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
+from roundpipe.coordinator.training.job_output import JobOutput
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
+from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
+from roundpipe.coordinator.training.progress_log import ProgressLog
+
+__all__ = ["GroupMember"]
+
+log = logging.getLogger(__name__)
+
+
+class GroupMember:
+    """This node in ``group``, for one job (module docstring)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        group: JobGroup,
+        *,
+        output: JobOutput,
+        cancelled: threading.Event,
+        wake: Callable[[str], None],
+    ):
+        self.job_id = job_id
+        self.spec = spec
+        self.group = group
+        self.output = output
+        """Says which checkpoint a paused job resumes from."""
+        self.cancelled = cancelled
+        self.wake = wake
+        """Wakes the run loop (with the reason) when the reducer stopped."""
+        self.reducer: GradientReducer | None = None
+        """Sums gradients and losses over the nodes while ``run`` runs."""
+
+    def share(self, batch: GlobalBatch) -> GlobalBatch:
+        """The microbatches of ``batch`` this node trains."""
+        return batch.shard(self.group.microbatches(self.spec.batch.num_microbatches))
+
+    @property
+    def waiting(self) -> str | None:
+        """Which nodes this one has long been waiting for at a collective, and why where
+        they said (coordinator.multinode), else None."""
+        return self.group.waiting
+
+    def paused(self, exc: BaseException) -> JobPaused:
+        """The JobPaused that says the group stopped (``exc`` says why)."""
+        kept = (
+            f"checkpoint step {self.output.checkpoint_step} is kept"
+            if self.output.checkpoint_step
+            else "no checkpoint has been written yet"
+        )
+        return JobPaused(
+            f"the data-parallel group stopped: {exc}. The job is paused; {kept}. Run "
+            f"`roundpipe resume {self.job_id}` to continue from it on the nodes that remain "
+            "(docs/multi-node.md)"
+        )
+
+    def check(self, tasks_parked: bool) -> None:
+        """``check_stopped``, and tell the others when this node's tasks are parked for
+        want of a worker (they wait for it)."""
+        self.group.set_note(
+            "no worker connected to its coordinator (tasks parked)" if tasks_parked else None
+        )
+        self.check_stopped()
+
+    def check_stopped(self) -> None:
+        """Raise JobPaused if another node left the job, went silent or failed a
+        collective (Note [arrive before a collective]); JobCancelled if rank 0 cancelled
+        it."""
+        reducer = self.reducer
+        problem = self.group.problem()
+        if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+            raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
+        if reducer is not None and reducer.error is not None:
+            raise self.paused(reducer.error)
+        if problem is not None:
+            raise self.paused(GroupError(problem))
+
+    def start_reducer(
+        self,
+        layout: JobLayout,
+        first_step: int,
+        *,
+        wait_grads: Callable[[int, int], None],
+        grads: Callable[[int, int], list[torch.Tensor]],
+    ) -> None:
+        """Sum each layer's gradient of steps ``first_step`` .. ``train.steps`` over the
+        nodes as soon as this node has it (``wait_grads``, ``grads``: the optimizer
+        thread's), in a thread of its own."""
+        self.group.cancelled = self.cancelled.is_set
+        self.reducer = GradientReducer(
+            self.group,
+            layers=sorted(layout.trainable_layers(), reverse=True),
+            first_step=first_step,
+            last_step=self.spec.train.steps,
+            wait_grads=wait_grads,
+            grads=grads,
+            stopped=self.cancelled.is_set,
+            wake=self.wake,
+        )
+        self.reducer.start()
+
+    def stop_reducer(self) -> None:
+        """After the run: the reducer ends at once unless it is inside a collective,
+        which ends within the collective timeout (the arenas must outlive it)."""
+        reducer = self.reducer
+        if reducer is None:
+            return
+        if not reducer.join(self.group.nodes.timeout_s + 10):
+            log.error("[trainer] job %s: the all-reduce thread did not stop", self.job_id)
+
+    def sync(
+        self,
+        *,
+        layout: JobLayout,
+        masters: Mapping[int, Mapping[str, torch.Tensor]],
+        optimizer: LayerwiseOptimizer,
+        dataset: PackedDataset,
+        loader: DataLoader,
+        progress: ProgressLog,
+        start_step: int,
+    ) -> int | None:
+        """Make every node start from rank 0's state (Note [checkpoint cut]): the nodes
+        check that they prepared the same job, then rank 0 broadcasts its step, data
+        cursor and progress, and its masters, moments and both weight parities. Only rank
+        0 reads checkpoints, so a checkpoint of any topology resumes on any other.
+        Returns the step the other nodes now start after (None at rank 0)."""
+        group = self.group
+        assert layout.events is not None
+        group.cancelled = self.cancelled.is_set
+        trainable = sorted(
+            (layer, name, tuple(t.shape)) for layer, d in masters.items() for name, t in d.items()
+        )
+        moments = optimizer.state_dict()["tensors"]
+        fingerprint = json.dumps(
+            {
+                "data": dataset.fingerprint,
+                "rows": dataset.num_rows,
+                "tensors": hashlib.sha256(repr(trainable).encode()).hexdigest(),
+                "moments": sorted(moments),
+            },
+            sort_keys=True,
+        )
+        state = ""
+        if group.leader:
+            state = json.dumps(
+                {"step": start_step, "cursor": loader.state_dict(), "progress": progress.rows()}
+            )
+        try:
+            found = group.exchange("prepared", fingerprint, "every node to prepare the job")
+            for rank, theirs in enumerate(found):
+                if theirs != found[0]:
+                    raise JobFailed(
+                        f"{group.nodes.describe(rank)} prepared different data or a different "
+                        "model than rank 0 (dataset fingerprint or trainable tensors differ): "
+                        "every node needs the same model, tokenizer and data files at the "
+                        "same paths"
+                    )
+            leader_state = json.loads(group.exchange("state", state, "rank 0's state")[0])
+            tensors = [masters[layer][name] for layer, name, _ in trainable]
+            tensors += [moments[key] for key in sorted(moments)]
+            for layer, name, _ in trainable:
+                tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
+            group.broadcast(tensors, "rank 0's training state")
+        except GroupError as exc:
+            raise self.paused(exc) from None
+        except InterruptedError:
+            raise JobCancelled(f"job {self.job_id} was cancelled") from None
+        if group.leader:
+            return None
+        s = int(leader_state["step"])
+        try:
+            loader.load_state_dict(leader_state["cursor"])
+        except DataError as exc:
+            raise JobFailed(f"this node's data differs from rank 0's: {exc}") from None
+        optimizer_state = optimizer.state_dict()
+        optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
+        optimizer.load_state_dict(optimizer_state)
+        for layer in masters:
+            layout.events.signal(layout.counters.version(layer), s)
+        progress.replace(leader_state["progress"])
+        return s

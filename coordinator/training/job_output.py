@@ -1,0 +1,150 @@
+"""A job's output directory: where its checkpoints and its final model are written.
+
+Writing into it safely is this module's job. With a ``PathPolicy`` (coordinator
+confined to allowed roots) the directory is checked again before every write and
+written through the checked directory held open (``JobOutput.pinned``): in a write root
+others can write to, it could otherwise be renamed away and replaced by a link between
+the check and the last file written. Error messages name the directory as the user
+knows it, never the pin (``shown``), and say which checkpoint a paused job resumes from
+(``io_error_message``)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from roundpipe.coordinator.spec.checkpoint_format import step_name
+from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused, pinned_dir
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
+from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
+
+__all__ = ["JobOutput"]
+
+
+class JobOutput:
+    """One job's output directory (``output_dir``) and its checkpoints below it."""
+
+    def __init__(self, job_id: str, output_dir: Path, paths: PathPolicy | None):
+        self.job_id = job_id
+        self.output_dir = output_dir
+        self.paths = paths
+        """The coordinator's allowed roots: checked again before every write into the
+        output (None: not confined)."""
+        self.checkpoints = CheckpointDir(output_dir / "checkpoints")
+        self.checkpoint_step: int | None = None
+        """Step of the newest checkpoint written or resumed from (None: none yet): what
+        a paused job resumes from."""
+        self._pins = threading.local()
+        """Per thread (the run loop's and the background checkpoint writer's each hold
+        their own): ``root``, the output directory's pin while ``pinned`` holds one;
+        see ``root``."""
+        self._held_fd: int | None = None
+        self.held = output_dir
+        """The output directory checked in ``hold`` and held open until ``release`` (its
+        pin): where the run's trace and TensorBoard scalars go, written all along."""
+
+    def hold(self) -> None:
+        """Check the output directory (with a ``PathPolicy``) and hold it open, then
+        check that checkpoints can be written into it. Raises JobFailed if the policy
+        refuses it, JobPaused if it is not writable."""
+        if self.paths is not None:
+            try:
+                fd = self.paths.open_output(self.output_dir)
+                if self._held_fd is not None:  # prepared again: hold the new check
+                    os.close(self._held_fd)
+                self._held_fd = fd
+            except PathRefused as exc:
+                raise JobFailed(str(exc)) from None
+            self.held = pinned_dir(self._held_fd) or self.output_dir
+        try:
+            CheckpointDir(self.held / self.checkpoints.root.name).ensure_writable()
+        except OSError as exc:
+            message = self.io_error_message("the output directory is not writable", exc)
+            raise JobPaused(message) from exc
+
+    def release(self) -> None:
+        """Close the directory ``hold`` holds open."""
+        if self._held_fd is not None:
+            os.close(self._held_fd)
+            self._held_fd = None
+            self.held = self.output_dir
+
+    @contextlib.contextmanager
+    def pinned(self, what: str) -> Iterator[Path]:
+        """Check that the output directory is still a directory below a write root that
+        only the coordinator can change (coordinator.paths), and yield a path to write
+        into it through that checked directory held open (coordinator.paths.pinned_dir):
+        in a write root others can write to, the directory could otherwise be renamed
+        away and replaced by a link between the check and the last file written.
+        Raises JobFailed if the check fails, JobPaused (the message begins with ``what``)
+        if the directory cannot be opened at all (out of file descriptors, I/O error)."""
+        if self.paths is None:
+            yield self.output_dir
+            return
+        try:
+            fd = self.paths.open_output(self.output_dir)
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
+        except OSError as exc:
+            raise JobPaused(self.io_error_message(what, _with_path(exc, self.output_dir))) from exc
+        try:
+            pinned = pinned_dir(fd) or self.output_dir  # no /proc: the checked path
+            self._pins.root = pinned
+            yield pinned
+        finally:
+            self._pins.root = None
+            os.close(fd)
+
+    @property
+    def root(self) -> Path:
+        """Where this thread writes into the output directory: the pin it holds
+        (``pinned``), else the directory's path."""
+        return getattr(self._pins, "root", None) or self.output_dir
+
+    def shown(self, text: object) -> str:
+        """``text`` (a path, a message) as the user knows it: the output directory's pin
+        replaced by its path."""
+        text = str(text)
+        for pin in {self.root, self.held} - {self.output_dir}:
+            # Not inside a longer fd number: /proc/self/fd/1 is no prefix of .../fd/12.
+            text = re.sub(re.escape(str(pin)) + r"(?![0-9])", lambda _: str(self.output_dir), text)
+        return text
+
+    def io_error_message(self, what: str, exc: OSError) -> str:
+        """Why writing failed, what to fix, and which checkpoint the paused job resumes
+        from."""
+        where = self.shown(exc.filename or self.checkpoints.root)
+        code = errno.errorcode.get(exc.errno or 0, "")
+        reason = f"{exc.strerror or exc}" + (f" [{code}]" if code else "")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space on that file system"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = "make the directory writable by the coordinator"
+        elif exc.errno in (errno.EMFILE, errno.ENFILE):
+            fix = "see the coordinator's log for what holds its files (a flood of connections?)"
+        else:
+            fix = "fix the problem"
+        if self.checkpoint_step:
+            kept = (
+                f"checkpoint step {self.checkpoint_step} "
+                f"({self.checkpoints.root / step_name(self.checkpoint_step)}) is kept and the "
+                "job resumes from it"
+            )
+        else:
+            kept = "no checkpoint has been written yet, so the job resumes from the start"
+        return (
+            f"{what}: {where}: {reason}. The job is paused; {kept}: {fix}, then run "
+            f"`roundpipe resume {self.job_id}`"
+        )
+
+
+def _with_path(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` if it names no file itself (an error message says where)."""
+    if exc.filename is not None:
+        return exc
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))

@@ -1,0 +1,249 @@
+"""Choosing a job's plan and sizing its arenas for it: the first plan, the layout
+checked against the host's memory, and re-plans while the job runs.
+
+The search itself is the planning room's (roundpipe.coordinator.planning.search); this
+module decides when to ask it and what a job may afford.
+
+Note [re-planning]
+~~~~~~~~~~~~~~~~~~
+Unless the job spec pins ``train.plan``, ``prepare`` plans from parameter sizes
+(roundpipe.coordinator.planning.search.initial_plan) for the connected
+workers' hardware, and sizes the activation slot pools with room for other plans (Note
+[slot pools] in roundpipe.coordinator.training.layout). While the job runs, every ``TaskDone``'s
+per-layer times feed a ``ProfileAggregator``. Once those have settled, at the start of an
+iteration, the trainer asks ``replan_if_better`` for a plan that fits the pools and is
+predicted at least 5% faster under the measured costs. If there is one, it stops
+dispatching, waits for every task in flight (the weights, gradients and counters do not
+depend on the plan, so the optimizer need not wait), re-assigns the pools and carries
+on with the new plan. Training results do not depend on the plan; only speed does. A
+job tries at most ``_MAX_REPLAN_ATTEMPTS`` times, each after the measurements settled
+again, so a futile search costs little.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from roundpipe.coordinator.planning.hardware import HardwareSpec
+from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
+from roundpipe.coordinator.spec.jobspec import JobSpec, staging_limit_bytes
+from roundpipe.coordinator.training.job_errors import JobFailed
+from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.memory import (
+    InsufficientMemory,
+    check_host_memory,
+    checkpoint_staging_needed,
+    committed_checkpoint_staging,
+    grad_buffer_layers,
+    host_memory_needed,
+    weight_copies,
+)
+from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
+
+__all__ = ["JobPlanner"]
+
+log = logging.getLogger(__name__)
+
+_MAX_REPLAN_ATTEMPTS = 3
+_REPLAN_MIN_GAIN = 0.05
+_POOL_HEADROOM = 1.5
+"""Slot pools hold this many times the initial plan's boundaries (at least 2 more, at
+most every layer), so a re-plan may add stages (Note [re-planning])."""
+
+
+class JobPlanner:
+    """Plans one job for ``hardware`` (module docstring)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        hardware: HardwareSpec,
+        arena_dir: Path,
+        node_microbatches: int,
+        compute_dtype: torch.dtype,
+    ):
+        self.job_id = job_id
+        self.spec = spec
+        self.hardware = hardware
+        self.arena_dir = arena_dir
+        self.node_microbatches = node_microbatches
+        """Microbatches this node trains per step: the global batch's, or its share."""
+        self.compute_dtype = compute_dtype
+        self.profile: ProfileAggregator | None = None
+        """Measured layer times, when the planner may re-plan (Note [re-planning])."""
+        self.replan_attempts = 0
+        self.staging_bytes = 0
+        """Host memory set aside for background checkpoints (0: checkpoints drain the
+        pipeline); decided with the layout (Note [background checkpoint])."""
+
+    def first_layout(self, model: LayeredModel) -> tuple[JobLayout, str]:
+        """The job's first plan's layout (sized, not created) and why that plan. Raises
+        JobFailed if no plan fits the host's memory."""
+        plan, why = self._initial_plan(model)
+        try:
+            return self._checked_layout(model, plan), why
+        except InsufficientMemory as exc:
+            if not plan.is_split or self.spec.train.plan:
+                raise JobFailed(str(exc)) from None
+            # The planner's split plan needs a second gradient buffer (and sums) that
+            # this host cannot hold: the best unsplit plan may fit.
+            log.info(
+                "[trainer] job %s: no room for split stages (%s); planning unsplit",
+                self.job_id,
+                exc,
+            )
+            plan, why = self._initial_plan(model, fits=lambda p: not p.is_split)
+            try:
+                return self._checked_layout(model, plan), why
+            except InsufficientMemory as exc2:
+                raise JobFailed(str(exc2)) from None
+
+    def _choose_staging(self, layout: JobLayout) -> int:
+        """Bytes of staging for background checkpoints (``output.checkpoint_staging``):
+        one checkpoint's per-layer state, if the setting allows that much ("auto": if
+        the machine has it available besides the job); else 0, and checkpoints drain."""
+        spec = self.spec
+        need = checkpoint_staging_needed(layout, spec)
+        if need == 0:
+            return 0
+        limit = staging_limit_bytes(spec.output.checkpoint_staging)
+        if limit is not None:
+            if committed_checkpoint_staging(layout, spec):
+                return need
+            why = f"output.checkpoint_staging is {limit} bytes"
+        else:
+            try:
+                check_host_memory(
+                    host_memory_needed(layout, spec, checkpoint_staging=need), self.arena_dir
+                )
+                return need
+            except InsufficientMemory:
+                why = "the machine does not have that much memory to spare"
+        log.info(
+            "[trainer] job %s: checkpoints stop the pipeline while they are written: "
+            "writing them in the background needs %d bytes of staging and %s",
+            self.job_id,
+            need,
+            why,
+        )
+        return 0
+
+    def _checked_layout(self, model: LayeredModel, plan: Plan) -> JobLayout:
+        """The job's layout for ``plan``, sized, not created; raises InsufficientMemory
+        when the host cannot hold it. Sets ``staging_bytes``."""
+        spec = self.spec
+        capacity: dict[str, int] = {}
+        if self.profile is not None:  # leave room in the slot pools for a re-plan
+            for key, boundaries in (
+                ("act_capacity", JobLayout.activation_boundaries(plan)),
+                ("dact_capacity", JobLayout.gradient_boundaries(plan)),
+            ):
+                n = len(boundaries)
+                capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
+        layout = JobLayout.plan_layout(
+            model,
+            plan,
+            compute_dtype=self.compute_dtype,
+            microbatch_rows=spec.batch.microbatch_size,
+            seq_len=spec.data.seq_len,
+            num_microbatches=self.node_microbatches,
+            grad_buffer_layers=grad_buffer_layers(spec, plan),
+            weight_copies=weight_copies(spec),
+            **capacity,
+        )
+        # Admission control: refuse before any arena, master or moment exists, with the
+        # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
+        self.staging_bytes = self._choose_staging(layout)
+        check_host_memory(
+            host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
+            self.arena_dir,
+        )
+        return layout
+
+    def _initial_plan(
+        self, model: LayeredModel, fits: Callable[[Plan], bool] | None = None
+    ) -> tuple[Plan, str]:
+        """The job's first plan and why: the spec's, or the planner's cold start (among
+        the plans ``fits`` accepts)."""
+        spec, hw = self.spec, self.hardware
+        if spec.train.plan:
+            plan = Plan.parse(spec.train.plan)
+            try:
+                plan.validate(model.num_layers)
+                plan.validate_microbatches(self.node_microbatches)
+            except ValueError as exc:
+                raise JobFailed(f"train.plan does not fit this job: {exc}") from None
+            return plan, "set by train.plan in the job spec"
+        try:
+            result = initial_plan(
+                model,
+                hw,
+                microbatch_rows=spec.batch.microbatch_size,
+                seq_len=spec.data.seq_len,
+                num_microbatches=self.node_microbatches,
+                compute_dtype=self.compute_dtype,
+                staleness=spec.train.staleness,
+                fits=fits,
+            )
+        except ValueError as exc:
+            raise JobFailed(f"cannot plan this job: {exc}") from None
+        if spec.train.replan:
+            # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
+            # that is off by more than the 5% a switch must gain.
+            self.profile = ProfileAggregator(
+                result.costs, self.node_microbatches, settle_tolerance=0.1
+            )
+        return result.plan, (
+            f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "
+            f"{result.predicted_iteration_s:.3g}s per step"
+        )
+
+    def replan_candidate(self, layout: JobLayout) -> tuple[Plan, str] | None:
+        """A better plan than ``layout``'s under the measured layer times, if they have
+        settled and one fits the slot pools (Note [re-planning])."""
+        profile, hw = self.profile, self.hardware
+        if profile is None or not profile.settled:
+            return None
+        if self.replan_attempts >= _MAX_REPLAN_ATTEMPTS:
+            return None
+        self.replan_attempts += 1
+        profile.restart_settling()  # the next attempt waits for fresh, settled numbers
+        started = time.perf_counter()
+        spec = self.spec
+        result = replan_if_better(
+            layout.plan,
+            profile.costs(),
+            hw,
+            self.node_microbatches,
+            min_gain=_REPLAN_MIN_GAIN,
+            staleness=spec.train.staleness,
+            tokens_per_iteration=self.node_microbatches
+            * spec.batch.microbatch_size
+            * spec.data.seq_len,
+            fits=layout.fits,
+        )
+        log.info(
+            "[trainer] job %s: re-planning attempt %d took %.2fs: %s",
+            self.job_id,
+            self.replan_attempts,
+            time.perf_counter() - started,
+            "no plan predicted >= 5% faster" if result is None else f"found {result.plan}",
+        )
+        if result is None:
+            return None
+        before = result.replaces_iteration_s
+        assert before is not None
+        gain = 1 - result.predicted_iteration_s / before
+        return result.plan, (
+            f"re-planned from measured layer times: predicted {result.predicted_iteration_s:.3g}s "
+            f"per step instead of {before:.3g}s ({gain:.0%} faster)"
+        )
