@@ -56,7 +56,8 @@ if TYPE_CHECKING:
         RoundPipeError,
         UnknownJob,
     )
-    from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+    from roundpipe.coordinator.spec.errors import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 
 
 def __getattr__(name: str) -> Any:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from roundpipe.client import JobRejected
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.spec.paths import spec_read_dirs
 
 __all__ = ["ChaosReport", "FaultSpec", "main", "random_faults", "run_chaos"]

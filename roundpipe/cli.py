@@ -47,7 +47,8 @@ from roundpipe.client import (
     JobRejected,
     RoundPipeError,
 )
-from roundpipe.coordinator.spec.jobspec import JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import load_job_spec
 from roundpipe.progress import (
     ProgressPrinter,
     WatchResult,

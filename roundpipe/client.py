@@ -52,7 +52,8 @@ from typing import Any, TypeVar
 
 import zmq
 
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     NUM_FRAMES,

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import IO
 
 from roundpipe.client import Client, CoordinatorUnavailable, RoundPipeError
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError, load_job_spec
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.spec.paths import spec_read_dirs
 from roundpipe.progress import watch_job
 from roundpipe.shared.keys import add_key, init_keys

@@ -132,7 +132,7 @@ def _host_memory(
     model's parameter count."""
     import torch
 
-    from roundpipe.coordinator.spec.jobspec import TrainSpec
+    from roundpipe.coordinator.spec.sections import TrainSpec
     from roundpipe.coordinator.training.layout import JobLayout
     from roundpipe.coordinator.training.memory import host_memory_needed
 

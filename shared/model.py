@@ -174,6 +174,15 @@ class LoraSettings:
                 raise ValueError(f"LoRA settings need {key!r}")
         return cls(**kw)
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The settings as :meth:`from_mapping` reads them back (``JobSetup.lora``)."""
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": list(self.target_modules),
+        }
+
     def peft_config(self) -> Any:
         from peft import LoraConfig
 

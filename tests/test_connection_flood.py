@@ -29,7 +29,7 @@ from runtime_helpers import tiny_spec, trained_in_process
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy
-from roundpipe.coordinator.training.trainer import JobPaused
+from roundpipe.coordinator.training.job_errors import JobPaused
 
 NOFILE = 256
 FLOOD = 2 * NOFILE

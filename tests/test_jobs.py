@@ -14,7 +14,7 @@ from roundpipe.coordinator.service.jobs import BadState, JobBook, outcome
 from roundpipe.coordinator.service.jobstore import JobStore
 from roundpipe.coordinator.spec.checkpoint_format import FORMAT, FORMAT_VERSION, MANIFEST, step_name
 from roundpipe.coordinator.spec.paths import PathPolicy
-from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import FINAL_JOB_STATES, JOB_STATES, STOPPED_JOB_STATES
 
 

@@ -120,6 +120,9 @@ def test_lora_settings_validation() -> None:
         {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": "q_proj"}
     )
     assert s.target_modules == ("q_proj",) and s.dropout == 0.1
+    # What JobSetup carries to the workers reads back as the same settings.
+    assert s.to_mapping() == {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj"]}
+    assert LoraSettings.from_mapping(s.to_mapping()) == s
     for bad, msg in [
         ({"r": 0, "alpha": 1}, "positive integer"),
         ({"r": 4}, "need 'alpha'"),

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from roundpipe.coordinator.spec.jobspec import HF_NO_DECAY
+from roundpipe.coordinator.spec.choices import HF_NO_DECAY
 from roundpipe.coordinator.training.optimizer import (
     CHUNK_NUMEL,
     IMPLS,

@@ -305,7 +305,8 @@ def test_output_swapped_while_a_checkpoint_is_written_receives_nothing(
     nothing, and the next checkpoint is refused."""
     from runtime_helpers import tiny_spec
 
-    from roundpipe.coordinator.training.trainer import JobFailed, Trainer
+    from roundpipe.coordinator.training.job_errors import JobFailed
+    from roundpipe.coordinator.training.trainer import Trainer
 
     (tree / "write").chmod(0o777)  # the shared write root the attack needs
     out = tree / "write" / "swapped"
@@ -353,7 +354,8 @@ def test_output_swapped_while_a_background_checkpoint_is_written_receives_nothin
     (coordinator.snapshot): the writer thread holds the checked directory open for the
     whole write, so its files land there; the next background checkpoint is refused and
     the job fails with the reason; the link's target gets nothing."""
-    from roundpipe.coordinator.training.trainer import JobFailed, Trainer
+    from roundpipe.coordinator.training.job_errors import JobFailed
+    from roundpipe.coordinator.training.trainer import Trainer
 
     (tree / "write").chmod(0o777)
     out = tree / "write" / "swapped-bg"

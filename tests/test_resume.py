@@ -51,8 +51,9 @@ from roundpipe.coordinator.training.checkpoint import (
     load_tensors,
     verify_checkpoint,
 )
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
-from roundpipe.coordinator.training.trainer import JobCancelled, JobPaused, Trainer
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.coordinator.spec.jobspec import FieldError, JobSpec, JobSpecError
+from roundpipe.coordinator.spec.errors import FieldError, JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.planning.hardware import HardwareSpec
@@ -56,7 +57,8 @@ def validate_spec(
     needs under any plan against what the machine (and ``arena_dir``) has, and, when
     ``hardware`` describes connected GPU workers, whether any plan fits their memory.
     Raises JobSpecError."""
-    from roundpipe.coordinator.spec.data import DataError, build_dataset_from_spec
+    from roundpipe.coordinator.spec.data import build_dataset_from_spec
+    from roundpipe.coordinator.spec.errors import DataError
     from roundpipe.coordinator.spec.jobspec import model_config_from_spec, validate_against_model
 
     job = JobSpec.from_dict(spec)

@@ -69,7 +69,7 @@ def job_figures(trainer: Trainer) -> JobFigures:
     for worker, (_, up, down) in timeline.worker_totals().items():
         figures.upload_bytes[worker] = up
         figures.download_bytes[worker] = down
-    tracker = getattr(trainer, "tracker", None)
+    tracker = trainer.tracker
     if tracker is not None:
         failures = list(tracker.failures.values())
         recoveries = list(tracker.recoveries)
@@ -80,7 +80,7 @@ def job_figures(trainer: Trainer) -> JobFigures:
 def current_tasks(trainer: Trainer | None) -> dict[int, str]:
     """Per worker, the oldest task it was sent and has not finished (the one it runs:
     a worker runs its tasks in order), e.g. ``"step 12 B1 [0:2]"``."""
-    tracker = getattr(trainer, "tracker", None)
+    tracker = trainer.tracker
     if trainer is None or tracker is None or trainer.layout is None:
         return {}
     oldest: dict[int, object] = {}

@@ -29,8 +29,10 @@ import zmq
 
 from roundpipe.coordinator.service.jobs import JobBook, JobRecord, outcome
 from roundpipe.coordinator.service.workers import WorkerTable
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy, modes
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import (
     CheckpointWritten,
     JobEvent,
@@ -43,7 +45,7 @@ from roundpipe.coordinator.training.multinode import (
     JobGroup,
     NodeGroup,
 )
-from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused, Trainer
+from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.protocol import JobState, JobTeardown, Message, StageTask, encode
 
 __all__ = ["JobRunner"]

@@ -35,11 +35,12 @@ from roundpipe.coordinator.service.jobstore import (
     StoredJob,
     interrupted_message,
 )
-from roundpipe.coordinator.spec.jobspec import JobSpec, JobSpecError
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import progress_page
-from roundpipe.coordinator.training.trainer import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     MAX_REPLY_BYTES,

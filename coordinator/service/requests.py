@@ -33,7 +33,8 @@ from roundpipe.coordinator.service.jobs import (
 )
 from roundpipe.coordinator.service.jobstore import JobStoreError
 from roundpipe.coordinator.service.workers import MAX_NAME_CHARS, WorkerTable
-from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec, JobSpecError
+from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy, check_ownership
 from roundpipe.coordinator.training.multinode import NodeGroup, node_microbatches
 from roundpipe.protocol import (

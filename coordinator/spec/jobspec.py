@@ -44,10 +44,7 @@ from roundpipe.coordinator.spec.checkpoint_format import (
     read_pointer,
 )
 from roundpipe.coordinator.spec.choices import (
-    HF_NO_DECAY,  # noqa: F401 (see below)
     PACKING_ALIASES,
-    SCHEDULE_CONVENTIONS,  # noqa: F401 (see below)
-    STATE_DTYPES,  # noqa: F401 (see below)
 )
 from roundpipe.coordinator.spec.errors import DataError, FieldError, JobSpecError, Problems
 from roundpipe.coordinator.spec.formats import columns_of, resolve_format
@@ -74,7 +71,6 @@ from roundpipe.coordinator.spec.sections import (
     TrainSpec,
     path_fields_of,
     plain,
-    staging_limit_bytes,  # noqa: F401 (see below)
 )
 from roundpipe.coordinator.spec.spec_yaml import SpecYamlError, parse_spec_yaml
 from roundpipe.coordinator.spec.tokenizers import has_tokenizer_files
@@ -82,11 +78,6 @@ from roundpipe.coordinator.spec.unknown_keys import check_keys
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-# HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES (spec.choices) and staging_limit_bytes
-# (spec.sections) are imported above only because coordinator/training (optimizer.py,
-# trainer.py, memory.py) still imports them from here; those lines go once the training
-# room imports them from their homes (issue 34).
 
 __all__ = [
     "MAX_SPEC_BYTES",

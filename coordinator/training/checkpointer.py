@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from roundpipe.coordinator.spec.checkpoint_format import CheckpointError, CheckpointInfo
-from roundpipe.coordinator.spec.data import DataError, DataLoader
+from roundpipe.coordinator.spec.data import DataLoader
+from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (

@@ -110,7 +110,7 @@ class ModelExporter:
                 hf_logging.enable_progress_bar()
         tokenizer_dir = self.spec.tokenizer_path
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-            from roundpipe.coordinator.spec.data import load_tokenizer
+            from roundpipe.coordinator.spec.tokenizers import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_dir)
             if self.spec.data.chat_template is not None:

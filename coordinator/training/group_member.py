@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from roundpipe.coordinator.spec.data import DataError, DataLoader, GlobalBatch, PackedDataset
+from roundpipe.coordinator.spec.data import DataLoader, GlobalBatch, PackedDataset
+from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_output import JobOutput

@@ -12,7 +12,8 @@ outside world, and what it tells it, crosses here and nowhere else:
   receives: send a task, list the live workers, fence a worker that stopped making
   progress.
 
-The daemon (roundpipe.coordinator.service.daemon) implements the port with its sockets; tests
+The service's job thread (roundpipe.coordinator.service.job_runner) implements the port with
+the daemon's sockets; tests
 and benchmarks implement it with in-process workers.
 """
 

@@ -32,7 +32,8 @@ import torch
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import ProfileAggregator
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
-from roundpipe.coordinator.spec.jobspec import JobSpec, staging_limit_bytes
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.sections import staging_limit_bytes
 from roundpipe.coordinator.training.job_errors import JobFailed
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import (

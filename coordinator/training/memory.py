@@ -253,7 +253,7 @@ def committed_checkpoint_staging(layout: JobLayout, spec: JobSpec) -> int:
     in ``output.checkpoint_staging``, one checkpoint's (:func:`checkpoint_staging_needed`)
     if the size holds it, else 0 (checkpoints drain the pipeline); with ``"auto"``, 0:
     the trainer takes staging only if the machine has it to spare when it prepares."""
-    from roundpipe.coordinator.spec.jobspec import staging_limit_bytes
+    from roundpipe.coordinator.spec.sections import staging_limit_bytes
 
     limit = staging_limit_bytes(spec.output.checkpoint_staging)
     need = checkpoint_staging_needed(layout, spec)

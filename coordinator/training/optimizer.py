@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.coordinator.spec.jobspec import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
+from roundpipe.coordinator.spec.choices import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
 from roundpipe.coordinator.training.quantized_state import (
     BLOCK,
     CodeMap,
@@ -69,7 +69,8 @@ from roundpipe.coordinator.training.quantized_state import (
 )
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.spec.jobspec import JobSpec, OptimizerSpec
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.coordinator.spec.sections import OptimizerSpec
 
 __all__ = [
     "HF_NO_DECAY",

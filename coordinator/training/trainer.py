@@ -53,7 +53,7 @@ from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
 from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
-from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed
 from roundpipe.coordinator.training.job_events import (
     CheckpointSettled,
     CheckpointWritten,
@@ -80,7 +80,7 @@ from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, Tas
 from roundpipe.shared.model import LayeredModel, model_config_dict
 from roundpipe.shared.plan import Plan
 
-__all__ = ["JobCancelled", "JobFailed", "JobPaused", "Trainer", "default_plan"]
+__all__ = ["Trainer", "default_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -384,16 +384,7 @@ class Trainer:
         return JobSetup(
             job_id=self.job_id,
             model_config=model_config_dict(self.model.config),
-            lora=None
-            if self.model.lora is None
-            else {
-                "r": self.model.lora.r,
-                "alpha": self.model.lora.alpha,
-                "dropout": self.model.lora.dropout,
-                "target_modules": list(self.model.lora.target_modules)
-                if not isinstance(self.model.lora.target_modules, str)
-                else self.model.lora.target_modules,
-            },
+            lora=None if self.model.lora is None else self.model.lora.to_mapping(),
             compute_dtype=self.spec.train.dtype,
             arenas=self.layout.arena_infos(),
             layers=self.layout.layer_layouts(),
