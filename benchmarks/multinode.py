@@ -25,11 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import demo_data_spec  # benchmarks/ is on sys.path
 
-from common import demo_data_spec  # noqa: E402
-from multinode_helpers import node_group  # noqa: E402
-from runtime_helpers import cpu_cluster  # noqa: E402
+from roundpipe.cluster import cpu_cluster, local_group
 
 _ALLREDUCE = re.compile(r"all-reduce: (\d+) bytes of gradients per step, ([0-9.]+)s per step")
 
@@ -83,7 +81,7 @@ def main() -> int:
             events = list(handle.progress(timeout_s=600))
             assert handle.wait(timeout_s=60).state == "succeeded", one.logs()
         rows.append(("1 node", m, step_time(events), float("nan"), 0))
-        with node_group(root / "two", "bench-mn2") as (rank0, _rank1):
+        with local_group(root / "two", "bench-mn2") as (rank0, _rank1):
             handle = rank0.client.submit(spec("two", 2))
             events = list(handle.progress(timeout_s=600))
             assert handle.wait(timeout_s=60).state == "succeeded", rank0.logs()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +26,7 @@ from roundpipe.coordinator.spec.data import build_dataset
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor
-
-# One whole iteration in-process: the tests' reference driver (tests/model_helpers.py).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from model_helpers import run_iteration  # noqa: E402
+from roundpipe.worker.reference import run_iteration  # one iteration, in this process
 
 DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 MODES = ("none", "documents", "concat")

@@ -1,6 +1,9 @@
 """A coordinator and CPU/GPU workers as local child processes: for the chaos harness,
 benchmarks and tests (``roundpipe demo`` has its own launcher with progress display).
 
+:func:`cpu_cluster` is one such cluster with CPU workers, connected and cleaned up after;
+:func:`local_group` is several, one data-parallel group over loopback (docs/multi-node.md).
+
 Every daemon is a real process started with ``sys.executable -m ...`` and logging to a
 file in ``root``. Workers can be added, killed (SIGKILL), frozen (SIGSTOP) and thawed at
 any time; ``stop()`` terminates everything with deadlines and reports arenas left behind.
@@ -15,12 +18,15 @@ ipc:// socket then authenticates peers by their uid).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +42,7 @@ from roundpipe.shared.keys import (
     init_keys,
 )
 
-__all__ = ["Daemon", "LocalCluster"]
+__all__ = ["Daemon", "LocalCluster", "cpu_cluster", "free_port", "group_args", "local_group"]
 
 
 @dataclass
@@ -241,3 +247,114 @@ class LocalCluster:
                 if path.is_dir() and not path.is_symlink():
                     leftovers.extend(sorted(path.iterdir()))
         return leftovers
+
+
+def _check_exit(cluster: LocalCluster) -> None:
+    code = cluster.coordinator.proc.returncode
+    if code != 0:
+        raise RuntimeError(f"the coordinator exited with {code}:\n{cluster.logs()}")
+
+
+@contextlib.contextmanager
+def cpu_cluster(
+    root: Path,
+    name: str,
+    coordinator_args: Sequence[str] = (),
+    *,
+    num_workers: int = 0,
+    worker_args: Sequence[str] = (),
+) -> Iterator[LocalCluster]:
+    """A LocalCluster with ``num_workers`` CPU workers, connected (arenas in a private
+    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0."""
+    arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
+    arena_dir.mkdir()
+    cluster = LocalCluster(
+        root, arena_dir, coordinator_args=list(coordinator_args), worker_args=worker_args
+    )
+    try:
+        for i in range(num_workers):
+            cluster.add_worker(f"w{i + 1}")
+        cluster.wait_for_workers(num_workers)
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+    _check_exit(cluster)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_args(port: int, rank: int, world_size: int, timeout_s: float) -> list[str]:
+    """``roundpipe-coordinator`` arguments that make it rank ``rank`` of a loopback group."""
+    return [
+        "--dist-init",
+        f"tcp://127.0.0.1:{port}",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--dist-timeout",
+        str(timeout_s),
+    ]
+
+
+@contextlib.contextmanager
+def local_group(
+    root: Path,
+    name: str,
+    *,
+    num_nodes: int = 2,
+    workers_per_node: int | Sequence[int] = 1,
+    timeout_s: float = 60.0,
+    extra_args: Sequence[str] = ("--wait-timeout", "120"),
+    check_exit: bool = True,
+    faults: dict[int, str] | None = None,
+) -> Iterator[list[LocalCluster]]:
+    """``num_nodes`` coordinators (rank i is element i), each with ``workers_per_node``
+    CPU workers (or a count per rank; ``faults``: rank -> ROUNDPIPE_FAULT for its first
+    worker); stopped afterwards (rank 0 last: it hosts the group's store)."""
+    port = free_port()
+    nodes: list[LocalCluster] = []
+    arena_dirs = []
+    try:
+        for rank in range(num_nodes):
+            arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}-{rank}"
+            arena_dir.mkdir()
+            arena_dirs.append(arena_dir)
+            nodes.append(
+                LocalCluster(
+                    root / f"node{rank}",
+                    arena_dir,
+                    coordinator_args=[
+                        *group_args(port, rank, num_nodes, timeout_s),
+                        *extra_args,
+                    ],
+                )
+            )
+        counts = (
+            [workers_per_node] * num_nodes
+            if isinstance(workers_per_node, int)
+            else list(workers_per_node)
+        )
+        for rank, node in enumerate(nodes):
+            for i in range(counts[rank]):
+                fault = (faults or {}).get(rank) if i == 0 else None
+                node.add_worker(f"n{rank}w{i + 1}", fault=fault)
+        for node, count in zip(nodes, counts):
+            node.wait_for_workers(count)
+        yield nodes
+    finally:
+        for node in reversed(nodes[1:]):
+            node.stop()
+        if nodes:
+            nodes[0].stop()
+        for arena_dir in arena_dirs:
+            shutil.rmtree(arena_dir, ignore_errors=True)
+    if check_exit:
+        for node in nodes:
+            _check_exit(node)

@@ -1,25 +1,21 @@
-"""Shared helpers for the model-execution tests: tiny configs, batches, HF references, random
-plans and the in-process reference driver of one iteration (`run_iteration`)."""
+"""Shared helpers for the model-execution tests: tiny configs, batches, HF references and
+random plans (the in-process reference driver is roundpipe.worker.reference)."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 
-from roundpipe.shared.model import LayeredModel, count_label_tokens
+from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
-from roundpipe.worker.executor import RngKey, StageExecutor
 
 __all__ = [
     "ALL_ARCHS",
     "ARCHS",
     "NEW_ARCHS",
-    "IterationResult",
     "random_plan",
-    "run_iteration",
     "LORA_SPEC",
     "assert_grads_close",
     "VOCAB",
@@ -249,104 +245,3 @@ def _random_split(n: int, rng: random.Random) -> tuple[tuple[int, int], ...]:
     # partition, including all-single-layer and one-stage ones.
     cuts = [0] + [i for i in range(1, n) if rng.random() < 0.5] + [n]
     return tuple((cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1))
-
-
-@dataclass
-class IterationResult:
-    loss: float
-    microbatch_losses: list[float]
-    grads: dict[str, torch.Tensor]
-    """fp32 gradient per trainable parameter, tied contributions summed into the owner."""
-
-
-def run_iteration(
-    model: LayeredModel,
-    plan: Plan,
-    weights: Mapping[int, Mapping[str, torch.Tensor]],
-    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    executor: StageExecutor,
-    *,
-    rng: RngKey | None = None,
-    position_ids: Sequence[torch.Tensor] | None = None,
-) -> IterationResult:
-    """Reference driver: one iteration's F stages, T, then B stages, in order.
-
-    Data moves as in the distributed runtime: the forward keeps only backward-boundary
-    inputs (plus the hidden states handed to the next stage), backward stages start from
-    those, and each task gets only its range's weights (cast to the compute dtype, as the
-    params arena holds them). Tied gradients are summed into their owner.
-    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]).
-    """
-    rng = rng if rng is not None else RngKey()
-    plan.validate(model.num_layers)
-    if not microbatches:
-        raise ValueError("run_iteration needs at least one microbatch")
-    dtype = executor.compute_dtype
-    cast = {layer: {n: t.to(dtype) for n, t in per.items()} for layer, per in weights.items()}
-    ids = [mb[0] for mb in microbatches]
-    labels = [mb[1] for mb in microbatches]
-    num_tokens = sum(count_label_tokens(y) for y in labels)
-    boundaries = plan.backward_boundaries()
-
-    acts: dict[int, list[torch.Tensor]] = {}  # the activation arena: layer -> per microbatch
-    # Router auxiliary loss: forward stages' (counts, prob sums) summed per microbatch for
-    # the tail; the tail's counts for the backward stages.
-    aux = model.router_aux is not None
-    batch_tokens = sum(t.numel() for t in ids) if aux else None
-    router_stats: list[torch.Tensor] | None = None
-    x: list[torch.Tensor] = ids
-    for a, b in plan.forward:
-        res = executor.forward(
-            a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng, position_ids=position_ids
-        )
-        acts.update(res.saved)
-        x = res.outputs
-        if aux:
-            if router_stats is None:
-                router_stats = res.router_stats
-            else:
-                router_stats = [s + t for s, t in zip(router_stats, res.router_stats)]
-    grads: dict[str, torch.Tensor] = {}
-
-    def collect(part: Mapping[str, torch.Tensor]) -> None:
-        for n, g in part.items():
-            if n in grads:
-                raise AssertionError(f"two tasks returned a gradient for {n}")
-            grads[n] = g
-
-    t0, t1 = plan.tail
-    tail = executor.tail(
-        t0,
-        t1,
-        model.range_weights(cast, t0, t1),
-        x,
-        labels,
-        num_tokens,
-        rng=rng,
-        position_ids=position_ids,
-        router_stats=router_stats,
-        batch_tokens=batch_tokens,
-    )
-    collect(tail.weight_grads)
-    dx = tail.grad_inputs
-    for a, b in plan.backward:
-        saved = ids if a == 0 else acts[a]
-        assert dx is not None
-        res = executor.backward(
-            a,
-            b,
-            model.range_weights(cast, a, b),
-            saved,
-            dx,
-            rng=rng,
-            position_ids=position_ids,
-            router_counts=tail.router_counts if aux else None,
-            batch_tokens=batch_tokens,
-        )
-        collect(res.weight_grads)
-        dx = res.grad_inputs
-    for tied, owner in model.tied_params.items():
-        g = grads.pop(tied, None)
-        if g is not None:
-            grads[owner] = grads[owner] + g if owner in grads else g
-    return IterationResult(tail.loss_sum, tail.microbatch_losses, grads)

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.cluster import cpu_cluster
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training.optimizer import LRSchedule, decays
@@ -369,35 +369,6 @@ def first_iteration(
 def coordinator_only(root: Path, name: str, coordinator_args: Sequence[str] = ()):
     """A LocalCluster with no workers (see ``cpu_cluster``)."""
     return cpu_cluster(root, name, coordinator_args)
-
-
-@contextlib.contextmanager
-def cpu_cluster(
-    root: Path,
-    name: str,
-    coordinator_args: Sequence[str] = (),
-    *,
-    num_workers: int = 0,
-    worker_args: Sequence[str] = (),
-):
-    """A LocalCluster with ``num_workers`` CPU workers, connected (arenas in a private
-    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0."""
-    from roundpipe.cluster import LocalCluster
-
-    arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
-    arena_dir.mkdir()
-    c = LocalCluster(
-        root, arena_dir, coordinator_args=list(coordinator_args), worker_args=worker_args
-    )
-    try:
-        for i in range(num_workers):
-            c.add_worker(f"w{i + 1}")
-        c.wait_for_workers(num_workers)
-        yield c
-    finally:
-        c.stop()
-        shutil.rmtree(arena_dir, ignore_errors=True)
-        assert c.coordinator.proc.returncode == 0, c.logs()
 
 
 def fake_hello(**overrides: Any) -> Hello:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from model_helpers import run_iteration
 from runtime_helpers import TINY_QWEN3, assert_params_match, oracle_train, tiny_spec
 from test_trainer import train_in_process
 
@@ -20,6 +19,7 @@ from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor
+from roundpipe.worker.reference import run_iteration
 
 DEMO = Path(__file__).resolve().parents[1] / "roundpipe" / "demo_data"
 CHATS = [json.loads(line)["messages"] for line in (DEMO / "demo_chat.jsonl").open()][:40]

@@ -266,7 +266,9 @@ def test_a_worker_host_key_is_revoked_alone(tmp_path: Path) -> None:
     """Item 9: a worker host with an identity of its own registers; removing that key
     (and giving the name a new one) ends that host's worker alone: it is declared lost
     through the liveness path and the running job goes on with the other worker."""
-    from runtime_helpers import cpu_cluster, tiny_spec
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.cluster import cpu_cluster
 
     with cpu_cluster(tmp_path / "cluster", "key-sessions", ["--worker-timeout", "3"]) as c:
         # "On gpu-host-2": a pair of its own; the coordinator's admin authorises its

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_helpers import LORA_SPEC, batch, run_iteration, split_rows, tiny_config  # noqa: E402
+from model_helpers import LORA_SPEC, batch, split_rows, tiny_config  # noqa: E402
 
 from roundpipe.shared.model import LayeredModel, count_label_tokens, shift_labels  # noqa: E402
 from roundpipe.shared.plan import Plan  # noqa: E402
@@ -22,6 +22,7 @@ from roundpipe.worker.executor import (  # noqa: E402
     StageExecutor,
     chunked_lm_head_loss,
 )
+from roundpipe.worker.reference import run_iteration  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -69,8 +70,7 @@ _CHILD = textwrap.dedent(
     from roundpipe.shared.plan import Plan
     from roundpipe.worker.executor import StageExecutor
 
-    sys.path.insert(0, sys.argv[2])  # the tests folder: model_helpers.run_iteration
-    from model_helpers import run_iteration
+    from roundpipe.worker.reference import run_iteration
 
     out = {}
     # 1. Read-only weights.
@@ -120,7 +120,7 @@ _CHILD = textwrap.dedent(
 def test_tail_peak_memory_and_read_only_weights(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "arena.bin"), str(Path(__file__).parent)],
+        [sys.executable, "-c", _CHILD, str(tmp_path / "arena.bin")],
         capture_output=True,
         text=True,
         timeout=300,

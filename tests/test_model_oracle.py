@@ -25,7 +25,6 @@ from model_helpers import (  # noqa: E402
     perturb_lora,
     random_plan,
     rel_err,
-    run_iteration,
     split_rows,
     tiny_config,
 )
@@ -33,6 +32,7 @@ from model_helpers import (  # noqa: E402
 from roundpipe.shared.model import LayeredModel  # noqa: E402
 from roundpipe.shared.plan import Plan  # noqa: E402
 from roundpipe.worker.executor import RngKey, StageExecutor  # noqa: E402
+from roundpipe.worker.reference import run_iteration  # noqa: E402
 
 torch.set_num_threads(1)
 

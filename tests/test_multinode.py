@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from multinode_helpers import node_group
 from runtime_helpers import assert_params_match, load_output, oracle_train, tiny_spec
 
 from roundpipe.client import RoundPipeError
+from roundpipe.cluster import local_group
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.multinode import node_microbatches, settings_from_args
 
@@ -86,7 +86,7 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
     resumed["model"]["resume_from"] = str(tmp_path / "single" / "checkpoints" / "step-00000002")
     resumed["output"] = {"dir": str(tmp_path / "resumed")}
     specs["resumed"] = JobSpec.from_dict(resumed)
-    with node_group(tmp_path, "mn-exact") as (rank0, rank1):
+    with local_group(tmp_path, "mn-exact") as (rank0, rank1):
         handles = {name: rank0.client.submit(spec) for name, spec in specs.items()}
         for name, handle in handles.items():
             events = list(handle.progress(timeout_s=300))
@@ -140,7 +140,7 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
     coordinator is killed: rank 0 pauses the job within the group timeout, naming node 1;
     `resume` continues from the 2-node checkpoint of step 2 on rank 0 alone, exactly."""
     spec = with_output(tiny_spec(tmp_path / "out", steps=6, num_microbatches=4), checkpoint_every=2)
-    with node_group(
+    with local_group(
         tmp_path, "mn-fault", timeout_s=5, faults={1: "stop@iteration=4"}, check_exit=False
     ) as (rank0, rank1):
         handle = rank0.client.submit(spec)
@@ -170,7 +170,7 @@ def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
     why. Cancelled at rank 0, it is cancelled at node 1 too (which was waiting for a
     worker, not training); once a worker joins node 1 the next job runs to the end."""
     spec = tiny_spec(tmp_path / "out", steps=2, num_microbatches=2)
-    with node_group(tmp_path, "mn-wait", workers_per_node=[1, 0]) as (rank0, rank1):
+    with local_group(tmp_path, "mn-wait", workers_per_node=[1, 0]) as (rank0, rank1):
         waiting = rank0.client.submit(spec)
         deadline = time.monotonic() + 60
         while "not there yet" not in (status := waiting.status()).message:

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import cpu_cluster, oracle_train, run_in_process, tiny_spec
+from runtime_helpers import oracle_train, run_in_process, tiny_spec
 
 from roundpipe.cli import main as cli_main
-from roundpipe.cluster import LocalCluster
+from roundpipe.cluster import LocalCluster, cpu_cluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace, trace_files
 

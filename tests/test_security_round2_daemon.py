@@ -22,10 +22,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from runtime_helpers import cpu_cluster, fake_hello, tiny_spec
+from runtime_helpers import fake_hello, tiny_spec
 
 from roundpipe.client import JobRejected, RoundPipeError
-from roundpipe.cluster import LocalCluster
+from roundpipe.cluster import LocalCluster, cpu_cluster
 from roundpipe.coordinator.service.admission import SpecValidator
 from roundpipe.coordinator.service.auth import Peer
 from roundpipe.coordinator.service.workers import provable_worker_process

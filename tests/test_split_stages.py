@@ -321,7 +321,9 @@ def test_a_worker_killed_in_a_split_task_changes_no_result(tmp_path) -> None:
     microbatch 2) is killed at that microbatch; the task goes to the other worker, which
     writes the second gradient slots, and the job ends equal to its oracle, and equal to
     the same job without the kill."""
-    from runtime_helpers import cpu_cluster, load_output
+    from runtime_helpers import load_output
+
+    from roundpipe.cluster import cpu_cluster
 
     kill = "kill@iteration=2,kind=backward,layer=0,mb=2"
     results = {}
