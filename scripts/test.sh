@@ -2,9 +2,38 @@
 # The test command (README.md): the whole suite, slow tests included, on CPU.
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
+#
+#   scripts/test.sh            everything (what CI runs; about 15 minutes on 2 cores)
+#   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes):
+#                              units, the model against transformers, the trainer with
+#                              in-process workers, the wire, the layering and the docs.
+#                              The system tests (daemons, clusters, kills, the CLI, the
+#                              benchmarks' smoke runs) and tests marked slow run in the
+#                              full suite only.
+#   scripts/test.sh ARGS...    pytest's own arguments (a file, -k, -x) after either
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q "$@"
+
+QUICK_FILES=(
+  tests/test_package_layout.py tests/test_docs.py
+  tests/test_protocol.py tests/test_protocol_wire.py
+  tests/test_jobspec.py tests/test_data.py tests/test_instruct.py
+  tests/test_planner.py tests/test_simulator.py
+  tests/test_model_layers.py tests/test_model_plan.py tests/test_model_flops.py
+  tests/test_model_oracle.py tests/test_model_families.py tests/test_model_executor.py
+  tests/test_optimizer.py tests/test_host_memory.py tests/test_checkpoint.py
+  tests/test_trainer.py tests/test_recovery.py tests/test_timeline.py
+  tests/test_jobs.py tests/test_jobstore.py tests/test_keys.py tests/test_polling.py
+  tests/test_events.py tests/test_handoff.py tests/test_arena.py tests/test_transfer.py
+  tests/test_worker_runtime.py
+)
+
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  python -m pytest -q -m "not slow" "${QUICK_FILES[@]}" "$@"
+else
+  python -m pytest -q "$@"
+fi
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; the suite is missing or broken" >&2

@@ -84,7 +84,11 @@ _TINY = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(_TINY))
+@pytest.mark.parametrize(
+    "arch",
+    # qwen3_moe's peft export alone takes about a minute on 2 cores: out of the quick suite
+    [pytest.param(a, marks=pytest.mark.slow) if a == "qwen3_moe" else a for a in sorted(_TINY)],
+)
 def test_lora_default_targets_train_and_export(tmp_path, arena_dir, arch) -> None:
     """A lora section without target_modules means all-linear (the documented default):
     the job trains every linear layer of the decoder, equals the peft oracle, and its
