@@ -126,6 +126,9 @@ def test_job_spec_refuses_documents_packing_for_linear_attention(tmp_path: Path)
         tiny_spec(tmp_path, **kw)
     for packing in ("none", "concat"):
         tiny_spec(tmp_path, packing=packing, **kw)
+    # A value of the wrong type is one clear problem, not a TypeError from the model checks.
+    with pytest.raises(JobSpecError, match=r"data.packing: .*\['documents'\]"):
+        tiny_spec(tmp_path, packing=["documents"], **kw)
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)

@@ -25,6 +25,7 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_CONVENTIONS",
     "STATE_DTYPES",
+    "packing_alias",
     "packing_mode",
 ]
 
@@ -51,6 +52,12 @@ HF_NO_DECAY = ("bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(
 """The Hugging Face Trainer's rule (``Trainer.get_decay_parameter_names``): no weight
 decay for biases and normalisation weights (``input_layernorm``, ``model.norm``,
 ``q_norm``, ...). The default of ``optimizer.no_decay``."""
+
+
+def packing_alias(value: object) -> object:
+    """The canonical name of a ``data.packing`` value (``true`` is ``documents``, ``false``
+    is ``none``); any other value, a wrong type included, as it is (reported elsewhere)."""
+    return PACKING_ALIASES.get(value, value) if isinstance(value, (bool, str)) else value
 
 
 def packing_mode(packing: bool | str) -> str:

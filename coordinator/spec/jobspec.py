@@ -44,7 +44,7 @@ from roundpipe.coordinator.spec.checkpoint_format import (
     read_pointer,
 )
 from roundpipe.coordinator.spec.choices import (
-    PACKING_ALIASES,
+    packing_alias,
 )
 from roundpipe.coordinator.spec.errors import DataError, FieldError, JobSpecError, Problems
 from roundpipe.coordinator.spec.formats import columns_of, resolve_format
@@ -408,7 +408,7 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
     for key in ("seq_len", "packing", "shuffle"):
         before, now = old_value("data", key), getattr(spec.data, key)
         if key == "packing":  # true and documents (false and none) are one setting
-            before, now = PACKING_ALIASES.get(before, before), PACKING_ALIASES.get(now, now)
+            before, now = packing_alias(before), packing_alias(now)
         if before is not None and before != now:
             e.add(
                 f"data.{key}",
@@ -479,7 +479,7 @@ def _model_errors(
             f"got {spec.data.seq_len}; expected at most the model's max_position_embeddings "
             f"({max_pos})",
         )
-    packing = PACKING_ALIASES.get(spec.data.packing, spec.data.packing)
+    packing = packing_alias(spec.data.packing)
     layer_types = _config_get(model_config, "layer_types") or ()
     if packing == "documents" and "linear_attention" in layer_types:
         # A linear-attention layer carries its state along the whole row: packed
