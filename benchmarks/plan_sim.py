@@ -35,33 +35,28 @@ from pathlib import Path
 
 GiB = 1 << 30
 
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int) -> tuple[str, dict]:
+    """A dense Qwen3 config: the sizes share 8 KV heads of width 128, the vocabulary and
+    tied embeddings."""
+    return (
+        "Qwen3Config",
+        dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    )
+
+
 MODELS = {
-    "Qwen3-1.7B": (
-        "Qwen3Config",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "Qwen3-4B": (
-        "Qwen3Config",
-        dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "Qwen3-1.7B": _qwen3(hidden=2048, intermediate=6144, layers=28, heads=16),
+    "Qwen3-4B": _qwen3(hidden=2560, intermediate=9728, layers=36, heads=32),
     "Llama-3.1-8B": (
         "LlamaConfig",
         dict(
