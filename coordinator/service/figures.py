@@ -80,9 +80,9 @@ def job_figures(trainer: Trainer) -> JobFigures:
 def current_tasks(trainer: Trainer | None) -> dict[int, str]:
     """Per worker, the oldest task it was sent and has not finished (the one it runs:
     a worker runs its tasks in order), e.g. ``"step 12 B1 [0:2]"``."""
-    tracker = trainer.tracker
-    if trainer is None or tracker is None or trainer.layout is None:
+    if trainer is None or trainer.tracker is None or trainer.layout is None:
         return {}
+    tracker = trainer.tracker
     oldest: dict[int, object] = {}
     for entry in list(tracker.in_flight.values()):
         held = oldest.get(entry.worker_id)
