@@ -148,7 +148,6 @@ def _sample_worker(
     worker_id: int,
     device: str,
     device_name: str,
-    *,
     memory_gib: int,
     state: str,
     tasks_done: int = 0,
@@ -188,14 +187,14 @@ class FakeCoordinator:
                     0,
                     "cuda",
                     "NVIDIA GeForce RTX 4090",
-                    memory_gib=24,
-                    state="busy",
+                    24,
+                    "busy",
                     tasks_done=42,
                     h2d_bytes_per_s=24.1e9,
                     d2h_bytes_per_s=25.3e9,
                     current_task="step 12 B1 [0:2]",
                 ),
-                _sample_worker(1, "cpu", "cpu (16 cores)", memory_gib=64, state="idle"),
+                _sample_worker(1, "cpu", "cpu (16 cores)", 64, "idle"),
             ]
         )
         self.heartbeat_senders: dict[str, float] = {}
