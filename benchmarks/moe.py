@@ -28,36 +28,34 @@ import torch
 from roundpipe.shared.model import LayeredModel
 from roundpipe.worker.executor import StageExecutor
 
+
+def _shape(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    expert_width: int,
+    experts: int,
+    top_k: int,
+) -> dict[str, int]:
+    """A MoE decoder layer's sizes, as the ``Qwen3MoeConfig`` fields."""
+    return dict(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        moe_intermediate_size=expert_width,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+    )
+
+
 # Qwen3-30B-A3B's decoder layer (config.json of the released model) and a CPU-sized
 # version: every width / 4, the expert count and top-k kept (so is the routing pattern).
 SHAPES: dict[str, dict[str, int]] = {
-    "full": dict(
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-    ),
-    "scaled": dict(
-        hidden_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=1,
-        head_dim=64,
-        moe_intermediate_size=192,
-        num_experts=128,
-        num_experts_per_tok=8,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=16,
-        num_experts_per_tok=4,
-    ),
+    "full": _shape(2048, 32, 4, 128, expert_width=768, experts=128, top_k=8),
+    "scaled": _shape(512, 8, 1, 64, expert_width=192, experts=128, top_k=8),
+    "smoke": _shape(64, 4, 1, 16, expert_width=32, experts=16, top_k=4),
 }
 
 

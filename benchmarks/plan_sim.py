@@ -32,47 +32,46 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 GiB = 1 << 30
 
+
+def _config(
+    cls: str,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    *,
+    vocab: int,
+    tied: bool,
+    **more: int,
+) -> tuple[str, dict]:
+    """A dense model: its transformers config class and sizes (all three use 8 KV heads)."""
+    return (
+        cls,
+        dict(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=8,
+            **more,
+            vocab_size=vocab,
+            tie_word_embeddings=tied,
+        ),
+    )
+
+
+# What the Qwen3 sizes share: head width, vocabulary, tied embeddings.
+QWEN3: dict[str, Any] = dict(head_dim=128, vocab=151936, tied=True)
+
 MODELS = {
-    "Qwen3-1.7B": (
-        "Qwen3Config",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "Qwen3-4B": (
-        "Qwen3Config",
-        dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "Llama-3.1-8B": (
-        "LlamaConfig",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            tie_word_embeddings=False,
-        ),
+    "Qwen3-1.7B": _config("Qwen3Config", 2048, 6144, layers=28, heads=16, **QWEN3),
+    "Qwen3-4B": _config("Qwen3Config", 2560, 9728, layers=36, heads=32, **QWEN3),
+    "Llama-3.1-8B": _config(
+        "LlamaConfig", 4096, 14336, layers=32, heads=32, vocab=128256, tied=False
     ),
 }
 

@@ -182,27 +182,39 @@ def _figure_rows(status: JobStatus) -> list[tuple[str, str]]:
     return rows
 
 
+def _print_listing(
+    as_json: bool,
+    items: Sequence[Any],
+    none_text: str,
+    headers: tuple[str, ...],
+    row: Callable[[Any], tuple[str, ...]],
+) -> int:
+    """What `roundpipe jobs` and `roundpipe workers` print: JSON, a line saying there are
+    none, or a table with a row per item."""
+    if as_json:
+        print(json.dumps([_status_dict(i) for i in items], indent=2))
+    elif not items:
+        print(none_text)
+    else:
+        print(_table(headers, [row(i) for i in items]))
+    return EXIT_OK
+
+
+def _job_row(j: JobStatus) -> tuple[str, ...]:
+    return (
+        j.job_id,
+        j.state,
+        f"{j.step}/{j.total_steps}",
+        format_loss(j.loss),
+        j.message if j.state in ("failed", "paused") or not j.output_dir else j.output_dir,
+    )
+
+
 def _cmd_jobs(args: argparse.Namespace) -> int:
     with _client(args) as client:
         jobs = client.jobs()
-    if args.json:
-        print(json.dumps([_status_dict(j) for j in jobs], indent=2))
-        return EXIT_OK
-    if not jobs:
-        print("no jobs")
-        return EXIT_OK
-    rows = [
-        (
-            j.job_id,
-            j.state,
-            f"{j.step}/{j.total_steps}",
-            format_loss(j.loss),
-            j.message if j.state in ("failed", "paused") or not j.output_dir else j.output_dir,
-        )
-        for j in jobs
-    ]
-    print(_table(("JOB", "STATE", "STEP", "LOSS", "OUTPUT / MESSAGE"), rows))
-    return EXIT_OK
+    headers = ("JOB", "STATE", "STEP", "LOSS", "OUTPUT / MESSAGE")
+    return _print_listing(args.json, jobs, "no jobs", headers, _job_row)
 
 
 def _device_text(worker: WorkerInfo) -> str:
@@ -219,31 +231,25 @@ def _bandwidth_text(worker: WorkerInfo) -> str:
     return f"{worker.h2d_bytes_per_s / 1e9:.1f} / {worker.d2h_bytes_per_s / 1e9:.1f} GB/s"
 
 
+def _worker_row(w: WorkerInfo) -> tuple[str, ...]:
+    return (
+        str(w.worker_id),
+        w.name,
+        _device_text(w),
+        format_bytes(w.memory_bytes),
+        _bandwidth_text(w),
+        w.state,
+        str(w.tasks_done),
+        w.current_task or "-",
+    )
+
+
 def _cmd_workers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         workers = client.workers()
-    if args.json:
-        print(json.dumps([_status_dict(w) for w in workers], indent=2))
-        return EXIT_OK
-    if not workers:
-        print("no workers (start one with `roundpipe-worker --cpu` or `--gpu N`)")
-        return EXIT_OK
-    rows = [
-        (
-            str(w.worker_id),
-            w.name,
-            _device_text(w),
-            format_bytes(w.memory_bytes),
-            _bandwidth_text(w),
-            w.state,
-            str(w.tasks_done),
-            w.current_task or "-",
-        )
-        for w in workers
-    ]
+    none_text = "no workers (start one with `roundpipe-worker --cpu` or `--gpu N`)"
     headers = ("ID", "NAME", "DEVICE", "MEMORY CAP", "H2D / D2H", "STATE", "TASKS", "CURRENT TASK")
-    print(_table(headers, rows))
-    return EXIT_OK
+    return _print_listing(args.json, workers, none_text, headers, _worker_row)
 
 
 def _watch(handle: JobHandle, total_steps: int | None = None) -> int:

@@ -144,6 +144,28 @@ class _FakeJob:
         )
 
 
+def _sample_worker(
+    worker_id: int,
+    device: str,
+    device_name: str,
+    memory_gib: int,
+    state: str,
+    tasks_done: int = 0,
+    **more: Any,
+) -> WorkerInfo:
+    """A worker as the fake coordinator lists it, named the way workers name themselves."""
+    return WorkerInfo(
+        worker_id=worker_id,
+        name=f"rp-worker-{worker_id}",
+        device=device,
+        device_name=device_name,
+        memory_bytes=memory_gib * 2**30,
+        state=state,
+        tasks_done=tasks_done,
+        **more,
+    )
+
+
 class FakeCoordinator:
     """A thread with a ROUTER socket that answers the client API of the protocol."""
 
@@ -161,27 +183,18 @@ class FakeCoordinator:
             workers
             if workers is not None
             else [
-                WorkerInfo(
-                    worker_id=0,
-                    name="rp-worker-0",
-                    device="cuda",
-                    device_name="NVIDIA GeForce RTX 4090",
-                    memory_bytes=24 * 2**30,
-                    state="busy",
+                _sample_worker(
+                    0,
+                    "cuda",
+                    "NVIDIA GeForce RTX 4090",
+                    24,
+                    "busy",
                     tasks_done=42,
                     h2d_bytes_per_s=24.1e9,
                     d2h_bytes_per_s=25.3e9,
                     current_task="step 12 B1 [0:2]",
                 ),
-                WorkerInfo(
-                    worker_id=1,
-                    name="rp-worker-1",
-                    device="cpu",
-                    device_name="cpu (16 cores)",
-                    memory_bytes=64 * 2**30,
-                    state="idle",
-                    tasks_done=0,
-                ),
+                _sample_worker(1, "cpu", "cpu (16 cores)", 64, "idle"),
             ]
         )
         self.heartbeat_senders: dict[str, float] = {}

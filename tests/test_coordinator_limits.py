@@ -12,12 +12,12 @@ import os
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from coordinator_helpers import serving
 from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
@@ -200,20 +200,13 @@ def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) 
         for k in range(1, steps + 1)
     ]
     c.book.jobs[job.job_id] = job
-    server = threading.Thread(target=c.serve, daemon=True)
-    server.start()
-    try:
-        with Client(address, timeout_s=30) as client:
-            first = client.get_progress(job.job_id)
-            assert 0 < len(first.events) < steps and not first.done
-            assert len(encode(first)[0]) <= MAX_REPLY_BYTES
-            seen = [e.step for e in client.job(job.job_id).progress(timeout_s=120)]
-            assert seen == list(range(1, steps + 1))
-            assert client.get_progress(job.job_id, after_seq=steps).done
-    finally:
-        c.stop()
-        server.join(timeout=30)
-    assert not server.is_alive()
+    with serving(c), Client(address, timeout_s=30) as client:
+        first = client.get_progress(job.job_id)
+        assert 0 < len(first.events) < steps and not first.done
+        assert len(encode(first)[0]) <= MAX_REPLY_BYTES
+        seen = [e.step for e in client.job(job.job_id).progress(timeout_s=120)]
+        assert seen == list(range(1, steps + 1))
+        assert client.get_progress(job.job_id, after_seq=steps).done
 
 
 def test_unknown_job_id_of_megabytes_gets_a_short_error(cluster: LocalCluster) -> None:

@@ -12,18 +12,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def gpu_check(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/gpu_check.sh ARGS`` from the repository root."""
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def passing_steps(out: Path, *args: str, timeout: int) -> list[dict]:
+    """Run the check with ``ARGS --out OUT``; it must pass. The steps of its summary."""
+    result = gpu_check(*args, "--out", str(out), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return json.loads((out / "summary.json").read_text())
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    steps = json.loads((out / "summary.json").read_text())
+    steps = passing_steps(out, "--smoke", "--quick", timeout=900)
     assert [s["step"] for s in steps] == [
         "env",
         "cuda-tests",
@@ -77,26 +87,10 @@ def check_moe_smoke(stdout: str) -> None:
 
 def test_gpu_check_runs_the_steps_asked_for(tmp_path: Path) -> None:
     """--steps: a GPU session splits the checks over several 10-minute commands."""
-    out = tmp_path / "out"
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--steps", "env,bandwidth"]
-        + ["--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    steps = json.loads((out / "summary.json").read_text())
+    steps = passing_steps(tmp_path / "out", "--smoke", "--steps", "env,bandwidth", timeout=300)
     assert [s["step"] for s in steps] == ["env", "bandwidth"]
 
 
 def test_gpu_check_refuses_an_unknown_option(tmp_path: Path) -> None:
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fast"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    result = gpu_check("--fast", timeout=60)
     assert result.returncode == 2 and "unknown option --fast" in result.stderr

@@ -13,35 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from runtime_helpers import InProcessWorkers, assert_params_match, tiny_spec
+from runtime_helpers import assert_params_match, tiny_spec, trained_in_process
 
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 
 
 def run_runtime(spec: JobSpec, arena_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the job, on 2 in-process workers."""
-    trainer = Trainer(
-        "job-hf",
-        spec,
-        arena_dir=arena_dir,
-        namespace="hftest",
-        output_dir=Path(spec.output.dir),
-        wait_timeout_s=60,
-    )
-    pool = None
-    try:
-        trainer.prepare(2)
-        pool = InProcessWorkers(trainer, 2)
-        trainer.run(pool)
+    with trained_in_process(spec, arena_dir, 2, job_id="job-hf", namespace="hftest") as trainer:
         losses = [e.loss for e in trainer.progress]
         weights = {n: t for per in trainer.final_weights().values() for n, t in per.items()}
-    finally:
-        if pool is not None:
-            pool.close()
-        trainer.close()
     return losses, weights
 
 

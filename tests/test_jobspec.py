@@ -67,6 +67,13 @@ def errors_of(exc: pytest.ExceptionInfo[JobSpecError]) -> dict[str, str]:
     return out
 
 
+def spec_errors(d: dict) -> dict[str, str]:
+    """``JobSpec.from_dict(d)`` must fail: its error messages by field."""
+    with pytest.raises(JobSpecError) as exc:
+        JobSpec.from_dict(d)
+    return errors_of(exc)
+
+
 def test_valid_spec_and_derived_values(files: dict[str, Path]) -> None:
     spec = JobSpec.from_dict(good(files))
     assert spec.model.path == str(files["model"])
@@ -198,9 +205,7 @@ def test_unknown_keys_are_errors_with_suggestions(files: dict[str, Path]) -> Non
     d["optimizer"]["learning_rate"] = 1e-3
     d["trian"] = {"steps": 3}
     d["batch"] = "big"
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    errs = errors_of(exc)
+    errs = spec_errors(d)
     assert "did you mean 'lr'" in errs["optimizer.learning_rate"]
     assert "did you mean 'train'" in errs["trian"]
     assert "expected a mapping" in errs["batch"]
@@ -214,9 +219,7 @@ def test_model_needs_exactly_one_source(files: dict[str, Path]) -> None:
         JobSpec.from_dict(d)
     del d["model"]
     del d["data"]
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    errs = errors_of(exc)
+    errs = spec_errors(d)
     assert "neither" in errs["model"] and "missing" in errs["data.path"]
 
 
@@ -233,9 +236,7 @@ def test_model_directory_checks(files: dict[str, Path]) -> None:
 def test_seq_len_against_path_model_config(files: dict[str, Path]) -> None:
     d = good(files)
     d["data"]["seq_len"] = 512  # config.json says max_position_embeddings 256
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    assert "max_position_embeddings (256)" in errors_of(exc)["data.seq_len"]
+    assert "max_position_embeddings (256)" in spec_errors(d)["data.seq_len"]
 
 
 def test_architecture_models(files: dict[str, Path]) -> None:
@@ -249,9 +250,7 @@ def test_architecture_models(files: dict[str, Path]) -> None:
 
     d["data"]["seq_len"] = 4096  # LlamaConfig's default max_position_embeddings is 2048
     d["model"]["config"] = {"hiden_size": 64}
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    errs = errors_of(exc)
+    errs = spec_errors(d)
     assert "did you mean 'hidden_size'" in errs["model.config.hiden_size"]
     d["model"]["config"] = {"num_hidden_layers": "four"}
     with pytest.raises(JobSpecError, match="transformers rejected the config"):
@@ -267,9 +266,7 @@ def test_architecture_models(files: dict[str, Path]) -> None:
 def test_text_data_needs_a_tokenizer(files: dict[str, Path]) -> None:
     d = good(files)
     d["model"] = {"architecture": "qwen3"}
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    assert "needs a tokenizer" in errors_of(exc)["data.tokenizer"]
+    assert "needs a tokenizer" in spec_errors(d)["data.tokenizer"]
     # Pre-tokenised data needs none.
     tokens = files["root"] / "ids.jsonl"
     tokens.write_text('{"input_ids": [1, 2, 3]}\n')
@@ -375,9 +372,7 @@ def test_a_number_that_yaml_1_1_read_as_a_string_names_the_trap(files: dict[str,
     d = good(files)
     d["optimizer"].update(lr="3e-3", eps="1e8", betas=[0.9, "95E-2"])
     d["lora"] = {"alpha": "1.5e1"}
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    errs = errors_of(exc)
+    errs = spec_errors(d)
     assert errs["optimizer.lr"] == (
         "got the string '3e-3'; expected a number > 0: YAML 1.1 loaders such as PyYAML read "
         "3e-3 without a dot as a string; write 3.0e-3 or 0.003"
@@ -398,9 +393,7 @@ def test_a_number_that_yaml_1_1_read_as_a_string_names_the_trap(files: dict[str,
     # Other strings keep the plain message.
     d = good(files)
     d["optimizer"]["lr"] = "fast"
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    assert errors_of(exc)["optimizer.lr"] == "got 'fast' (str); expected a number > 0"
+    assert spec_errors(d)["optimizer.lr"] == "got 'fast' (str); expected a number > 0"
 
 
 def test_optimizer_porting_settings(files: dict[str, Path]) -> None:
@@ -412,9 +405,7 @@ def test_optimizer_porting_settings(files: dict[str, Path]) -> None:
     spec = JobSpec.from_dict(d)
     assert spec.optimizer.no_decay == () and JobSpec.from_dict(spec.to_dict()) == spec
     d["optimizer"]["no_decay"] = ["bias", "norm(", ""]
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    assert "a list of name patterns" in errors_of(exc)["optimizer.no_decay"]
+    assert "a list of name patterns" in spec_errors(d)["optimizer.no_decay"]
     d["optimizer"]["no_decay"] = ["bias", "norm("]
     with pytest.raises(JobSpecError, match=r"'norm\(' is not a valid regular expression"):
         JobSpec.from_dict(d)
@@ -431,9 +422,7 @@ def test_hf_trainer_names_get_hints_to_our_fields(files: dict[str, Path]) -> Non
     d["learning_rate"] = 1e-4
     d["num_train_epochs"] = 3
     d["bf16"] = True
-    with pytest.raises(JobSpecError) as exc:
-        JobSpec.from_dict(d)
-    errs = errors_of(exc)
+    errs = spec_errors(d)
     assert "did you mean 'target_modules'?" in errs["lora.lora_target"]
     assert "did you mean 'r'?" in errs["lora.lora_rank"]
     assert "did you mean 'batch.num_microbatches'?" in errs["train.gradient_accumulation_steps"]

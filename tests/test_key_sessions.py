@@ -19,13 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from coordinator_helpers import serving
 
 from roundpipe import cli
 from roundpipe.client import Client, NotAuthorized
@@ -58,14 +58,8 @@ def coordinator(tmp_path: Path, arena_dir: Path, keys_dir: Path) -> Iterator[Coo
     c.book.jobs[OTHERS_JOB] = JobRecord(
         OTHERS_JOB, None, state="paused", total_steps=3, owner="eve"
     )
-    server = threading.Thread(target=c.serve, daemon=True)
-    server.start()
-    try:
+    with serving(c):
         yield c
-    finally:
-        c.stop()
-        server.join(timeout=60)
-    assert not server.is_alive()
 
 
 def _keys(*args: object) -> None:

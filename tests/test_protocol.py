@@ -30,6 +30,7 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from protocol_helpers import sample_microbatch, sample_ref, sample_stage_task
 from runtime_helpers import fake_hello
 
 import roundpipe.protocol as proto
@@ -344,65 +345,21 @@ def _frames(type_name: str, body: Any, version: int = PROTOCOL_VERSION) -> list[
     )
 
 
-def _ref(**overrides: Any) -> TensorRef:
-    kw: dict[str, Any] = dict(arena="acts", offset=0, dtype="bfloat16", shape=(2, 3), stride=(3, 1))
-    kw.update(overrides)
-    return TensorRef(**kw)
-
-
 def _at(cls: type, name: str) -> int:
     """Position of a field in the wire array of a nested record."""
     return list(cls.__struct_fields__).index(name)
 
 
-def _mb(index: int = 0, **overrides: Any) -> MicrobatchIO:
-    """A microbatch of the forward task below (layers [1, 5))."""
-    kw: dict[str, Any] = dict(
-        index=index,
-        input=_ref(offset=100 * index),
-        output=_ref(offset=100 * index + 24),
-        grad_output=None,
-        labels=None,
-        loss=None,
-        saved=[LayerTensorRef(layer=3, ref=_ref(offset=100 * index + 48))],
-        waits=[EventWait(counter=3, at_least=2)],
-        signals=[EventSignal(counter=9, value=3)],
-    )
-    kw.update(overrides)
-    return MicrobatchIO(**kw)
-
-
-def _stage_task(**overrides: Any) -> StageTask:
-    kw: dict[str, Any] = dict(
-        job_id="j1",
-        task_id=7,
-        attempt=0,
-        iteration=3,
-        kind="forward",
-        layer_start=1,
-        layer_stop=5,
-        weight_version=2,
-        weight_waits=[EventWait(counter=1, at_least=2)],
-        microbatches=[_mb(0), _mb(1)],
-        grad_waits=[],
-        grad_signals=[],
-        loss_denominator=0,
-        seed=42,
-        wait_timeout_s=30.0,
-        options={"note": [1, "x"]},
-    )
-    kw.update(overrides)
-    return StageTask(**kw)
-
-
 def _output(m: int, overrides: dict[str, Any]) -> TensorRef | None:
     """The input gradient of a backward/tail microbatch: none at layer 0."""
-    return _ref(offset=100 * m + 24) if overrides.get("layer_start", 1) > 0 else None
+    return sample_ref(offset=100 * m + 24) if overrides.get("layer_start", 1) > 0 else None
 
 
 def _backward_task(**overrides: Any) -> StageTask:
     mbs = [
-        _mb(m, output=_output(m, overrides), grad_output=_ref(offset=100 * m + 72), saved=[])
+        sample_microbatch(
+            m, output=_output(m, overrides), grad_output=sample_ref(offset=100 * m + 72), saved=[]
+        )
         for m in range(2)
     ]
     kw: dict[str, Any] = dict(
@@ -412,23 +369,23 @@ def _backward_task(**overrides: Any) -> StageTask:
         grad_signals=[EventSignal(counter=21, value=1)],
     )
     kw.update(overrides)
-    return _stage_task(**kw)
+    return sample_stage_task(**kw)
 
 
 def _tail_task(**overrides: Any) -> StageTask:
     mbs = [
-        _mb(
+        sample_microbatch(
             m,
             output=_output(m, overrides),
-            labels=_ref(dtype="int64"),
-            loss=_ref(dtype="float32", shape=(1,), stride=(1,)),
+            labels=sample_ref(dtype="int64"),
+            loss=sample_ref(dtype="float32", shape=(1,), stride=(1,)),
             saved=[],
         )
         for m in range(2)
     ]
     kw: dict[str, Any] = dict(kind="tail", microbatches=mbs, loss_denominator=1000)
     kw.update(overrides)
-    return _stage_task(**kw)
+    return sample_stage_task(**kw)
 
 
 def _hello(**overrides: Any) -> Hello:
@@ -503,7 +460,7 @@ def test_ordinary_messages_take_the_fast_paths(monkeypatch: pytest.MonkeyPatch) 
         raise AssertionError("the reference path was used")
 
     monkeypatch.setattr(codec, "_decode_body_reference", refuse)
-    for task in (_stage_task(), _backward_task(), _tail_task(layer_start=0)):
+    for task in (sample_stage_task(), _backward_task(), _tail_task(layer_start=0)):
         assert decode(encode(task)) == task
     assert decode(encode(_hello())) == _hello()
 
@@ -513,23 +470,23 @@ def test_records_that_hold_no_records_are_built_by_the_compiled_codec(
 ) -> None:
     """Leaf records (most of what a coordinator builds) are constructed through the
     compiled decoder; the reference only decides refusals and builds container records."""
-    tasks = [_stage_task(), _backward_task(), _tail_task(layer_start=0)]
+    tasks = [sample_stage_task(), _backward_task(), _tail_task(layer_start=0)]
 
     def refuse(*args: Any) -> None:
         raise AssertionError("the reference path was used")
 
     monkeypatch.setattr(schema, "_build", refuse)
-    assert _ref() == _ref(shape=[2, 3], stride=[3, 1])  # lists are stored as tuples
+    assert sample_ref() == sample_ref(shape=[2, 3], stride=[3, 1])  # lists are stored as tuples
     assert _hello() == decode(encode(_hello()))
     done = TaskDone(job_id="j", task_id=1, attempt=0, worker_id=2, seconds=1, layer_times={})
     assert type(done.seconds) is float  # as a receiver would see it
     with pytest.raises(AssertionError, match="reference path"):
-        _stage_task()  # holds records: built by the reference
+        sample_stage_task()  # holds records: built by the reference
     monkeypatch.undo()
     assert all(decode(encode(t)) == t for t in tasks)
     # A refusal is decided and worded by the reference (as in test_cross_field_rules).
     with pytest.raises(ProtocolError, match="field stride: expected tuple of 2 ints"):
-        _ref(stride=(1,))
+        sample_ref(stride=(1,))
     with pytest.raises(ProtocolError, match="field counter: expected non-negative int"):
         EventWait(counter=-1, at_least=0)
 
@@ -580,11 +537,11 @@ def test_every_struct_and_message_is_declared_in_one_of_the_catalogues() -> None
 
 def test_records_alone_cannot_be_encoded() -> None:
     with pytest.raises(ProtocolError, match="not a registered message type"):
-        encode(_ref())  # type: ignore[arg-type]
+        encode(sample_ref())  # type: ignore[arg-type]
 
 
 def test_tuple_fields_decode_to_tuples() -> None:
-    task = decode(encode(_stage_task()))
+    task = decode(encode(sample_stage_task()))
     assert isinstance(task, StageTask)
     shape = task.microbatches[0].input.shape
     assert shape == (2, 3) and type(shape) is tuple
@@ -593,7 +550,7 @@ def test_tuple_fields_decode_to_tuples() -> None:
 
 
 def test_nested_records_travel_as_arrays() -> None:
-    frames = encode(_stage_task())
+    frames = encode(sample_stage_task())
     body = _body(frames)
     assert list(body) == list(StageTask.__struct_fields__)
     ref = body["microbatches"][0][_at(MicrobatchIO, "input")]
@@ -643,7 +600,7 @@ def test_nested_records_travel_as_arrays() -> None:
 def test_nested_record_array_errors(
     change: Callable[[list[Any]], Any], field: str, expected: str, seen: str
 ) -> None:
-    frames = encode(_stage_task())
+    frames = encode(sample_stage_task())
     body = _body(frames)
     mb = body["microbatches"][0]
     mb[_at(MicrobatchIO, "input")] = change(mb[_at(MicrobatchIO, "input")])
@@ -674,12 +631,12 @@ def test_nan_and_inf_survive_where_allowed() -> None:
 
 
 def test_num_microbatches() -> None:
-    assert _stage_task().num_microbatches == 2
+    assert sample_stage_task().num_microbatches == 2
     assert decode_as(encode(_tail_task()), StageTask).num_microbatches == 2
 
 
 def test_defaults_fill_absent_optional_fields() -> None:
-    frames = encode(_stage_task())
+    frames = encode(sample_stage_task())
     body = _body(frames)
     del body["options"]
     assert decode_as(_with_body(frames, body), StageTask).options == {}
@@ -737,7 +694,7 @@ def test_wrong_type_says_field_expected_and_seen(
 
 
 def test_nested_field_path_is_reported() -> None:
-    frames = encode(_stage_task())
+    frames = encode(sample_stage_task())
     body = _body(frames)
     body["microbatches"][1][_at(MicrobatchIO, "input")][_at(TensorRef, "offset")] = -8
     err = _decode_error(_with_body(frames, body))
@@ -752,7 +709,7 @@ def test_literal_and_dtype_choices() -> None:
     err = _decode_error(_with_body(encode(_hello()), _body(encode(_hello())) | {"device": "gpu"}))
     assert "device" in str(err) and "one of 'cpu', 'cuda'" in str(err) and "'gpu'" in str(err)
 
-    body = _body(encode(_stage_task()))
+    body = _body(encode(sample_stage_task()))
     body["microbatches"][0][_at(MicrobatchIO, "output")][_at(TensorRef, "dtype")] = "float8"
     err = _decode_error(_frames("StageTask", body))
     assert err.field == "microbatches[0].output.dtype"
@@ -761,20 +718,20 @@ def test_literal_and_dtype_choices() -> None:
 
 def test_cross_field_rules() -> None:
     with pytest.raises(ProtocolError, match=r"TensorRef: field stride: expected tuple of 2 ints"):
-        _ref(stride=(1,))
-    body = _body(encode(_stage_task()))
+        sample_ref(stride=(1,))
+    body = _body(encode(sample_stage_task()))
     saved = body["microbatches"][1][_at(MicrobatchIO, "saved")][0][_at(LayerTensorRef, "ref")]
     saved[_at(TensorRef, "stride")] = [1, 1, 1]
     err = _decode_error(_frames("StageTask", body))
     assert err.field == "microbatches[1].saved[0].ref.stride"
     assert "expected tuple of 2 ints (one per shape dimension)" in str(err)
     with pytest.raises(ProtocolError, match=r"field layer_stop: expected an int > layer_start"):
-        _stage_task(layer_start=5, layer_stop=5)
+        sample_stage_task(layer_start=5, layer_stop=5)
     with pytest.raises(ProtocolError, match=r"field device_index: expected None for cpu"):
         _hello(device="cpu", device_index=0)
     with pytest.raises(ProtocolError, match=r"field device_index: expected an int for a cuda"):
         _hello(device_index=None)
-    stray = [NamedTensorRef(name="w", ref=_ref(arena="nope"))]
+    stray = [NamedTensorRef(name="w", ref=sample_ref(arena="nope"))]
     for key in ("params", "grads"):
         with pytest.raises(ProtocolError, match=rf"layers\[0\]\.{key}\[0\]\.ref\.arena"):
             JobSetup(
@@ -797,48 +754,56 @@ def _swap_mb(task: StageTask, **changes: Any) -> StageTask:
 
 _KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
     # (make an invalid task, field, start of the expected text)
-    (lambda: _stage_task(microbatches=[]), "microbatches", "a non-empty list of MicrobatchIO"),
-    (lambda: _stage_task(microbatches=[_mb(0), _mb(0)]), "microbatches[1].index", "an index not"),
     (
-        lambda: _swap_mb(_stage_task(), output=None),
+        lambda: sample_stage_task(microbatches=[]),
+        "microbatches",
+        "a non-empty list of MicrobatchIO",
+    ),
+    (
+        lambda: sample_stage_task(microbatches=[sample_microbatch(0), sample_microbatch(0)]),
+        "microbatches[1].index",
+        "an index not",
+    ),
+    (
+        lambda: _swap_mb(sample_stage_task(), output=None),
         "microbatches[1].output",
         "a TensorRef (a forward task writes the stage output)",
     ),
     (
-        lambda: _swap_mb(_stage_task(), grad_output=_ref()),
+        lambda: _swap_mb(sample_stage_task(), grad_output=sample_ref()),
         "microbatches[1].grad_output",
         "None (grad_output is for backward tasks only; this task is 'forward')",
     ),
     (
-        lambda: _swap_mb(_stage_task(), labels=_ref()),
+        lambda: _swap_mb(sample_stage_task(), labels=sample_ref()),
         "microbatches[1].labels",
         "None (labels is for tail tasks only",
     ),
     (
-        lambda: _swap_mb(_stage_task(), saved=[LayerTensorRef(layer=5, ref=_ref())]),
+        lambda: _swap_mb(sample_stage_task(), saved=[LayerTensorRef(layer=5, ref=sample_ref())]),
         "microbatches[1].saved[0].layer",
         "a layer strictly inside (1, 5)",
     ),
     (
-        lambda: _swap_mb(_stage_task(), saved=[LayerTensorRef(layer=1, ref=_ref())]),
+        lambda: _swap_mb(sample_stage_task(), saved=[LayerTensorRef(layer=1, ref=sample_ref())]),
         "microbatches[1].saved[0].layer",
         "a layer strictly inside (1, 5)",
     ),
     (
-        lambda: _stage_task(grad_waits=[EventWait(counter=1, at_least=1)]),
+        lambda: sample_stage_task(grad_waits=[EventWait(counter=1, at_least=1)]),
         "grad_waits",
         "an empty list for a forward task",
     ),
     (
-        lambda: _stage_task(grad_signals=[EventSignal(counter=1, value=1)]),
+        lambda: sample_stage_task(grad_signals=[EventSignal(counter=1, value=1)]),
         "grad_signals",
         "an empty list for a forward task",
     ),
-    (lambda: _stage_task(loss_denominator=5), "loss_denominator", "0 for a forward task"),
+    (lambda: sample_stage_task(loss_denominator=5), "loss_denominator", "0 for a forward task"),
     (lambda: _backward_task(loss_denominator=5), "loss_denominator", "0 for a backward task"),
     (lambda: _tail_task(loss_denominator=0), "loss_denominator", "a positive int for a tail"),
     (lambda: _tail_task(grad_part=1), "grad_part", "0 for a tail task"),
-    (lambda: _stage_task(grad_part=1), "grad_part", "0 for a forward task"),
+    (lambda: sample_stage_task(grad_part=1), "grad_part", "0 for a forward task"),
     (lambda: _backward_task(grad_part=2), "grad_part", "0 or 1"),
     (
         lambda: _swap_mb(_backward_task(), grad_output=None),
@@ -846,17 +811,17 @@ _KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
         "a TensorRef (a backward task needs grad_output)",
     ),
     (
-        lambda: _swap_mb(_backward_task(), saved=[LayerTensorRef(layer=2, ref=_ref())]),
+        lambda: _swap_mb(_backward_task(), saved=[LayerTensorRef(layer=2, ref=sample_ref())]),
         "microbatches[1].saved",
         "[] (a backward task saves nothing)",
     ),
     (
-        lambda: _swap_mb(_backward_task(), loss=_ref(dtype="float32")),
+        lambda: _swap_mb(_backward_task(), loss=sample_ref(dtype="float32")),
         "microbatches[1].loss",
         "None (loss is for tail tasks only; this task is 'backward')",
     ),
     (
-        lambda: _swap_mb(_backward_task(layer_start=0), output=_ref()),
+        lambda: _swap_mb(_backward_task(layer_start=0), output=sample_ref()),
         "microbatches[1].output",
         "None (a backward task starting at layer 0 has no input gradient)",
     ),
@@ -876,7 +841,7 @@ _KIND_RULES: list[tuple[Callable[[], Any], str, str]] = [
         "a TensorRef (a tail task needs loss)",
     ),
     (
-        lambda: _swap_mb(_tail_task(layer_start=0), output=_ref()),
+        lambda: _swap_mb(_tail_task(layer_start=0), output=sample_ref()),
         "microbatches[1].output",
         "None (a tail task starting at layer 0 has no input gradient)",
     ),
@@ -902,7 +867,7 @@ def _unchecked(cls: type) -> Iterator[None]:
     """Within this block, `cls` is built without its cross-field rules (to send an invalid
     message, as a buggy or hostile peer would): a valid instance gets the field values
     written over it."""
-    template = {StageTask: _stage_task}[cls]()
+    template = {StageTask: sample_stage_task}[cls]()
     real_build = schema._build  # type: ignore[attr-defined]
 
     def build(c: type, values: dict[str, Any]) -> Any:
@@ -921,7 +886,7 @@ def _unchecked(cls: type) -> Iterator[None]:
 
 
 def test_valid_tasks_of_every_kind() -> None:
-    tasks = [_stage_task(), _backward_task(), _tail_task()]
+    tasks = [sample_stage_task(), _backward_task(), _tail_task()]
     tasks += [_backward_task(layer_start=0), _tail_task(layer_start=0)]
     for task in tasks:
         assert decode(encode(task)) == task
@@ -930,35 +895,35 @@ def test_valid_tasks_of_every_kind() -> None:
 
 def test_microbatch_rules() -> None:
     with pytest.raises(ProtocolError, match=r"MicrobatchIO: field loss.dtype: expected 'float32'"):
-        _mb(loss=_ref(dtype="bfloat16"))
-    twice = [LayerTensorRef(layer=2, ref=_ref()), LayerTensorRef(layer=2, ref=_ref())]
+        sample_microbatch(loss=sample_ref(dtype="bfloat16"))
+    twice = [LayerTensorRef(layer=2, ref=sample_ref()), LayerTensorRef(layer=2, ref=sample_ref())]
     with pytest.raises(ProtocolError, match=r"field saved: expected one entry per layer"):
-        _mb(saved=twice)
+        sample_microbatch(saved=twice)
 
 
 def test_construction_validates_with_the_same_messages() -> None:
     with pytest.raises(ProtocolError) as info:
-        _stage_task(microbatches=[_mb(), "not a microbatch"])
+        sample_stage_task(microbatches=[sample_microbatch(), "not a microbatch"])
     assert str(info.value) == (
         "invalid StageTask: field microbatches[1]: expected MicrobatchIO, "
         "got 'not a microbatch' (str)"
     )
     with pytest.raises(ProtocolError) as info:
-        _mb(output=5)
+        sample_microbatch(output=5)
     assert str(info.value) == (
         "invalid MicrobatchIO: field output: expected TensorRef or None, got 5 (int)"
     )
     with pytest.raises(ProtocolError, match=r"field options\['x'\]\[0\]: expected msgpack value"):
-        _stage_task(options={"x": [object()]})
+        sample_stage_task(options={"x": [object()]})
     with pytest.raises(ProtocolError, match="field offset: expected non-negative int"):
-        _ref(offset=-1)
+        sample_ref(offset=-1)
     with pytest.raises(ProtocolError, match="msgpack's range"):
-        _ref(offset=2**64)
+        sample_ref(offset=2**64)
     with pytest.raises(ProtocolError, match="UTF-8"):
         Heartbeat(sender="\ud800", seq=0, sent_at=0.0)
     with pytest.raises(TypeError):
         Heartbeat("w", 0, 0.0)  # type: ignore[misc]  # keyword-only
-    assert _ref(shape=[2, 3], stride=[3, 1]).shape == (2, 3)  # lists become tuples
+    assert sample_ref(shape=[2, 3], stride=[3, 1]).shape == (2, 3)  # lists become tuples
 
 
 def test_messages_are_frozen() -> None:
@@ -968,10 +933,10 @@ def test_messages_are_frozen() -> None:
 
 
 def test_messages_own_their_containers() -> None:
-    mbs = [_mb()]
+    mbs = [sample_microbatch()]
     waits = [EventWait(counter=1, at_least=1)]
     options: dict[str, Any] = {"x": [1]}
-    task = _stage_task(microbatches=mbs, weight_waits=waits, options=options)
+    task = sample_stage_task(microbatches=mbs, weight_waits=waits, options=options)
     mbs.append("garbage")  # type: ignore[arg-type]
     waits.clear()
     options["x"].append(object())
@@ -983,20 +948,20 @@ def test_messages_own_their_containers() -> None:
 def test_mutating_a_message_in_place_still_fails_cleanly() -> None:
     # Not validated again by encode (hot path), but never a non-protocol error: either
     # encode refuses, or the receiver does.
-    task = _stage_task()
+    task = sample_stage_task()
     task.microbatches.clear()
     err = _decode_error(encode(task))
     assert err.field == "microbatches" and "non-empty" in str(err)
-    task = _stage_task()
+    task = sample_stage_task()
     task.microbatches[0].waits.append(3)  # type: ignore[arg-type]
     err = _decode_error(encode(task))  # an int encodes; the receiver wants an EventWait
     assert err.field == "microbatches[0].waits[1]", str(err)
     for bad in (object(), 2**70, "\ud800"):
-        task = _stage_task()
+        task = sample_stage_task()
         task.options["x"] = bad
         with pytest.raises(ProtocolError, match="cannot encode StageTask"):
             encode(task)
-    task = _stage_task()
+    task = sample_stage_task()
     task.options["self"] = task.options  # a cycle
     with pytest.raises(ProtocolError, match="cannot encode StageTask"):
         encode(task)
@@ -1141,8 +1106,8 @@ def test_any_values_nested_too_deep_are_refused() -> None:
     for _ in range(schema.MAX_ANY_DEPTH + 1):
         deep = [deep]
     with pytest.raises(ProtocolError, match="nested at most"):
-        _stage_task(options={"x": deep})
-    body = _body(encode(_stage_task())) | {"options": {"x": deep}}
+        sample_stage_task(options={"x": deep})
+    body = _body(encode(sample_stage_task())) | {"options": {"x": deep}}
     assert "nested at most" in str(_decode_error(_frames("StageTask", body)))
 
 

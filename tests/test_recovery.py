@@ -3,41 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from protocol_helpers import sample_stage_task, task_failed
 
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
-from roundpipe.protocol import MicrobatchIO, StageTask, TaskDone, TaskFailed, TensorRef
+from roundpipe.protocol import StageTask, TaskDone
 
 
 def task(task_id: int) -> StageTask:
-    ref = TensorRef(arena="acts", offset=4096, dtype="float32", shape=(1, 4, 8), stride=(32, 8, 1))
-    mb = MicrobatchIO(
-        index=0,
-        input=ref,
-        output=ref,
-        grad_output=None,
-        labels=None,
-        loss=None,
-        saved=[],
-        waits=[],
-        signals=[],
-    )
-    return StageTask(
-        job_id="j",
-        task_id=task_id,
-        attempt=0,
-        iteration=1,
-        kind="forward",
-        layer_start=1,
-        layer_stop=2,
-        weight_version=0,
-        weight_waits=[],
-        microbatches=[mb],
-        grad_waits=[],
-        grad_signals=[],
-        loss_denominator=0,
-        seed=0,
-        wait_timeout_s=10.0,
-    )
+    return sample_stage_task(job_id="j", task_id=task_id)
 
 
 def done(task_id: int, worker_id: int, seconds: float = 0.1) -> TaskDone:
@@ -103,30 +76,12 @@ def test_failing_task_is_retried_then_gives_up_with_its_error() -> None:
     for attempt in range(2):
         worker = pool.sent[-1][2]
         tracker.failed(
-            TaskFailed(
-                job_id="j",
-                task_id=7,
-                attempt=attempt,
-                worker_id=worker,
-                error_type="OutOfMemoryError",
-                message="CUDA out of memory",
-                traceback="",
-                retryable=False,
-            )
+            task_failed("j", 7, attempt, worker, "OutOfMemoryError", "CUDA out of memory")
         )
         assert pool.sent[-1][2] != worker  # retried on another worker
     with pytest.raises(TaskGaveUp, match="failed 3 times.*OutOfMemoryError: CUDA out of memory"):
         tracker.failed(
-            TaskFailed(
-                job_id="j",
-                task_id=7,
-                attempt=2,
-                worker_id=pool.sent[-1][2],
-                error_type="OutOfMemoryError",
-                message="CUDA out of memory",
-                traceback="",
-                retryable=False,
-            )
+            task_failed("j", 7, 2, pool.sent[-1][2], "OutOfMemoryError", "CUDA out of memory")
         )
 
 

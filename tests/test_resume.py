@@ -59,6 +59,21 @@ from roundpipe.shared.model import LayeredModel
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
+def roundpipe_resume(
+    cluster: LocalCluster, job_id: str, *flags: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``roundpipe resume JOB FLAGS`` against the cluster, as its admin, in a fresh
+    interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "roundpipe.cli", "resume", job_id, *flags]
+        + ["--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin")},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def make_spec(output: Path, *, every: int = 2, steps: int = 5, **kw) -> JobSpec:
     d = tiny_spec(output, steps=steps, **kw).to_dict()
     d["output"].update(checkpoint_every=every, keep_last=2)
@@ -477,24 +492,11 @@ def test_full_output_fs_pauses_job_and_cli_resume_finishes_it(
     assert "No space left" in status.message and "roundpipe resume" in status.message
     assert not any(p.name.startswith(".tmp-") for p in (small_fs / "out" / "checkpoints").iterdir())
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_fs)], check=True)
-    cli = [sys.executable, "-m", "roundpipe.cli"]
-    result = subprocess.run(
-        [*cli, "resume", job.job_id, "--wait", "--address", cluster.address],
-        env={**os.environ, **cluster.key_env("admin")},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = roundpipe_resume(cluster, job.job_id, "--wait", timeout=240)
     assert result.returncode == 0, result.stderr + cluster.logs()
     assert "succeeded" in result.stderr
     assert_params_match(load_output(small_fs / "out"), oracle_train(spec))
-    again = subprocess.run(
-        [*cli, "resume", job.job_id, "--address", cluster.address],
-        env={**os.environ, **cluster.key_env("admin")},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = roundpipe_resume(cluster, job.job_id, timeout=60)
     assert again.returncode == 1 and "already succeeded" in again.stderr
     manifest = json.loads(
         (small_fs / "out" / "checkpoints" / step_name(4) / "checkpoint.json").read_text()
@@ -526,14 +528,7 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     wait_for(cluster, "the job to be resumed", lambda: job.status().state == "running")
     status = job.status()
     assert status.step == latest.step >= 2, status
-    cli = [sys.executable, "-m", "roundpipe.cli"]
-    result = subprocess.run(
-        [*cli, "resume", job.job_id, "--address", cluster.address],
-        env={**os.environ, **cluster.key_env("admin")},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = roundpipe_resume(cluster, job.job_id, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f"job {job.job_id} running" in result.stderr
     assert job.status().step == latest.step

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
+from protocol_helpers import task_failed
 from runtime_helpers import fake_hello, tiny_spec
 
 from roundpipe.client import NotAuthorized, UnknownJob
@@ -253,15 +254,8 @@ def test_forged_task_results_have_no_effect(cluster: LocalCluster, tmp_path: Pat
     real = [w.worker_id for w in cluster.client.workers()]
     forged = [
         encode(
-            TaskFailed(
-                job_id=handle.job_id,
-                task_id=task_id,
-                attempt=attempt,
-                worker_id=worker_id,
-                error_type="RuntimeError",
-                message="forged failure",
-                traceback="",
-                retryable=False,
+            task_failed(
+                handle.job_id, task_id, attempt, worker_id, "RuntimeError", "forged failure"
             )
         )
         for task_id in range(0, 400)

@@ -84,29 +84,17 @@ def _client_pool(rng: random.Random) -> list[list[bytes]]:
 
 
 def _worker_pool(rng: random.Random) -> list[list[bytes]]:
+    def some_task() -> dict:
+        """Which task a report is about: a random one of job-x's, from a random worker."""
+        return dict(
+            job_id="job-x", task_id=rng.randrange(1000), attempt=0, worker_id=rng.randrange(5)
+        )
+
     valid = [
         encode(Heartbeat(sender="fuzz", seq=rng.randrange(1000), sent_at=time.time())),
+        encode(TaskDone(**some_task(), seconds=0.0, layer_times={})),
         encode(
-            TaskDone(
-                job_id="job-x",
-                task_id=rng.randrange(1000),
-                attempt=0,
-                worker_id=rng.randrange(5),
-                seconds=0.0,
-                layer_times={},
-            )
-        ),
-        encode(
-            TaskFailed(
-                job_id="job-x",
-                task_id=rng.randrange(1000),
-                attempt=0,
-                worker_id=rng.randrange(5),
-                error_type="E",
-                message="m",
-                traceback="",
-                retryable=False,
-            )
+            TaskFailed(**some_task(), error_type="E", message="m", traceback="", retryable=False)
         ),
         # Refused as implausible (1 byte): the fuzzer never becomes a worker that tasks
         # would be sent to.

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from coordinator_helpers import serving
 
 from roundpipe.client import Client
 from roundpipe.coordinator.service.daemon import Coordinator
@@ -75,13 +75,10 @@ def coordinator(tmp_path: Path, arena_dir: Path) -> Iterator[Coordinator]:
     c.bind()
     job = JobRecord("job-of-root", None, state="paused", total_steps=3, owner="unix:root")
     c.book.jobs[job.job_id] = job
-    server = threading.Thread(target=c.serve, daemon=True)
-    server.start()
     try:
-        yield c
+        with serving(c):
+            yield c
     finally:
-        c.stop()
-        server.join(timeout=30)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 

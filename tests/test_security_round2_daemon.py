@@ -159,47 +159,53 @@ def test_a_killed_spec_checker_is_replaced_for_the_next_submission(
     assert handle.wait(timeout_s=60).state == "cancelled"
 
 
-def test_spec_validator_replaces_a_dead_pool(tmp_path: Path) -> None:
-    """The pool's child is killed while idle: the next validation gets a new child."""
+@pytest.fixture
+def used_validator(tmp_path: Path) -> Iterator[tuple[SpecValidator, dict]]:
+    """A SpecValidator that has checked a tiny spec once (so its pool has a child), and
+    that spec; closed afterwards."""
     spec = tiny_spec(tmp_path / "out", steps=2).to_dict()
     validator = SpecValidator(timeout_s=120)
     try:
         assert validator.validate(spec)["train"]["steps"] == 2
-        first = validator._pool
-        assert first is not None
-        pids = [p.pid for p in first._processes.values()]
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        # Until it has exited, without reaping it (that is for the pool or the validator).
-        deadline = time.monotonic() + 30
-        while any(_exiting(pid) for pid in pids):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert validator.validate(spec)["train"]["steps"] == 2
-        assert validator._pool is not first
+        assert validator._pool is not None
+        yield validator, spec
     finally:
         validator.close()
 
 
-def test_sighup_to_the_spec_checker_leaves_it_working(tmp_path: Path) -> None:
+def test_spec_validator_replaces_a_dead_pool(
+    used_validator: tuple[SpecValidator, dict],
+) -> None:
+    """The pool's child is killed while idle: the next validation gets a new child."""
+    validator, spec = used_validator
+    first = validator._pool
+    pids = [p.pid for p in first._processes.values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    # Until it has exited, without reaping it (that is for the pool or the validator).
+    deadline = time.monotonic() + 30
+    while any(_exiting(pid) for pid in pids):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert validator.validate(spec)["train"]["steps"] == 2
+    assert validator._pool is not first
+
+
+def test_sighup_to_the_spec_checker_leaves_it_working(
+    used_validator: tuple[SpecValidator, dict],
+) -> None:
     """`systemctl reload` may send SIGHUP to the coordinator's whole group: the spec
     checker ignores it (its default action would end the child)."""
-    spec = tiny_spec(tmp_path / "out", steps=2).to_dict()
-    validator = SpecValidator(timeout_s=120)
-    try:
-        assert validator.validate(spec)["train"]["steps"] == 2
-        first = validator._pool
-        assert first is not None
-        children = [psutil.Process(p.pid) for p in first._processes.values()]
-        for child in children:
-            child.send_signal(signal.SIGHUP)
-        # SIGHUP is delivered before the next request is read; one more round trip
-        # through the same child proves it survived it.
-        assert validator.validate(spec)["train"]["steps"] == 2
-        assert validator._pool is first
-        assert all(child.is_running() for child in children)
-    finally:
-        validator.close()
+    validator, spec = used_validator
+    first = validator._pool
+    children = [psutil.Process(p.pid) for p in first._processes.values()]
+    for child in children:
+        child.send_signal(signal.SIGHUP)
+    # SIGHUP is delivered before the next request is read; one more round trip
+    # through the same child proves it survived it.
+    assert validator.validate(spec)["train"]["steps"] == 2
+    assert validator._pool is first
+    assert all(child.is_running() for child in children)
 
 
 def test_only_the_kernels_word_proves_a_workers_process() -> None:

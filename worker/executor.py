@@ -408,15 +408,8 @@ class StageExecutor:
             return BackwardResult(None, {})
         with self._rng_scope(), torch.enable_grad():
             for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
-                x = self._input(x, start)
-                if start > 0:
-                    x = x.detach().requires_grad_(True)
                 g = self._hidden(g, "grad_outputs")
-                out = x
-                ctx: _StageContext | None = None
-                self._start_capture()
-                for layer in range(start, stop):
-                    out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, position_ids)
+                x, out = self._run_with_grad(x, start, stop, bound, rng, m, position_ids)
                 extra = None
                 stats = self._router_stats()
                 if stats is not None:
@@ -426,7 +419,7 @@ class StageExecutor:
                     extra = scale * (counts * stats[1]).sum()
                 gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
                 _emit(grad_inputs, on_grad_input, m, gx)
-                del out, ctx
+                del out
         return BackwardResult(grad_inputs, acc)
 
     def tail(
@@ -485,14 +478,7 @@ class StageExecutor:
         grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
         with self._rng_scope(), torch.enable_grad():
             for m, (x, y) in enumerate(zip(inputs, labels)):
-                x = self._input(x, start)
-                if start > 0:
-                    x = x.detach().requires_grad_(True)
-                h = x
-                ctx: _StageContext | None = None
-                self._start_capture()
-                for layer in range(start, norm_layer):
-                    h, ctx = self._run_layer(layer, h, bound, ctx, rng, m, position_ids)
+                x, h = self._run_with_grad(x, start, norm_layer, bound, rng, m, position_ids)
                 extra = None
                 stats = self._router_stats()
                 if stats is not None:
@@ -555,7 +541,7 @@ class StageExecutor:
                 elif start > 0:
                     gx = torch.zeros_like(x)
                 _emit(grad_inputs, on_grad_input, m, gx)
-                del h, ctx
+                del h
         for name, _ in bound.trainable:
             # A trainable weight no token reached still gets its (zero) gradient.
             if name not in acc:
@@ -650,6 +636,29 @@ class StageExecutor:
             raise TypeError(f"{what}: expected {self.compute_dtype}, got {x.dtype}")
         return x.to(self.device, non_blocking=True)
 
+    def _run_with_grad(
+        self,
+        x: torch.Tensor,
+        start: int,
+        stop: int,
+        bound: _Bound,
+        rng: RngKey,
+        m: int,
+        positions: Sequence[torch.Tensor | None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run microbatch m through layers [start, stop) with autograd, from its stage input
+        ``x``. Returns the input as placed on the device (a leaf that requires grad when it
+        is hidden states, so the previous stage gets its gradient) and the output."""
+        x = self._input(x, start)
+        if start > 0:
+            x = x.detach().requires_grad_(True)
+        out = x
+        ctx: _StageContext | None = None
+        self._start_capture()
+        for layer in range(start, stop):
+            out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, positions)
+        return x, out
+
     def _run_layer(
         self,
         layer: int,
@@ -663,46 +672,34 @@ class StageExecutor:
         if self.before_layer is not None:
             self.before_layer()
         watch = self.stopwatch
-        if watch is None:
-            return self._compute_layer(layer, x, bound, ctx, rng, m, positions)
-        watch.start(layer)
-        out = self._compute_layer(layer, x, bound, ctx, rng, m, positions)
-        watch.stop(layer)
-        return out
-
-    def _compute_layer(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        bound: _Bound,
-        ctx: _StageContext | None,
-        rng: RngKey,
-        m: int,
-        positions: Sequence[torch.Tensor | None] | None = None,
-    ) -> tuple[torch.Tensor, _StageContext | None]:
+        if watch is not None:
+            watch.start(layer)
         self._seed(rng, layer, m)
         model = self.model
         params = bound.per_layer[layer]
         if layer == 0:
             mod, _ = model.embed_part()
-            return functional_call(mod, params, (x,)), ctx
-        if ctx is None:
-            ctx = _StageContext(self, x, None if positions is None else positions[m])
-        mod, _ = model.decoder_part(layer)
-        layer_type = model.layer_type(layer)
-        out = functional_call(
-            mod,
-            params,
-            (x,),
-            {
-                "attention_mask": ctx.mask(model.mask_kind(layer)),
-                "position_embeddings": ctx.position_embeddings(layer_type),
-                "position_ids": ctx.position_ids,
-                "use_cache": False,
-            },
-        )
-        if isinstance(out, tuple):  # older layer signatures returned (hidden, ...)
-            out = out[0]
+            out = functional_call(mod, params, (x,))
+        else:
+            if ctx is None:
+                ctx = _StageContext(self, x, None if positions is None else positions[m])
+            mod, _ = model.decoder_part(layer)
+            layer_type = model.layer_type(layer)
+            out = functional_call(
+                mod,
+                params,
+                (x,),
+                {
+                    "attention_mask": ctx.mask(model.mask_kind(layer)),
+                    "position_embeddings": ctx.position_embeddings(layer_type),
+                    "position_ids": ctx.position_ids,
+                    "use_cache": False,
+                },
+            )
+            if isinstance(out, tuple):  # older layer signatures returned (hidden, ...)
+                out = out[0]
+        if watch is not None:
+            watch.stop(layer)
         return out, ctx
 
     def _backprop(

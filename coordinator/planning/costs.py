@@ -172,20 +172,8 @@ def estimate_costs(
                 work = vocab * hidden * d + tokens * hidden * d
             else:
                 backward, work = 0.0, 0
-            out.append(
-                LayerCost(
-                    forward_s=fwd,
-                    backward_s=backward,
-                    param_bytes=param_bytes,
-                    grad_bytes=grad_bytes,
-                    activation_bytes=act,
-                    work_bytes=work,
-                    forward_work_bytes=tokens * hidden * d,
-                    name=name,
-                )
-            )
-            continue
-        if layer == n - 1:
+            fwork = tokens * hidden * d
+        elif layer == n - 1:
             head = [s for s in specs if len(s.shape) >= 2]
             head_params = sum(s.numel for s in head)
             head_trainable = any(s.trainable for s in head)
@@ -195,41 +183,33 @@ def estimate_costs(
             bwd_flops = 2 * tokens * head_params * (2 if head_trainable else 1)
             bwd_only = bwd_flops / flops + (ce_bytes / 2 + 2 * norm_bytes) / mem_bw
             chunk = logits_chunk_bytes + logits_chunk_bytes * d // 4
-            out.append(
-                LayerCost(
-                    forward_s=fwd,
-                    backward_s=fwd + bwd_only,
-                    param_bytes=param_bytes,
-                    grad_bytes=grad_bytes,
-                    activation_bytes=act,
-                    work_bytes=chunk + tokens * hidden * (3 * d + 8),
-                    forward_work_bytes=chunk + tokens * hidden * (2 * d + 4),
-                    name="model.norm+lm_head",
-                )
+            backward = fwd + bwd_only
+            work = chunk + tokens * hidden * (3 * d + 8)
+            fwork = chunk + tokens * hidden * (2 * d + 4)
+            name = "model.norm+lm_head"
+        else:  # Decoder layer.
+            # Per family: active experts only, linear attention (planning.model_flops).
+            matmul, moe = active_matmul_params(specs, experts)
+            trainable_matmul, _ = active_matmul_params(specs, experts, trainable_only=True)
+            if moe:
+                inter = experts.top_k * experts.expert_intermediate
+            else:
+                inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
+            attn = token_mixer_flops(model, layer, tokens, seq_len)
+            fwd_flops = 2 * tokens * matmul + attn
+            bwd_flops = 2 * tokens * matmul + 2 * tokens * trainable_matmul + 2.5 * attn
+            elementwise = tokens * d * (10 * hidden + 4 * inter)
+            fwd = fwd_flops / flops + elementwise / mem_bw
+            backward = fwd + bwd_flops / flops + 2 * elementwise / mem_bw
+            qk_norm = any(".q_norm." in s.name for s in specs)
+            work = tokens * (
+                d * (2 * hidden + 3 * q_width + 4 * kv_width + 4 * inter)
+                + 8 * hidden
+                + (4 * (q_width + kv_width) if qk_norm else 0)
+                + (4 * experts.num_experts if moe else 0)
             )
-            continue
-        # Decoder layer.
-        # Per family: active experts only, linear attention (planning.model_flops).
-        matmul, moe = active_matmul_params(specs, experts)
-        trainable_matmul, _ = active_matmul_params(specs, experts, trainable_only=True)
-        if moe:
-            inter = experts.top_k * experts.expert_intermediate
-        else:
-            inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
-        attn = token_mixer_flops(model, layer, tokens, seq_len)
-        fwd_flops = 2 * tokens * matmul + attn
-        bwd_flops = 2 * tokens * matmul + 2 * tokens * trainable_matmul + 2.5 * attn
-        elementwise = tokens * d * (10 * hidden + 4 * inter)
-        fwd = fwd_flops / flops + elementwise / mem_bw
-        backward = fwd + bwd_flops / flops + 2 * elementwise / mem_bw
-        qk_norm = any(".q_norm." in s.name for s in specs)
-        work = tokens * (
-            d * (2 * hidden + 3 * q_width + 4 * kv_width + 4 * inter)
-            + 8 * hidden
-            + (4 * (q_width + kv_width) if qk_norm else 0)
-            + (4 * experts.num_experts if moe else 0)
-        )
-        fwork = tokens * (d * (3 * inter + q_width + 2 * kv_width + hidden) + 4 * hidden)
+            fwork = tokens * (d * (3 * inter + q_width + 2 * kv_width + hidden) + 4 * hidden)
+            name = f"model.layers.{layer - 1}"
         out.append(
             LayerCost(
                 forward_s=fwd,
@@ -239,7 +219,7 @@ def estimate_costs(
                 activation_bytes=act,
                 work_bytes=work,
                 forward_work_bytes=fwork,
-                name=f"model.layers.{layer - 1}",
+                name=name,
             )
         )
     return out

@@ -47,6 +47,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,6 +80,7 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Checkpointer:
     """Writes and restores one prepared job's checkpoints (Note [checkpoint cut]).
 
@@ -86,40 +88,24 @@ class Checkpointer:
     the optimizer, the arenas of ``layout``, the data ``loader``, the ``progress`` and
     the ``plan_history`` (appended to by the trainer)."""
 
-    def __init__(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        *,
-        model: LayeredModel,
-        layout: JobLayout,
-        masters: Mapping[int, Mapping[str, torch.Tensor]],
-        optimizer: LayerwiseOptimizer,
-        optimizer_impl: str,
-        loader: DataLoader,
-        progress: ProgressLog,
-        plan_history: list[tuple[int, str, str]],
-        output: JobOutput,
-        exporter: ModelExporter,
-        emit: Callable[[JobEvent], None],
-    ):
-        self.job_id = job_id
-        self.spec = spec
-        self.model = model
-        self.layout = layout
-        self.masters = masters
-        self.optimizer = optimizer
-        self.optimizer_impl = optimizer_impl
-        self.loader = loader
-        self.progress = progress
-        self.plan_history = plan_history
-        self.output = output
-        self.exporter = exporter
-        self.emit = emit
-        """Announces ``CheckpointWritten`` for background checkpoints (``settle_background``)."""
-        self.resumed_from: CheckpointInfo | None = None
-        self.background: BackgroundCheckpoints | None = None
-        """The background writer while ``run`` uses one (Note [background checkpoint])."""
+    job_id: str
+    spec: JobSpec
+    _: KW_ONLY
+    model: LayeredModel
+    layout: JobLayout
+    masters: Mapping[int, Mapping[str, torch.Tensor]]
+    optimizer: LayerwiseOptimizer
+    optimizer_impl: str
+    loader: DataLoader
+    progress: ProgressLog
+    plan_history: list[tuple[int, str, str]]
+    output: JobOutput
+    exporter: ModelExporter
+    emit: Callable[[JobEvent], None]
+    """Announces ``CheckpointWritten`` for background checkpoints (``settle_background``)."""
+    resumed_from: CheckpointInfo | None = field(default=None, init=False)
+    background: BackgroundCheckpoints | None = field(default=None, init=False)
+    """The background writer while ``run`` uses one (Note [background checkpoint])."""
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step``: every ``checkpoint_every``

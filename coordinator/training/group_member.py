@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -32,29 +33,21 @@ __all__ = ["GroupMember"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class GroupMember:
     """This node in ``group``, for one job (module docstring)."""
 
-    def __init__(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        group: JobGroup,
-        *,
-        output: JobOutput,
-        cancelled: threading.Event,
-        wake: Callable[[str], None],
-    ):
-        self.job_id = job_id
-        self.spec = spec
-        self.group = group
-        self.output = output
-        """Says which checkpoint a paused job resumes from."""
-        self.cancelled = cancelled
-        self.wake = wake
-        """Wakes the run loop (with the reason) when the reducer stopped."""
-        self.reducer: GradientReducer | None = None
-        """Sums gradients and losses over the nodes while ``run`` runs."""
+    job_id: str
+    spec: JobSpec
+    group: JobGroup
+    _: KW_ONLY
+    output: JobOutput
+    """Says which checkpoint a paused job resumes from."""
+    cancelled: threading.Event
+    wake: Callable[[str], None]
+    """Wakes the run loop (with the reason) when the reducer stopped."""
+    reducer: GradientReducer | None = field(default=None, init=False)
+    """Sums gradients and losses over the nodes while ``run`` runs."""
 
     def share(self, batch: GlobalBatch) -> GlobalBatch:
         """The microbatches of ``batch`` this node trains."""

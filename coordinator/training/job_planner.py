@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,32 +60,24 @@ _POOL_HEADROOM = 1.5
 most every layer), so a re-plan may add stages (Note [re-planning])."""
 
 
+@dataclass(eq=False, repr=False)
 class JobPlanner:
     """Plans one job for ``hardware`` (module docstring)."""
 
-    def __init__(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        *,
-        hardware: HardwareSpec,
-        arena_dir: Path,
-        node_microbatches: int,
-        compute_dtype: torch.dtype,
-    ):
-        self.job_id = job_id
-        self.spec = spec
-        self.hardware = hardware
-        self.arena_dir = arena_dir
-        self.node_microbatches = node_microbatches
-        """Microbatches this node trains per step: the global batch's, or its share."""
-        self.compute_dtype = compute_dtype
-        self.profile: ProfileAggregator | None = None
-        """Measured layer times, when the planner may re-plan (Note [re-planning])."""
-        self.replan_attempts = 0
-        self.staging_bytes = 0
-        """Host memory set aside for background checkpoints (0: checkpoints drain the
-        pipeline); decided with the layout (Note [background checkpoint])."""
+    job_id: str
+    spec: JobSpec
+    _: KW_ONLY
+    hardware: HardwareSpec
+    arena_dir: Path
+    node_microbatches: int
+    """Microbatches this node trains per step: the global batch's, or its share."""
+    compute_dtype: torch.dtype
+    profile: ProfileAggregator | None = field(default=None, init=False)
+    """Measured layer times, when the planner may re-plan (Note [re-planning])."""
+    replan_attempts: int = field(default=0, init=False)
+    staging_bytes: int = field(default=0, init=False)
+    """Host memory set aside for background checkpoints (0: checkpoints drain the
+    pipeline); decided with the layout (Note [background checkpoint])."""
 
     def first_layout(self, model: LayeredModel) -> tuple[JobLayout, str]:
         """The job's first plan's layout (sized, not created) and why that plan. Raises

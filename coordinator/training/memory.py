@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,17 +111,8 @@ class HostMemory:
         )
 
     def components(self) -> dict[str, int]:
-        """Every component by name, in the order ``describe`` gives them."""
-        return {
-            "weights": self.weights,
-            "grads": self.grads,
-            "activations": self.activations,
-            "masters": self.masters,
-            "moments": self.moments,
-            "staging": self.staging,
-            "checkpoint_staging": self.checkpoint_staging,
-            "split_sums": self.split_sums,
-        }
+        """Every component by name, in the order ``describe`` gives them: the fields."""
+        return asdict(self)
 
     def describe(self, parameters: int | None = None) -> str:
         """One line with every figure; with ``parameters``, also bytes per parameter."""
