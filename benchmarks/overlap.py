@@ -2,8 +2,9 @@
 
 One worker (``WorkerCore``, the logic inside ``roundpipe-worker``) runs every task of
 several iterations of a Qwen3-shaped job (forward stages, fused tail, backward stages) on
-real arenas and a real event table; the optimizer's version counters are stored by the
-benchmark, so only the worker's own work is timed. Three runs, side by side:
+real arenas and a real event table; a thread stands in for the optimizer (it publishes
+each layer's version once its gradient is complete, with no arithmetic), so only the
+worker's own work is timed. Three runs, side by side:
 
   compute      the CPU engine: no bus at all (the compute time C of an iteration)
   serial       the emulated bus, every copy waited for where it is issued, no prefetch
@@ -52,7 +53,9 @@ def stage_plan(num_layers: int) -> str:
 
 
 def make_spec(out: Path, smoke: bool) -> JobSpec:
-    hidden, layers, seq = (128, 4, 128) if smoke else (512, 8, 512)
+    # The smoke run keeps the default's depth, so its stage plan (four forward stages, the
+    # tail, four backward stages) and shared gradient slots take the default's code paths.
+    hidden, layers, seq = (128, 8, 128) if smoke else (512, 8, 512)
     config = {
         "hidden_size": hidden,
         "intermediate_size": hidden * 11 // 4,
@@ -92,6 +95,32 @@ class Bench:
         self.layout = self.trainer.layout
         self.next_iteration = 1
         self.next_task = 0
+        self._stop = threading.Event()
+        self._optimizer = threading.Thread(
+            target=self._publish_versions, name="bench-optimizer", daemon=True
+        )
+        self._optimizer.start()
+
+    def _publish_versions(self) -> None:
+        """The optimizer, without the arithmetic: each layer's version k is published as
+        soon as its step-k gradient is complete, last layers first, as the real one does
+        (Note [weight-update ordering]). Publishing them once per iteration instead would
+        deadlock a model deep enough to share gradient slots between layers (Note
+        [gradient buffer]): a backward task then waits for another layer's version within
+        its own iteration."""
+        events, counters = self.layout.events, self.layout.counters
+        layers = sorted(self.layout.trainable_layers(), reverse=True)
+        k = 1
+        try:
+            while not self._stop.is_set():
+                for layer in layers:
+                    events.wait_at_least(
+                        counters.wgrad(layer), k, 600, should_abort=self._stop.is_set
+                    )
+                    events.signal(counters.version(layer), k)
+                k += 1
+        except InterruptedError:
+            pass  # closed
 
     def iteration_tasks(self):
         k = self.next_iteration
@@ -101,8 +130,6 @@ class Bench:
         layout.write_batch(k % 2, batch)
         for m in range(layout.num_microbatches):
             layout.events.signal(layout.counters.act(0, m), k)
-        for layer in range(self.trainer.model.num_layers):
-            layout.events.signal(layout.counters.version(layer), k - 1)  # "the optimizer"
         tasks = self.trainer.schedule.tasks(k, batch.num_label_tokens, self.next_task)
         self.next_task += len(tasks)
         return tasks
@@ -143,6 +170,8 @@ class Bench:
         return (time.perf_counter() - started) / iterations, dones
 
     def close(self) -> None:
+        self._stop.set()
+        self._optimizer.join(timeout=10)
         self.trainer.close()
 
 
@@ -163,7 +192,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--latency", type=float, default=10e-6, help="seconds per copy")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, for the tests")
+    parser.add_argument("--smoke", action="store_true", help="a narrow model of the same depth, for the tests")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     iterations = 1 if args.smoke else args.iterations

@@ -153,6 +153,16 @@ def test_every_plan_enumerates_each_partition_once() -> None:
     assert sync_mode.Plan.parse("F[0:4] T[4:6] B[3:4,2:3,0:2]") in plans
 
 
+def test_overlap_benchmark_smoke_has_the_defaults_depth() -> None:
+    """`overlap.py --smoke` runs the default's stage plan (8 decoder layers: four forward
+    stages, the tail, four backward stages, gradient slots shared between layers; a
+    4-layer smoke run once hid a default that deadlocked) to its RESULT line."""
+    out = _run_benchmark("overlap.py", "--smoke", timeout_s=600)
+    assert "one worker, 9 tasks per iteration" in out, out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT overlap_efficiency=\d+\.\d\d speedup=\d+\.\d\d", last), last
+
+
 @pytest.mark.slow
 def test_checkpoint_benchmark_smoke() -> None:
     """`checkpoint.py --smoke`: the three ways run, checkpoints have bytes and a write
