@@ -192,7 +192,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--latency", type=float, default=10e-6, help="seconds per copy")
-    parser.add_argument("--smoke", action="store_true", help="a narrow model of the same depth, for the tests")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a narrow model of the same depth, for the tests"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     iterations = 1 if args.smoke else args.iterations
