@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -151,6 +153,32 @@ def test_every_plan_enumerates_each_partition_once() -> None:
     for plan in plans:
         plan.validate(6)
     assert sync_mode.Plan.parse("F[0:4] T[4:6] B[3:4,2:3,0:2]") in plans
+
+
+def test_run_all_tables_each_benchmarks_result(tmp_path: Path) -> None:
+    """`run_all.py` runs the named benchmarks one by one and writes their RESULT figures as
+    JSON and as a markdown table; a GPU-only default is a skipped row without a GPU."""
+    out = _run_benchmark(
+        "run_all.py", "--only", "plan_sim,overlap", "--smoke", "--out", str(tmp_path / "s")
+    )
+    assert out.strip().splitlines()[-1] == "RESULT benchmarks=2 ok=2 failed=0 skipped=0", out
+    rows = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert [(r["name"], r["status"]) for r in rows] == [("plan_sim", "ok"), ("overlap", "ok")]
+    assert rows[0]["command"] == "python benchmarks/plan_sim.py"  # its default is short
+    assert rows[1]["command"] == "python benchmarks/overlap.py --smoke"
+    assert set(rows[1]["result"]) == {"overlap_efficiency", "speedup"}
+    table = (tmp_path / "s" / "results.md").read_text().splitlines()
+    assert table[0].startswith("| benchmark |") and len(table) == 4
+    assert "overlap_efficiency=" in table[3]
+    if not torch.cuda.is_available():
+        out = _run_benchmark("run_all.py", "--only", "bandwidth", "--out", str(tmp_path / "g"))
+        assert "RESULT benchmarks=1 ok=0 failed=0 skipped=1" in out, out
+    unknown = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run_all.py"), "--only", "nosuch"],
+        capture_output=True,
+        text=True,
+    )
+    assert unknown.returncode == 2 and "unknown benchmark(s) nosuch" in unknown.stderr
 
 
 def test_overlap_benchmark_smoke_has_the_defaults_depth() -> None:
