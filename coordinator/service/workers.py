@@ -63,7 +63,6 @@ class WorkerEntry:
     # end of its ipc:// connection); only such a process is ever signalled. See Note
     # [no fencing by hearsay].
     process: psutil.Process | None = None
-    state: str = "idle"
     tasks_done: int = 0
 
 
