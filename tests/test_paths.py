@@ -60,6 +60,32 @@ def _policy(tree: Path) -> PathPolicy:
     return PathPolicy.create([tree / "read"], [tree / "write"])
 
 
+def test_out_of_descriptors_is_the_hosts_problem_not_the_specs(tree: Path) -> None:
+    """With every descriptor taken (a flood of connections), preparing the output
+    directory raises the OSError itself (EMFILE: the job runner pauses the job, to be
+    resumed), not a refusal of the spec's path (the job would fail for good)."""
+    import errno
+    import resource
+
+    policy = _policy(tree)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with pytest.raises(OSError) as err:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        assert err.value.errno == errno.EMFILE
+        with pytest.raises(OSError) as err:
+            policy.prepare_output(tree / "write" / "out")
+        assert err.value.errno == errno.EMFILE and not isinstance(err.value, PathRefused)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert policy.prepare_output(tree / "write" / "out").is_dir()
+
+
 def test_read_outside_the_roots_is_refused_without_saying_whether_it_exists(tree: Path) -> None:
     policy = _policy(tree)
     messages = []

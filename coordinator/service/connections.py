@@ -299,8 +299,10 @@ def handle_monitor_events(
                 "security mechanism (no key?)",
             )
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # A kind of its own: a flood of junk connections must not hide, behind one
+            # rate-limited line, the client that came without a key.
             refusals.warning(
-                "no-key",
+                "not-zmtp",
                 "closed a connection that failed the handshake: it does not speak ZMTP, "
                 "or did not finish its handshake within %gs",
                 HANDSHAKE_TIMEOUT_S,

@@ -34,6 +34,7 @@ Rules (docs/deploy.md, "Paths and file modes"):
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
@@ -185,6 +186,10 @@ def open_no_symlinks(path: str | os.PathLike[str]) -> IO[bytes]:
 
 
 _FD_DIR = "/proc/self/fd"
+_HOST_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+"""Errors opening a directory that say the coordinator's host ran out of descriptors or
+memory (a flood of connections?), not that the path is wrong: they propagate as
+OSError, so a running job pauses to be resumed instead of failing on its spec."""
 
 
 def pinned_dir(fd: int) -> Path | None:
@@ -395,6 +400,8 @@ class PathPolicy:
         try:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
+            if exc.errno in _HOST_OUT_OF_RESOURCES:
+                raise  # not the spec's fault: the job pauses, to be resumed
             raise PathRefused(
                 field, f"write root {root} cannot be opened ({exc.strerror}); create it"
             ) from None
@@ -411,6 +418,8 @@ class PathPolicy:
                 try:
                     nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
+                    if exc.errno in _HOST_OUT_OF_RESOURCES:
+                        raise
                     raise PathRefused(
                         field,
                         f"access refused to {walked!r}: it is a symbolic link or not a "
