@@ -47,6 +47,7 @@ BENCHMARKS = (
     Benchmark("ipc", smoke=("--roundtrips", "50", "--wakes", "5", "--copy-mib", "4"), limit_s=120),
     Benchmark("cpu_overhead", smoke=("--steps", "3", "--warmup", "1"), limit_s=300),
     Benchmark("plan_sim", smoke=None, limit_s=120),
+    Benchmark("paper_table", smoke=("--only", "Qwen3-1.7B,GPT-OSS-20B"), limit_s=300),
     Benchmark("overlap", limit_s=300),
     Benchmark("bandwidth", limit_s=120, needs_gpu=True),
     Benchmark("soak", smoke=("--steps", "200", "--jobs", "3"), limit_s=900),

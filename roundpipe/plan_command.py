@@ -18,8 +18,10 @@ from roundpipe.coordinator.planning.data_parallel import (
     DataParallelPrediction,
     predict_data_parallel,
 )
+from roundpipe.coordinator.planning.gpus import GPUS
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
+from roundpipe.coordinator.planning.shape_costs import estimate_costs_on_gpu
 from roundpipe.shared.families import FAMILIES
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import format_bytes, format_seconds, parse_quantity
@@ -189,6 +191,19 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     )
     p.add_argument("--efficiency", type=float, default=0.7, help="fraction of --flops achieved")
     p.add_argument(
+        "--gpu",
+        default=None,
+        choices=sorted(GPUS),
+        help="price each GEMM, attention and elementwise pass by its shape on this GPU "
+        "(the shape-aware model, docs/planning.md) instead of --flops x --efficiency",
+    )
+    p.add_argument(
+        "--fp16-accumulation",
+        action="store_true",
+        help="with --gpu and --dtype float16: GEMMs accumulate in fp16 "
+        "(torch.backends.cuda.matmul.allow_fp16_accumulation)",
+    )
+    p.add_argument(
         "--memory-bandwidth", default="1TB/s", metavar="RATE", help="GPU memory bandwidth"
     )
     p.add_argument("--speeds", default=None, metavar="V,V,...", help="relative speed per worker")
@@ -242,15 +257,33 @@ def run_plan_command(args: argparse.Namespace) -> int:
     )
     model = _build_model(args)
     flops = parse_quantity(args.flops, what="--flops")
-    costs = estimate_costs(
-        model,
-        microbatch_rows=args.microbatch_size,
-        seq_len=args.seq_len,
-        compute_dtype=args.dtype,
-        flops_per_s=flops,
-        efficiency=args.efficiency,
-        memory_bandwidth=parse_quantity(args.memory_bandwidth, what="--memory-bandwidth"),
-    )
+    if args.fp16_accumulation and (args.gpu is None or args.dtype != "float16"):
+        raise ValueError("--fp16-accumulation needs --gpu and --dtype float16")
+    if args.gpu:
+        gpu = GPUS[args.gpu]
+        costs = estimate_costs_on_gpu(
+            model,
+            gpu,
+            microbatch_rows=args.microbatch_size,
+            seq_len=args.seq_len,
+            compute_dtype=args.dtype,
+            fp16_accumulation=args.fp16_accumulation,
+        )
+        speed = (
+            f"{gpu.name} ({'fp16' if args.fp16_accumulation else 'fp32'} accumulation, "
+            "shape-aware costs)"
+        )
+    else:
+        costs = estimate_costs(
+            model,
+            microbatch_rows=args.microbatch_size,
+            seq_len=args.seq_len,
+            compute_dtype=args.dtype,
+            flops_per_s=flops,
+            efficiency=args.efficiency,
+            memory_bandwidth=parse_quantity(args.memory_bandwidth, what="--memory-bandwidth"),
+        )
+        speed = f"{flops / 1e12:g} TFLOPS x {args.efficiency:g}"
     tokens = m * args.microbatch_size * args.seq_len
     if args.plan:
         result = evaluate_plan(
@@ -288,8 +321,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{model.architecture}, {model.num_layers} layers"
         f"{' (LoRA r=' + str(args.lora_rank) + ')' if args.lora_rank else ''}, "
         f"{hw.num_workers} workers x {format_bytes(hw.memory_limit_bytes)}, "
-        f"PCIe {hw.bandwidth_bytes_per_s / 1e9:g} GB/s, {flops / 1e12:g} TFLOPS x "
-        f"{args.efficiency:g}, {args.dtype}, {m} microbatches x {args.microbatch_size} x "
+        f"PCIe {hw.bandwidth_bytes_per_s / 1e9:g} GB/s, {speed}, "
+        f"{args.dtype}, {m} microbatches x {args.microbatch_size} x "
         f"{args.seq_len} tokens"
     )
     multinode = _multinode_prediction(model, result, args, tokens)

@@ -13,6 +13,9 @@ Modules (imports go down this list, never up):
 * ``model_flops``: a decoder layer's FLOPs per model family (active experts, linear
   attention).
 * ``costs``: ``LayerCost``, ``estimate_costs`` and the cost model of a stage.
+* ``gpus``: ``GpuModel``, what a GPU can do (data-sheet peaks and efficiencies).
+* ``shape_costs``: ``estimate_costs_on_gpu``, layer costs priced by the shapes of the
+  work on a ``GpuModel`` (``roundpipe plan --gpu``).
 * ``search``: ``plan_stages``, ``evaluate_plan`` and the entry points the trainer calls,
   ``initial_plan`` and ``replan_if_better``; ``PlanResult``.
 * ``baselines``: the paper's bound baseline, for comparison.
@@ -27,7 +30,9 @@ The model in short:
   (backward = recompute forward + backward, which is also what a layer costs inside the
   fused tail), the bytes a task uploads (compute-dtype weights) and downloads (fp32
   gradients), the layer's input activation and its working memory.
-* ``estimate_costs``: cold-start costs from parameter counts and a FLOP model.
+* ``estimate_costs``: cold-start costs from parameter counts and a FLOP model;
+  ``estimate_costs_on_gpu`` the same from each GEMM's shape, attention, elementwise
+  bytes and kernel counts on a described GPU.
 * ``ProfileAggregator``: measured per-layer times from ``TaskDone.layer_times``
   (exponential average, warm-up dropped) turned back into ``LayerCost``s.
 * ``plan_stages``: the search. A stage's time is

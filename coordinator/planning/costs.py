@@ -51,6 +51,11 @@ class LayerCost:
     """Peak transient memory of the layer's forward without autograd."""
     name: str = ""
     """Human name for messages (``model.layers.11``)."""
+    forward_kernels: int = 0
+    """Kernels the forward issues per microbatch (the shape-aware model's count; 0 when
+    unknown): the host's share of the work (Note [kernels and the host])."""
+    backward_kernels: int = 0
+    """Kernels the recompute and backward issue per microbatch (0 when unknown)."""
 
     @property
     def trainable_params(self) -> int:

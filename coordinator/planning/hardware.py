@@ -29,6 +29,12 @@ class HardwareSpec:
     """Fixed cost per task (launch, synchronisation, Python)."""
     optimizer_params_per_s: float | None = None
     """CPU optimizer throughput (parameters per second) for the simulation; None = free."""
+    shared_launch_s: float = 0.0
+    """Host seconds per kernel when one process issues every worker's kernels (the
+    paper's library: a thread per GPU under one interpreter lock), so that the kernels of
+    an iteration, all workers together, take at least this much each; 0 for RoundPipe's
+    process per worker (Note [kernels and the host] in
+    roundpipe.coordinator.planning.shape_costs)."""
     flops_per_s: float = 82.6e12
     """Peak dense matmul throughput of one worker, for cold-start cost estimates
     (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
@@ -56,8 +62,8 @@ class HardwareSpec:
             if any(not v > 0 for v in speeds):
                 raise ValueError(f"worker speeds must be positive, got {list(speeds)}")
             object.__setattr__(self, "speeds", speeds)
-        if self.reserved_bytes < 0 or self.task_overhead_s < 0:
-            raise ValueError("reserved_bytes and task_overhead_s must be >= 0")
+        if self.reserved_bytes < 0 or self.task_overhead_s < 0 or self.shared_launch_s < 0:
+            raise ValueError("reserved_bytes, task_overhead_s and shared_launch_s must be >= 0")
         if self.optimizer_params_per_s is not None and not self.optimizer_params_per_s > 0:
             raise ValueError("optimizer_params_per_s must be positive")
         if not self.flops_per_s > 0:

@@ -103,6 +103,16 @@ def _evaluate(
         staleness=staleness,
         tokens_per_iteration=tokens_per_iteration,
     )
+    iteration_s = sim.iteration_s
+    host_s = _shared_host_seconds(cm, plan)
+    if host_s > iteration_s:  # one process issues every worker's kernels
+        notes = [
+            *notes,
+            f"host-bound: one process issues every worker's kernels, "
+            f"{format_seconds(host_s)} of host time per iteration against "
+            f"{format_seconds(sim.iteration_s)} of schedule",
+        ]
+        iteration_s = host_s
     times = tuple(e.time_s for e in ests)
     slowest = max(times)
     if objective is None:
@@ -110,7 +120,7 @@ def _evaluate(
     all_notes = list(notes) + _auto_notes(cm, ests, sims, sim)
     return PlanResult(
         plan=plan,
-        predicted_iteration_s=sim.iteration_s,
+        predicted_iteration_s=iteration_s,
         stage_times=times,
         per_stage_memory=tuple(e.memory_bytes for e in ests),
         notes=tuple(all_notes),
@@ -126,6 +136,19 @@ def _evaluate(
         costs=tuple(cm.costs),
         hardware=cm.hw,
     )
+
+
+def _shared_host_seconds(cm: CostModel, plan: Plan) -> float:
+    """Host seconds per iteration when every worker's kernels come from one process
+    (``HardwareSpec.shared_launch_s``; Note [kernels and the host] in
+    roundpipe.coordinator.planning.shape_costs): every microbatch's kernels of every
+    stage, one after another. 0 for a process per worker."""
+    if not cm.hw.shared_launch_s:
+        return 0.0
+    kernels = sum(cm.costs[i].forward_kernels for a, b in plan.forward for i in range(a, b))
+    stages = [plan.tail, *plan.backward]
+    kernels += sum(cm.costs[i].backward_kernels for a, b in stages for i in range(a, b))
+    return cm.m * kernels * cm.hw.shared_launch_s
 
 
 def _auto_notes(
