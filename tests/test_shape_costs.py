@@ -142,6 +142,7 @@ def test_plan_command_prices_shapes_on_a_named_gpu(capsys) -> None:
     assert "--fp16-accumulation needs --gpu and --dtype float16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_paper_table_predicts_every_published_run_within_15_percent() -> None:
     """`python benchmarks/paper_table.py`, its documented default: five published runs,
     one server description, RESULT worst <= 0.15."""
