@@ -26,6 +26,8 @@ Last line `RESULT observability_overhead=<on/off step time - 1> hooks_share=<x>`
 
 Usage: python benchmarks/cpu_overhead.py [--steps 8] [--warmup 2] [--threads 2]
        python benchmarks/cpu_overhead.py --observability [--repeats 2]
+       python benchmarks/cpu_overhead.py --smoke   # the tests: hidden 128, sequence 128,
+                                                   # 3 steps; the same 8 layers and plans
 """
 
 from __future__ import annotations
@@ -56,14 +58,33 @@ CONFIG = {
 }
 
 
+# --smoke: narrower and shorter, the same depth. The planner still runs the whole model as
+# one stage on one worker and picks F[0:7] T[7:10] B[5:7,3:5,0:3] for two, as it does for
+# the default's model.
+SMOKE_HIDDEN, SMOKE_SEQ_LEN = 128, 128
+
+
 def make_spec(
-    steps: int, num_microbatches: int, out: Path, *, observability: bool = True
+    steps: int,
+    num_microbatches: int,
+    out: Path,
+    *,
+    observability: bool = True,
+    smoke: bool = False,
 ) -> JobSpec:
+    config = CONFIG
+    if smoke:
+        config = {
+            **CONFIG,
+            "hidden_size": SMOKE_HIDDEN,
+            "intermediate_size": SMOKE_HIDDEN * 11 // 4,
+            "head_dim": SMOKE_HIDDEN // CONFIG["num_attention_heads"],
+        }
     return demo_data_spec(
-        CONFIG,
+        config,
         out,
         steps=steps,
-        seq_len=512,
+        seq_len=SMOKE_SEQ_LEN if smoke else 512,
         microbatch_size=1,
         num_microbatches=num_microbatches,
         output={"timeline": observability, "tensorboard": observability},
@@ -140,7 +161,11 @@ def observability(args: argparse.Namespace, root: Path) -> None:
     for r in range(args.repeats):
         for on in (False, True):
             spec = make_spec(
-                args.steps, args.microbatches, root / f"out-{r}-{on}", observability=on
+                args.steps,
+                args.microbatches,
+                root / f"out-{r}-{on}",
+                observability=on,
+                smoke=args.smoke,
             )
             stop = threading.Event()
             address = f"127.0.0.1:{_free_port()}"
@@ -156,7 +181,7 @@ def observability(args: argparse.Namespace, root: Path) -> None:
             )
             stop.set()
             (on_s if on else off_s).extend(run.step_s)
-    spec = make_spec(args.steps, args.microbatches, root / "hooks")
+    spec = make_spec(args.steps, args.microbatches, root / "hooks", smoke=args.smoke)
     per_task, per_layer = hooks_cost(spec)
     # Calls per step of this job: one per task of its plan, one per layer (with the
     # embedding and the head).
@@ -165,7 +190,8 @@ def observability(args: argparse.Namespace, root: Path) -> None:
     step_on = statistics.median(on_s)
     hooks_s = num_tasks * per_task + (CONFIG["num_hidden_layers"] + 2) * per_layer
     print(
-        f"model: qwen3 hidden 512 x 8 layers, seq 512, {args.microbatches} microbatches, "
+        f"model: qwen3 hidden {spec.model.config['hidden_size']} x 8 layers, seq "
+        f"{spec.data.seq_len}, {args.microbatches} microbatches, "
         f"2 CPU workers x {threads_each} thread(s), {args.repeats} off/on pairs, "
         f"{len(off_s)} + {len(on_s)} timed steps, {scrapes[0]} scrapes"
     )
@@ -193,18 +219,22 @@ def main() -> None:
         "--observability", action="store_true", help="measure timeline/metrics/TensorBoard cost"
     )
     parser.add_argument("--repeats", type=int, default=2, help="off/on pairs (--observability)")
+    parser.add_argument("--smoke", action="store_true", help="narrow and short (the tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup = 3, 1
     root = Path(tempfile.mkdtemp(prefix="rp-bench-"))
     if args.observability:
         observability(args, root)
         return
-    spec = make_spec(args.steps, args.microbatches, root / "out")
+    spec = make_spec(args.steps, args.microbatches, root / "out", smoke=args.smoke)
     plain = plain_loop(spec, warmup=args.warmup, threads=args.threads)
     one = runtime(spec, 1, args.threads, args.warmup, root)
     two = runtime(spec, 2, max(1, args.threads // 2), args.warmup, root)
     tokens = spec.global_batch_size * spec.data.seq_len
     print(
-        f"model: qwen3 hidden 512 x 8 layers, seq 512, {args.microbatches} microbatches "
+        f"model: qwen3 hidden {spec.model.config['hidden_size']} x 8 layers, seq "
+        f"{spec.data.seq_len}, {args.microbatches} microbatches "
         f"of 1 row ({tokens} tokens/step), fp32, {args.threads} threads in total"
     )
     print(f"{'system':36} {'tokens/s':>10} {'ratio':>8}")

@@ -30,7 +30,7 @@ Usage:
   python benchmarks/gpu_throughput.py [--models qwen3-1.7b,qwen3-4b,llama-8b-lora]
       [--systems runtime-1w,runtime-2w,paper,plain] [--seq-len 4096] [--microbatches 8]
       [--steps 5] [--warmup 2] [--memory-limit 24GiB] [--paper-site /tmp/ref]
-  python benchmarks/gpu_throughput.py --smoke   # a tiny model on CPU workers: checks
+  python benchmarks/gpu_throughput.py --smoke   # tiny models on CPU workers: checks
                                                 # the script end to end without a GPU
 """
 
@@ -102,24 +102,41 @@ MODELS: dict[str, dict] = {
         },
         "lora": {"r": 32, "alpha": 16, "target_modules": ALL_LINEAR},
     },
-    # --smoke: the demo's shape, on CPU workers.
+    # --smoke: narrow stand-ins for the models above, on CPU workers. Deep enough (8
+    # layers) for stage plans of several stages, tied embeddings like the Qwen3 models,
+    # and a Llama LoRA job like the third model, so the smoke takes the default's paths.
     "tiny": {
         "architecture": "qwen3",
         "config": {
             "vocab_size": 512,
             "hidden_size": 128,
             "intermediate_size": 384,
-            "num_hidden_layers": 4,
+            "num_hidden_layers": 8,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "head_dim": 32,
             "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+        },
+    },
+    "tiny-lora": {
+        "architecture": "llama",
+        "config": {
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
             "tie_word_embeddings": False,
         },
+        "lora": {"r": 8, "alpha": 16, "target_modules": ALL_LINEAR},
     },
 }
 SYSTEMS = ("runtime-1w", "runtime-2w", "paper", "plain")
 MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+SMOKE_MODELS = "tiny,tiny-lora"
 
 
 @dataclass
@@ -188,6 +205,20 @@ def flops_per_token(spec: JobSpec) -> float:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = 6 * config.num_hidden_layers * heads * head_dim * spec.data.seq_len
     return 4 * frozen + 6 * trainable + attention
+
+
+SMOKE_ONE_WORKER_PLAN = "F[0:3,3:6] T[6:10] B[4:6,2:4,0:2]"
+"""--smoke's plan for runtime-1w. On a GPU the planner gives one worker several stages
+(the memory cap forces them: e.g. ``F[0:23] T[23:30] B[12:23,0:12]`` for Qwen3-1.7B),
+but for one CPU worker it fuses a tiny model into a single tail stage, which would skip
+the hand-offs between stages; so the smoke pins a plan of the same kind."""
+
+
+def _with_plan(spec: JobSpec, plan: str) -> JobSpec:
+    """``spec`` with ``train.plan`` pinned to ``plan``."""
+    doc = spec.to_dict()
+    doc["train"] = {**doc["train"], "plan": plan}
+    return JobSpec.from_dict(doc)
 
 
 # -- child processes -----------------------------------------------------------------
@@ -263,6 +294,8 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
         workers = int(system[len("runtime-") : -1])
         if args.smoke:
             device = ["--cpu", "--threads", "1"]
+            if workers == 1:
+                spec = _with_plan(spec, SMOKE_ONE_WORKER_PLAN)
         else:
             device = ["--gpu", "0", "--memory-limit", str(args.memory_limit_bytes)]
         run = run_runtime(
@@ -343,8 +376,8 @@ def main() -> None:
     if args.child:
         return child_main(args.child, json.loads(args.job))
     if args.smoke:
-        args.models, args.seq_len, args.microbatches, args.rows = "tiny", 64, 3, 2
-        args.steps, args.warmup, args.dtype = 3, 1, "float32"
+        args.models, args.seq_len, args.microbatches, args.rows = SMOKE_MODELS, 32, 3, 1
+        args.steps, args.warmup = 3, 1  # bfloat16, as the default
     args.memory_limit_bytes = int(parse_quantity(args.memory_limit, what="--memory-limit"))
     models = [m for m in args.models.split(",") if m]
     systems = [s for s in args.systems.split(",") if s]

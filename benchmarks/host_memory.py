@@ -46,7 +46,10 @@ from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
 FULL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, vocab_size=16384)
-SMOKE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, vocab_size=1024)
+# --smoke: narrow, but deep enough (8 decoder layers) that the pinned 4-worker plan has
+# twice as many backward stages as forward ones, as the default's has; with 4 layers it
+# would have as many.
+SMOKE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=8, vocab_size=1024)
 THROUGHPUT = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, vocab_size=1024)
 COMMON = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 

@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--smoke", action="store_true", help="8 conversations, a tiny model")
+    p.add_argument(
+        "--smoke", action="store_true", help="16 conversations, a narrow model of the same depth"
+    )
     a = p.parse_args(argv)
     if a.smoke:
-        a.conversations, a.hidden, a.layers = 8, 64, 2
+        # The default's 4 layers (so the same F / T / B stages) and enough conversations
+        # that every mode still has more than one microbatch.
+        a.conversations, a.hidden = 16, 64
     from transformers import AutoTokenizer, Qwen3Config
 
     tok = AutoTokenizer.from_pretrained(str(DEMO / "chat_tokenizer"), local_files_only=True)

@@ -45,16 +45,17 @@ class Benchmark:
 # the 2-core developer machine (docs/benchmarks.md), so a loaded machine still finishes.
 BENCHMARKS = (
     Benchmark("ipc", smoke=("--roundtrips", "50", "--wakes", "5", "--copy-mib", "4"), limit_s=120),
-    Benchmark("cpu_overhead", smoke=("--steps", "3", "--warmup", "1"), limit_s=300),
+    Benchmark("cpu_overhead", limit_s=300),
     Benchmark("plan_sim", smoke=None, limit_s=120),
     Benchmark("paper_table", smoke=("--only", "Qwen3-1.7B,GPT-OSS-20B"), limit_s=300),
     Benchmark("overlap", limit_s=300),
     Benchmark("bandwidth", limit_s=120, needs_gpu=True),
-    Benchmark("soak", smoke=("--steps", "200", "--jobs", "3"), limit_s=900),
+    Benchmark("soak", limit_s=900),
     Benchmark("packing", limit_s=300),
     Benchmark("optimizer", limit_s=300),
     Benchmark("moe", limit_s=420),
-    Benchmark("sync_mode", smoke=("--no-runtime",), limit_s=1200),
+    # The default's runtime cases (planner's plans, unsplit, clipped), a few steps each.
+    Benchmark("sync_mode", smoke=("--steps", "3", "--warmup", "1", "--repeats", "1"), limit_s=1200),
     Benchmark("multinode", limit_s=300),
     Benchmark("host_memory", limit_s=240),
     Benchmark("checkpoint", limit_s=300),

@@ -3,7 +3,8 @@
 Real daemons (a coordinator and 2 CPU workers, as ``roundpipe.cluster.LocalCluster``
 starts them). Two phases:
 
-  long    one tiny job of ``--steps`` steps (default 10,000), checkpoints every 1,000
+  long    one tiny job of ``--steps`` steps (default 10,000), checkpoints every
+          ``--checkpoint-every`` steps (default 1,000), keeping the last one
   jobs    ``--jobs`` short jobs (default 50) back to back, each of a model large enough
           (~2.6M parameters, ~31 MiB of fp32 masters and AdamW moments) that a job
           keeping its state would show
@@ -19,7 +20,13 @@ Prints a table and last ``RESULT rss_growth_mib_per_job=<x> rss_growth_mib_per_1
 (the coordinator's slopes). Target: rss_growth_mib_per_job < 1.
 
 Usage: python benchmarks/soak.py [--steps 10000] [--jobs 50] [--every 0.5]
+           [--checkpoint-every 1000]
        python benchmarks/soak.py --steps 300 --jobs 8      # a few minutes
+       python benchmarks/soak.py --smoke    # under a minute: the default's paths (tests)
+
+``--smoke`` is 150 steps with a checkpoint every 50 and 8 jobs: several checkpoints, each
+replacing the last (as the default's ten do), and more jobs than the 5 warm-up ones, so
+both phases' slopes are computed, as in the default.
 """
 
 from __future__ import annotations
@@ -160,8 +167,12 @@ def growth(samples: list[Sample], name: str, index: int, skip_below: float, scal
     return pts[0][1], pts[-1][1], slope(pts)
 
 
-def long_phase(cluster: LocalCluster, sampler: Sampler, steps: int, root: Path) -> float:
-    spec = make_spec(TINY, steps, root / "long", checkpoint_every=1000)
+def long_phase(
+    cluster: LocalCluster, sampler: Sampler, steps: int, checkpoint_every: int, root: Path
+) -> tuple[float, int]:
+    """Run the long job; (its seconds, the checkpoints left on disk: keep_last is 1, so
+    more than one means old checkpoints pile up, which is growth too)."""
+    spec = make_spec(TINY, steps, root / "long", checkpoint_every=checkpoint_every)
     job = cluster.client.submit(spec)
     started = time.monotonic()
     for event in job.progress(poll_s=0.5):
@@ -169,7 +180,7 @@ def long_phase(cluster: LocalCluster, sampler: Sampler, steps: int, root: Path) 
     status = job.wait()
     if status.state != "succeeded":
         raise SystemExit(f"the long job {status.state}: {status.message}\n{cluster.logs()}")
-    return time.monotonic() - started
+    return time.monotonic() - started, len(list((root / "long" / "checkpoints").glob("step-*")))
 
 
 def jobs_phase(cluster: LocalCluster, sampler: Sampler, jobs: int, root: Path) -> float:
@@ -192,7 +203,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--jobs", type=int, default=50)
     parser.add_argument("--every", type=float, default=0.5, help="seconds between samples")
+    parser.add_argument("--checkpoint-every", type=int, default=1000, help="long job's steps")
+    parser.add_argument("--smoke", action="store_true", help="short, the default's paths")
     args = parser.parse_args()
+    if args.smoke:
+        # Shorter, not simpler: checkpoints still replace each other in the long phase
+        # (150 / 50 = 3 of them), and 8 jobs leave 3 past the 5 warm-up jobs for a slope.
+        args.steps, args.checkpoint_every, args.jobs = 150, 50, 8
     root = Path(tempfile.mkdtemp(prefix="rp-soak-"))
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-soak-", dir="/dev/shm"))
     cluster = LocalCluster(root / "cluster", arena_dir, allow_write=[root])
@@ -201,7 +218,11 @@ def main() -> None:
         cluster.add_worker("w2")
         cluster.wait_for_workers(2)
         sampler = Sampler(cluster, args.every).start()
-        long_s = long_phase(cluster, sampler, args.steps, root) if args.steps else 0.0
+        long_s, kept = (
+            long_phase(cluster, sampler, args.steps, args.checkpoint_every, root)
+            if args.steps
+            else (0.0, 0)
+        )
         jobs_s = jobs_phase(cluster, sampler, args.jobs, root) if args.jobs else 0.0
         sampler.stop()
     finally:
@@ -212,8 +233,10 @@ def main() -> None:
     long = [s for s in sampler.samples if s.phase == "long"]
     per_job = [s for s in sampler.samples if s.phase == "jobs"]
     print(
-        f"soak: {args.steps} steps in {long_s:.0f}s, {args.jobs} jobs in {jobs_s:.0f}s "
-        f"({len(sampler.samples)} samples, pid {os.getpid()})"
+        f"soak: {args.steps} steps (a checkpoint every {args.checkpoint_every}) in "
+        f"{long_s:.0f}s, {args.jobs} jobs in {jobs_s:.0f}s "
+        f"({len(sampler.samples)} samples, pid {os.getpid()}); {kept} checkpoint(s) of the "
+        "long job on disk at its end (keep_last 1)"
     )
     print(
         f"{'process':<28} {'metric':<8} {'long: first':>11} {'last':>8} {'/1k steps':>10} "
