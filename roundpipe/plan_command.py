@@ -209,6 +209,13 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     p.add_argument("--speeds", default=None, metavar="V,V,...", help="relative speed per worker")
     p.add_argument("--reserve", default="1GiB", metavar="BYTES", help="per GPU, not for stages")
     p.add_argument("--staleness", type=int, default=1, choices=(0, 1))
+    p.add_argument(
+        "--recompute",
+        default="auto",
+        choices=("auto", "stage", "layer"),
+        help="backward tasks recompute their whole stage or one layer at a time "
+        "(train.recompute; auto: the planner's choice)",
+    )
     p.add_argument("--optimizer-rate", default=None, metavar="PARAMS/S", help="CPU AdamW rate")
     p.add_argument("--max-tail-layers", type=int, default=None, metavar="K")
     p.add_argument(
@@ -293,6 +300,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             m,
             staleness=args.staleness,
             tokens_per_iteration=tokens,
+            recompute="stage" if args.recompute == "auto" else args.recompute,
         )
     else:
         result = plan_stages(
@@ -302,6 +310,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             max_tail_layers=args.max_tail_layers,
             staleness=args.staleness,
             tokens_per_iteration=tokens,
+            recompute=args.recompute,
         )
     baselines = []
     if args.compare:
@@ -322,7 +331,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{' (LoRA r=' + str(args.lora_rank) + ')' if args.lora_rank else ''}, "
         f"{hw.num_workers} workers x {format_bytes(hw.memory_limit_bytes)}, "
         f"PCIe {hw.bandwidth_bytes_per_s / 1e9:g} GB/s, {speed}, "
-        f"{args.dtype}, {m} microbatches x {args.microbatch_size} x "
+        f"{args.dtype}, recompute at {result.recompute} grain, {m} microbatches x "
+        f"{args.microbatch_size} x "
         f"{args.seq_len} tokens"
     )
     multinode = _multinode_prediction(model, result, args, tokens)
@@ -333,6 +343,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "predicted_iteration_s": result.predicted_iteration_s,
             "predicted_tokens_per_s": result.predicted_tokens_per_s,
             "bubble_fraction": result.bubble_fraction,
+            "recompute": result.recompute,
             "per_worker_memory": list(result.per_worker_memory),
             "stages": [asdict(e) for e in result.stages],
             "notes": list(result.notes),

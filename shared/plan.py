@@ -37,9 +37,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Plan", "Stage", "StageKind"]
+__all__ = ["RECOMPUTE_GRAINS", "Plan", "Stage", "StageKind"]
 
 StageKind = Literal["F", "T", "B"]
+
+RECOMPUTE_GRAINS = ("stage", "layer")
+"""How a backward task recomputes its range (Note [recompute grain] in
+roundpipe.worker.executor): the whole stage under autograd, or one layer at a time."""
 
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*(?:/\s*(\d+)\s*)?$")
 _PLAN_RE = re.compile(r"^\s*F\[(?P<f>[^\]]*)\]\s+T\[(?P<t>[^\]]*)\]\s+B\[(?P<b>[^\]]*)\]\s*$")

@@ -277,3 +277,84 @@ def test_argument_errors() -> None:
         ex.tail(2, 6, tw, hidden, [labels[:, :5]], 10)
     with pytest.raises(ValueError, match="compute_dtype"):
         StageExecutor(model, "cpu", torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("arch", "lora", "dtype", "dropout"),
+    [
+        ("qwen3", None, torch.float32, 0.0),
+        ("llama", LORA_SPEC, torch.float32, 0.0),
+        ("qwen3", None, torch.bfloat16, 0.1),
+    ],
+)
+def test_layer_grain_recompute_gives_stage_grains_gradients_bitwise(
+    arch: str, lora: dict | None, dtype: torch.dtype, dropout: float
+) -> None:
+    """Note [recompute grain]: the same input and weight gradients, bit for bit, from a
+    stage that starts at the embedding and from one in the middle, dropout replayed."""
+    model = LayeredModel.from_config(tiny_config(arch, attention_dropout=dropout), lora)
+    weights = model.init_weights(seed=0, dtype=dtype)
+    ex = StageExecutor(model, compute_dtype=dtype)
+    ids, labels = batch(seed=5)
+    mbs = [m[0] for m in split_rows(ids, labels, 2)]
+    last = model.num_layers - 1
+    fwd = ex.forward(0, last, model.range_weights(weights, 0, last), mbs, {2})
+    grads = [torch.randn_like(o) for o in fwd.outputs]
+    for start, inputs in ((0, mbs), (2, fwd.saved[2])):
+        if start == 2:  # the gradient arriving at layer `last` comes from the tail
+            grads = [torch.randn_like(o) for o in fwd.outputs]
+        w = model.range_weights(weights, start, last)
+        rng = RngKey(7, 3)
+        by_stage = ex.backward(start, last, w, inputs, grads, rng=rng)
+        by_layer = ex.backward(start, last, w, inputs, grads, rng=rng, recompute="layer")
+        assert by_stage.weight_grads.keys() == by_layer.weight_grads.keys()
+        for name, g in by_stage.weight_grads.items():
+            assert torch.equal(g, by_layer.weight_grads[name]), name
+        if start == 0:
+            assert by_stage.grad_inputs is None and by_layer.grad_inputs is None
+        else:
+            assert all(
+                torch.equal(a, b) for a, b in zip(by_stage.grad_inputs, by_layer.grad_inputs)
+            )
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        ex.backward(2, last, w, fwd.saved[2], grads, recompute="block")
+
+
+def test_layer_grain_keeps_one_layers_saved_tensors_at_a_time() -> None:
+    """What layer grain is for: autograd holds the saved tensors of one layer, not of
+    the whole range, between two backward passes."""
+    model, weights = _tiny()
+    ex = StageExecutor(model)
+    ids, labels = batch(seed=6)
+    last = model.num_layers - 1
+    fwd = ex.forward(0, last, model.range_weights(weights, 0, last), [ids], {1})
+    grads = [torch.randn_like(o) for o in fwd.outputs]
+    w = model.range_weights(weights, 1, last)
+
+    def peak_saved(recompute: str) -> int:
+        held, peak = 0, 0
+        backprop = ex._backprop
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal held, peak
+            held += t.numel() * t.element_size()
+            peak = max(peak, held)
+            return t
+
+        def counted(*args, **kwargs):
+            nonlocal held
+            result = backprop(*args, **kwargs)
+            held = 0  # the graph just backpropagated is freed
+            return result
+
+        ex._backprop = counted  # type: ignore[method-assign]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                ex.backward(1, last, w, fwd.saved[1], grads, recompute=recompute)
+        finally:
+            del ex._backprop
+        return peak
+
+    stage, layer = peak_saved("stage"), peak_saved("layer")
+    layers = last - 1
+    assert layer * (layers - 0.5) < stage, (stage, layer)

@@ -429,3 +429,38 @@ def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
     assert {k: host[k] for k in need.components()} == need.components()
     params = sum(p.numel() for p in model.hf_model(seed=0).parameters())
     assert host["bytes_per_parameter"] == pytest.approx(need.total / params)
+
+
+def test_layer_grain_holds_one_layers_work_for_one_more_forward() -> None:
+    """Note [recompute grain]: a multi-layer backward stage at layer grain keeps each
+    layer's input and one layer's saved tensors, and computes one more forward."""
+    from roundpipe.coordinator.planning.costs import CostModel
+
+    costs = llm_costs(8, act=64 * MiB, work=1 * GiB)
+    stage = CostModel(costs, hw(4), 5, "stage").parts("B", 1, 5)
+    by_layer = CostModel(costs, hw(4), 5, "layer").parts("B", 1, 5)
+    assert stage[4] - by_layer[4] == 4 * GiB - (1 * GiB + 3 * 64 * MiB)  # run bytes
+    assert by_layer[0] == pytest.approx(stage[0] + 5 * 4 * 1.0)  # M x one more forward
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        CostModel(costs, hw(4), 5, "block")
+
+
+def test_auto_recompute_takes_layer_grain_where_it_predicts_faster() -> None:
+    # Saved tensors dominate (6 GiB per layer): at stage grain a backward stage of six
+    # decoder layers cannot fit 24 GiB; at layer grain it can.
+    costs = llm_costs(16, head=2.0, p=64 * MiB, act=32 * MiB, work=6 * GiB)
+    limited = hw(4, mem=24 * GiB, reserved_bytes=GiB, task_overhead_s=2.0)
+    long_stages = Plan.parse("F[0:17] T[17:18] B[11:17,5:11,0:5]")
+    over = evaluate_plan(long_stages, costs, limited, 5, recompute="stage")
+    fits = evaluate_plan(long_stages, costs, limited, 5, recompute="layer")
+    assert max(over.per_stage_memory) > 24 * GiB >= max(fits.per_stage_memory)
+    assert fits.recompute == "layer"
+    stage = plan_stages(costs, limited, 5, recompute="stage")
+    layer_grain = plan_stages(costs, limited, 5, recompute="layer")
+    auto = plan_stages(costs, limited, 5, recompute="auto")
+    assert stage.recompute == "stage" and layer_grain.recompute == "layer"
+    best = min((stage, layer_grain), key=lambda r: r.predicted_iteration_s)
+    assert auto.recompute == best.recompute
+    assert auto.predicted_iteration_s == best.predicted_iteration_s
+    # Without a memory limit layer grain would only add a forward: never chosen.
+    assert plan_stages(costs, hw(4), 5, recompute="auto").recompute == "stage"

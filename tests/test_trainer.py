@@ -285,3 +285,30 @@ def test_replanner_acts_on_settled_measurements(tmp_path, arena_dir, monkeypatch
     finally:
         trainer.close()
     assert_params_match(runtime, oracle_train(spec))
+
+
+def test_layer_grain_recompute_trains_bitwise_what_stage_grain_trains(
+    tmp_path, arena_dir, monkeypatch
+) -> None:
+    """train.recompute: layer (Note [recompute grain]): the job's backward tasks ask the
+    workers for layer grain, and the trained weights are bitwise those of stage grain."""
+    from roundpipe.worker.executor import StageExecutor
+
+    grains: list[str] = []
+    backward = StageExecutor.backward
+
+    def spy(self, *args, recompute: str = "stage", **kwargs):
+        grains.append(recompute)
+        return backward(self, *args, recompute=recompute, **kwargs)
+
+    monkeypatch.setattr(StageExecutor, "backward", spy)
+    plan = "F[0:2,2:4] T[4:6] B[2:4,0:2]"
+    runs = {}
+    for grain in ("stage", "layer"):
+        grains.clear()
+        spec = tiny_spec(tmp_path / grain, plan=plan, train={"recompute": grain})
+        runs[grain] = train_in_process(spec, arena_dir, 2)
+        assert grains and set(grains) == {grain}
+    assert runs["stage"].keys() == runs["layer"].keys()
+    for name, t in runs["stage"].items():
+        assert torch.equal(t, runs["layer"][name]), name

@@ -62,6 +62,8 @@ import torch
 from torch.func import functional_call
 
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
+from roundpipe.shared.plan import RECOMPUTE_GRAINS
+from roundpipe.worker.lm_head_loss import chunked_lm_head_loss
 from roundpipe.worker.transfer import Stopwatch
 
 __all__ = [
@@ -86,6 +88,23 @@ GPU_LOGITS_CHUNK_TOKENS = 4096
 151,936 vocabulary): large enough that the head's matmuls run near peak."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Note [recompute grain]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A backward task recomputes its range from the stage input the forward kept. At stage
+# grain it runs the whole range under autograd, so every layer's saved tensors (q, k, v,
+# the attention output, the MLP's gate, up and product, fp32 norm copies: about ten
+# hidden-sized tensors per layer and token) are alive together before backward starts;
+# at a long sequence that is what does not fit. At layer grain it first runs the range
+# without autograd keeping only each layer's input (one hidden-sized tensor per layer),
+# then, last layer first, recomputes one layer under autograd and backpropagates it at
+# once: the saved tensors of one layer at a time, for one more forward of the range.
+# Each layer runs the same ops on the same input with the same dropout seed
+# (``_seed(rng, layer, m)``), so the gradients are bitwise those of stage grain
+# (tests/test_model_executor.py). The planner picks layer grain when a stage-grain plan
+# does not fit (roundpipe.coordinator.planning.costs, ``recompute``); the router's
+# auxiliary loss needs the whole range's statistics, so MoE layers with one keep stage
+# grain.
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +400,7 @@ class StageExecutor:
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
         router_counts: Sequence[torch.Tensor] | None = None,
         batch_tokens: int | None = None,
+        recompute: str = "stage",
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
 
@@ -391,8 +411,12 @@ class StageExecutor:
         exists (so the previous stage can start) and ``grad_inputs`` comes back empty.
         With a router auxiliary loss, ``router_counts[m]`` (the tail's) and
         ``batch_tokens`` (tokens of the global batch) give its gradient. Note [router
-        auxiliary loss] (roundpipe.shared.model).
+        auxiliary loss] (roundpipe.shared.model). ``recompute="layer"`` keeps only each
+        layer's input and recomputes one layer at a time (Note [recompute grain]); the
+        same gradients, bitwise.
         """
+        if recompute not in RECOMPUTE_GRAINS:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
         self._check_range(start, stop, tail=False)
         self._check_aux("backward", router_counts, batch_tokens, len(saved_inputs))
         if len(saved_inputs) != len(grad_outputs):
@@ -406,6 +430,15 @@ class StageExecutor:
         if start == 0 and not bound.trainable:
             # Nothing upstream of this stage and nothing to learn in it (LoRA prefix).
             return BackwardResult(None, {})
+        if recompute == "layer" and router_counts is None:
+            with self._rng_scope():
+                for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
+                    g = self._hidden(g, "grad_outputs")
+                    gx = self._backward_by_layer(
+                        x, g, start, stop, bound, acc, rng, m, position_ids
+                    )
+                    _emit(grad_inputs, on_grad_input, m, gx)
+            return BackwardResult(grad_inputs, acc)
         with self._rng_scope(), torch.enable_grad():
             for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
                 g = self._hidden(g, "grad_outputs")
@@ -659,6 +692,48 @@ class StageExecutor:
             out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, positions)
         return x, out
 
+    def _backward_by_layer(
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        start: int,
+        stop: int,
+        bound: _Bound,
+        acc: dict[str, torch.Tensor],
+        rng: RngKey,
+        m: int,
+        positions: Sequence[torch.Tensor | None] | None,
+    ) -> torch.Tensor | None:
+        """Microbatch m of a backward task at layer grain (Note [recompute grain]): the
+        range forward without autograd keeping each layer's input, then each layer, last
+        first, recomputed with autograd from its input and backpropagated at once."""
+        h = self._input(x, start)
+        ctx: _StageContext | None = None
+        inputs: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for layer in range(start, stop):
+                inputs.append(h)
+                h, ctx = self._run_layer(layer, h, bound, ctx, rng, m, positions)
+        del h
+        names = {n for n, _ in bound.trainable}
+        g: torch.Tensor | None = grad_out
+        for layer in reversed(range(start, stop)):
+            inp = inputs[layer - start]
+            inputs[layer - start] = None  # freed as soon as its layer is done
+            assert inp is not None and g is not None
+            leaf = inp.detach().requires_grad_(True) if layer > 0 else inp
+            with torch.enable_grad():
+                out, _ = self._run_layer(layer, leaf, bound, ctx, rng, m, positions)
+            mine = {self.model.part_prefix(layer) + k for k in bound.per_layer[layer]}
+            only = _Bound(
+                bound.per_layer,
+                [(n, t) for n, t in bound.trainable if n in mine and n in names],
+                bound.head,
+            )
+            g = self._backprop(out, g, leaf if layer > 0 else None, only, acc)
+            del out
+        return g
+
     def _run_layer(
         self,
         layer: int,
@@ -861,90 +936,3 @@ def _accumulate(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> Non
         acc[name] = g.to(torch.float32, copy=True)
     else:
         cur.add_(g)
-
-
-def chunked_lm_head_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    num_label_tokens: int,
-    chunk_tokens: int,
-    need_hidden_grad: bool = True,
-    need_weight_grad: bool = True,
-    positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Cross-entropy of ``hidden @ weight.T`` against already shifted ``labels``.
-
-    hidden ``[T, H]`` (compute dtype), weight ``[V, H]``, labels ``[T]`` with -100 for
-    no loss. ``positions`` (the indices of labels that are not -100) may be given,
-    computed on the host, so that no ``nonzero()`` synchronises a GPU. Returns (fp32 loss = sum of token losses / num_label_tokens, d loss / d
-    hidden in hidden's dtype or None, fp32 d loss / d weight or None). At most
-    ``chunk_tokens`` rows of logits exist at a time. Note [chunked LM head].
-    """
-    # Gradients are formed explicitly here; autograd would keep every chunk's logits.
-    with torch.no_grad():
-        return _chunked_lm_head_loss(
-            hidden,
-            weight,
-            labels,
-            num_label_tokens,
-            chunk_tokens,
-            need_hidden_grad,
-            need_weight_grad,
-            positions,
-        )
-
-
-def _chunked_lm_head_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    num_label_tokens: int,
-    chunk_tokens: int,
-    need_hidden_grad: bool,
-    need_weight_grad: bool,
-    positions: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    dev = hidden.device
-    rows = positions if positions is not None else (labels != IGNORE_INDEX).nonzero().squeeze(1)
-    num_rows = rows.numel()
-    loss = torch.zeros((), dtype=torch.float32, device=dev)
-    grad_h = torch.zeros_like(hidden) if need_hidden_grad else None
-    grad_w = (
-        torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight_grad else None
-    )
-    need_grad = need_hidden_grad or need_weight_grad
-    # One fp32 buffer reused by every chunk: the peak stays at one chunk of logits, and
-    # on the CPU the pages stay mapped instead of faulting in afresh for each chunk.
-    buf = torch.empty(
-        (min(chunk_tokens, num_rows), weight.shape[0]), dtype=torch.float32, device=dev
-    )
-    for i in range(0, num_rows, chunk_tokens):
-        idx = rows[i : i + chunk_tokens]
-        h = hidden.index_select(0, idx)
-        y = labels.index_select(0, idx).unsqueeze(1)
-        logits = buf[: idx.numel()]
-        # Logits in the compute dtype, then fp32, as HF's lm_head + ForCausalLMLoss do.
-        if hidden.dtype == torch.float32:
-            torch.matmul(h, weight.t(), out=logits)
-        else:
-            logits.copy_(torch.matmul(h, weight.t()))
-        # Stable log-sum-exp done in place: logits -> exp(logits - max).
-        logits.sub_(logits.amax(dim=1, keepdim=True))
-        target = logits.gather(1, y)
-        logits.exp_()
-        sumexp = logits.sum(dim=1, keepdim=True)
-        loss += (sumexp.log() - target).sum()
-        if not need_grad:
-            continue
-        # d(loss)/d(logits) = (softmax - onehot(label)) / N, still in place.
-        logits.div_(sumexp.mul_(num_label_tokens))
-        logits.scatter_add_(1, y, torch.full(y.shape, -1.0 / num_label_tokens, device=dev))
-        g = logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype)
-        if grad_h is not None:
-            grad_h.index_copy_(0, idx, torch.matmul(g, weight))
-        if grad_w is not None:
-            grad_w.add_(torch.matmul(g.t(), h))
-        del g
-    return loss / num_label_tokens, grad_h, grad_w

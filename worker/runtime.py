@@ -84,6 +84,7 @@ from roundpipe.protocol import (
 )
 from roundpipe.shared.events import memory_barrier
 from roundpipe.shared.handoff import Handoff, HandoffLost, IssueMark
+from roundpipe.shared.plan import RECOMPUTE_GRAINS
 from roundpipe.worker.executor import RngKey, TailLabels, tail_labels
 from roundpipe.worker.faults import Fault
 from roundpipe.worker.job_state import JobState, TaskCopies
@@ -337,6 +338,7 @@ class WorkerCore:
                 on_grad_input=feed.write_output,
                 router_counts=feed.router_inputs(),
                 batch_tokens=feed.batch_tokens(),
+                recompute=_recompute_grain(task),
             )
             feed.write_grad_inputs(result.grad_inputs)
             grads = result.weight_grads
@@ -756,3 +758,15 @@ class _MicrobatchFeed:
                 self._written.add(m)
                 self.verify_inputs(m)
                 self.core._publish_landed(self.state, mb.signals)
+
+
+def _recompute_grain(task: StageTask) -> str:
+    """The grain a backward task asks for (``options["recompute"]``, Note [recompute
+    grain] in roundpipe.worker.executor); stage grain when absent. Anything else is the
+    coordinator's bug: the task fails and says so."""
+    grain = task.options.get("recompute", "stage")
+    if grain not in RECOMPUTE_GRAINS:
+        raise ValueError(
+            f"task {task.task_id} asks for recompute {grain!r}; expected one of {RECOMPUTE_GRAINS}"
+        )
+    return str(grain)

@@ -16,7 +16,7 @@ from roundpipe.coordinator.planning.model_flops import (
 from roundpipe.coordinator.planning.simulator import (
     SimStage,
 )
-from roundpipe.shared.plan import Plan
+from roundpipe.shared.plan import RECOMPUTE_GRAINS, Plan
 from roundpipe.shared.units import MiB
 
 if TYPE_CHECKING:
@@ -233,9 +233,18 @@ def estimate_costs(
 class CostModel:
     """Stage costs from per-layer costs, with prefix sums (O(1) per stage)."""
 
-    def __init__(self, costs: Sequence[LayerCost], hw: HardwareSpec, num_microbatches: int):
+    def __init__(
+        self,
+        costs: Sequence[LayerCost],
+        hw: HardwareSpec,
+        num_microbatches: int,
+        recompute: str = "stage",
+    ):
         if not costs:
             raise ValueError("no layer costs")
+        if recompute not in RECOMPUTE_GRAINS:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
+        self.recompute = recompute
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.costs = list(costs)
@@ -257,13 +266,18 @@ class CostModel:
         self._g = prefix([c.grad_bytes for c in costs])
         self._w = prefix([c.work_bytes for c in costs])
         self.act = [c.activation_bytes for c in costs] + [0]
-        # Peak forward transient over [a, b): a table, n is at most a few hundred.
+        # Peak forward transient and largest working set over [a, b): tables, n is at
+        # most a few hundred.
         self._fmax = [[0] * (n + 1) for _ in range(n + 1)]
+        self._wmax = [[0] * (n + 1) for _ in range(n + 1)]
         for a in range(n):
-            peak = 0
+            peak = work = 0
             for b in range(a + 1, n + 1):
                 peak = max(peak, costs[b - 1].forward_work_bytes)
+                work = max(work, costs[b - 1].work_bytes)
                 self._fmax[a][b] = peak
+                self._wmax[a][b] = work
+        self._acts = prefix([float(x) for x in self.act])
         self.labels_bytes = self.act[0]  # labels travel like token ids
 
     def name(self, layer: int) -> str:
@@ -287,6 +301,12 @@ class CostModel:
             if kind == "B":
                 up = p + m * (act[a] + act[b])
                 down = g + (m * act[a] if a > 0 else 0)
+                if self.recompute == "layer":
+                    # Note [recompute grain]: every layer's input, one layer's saved
+                    # tensors (or the no-grad forward's transient) and one more forward.
+                    inputs = int(self._acts[b] - self._acts[a + 1])
+                    work = max(self._wmax[a][b], self._fmax[a][b]) + inputs
+                    compute += m * (self._f[b] - self._f[a])
                 run = p + g + work + 3 * act[a] + 2 * act[b]
             else:  # tail
                 up = p + m * (act[a] + self.labels_bytes)

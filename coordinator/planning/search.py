@@ -62,6 +62,9 @@ class PlanResult:
     replaces_iteration_s: float | None = None
     """Set by ``replan_if_better``: the predicted seconds per iteration of the plan this
     one would replace, under the same costs."""
+    recompute: str = "stage"
+    """How its backward tasks recompute (Note [recompute grain] in
+    roundpipe.worker.executor)."""
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
@@ -135,6 +138,7 @@ def _evaluate(
         tokens_per_iteration=tokens_per_iteration,
         costs=tuple(cm.costs),
         hardware=cm.hw,
+        recompute=cm.recompute,
     )
 
 
@@ -556,6 +560,7 @@ def plan_stages(
     sim_iterations: int = 4,
     select: str = "simulation",
     fits: Callable[[Plan], bool] | None = None,
+    recompute: str = "stage",
 ) -> PlanResult:
     """Choose forward stages, fused tail and backward stages for ``costs`` on ``hw``.
 
@@ -571,12 +576,42 @@ def plan_stages(
     ``fits``: only plans it accepts are candidates (the trainer's re-planner passes the
     slot-pool check, Note [slot pools] in roundpipe.coordinator.training.layout).
 
+    ``recompute``: ``stage`` or ``layer`` (Note [recompute grain] in
+    roundpipe.worker.executor), or ``auto``: layer grain when no stage-grain plan fits
+    the memory limit, or when under a memory limit its best plan is predicted faster.
+
     Raises ValueError when a single layer cannot fit the memory limit (naming it and the
     numbers) or when no plan fits at all.
     """
     if select not in ("simulation", "objective"):
         raise ValueError(f"select must be 'simulation' or 'objective', got {select!r}")
-    cm = CostModel(costs, hw, num_microbatches)
+    if recompute == "auto":
+        args = (costs, hw, num_microbatches)
+        options = dict(
+            max_tail_layers=max_tail_layers,
+            staleness=staleness,
+            tokens_per_iteration=tokens_per_iteration,
+            candidates=candidates,
+            sim_iterations=sim_iterations,
+            select=select,
+            fits=fits,
+        )
+        try:
+            by_stage = plan_stages(*args, **options, recompute="stage")
+        except ValueError as stage_error:
+            try:
+                return plan_stages(*args, **options, recompute="layer")
+            except ValueError:
+                raise stage_error from None
+        if not hw.gpu_memory_limited:
+            return by_stage  # without a memory limit, layer grain only adds a forward
+        # Under a memory limit layer grain may allow longer backward stages (fewer tasks
+        # and hand-offs) for one more forward each: the prediction decides.
+        by_layer = plan_stages(*args, **options, recompute="layer")
+        if by_layer.predicted_iteration_s < by_stage.predicted_iteration_s:
+            return by_layer
+        return by_stage
+    cm = CostModel(costs, hw, num_microbatches, recompute)
     _check_single_layers(cm)
     n = cm.n
     search = _Search(cm, fits)
@@ -769,12 +804,13 @@ def evaluate_plan(
     staleness: int = 1,
     tokens_per_iteration: int | None = None,
     sim_iterations: int = 4,
+    recompute: str = "stage",
 ) -> PlanResult:
     """Predict what a given plan does under ``costs`` (no search; memory not enforced,
     an over-limit stage is named in the notes)."""
     plan.validate(len(costs))
     plan.validate_microbatches(num_microbatches)
-    cm = CostModel(costs, hw, num_microbatches)
+    cm = CostModel(costs, hw, num_microbatches, recompute)
     return _evaluate(
         cm,
         plan,
@@ -795,6 +831,7 @@ def replan_if_better(
     tokens_per_iteration: int | None = None,
     max_tail_layers: int | None = None,
     fits: Callable[[Plan], bool] | None = None,
+    recompute: str = "stage",
 ) -> PlanResult | None:
     """A new plan if it is predicted at least ``min_gain`` (relative) faster than
     ``current`` under the same (measured) costs, else None. Both are simulated alike.
@@ -809,6 +846,7 @@ def replan_if_better(
             staleness=staleness,
             tokens_per_iteration=tokens_per_iteration,
             fits=fits,
+            recompute=recompute,
         )
     except ValueError:
         if fits is None:
@@ -823,6 +861,7 @@ def replan_if_better(
         num_microbatches,
         staleness=staleness,
         tokens_per_iteration=tokens_per_iteration,
+        recompute=recompute,
     )
     if new.predicted_iteration_s < old.predicted_iteration_s * (1 - min_gain):
         return replace(new, replaces_iteration_s=old.predicted_iteration_s)
@@ -839,9 +878,10 @@ def initial_plan(
     compute_dtype: Any = "bfloat16",
     staleness: int = 1,
     fits: Callable[[Plan], bool] | None = None,
+    recompute: str = "auto",
 ) -> PlanResult:
     """A job's cold-start plan on ``hardware``: ``estimate_costs`` + ``plan_stages``
-    (``fits`` as there).
+    (``fits`` and ``recompute`` as there).
 
     The result's ``costs`` are the prior to give ``ProfileAggregator`` for re-planning.
     Raises ValueError when no plan fits (the message says what to change).
@@ -860,4 +900,5 @@ def initial_plan(
         staleness=staleness,
         tokens_per_iteration=num_microbatches * microbatch_rows * seq_len,
         fits=fits,
+        recompute=recompute,
     )

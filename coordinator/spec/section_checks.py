@@ -44,6 +44,7 @@ from roundpipe.coordinator.spec.sections import (
 )
 from roundpipe.coordinator.spec.spec_yaml import number_string_hint
 from roundpipe.coordinator.spec.tokenizers import NO_TOKENIZER_FILES, has_tokenizer_files
+from roundpipe.shared.plan import RECOMPUTE_GRAINS
 
 __all__ = [
     "bad_number",
@@ -161,6 +162,7 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
     check_int(e, "train.seed", t.seed, lo=0)
     check_bool(e, "train.replan", t.replan)
     check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)
+    check_choice(e, "train.recompute", t.recompute, ("auto", *RECOMPUTE_GRAINS))
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 

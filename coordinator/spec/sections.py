@@ -247,6 +247,12 @@ class TrainSpec:
     layers of the same shape share this many stages' worth of fp32 gradient slots, and a
     backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
     layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
+    recompute: str = "auto"
+    """How backward tasks recompute their stage: ``stage`` (the whole stage under
+    autograd: fastest), ``layer`` (one layer at a time, keeping only each layer's input:
+    far less GPU memory at long sequences, one more forward of the stage) or ``auto`` (the
+    planner takes layer grain when no stage-grain plan fits the workers' memory). The
+    gradients are the same, bitwise."""
 
 
 @dataclass(frozen=True, kw_only=True)

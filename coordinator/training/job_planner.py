@@ -75,6 +75,9 @@ class JobPlanner:
     profile: ProfileAggregator | None = field(default=None, init=False)
     """Measured layer times, when the planner may re-plan (Note [re-planning])."""
     replan_attempts: int = field(default=0, init=False)
+    recompute: str = field(default="stage", init=False)
+    """How the job's backward tasks recompute (Note [recompute grain] in
+    roundpipe.worker.executor): ``train.recompute``, or the planner's choice for auto."""
     staging_bytes: int = field(default=0, init=False)
     """Host memory set aside for background checkpoints (0: checkpoints drain the
     pipeline); decided with the layout (Note [background checkpoint])."""
@@ -154,6 +157,7 @@ class JobPlanner:
             weight_copies=weight_copies(spec),
             **capacity,
         )
+        layout.recompute = self.recompute
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
         self.staging_bytes = self._choose_staging(layout)
@@ -169,6 +173,9 @@ class JobPlanner:
         """The job's first plan and why: the spec's, or the planner's cold start (among
         the plans ``fits`` accepts)."""
         spec, hw = self.spec, self.hardware
+        # A given plan, or a planner asked for one grain, runs at that grain; "auto" is
+        # the planner's to choose.
+        self.recompute = "stage" if spec.train.recompute == "auto" else spec.train.recompute
         if spec.train.plan:
             plan = Plan.parse(spec.train.plan)
             try:
@@ -187,9 +194,11 @@ class JobPlanner:
                 compute_dtype=self.compute_dtype,
                 staleness=spec.train.staleness,
                 fits=fits,
+                recompute=spec.train.recompute,
             )
         except ValueError as exc:
             raise JobFailed(f"cannot plan this job: {exc}") from None
+        self.recompute = result.recompute
         if spec.train.replan:
             # CPU timings jitter by 5-10% from step to step; 10% still catches a plan
             # that is off by more than the 5% a switch must gain.
@@ -224,6 +233,7 @@ class JobPlanner:
             * spec.batch.microbatch_size
             * spec.data.seq_len,
             fits=layout.fits,
+            recompute=layout.recompute,
         )
         log.info(
             "[trainer] job %s: re-planning attempt %d took %.2fs: %s",

@@ -167,6 +167,9 @@ class JobLayout:
     # (layer, parity, mb) -> slot, for the plan currently assigned
     acts: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
     dacts: dict[tuple[int, int, int], TensorRef] = field(default_factory=dict)
+    recompute: str = "stage"
+    """How backward tasks recompute their stage, for the whole job (Note [recompute
+    grain] in roundpipe.worker.executor); the planner's choice, kept by re-plans."""
 
     # -- planning ---------------------------------------------------------------------
 

@@ -278,4 +278,6 @@ class ScheduleBuilder:
             microbatches=mbs,
             **self._grad_order(k, start, stop, part),
             loss_denominator=0,
+            # Note [recompute grain] (roundpipe.worker.executor); absent: stage grain.
+            options={"recompute": "layer"} if self.layout.recompute == "layer" else {},
         )
