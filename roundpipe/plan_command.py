@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from roundpipe.coordinator.planning.baselines import bound_baseline
 from roundpipe.coordinator.planning.costs import (
+    LayerCost,
     estimate_costs,
 )
 from roundpipe.coordinator.planning.data_parallel import (
@@ -21,6 +22,7 @@ from roundpipe.coordinator.planning.data_parallel import (
 from roundpipe.coordinator.planning.gpus import GPUS
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
+from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.planning.shape_costs import estimate_costs_on_gpu
 from roundpipe.shared.families import FAMILIES
 from roundpipe.shared.plan import Plan
@@ -179,7 +181,13 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     p.add_argument(
         "--memory-limit", default="24GiB", metavar="BYTES", help="per GPU (default 24GiB)"
     )
-    p.add_argument("--seq-len", type=int, required=True, metavar="TOKENS")
+    p.add_argument("--seq-len", type=int, default=None, metavar="TOKENS")
+    p.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest sequence that fits --memory-limit per worker (up to the "
+        "model's max_position_embeddings) and say where its memory goes",
+    )
     p.add_argument("--microbatch-size", type=int, default=1, metavar="ROWS")
     p.add_argument("--microbatches", type=int, default=None, metavar="M", help="default N+1")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -244,7 +252,9 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """``roundpipe plan`` on parsed arguments; prints to stdout. Raises ValueError on bad input."""
-    if args.workers < 1 or args.seq_len < 1 or args.microbatch_size < 1:
+    if args.seq_len is None and not args.max_seq_len:
+        raise ValueError("give --seq-len TOKENS, or --max-seq-len to find the longest that fits")
+    if args.workers < 1 or (args.seq_len or 1) < 1 or args.microbatch_size < 1:
         raise ValueError("--workers, --seq-len and --microbatch-size must be >= 1")
     m = args.microbatches or args.workers + 1
     if m < 1:
@@ -268,29 +278,37 @@ def run_plan_command(args: argparse.Namespace) -> int:
         raise ValueError("--fp16-accumulation needs --gpu and --dtype float16")
     if args.gpu:
         gpu = GPUS[args.gpu]
-        costs = estimate_costs_on_gpu(
-            model,
-            gpu,
-            microbatch_rows=args.microbatch_size,
-            seq_len=args.seq_len,
-            compute_dtype=args.dtype,
-            fp16_accumulation=args.fp16_accumulation,
-        )
         speed = (
             f"{gpu.name} ({'fp16' if args.fp16_accumulation else 'fp32'} accumulation, "
             "shape-aware costs)"
         )
     else:
-        costs = estimate_costs(
+        speed = f"{flops / 1e12:g} TFLOPS x {args.efficiency:g}"
+    memory_bandwidth = parse_quantity(args.memory_bandwidth, what="--memory-bandwidth")
+
+    def costs_for(seq_len: int) -> list[LayerCost]:
+        if args.gpu:
+            return estimate_costs_on_gpu(
+                model,
+                GPUS[args.gpu],
+                microbatch_rows=args.microbatch_size,
+                seq_len=seq_len,
+                compute_dtype=args.dtype,
+                fp16_accumulation=args.fp16_accumulation,
+            )
+        return estimate_costs(
             model,
             microbatch_rows=args.microbatch_size,
-            seq_len=args.seq_len,
+            seq_len=seq_len,
             compute_dtype=args.dtype,
             flops_per_s=flops,
             efficiency=args.efficiency,
-            memory_bandwidth=parse_quantity(args.memory_bandwidth, what="--memory-bandwidth"),
+            memory_bandwidth=memory_bandwidth,
         )
-        speed = f"{flops / 1e12:g} TFLOPS x {args.efficiency:g}"
+
+    if args.max_seq_len:
+        return _print_longest_sequence(model, hw, m, args, costs_for)
+    costs = costs_for(args.seq_len)
     tokens = m * args.microbatch_size * args.seq_len
     if args.plan:
         result = evaluate_plan(
@@ -391,6 +409,38 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(result.simulation.grid(iteration=result.simulation.iterations))
     if drawn is not None:
         print(f"timeline drawn to {drawn}")
+    return 0
+
+
+def _print_longest_sequence(
+    model: LayeredModel,
+    hw: HardwareSpec,
+    m: int,
+    args: argparse.Namespace,
+    costs_for: Callable[[int], list[LayerCost]],
+) -> int:
+    """``--max-seq-len``: the longest sequence that fits, its plan and its memory."""
+    if not hw.gpu_memory_limited:
+        raise ValueError("--max-seq-len needs a finite --memory-limit")
+    top = getattr(model.config, "max_position_embeddings", None) or (1 << 20)
+    fit = longest_sequence(
+        costs_for, hw, m, rows=args.microbatch_size, hi=int(top), recompute=args.recompute
+    )
+    print(
+        f"SIMULATED PREDICTION (cost model, not a measurement): {model.architecture}, "
+        f"{hw.num_workers} workers x {format_bytes(hw.memory_limit_bytes)}, "
+        f"{args.microbatch_size} row(s) per microbatch, {m} microbatches, {args.dtype}"
+    )
+    if fit is None:
+        print("not even a 2-token sequence fits: a single layer is too large for one worker")
+        return 1
+    print(fit.describe())
+    if fit.seq_len >= top:
+        print(f"(the model's max_position_embeddings, {top:,}, is the limit here)")
+    print(f"plan {fit.result.plan}")
+    tps = fit.result.predicted_tokens_per_s
+    if tps:
+        print(f"predicted {tps:,.0f} tokens/s at that length")
     return 0
 
 

@@ -464,3 +464,45 @@ def test_auto_recompute_takes_layer_grain_where_it_predicts_faster() -> None:
     assert auto.predicted_iteration_s == best.predicted_iteration_s
     # Without a memory limit layer grain would only add a forward: never chosen.
     assert plan_stages(costs, hw(4), 5, recompute="auto").recompute == "stage"
+
+
+def test_longest_sequence_is_the_boundary_and_says_where_memory_goes(tiny_qwen) -> None:
+    """``roundpipe plan --max-seq-len``: the longest sequence whose plan fits, exactly
+    (one token more does not), with its fullest stage's memory by kind."""
+    from roundpipe.coordinator.planning.sequence import longest_sequence
+
+    def costs_for(seq_len: int) -> list[LayerCost]:
+        return estimate_costs(tiny_qwen, microbatch_rows=1, seq_len=seq_len, flops_per_s=1e12)
+
+    limited = hw(2, mem=256 * MiB, reserved_bytes=8 * MiB)
+    fit = longest_sequence(costs_for, limited, 3, rows=1, hi=1 << 20)
+    assert fit is not None and 2 < fit.seq_len < 1 << 20
+    assert fit.needed == max(e.memory_bytes for e in fit.result.stages) <= 256 * MiB
+    assert {"weights", "working memory", "activations", "reserve"} <= fit.parts.keys()
+    with pytest.raises(ValueError, match="no plan fits 256.0 MiB per GPU"):
+        plan_stages(costs_for(fit.seq_len + 1), limited, 3, recompute="auto")
+
+
+def test_longest_sequence_beyond_the_range(tiny_qwen) -> None:
+    from roundpipe.coordinator.planning.sequence import longest_sequence
+
+    def costs_for(seq_len: int) -> list[LayerCost]:
+        return estimate_costs(tiny_qwen, microbatch_rows=1, seq_len=seq_len, flops_per_s=1e12)
+
+    roomy = longest_sequence(costs_for, hw(2, mem=64 * GiB), 3, rows=1, hi=4096)
+    assert roomy is not None and roomy.seq_len == 4096  # the top of the range fits
+    assert longest_sequence(costs_for, hw(2, mem=1 * MiB), 3, rows=1, hi=4096) is None
+
+
+def test_plan_command_max_seq_len(capsys) -> None:
+    small = ("hidden_size=256", "intermediate_size=512", "num_hidden_layers=4")
+    small += ("num_attention_heads=4", "num_key_value_heads=2", "head_dim=64")
+    small += ("vocab_size=1000", "max_position_embeddings=1048576")
+    args = ["--architecture", "qwen3", "--workers", "2", "--memory-limit", "2GiB"]
+    for setting in small:
+        args += ["--set", setting]
+    assert plan_main([*args, "--max-seq-len"]) == 0
+    out = capsys.readouterr().out
+    assert "the longest sequence that fits is" in out and "working memory" in out
+    assert plan_main(args) == 2
+    assert "give --seq-len TOKENS, or --max-seq-len" in capsys.readouterr().err

@@ -18,6 +18,8 @@ Modules (imports go down this list, never up):
   work on a ``GpuModel`` (``roundpipe plan --gpu``).
 * ``search``: ``plan_stages``, ``evaluate_plan`` and the entry points the trainer calls,
   ``initial_plan`` and ``replan_if_better``; ``PlanResult``.
+* ``sequence``: ``longest_sequence``, the longest sequence whose plan fits the workers'
+  memory, and where that memory goes (``roundpipe plan --max-seq-len``).
 * ``baselines``: the paper's bound baseline, for comparison.
 * ``profile``: ``ProfileAggregator``, measured layer times back into ``LayerCost``s.
 * ``data_parallel``: ``predict_data_parallel``, the step of several servers in a

@@ -284,34 +284,57 @@ class CostModel:
         nm = self.costs[layer].name
         return f"layer {layer} ({nm})" if nm else f"layer {layer}"
 
+    def memory_parts(self, kind: str, a: int, b: int) -> dict[str, int]:
+        """What a stage holds while running, by kind of memory (their sum is the
+        ``run`` of :meth:`parts`): its weights, fp32 gradients, working memory (the
+        saved tensors of autograd and the kernels' workspace: attention, the loss
+        chunks), and the activations it reads and writes."""
+        act = self.act
+        p = int(self._p[b] - self._p[a])
+        if kind == "F":
+            return {
+                "weights": p,
+                "working memory": self._fmax[a][b],
+                "activations": 2 * (act[a] + act[b]),
+            }
+        g = int(self._g[b] - self._g[a])
+        work = int(self._w[b] - self._w[a])
+        parts = {"weights": p, "gradients": g}
+        if kind == "B":
+            if self.recompute == "layer":
+                # Note [recompute grain]: one layer's saved tensors (or the no-grad
+                # forward's transient) and every layer's input.
+                parts["working memory"] = max(self._wmax[a][b], self._fmax[a][b])
+                parts["layer inputs"] = int(self._acts[b] - self._acts[a + 1])
+            else:
+                parts["working memory"] = work
+            parts["activations"] = 3 * act[a] + 2 * act[b]
+        else:  # tail
+            parts["working memory"] = work
+            parts["activations"] = 3 * act[a]
+        return parts
+
     def parts(self, kind: str, a: int, b: int) -> tuple[float, int, int, int, int]:
         """(compute_s at speed 1, upload bytes, download bytes, resident, run) of a stage."""
         m, act = self.m, self.act
         p = int(self._p[b] - self._p[a])
+        run = sum(self.memory_parts(kind, a, b).values())
         if kind == "F":
             compute = m * (self._f[b] - self._f[a])
             up = p + m * act[a]
             down = m * act[b]
             resident = p
-            run = p + self._fmax[a][b] + 2 * (act[a] + act[b])
         else:
             g = int(self._g[b] - self._g[a])
             compute = m * (self._b[b] - self._b[a])
-            work = int(self._w[b] - self._w[a])
             if kind == "B":
                 up = p + m * (act[a] + act[b])
                 down = g + (m * act[a] if a > 0 else 0)
-                if self.recompute == "layer":
-                    # Note [recompute grain]: every layer's input, one layer's saved
-                    # tensors (or the no-grad forward's transient) and one more forward.
-                    inputs = int(self._acts[b] - self._acts[a + 1])
-                    work = max(self._wmax[a][b], self._fmax[a][b]) + inputs
+                if self.recompute == "layer":  # one more forward of the range
                     compute += m * (self._f[b] - self._f[a])
-                run = p + g + work + 3 * act[a] + 2 * act[b]
             else:  # tail
                 up = p + m * (act[a] + self.labels_bytes)
                 down = g + (m * act[a] if a > 0 else 0)
-                run = p + g + work + 3 * act[a]
             resident = p + g
         return compute, up, down, resident, run
 
