@@ -63,6 +63,7 @@ from torch.func import functional_call
 
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
+from roundpipe.worker.document_attention import LONG_ROW_TOKENS, document_spans, long_rows
 from roundpipe.worker.lm_head_loss import chunked_lm_head_loss
 from roundpipe.worker.transfer import Stopwatch
 
@@ -222,6 +223,10 @@ class _StageContext:
                 )
             self.position_ids = position_ids.to(h.device, torch.int64, non_blocking=True)
         self._given_positions = position_ids is not None
+        # Note [long-row attention]: from LONG_ROW_TOKENS on, no seq x seq masks.
+        self.long = seq >= LONG_ROW_TOKENS and ex.model.attn_implementation == "sdpa"
+        self._packed: bool | None = None
+        self._spans: list[list[tuple[int, int]]] | None = None
         self._h = h
         self._ex = ex
         self._masks: dict[str, torch.Tensor | None] = {}
@@ -238,7 +243,26 @@ class _StageContext:
             self._rotary[key] = self._ex._rotary(*args)
         return self._rotary[key]
 
+    def packed(self) -> bool:
+        """Whether some row holds several documents (one device sync, asked once)."""
+        if self._packed is None:
+            self._packed = self._given_positions and _restarts(self.position_ids)
+        return self._packed
+
+    def spans_for(self, kind: str) -> list[list[tuple[int, int]]] | None:
+        """The rows' documents when a layer of mask ``kind`` attends without a mask
+        (Note [long-row attention]), else None."""
+        if not self.long or kind not in ("full", "sliding"):
+            return None
+        if kind == "full" and not self.packed():
+            return None  # plain causal: no mask anyway (is_causal)
+        if self._spans is None:
+            self._spans = document_spans(self.position_ids.expand(self._h.shape[0], -1))
+        return self._spans
+
     def mask(self, kind: str) -> torch.Tensor | None:
+        if self.spans_for(kind) is not None:
+            return None  # the documents are declared instead (Note [long-row attention])
         if kind not in self._masks:
             from transformers.masking_utils import (
                 create_causal_mask,
@@ -760,17 +784,20 @@ class StageExecutor:
                 ctx = _StageContext(self, x, None if positions is None else positions[m])
             mod, _ = model.decoder_part(layer)
             layer_type = model.layer_type(layer)
-            out = functional_call(
-                mod,
-                params,
-                (x,),
-                {
-                    "attention_mask": ctx.mask(model.mask_kind(layer)),
-                    "position_embeddings": ctx.position_embeddings(layer_type),
-                    "position_ids": ctx.position_ids,
-                    "use_cache": False,
-                },
-            )
+            kind = model.mask_kind(layer)
+            spans = ctx.spans_for(kind)
+            with long_rows(spans) if spans is not None else contextlib.nullcontext():
+                out = functional_call(
+                    mod,
+                    params,
+                    (x,),
+                    {
+                        "attention_mask": ctx.mask(kind),
+                        "position_embeddings": ctx.position_embeddings(layer_type),
+                        "position_ids": ctx.position_ids,
+                        "use_cache": False,
+                    },
+                )
             if isinstance(out, tuple):  # older layer signatures returned (hidden, ...)
                 out = out[0]
         if watch is not None:
