@@ -182,6 +182,27 @@ class _Bound:
     trainable: list[tuple[str, torch.Tensor]]
     """(full name, leaf) pairs that need gradients in this task."""
     head: torch.Tensor | None = None
+    quantized: dict[int, dict[str, tuple[str, dict[str, torch.Tensor]]]] = field(
+        default_factory=dict
+    )
+    """layer -> relative name -> (full name, its quantised parts on the device): weights
+    dequantised just before their layer runs (Note [quantised base] in
+    roundpipe.shared.quantized_base)."""
+    dequantize: Callable[[dict[str, torch.Tensor], str, torch.dtype], torch.Tensor] | None = None
+    """The model's ``QuantizedBase.dequantize`` when it has quantised weights."""
+
+    def layer_params(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What ``functional_call`` binds for ``layer``: its weights, the quantised ones
+        dequantised into ``dtype`` now (fresh tensors, dropped after the layer unless
+        autograd saves them)."""
+        quantized = self.quantized.get(layer)
+        if not quantized:
+            return self.per_layer[layer]
+        out = dict(self.per_layer[layer])
+        assert self.dequantize is not None
+        for rel, (name, parts) in quantized.items():
+            out[rel] = self.dequantize(parts, name, dtype)
+        return out
 
 
 class _StageContext:
@@ -501,7 +522,9 @@ class StageExecutor:
                     watch.start(norm_layer)
                 self._seed(rng, norm_layer, m)
                 norm_mod, _ = self.model.norm_part()
-                h = functional_call(norm_mod, bound.per_layer[norm_layer], (h,))
+                h = functional_call(
+                    norm_mod, bound.layer_params(norm_layer, self.compute_dtype), (h,)
+                )
                 if isinstance(y, TailLabels):
                     shape, shifted, positions = y.shape, y.shifted, y.positions
                 else:
@@ -572,10 +595,23 @@ class StageExecutor:
         trainable: list[tuple[str, torch.Tensor]] = []
         head: torch.Tensor | None = None
         missing: list[str] = []
+        quantized = model.quantized_base
+        pending: dict[int, dict[str, tuple[str, dict[str, torch.Tensor]]]] = {}
         for layer in range(start, stop):
             prefix = model.part_prefix(layer)
             rel: dict[str, torch.Tensor] = self._buffers(layer)
             for spec in model.layer_params(layer):
+                if quantized is not None and spec.name in quantized.shapes:
+                    parts = quantized.get_parts(weights, spec.name)
+                    if parts is None:
+                        missing.append(spec.name)
+                        continue
+                    on_device = {p: t.to(self.device, non_blocking=True) for p, t in parts.items()}
+                    pending.setdefault(layer, {})[spec.name[len(prefix) :]] = (
+                        spec.name,
+                        on_device,
+                    )
+                    continue
                 t = weights.get(spec.name)
                 if t is None:
                     missing.append(spec.name)
@@ -604,7 +640,13 @@ class StageExecutor:
             raise KeyError(
                 f"task {start}:{stop} is missing {len(missing)} weight(s), e.g. {missing[:5]}"
             )
-        return _Bound(per_layer, trainable, head)
+        return _Bound(
+            per_layer,
+            trainable,
+            head,
+            quantized=pending,
+            dequantize=quantized.dequantize if quantized is not None else None,
+        )
 
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         bufs = self._part_buffers.get(layer)
@@ -676,7 +718,7 @@ class StageExecutor:
             watch.start(layer)
         self._seed(rng, layer, m)
         model = self.model
-        params = bound.per_layer[layer]
+        params = bound.layer_params(layer, self.compute_dtype)
         if layer == 0:
             mod, _ = model.embed_part()
             out = functional_call(mod, params, (x,))
