@@ -114,3 +114,53 @@ def test_nf4_uploads_under_a_third_of_the_bf16_base(tmp_path, arena_dir):
     assert bf16 > 0
     assert nf4 / bf16 <= 0.3, nf4 / bf16
     assert abs(nf4_loss - bf16_loss) < 0.05  # the same job, on a 4-bit base
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nf4", "nf4-plain", "int8", "int8-block"])
+def test_cuda_dequantisation_equals_the_cpu_bitwise(fmt):
+    """The worker's CUDA path is the same torch dequantisation on the GPU: gathers and
+    fp32 multiplies, each rounded once, so it equals the CPU's bit for bit."""
+    from roundpipe.shared.quant_format import QuantFormat
+
+    kinds = {
+        "nf4": QuantFormat("nf4"),
+        "nf4-plain": QuantFormat("nf4", double_quant=False),
+        "int8": QuantFormat("int8"),
+        "int8-block": QuantFormat("int8", int8_scales="per_block"),
+    }
+    q = kinds[fmt]
+    torch.manual_seed(0)
+    shape = (8, 96, 128)  # MoE-shaped
+    parts = q.quantize(torch.randn(shape) * 0.02)
+    on_gpu = {k: v.cuda() for k, v in parts.items()}
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = q.dequantize(parts, shape, dtype)
+        gpu = q.dequantize(on_gpu, shape, dtype).cpu()
+        assert torch.equal(cpu, gpu)
+    # Quantising on the GPU gives the same parts too (load-time work may run there).
+    again = q.quantize((torch.randn(shape) * 0.02).cuda())
+    assert set(again) == set(parts)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_worker_trains_an_nf4_base_like_the_cpu_worker(tmp_path, arena_dir):
+    """Two CUDA-engine workers on an NF4 base end with the CPU workers' adapters (fp32,
+    the CUDA kernels' reductions differ only in rounding)."""
+    from roundpipe.worker.transfer import CudaEngine
+
+    spec = tiny_spec(
+        tmp_path / "gpu", steps=3, lora={"r": 4, "alpha": 8, "base_quantization": "nf4"}
+    )
+    with trained_in_process(
+        spec, arena_dir, 2, job_id="job-gpu", engine=lambda: CudaEngine(torch.device("cuda", 0))
+    ) as trainer:
+        gpu = {n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()}
+    spec = tiny_spec(
+        tmp_path / "cpu", steps=3, lora={"r": 4, "alpha": 8, "base_quantization": "nf4"}
+    )
+    with trained_in_process(spec, arena_dir, 2, job_id="job-cpu") as trainer:
+        cpu = {n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()}
+    assert_params_match({n: t for n, t in gpu.items() if ".lora_" in n}, cpu, rtol=1e-4)
