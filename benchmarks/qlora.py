@@ -257,7 +257,9 @@ def main() -> None:
     nf4 = rows["nf4"]
     upload_err = nf4["predicted"]["weight_upload_bytes_per_iteration"] / nf4["upload_per_step"] - 1
     host_err = nf4["predicted"]["host_bytes_per_frozen_param"] / nf4["host_per_frozen"] - 1
-    print(f"plan's prediction for nf4: upload {100 * upload_err:+.1f}%, host {100 * host_err:+.1f}%")
+    print(
+        f"plan's prediction for nf4: upload {100 * upload_err:+.1f}%, host {100 * host_err:+.1f}%"
+    )
     print(
         f"RESULT host_bytes_per_frozen_param={nf4['host_per_frozen']:.4f} "
         f"upload_ratio={nf4['upload_per_step'] / base:.4f} "
