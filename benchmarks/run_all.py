@@ -58,6 +58,7 @@ BENCHMARKS = (
     Benchmark("sync_mode", smoke=("--steps", "3", "--warmup", "1", "--repeats", "1"), limit_s=1200),
     Benchmark("multinode", limit_s=300),
     Benchmark("host_memory", limit_s=240),
+    Benchmark("qlora", limit_s=300),
     Benchmark("checkpoint", limit_s=300),
     Benchmark("gpu_throughput", limit_s=600, needs_gpu=True),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -106,7 +107,13 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
             "r": args.lora_rank,
             "alpha": args.lora_alpha,
             "target_modules": args.lora_targets.split(","),
+            "base_quantization": args.base_quantization,
         }
+    elif args.base_quantization != "none":
+        raise ValueError(
+            f"--base-quantization {args.base_quantization} needs --lora-rank: a quantised "
+            "base is frozen, so it trains only with LoRA"
+        )
     if args.model_config:
         path = Path(args.model_config)
         if path.is_dir():
@@ -176,6 +183,13 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         "--lora-targets",
         default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         metavar="NAMES",
+    )
+    p.add_argument(
+        "--base-quantization",
+        default="none",
+        choices=("none", "nf4", "int8"),
+        help="with --lora-rank: the frozen base stored and uploaded as NF4 or int8 "
+        "(the job spec's lora.base_quantization)",
     )
     p.add_argument("--workers", type=int, required=True, metavar="N")
     p.add_argument(
@@ -337,6 +351,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
             )
     host, params = _host_memory(model, result.plan, args, m)
+    base = _base_figures(model, costs, result.plan, args)
     drawn = None
     if args.timeline:  # observability: the prediction as a picture (roundpipe.timeline_plot)
         from roundpipe.timeline_plot import draw_plan_timeline
@@ -371,6 +386,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 "total": host.total,
                 "bytes_per_parameter": host.total / params,
             },
+            "base": base,
             "baselines": [
                 {
                     "schedule": b.schedule,
@@ -393,6 +409,15 @@ def run_plan_command(args: argparse.Namespace) -> int:
     print(
         f"this job needs {host.describe(params)} for {params:,} parameters; the "
         "coordinator refuses a job that does not fit"
+    )
+    print(
+        f"weights uploaded per iteration: {format_bytes(base['weight_upload_bytes_per_iteration'])}"
+        + (
+            f"; frozen base {base['quantization']}: "
+            f"{base['host_bytes_per_frozen_param']:.3f} bytes per quantised parameter"
+            if base["quantization"] != "none"
+            else ""
+        )
     )
     for b in baselines:
         tps = b.simulation.tokens_per_s or 0.0
@@ -442,6 +467,30 @@ def _print_longest_sequence(
     if tps:
         print(f"predicted {tps:,.0f} tokens/s at that length")
     return 0
+
+
+def _base_figures(
+    model: LayeredModel, costs: Sequence[Any], plan: Plan, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The frozen base's storage (``--base-quantization``): host bytes per quantised
+    parameter, and the weight bytes every task of an iteration uploads (each task
+    uploads its layers' weights once, in what ``costs`` says they take on the bus)."""
+    quantized = model.quantized_base
+    per_param = 0.0
+    if quantized is not None and quantized.shapes:
+        stored = sum(quantized.format.nbytes(shape) for shape in quantized.shapes.values())
+        numel = sum(math.prod(shape) for shape in quantized.shapes.values())
+        per_param = stored / numel
+    uploads = sum(
+        costs[layer].param_bytes
+        for stage in plan.stages()
+        for layer in range(stage.start, stage.stop)
+    )
+    return {
+        "quantization": args.base_quantization,
+        "host_bytes_per_frozen_param": per_param,
+        "weight_upload_bytes_per_iteration": int(uploads),
+    }
 
 
 def _multinode_prediction(

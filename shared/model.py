@@ -54,6 +54,8 @@ from roundpipe.shared.families import (
     layer_types,
     supported_architectures,
 )
+from roundpipe.shared.quant_format import QUANTIZATIONS, QuantFormat
+from roundpipe.shared.quantized_base import QuantizedBase
 
 __all__ = [
     "ALL_LINEAR",
@@ -127,6 +129,17 @@ class RouterAux:
     """Our layer indices of the decoder layers that route (have a router)."""
 
 
+_LORA_KEYS = (
+    "r",
+    "alpha",
+    "dropout",
+    "target_modules",
+    "base_quantization",
+    "double_quantization",
+    "int8_scales",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoraSettings:
     """LoRA adapters added through peft; base weights are frozen."""
@@ -140,6 +153,13 @@ class LoraSettings:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names (peft semantics) inside decoder layers that receive adapters, or
     ``("all-linear",)`` (``ALL_LINEAR``, also given as the bare string): peft's shorthand."""
+    base_quantization: str = "none"
+    """How the frozen base is stored: ``none`` (compute dtype), ``nf4`` or ``int8``
+    (roundpipe.shared.quant_format; Note [quantised base] in roundpipe.shared.quantized_base)."""
+    double_quantization: bool = True
+    """nf4: the block absmaxes in 8 bits too (QLoRA's double quantisation)."""
+    int8_scales: str = "per_channel"
+    """int8: one absmax per row (``per_channel``) or per 64 elements (``per_block``)."""
 
     def __post_init__(self) -> None:
         tm = self.target_modules
@@ -154,6 +174,22 @@ class LoraSettings:
             raise ValueError(
                 f"LoRA target_modules must be a non-empty list of names, got {self.target_modules!r}"
             )
+        if self.base_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"LoRA base_quantization must be one of {QUANTIZATIONS}, got "
+                f"{self.base_quantization!r}"
+            )
+        self.quant_format()  # checks int8_scales
+
+    def quant_format(self) -> QuantFormat | None:
+        """The frozen base's storage format; None: the compute dtype."""
+        if self.base_quantization == "none":
+            return None
+        return QuantFormat(
+            self.base_quantization,
+            double_quant=bool(self.double_quantization),
+            int8_scales=self.int8_scales,
+        )
 
     @classmethod
     def from_mapping(cls, spec: Mapping[str, Any]) -> LoraSettings:
@@ -162,9 +198,9 @@ class LoraSettings:
         kw: dict[str, Any] = {}
         for key, value in spec.items():
             key = aliases.get(key, key)
-            if key not in ("r", "alpha", "dropout", "target_modules"):
+            if key not in _LORA_KEYS:
                 raise ValueError(
-                    f"unknown LoRA setting {key!r}: expected r, alpha, dropout, target_modules"
+                    f"unknown LoRA setting {key!r}: expected one of {', '.join(_LORA_KEYS)}"
                 )
             if key in kw:
                 raise ValueError(f"LoRA setting {key!r} given twice")
@@ -176,12 +212,17 @@ class LoraSettings:
 
     def to_mapping(self) -> dict[str, Any]:
         """The settings as :meth:`from_mapping` reads them back (``JobSetup.lora``)."""
-        return {
+        out: dict[str, Any] = {
             "r": self.r,
             "alpha": self.alpha,
             "dropout": self.dropout,
             "target_modules": list(self.target_modules),
         }
+        if self.base_quantization != "none":  # a plain LoRA job's JobSetup is unchanged
+            out["base_quantization"] = self.base_quantization
+            out["double_quantization"] = self.double_quantization
+            out["int8_scales"] = self.int8_scales
+        return out
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
@@ -267,6 +308,12 @@ class LayeredModel:
         self._specs: list[list[ParamSpec]] = [[] for _ in range(self.num_layers)]
         self._layer_of: dict[str, int] = {}
         self._index_params()
+        fmt = self.lora.quant_format() if self.lora is not None else None
+        self.quantized_base: QuantizedBase | None = (
+            QuantizedBase.of(self, fmt) if fmt is not None else None
+        )
+        """The frozen weights stored quantised (``lora.base_quantization``), or None.
+        Note [quantised base] in roundpipe.shared.quantized_base."""
         self.router_aux: RouterAux | None = self._make_router_aux()
         """The load-balancing loss settings when ``config.output_router_logits`` is on.
         Note [router auxiliary loss]."""

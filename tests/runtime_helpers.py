@@ -103,14 +103,28 @@ def tiny_spec(
     return JobSpec.from_dict(spec)
 
 
-def oracle_train(spec: JobSpec, grad_norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+def oracle_train(
+    spec: JobSpec, grad_norms: list[float] | None = None, *, dequantized_base: bool = False
+) -> dict[str, torch.Tensor]:
     """Final parameters (by name) of the plain single-process loop; ``grad_norms``, if
-    given, receives each step's global gradient norm (before clipping)."""
+    given, receives each step's global gradient norm (before clipping).
+    ``dequantized_base``: the frozen base of a ``lora.base_quantization`` job quantised
+    and dequantised once (fp32), so the loop trains on the weights the workers compute
+    with."""
     config = model_config_from_spec(spec.model)
     lora = spec.lora.model_settings() if spec.lora is not None else None
     layered = LayeredModel(config, lora)
-    model = layered.to_hf_model(layered.init_weights(spec.init_seed))
-    grad_model = layered.to_hf_model(layered.init_weights(spec.init_seed))
+
+    def initial():
+        weights = layered.init_weights(spec.init_seed)
+        if dequantized_base:
+            assert layered.quantized_base is not None
+            layered.quantized_base.quantize_weights(weights)
+            layered.quantized_base.dequantize_weights(weights, torch.float32)
+        return weights
+
+    model = layered.to_hf_model(initial())
+    grad_model = layered.to_hf_model(initial())
     params = dict(model.named_parameters())
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     # Two parameter groups, as the Hugging Face Trainer builds them: optimizer.no_decay

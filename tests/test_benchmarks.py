@@ -81,6 +81,25 @@ def test_gpu_throughput_smoke_runs_every_system_it_can(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_qlora_benchmark_smoke() -> None:
+    """`qlora.py --smoke`: the same LoRA job on a bf16, NF4 and int8 base through the
+    trainer and emulated-bus workers; the issue's bounds on host bytes and uploads hold,
+    and `roundpipe plan` predicts both within 5% (no timing asserted)."""
+    out = _run_benchmark("qlora.py", "--smoke", timeout_s=600)
+    m = re.fullmatch(
+        r"RESULT host_bytes_per_frozen_param=([0-9.]+) upload_ratio=([0-9.]+) "
+        r"loss_diff=([0-9.e+-]+)",
+        out.splitlines()[-1],
+    )
+    assert m, out
+    per_param, ratio, loss_diff = (float(g) for g in m.groups())
+    assert per_param <= 0.6 and ratio <= 0.3 and loss_diff < 5e-3, out
+    rows = {f[0]: f for f in (line.split() for line in out.splitlines()) if len(f) == 8}
+    assert float(rows["int8"][1]) <= 1.1, out
+    errors = re.search(r"upload ([+-][0-9.]+)%, host ([+-][0-9.]+)%", out)
+    assert errors and all(abs(float(e)) <= 5 for e in errors.groups()), out
+
+
 def test_packing_benchmark_smoke() -> None:
     """`packing.py --smoke`: three modes on the same conversations; documents packing
     gives the unpacked loss in fewer rows."""

@@ -11,7 +11,7 @@ import torch
 from model_helpers import tiny_config
 
 from roundpipe.shared.model import LayeredModel
-from roundpipe.worker import document_attention, executor
+from roundpipe.worker import document_attention
 from roundpipe.worker.document_attention import document_spans, long_rows
 from roundpipe.worker.executor import RngKey, StageExecutor
 
@@ -84,9 +84,10 @@ def test_a_long_packed_row_matches_the_masked_computation(arch, monkeypatch) -> 
         return sdpa(module, query, *args, **kwargs)
 
     monkeypatch.setattr(document_attention, "sdpa_attention_forward", counted)
-    for mode, threshold in (("masked", 1 << 30), ("pieces", document_attention.LONG_ROW_TOKENS)):
+    threshold = document_attention.LONG_ROW_TOKENS
+    for mode, tokens in (("masked", 1 << 30), ("pieces", threshold)):
         calls.clear()
-        monkeypatch.setattr(executor, "LONG_ROW_TOKENS", threshold)
+        monkeypatch.setattr(document_attention, "LONG_ROW_TOKENS", tokens)
         ex = StageExecutor(model)
         w = model.range_weights(weights, 0, last)
         out = ex.forward(0, last, w, [ids], position_ids=positions).outputs

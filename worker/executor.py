@@ -51,9 +51,7 @@ Note [chunked LM head]
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +61,9 @@ from torch.func import functional_call
 
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
-from roundpipe.worker.document_attention import LONG_ROW_TOKENS, document_spans, long_rows
+from roundpipe.worker.document_attention import long_rows
 from roundpipe.worker.lm_head_loss import chunked_lm_head_loss
+from roundpipe.worker.stage_context import StageContext
 from roundpipe.worker.transfer import Stopwatch
 
 __all__ = [
@@ -202,114 +201,27 @@ class _Bound:
     trainable: list[tuple[str, torch.Tensor]]
     """(full name, leaf) pairs that need gradients in this task."""
     head: torch.Tensor | None = None
+    quantized: dict[int, dict[str, tuple[str, dict[str, torch.Tensor]]]] = field(
+        default_factory=dict
+    )
+    """layer -> relative name -> (full name, its quantised parts on the device): weights
+    dequantised just before their layer runs (Note [quantised base] in
+    roundpipe.shared.quantized_base)."""
+    dequantize: Callable[[dict[str, torch.Tensor], str, torch.dtype], torch.Tensor] | None = None
+    """The model's ``QuantizedBase.dequantize`` when it has quantised weights."""
 
-
-class _StageContext:
-    """Positions, rotary tables and masks of one microbatch, built on first use.
-    Note [packed documents]."""
-
-    def __init__(
-        self, executor: StageExecutor, h: torch.Tensor, position_ids: torch.Tensor | None
-    ) -> None:
-        ex = executor
-        rows, seq = h.shape[0], h.shape[1]
-        if position_ids is None:
-            self.position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
-        else:
-            if tuple(position_ids.shape) != (rows, seq):
-                raise ValueError(
-                    f"position_ids {tuple(position_ids.shape)} do not match the microbatch "
-                    f"[{rows}, {seq}]"
-                )
-            self.position_ids = position_ids.to(h.device, torch.int64, non_blocking=True)
-        self._given_positions = position_ids is not None
-        # Note [long-row attention]: from LONG_ROW_TOKENS on, no seq x seq masks.
-        self.long = seq >= LONG_ROW_TOKENS and ex.model.attn_implementation == "sdpa"
-        self._packed: bool | None = None
-        self._spans: list[list[tuple[int, int]]] | None = None
-        self._h = h
-        self._ex = ex
-        self._masks: dict[str, torch.Tensor | None] = {}
-        self._rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def position_embeddings(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary (cos, sin) for a layer of ``layer_type`` (one table unless the family's
-        rotary is keyed by layer type)."""
-        key = layer_type if self._ex.model.rotary_keyed_by_layer_type else None
-        if key not in self._rotary:
-            args = (
-                (self._h, self.position_ids) if key is None else (self._h, self.position_ids, key)
-            )
-            self._rotary[key] = self._ex._rotary(*args)
-        return self._rotary[key]
-
-    def packed(self) -> bool:
-        """Whether some row holds several documents (one device sync, asked once)."""
-        if self._packed is None:
-            self._packed = self._given_positions and _restarts(self.position_ids)
-        return self._packed
-
-    def spans_for(self, kind: str) -> list[list[tuple[int, int]]] | None:
-        """The rows' documents when a layer of mask ``kind`` attends without a mask
-        (Note [long-row attention]), else None."""
-        if not self.long or kind not in ("full", "sliding"):
-            return None
-        if kind == "full" and not self.packed():
-            return None  # plain causal: no mask anyway (is_causal)
-        if self._spans is None:
-            self._spans = document_spans(self.position_ids.expand(self._h.shape[0], -1))
-        return self._spans
-
-    def mask(self, kind: str) -> torch.Tensor | None:
-        if self.spans_for(kind) is not None:
-            return None  # the documents are declared instead (Note [long-row attention])
-        if kind not in self._masks:
-            from transformers.masking_utils import (
-                create_causal_mask,
-                create_recurrent_attention_mask,
-                create_sliding_window_causal_mask,
-            )
-
-            if kind == "recurrent" and self._given_positions and _restarts(self.position_ids):
-                # A linear-attention layer carries one state along the whole row; it
-                # cannot keep packed documents apart as the attention masks do.
-                raise ValueError(
-                    f"{self._ex.model.architecture} has linear-attention layers, which "
-                    "would mix the packed documents of a row: set data.packing to 'none' "
-                    "for this model"
-                )
-            fn = {
-                "full": create_causal_mask,
-                "sliding": create_sliding_window_causal_mask,
-                "recurrent": create_recurrent_attention_mask,
-            }[kind]
-            # No padding mask: rows are packed / right-padded and causal, so pads never
-            # reach real tokens; with SDPA and plain positions this yields None
-            # (is_causal), exactly as HF. Packed documents: Note [packed documents].
-            self._masks[kind] = fn(
-                config=self._ex.model.config,
-                inputs_embeds=self._h,
-                attention_mask=None,
-                position_ids=self.position_ids,
-                **{_cache_kwarg(fn): None},
-            )
-        return self._masks[kind]
-
-
-@functools.cache
-def _cache_kwarg(fn: Callable) -> str:
-    """The name transformers' mask function gives its (required) cache argument: ``cache``
-    from 5.24 on, ``past_key_values`` before (still accepted, with a warning, until 5.40)."""
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
-
-
-def _restarts(position_ids: torch.Tensor) -> bool:
-    """Whether some row's positions restart (packed documents). Asked only for models with
-    linear-attention layers (one device sync per microbatch and stage there)."""
-    p = position_ids
-    if p.shape[-1] < 2:
-        return False
-    return bool((p[..., 1:] != p[..., :-1] + 1).any())
+    def layer_params(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What ``functional_call`` binds for ``layer``: its weights, the quantised ones
+        dequantised into ``dtype`` now (fresh tensors, dropped after the layer unless
+        autograd saves them)."""
+        quantized = self.quantized.get(layer)
+        if not quantized:
+            return self.per_layer[layer]
+        out = dict(self.per_layer[layer])
+        assert self.dequantize is not None
+        for rel, (name, parts) in quantized.items():
+            out[rel] = self.dequantize(parts, name, dtype)
+        return out
 
 
 class StageExecutor:
@@ -387,7 +299,7 @@ class StageExecutor:
         with self._rng_scope(), torch.no_grad():
             for m, x in enumerate(inputs):
                 x = self._input(x, start)
-                ctx: _StageContext | None = None
+                ctx: StageContext | None = None
                 self._start_capture()
                 for layer in range(start, stop):
                     if layer in result.saved:
@@ -558,7 +470,9 @@ class StageExecutor:
                     watch.start(norm_layer)
                 self._seed(rng, norm_layer, m)
                 norm_mod, _ = self.model.norm_part()
-                h = functional_call(norm_mod, bound.per_layer[norm_layer], (h,))
+                h = functional_call(
+                    norm_mod, bound.layer_params(norm_layer, self.compute_dtype), (h,)
+                )
                 if isinstance(y, TailLabels):
                     shape, shifted, positions = y.shape, y.shifted, y.positions
                 else:
@@ -629,10 +543,23 @@ class StageExecutor:
         trainable: list[tuple[str, torch.Tensor]] = []
         head: torch.Tensor | None = None
         missing: list[str] = []
+        quantized = model.quantized_base
+        pending: dict[int, dict[str, tuple[str, dict[str, torch.Tensor]]]] = {}
         for layer in range(start, stop):
             prefix = model.part_prefix(layer)
             rel: dict[str, torch.Tensor] = self._buffers(layer)
             for spec in model.layer_params(layer):
+                if quantized is not None and spec.name in quantized.shapes:
+                    parts = quantized.get_parts(weights, spec.name)
+                    if parts is None:
+                        missing.append(spec.name)
+                        continue
+                    on_device = {p: t.to(self.device, non_blocking=True) for p, t in parts.items()}
+                    pending.setdefault(layer, {})[spec.name[len(prefix) :]] = (
+                        spec.name,
+                        on_device,
+                    )
+                    continue
                 t = weights.get(spec.name)
                 if t is None:
                     missing.append(spec.name)
@@ -661,7 +588,13 @@ class StageExecutor:
             raise KeyError(
                 f"task {start}:{stop} is missing {len(missing)} weight(s), e.g. {missing[:5]}"
             )
-        return _Bound(per_layer, trainable, head)
+        return _Bound(
+            per_layer,
+            trainable,
+            head,
+            quantized=pending,
+            dequantize=quantized.dequantize if quantized is not None else None,
+        )
 
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         bufs = self._part_buffers.get(layer)
@@ -710,7 +643,7 @@ class StageExecutor:
         if start > 0:
             x = x.detach().requires_grad_(True)
         out = x
-        ctx: _StageContext | None = None
+        ctx: StageContext | None = None
         self._start_capture()
         for layer in range(start, stop):
             out, ctx = self._run_layer(layer, out, bound, ctx, rng, m, positions)
@@ -732,7 +665,7 @@ class StageExecutor:
         range forward without autograd keeping each layer's input, then each layer, last
         first, recomputed with autograd from its input and backpropagated at once."""
         h = self._input(x, start)
-        ctx: _StageContext | None = None
+        ctx: StageContext | None = None
         inputs: list[torch.Tensor | None] = []
         with torch.no_grad():
             for layer in range(start, stop):
@@ -763,11 +696,11 @@ class StageExecutor:
         layer: int,
         x: torch.Tensor,
         bound: _Bound,
-        ctx: _StageContext | None,
+        ctx: StageContext | None,
         rng: RngKey,
         m: int,
         positions: Sequence[torch.Tensor | None] | None = None,
-    ) -> tuple[torch.Tensor, _StageContext | None]:
+    ) -> tuple[torch.Tensor, StageContext | None]:
         if self.before_layer is not None:
             self.before_layer()
         watch = self.stopwatch
@@ -775,13 +708,13 @@ class StageExecutor:
             watch.start(layer)
         self._seed(rng, layer, m)
         model = self.model
-        params = bound.per_layer[layer]
+        params = bound.layer_params(layer, self.compute_dtype)
         if layer == 0:
             mod, _ = model.embed_part()
             out = functional_call(mod, params, (x,))
         else:
             if ctx is None:
-                ctx = _StageContext(self, x, None if positions is None else positions[m])
+                ctx = StageContext(self, x, None if positions is None else positions[m])
             mod, _ = model.decoder_part(layer)
             layer_type = model.layer_type(layer)
             kind = model.mask_kind(layer)

@@ -117,9 +117,15 @@ class JobState:
                 return odd_views[name]
             return even_views[name]
 
+        quantized = model.quantized_base
         for layer in range(task.layer_start, task.layer_stop):
             for spec in model.layer_params(layer):
-                if spec.tied_to is None:
+                if quantized is not None and spec.name in quantized.shapes:
+                    # Uploaded as its quantised parts; the executor dequantises (Note
+                    # [quantised base] in roundpipe.shared.quantized_base).
+                    for part in quantized.parts(spec.name):
+                        out[part] = lookup(layer, part)
+                elif spec.tied_to is None:
                     out[spec.name] = lookup(layer, spec.name)
                 else:
                     out[spec.name] = lookup(model.layer_of(spec.tied_to), spec.tied_to)

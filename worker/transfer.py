@@ -584,6 +584,15 @@ class TransferEngine(ABC):
         """Called (on a link thread) when the engine breaks. The worker process sets it to
         exit: streams queued behind the stuck one (labels, later microbatches, downloads
         after compute) would otherwise block its threads, and its teardown, for good."""
+        self.uploaded_bytes = {Priority.ACTIVATION: 0, Priority.WEIGHT: 0}
+        """Bytes this engine has put on the bus to the device, by priority: weights
+        (prefetched ones included, used or not) and activations. The CPU engine moves
+        nothing. A task's own figures travel in ``TaskDone.upload_bytes``."""
+        self._count_lock = threading.Lock()
+
+    def _count_upload(self, priority: Priority, nbytes: int) -> None:
+        with self._count_lock:
+            self.uploaded_bytes[Priority(priority)] += nbytes
 
     # -- arenas -----------------------------------------------------------------------
 
@@ -702,6 +711,7 @@ class _LinkedEngine(TransferEngine):
         dst = {name: self._alloc(t, priority) for name, t in tensors.items()}
         pieces = self._pieces([(t, dst[n]) for n, t in tensors.items()], priority)
         nbytes = sum(_nbytes(t) for t in tensors.values())
+        self._count_upload(priority, nbytes)
         up = Upload(self, dst, len(pieces), nbytes, wait_for if pieces else ())
         if pieces:
             self.h2d.put(priority, pieces, up, self._after_host(), tuple(wait_for))

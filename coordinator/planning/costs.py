@@ -3,6 +3,7 @@ the search and the simulator share (compute, transfers, memory per stage)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -113,6 +114,15 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[name]
 
 
+def stored_param_bytes(model: Any, name: str, shape: tuple[int, ...], compute_bytes: int) -> int:
+    """Bytes parameter ``name`` takes in the params arena and on the bus: the compute
+    dtype, or its quantised parts (``lora.base_quantization``)."""
+    quantized = model.quantized_base
+    if quantized is not None:
+        return quantized.stored_nbytes(name, shape, compute_bytes)
+    return math.prod(shape) * compute_bytes
+
+
 def estimate_costs(
     model: LayeredModel,
     *,
@@ -161,9 +171,16 @@ def estimate_costs(
     mem_bw = memory_bandwidth * 0.8
     n = model.num_layers
     out: list[LayerCost] = []
+    quantized = model.quantized_base
     for layer in range(n):
         specs = model.layer_params(layer)
-        param_bytes = sum(s.numel for s in specs) * d
+        # What the layer's weights take on the bus and resident on the worker: a
+        # quantised base's parts (Note [quantised base] in roundpipe.shared.quantized_base),
+        # plus, while the layer runs, its weights dequantised into the compute dtype.
+        param_bytes = sum(stored_param_bytes(model, s.name, s.shape, d) for s in specs)
+        dequantized = 0
+        if quantized is not None:
+            dequantized = sum(s.numel for s in specs if s.name in quantized.shapes) * d
         grad_bytes = sum(s.numel for s in specs if s.trainable) * 4
         act = tokens * 8 if layer == 0 else tokens * hidden * d
         if layer == 0:
@@ -214,6 +231,8 @@ def estimate_costs(
                 + (4 * experts.num_experts if moe else 0)
             )
             fwork = tokens * (d * (3 * inter + q_width + 2 * kv_width + hidden) + 4 * hidden)
+            work += dequantized
+            fwork += dequantized
             name = f"model.layers.{layer - 1}"
         out.append(
             LayerCost(

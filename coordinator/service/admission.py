@@ -74,7 +74,14 @@ def validate_spec(
     validate_against_model(job, config, vocab_size_needed=dataset.vocab_size_needed)
     from roundpipe.shared.model import LayeredModel
 
-    model = LayeredModel(config, job.lora.model_settings() if job.lora is not None else None)
+    try:
+        model = LayeredModel(config, job.lora.model_settings() if job.lora is not None else None)
+    except ValueError as exc:
+        # A frozen matrix the quantiser does not know is the base quantisation's problem
+        # (Note [quantised base] in roundpipe.shared.quantized_base); anything else the
+        # model's.
+        field = "lora.base_quantization" if "base_quantization" in str(exc) else "model"
+        raise JobSpecError([FieldError(field, str(exc))]) from None
     if job.train.plan:
         from roundpipe.shared.plan import Plan
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.shared.families import FAMILIES
+from roundpipe.shared.quant_format import INT8_SCALES, QUANTIZATIONS
 
 __all__ = [
     "ARCHITECTURES",
@@ -20,8 +21,10 @@ __all__ = [
     "DATA_PACKING",
     "DTYPES",
     "HF_NO_DECAY",
+    "INT8_SCALES",
     "OPTIMIZERS",
     "PACKING_ALIASES",
+    "QUANTIZATIONS",
     "SCHEDULES",
     "SCHEDULE_CONVENTIONS",
     "STATE_DTYPES",
@@ -44,6 +47,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
 STATE_DTYPES = ("float32", "int8")
 """``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
+# ``lora.base_quantization`` (QUANTIZATIONS) and ``lora.int8_scales`` (INT8_SCALES) are
+# defined with their formats, in roundpipe.shared.quant_format, and re-exported here.
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""

@@ -430,7 +430,8 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
         want = "LoRA (a lora section)" if spec.lora is not None else "full fine-tuning"
         e.add("model.resume_from", f"{ckpt} holds {has}, but this spec asks for {want}")
     elif isinstance(old_lora, dict) and spec.lora is not None:
-        for key in ("r", "target_modules"):
+        # A quantised base changes the model the adapters were trained against.
+        for key in ("r", "target_modules", "base_quantization"):
             before = old_lora.get(key)
             now = plain(getattr(spec.lora, key))
             if before is not None and before != now:
@@ -489,6 +490,7 @@ def _model_errors(
             "documents packing needs every layer to keep packed documents apart; this "
             "model's linear-attention layers cannot: expected none or concat",
         )
+    _check_quantised_checkpoint(e, spec, _config_get(model_config, "quantization_config"))
     vocab = _config_get(model_config, "vocab_size")
     if vocab_size_needed is not None and is_int(vocab) and vocab_size_needed > vocab:
         e.add(
@@ -497,6 +499,35 @@ def _model_errors(
             f"vocab_size is {vocab}; expected a tokenizer that matches the model",
         )
     return e.items
+
+
+def _check_quantised_checkpoint(e: Problems, spec: JobSpec, quant: Any) -> None:
+    """A checkpoint that bitsandbytes quantised (``load_in_4bit`` / ``load_in_8bit``)
+    cannot be fully fine-tuned: its weights are frozen codes. Reading its codes as a LoRA
+    job's quantised base is not implemented: such a job names the unquantised checkpoint
+    and ``lora.base_quantization``, which quantises once at load."""
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    method = method if method is not None else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)).lower() != "bitsandbytes":
+        return
+    if spec.lora is None:
+        e.add(
+            "model.path",
+            "this checkpoint is quantised by bitsandbytes (quantization_config); a "
+            "quantised base trains only with LoRA (its weights are frozen), so full "
+            "fine-tuning is refused: add a lora section, and point model.path at the "
+            "unquantised checkpoint",
+        )
+    else:
+        e.add(
+            "model.path",
+            "this checkpoint is quantised by bitsandbytes (quantization_config); reading "
+            "its codes is not supported yet: point model.path at the unquantised "
+            "checkpoint and set lora.base_quantization (nf4 or int8), which quantises "
+            "the base once, at load",
+        )
 
 
 def validate_against_model(

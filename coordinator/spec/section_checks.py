@@ -25,7 +25,9 @@ from roundpipe.coordinator.spec.choices import (
     DATA_OVERLONG,
     DATA_PACKING,
     DTYPES,
+    INT8_SCALES,
     OPTIMIZERS,
+    QUANTIZATIONS,
     SCHEDULE_CONVENTIONS,
     SCHEDULES,
     STATE_DTYPES,
@@ -268,6 +270,9 @@ def check_lora(e: Problems, lora: LoraSpec) -> None:
         bad_number(e, "lora.alpha", lora.alpha, "a number > 0")
     if not (is_num(lora.dropout) and 0 <= lora.dropout < 1):
         bad_number(e, "lora.dropout", lora.dropout, "a number in [0, 1)")
+    check_choice(e, "lora.base_quantization", lora.base_quantization, QUANTIZATIONS)
+    check_bool(e, "lora.double_quantization", lora.double_quantization)
+    check_choice(e, "lora.int8_scales", lora.int8_scales, INT8_SCALES)
     tm = lora.target_modules
     if tm == "all-linear":
         return

@@ -147,6 +147,14 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str = "all-linear"
     """Module names to adapt (e.g. ``["q_proj", "v_proj"]``), or ``"all-linear"`` for
     every linear layer except the LM head (PEFT's meaning)."""
+    base_quantization: str = "none"
+    """How the frozen base is stored, moved and uploaded: ``none`` (the compute dtype),
+    ``nf4`` (QLoRA's 4-bit NormalFloat, block 64) or ``int8`` (absmax int8); workers
+    dequantise each layer into the compute dtype before it runs. docs/memory.md."""
+    double_quantization: bool = True
+    """With ``nf4``: store the block scales in 8 bits too (QLoRA's double quantisation)."""
+    int8_scales: str = "per_channel"
+    """With ``int8``: one scale per row (``per_channel``) or per 64 values (``per_block``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_modules", _freeze_seq(self.target_modules))
@@ -158,6 +166,9 @@ class LoraSpec:
             "alpha": self.alpha,
             "dropout": self.dropout,
             "target_modules": self.target_modules,
+            "base_quantization": self.base_quantization,
+            "double_quantization": self.double_quantization,
+            "int8_scales": self.int8_scales,
         }
 
 

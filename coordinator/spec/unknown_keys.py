@@ -98,4 +98,11 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "lora_dropout": ("lora.dropout", ""),
     "lora_target": ("lora.target_modules", ""),
     "target_modules": ("lora.target_modules", ""),
+    # A quantised base (transformers' BitsAndBytesConfig, QLoRA scripts): LoRA only.
+    "load_in_4bit": ("lora.base_quantization", "nf4 (a quantised base trains only with LoRA)"),
+    "load_in_8bit": ("lora.base_quantization", "int8 (a quantised base trains only with LoRA)"),
+    "bnb_4bit_quant_type": ("lora.base_quantization", "nf4"),
+    "bnb_4bit_use_double_quant": ("lora.double_quantization", ""),
+    "quantization": ("lora.base_quantization", "nf4 or int8 (LoRA only)"),
+    "base_quantization": ("lora.base_quantization", "nf4 or int8 (LoRA only)"),
 }

@@ -24,6 +24,7 @@ from roundpipe.coordinator.training.job_errors import JobPaused
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.quantized_base import PART_SEP
 
 __all__ = ["ModelExporter"]
 
@@ -70,8 +71,14 @@ class ModelExporter:
             for name, (even, _odd) in names.items():
                 if name in self.masters.get(layer, {}):
                     out[layer][name] = masters[layer][name]
+                elif PART_SEP in name:  # a part of a quantised weight, as stored
+                    out[layer][name] = self.layout.view(even)
                 else:
                     out[layer][name] = self.layout.view(even).to(torch.float32)
+        if self.model.quantized_base is not None:
+            # The parts back into weights, what the workers computed with: an exported
+            # base model is the dequantised one (Note [quantised base]).
+            self.model.quantized_base.dequantize_weights(out, torch.float32)
         return out
 
     def write_hf_model(

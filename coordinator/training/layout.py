@@ -8,7 +8,9 @@ and by *parity* (iteration or weight version mod 2), never by stage or worker::
               trainable:  [parity 0 | parity 1]   weight version v lives in parity v % 2
                           (one copy that both parities name at staleness 0: Note
                           [weight copies])
-              frozen:     one copy (LoRA base weights)
+              frozen:     one copy (LoRA base weights); with a quantised base, one
+                          copy of each part of each quantised weight (Note [quantised
+                          base] in roundpipe.shared.quantized_base)
     grads   per trainable parameter, fp32: the current step's weight gradient (+ one per
               tied alias: the tail's LM-head contribution to the owner); layers of the
               same shape share a bounded pool of slots (Note [gradient buffer]); plus,
@@ -220,10 +222,17 @@ class JobLayout:
             for layer in sorted(plan.split_gradient_layers())
             if grads[layer]
         }
+        quantized = model.quantized_base
         for layer in range(model.num_layers):
             params[layer] = {}
             for spec in model.layer_params(layer):
                 if spec.tied_to is not None:
+                    continue
+                if quantized is not None and spec.name in quantized.shapes:
+                    # Frozen and stored quantised: one copy of each part (Note
+                    # [quantised base] in roundpipe.shared.quantized_base).
+                    for part, (dtype, shape) in quantized.parts(spec.name).items():
+                        params[layer][part] = (allocs["params"].alloc(dtype, shape), None)
                     continue
                 even = allocs["params"].alloc(compute_dtype, spec.shape)
                 odd = None

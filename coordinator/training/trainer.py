@@ -271,6 +271,10 @@ class Trainer:
         layout, why = self.planner.first_layout(model)
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
+        if model.quantized_base is not None:
+            # The frozen base goes into the arena as its quantised parts (Note [quantised
+            # base] in roundpipe.shared.quantized_base).
+            model.quantized_base.quantize_weights(weights)
         # fp32 masters (coordinator memory) and W_0 in params parity 0.
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
         for layer, names in layout.params.items():

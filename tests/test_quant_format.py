@@ -1,0 +1,172 @@
+"""The NF4 / int8 storage format of frozen weights (roundpipe.shared.quant_format).
+
+The reference dequantisation here is written from the formats' definitions (the QLoRA
+paper's NF4 values, two codes per byte high nibble first, absmax per 64 elements, the
+double quantisation of the absmaxes; int8 absmax rows or blocks), element by element in
+numpy float32, independently of the module's vectorised torch code: the two must agree
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from roundpipe.shared.quant_format import QuantFormat
+
+# The NF4 values as printed in the QLoRA paper (Appendix E).
+PAPER_NF4 = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=np.float32,
+)
+
+
+def reference_dynamic_map() -> np.ndarray:
+    """The signed 8-bit dynamic map from its definition: a sign, e zero bits, a one bit,
+    then 6 - e linear fraction bits over [0.1, 1] x 10^-e (value = the middle of its
+    interval); plus 0 and 1."""
+    out = {0.0, 1.0}
+    for zeros in range(7):
+        frac_bits = 6 - zeros
+        n = 2**frac_bits
+        width = 0.9 / n
+        for k in range(n):
+            magnitude = (0.1 + width * (k + 0.5)) * 10.0**-zeros
+            out.add(float(np.float32(magnitude)))
+            out.add(float(np.float32(-magnitude)))
+    values = np.array(sorted(out), dtype=np.float32)
+    assert values.size == 256
+    return values
+
+
+def reference_nf4(parts: dict, shape: tuple[int, ...], double_quant: bool) -> np.ndarray:
+    n = int(np.prod(shape))
+    codes = parts["codes"].numpy()
+    if double_quant:
+        dyn = reference_dynamic_map()
+        qa = parts["absmax_codes"].numpy()
+        scale = parts["absmax_scale"].numpy()
+        offset = np.float32(parts["absmax_offset"].numpy()[0])
+        absmax = np.empty(qa.size, dtype=np.float32)
+        for i in range(qa.size):
+            absmax[i] = np.float32(dyn[qa[i]] * scale[i // 256]) + offset
+    else:
+        absmax = parts["absmax"].numpy()
+    out = np.empty(n, dtype=np.float32)
+    for i in range(n):
+        byte = int(codes[i // 2])
+        index = byte >> 4 if i % 2 == 0 else byte & 0xF
+        out[i] = PAPER_NF4[index] * absmax[i // 64]
+    return out.reshape(shape)
+
+
+def reference_int8(parts: dict, shape: tuple[int, ...], scales: str) -> np.ndarray:
+    n = int(np.prod(shape))
+    codes = parts["codes"].numpy().reshape(-1)
+    absmax = parts["absmax"].numpy()
+    row = shape[-1] if scales == "per_channel" else 64
+    out = np.empty(n, dtype=np.float32)
+    for i in range(n):
+        out[i] = np.float32(codes[i]) * np.float32(absmax[i // row] / np.float32(127.0))
+    return out.reshape(shape)
+
+
+SHAPES = [(48, 40), (3, 24, 16), (7, 9)]  # 1920 (30 blocks), MoE-like 3-D, a ragged tail
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nf4_dequantisation_is_the_definition_bitwise(shape, double_quant):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 0.05
+    fmt = QuantFormat("nf4", double_quant=double_quant)
+    parts = fmt.quantize(w)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == fmt.parts(shape)
+    got = fmt.dequantize(parts, shape, torch.float32).numpy()
+    want = reference_nf4(parts, shape, double_quant)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # The compute dtype is the fp32 value cast once.
+    bf16 = fmt.dequantize(parts, shape, torch.bfloat16)
+    assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scales", ["per_channel", "per_block"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_dequantisation_is_the_definition_bitwise(shape, scales):
+    torch.manual_seed(1)
+    w = torch.randn(shape)
+    fmt = QuantFormat("int8", int8_scales=scales)
+    parts = fmt.quantize(w)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == fmt.parts(shape)
+    got = fmt.dequantize(parts, shape, torch.float32).numpy()
+    want = reference_int8(parts, shape, scales)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_nf4_codes_are_the_nearest_values():
+    torch.manual_seed(2)
+    w = torch.randn(64 * 20)
+    fmt = QuantFormat("nf4", double_quant=False)
+    parts = fmt.quantize(w)
+    absmax = w.view(-1, 64).abs().amax(1)
+    scaled = (w.view(-1, 64) / absmax[:, None]).reshape(-1).numpy()
+    nearest = np.abs(scaled[:, None] - PAPER_NF4[None, :]).argmin(1)
+    codes = parts["codes"].numpy()
+    index = np.stack([codes >> 4, codes & 0xF], 1).reshape(-1)
+    assert np.array_equal(index, nearest)
+    assert torch.equal(parts["absmax"], absmax)
+    # Every block's largest magnitude is exact (it is +-1 x absmax).
+    back = fmt.dequantize(parts, (64 * 20,), torch.float32)
+    assert torch.equal(back.view(-1, 64).abs().amax(1), absmax)
+
+
+def test_round_trip_errors_and_bytes_per_parameter():
+    torch.manual_seed(3)
+    shape = (256, 512)
+    w = torch.randn(shape) * 0.02
+    n = w.numel()
+    for fmt, bound, per_param in [
+        (QuantFormat("nf4"), 0.12, 0.52),
+        (QuantFormat("nf4", double_quant=False), 0.12, 0.57),
+        (QuantFormat("int8"), 0.01, 1.01),
+        (QuantFormat("int8", int8_scales="per_block"), 0.01, 1.07),
+    ]:
+        back = fmt.dequantize(fmt.quantize(w), shape, torch.float32)
+        rel = float((back - w).norm() / w.norm())
+        assert rel < bound, (fmt, rel)
+        assert fmt.nbytes(shape) / n <= per_param, fmt
+    # Double quantisation: the absmaxes come back to within 8-bit precision.
+    fmt = QuantFormat("nf4")
+    parts = fmt.quantize(w)
+    exact = w.view(-1, 64).abs().amax(1)
+    assert float(((fmt.absmax(parts) - exact).abs() / exact).max()) < 0.02
+
+
+def test_zero_blocks_and_refused_kinds():
+    fmt = QuantFormat("nf4")
+    z = torch.zeros(3, 64)
+    assert torch.equal(fmt.dequantize(fmt.quantize(z), (3, 64), torch.float32), z)
+    int8 = QuantFormat("int8")
+    assert torch.equal(int8.dequantize(int8.quantize(z), (3, 64), torch.float32), z)
+    with pytest.raises(ValueError, match="fp4"):
+        QuantFormat("fp4")
+    with pytest.raises(ValueError, match="per_tensor"):
+        QuantFormat("int8", int8_scales="per_tensor")
