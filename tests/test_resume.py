@@ -537,3 +537,20 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     assert job.wait(timeout_s=240).state == "succeeded", cluster.logs()
     steps = [e.step for e in job.progress(timeout_s=30)]
     assert steps == list(range(1, 11))
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_a_quantised_base_job_resumes_exactly(
+    tmp_path: Path, arena_dir: Path, quantization: str
+) -> None:
+    """LoRA on an NF4 / int8 base (issue 37): the checkpoint holds the adapters and the
+    training state, the base is quantised again on resume, and the resumed job equals
+    the uninterrupted one bit for bit."""
+    lora = {**LORA, "base_quantization": quantization}
+    spec = make_spec(tmp_path / "out", staleness=1, lora=lora)
+    assert train(spec, arena_dir, stop_after=2) is None
+    step2 = tmp_path / "out" / "checkpoints" / step_name(2)
+    assert (step2 / "adapter_config.json").is_file()
+    resumed = train(spec, arena_dir)
+    whole = train(make_spec(tmp_path / "whole", staleness=1, lora=lora), arena_dir)
+    assert_bitwise(resumed, whole)
