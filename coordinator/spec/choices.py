@@ -23,6 +23,7 @@ __all__ = [
     "HF_NO_DECAY",
     "INT8_SCALES",
     "OPTIMIZERS",
+    "OPTIMIZER_KERNELS",
     "PACKING_ALIASES",
     "QUANTIZATIONS",
     "SCHEDULES",
@@ -47,6 +48,10 @@ SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
 STATE_DTYPES = ("float32", "int8")
 """``optimizer.state_dtype``: how AdamW's moments are stored (docs/memory.md)."""
+OPTIMIZER_KERNELS = ("auto", "torch")
+"""``optimizer.kernel``: ``auto`` runs AdamW with float32 states on the compiled one-pass
+kernel when it loads and passes its bitwise self-check (else torch's); ``torch`` always
+on torch's fused kernel (Note [compiled AdamW kernel])."""
 # ``lora.base_quantization`` (QUANTIZATIONS) and ``lora.int8_scales`` (INT8_SCALES) are
 # defined with their formats, in roundpipe.shared.quant_format, and re-exported here.
 SCHEDULE_CONVENTIONS = ("hf", "one_based")

@@ -26,6 +26,7 @@ from roundpipe.coordinator.spec.choices import (
     DATA_PACKING,
     DTYPES,
     INT8_SCALES,
+    OPTIMIZER_KERNELS,
     OPTIMIZERS,
     QUANTIZATIONS,
     SCHEDULE_CONVENTIONS,
@@ -372,6 +373,7 @@ def check_optimizer(e: Problems, o: OptimizerSpec, steps: int | None) -> None:
     if not (is_num(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1):
         bad_number(e, "optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
     check_int(e, "optimizer.threads", o.threads, lo=0)
+    check_choice(e, "optimizer.kernel", o.kernel, OPTIMIZER_KERNELS)
     check_choice(e, "optimizer.name", o.name, OPTIMIZERS)
     if not (is_num(o.momentum) and 0 <= o.momentum < 1):
         bad_number(e, "optimizer.momentum", o.momentum, "a number in [0, 1)")

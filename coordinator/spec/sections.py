@@ -314,6 +314,11 @@ class OptimizerSpec:
     """Threads the coordinator steps the optimizer with (>= 0); 0: the coordinator's
     ``--threads`` (default: half the cores it may run on, at most 16, leaving the rest to
     the workers' host-side work). Results do not depend on it."""
+    kernel: str = "auto"
+    """One of ``OPTIMIZER_KERNELS``: ``auto`` runs AdamW with float32 states on the compiled
+    one-pass kernel (update and bf16 copy in one pass; bitwise torch's fused AdamW) when
+    numba is installed and its self-check passes, else on torch's fused kernel; ``torch``
+    always on torch's. Results do not depend on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", _freeze_seq(self.betas))

@@ -37,6 +37,12 @@ followed by AdamW to within float rounding of the norm (1e-6 relative).
 The three agree to rounding but not bitwise, so compare against a reference built with
 the same choice.
 
+``kernel`` (fused AdamW with float32 states only): ``"auto"`` (default) runs the compiled
+one-pass kernel of roundpipe.coordinator.training.adamw_kernel, bitwise the same as
+``"fused"`` above but one pass over memory for the update and the bf16 cast (Note
+[compiled AdamW kernel]); if it cannot be loaded or its bitwise self-check fails, one log
+line says so and torch's kernel runs instead. ``"torch"``: always torch's kernel.
+
 Memory. Masters (and, optionally, the moments) are given by the caller: they may be
 views into the shared-memory arenas and are updated in place. Moments not given are
 allocated once, at construction; nothing is allocated per step except for gradients
@@ -50,6 +56,7 @@ one thread (the trainer's optimizer thread), whose intra-op team does the parall
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -57,9 +64,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from roundpipe.coordinator.spec.choices import HF_NO_DECAY, SCHEDULE_CONVENTIONS, STATE_DTYPES
+from roundpipe.coordinator.spec.choices import (
+    HF_NO_DECAY,
+    OPTIMIZER_KERNELS,
+    SCHEDULE_CONVENTIONS,
+    STATE_DTYPES,
+)
+from roundpipe.coordinator.training import adamw_kernel
 from roundpipe.coordinator.training.quantized_state import (
     BLOCK,
     CodeMap,
@@ -80,6 +94,7 @@ __all__ = [
     "LRSchedule",
     "ALGORITHMS",
     "CHUNK_NUMEL",
+    "OPTIMIZER_KERNELS",
     "LayerwiseOptimizer",
     "OptimizerStepError",
     "clip_coefficient",
@@ -95,6 +110,8 @@ _SIGNED_MAP = CodeMap(signed=True)
 _UNSIGNED_MAP = CodeMap(signed=False)
 ALGORITHMS = ("adamw", "sgd")
 _STATE_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class OptimizerStepError(RuntimeError):
@@ -301,6 +318,7 @@ class _Layer:
         "step",
         "scratch",
         "views",
+        "arrays",
     )
 
     def __init__(self, names: list[str], params: list[torch.Tensor]) -> None:
@@ -317,6 +335,8 @@ class _Layer:
         # Chunk views of gradient / out tensors, keyed by (role, index): rebuilt only
         # when the caller passes a tensor at another address (the arenas do not move).
         self.views: dict[tuple[str, int], tuple[tuple, list[torch.Tensor]]] = {}
+        # The same for the compiled kernel: flat numpy views, keyed by (role, index).
+        self.arrays: dict[tuple[str, int], tuple[tuple, Any]] = {}
 
     def chunk_views(self, role: str, index: int, t: torch.Tensor) -> list[torch.Tensor]:
         """``t``'s CHUNK_NUMEL chunks (flat views), cached per role and tensor index."""
@@ -324,6 +344,14 @@ class _Layer:
         cached = self.views.get((role, index))
         if cached is None or cached[0] != key:
             cached = self.views[(role, index)] = (key, _chunks(t))
+        return cached[1]
+
+    def array(self, role: str, index: int, t: torch.Tensor) -> Any:
+        """``t`` as a flat numpy array (adamw_kernel.flat_array), cached like chunk_views."""
+        key = (t.data_ptr(), t.dtype, t.shape)
+        cached = self.arrays.get((role, index))
+        if cached is None or cached[0] != key:
+            cached = self.arrays[(role, index)] = (key, adamw_kernel.flat_array(t))
         return cached[1]
 
 
@@ -351,6 +379,9 @@ class LayerwiseOptimizer:
     (with several jobs at once, the one stepping last sets it). ``None``: leave torch's
     setting as it is (the coordinator daemon sets it from ``--threads``, by default
     :func:`default_threads`).
+
+    ``kernel``: one of ``OPTIMIZER_KERNELS`` (module docstring); :attr:`kernel_in_use`
+    says which kernel AdamW runs on.
     """
 
     def __init__(
@@ -370,7 +401,10 @@ class LayerwiseOptimizer:
         momentum: float = 0.0,
         nesterov: bool = False,
         state_dtype: str = "float32",
+        kernel: str = "auto",
     ) -> None:
+        if kernel not in OPTIMIZER_KERNELS:
+            raise ValueError(f"kernel must be one of {OPTIMIZER_KERNELS}, got {kernel!r}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if state_dtype == "int8" and (algorithm, impl, moments) != ("adamw", "fused", None):
@@ -463,6 +497,40 @@ class LayerwiseOptimizer:
             else:
                 entry.opt = self._torch_optimizer(entry, decayed)
             self._layers[layer] = entry
+        self._compiled = self._load_kernel() if kernel == "auto" else None
+        self._team = adamw_kernel.Team()
+        self.kernel_in_use = (
+            "compiled"
+            if self._compiled is not None
+            else "torch"
+            if (algorithm, impl) == ("adamw", "fused")
+            else impl
+        )
+        """``"compiled"`` (the one-pass kernel), ``"torch"`` (torch's fused kernel), or the
+        reference ``impl`` this optimizer runs AdamW (or SGD) on."""
+
+    def _load_kernel(self) -> Any:
+        """The compiled AdamW kernel if this optimizer can use it (AdamW, the fused path,
+        float32 states), it loads, and it is bitwise torch's under these hyperparameters;
+        else None, with one log line saying why."""
+        if (self.algorithm, self.impl, self.state_dtype) != ("adamw", "fused", "float32"):
+            return None
+        compiled, why = adamw_kernel.load()
+        if compiled is not None and not adamw_kernel.self_check(
+            compiled,
+            lr=self.schedule.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        ):
+            compiled, why = None, "its results differ from this torch build's fused AdamW"
+        if compiled is None:
+            log.warning(
+                "optimizer: the compiled AdamW kernel is not used (%s); running torch's "
+                "fused AdamW instead (same results, a second pass for the bf16 copy)",
+                why,
+            )
+        return compiled
 
     def _torch_optimizer(self, entry: _Layer, decayed: list[bool]) -> torch.optim.AdamW:
         """The reference path: a torch.optim.AdamW over one layer, its state set up
@@ -515,6 +583,7 @@ class LayerwiseOptimizer:
             momentum=float(o.momentum),
             nesterov=bool(o.nesterov),
             state_dtype=o.state_dtype,
+            kernel=o.kernel,
         )
 
     @property
@@ -594,7 +663,10 @@ class LayerwiseOptimizer:
         for layer, entry, (grad_list, out_list) in zip(layers, entries, plans):
             for t in entry.steps:
                 t.add_(1)  # as torch.optim.adam._fused_adam does before the kernel
-            self._step_chunks(entry, grad_list, out_list, coef, lr)
+            if self._compiled is not None:
+                self._step_compiled(entry, grad_list, out_list, coef, lr, step)
+            else:
+                self._step_chunks(entry, grad_list, out_list, coef, lr)
             self._finish(layer, entry, step, out_list, on_layer_done)
         return lr
 
@@ -723,8 +795,58 @@ class LayerwiseOptimizer:
             if self.state_dtype == "int8":
                 self._pack_int8(packed)
             out = out_list[i]
-            if out is not None and out.is_contiguous():
+            if self._casts_in_pass(out):
                 views("out", i, out)[j].copy_(p)
+
+    def _step_compiled(
+        self,
+        entry: _Layer,
+        grad_list: list[torch.Tensor],
+        out_list: list[torch.Tensor | None],
+        coef: torch.Tensor | None,
+        lr: float,
+        step: int,
+    ) -> None:
+        """Clip, AdamW and cast in one pass on the compiled kernel (Note [compiled AdamW
+        kernel]), the layer's elements split evenly between the team's threads."""
+        beta1, beta2 = self.betas
+        scale = None if coef is None else np.float32(coef.item())
+        consts = {
+            wd: adamw_kernel.constants(
+                lr=lr, beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=wd, step=step
+            )
+            for wd in {self.weight_decay if d else 0.0 for d in entry.decayed}
+        }
+        kernel, array = self._compiled, entry.array
+        args = []
+        for i, p in enumerate(entry.params):
+            out = out_list[i]
+            args.append(
+                (
+                    array("param", i, p),
+                    array("grad", i, grad_list[i]),
+                    array("exp_avg", i, entry.state["exp_avg"][i]),
+                    array("exp_avg_sq", i, entry.state["exp_avg_sq"][i]),
+                    array("out", i, out) if self._casts_in_pass(out) else None,
+                    consts[self.weight_decay if entry.decayed[i] else 0.0],
+                )
+            )
+
+        def run(share: list[tuple[int, int, int]]) -> None:
+            for i, lo, hi in share:
+                p, g, m, v, out, c = args[i]
+                adamw_kernel.step_range(kernel, p, g, m, v, out, lo, hi, c, scale)
+
+        threads = self.threads or torch.get_num_threads()
+        shares = adamw_kernel.split([p.numel() for p in entry.params], threads)
+        self._team.run([lambda share=share: run(share) for share in shares])
+
+    def _casts_in_pass(self, out: torch.Tensor | None) -> bool:
+        """Whether the update pass also writes ``out`` (else _finish copies it after):
+        contiguous outs on the chunked torch path; contiguous bf16 ones on the compiled."""
+        if out is None or self.impl != "fused" or not out.is_contiguous():
+            return False
+        return self._compiled is None or out.dtype == torch.bfloat16
 
     def _unpack_int8(
         self, entry: _Layer, i: int, j: int, n: int
@@ -778,8 +900,9 @@ class LayerwiseOptimizer:
     ) -> None:
         with torch.no_grad():
             for p, out in zip(entry.params, out_list):
-                # Outs the chunked path did not cast (strided ones, or the reference path).
-                if out is not None and (self.impl != "fused" or not out.is_contiguous()):
+                # Outs the update pass did not write (strided ones, not bf16 on the
+                # compiled kernel, or the reference path).
+                if out is not None and not self._casts_in_pass(out):
                     out.copy_(p)
         entry.step = step
         if on_layer_done is not None:
