@@ -310,3 +310,24 @@ def test_cpu_overhead_benchmark_smoke() -> None:
         assert row is not None and float(row[1]) > 0, (system, out)
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT ratio_1w=\d+\.\d\d ratio_2w=\d+\.\d\d", last), last
+
+
+def test_optimizer_smoke_tables_every_system_with_its_bytes() -> None:
+    """`optimizer.py --smoke --no-paper`: every row runs, each with the bytes per parameter
+    its passes move (one pass 32, two passes 36), and the RESULT line has all three ratios
+    (the paper's nan without its row). No timing asserted."""
+    out = _run_benchmark("optimizer.py", "--smoke", "--no-paper")
+    lines = out.strip().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if not line.startswith(("#", "R"))}
+    assert "runtime kernel compiled" in out
+    assert [rows[name][4] for name in ("runtime", "runtime-torch", "torch-fused", "stream")] == [
+        "32",
+        "36",
+        "36",
+        "32",
+    ]
+    assert rows["paper"][1:] == ["skipped", "(--no-paper)"]
+    assert re.fullmatch(
+        r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d vs_paper_adam=nan",
+        lines[-1],
+    )
