@@ -1,28 +1,32 @@
 """A compiled one-pass AdamW step with the bf16 cast: torch's fused CPU AdamW, bit for bit.
 
+This module loads the kernel (roundpipe.coordinator.training.adamw_numba holds its
+arithmetic), checks it against torch, computes each step's constants, and runs it on a
+team of threads.
+
 Note [compiled AdamW kernel]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 What it does. One pass over a range of one tensor: read the fp32 master, gradient and
 two moments, write the master and the moments, and write the updated weight rounded to
 bf16 (the copy the workers read) while it is still in a register: 16 bytes read and 14
-written per parameter (30), where torch's kernel followed by ``out.copy_(p)`` is two
-passes (28 + 6 bytes, and the second pass's store of the bf16 line usually costs a read
-for ownership too). On a machine with two cores the optimizer is memory bound, so this
-pass is the work the bandwidth allows.
+written per parameter, where torch's kernel followed by ``out.copy_(p)`` is two passes
+(28 bytes, then 4 read and 2 written; the bf16 stores of either also read their lines
+for ownership). The chunked torch path (Note [chunked fused AdamW]) re-reads each chunk's
+masters from cache instead of memory, but still runs the cast as a second loop.
 
 Why bit for bit. The docs promise the masters equal ``torch.optim.AdamW(fused=True)``
-exactly (tests/test_optimizer.py). So the arithmetic here is torch's CPU fused AdamW
-kernel (ATen FusedAdamKernel, ADAMW mode, float32), operation by operation, with the
-constants rounded to float32 exactly as torch rounds them, and with fused multiply-adds
-exactly where torch's compiled kernel has them. Which of torch's multiply-adds the C++
-compiler contracted into FMAs is not in its source; we found it by comparing against
-``torch._fused_adamw_`` bit for bit on random data:
+exactly (tests/test_optimizer.py, tests/test_adamw_kernel.py). So the arithmetic is
+torch's CPU fused AdamW kernel (ATen FusedAdamKernel, ADAMW mode, float32), operation by
+operation, with the constants rounded to float32 exactly as torch rounds them, and with
+fused multiply-adds exactly where torch's compiled kernel has them. Which multiply-adds
+the C++ compiler contracted into FMAs is not in torch's source; we found it by comparing
+against ``torch._fused_adamw_`` bit for bit on random data (torch 2.13, x86-64 AVX-512):
 
 * the vector body (16-float vectors, every full 16-element unit of a tensor):
   ``m = fma(coeff, g - m, base)`` (torch's lerp: ``coeff = w, base = m`` when
   ``w = 1 - beta1`` is below 0.5, else ``coeff = w - 1, base = g``);
   ``v = fma(c2 * g, g, v * beta2)`` with ``c2 = 1 - beta2``;
-  ``denom = sqrt(v) / sqrt(bias_correction2) + eps`` (IEEE sqrt, IEEE division);
+  ``denom = sqrt(v) / sqrt(bias_correction2) + eps`` (IEEE sqrt and division);
   ``p = p * (1 - lr * wd)`` (rounded; only when wd != 0), then
   ``p = p + (-step_size * m) / denom``.
 * a tensor's last ``numel % 16`` elements go through torch's scalar loop, which its
@@ -30,29 +34,50 @@ compiler contracted into FMAs is not in its source; we found it by comparing aga
   vector body's arithmetic; the rest get ``v = fma(v, beta2, (c2 * g) * g)``, and for
   a large lerp weight ``m = fma(-(g - m), 1 - w, g)``; the rest is the same.
   Where a tensor is split between threads does not matter: torch splits at 16-element
-  boundaries, so only the tensor's end has the scalar loop's arithmetic.
+  boundaries, so only a tensor's end has the scalar loop's arithmetic.
 
-Because those contractions belong to one build of torch, ``self_check`` runs this kernel
-and ``torch._fused_adamw_`` side by side on a small problem (the optimizer's own betas,
-eps and weight decay, sizes with every tail length, several steps) and the optimizer uses
-this kernel only if every bit agrees; otherwise it logs one line and keeps torch's kernel.
+Those contractions belong to one build of torch, so ``self_check`` runs this kernel and
+``torch._fused_adamw_`` side by side on a small problem (the optimizer's own betas, eps
+and weight decay, every tail length, clipping, three steps) when an optimizer is built,
+and the optimizer uses the kernel only if every bit agrees; otherwise it logs one line
+and keeps torch's kernel (as it does when numba is missing).
 
 The bf16 cast is torch's ``copy_`` to bfloat16: round to nearest even on the float32
 bits, and every NaN becomes 0xFFFF (what torch's vectorized cast writes).
 
+Note [division by a constant]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch divides twice per element (``sqrt(v) / sqrt(bc2)`` and the update's ``/ denom``)
+besides the square root; the three share one divider unit, which with two threads and
+AVX-512 made the kernel compute bound before it was memory bound. The first divisor is
+the same for a whole step, so the kernel computes that quotient without a division:
+``y = 1 / b`` rounded once per step, ``q = a * y``, then twice ``q += (a - q * b) * y``
+with the remainder ``a - q * b`` exact in one FMA. The result is the correctly rounded
+``a / b`` (Markstein's theorem: with ``y`` correctly rounded and ``q`` within one ulp,
+one correction rounds correctly; the first correction brings ``q`` within one ulp). It
+holds for the ``a`` that occur, square roots (0, or between sqrt of the smallest
+denormal and sqrt of the largest float: no remainder underflows, no quotient overflows),
+and 0, inf and NaN take ``a * y``, which equals ``a / b`` there. Checked exhaustively:
+every such float32 ``a`` against ``a / b`` for 56 divisors (the bias corrections of
+betas 0.5-0.9999 at steps 1-1000, random ones, 1.0), no difference; the tests check one
+binade in full and 2M random ``a`` per divisor. The second division varies per element
+and stays a division.
+
 Why numba. The kernel must be compiled, yet the package must install from wheels with no
-compiler at install time (a coordinator host may have no C++ toolchain, and torch's
-cpp_extension builds at first use and needs one). numba and llvmlite are wheels for every
-common platform; numba compiles this loop at run time for the host's vector width
-(AVX-512 here), without fast-math (IEEE sqrt and division, no reassociation) and with
-``llvm.fma.f32`` emitted exactly where we ask for it (``_fma`` below). Compiled code is
-cached on disk (``cache=True``), and the optimizer compiles it at construction, never
-inside a step. Without numba, the optimizer keeps torch's kernel.
+compiler at install time (a coordinator host may have no C++ toolchain; torch's
+cpp_extension, which the paper's library uses, builds at first use and needs one). numba
+and llvmlite are wheels for the common platforms; numba compiles the loop at run time for
+the host's vectors, without fast-math (IEEE sqrt and division, no reassociation, no
+contraction) and with ``llvm.fma.f32`` exactly where the code asks for it. The machine
+code is cached on disk (``cache=True``: next to the module, or numba's user cache dir
+when that is read-only), and the optimizer loads it when it is built, never inside a step
+(a first compile takes a few seconds). Without numba the optimizer keeps torch's kernel.
 
 Threads. The kernel releases the GIL (``nogil``); the optimizer runs one call per thread
-on disjoint ranges from a small pool of Python threads (not numba's own parallel
-backend, whose default work queue may not be entered from two threads at once, as two
-jobs in one coordinator would).
+on disjoint ranges from a small pool of Python threads (``Team``), not numba's parallel
+backend, whose default work queue may not be entered from two threads at once (two jobs
+in one coordinator would), and not an OpenMP team, whose barrier stalls when one of its
+threads is descheduled on a busy host.
 """
 
 from __future__ import annotations
@@ -96,6 +121,7 @@ class AdamWConstants:
     beta2: np.float32
     c2: np.float32  # 1 - beta2
     bc2_sqrt: np.float32  # sqrt(1 - beta2 ** step)
+    inv_bc2_sqrt: np.float32  # 1 / bc2_sqrt, rounded (Note [division by a constant])
     eps: np.float32
     neg_step_size: np.float32  # -lr / (1 - beta1 ** step)
 
@@ -108,12 +134,14 @@ def constants(
     f = np.float32
     bias_correction1 = 1 - beta1 ** float(step)
     bias_correction2 = 1 - beta2 ** float(step)
+    bc2_sqrt = f(math.sqrt(bias_correction2))
     return AdamWConstants(
         decay=f(1 - lr * weight_decay) if weight_decay != 0 else f(1.0),
         weight=f(1 - beta1),
         beta2=f(beta2),
         c2=f(1 - beta2),
-        bc2_sqrt=f(math.sqrt(bias_correction2)),
+        bc2_sqrt=bc2_sqrt,
+        inv_bc2_sqrt=f(1.0) / bc2_sqrt,  # float32 division: correctly rounded
         eps=f(eps),
         neg_step_size=f(-(lr / bias_correction1)),
     )
@@ -182,7 +210,16 @@ def step_range(
         param.size,
         np.float32(1.0) if grad_scale is None else grad_scale,
         grad_scale is not None,
-        (c.decay, c.weight, c.beta2, c.c2, c.bc2_sqrt, c.eps, c.neg_step_size),
+        (
+            c.decay,
+            c.weight,
+            c.beta2,
+            c.c2,
+            c.bc2_sqrt,
+            c.inv_bc2_sqrt,
+            c.eps,
+            c.neg_step_size,
+        ),
     )
 
 
@@ -194,22 +231,21 @@ MIN_SHARE = 1 << 16
 
 def split(sizes: list[int], threads: int) -> list[list[tuple[int, int, int]]]:
     """Cut tensors of ``sizes`` elements into at most ``threads`` shares of about equal
-    element count, each a list of ``(tensor index, lo, hi)`` ranges. Cuts fall on
-    multiples of UNIT (not needed for the result, which is elementwise, but it keeps each
-    thread on whole cache lines)."""
+    element count, each a list of ``(tensor index, lo, hi)`` ranges. A cut inside a tensor
+    falls on a multiple of UNIT from its start (not needed for the result, which is
+    elementwise, but it keeps threads off each other's cache lines)."""
     total = sum(sizes)
     threads = max(1, min(threads, total // MIN_SHARE))
     share = -(-total // threads)
-    share = -(-share // UNIT) * UNIT
     shares: list[list[tuple[int, int, int]]] = [[]]
     room = share
     for index, size in enumerate(sizes):
         lo = 0
         while lo < size:
-            if room == 0:
+            if room <= 0:
                 shares.append([])
                 room = share
-            hi = min(size, lo + room)
+            hi = min(size, -(-(lo + room) // UNIT) * UNIT)
             shares[-1].append((index, lo, hi))
             room -= hi - lo
             lo = hi

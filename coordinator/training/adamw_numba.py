@@ -14,9 +14,11 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["compiled"]
+__all__ = ["compiled", "quotient_array"]
 
 _ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+_INF = np.float32(np.inf)
 
 
 @intrinsic
@@ -47,20 +49,41 @@ def _f32_bits(typingctx, x):
 
 
 @numba.njit(inline="always")
-def _body(p, g, m, v, decay, coeff, base_is_grad, beta2, c2, bc2_sqrt, eps, neg_step):
+def _quotient(a, b, inv_b):
+    """``a / b`` correctly rounded, for ``a = sqrt(v)`` and a step's constant ``b > 0``,
+    without a division (Note [division by a constant]): ``inv_b`` is ``1 / b`` rounded,
+    ``q`` a first quotient, then two corrections by the exact remainder ``a - q * b``."""
+    q = a * inv_b
+    q1 = _fma(_fma(-q, b, a), inv_b, q)
+    q2 = _fma(_fma(-q1, b, a), inv_b, q1)
+    # 0, inf and NaN: a * inv_b is already a / b (the remainders would be NaN for inf).
+    return q2 if (a > _ZERO) & (a < _INF) else q
+
+
+@numba.njit(error_model="numpy")
+def quotient_array(a, b, inv_b):
+    """:func:`_quotient` over an array (tests check it against ``a / b``)."""
+    out = np.empty_like(a)
+    for i in range(a.size):
+        out[i] = _quotient(a[i], b, inv_b)
+    return out
+
+
+@numba.njit(inline="always")
+def _body(p, g, m, v, decay, coeff, base_is_grad, beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step):
     """torch's vector body for one element (the Note lists the FMAs)."""
     if decay != _ONE:  # torch skips the multiply when weight_decay == 0
         p = p * decay
     base = g if base_is_grad else m
     m = _fma(coeff, g - m, base)  # torch's lerp(m, g, w)
     v = _fma(c2 * g, g, v * beta2)
-    denom = np.sqrt(v) / bc2_sqrt + eps
+    denom = _quotient(np.sqrt(v), bc2_sqrt, inv_bc2) + eps
     p = p + (neg_step * m) / denom
     return p, m, v
 
 
 @numba.njit(inline="always")
-def _scalar_tail(p, g, m, v, decay, w, base_is_grad, beta2, c2, bc2_sqrt, eps, neg_step):
+def _scalar_tail(p, g, m, v, decay, w, base_is_grad, beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step):
     """torch's scalar loop for one element: the same but for the FMAs of ``m`` (large
     lerp weight) and ``v``."""
     if decay != _ONE:
@@ -70,7 +93,7 @@ def _scalar_tail(p, g, m, v, decay, w, base_is_grad, beta2, c2, bc2_sqrt, eps, n
     else:
         m = _fma(w, g - m, m)
     v = _fma(v, beta2, (c2 * g) * g)
-    denom = np.sqrt(v) / bc2_sqrt + eps
+    denom = _quotient(np.sqrt(v), bc2_sqrt, inv_bc2) + eps
     p = p + (neg_step * m) / denom
     return p, m, v
 
@@ -89,7 +112,7 @@ def _bf16_bits(x):
 def _loop(param, grad, exp_avg, exp_avg_sq, out, vector, write_out, scale, grad_scale, c):
     """One of torch's two loops over equal-length flat slices. Indices run from 0 (numba
     then drops its negative-index handling, which would stop LLVM from vectorizing)."""
-    decay, w, beta2, c2, bc2_sqrt, eps, neg_step = c
+    decay, w, beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step = c
     base_is_grad = not (abs(w) < np.float32(0.5))
     coeff = w - _ONE if base_is_grad else w
     for i in range(param.size):
@@ -100,12 +123,12 @@ def _loop(param, grad, exp_avg, exp_avg_sq, out, vector, write_out, scale, grad_
         if vector:
             p, m, v = _body(
                 param[i], g, exp_avg[i], exp_avg_sq[i], decay, coeff, base_is_grad,
-                beta2, c2, bc2_sqrt, eps, neg_step,
+                beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step,
             )  # fmt: skip
         else:
             p, m, v = _scalar_tail(
                 param[i], g, exp_avg[i], exp_avg_sq[i], decay, w, base_is_grad,
-                beta2, c2, bc2_sqrt, eps, neg_step,
+                beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step,
             )  # fmt: skip
         param[i] = p
         exp_avg[i] = m
@@ -141,7 +164,7 @@ _F32 = types.Array(types.float32, 1, "C")
 _SIGNATURE = types.void(
     _F32, _F32, _F32, _F32, types.Array(types.uint16, 1, "C"),
     types.int64, types.int64, types.int64, types.float32, types.boolean,
-    types.UniTuple(types.float32, 7),
+    types.UniTuple(types.float32, 8),
 )  # fmt: skip
 
 

@@ -500,14 +500,10 @@ class LayerwiseOptimizer:
         self._compiled = self._load_kernel() if kernel == "auto" else None
         self._team = adamw_kernel.Team()
         self.kernel_in_use = (
-            "compiled"
-            if self._compiled is not None
-            else "torch"
-            if (algorithm, impl) == ("adamw", "fused")
-            else impl
+            "compiled" if self._compiled is not None else "torch" if impl == "fused" else impl
         )
-        """``"compiled"`` (the one-pass kernel), ``"torch"`` (torch's fused kernel), or the
-        reference ``impl`` this optimizer runs AdamW (or SGD) on."""
+        """``"compiled"`` (the one-pass AdamW kernel), ``"torch"`` (torch's fused AdamW or
+        SGD kernel), or the reference ``impl`` this optimizer steps with."""
 
     def _load_kernel(self) -> Any:
         """The compiled AdamW kernel if this optimizer can use it (AdamW, the fused path,
