@@ -27,10 +27,11 @@ followed by AdamW to within float rounding of the norm (1e-6 relative).
 
 ``impl`` picks the AdamW kernel:
 
-* ``"fused"`` (default): torch's fused CPU AdamW kernel (what ``torch.optim.AdamW(
-  fused=True)`` runs), called on cache-sized chunks by a team of ``threads`` threads,
-  with the compute-dtype cast done per chunk in the same pass (Note [chunked fused
-  AdamW]); bitwise equal to ``torch.optim.AdamW(fused=True)``.
+* ``"fused"`` (default): the arithmetic of torch's fused CPU AdamW kernel (what
+  ``torch.optim.AdamW(fused=True)`` runs), bitwise equal to it: on the compiled one-pass
+  kernel (``kernel`` below), or torch's own kernel called on cache-sized chunks by a
+  team of ``threads`` threads, with the compute-dtype cast done per chunk right after
+  (Note [chunked fused AdamW]).
 * ``"foreach"``: torch's multi-tensor implementation (several passes over memory).
 * ``"for-loop"``: the single-tensor reference; what ``torch.optim.AdamW`` uses on CPU
   when neither ``fused`` nor ``foreach`` is given.
@@ -268,7 +269,9 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 
 # Note [chunked fused AdamW]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The "fused" path calls torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
+# The "fused" path without the compiled kernel (``kernel="torch"``, numba missing, or
+# AdamW's int8 states and SGD, which always take it; Note [compiled AdamW kernel] is the
+# default) calls torch's fused CPU AdamW kernel (``torch._fused_adamw_``, what
 # ``torch.optim.AdamW(fused=True)`` calls) on flat chunks of CHUNK_NUMEL elements rather
 # than on whole tensors, and casts each chunk into the params arena right after updating
 # it, while its masters are still in cache: one pass over memory instead of two. Each
