@@ -208,4 +208,9 @@ def compiled() -> Callable[..., None]:
     ``nogil``: threads run it side by side. No fast-math: IEEE sqrt and division."""
     # error_model="numpy": IEEE division (x / 0 is inf), without the Python-style check
     # for a zero divisor that would also keep LLVM from vectorizing the loop.
-    return numba.njit(_SIGNATURE, nogil=True, cache=True, error_model="numpy")(_step_range)
+    options = {"nogil": True, "error_model": "numpy"}
+    try:
+        return numba.njit(_SIGNATURE, cache=True, **options)(_step_range)
+    except RuntimeError:
+        # No writable cache directory (numba's "cannot cache" error): compile every time.
+        return numba.njit(_SIGNATURE, cache=False, **options)(_step_range)
