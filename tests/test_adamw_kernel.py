@@ -213,3 +213,39 @@ def test_kernel_choice_is_checked(tmp_path) -> None:
     sgd = LayerwiseOptimizer(_layers(), schedule=LRSchedule(lr=0.1), algorithm="sgd")
     int8 = LayerwiseOptimizer(_layers(), schedule=LRSchedule(lr=0.1), state_dtype="int8")
     assert sgd.kernel_in_use == int8.kernel_in_use == "torch"
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_special_values_match_torch(weight_decay: float) -> None:
+    """Every (master, gradient) pair of zeros of both signs, denormals, infinities, NaN
+    and ordinary values, placed in the vector body and in both kinds of tail: every
+    non-NaN result is torch's bit for bit, NaN exactly where torch has NaN, and the bf16
+    copy is ``copy_``'s (Note [compiled AdamW kernel], NaNs)."""
+    values = [0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf, math.nan, 1.0, -3.0, 1e30]
+    pairs = torch.tensor([(p, g) for p in values for g in values])
+    for numel in (len(pairs), len(pairs) + 16 * 3 + 9):  # tail of 4, then of 13
+        master, grad = torch.ones(numel), torch.ones(numel)
+        at = torch.arange(len(pairs)) + (numel - len(pairs))  # the pairs end the tensor
+        master[at], grad[at] = pairs[:, 0], pairs[:, 1]
+        ref = [master.clone(), torch.zeros(numel), torch.zeros(numel)]
+        ours = [t.clone() for t in ref]
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        step_t = torch.zeros(())
+        for step in (1, 2):
+            step_t.add_(1)
+            torch._fused_adamw_(
+                [ref[0]], [grad.clone()], [ref[1]], [ref[2]], [], [step_t], amsgrad=False,
+                lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=weight_decay, eps=1e-8,
+                maximize=False,
+            )  # fmt: skip
+            c = adamw_kernel.constants(
+                lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, step=step
+            )
+            arrays = [adamw_kernel.flat_array(t) for t in (ours[0], grad.clone(), *ours[1:], out)]
+            adamw_kernel.step_range(kernel, *arrays, 0, numel, c)
+            for a, b in zip(ours, ref):
+                assert torch.equal(a.isnan(), b.isnan()), step
+                numbers = ~a.isnan()
+                assert torch.equal(_bits(a)[numbers], _bits(b)[numbers]), step
+            assert torch.equal(_bits(out), _bits(ref[0].to(torch.bfloat16)))

@@ -45,6 +45,12 @@ and keeps torch's kernel (as it does when numba is missing).
 The bf16 cast is torch's ``copy_`` to bfloat16: round to nearest even on the float32
 bits, and every NaN becomes 0xFFFF (what torch's vectorized cast writes).
 
+NaNs. Every value that is not a NaN is bitwise torch's, and a result is NaN exactly where
+torch's is; the bf16 copy of a NaN is 0xFFFF in both. Which NaN an operation returns
+when both operands are NaNs (a NaN master whose update is also NaN: the sign bit may
+differ) depends on the operand order the compiler picks for commutative instructions,
+which neither torch's build nor LLVM promises; tests/test_adamw_kernel.py checks the rest.
+
 Note [division by a constant]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 torch divides twice per element (``sqrt(v) / sqrt(bc2)`` and the update's ``/ denom``)
@@ -116,7 +122,10 @@ UNIT = 16
 class AdamWConstants:
     """One step's float32 constants, rounded from float64 as torch rounds them."""
 
-    decay: np.float32  # 1 - lr * wd; 1 means "no weight decay" (torch skips the multiply)
+    # 1 - lr * wd, or 1 without weight decay: torch then skips the multiply, which the
+    # kernel need not, as p * 1 is p (a signalling NaN comes out of the update quiet
+    # either way).
+    decay: np.float32
     weight: np.float32  # lerp weight w = 1 - beta1
     beta2: np.float32
     c2: np.float32  # 1 - beta2

@@ -72,7 +72,7 @@ def quotient_array(a, b, inv_b):
 @numba.njit(inline="always")
 def _body(p, g, m, v, decay, coeff, base_is_grad, beta2, c2, bc2_sqrt, inv_bc2, eps, neg_step):
     """torch's vector body for one element (the Note lists the FMAs)."""
-    p = p * decay  # decay is 1 without weight decay (see _step_range)
+    p = p * decay  # 1 without weight decay (see AdamWConstants.decay)
     base = g if base_is_grad else m
     m = _fma(coeff, g - m, base)  # torch's lerp(m, g, w)
     v = _fma(c2 * g, g, v * beta2)
