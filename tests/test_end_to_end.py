@@ -8,6 +8,7 @@ oracle (tests/runtime_helpers.py) within 1e-5 relative.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 from runtime_helpers import assert_params_match, fake_hello, load_output, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 from roundpipe.protocol import Reject, decode, encode
 from roundpipe.shared.plan import Plan
 
@@ -133,27 +135,41 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
     assert "already serving" in result.stderr or "in use" in result.stderr
 
 
-def test_worker_joining_mid_job_receives_tasks(cluster: LocalCluster, tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path / "join", staleness=1, steps=80)
-    handle = cluster.client.submit(spec)
-    deadline = time.monotonic() + 120
-    while cluster.client.job(handle.job_id).status().step < 2:
-        assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.05)
-    cluster.add_worker("late")
-    while not any(w.name == "late" for w in cluster.client.workers()):
-        assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.05)
-    joined_at = cluster.client.job(handle.job_id).status()
-    assert joined_at.state == "running", "the job ended before the late worker joined"
-    status = handle.wait(timeout_s=300)
-    assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
-    late = [w for w in cluster.client.workers() if w.name == "late"]
-    assert late and late[0].tasks_done > 0, cluster.client.workers()
-    assert_params_match(
-        {n: t for n, t in load_output(Path(spec.output.dir), lora=False).items()},
-        oracle_train(spec),
-    )
+def test_worker_joining_mid_job_receives_tasks(tmp_path: Path) -> None:
+    """A worker that connects while a job runs gets its share of the tasks. The job is
+    held before iteration 3 (the ROUNDPIPE_TRAIN_HOLD test point) until the late worker
+    is in, so the join lands mid-job however fast the machine trains."""
+    go = tmp_path / "go"
+    arena_dir = Path("/dev/shm") / f"rp-join-{os.getpid()}"
+    arena_dir.mkdir()
+    c = LocalCluster(tmp_path / "cluster", arena_dir, env={HOLD_ENV: f"step=3,until={go}"})
+    try:
+        c.add_worker("w1")
+        c.wait_for_workers(1)
+        spec = tiny_spec(tmp_path / "join", staleness=1, steps=8)
+        handle = c.client.submit(spec)
+        deadline = time.monotonic() + 120
+        # Step 1 reported: iteration 2 was sent (a step is reported as the next
+        # iteration's tasks go out, so the held job shows step 1 or 2).
+        while c.client.job(handle.job_id).status().step < 1:
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
+        c.add_worker("late")
+        c.wait_for_workers(2)
+        assert c.client.job(handle.job_id).status().state == "running"
+        go.touch()
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{c.logs()}"
+        late = [w for w in c.client.workers() if w.name == "late"]
+        assert late and late[0].tasks_done > 0, c.client.workers()
+        assert_params_match(
+            {n: t for n, t in load_output(Path(spec.output.dir), lora=False).items()},
+            oracle_train(spec),
+        )
+    finally:
+        leaked = c.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+    assert leaked == []
 
 
 def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
 from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
+from roundpipe.coordinator.training.hold_point import held
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed
 from roundpipe.coordinator.training.job_events import (
     CheckpointSettled,
@@ -496,6 +497,11 @@ class Trainer:
 
         try:
             for k in range(self.start_step + 1, steps + 1):
+                while held(k) and not self._cancel.is_set():  # a test point, off unless set
+                    if any(pending_per_iteration.values()):
+                        handle_next()
+                    report_through(k - 1)
+                    self._cancel.wait(0.05)
                 if self._cancel.is_set():
                     raise JobCancelled(f"job {self.job_id} was cancelled")
                 # Note [weight-update ordering], point 5: iteration k reuses k-2's slots.
