@@ -16,6 +16,17 @@ from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.training import adamw_kernel
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer, LRSchedule
 
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """An optimizer with ``threads`` sets torch's process-wide thread count: put it back,
+    or later tests in this process would train with another count (and other bits)
+    than their subprocesses."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 kernel, why_not = adamw_kernel.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"no compiled kernel: {why_not}")
 

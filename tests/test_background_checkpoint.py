@@ -251,7 +251,13 @@ def test_sigkill_while_a_background_write_is_in_flight_resumes_exactly(
     for trial, (kill_at, action) in enumerate(((3, "stall"), (6, "kill"))):
         marker = tmp_path / f"reached-{trial}"
         fault = f"{action}@step={kill_at},marker={marker}"
-        env = dict(os.environ, ROUNDPIPE_CHECKPOINT_FAULT=fault)
+        # The child trains with this process's thread count: the in-process runs below
+        # must make the same bits (a CPU matmul's reduction order depends on it).
+        env = dict(
+            os.environ,
+            ROUNDPIPE_CHECKPOINT_FAULT=fault,
+            OMP_NUM_THREADS=str(torch.get_num_threads()),
+        )
         log_file = tmp_path / f"child-{trial}.log"  # not a pipe: a stalled reader blocks no one
         with log_file.open("w") as log_out:
             child = subprocess.Popen(
