@@ -21,7 +21,6 @@ QUICK_FILES=(
   tests/test_planner.py tests/test_simulator.py tests/test_shape_costs.py
   tests/test_model_layers.py tests/test_model_plan.py tests/test_model_flops.py
   tests/test_model_oracle.py tests/test_model_families.py tests/test_model_executor.py
-  tests/test_long_rows.py
   tests/test_optimizer.py tests/test_host_memory.py tests/test_checkpoint.py
   tests/test_trainer.py tests/test_recovery.py tests/test_timeline.py
   tests/test_jobs.py tests/test_jobstore.py tests/test_keys.py tests/test_polling.py
