@@ -39,8 +39,8 @@ from typing import Any
 GiB = 1 << 30
 SEQ_LEN = 2048
 OPTIMIZER_PARAMS_PER_S = 1.3e9
-LORA = {"r": 32, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-LORA["target_modules"] += ["gate_proj", "up_proj", "down_proj"]
+LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"r": 32, "alpha": 16, "target_modules": LINEAR_LAYERS}
 
 # The published models' configs (their config.json sizes).
 CONFIGS: dict[str, dict[str, Any]] = {
