@@ -32,56 +32,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+
+from published_models import CONFIGS, PUBLISHED_TOKENS_PER_S
 
 GiB = 1 << 30
 
 
-def _config(
-    cls: str,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    *,
-    vocab: int,
-    tied: bool,
-    **more: int,
-) -> tuple[str, dict]:
-    """A dense model: its transformers config class and sizes (all three use 8 KV heads)."""
-    return (
-        cls,
-        dict(
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=8,
-            **more,
-            vocab_size=vocab,
-            tie_word_embeddings=tied,
-        ),
-    )
-
-
-# What the Qwen3 sizes share: head width, vocabulary, tied embeddings.
-QWEN3: dict[str, Any] = dict(head_dim=128, vocab=151936, tied=True)
-
-MODELS = {
-    "Qwen3-1.7B": _config("Qwen3Config", 2048, 6144, layers=28, heads=16, **QWEN3),
-    "Qwen3-4B": _config("Qwen3Config", 2560, 9728, layers=36, heads=32, **QWEN3),
-    "Llama-3.1-8B": _config(
-        "LlamaConfig", 4096, 14336, layers=32, heads=32, vocab=128256, tied=False
-    ),
-}
-
-# The paper's published tokens/s on 8x RTX 4090, sequence 2048 (REFERENCE.md).
-PAPER = {"Qwen3-1.7B": 65417, "Llama-3.1-8B": 24275}
+# The models this table predicts; the paper's published throughput where it has one.
+MODELS = {name: CONFIGS[name] for name in ("Qwen3-1.7B", "Qwen3-4B", "Llama-3.1-8B")}
+PAPER = {name: PUBLISHED_TOKENS_PER_S[name] for name in MODELS if name in PUBLISHED_TOKENS_PER_S}
 
 
 def main() -> None:
-    import transformers
-
     from roundpipe.coordinator.planning.baselines import bound_baseline
     from roundpipe.coordinator.planning.costs import estimate_costs
     from roundpipe.coordinator.planning.hardware import HardwareSpec
@@ -104,9 +66,7 @@ def main() -> None:
         f'{n}x "RTX 4090" 24 GiB, {flops / 1e12:g} TFLOPS x {eff:g}, PCIe 25 GB/s, '
         f"bf16, M = {m} microbatches of 1 x seq"
     )
-    models = {
-        name: LayeredModel(getattr(transformers, cls)(**cfg)) for name, (cls, cfg) in MODELS.items()
-    }
+    models = {name: LayeredModel.from_config(dict(cfg)) for name, cfg in MODELS.items()}
 
     def bound(costs, schedule: str, tokens: int):
         b = bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)

@@ -271,6 +271,8 @@ def fence_process(entry: WorkerEntry) -> None:
     """SIGKILL a lost worker that still runs, if its process is provably the worker's
     (Note [no fencing by hearsay]); otherwise it is only dropped."""
     proc = entry.process
+    if proc is not None and process_gone(proc):
+        return  # it exited already: nothing to kill, and nothing to warn about
     if proc is None or _own_process(proc):
         log.warning(
             "[coordinator] worker %d (%s) dropped, not killed: the kernel did not say "
