@@ -12,6 +12,7 @@ from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.model_flops import (
     MoeShape,
     active_matmul_params,
+    attention_widths,
     token_mixer_flops,
 )
 from roundpipe.coordinator.planning.simulator import (
@@ -162,10 +163,7 @@ def estimate_costs(
     tokens = microbatch_rows * seq_len
     hidden = int(cfg.hidden_size)
     vocab = int(cfg.vocab_size)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    q_width, kv_width = attention_widths(cfg)
     experts = MoeShape(cfg)
     flops = flops_per_s * efficiency
     mem_bw = memory_bandwidth * 0.8

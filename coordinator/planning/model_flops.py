@@ -26,6 +26,7 @@ __all__ = [
     "LINEAR_ATTENTION_CHUNK",
     "MoeShape",
     "active_matmul_params",
+    "attention_widths",
     "token_mixer_flops",
 ]
 
@@ -80,6 +81,16 @@ def active_matmul_params(
     return total, routed
 
 
+def attention_widths(cfg: Any) -> tuple[int, int]:
+    """Widths of a softmax-attention layer's query and of its key (= value) projections:
+    ``heads x head_dim`` and ``kv_heads x head_dim``, with the config's defaults (a head
+    as wide as hidden / heads, as many KV heads as query heads) where it names none."""
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    return heads * head_dim, kv_heads * head_dim
+
+
 def token_mixer_flops(model: LayeredModel, layer: int, tokens: int, seq_len: int) -> float:
     """Forward FLOPs of decoder ``layer``'s attention (or linear attention) over
     ``tokens`` tokens in rows of ``seq_len``."""
@@ -90,12 +101,11 @@ def token_mixer_flops(model: LayeredModel, layer: int, tokens: int, seq_len: int
         d_v = int(getattr(cfg, "linear_value_head_dim", 0) or 128)
         chunk = min(LINEAR_ATTENTION_CHUNK, seq_len)
         return tokens * heads * (4 * d_k * d_v + 2 * chunk * (d_k + d_v))
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    q_width, _ = attention_widths(cfg)
     window = getattr(cfg, "sliding_window", None)
     if model.mask_kind(layer) == "sliding" and window and seq_len > int(window):
         w = int(window)
         span = w * (1 - w / (2 * seq_len))
     else:
         span = seq_len / 2
-    return 4 * tokens * span * heads * head_dim
+    return 4 * tokens * span * q_width

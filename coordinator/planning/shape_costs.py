@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from roundpipe.coordinator.planning.costs import LayerCost, dtype_bytes, estimate_costs
 from roundpipe.coordinator.planning.gpus import GpuModel
-from roundpipe.coordinator.planning.model_flops import MoeShape, token_mixer_flops
+from roundpipe.coordinator.planning.model_flops import (
+    MoeShape,
+    attention_widths,
+    token_mixer_flops,
+)
 
 if TYPE_CHECKING:
     from roundpipe.shared.model import LayeredModel, ParamSpec
@@ -218,10 +222,7 @@ def layer_work(
         return fwd, bwd
     # A decoder layer.
     moe = MoeShape(cfg)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    q_width, kv_width = attention_widths(cfg)
     gemms = _layer_gemms(specs, tokens, hidden, moe)
     forward_gemm = sum(g.count * gemm(g.m, g.n, g.k) for g in gemms)
     input_grads = sum(g.count * gemm(g.m, g.k, g.n) for g in gemms)
