@@ -74,10 +74,13 @@ class LocalCluster:
         allow_read: Sequence[str | os.PathLike[str]] = (),
         allow_write: Sequence[str | os.PathLike[str]] = (),
         keys: bool = True,
+        start: bool = True,
     ):
         """``allow_read`` / ``allow_write``: the coordinator's ``--allow-read`` /
         ``--allow-write`` roots (docs/deploy.md), besides ``$ROUNDPIPE_ALLOW_READ`` /
-        ``$ROUNDPIPE_ALLOW_WRITE`` and its own ``state/jobs``."""
+        ``$ROUNDPIPE_ALLOW_WRITE`` and its own ``state/jobs``. ``start=False``: the
+        coordinator is started by someone else (a launcher such as torchrun) with
+        :meth:`coordinator_argv`; the cluster only starts workers and clients."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.arena_dir = Path(arena_dir)
@@ -97,7 +100,7 @@ class LocalCluster:
         if self.keys_dir is not None and not (self.keys_dir / f"{COORDINATOR}.key").exists():
             init_keys(self.keys_dir)
             add_key(self.keys_dir, "admin", "admin", out_dir=self.keys_dir)
-        self.coordinator = self.start_coordinator()
+        self.coordinator: Daemon | None = self.start_coordinator() if start else None
         self.client = self.client_as("admin", timeout_s=client_timeout_s)
 
     def add_key(self, name: str, role: str) -> Path:
@@ -154,24 +157,25 @@ class LocalCluster:
         self.daemons.append(daemon)
         return daemon
 
+    def coordinator_argv(self) -> list[str]:
+        """The coordinator's command line (after the Python interpreter)."""
+        return [
+            "-m",
+            "roundpipe.coordinator.service.main",
+            "--address",
+            self.address,
+            "--state-dir",
+            str(self.state_dir),
+            "--arena-dir",
+            str(self.arena_dir),
+            "--threads",
+            "1",
+            *(["--keys-dir", str(self.keys_dir)] if self.keys_dir is not None else []),
+            *self.coordinator_args,
+        ]
+
     def start_coordinator(self) -> Daemon:
-        daemon = self._spawn(
-            "coordinator",
-            [
-                "-m",
-                "roundpipe.coordinator.service.main",
-                "--address",
-                self.address,
-                "--state-dir",
-                str(self.state_dir),
-                "--arena-dir",
-                str(self.arena_dir),
-                "--threads",
-                "1",
-                *(["--keys-dir", str(self.keys_dir)] if self.keys_dir is not None else []),
-                *self.coordinator_args,
-            ],
-        )
+        daemon = self._spawn("coordinator", self.coordinator_argv())
         self.coordinator = daemon
         return daemon
 
