@@ -282,11 +282,15 @@ def _trial(
     started = time.monotonic()
     injected_at: list[float] = []  # wall-clock times of faults that fired mid-job
     injected = 0
+
+    def keep() -> None:
+        _keep_workers(cluster, num_workers, names)
+
     for fault in sorted((f for f in faults if f.kind != "point"), key=lambda f: f.at_fraction):
         # Fire once the job has completed this fraction of its steps: wall-clock timing
         # would miss short jobs whose start-up overhead dominates.
         target = max(1, int(fault.at_fraction * spec.train.steps))
-        if not _wait_for_step(cluster, handle.job_id, target):
+        if not _wait_for_step(cluster, handle.job_id, target, max(600.0, 20 * reference_s), keep):
             continue  # the job ended first: this fault did not happen
         if fault.kind == "coordinator":
             cluster.coordinator.proc.send_signal(signal.SIGKILL)
@@ -308,7 +312,7 @@ def _trial(
         cluster,
         handle.job_id,
         timeout_s=max(600.0, 20 * reference_s),
-        keep=lambda: _keep_workers(cluster, num_workers, names),
+        keep=keep,
     )
     # A point fault fired if its armed worker is gone (it killed itself, or froze itself
     # and was fenced); otherwise that worker never ran the matching task.
@@ -346,15 +350,24 @@ def _trial_events(cluster: LocalCluster, mark: int, limit: int = 80) -> str:
     return "\n".join(lines[-limit:])
 
 
-def _wait_for_step(cluster: LocalCluster, job_id: str, step: int) -> bool:
-    """Wait until the job has completed ``step`` steps; False if it ended before."""
-    while True:
+def _wait_for_step(
+    cluster: LocalCluster, job_id: str, step: int, timeout_s: float, keep: Callable[[], None]
+) -> bool:
+    """Wait until the job has completed ``step`` steps; False if it ended before.
+    ``keep()`` replaces workers that died meanwhile (as systemd would): without it, a job
+    whose workers were all lost before this step would wait for one forever."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        keep()
         status = cluster.client.job(job_id).status()
         if status.state in ("succeeded", "failed", "cancelled", "paused"):
             return False
         if status.step >= step:
             return True
         time.sleep(0.02)
+    raise TimeoutError(
+        f"job {job_id} did not reach step {step} in {timeout_s:.0f}s\n{cluster.logs()}"
+    )
 
 
 def _wait(cluster: LocalCluster, job_id: str, timeout_s: float, keep=None):

@@ -118,6 +118,23 @@ __all__ = ["AddressInUse", "Coordinator"]
 log = logging.getLogger("roundpipe.coordinator")
 
 HEARTBEAT_INTERVAL_S = 1.0
+
+LOOP_STALL_S = 0.5
+"""A turn of the coordinator's loop longer than this (it normally turns at least every
+0.1 s) is a stall of the loop itself; see Note [a stalled loop hears no heartbeat]."""
+
+# Note [a stalled loop hears no heartbeat]
+# Workers are declared lost after --worker-timeout seconds without a heartbeat, counted
+# from the moment this loop last read one. If the loop itself does not run (the machine
+# is overloaded, or another thread of the coordinator holds the interpreter lock while a
+# job is prepared: building the model, compiling the optimizer's kernel), the workers'
+# heartbeats wait unread in the socket, and the first check after the stall found every
+# healthy worker silent: all of them were declared lost and killed at once (seen on a
+# loaded 2-core machine, a job's preparation stalling the loop for 2.3 s with a 2 s
+# timeout). So silence is counted only while the loop runs: a turn that took longer
+# than LOOP_STALL_S credits every worker with its length. A worker that really died
+# meanwhile is found one stall later by its heartbeats, or at once by its process (on
+# this host).
 WORKER_LOST_AFTER_S = 5.0  # default --worker-timeout: heartbeats missed before "lost"
 _OUTBOX = "inproc://rp-coordinator-outbox"
 
@@ -310,6 +327,7 @@ class Coordinator:
         poller.register(self.zap, zmq.POLLIN)
         poller.register(self.handshake_events, zmq.POLLIN)
         next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
+        turn_at = time.monotonic()
         try:
             while not self._stop.is_set():
                 notifier.watchdog_tick()  # from this loop: a wedged loop gets restarted
@@ -335,7 +353,20 @@ class Coordinator:
                         # Whatever one message did, the loop must go on: it alone
                         # answers every client and keeps every worker alive.
                         log.exception("[coordinator] handling a message failed; it is dropped")
-                if time.monotonic() >= next_check:
+                # Before any check: a turn this long was a stall of the loop, heard
+                # nothing, and is not the workers' silence (Note [a stalled loop hears
+                # no heartbeat]).
+                now = time.monotonic()
+                if now - turn_at > LOOP_STALL_S:
+                    self.workers.excuse_silence(now - turn_at)
+                    if now - turn_at > 1.0:
+                        log.info(
+                            "[coordinator] this loop stalled for %.1fs: the workers' silence "
+                            "during it is not counted against them",
+                            now - turn_at,
+                        )
+                turn_at = now
+                if now >= next_check:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
                     try:
                         assert self.auth is not None

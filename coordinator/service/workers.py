@@ -172,6 +172,15 @@ class WorkerTable:
 
     # -- losing workers ---------------------------------------------------------------
 
+    def excuse_silence(self, seconds: float) -> None:
+        """The coordinator's loop did not run for ``seconds``: no worker could be heard
+        meanwhile, so that time does not count as their silence (Note [a stalled loop
+        hears no heartbeat])."""
+        now = time.monotonic()
+        with self._lock:
+            for entry in self._workers.values():
+                entry.last_seen = min(now, entry.last_seen + seconds)
+
     def take_lost(self, timeout_s: float) -> list[tuple[WorkerEntry, str]]:
         """Remove and return the workers that are lost, with why: process gone (same
         host, checked by pid + start time), or no heartbeat for ``timeout_s``. The

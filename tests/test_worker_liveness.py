@@ -1,0 +1,37 @@
+"""A worker is lost when it is silent, never because the coordinator was (Note [a
+stalled loop hears no heartbeat] in coordinator/service/daemon.py)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from roundpipe.cluster import cpu_cluster
+
+TIMEOUT_S = 4
+
+
+def test_a_stalled_coordinator_does_not_declare_its_workers_lost(tmp_path: Path) -> None:
+    """The coordinator is frozen for longer than --worker-timeout (as an overloaded host
+    or a paused VM would freeze it) while its worker keeps sending heartbeats: they wait
+    unread in the socket. Once it runs again it must count that time as its own stall,
+    not the worker's silence: the worker stays, and is not killed."""
+    with cpu_cluster(
+        tmp_path, "stall", ["--worker-timeout", str(TIMEOUT_S)], num_workers=1
+    ) as cluster:
+        worker = cluster.workers["w1"]
+        cluster.coordinator.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.5 * TIMEOUT_S)  # the stall itself (not a wait for an outcome)
+        finally:
+            cluster.coordinator.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while "this loop stalled for" not in cluster.coordinator.tail(100_000):
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.05)
+        # The check that follows a stall runs in the same turn of the loop as the
+        # excuse, before this request is answered.
+        assert [w.name for w in cluster.client.workers()] == ["w1"], cluster.logs()
+        assert worker.alive(), cluster.logs()
+        assert "lost:" not in cluster.coordinator.tail(100_000), cluster.logs()
