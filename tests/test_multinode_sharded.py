@@ -10,12 +10,13 @@ gathers the shards), so it resumes exactly on 2 nodes, sharded or not, and on 1.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import load_output, tiny_spec
+from runtime_helpers import assert_params_match, load_output, tiny_spec
 from safetensors.torch import load_file
 
 from roundpipe.cluster import local_group
@@ -78,6 +79,13 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
             specs[f"{name}-{mode}"] = variant(
                 spec, tmp_path / f"{name}-{mode}", optimizer_sharding=mode
             )
+    # Gradients cross the network in bf16: half the bytes, close to fp32's results.
+    specs["stale-bf16"] = variant(
+        base["stale"],
+        tmp_path / "stale-bf16",
+        optimizer_sharding="sharded",
+        grad_transport="bfloat16",
+    )
     stale_ckpt = tmp_path / "stale-sharded" / "checkpoints" / "step-00000002"
     with local_group(tmp_path, "mn-shard") as (rank0, rank1):
         handles = {name: rank0.client.submit(spec) for name, spec in specs.items()}
@@ -97,6 +105,11 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
             status = handle.wait(timeout_s=300)
             assert status.state == "succeeded", f"{mode}: {status.message}\n{rank0.logs()}"
         log_text = (tmp_path / "node1" / "coordinator.log").read_text()
+    scattered = [int(n) for n in re.findall(r"reduce-scatter: (\d+) bytes", log_text)]
+    assert any(2 * b in scattered for b in scattered), scattered  # bf16: half of fp32's
+    bf16, fp32 = load_output(tmp_path / "stale-bf16"), load_output(tmp_path / "stale-sharded")
+    assert any(not torch.equal(bf16[n], fp32[n]) for n in fp32)
+    assert_params_match(bf16, fp32, rtol=1e-3)
     for name in base:
         lora = name == "lora"
         replicated = Path(specs[f"{name}-replicated"].output.dir)

@@ -727,8 +727,9 @@ class GradientReducer:
                 self._wake("loss-reduced")
             if self.reduce_s:
                 log.info(
-                    "[multinode] %s: %d bytes of gradients per step, %.4fs per step "
+                    "[multinode] job %s %s: %d bytes of gradients per step, %.4fs per step "
                     "on average (waiting for the slowest node included)",
+                    self.group.job_id,
                     "all-reduce" if self.shards is None else "reduce-scatter",
                     self.bytes_per_step,
                     sum(self.reduce_s.values()) / len(self.reduce_s),

@@ -355,6 +355,15 @@ class Trainer:
         replicated, or one node (whose shard is the whole state)."""
         spec = self.spec
         if spec.train.optimizer_sharding != "sharded":
+            if self.group is not None:
+                log.info(  # benchmarks/multinode.py reads it
+                    "[trainer] job %s: optimizer state replicated on %d nodes: rank %d holds "
+                    "the masters and moments of %d of %d trainable elements",
+                    self.job_id,
+                    self.group.world_size,
+                    self.group.rank,
+                    *(sum(t.numel() for per in self.masters.values() for t in per.values()),) * 2,
+                )
             return None
         if self.group is None:
             log.info(
@@ -368,7 +377,7 @@ class Trainer:
         )
         full = self.masters
         self.masters = self.shards.shard_masters(full)
-        log.info(
+        log.info(  # benchmarks/multinode.py reads it
             "[trainer] job %s: optimizer state sharded over %d nodes: rank %d holds the "
             "masters and moments of %d of %d trainable elements",
             self.job_id,
@@ -620,6 +629,12 @@ class Trainer:
                 handle_next()  # the final checkpoint
             checkpointer.settle_background()  # one that settled after the last message
             if self.shards is not None:  # rank 0 exports the whole model
+                if steps > self.start_step:
+                    log.info(
+                        "[multinode] job %s all-gather: %d bytes of weights per step",
+                        self.job_id,
+                        self.shards.bytes_gathered // (steps - self.start_step),
+                    )
                 full = self._gather_shards(steps, "final", masters_only=True)
                 if full is not None:
                     assert self.exporter is not None
