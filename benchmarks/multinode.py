@@ -3,7 +3,7 @@ docs/multi-node.md).
 
 Runs the same per-node work on W = 1, 2 and 3 nodes (coordinators, each with one CPU
 worker, a gloo group over loopback for W > 1; the global batch is W x M microbatches),
-with the optimizer state replicated and sharded (``train.optimizer_sharding``), and at
+in bf16, with the optimizer state replicated and sharded (``train.optimizer_sharding``), and at
 W = 2 once more with the gradients sent in bfloat16 (``train.grad_transport``). Reports
 per run: the step time, the gradient reduction (all-reduce or reduce-scatter) seconds
 and bytes per step, the bytes all-gathered per step (sharded), the host bytes per node
@@ -38,9 +38,7 @@ from safetensors.torch import load_file
 from roundpipe.cluster import cpu_cluster, local_group
 from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
 
-_REDUCED = re.compile(
-    r"(all-reduce|reduce-scatter): (\d+) bytes of gradients per step, ([0-9.]+)s per step"
-)
+_REDUCED = r"job {} (all-reduce|reduce-scatter): (\d+) bytes of gradients per step, ([0-9.]+)s"
 _GATHERED = re.compile(r"all-gather: (\d+) bytes of weights per step")
 _ARENAS = re.compile(r"\[layout\] \d+ arenas, ([0-9.]+) MiB")
 _HELD = re.compile(r"holds the masters and moments of (\d+) of (\d+) trainable elements")
@@ -100,12 +98,17 @@ def main() -> int:
                 seq_len=64,
                 microbatch_size=2,
                 num_microbatches=m * nodes,
-                train=train,
+                # bf16 weight copies, as jobs have them by default (the arenas' share of
+                # the host bytes per node is then that of a real job)
+                train={"dtype": "bfloat16", **train},
             )
 
         def record(key, handle, events, logs_root: Path, out: Path) -> None:
             text = job_log(logs_root, handle.job_id)
-            reduced = _REDUCED.findall(text)
+            # The reducer thread logs into the coordinator's log only.
+            log_path = logs_root / "coordinator.log"
+            whole = log_path.read_text() if log_path.exists() else ""
+            reduced = re.findall(_REDUCED.format(re.escape(handle.job_id)), whole)
             gathered = _GATHERED.findall(text)
             arenas = _ARENAS.findall(text)
             held = _HELD.findall(text)

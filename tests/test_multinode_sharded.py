@@ -145,3 +145,36 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
     finally:
         shutil.rmtree(arena_dir, ignore_errors=True)
     assert_bitwise(one["sharded"], one["replicated"], "resumed on one node")
+
+
+@pytest.mark.slow
+def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: Path) -> None:
+    """Node 1 dies in the middle of sending its shards of checkpoint step 4: rank 0
+    pauses the job naming node 1, writes nothing of step 4 (step 2 stays the latest),
+    and `resume` continues from step 2 on rank 0 alone to the end (the oracle's model)."""
+    from runtime_helpers import assert_params_match, oracle_train
+
+    spec = variant(
+        tiny_spec(tmp_path / "x", steps=6, num_microbatches=4),
+        tmp_path / "out",
+        optimizer_sharding="sharded",
+    )
+    checkpoints = tmp_path / "out" / "checkpoints"
+    with local_group(
+        tmp_path,
+        "mn-shard-fault",
+        timeout_s=5,
+        check_exit=False,
+        env={1: {"ROUNDPIPE_GATHER_FAULT": "kill@checkpoint/4"}},
+    ) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        status = handle.wait(timeout_s=120)
+        assert status.state == "paused", f"{status.message}\n{rank0.logs()}"
+        assert "node 1" in status.message and "roundpipe resume" in status.message
+        assert rank1.coordinator.proc.wait(timeout=30) == -9
+        assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002"]
+        assert (checkpoints / "latest").read_text().strip() == "step-00000002"
+        handle.resume()
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+    assert_params_match(load_output(tmp_path / "out"), oracle_train(spec))

@@ -23,7 +23,8 @@ empty). Why per tensor and not per layer: a tied alias (the LM head's contributi
 the embedding's gradient, Note [tied embeddings] in roundpipe.shared.model) has the
 owner's shape but lives in another layer, and the two must be summed element by element
 on the node that owns those elements; per tensor both split alike. Names are kept, so
-weight decay (by name) is unchanged. Why ALIGN = 256: both AdamW kernels treat a
+weight decay (by name) is unchanged. Why GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
+ALIGN = 256: both AdamW kernels treat a
 tensor's last ``numel % 16`` elements differently from the rest (Note [compiled AdamW
 kernel], torch's scalar tail loop), so a piece must start on a 16-element boundary and
 end either on one or at the tensor's end: then every element gets the arithmetic it
@@ -63,23 +64,30 @@ moments to rank 0, one layer at a time (``gather_full``), and rank 0 writes the 
 files a replicated job writes (bitwise, tests/test_multinode_sharded.py), atomically
 (Note [atomic checkpoint]): a node lost during the gather fails the collective before
 anything is written, and one lost while rank 0 writes is noticed only afterwards, so
-the previous checkpoint stays intact either way. The cost: rank 0 holds the whole
+the previous checkpoint stays intact either way (tests/test_multinode_sharded.py kills
+a node in the middle of the gather with the fault point below). The cost: rank 0 holds the whole
 masters and moments (12 bytes per trainable parameter) while it writes, and the other
 nodes wait for it. Resuming, rank 0 reads the whole state and broadcasts it layer by
 layer; each node keeps its pieces (``GroupMember.sync``), so a checkpoint of any
 topology resumes sharded, and a sharded one on any topology. The final model is
 gathered the same way, masters only, for rank 0 to export.
+
+Fault point (tests, docs/fault-tolerance.md): ``ROUNDPIPE_GATHER_FAULT="kill@NAME"`` in a
+coordinator's environment SIGKILLs it in the middle of the gather called NAME (after its
+first layer), e.g. ``kill@checkpoint/4`` for the checkpoint of step 4.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 
-__all__ = ["ALIGN", "Collectives", "ZeroShards", "piece", "span"]
+__all__ = ["ALIGN", "GATHER_FAULT_ENV", "Collectives", "ZeroShards", "piece", "span"]
 
 
 class Collectives(Protocol):
@@ -106,6 +114,7 @@ class Collectives(Protocol):
 
 log = logging.getLogger(__name__)
 
+GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
 ALIGN = 256
 """Pieces start on multiples of this many elements (Note [shard boundaries])."""
 
@@ -254,6 +263,9 @@ class ZeroShards:
                 offset += span(shape.numel(), w)
             gathered = [torch.empty(chunk) for _ in range(w)] if self.rank == 0 else None
             self.group.gather(mine, gathered, name, i + 1, what)
+            if i == 0 and os.environ.get(GATHER_FAULT_ENV) == f"kill@{name}":
+                log.error("[multinode] %s: killed in gather %s", GATHER_FAULT_ENV, name)
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of the gather
             if gathered is None:
                 continue
             per = full[layer] = {key: torch.empty(shape) for key, _, shape in entries}
