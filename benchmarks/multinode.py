@@ -131,7 +131,10 @@ def main() -> int:
             record((1, "replicated"), handle, events, root / "w1", root / "w1")
         for w in [n for n in node_counts if n > 1]:
             modes = ["replicated", "sharded"] + (["bf16"] if w == 2 else [])
-            with local_group(root / f"g{w}", f"bench-mn{w}", num_nodes=w) as nodes:
+            # Several coordinators starting at once on a busy machine answer late.
+            with local_group(
+                root / f"g{w}", f"bench-mn{w}", num_nodes=w, client_timeout_s=180
+            ) as nodes:
                 for mode in modes:
                     train = (
                         {"grad_transport": "bfloat16"}

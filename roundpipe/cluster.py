@@ -315,6 +315,7 @@ def local_group(
     check_exit: bool = True,
     faults: dict[int, str] | None = None,
     env: dict[int, dict[str, str]] | None = None,
+    client_timeout_s: float = 30.0,
 ) -> Iterator[list[LocalCluster]]:
     """``num_nodes`` coordinators (rank i is element i), each with ``workers_per_node``
     CPU workers (or a count per rank; ``faults``: rank -> ROUNDPIPE_FAULT for its first
@@ -337,6 +338,7 @@ def local_group(
                         *extra_args,
                     ],
                     env=(env or {}).get(rank),
+                    client_timeout_s=client_timeout_s,
                 )
             )
         counts = (
