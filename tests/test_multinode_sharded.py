@@ -87,7 +87,8 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
         grad_transport="bfloat16",
     )
     stale_ckpt = tmp_path / "stale-sharded" / "checkpoints" / "step-00000002"
-    with local_group(tmp_path, "mn-shard") as (rank0, rank1):
+    # (a longer client timeout: coordinators start slowly on a busy machine)
+    with local_group(tmp_path, "mn-shard", client_timeout_s=120) as (rank0, rank1):
         handles = {name: rank0.client.submit(spec) for name, spec in specs.items()}
         for name, handle in handles.items():
             status = handle.wait(timeout_s=300)
@@ -166,6 +167,7 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: 
         timeout_s=5,
         check_exit=False,
         env={1: {"ROUNDPIPE_GATHER_FAULT": "kill@checkpoint/4"}},
+        client_timeout_s=120,
     ) as (rank0, rank1):
         handle = rank0.client.submit(spec)
         status = handle.wait(timeout_s=120)
