@@ -1,17 +1,23 @@
-"""Data parallelism across coordinators on this machine (issue 21, docs/multi-node.md).
+"""Data parallelism across coordinators on this machine (issues 21 and 38,
+docs/multi-node.md).
 
-Runs the same per-node work twice, side by side: one coordinator with one CPU worker and
-a global batch of M microbatches, then two coordinators (a gloo group over loopback), each
-with one CPU worker, and a global batch of 2M (each node trains M). Reports the step time
-of each, the step-time ratio (1.0 = perfect weak scaling), and the gradient all-reduce
-time per step against the bytes reduced (from rank 0's log; it includes waiting for the
-slower node). On one machine the two nodes share its cores, so the ratio mostly measures
-that contention; the all-reduce figures are the loopback cost of gloo.
+Runs the same per-node work on W = 1, 2 and 3 nodes (coordinators, each with one CPU
+worker, a gloo group over loopback for W > 1; the global batch is W x M microbatches),
+in bf16, with the optimizer state replicated and sharded (``train.optimizer_sharding``), and at
+W = 2 once more with the gradients sent in bfloat16 (``train.grad_transport``). Reports
+per run: the step time, the gradient reduction (all-reduce or reduce-scatter) seconds
+and bytes per step, the bytes all-gathered per step (sharded), the host bytes per node
+(rank 0's arenas plus its fp32 masters and AdamW moments), and the step time that
+``roundpipe plan``'s data-parallel model predicts from the one-node step time and the
+loopback bandwidth measured by the 2-node replicated run. On one machine the nodes
+share its cores, so step times mostly measure that contention.
 
-Usage: python benchmarks/multinode.py [--steps 8] [--hidden 256] [--layers 4] [--smoke]
+Usage: python benchmarks/multinode.py [--steps 8] [--hidden 256] [--layers 4]
+       [--nodes 1,2,3] [--smoke]
 
-Last line: ``RESULT step_ratio=<2-node step s / 1-node step s>
-allreduce_gbps=<bytes reduced per step / all-reduce s per step, GB/s>``.
+Last line: ``RESULT sharded_host_ratio=<sharded / replicated host bytes per node at W=2>
+bitwise_equal=<1 if every sharded model equals its replicated one bit for bit>
+plan_error=<max |predicted / measured step - 1| over the runs with W > 1>``.
 """
 
 from __future__ import annotations
@@ -25,11 +31,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from common import demo_data_spec  # benchmarks/ is on sys.path
+from safetensors.torch import load_file
 
 from roundpipe.cluster import cpu_cluster, local_group
+from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
 
-_ALLREDUCE = re.compile(r"all-reduce: (\d+) bytes of gradients per step, ([0-9.]+)s per step")
+_REDUCED = r"job {} (all-reduce|reduce-scatter): (\d+) bytes of gradients per step, ([0-9.]+)s"
+_GATHERED = re.compile(r"all-gather: (\d+) bytes of weights per step")
+_ARENAS = re.compile(r"\[layout\] \d+ arenas, ([0-9.]+) MiB")
+_HELD = re.compile(r"holds the masters and moments of (\d+) of (\d+) trainable elements")
 
 
 def step_time(events) -> float:
@@ -39,16 +51,28 @@ def step_time(events) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def job_log(root: Path, job_id: str) -> str:
+    """Rank 0's log of one job (STATE_DIR/jobs/JOB/job.log)."""
+    logs = sorted(root.rglob(f"jobs/{job_id}/job.log"))
+    return logs[0].read_text() if logs else ""
+
+
+def model_tensors(out: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2, help="per node")
+    parser.add_argument("--nodes", default="1,2,3", help="node counts to run")
     parser.add_argument("--smoke", action="store_true", help="tiny and quick (tests)")
     args = parser.parse_args()
-    if args.smoke:
-        args.steps, args.hidden = 4, 64  # the default's 4 layers, narrower and shorter
+    if args.smoke:  # the default's runs, narrower, shorter, on 1 and 2 nodes
+        args.steps, args.hidden, args.nodes = 4, 64, "1,2"
+    node_counts = sorted({int(n) for n in args.nodes.split(",")} | {1, 2})
     config = {
         "hidden_size": args.hidden,
         "intermediate_size": 2 * args.hidden,
@@ -62,11 +86,11 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="rp-bench-multinode-"))
     for name in ("ROUNDPIPE_ALLOW_READ", "ROUNDPIPE_ALLOW_WRITE"):  # the coordinators' roots
         os.environ[name] = ":".join(filter(None, (os.environ.get(name), str(root))))
-    rows = []
+    m = args.microbatches
+    runs: dict[tuple[int, str], dict] = {}
     try:
-        m = args.microbatches
 
-        def spec(name: str, nodes: int):
+        def spec(name: str, nodes: int, **train):
             return demo_data_spec(
                 config,
                 root / name,
@@ -74,28 +98,109 @@ def main() -> int:
                 seq_len=64,
                 microbatch_size=2,
                 num_microbatches=m * nodes,
+                # bf16 weight copies, as jobs have them by default (the arenas' share of
+                # the host bytes per node is then that of a real job)
+                train={"dtype": "bfloat16", **train},
             )
 
-        with cpu_cluster(root / "one", "bench-mn1", num_workers=1) as one:
-            handle = one.client.submit(spec("one", 1))
-            events = list(handle.progress(timeout_s=600))
+        def record(key, handle, events, logs_root: Path, out: Path) -> None:
+            text = job_log(logs_root, handle.job_id)
+            # The reducer thread logs into the coordinator's log only.
+            log_path = logs_root / "coordinator.log"
+            whole = log_path.read_text() if log_path.exists() else ""
+            reduced = re.findall(_REDUCED.format(re.escape(handle.job_id)), whole)
+            gathered = _GATHERED.findall(text)
+            arenas = _ARENAS.findall(text)
+            held = _HELD.findall(text)
+            runs[key] = {
+                "step_s": step_time(events),
+                "losses": [e.loss for e in events],
+                "reduce_s": float(reduced[-1][2]) if reduced else float("nan"),
+                "reduce_bytes": int(reduced[-1][1]) if reduced else 0,
+                "gather_bytes": int(gathered[-1]) if gathered else 0,
+                "arena_bytes": float(arenas[-1]) * 2**20 if arenas else float("nan"),
+                "held": int(held[-1][0]) if held else None,
+                "trainable": int(held[-1][1]) if held else None,
+                "model": model_tensors(out),
+            }
+
+        with cpu_cluster(root / "w1", "bench-mn1", num_workers=1) as one:
+            handle = one.client.submit(spec("w1", 1))
+            events = list(handle.progress(timeout_s=1200))
             assert handle.wait(timeout_s=60).state == "succeeded", one.logs()
-        rows.append(("1 node", m, step_time(events), float("nan"), 0))
-        with local_group(root / "two", "bench-mn2") as (rank0, _rank1):
-            handle = rank0.client.submit(spec("two", 2))
-            events = list(handle.progress(timeout_s=600))
-            assert handle.wait(timeout_s=60).state == "succeeded", rank0.logs()
-            found = _ALLREDUCE.findall(rank0.coordinator.log_path.read_text())
-        nbytes, reduce_s = (int(found[-1][0]), float(found[-1][1])) if found else (0, float("nan"))
-        rows.append(("2 nodes", 2 * m, step_time(events), reduce_s, nbytes))
+            record((1, "replicated"), handle, events, root / "w1", root / "w1")
+        for w in [n for n in node_counts if n > 1]:
+            modes = ["replicated", "sharded"] + (["bf16"] if w == 2 else [])
+            # Several coordinators starting at once on a busy machine answer late.
+            with local_group(
+                root / f"g{w}", f"bench-mn{w}", num_nodes=w, client_timeout_s=180
+            ) as nodes:
+                for mode in modes:
+                    train = (
+                        {"grad_transport": "bfloat16"}
+                        if mode == "bf16"
+                        else {"optimizer_sharding": mode}
+                    )
+                    handle = nodes[0].client.submit(spec(f"w{w}-{mode}", w, **train))
+                    events = list(handle.progress(timeout_s=1200))
+                    assert handle.wait(timeout_s=60).state == "succeeded", nodes[0].logs()
+                    logs_root = root / f"g{w}" / "node0"
+                    record((w, mode), handle, events, logs_root, root / f"w{w}-{mode}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'setup':<8} {'global mb':>9} {'step s':>8} {'allreduce s':>11} {'bytes/step':>11}")
-    for name, mbs, step_s, red_s, nbytes in rows:
-        print(f"{name:<8} {mbs:>9} {step_s:>8.4f} {red_s:>11.4f} {nbytes:>11}")
-    ratio = rows[1][2] / rows[0][2]
-    gbps = rows[1][4] / rows[1][3] / 1e9 if rows[1][3] > 0 else float("nan")
-    print(f"RESULT step_ratio={ratio:.3f} allreduce_gbps={gbps:.3f}")
+
+    one = runs[(1, "replicated")]
+    trainable = runs[(2, "replicated")]["trainable"]
+    one["held"] = one["trainable"] = trainable
+    ref = runs[(2, "replicated")]
+    bandwidth = (
+        ref["reduce_bytes"] * 2 * (2 - 1) / 2 / ref["reduce_s"] if ref["reduce_s"] > 0 else 0.0
+    )
+    print(
+        f"{'nodes':>5} {'mode':<10} {'step s':>8} {'pred s':>8} {'reduce s':>9} "
+        f"{'reduce B':>10} {'gather B':>10} {'host MiB':>9}"
+    )
+    errors, equal = [], True
+    for (w, mode), r in sorted(runs.items()):
+        r["host"] = r["arena_bytes"] + 12 * (r["held"] or 0)
+        predicted = float("nan")
+        if w > 1 and bandwidth > 0 and mode != "bf16":
+            p = predict_data_parallel(
+                iteration_s=one["step_s"],
+                tokens_per_iteration=1,
+                trainable_params=trainable,
+                nodes=w,
+                bandwidth_bytes_per_s=bandwidth,
+                staleness=1,
+                sharded=mode == "sharded",
+            )
+            predicted = p.step_s
+            errors.append(abs(predicted / r["step_s"] - 1))
+        if mode == "sharded":
+            replicated = runs[(w, "replicated")]["model"]
+            equal &= all(torch.equal(replicated[k], r["model"][k]) for k in replicated)
+        print(
+            f"{w:>5} {mode:<10} {r['step_s']:>8.4f} {predicted:>8.4f} {r['reduce_s']:>9.4f} "
+            f"{r['reduce_bytes']:>10} {r['gather_bytes']:>10} {r['host'] / 2**20:>9.2f}"
+        )
+    print(f"loopback bandwidth (2-node all-reduce, per direction): {bandwidth / 1e9:.3f} GB/s")
+    fp32, bf16 = runs[(2, "replicated")], runs[(2, "bf16")]
+    loss_diff = max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"]))
+    worst = max(
+        ((bf16["model"][k] - v).norm() / v.norm().clamp_min(1e-12)).item()
+        for k, v in fp32["model"].items()
+    )
+    print(
+        f"bf16 gradient transport vs fp32 (2 nodes, {args.steps} steps): max |loss diff| "
+        f"{loss_diff:.3g}, largest relative weight difference {worst:.3g}, "
+        f"bytes {bf16['reduce_bytes']} vs {fp32['reduce_bytes']}"
+    )
+    ratio = runs[(2, "sharded")]["host"] / runs[(2, "replicated")]["host"]
+    plan_error = max(errors) if errors else float("nan")
+    print(
+        f"RESULT sharded_host_ratio={ratio:.3f} bitwise_equal={int(equal)} "
+        f"plan_error={plan_error:.3f}"
+    )
     return 0
 
 

@@ -318,10 +318,13 @@ def local_group(
     extra_args: Sequence[str] = ("--wait-timeout", "120"),
     check_exit: bool = True,
     faults: dict[int, str] | None = None,
+    env: dict[int, dict[str, str]] | None = None,
+    client_timeout_s: float = 30.0,
 ) -> Iterator[list[LocalCluster]]:
     """``num_nodes`` coordinators (rank i is element i), each with ``workers_per_node``
     CPU workers (or a count per rank; ``faults``: rank -> ROUNDPIPE_FAULT for its first
-    worker); stopped afterwards (rank 0 last: it hosts the group's store)."""
+    worker; ``env``: rank -> environment for its daemons); stopped afterwards (rank 0
+    last: it hosts the group's store)."""
     port = free_port()
     nodes: list[LocalCluster] = []
     arena_dirs = []
@@ -338,6 +341,8 @@ def local_group(
                         *group_args(port, rank, num_nodes, timeout_s),
                         *extra_args,
                     ],
+                    env=(env or {}).get(rank),
+                    client_timeout_s=client_timeout_s,
                 )
             )
         counts = (

@@ -255,14 +255,21 @@ def test_host_memory_benchmark_smoke() -> None:
 
 @pytest.mark.slow
 def test_multinode_benchmark_smoke() -> None:
-    """`multinode.py --smoke`: one coordinator, then two in a gloo group; both step
-    times and the all-reduce bytes are reported."""
-    out = _run_benchmark("multinode.py", "--smoke", timeout_s=600)
-    rows = {line.split()[0] + line.split()[1]: line.split() for line in out.splitlines()[1:3]}
-    assert set(rows) == {"1node", "2nodes"}, out
-    assert float(rows["2nodes"][3]) > 0 and int(rows["2nodes"][5]) > 0, out
-    last = out.strip().splitlines()[-1]
-    assert re.fullmatch(r"RESULT step_ratio=\d+\.\d{3} allreduce_gbps=\d+\.\d{3}", last), last
+    """`multinode.py --smoke`: one coordinator, then two in a gloo group, replicated,
+    sharded and with bf16 gradients: step times, bytes reduced and gathered, host bytes
+    per node, and the sharded model bitwise the replicated one."""
+    out = _run_benchmark("multinode.py", "--smoke", timeout_s=900)
+    lines = out.splitlines()
+    rows = {(r[0], r[1]): r for r in (line.split() for line in lines[1:5])}
+    assert set(rows) == {("1", "replicated"), ("2", "replicated"), ("2", "sharded"), ("2", "bf16")}
+    assert int(rows[("2", "replicated")][5]) > 0 and int(rows[("2", "replicated")][6]) == 0
+    assert int(rows[("2", "sharded")][6]) > 0  # weights all-gathered
+    assert int(rows[("2", "bf16")][5]) * 2 == int(rows[("2", "replicated")][5])
+    assert float(rows[("2", "sharded")][7]) < float(rows[("2", "replicated")][7])
+    last = lines[-1]
+    assert re.fullmatch(
+        r"RESULT sharded_host_ratio=0\.\d{3} bitwise_equal=1 plan_error=\d+\.\d{3}", last
+    ), last
 
 
 def test_ipc_benchmark_runs_its_three_parts() -> None:

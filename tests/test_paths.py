@@ -186,6 +186,8 @@ NON_PATH_STRINGS = {
     "lora.base_quantization",
     "lora.int8_scales",
     "train.recompute",
+    "train.optimizer_sharding",
+    "train.grad_transport",
     "optimizer.kernel",
     "data.columns",
     "data.format",

@@ -42,16 +42,26 @@ def predict_data_parallel(
     nodes: int,
     bandwidth_bytes_per_s: float,
     staleness: int,
+    sharded: bool = False,
+    weight_bytes: int = 2,
+    grad_bytes: int = 4,
 ) -> DataParallelPrediction:
     """The step time of ``nodes`` coordinators, each running the one-node plan whose step
     takes ``iteration_s``. Per-layer all-reduces overlap the rest of the backward; with
     staleness 1 the optimizer (and so the all-reduce) also has the whole next iteration,
     so the step is the slower of the two; with staleness 0 the next forward needs the
-    reduced first layers, and no overlap is credited (an upper bound)."""
+    reduced first layers, and no overlap is credited (an upper bound). ``sharded``
+    (``train.optimizer_sharding``): a reduce-scatter of the gradients (``grad_bytes``
+    per parameter: ``train.grad_transport``) and an all-gather of the weights
+    (``weight_bytes`` per parameter: the compute dtype) instead of the all-reduce."""
     if nodes < 1 or bandwidth_bytes_per_s <= 0:
         raise ValueError("--nodes must be >= 1 and --network-bandwidth > 0")
-    nbytes = 4 * trainable_params
-    allreduce_s = 2 * (nodes - 1) / nodes * nbytes / bandwidth_bytes_per_s
+    nbytes = grad_bytes * trainable_params
+    if sharded:  # a reduce-scatter of the gradients, an all-gather of the weights
+        moved = (nodes - 1) / nodes * (nbytes + weight_bytes * trainable_params)
+    else:  # a ring all-reduce
+        moved = 2 * (nodes - 1) / nodes * nbytes
+    allreduce_s = moved / bandwidth_bytes_per_s
     step_s = max(iteration_s, allreduce_s) if staleness else iteration_s + allreduce_s
     return DataParallelPrediction(
         nodes, nbytes, allreduce_s, step_s, nodes * tokens_per_iteration / step_s

@@ -20,10 +20,12 @@ __all__ = [
     "DATA_OVERLONG",
     "DATA_PACKING",
     "DTYPES",
+    "GRAD_TRANSPORTS",
     "HF_NO_DECAY",
     "INT8_SCALES",
     "OPTIMIZERS",
     "OPTIMIZER_KERNELS",
+    "OPTIMIZER_SHARDINGS",
     "PACKING_ALIASES",
     "QUANTIZATIONS",
     "SCHEDULES",
@@ -54,6 +56,13 @@ kernel when it loads and passes its bitwise self-check (else torch's); ``torch``
 on torch's fused kernel (Note [compiled AdamW kernel])."""
 # ``lora.base_quantization`` (QUANTIZATIONS) and ``lora.int8_scales`` (INT8_SCALES) are
 # defined with their formats, in roundpipe.shared.quant_format, and re-exported here.
+OPTIMIZER_SHARDINGS = ("replicated", "sharded")
+"""``train.optimizer_sharding`` with several nodes (docs/multi-node.md): every node holds
+all fp32 masters and moments (``replicated``), or each node only its shard of them
+(``sharded``: gradients reduce-scattered, updated weights all-gathered)."""
+GRAD_TRANSPORTS = ("float32", "bfloat16")
+"""``train.grad_transport``: the dtype gradients cross the network in between nodes
+(``float32``: exact; ``bfloat16``: half the bytes, rounded; docs/multi-node.md)."""
 SCHEDULE_CONVENTIONS = ("hf", "one_based")
 """Which schedule position optimizer step s uses: ``hf``: s - 1, as the Hugging Face
 Trainer (step 1 of a warmup has lr 0); ``one_based``: s (warmup peaks at step W)."""

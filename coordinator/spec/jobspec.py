@@ -56,6 +56,7 @@ from roundpipe.coordinator.spec.section_checks import (
     check_optimizer,
     check_output,
     check_plan_splits,
+    check_sharding,
     check_train,
     config_class,
     is_int,
@@ -310,6 +311,7 @@ def _validate(spec: JobSpec) -> list[FieldError]:
     if check_int(e, "batch.num_microbatches", spec.batch.num_microbatches, lo=1):
         check_plan_splits(e, spec.train.plan, spec.batch.num_microbatches)
     check_optimizer(e, spec.optimizer, spec.train.steps if train_ok else None)
+    check_sharding(e, spec.train, spec.optimizer)
     check_output(e, spec.output)
     if model_config is not None and is_int(spec.data.seq_len):
         e.items.extend(_model_errors(spec, model_config, None))

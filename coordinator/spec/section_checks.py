@@ -25,8 +25,10 @@ from roundpipe.coordinator.spec.choices import (
     DATA_OVERLONG,
     DATA_PACKING,
     DTYPES,
+    GRAD_TRANSPORTS,
     INT8_SCALES,
     OPTIMIZER_KERNELS,
+    OPTIMIZER_SHARDINGS,
     OPTIMIZERS,
     QUANTIZATIONS,
     SCHEDULE_CONVENTIONS,
@@ -62,6 +64,7 @@ __all__ = [
     "check_output",
     "check_plan_splits",
     "check_tokenizer_dir",
+    "check_sharding",
     "check_train",
     "config_class",
     "is_int",
@@ -166,6 +169,8 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
     check_bool(e, "train.replan", t.replan)
     check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)
     check_choice(e, "train.recompute", t.recompute, ("auto", *RECOMPUTE_GRAINS))
+    check_choice(e, "train.optimizer_sharding", t.optimizer_sharding, OPTIMIZER_SHARDINGS)
+    check_choice(e, "train.grad_transport", t.grad_transport, GRAD_TRANSPORTS)
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 
@@ -177,6 +182,26 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
             except ValueError as exc:
                 e.bad("train.plan", t.plan, f"a valid plan string ({exc})")
     return steps_ok
+
+
+def check_sharding(e: Problems, t: TrainSpec, o: OptimizerSpec) -> None:
+    """What ``train.optimizer_sharding: sharded`` cannot be combined with (yet)."""
+    if t.optimizer_sharding != "sharded":
+        return
+    if o.grad_clip is not None:
+        e.add(
+            "train.optimizer_sharding",
+            "'sharded' cannot be combined with optimizer.grad_clip: the global gradient "
+            "norm would be summed from the nodes' shards, not bitwise the replicated "
+            "optimizer's; set optimizer.grad_clip: null or train.optimizer_sharding: "
+            "replicated (docs/multi-node.md)",
+        )
+    if o.state_dtype == "int8":
+        e.add(
+            "train.optimizer_sharding",
+            "'sharded' is not implemented for optimizer.state_dtype int8; use float32 "
+            "states or train.optimizer_sharding: replicated (docs/multi-node.md)",
+        )
 
 
 def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:

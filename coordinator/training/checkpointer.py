@@ -127,11 +127,21 @@ class Checkpointer:
                 raise JobFailed(f"model.resume_from: {exc}") from None
         return None
 
-    def restore(self, info: CheckpointInfo) -> None:
+    def restore(
+        self,
+        info: CheckpointInfo,
+        *,
+        masters: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        moments: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Load checkpoint ``info`` into the job's state: masters, optimizer, both weight
         parities and their versions, data cursor, RNG and progress. The caller then
-        starts the run after ``info.step``."""
+        starts the run after ``info.step``. ``masters`` and ``moments`` (keyed as the
+        optimizer's ``state_dict``), if given, receive the whole tensors instead of the
+        job's own (a sharded node's are pieces: roundpipe.coordinator.training.
+        sharded_optimizer); the optimizer then gets only the step count."""
         assert self.layout.events is not None
+        masters = self.masters if masters is None else masters
         layout, s, manifest = self.layout, info.step, info.manifest
         steps = self.spec.train.steps
         if s > steps:
@@ -153,10 +163,7 @@ class Checkpointer:
             masters_in_state = any(k.startswith("master/") for k in keys)
             kinds = ("master",) * masters_in_state + ("prev", *self.optimizer.kinds)
             expected = {
-                f"{kind}/{name}"
-                for names in self.masters.values()
-                for name in names
-                for kind in kinds
+                f"{kind}/{name}" for names in masters.values() for name in names for kind in kinds
             }
             saved = {k for k in keys if not k.startswith("rng/")}
             if saved != expected:
@@ -180,7 +187,7 @@ class Checkpointer:
             if masters_in_state:
                 exported: dict[str, torch.Tensor] = {}
             else:
-                names = [name for per in self.masters.values() for name in per]
+                names = [name for per in masters.values() for name in per]
                 try:
                     exported = self.model.read_exported(info.path, names)
                 except (OSError, ValueError) as exc:
@@ -192,14 +199,15 @@ class Checkpointer:
                         f"this job's model, e.g. {lacking[:3]}"
                     )
             optimizer_state = self.optimizer.state_dict()  # live buffers
-            for key, buf in optimizer_state["tensors"].items():
+            targets = optimizer_state["tensors"] if moments is None else moments
+            for key, buf in targets.items():
                 layer_and_name, kind = key.rsplit(".", 1)
                 name = layer_and_name.split(".", 1)[1]
                 buf.copy_(load(f"{kind}/{name}", buf))
             optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
             self.optimizer.load_state_dict(optimizer_state)  # step counts (buffers in place)
             c = layout.counters
-            for layer, names in self.masters.items():
+            for layer, names in masters.items():
                 for name, master in names.items():
                     saved = exported.get(name)
                     if saved is None:

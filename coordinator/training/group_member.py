@@ -27,6 +27,7 @@ from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
 from roundpipe.coordinator.training.progress_log import ProgressLog
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 
 __all__ = ["GroupMember"]
 
@@ -100,6 +101,7 @@ class GroupMember:
         *,
         wait_grads: Callable[[int, int], None],
         grads: Callable[[int, int], list[torch.Tensor]],
+        shards: ZeroShards | None = None,
     ) -> None:
         """Sum each layer's gradient of steps ``first_step`` .. ``train.steps`` over the
         nodes as soon as this node has it (``wait_grads``, ``grads``: the optimizer
@@ -114,6 +116,8 @@ class GroupMember:
             grads=grads,
             stopped=self.cancelled.is_set,
             wake=self.wake,
+            shards=shards,
+            transport=getattr(torch, self.spec.train.grad_transport),
         )
         self.reducer.start()
 
@@ -136,17 +140,27 @@ class GroupMember:
         loader: DataLoader,
         progress: ProgressLog,
         start_step: int,
+        shards: ZeroShards | None = None,
+        full_masters: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        full_moments: Mapping[str, torch.Tensor] | None = None,
     ) -> int | None:
         """Make every node start from rank 0's state (Note [checkpoint cut]): the nodes
         check that they prepared the same job, then rank 0 broadcasts its step, data
         cursor and progress, and its masters, moments and both weight parities. Only rank
         0 reads checkpoints, so a checkpoint of any topology resumes on any other.
-        Returns the step the other nodes now start after (None at rank 0)."""
+        Returns the step the other nodes now start after (None at rank 0).
+
+        Sharded (``shards``): ``masters`` and the optimizer hold this node's pieces, and
+        ``full_masters`` the whole masters this node loaded (rank 0: restored, with the
+        moments in ``full_moments`` if it resumed). Rank 0's are broadcast one layer at a
+        time, and every node keeps its pieces of them."""
         group = self.group
         assert layout.events is not None
         group.cancelled = self.cancelled.is_set
+        whole = masters if shards is None else full_masters
+        assert whole is not None
         trainable = sorted(
-            (layer, name, tuple(t.shape)) for layer, d in masters.items() for name, t in d.items()
+            (layer, name, tuple(t.shape)) for layer, d in whole.items() for name, t in d.items()
         )
         moments = optimizer.state_dict()["tensors"]
         fingerprint = json.dumps(
@@ -174,11 +188,18 @@ class GroupMember:
                         "same paths"
                     )
             leader_state = json.loads(group.exchange("state", state, "rank 0's state")[0])
-            tensors = [masters[layer][name] for layer, name, _ in trainable]
-            tensors += [moments[key] for key in sorted(moments)]
-            for layer, name, _ in trainable:
-                tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
-            group.broadcast(tensors, "rank 0's training state")
+            if shards is None:
+                tensors = [masters[layer][name] for layer, name, _ in trainable]
+                tensors += [moments[key] for key in sorted(moments)]
+                for layer, name, _ in trainable:
+                    tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
+                group.broadcast(tensors, "rank 0's training state")
+            else:
+                assert full_masters is not None
+                resumed = int(leader_state["step"]) > 0
+                self._sync_shards(
+                    layout, masters, optimizer, shards, full_masters, full_moments, resumed
+                )
         except GroupError as exc:
             raise self.paused(exc) from None
         except InterruptedError:
@@ -197,3 +218,40 @@ class GroupMember:
             layout.events.signal(layout.counters.version(layer), s)
         progress.replace(leader_state["progress"])
         return s
+
+    def _sync_shards(
+        self,
+        layout: JobLayout,
+        masters: Mapping[int, Mapping[str, torch.Tensor]],
+        optimizer: LayerwiseOptimizer,
+        shards: ZeroShards,
+        full_masters: Mapping[int, Mapping[str, torch.Tensor]],
+        full_moments: Mapping[str, torch.Tensor] | None,
+        resumed: bool,
+    ) -> None:
+        """``sync``'s broadcast with sharded state, layer by layer: rank 0's whole
+        masters, moments (only when it resumed: else they are zero everywhere) and weight
+        parities; each node keeps its pieces of the masters and moments."""
+        live = optimizer.state_dict()["tensors"]
+        for i, layer in enumerate(sorted(full_masters)):
+            names = list(full_masters[layer])
+            tensors = [full_masters[layer][name] for name in names]
+            moments: list[tuple[str, torch.Tensor]] = []
+            if resumed:
+                for name in names:
+                    for kind in optimizer.kinds:
+                        key = f"{layer}.{name}.{kind}"
+                        t = (
+                            full_moments[key]
+                            if self.group.leader and full_moments is not None
+                            else torch.empty_like(full_masters[layer][name])
+                        )
+                        moments.append((key, t))
+            tensors += [t for _, t in moments]
+            for name in names:
+                tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
+            self.group.broadcast(tensors, "rank 0's training state", "state", i + 1)
+            for name in names:
+                masters[layer][name].copy_(shards.own(full_masters[layer][name]))
+            for key, t in moments:
+                live[key].copy_(shards.own(t))

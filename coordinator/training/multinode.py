@@ -18,6 +18,9 @@ pipeline; what crosses servers goes through ``torch.distributed`` with the gloo 
   ``batch.num_microbatches`` counts the global batch, rank r trains microbatches
   ``r*M/W .. (r+1)*M/W - 1`` of it, with the loss normalised over the whole global batch.
   The sum of the nodes' gradients is then exactly the gradient of the global batch.
+* With ``train.optimizer_sharding: sharded`` each node holds and steps only its shard of
+  the masters and moments: gradients are reduce-scattered and the updated weights
+  all-gathered (roundpipe.coordinator.training.sharded_optimizer).
 * ``GradientReducer`` (thread ``rp-allreduce-<job>``) all-reduces each layer's gradient,
   in place in the grads arena, as soon as it is complete on this node (last layer
   first, overlapped with the rest of the backward); the optimizer steps a layer only
@@ -35,7 +38,12 @@ A layer's gradient slot holds this node's share while ``wgrad[l] >= k`` and
 waits for ``reduced``, not ``wgrad``. Nothing overwrites the slot in between: a backward
 task of k+1 writes it only once ``version[l] >= k`` (Note [weight-update ordering]),
 which the optimizer stores after stepping the reduced gradient; a task re-run after a
-worker loss does not rewrite a signalled slot (Note [no rewrite after signal]).
+worker loss does not rewrite a signalled slot (Note [no rewrite after signal]). With
+sharded optimizer state the reducer reduce-scatters instead: once ``reduced[l] >= k``
+only this node's shard of the slot holds the sum, and only that shard is read; the
+version is stored after the weights are all-gathered (Note [gathered before published]
+in roundpipe.coordinator.training.sharded_optimizer), so the slot is still not
+overwritten before the step read it.
 
 Note [arrive before a collective]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -64,10 +72,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 
 __all__ = [
     "DEFAULT_DIST_TIMEOUT_S",
@@ -95,6 +107,11 @@ WAIT_REPORT_AFTER_S = 5.0
 """A node that waits this long at a collective says (log, job status) which nodes it
 waits for and, where they said, why (e.g. no worker connected there)."""
 WAIT_REPORT_EVERY_S = 60.0
+
+
+# torch >= 2.10 names them *_single; older ones *_tensor (the same collectives).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GroupError(RuntimeError):
@@ -323,7 +340,7 @@ class NodeGroup:
         seq = int(self.store.add("rp/jobs", 1))
         self.store.set(f"rp/job/{seq}", json.dumps({"job_id": job_id, "spec": spec}))
         log.info("[multinode] job %s announced to %d other node(s)", job_id, self.world_size - 1)
-        return JobGroup(self, seq, job_id)
+        return JobGroup(self, seq, job_id, sharded=_sharded(spec))
 
     def next_job(self, stopping: Callable[[], bool]) -> JobAnnouncement | None:
         """Other ranks: wait for rank 0's next job (None once ``stopping()``). Raises
@@ -343,13 +360,21 @@ class NodeGroup:
         return None
 
     def join_job(self, announcement: JobAnnouncement) -> JobGroup:
-        return JobGroup(self, announcement.seq, announcement.job_id)
+        return JobGroup(
+            self, announcement.seq, announcement.job_id, sharded=_sharded(announcement.spec)
+        )
+
+
+def _sharded(spec: Mapping) -> bool:
+    """Whether a job's spec (as announced) asks for sharded optimizer state."""
+    train = spec.get("train") if isinstance(spec, Mapping) else None
+    return isinstance(train, Mapping) and train.get("optimizer_sharding") == "sharded"
 
 
 class JobGroup:
     """One job's share of the group: its collectives, its arrivals, its stop keys."""
 
-    def __init__(self, nodes: NodeGroup, seq: int, job_id: str):
+    def __init__(self, nodes: NodeGroup, seq: int, job_id: str, *, sharded: bool = False):
         self.nodes = nodes
         self.rank = nodes.rank
         self.world_size = nodes.world_size
@@ -363,9 +388,11 @@ class JobGroup:
         """Set by the trainer: the local job stopped, give up waiting."""
         # A fresh process group per job (Note [arrive before a collective]); every rank
         # creates it at the same point: after the announcement, before anything else.
-        self.pg = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=nodes.timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=nodes.timeout_s)
+        self.pg = dist.new_group(backend="gloo", timeout=timeout)
+        self.pg_gather = dist.new_group(backend="gloo", timeout=timeout) if sharded else None
+        """A sharded job's all-gathers of updated weights, issued by the optimizer thread
+        while the reducer thread uses ``pg`` (Note [gathered before published])."""
         self._last_check = 0.0
         self._problem_lock = threading.Lock()
         self.waiting: str | None = None
@@ -529,12 +556,50 @@ class JobGroup:
         except RuntimeError as exc:
             raise self._collective_failed(what, exc) from None
 
-    def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
+    def broadcast(
+        self, tensors: list[torch.Tensor], what: str, name: str = "broadcast", count: int = 1
+    ) -> None:
         """Copy rank 0's ``tensors`` into every node's, in place."""
-        self.arrive("broadcast", 1, what)
+        self.arrive(name, count, what)
         try:
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
+    def reduce_scatter(
+        self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
+    ) -> None:
+        """``out`` = chunk ``rank`` of ``flat`` summed over all nodes (on ``pg``)."""
+        self.arrive(name, count, what)
+        try:
+            _REDUCE_SCATTER(out, flat, group=self.pg)
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
+    def all_gather(
+        self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
+    ) -> None:
+        """``flat`` = every node's ``mine``, by rank (on ``pg_gather``)."""
+        assert self.pg_gather is not None
+        self.arrive(name, count, what)
+        try:
+            _ALL_GATHER(flat, mine, group=self.pg_gather)
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gathered: list[torch.Tensor] | None,
+        name: str,
+        count: int,
+        what: str,
+    ) -> None:
+        """Rank 0's ``gathered`` = every node's ``tensor``, by rank (on ``pg``)."""
+        self.arrive(name, count, what)
+        try:
+            dist.gather(tensor, gathered, dst=0, group=self.pg)
         except RuntimeError as exc:
             raise self._collective_failed(what, exc) from None
 
@@ -596,9 +661,16 @@ class GradientReducer:
         grads: Callable[[int, int], list[torch.Tensor]],
         stopped: Callable[[], bool],
         wake: Callable[[str], None],
+        shards: ZeroShards | None = None,
+        transport: torch.dtype = torch.float32,
     ):
         self.group = group
         self.layers = layers
+        self.shards = shards
+        """Sharded optimizer state: reduce-scatter, each node keeps the sum of its shard
+        only (roundpipe.coordinator.training.sharded_optimizer); None: all-reduce."""
+        self.transport = transport
+        """The dtype gradients cross the network in (``train.grad_transport``)."""
         self.first_step, self.last_step = first_step, last_step
         self._wait_grads = wait_grads
         self._grads = grads
@@ -612,8 +684,9 @@ class GradientReducer:
         self.reduce_s: dict[int, float] = {}
         """Seconds spent inside all-reduces per step (waiting for other nodes included)."""
         self.bytes_per_step = sum(
-            t.numel() * t.element_size() for layer in layers for t in grads(layer, first_step)
+            t.numel() * transport.itemsize for layer in layers for t in grads(layer, first_step)
         )
+        """Bytes of gradients reduced per step (in the transport dtype)."""
         self.thread = threading.Thread(
             target=self._run, name=f"rp-allreduce-{group.job_id}", daemon=True
         )
@@ -628,7 +701,7 @@ class GradientReducer:
                 for layer in self.layers:
                     self._wait_grads(layer, k)
                     started = time.perf_counter()
-                    self.group.all_reduce(
+                    self._reduce(
                         self._grads(layer, k),
                         f"grad/{layer}",
                         k - self.first_step + 1,
@@ -654,8 +727,10 @@ class GradientReducer:
                 self._wake("loss-reduced")
             if self.reduce_s:
                 log.info(
-                    "[multinode] all-reduce: %d bytes of gradients per step, %.4fs per step "
+                    "[multinode] job %s %s: %d bytes of gradients per step, %.4fs per step "
                     "on average (waiting for the slowest node included)",
+                    self.group.job_id,
+                    "all-reduce" if self.shards is None else "reduce-scatter",
                     self.bytes_per_step,
                     sum(self.reduce_s.values()) / len(self.reduce_s),
                 )
@@ -666,6 +741,19 @@ class GradientReducer:
                 log.error("[multinode] gradient all-reduce stopped: %s", exc)
                 self.error = exc
                 self._wake("group-error")
+
+    def _reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None:
+        """Sum ``tensors`` over the nodes in place: all of them, or with sharded state
+        this node's shard of them; in the transport dtype."""
+        if self.shards is not None:
+            self.shards.reduce_scatter(tensors, name, count, what)
+        elif self.transport == torch.float32:
+            self.group.all_reduce(tensors, name, count, what)
+        else:  # rounded to the transport dtype, summed there, widened back
+            sent = [t.to(self.transport) for t in tensors]
+            self.group.all_reduce(sent, name, count, what)
+            for t, s in zip(tensors, sent):
+                t.copy_(s)
 
     # -- for the optimizer and the run loop -----------------------------------------------
 

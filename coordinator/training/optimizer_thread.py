@@ -28,6 +28,7 @@ from roundpipe.coordinator.training.optimizer import (
     clip_coefficient,
     global_grad_norm,
 )
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints
 from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.shared.model import LayeredModel
@@ -52,8 +53,13 @@ class OptimizerThread:
         wait_timeout_s: float,
         cancelled: threading.Event,
         wake: Callable[[str], None],
+        shards: ZeroShards | None = None,
     ):
         self.job_id = job_id
+        self.shards = shards
+        """Sharded optimizer state: ``masters`` and the optimizer hold this node's pieces
+        only; each layer's weights are all-gathered before its version is published
+        (Note [gathered before published]). None: replicated or one node."""
         self.spec = spec
         self.layout = layout
         self.masters = masters
@@ -66,6 +72,7 @@ class OptimizerThread:
         self.error: BaseException | None = None
         """What stopped the thread, surfaced by the run loop as JobFailed."""
         self._done_step = 0
+        self._first_step = 1
         self._cv = threading.Condition()
         self._last_busy_s = 0.0
         """Busy seconds (updating, not waiting for gradients) of step ``_done_step``."""
@@ -80,8 +87,10 @@ class OptimizerThread:
                 self._tied.setdefault(model.layer_of(owner), []).append(
                     (model.layer_of(alias), alias, owner)
                 )
+        # Whole-tensor scratch, shaped as the gradient slots (a sharded node's masters
+        # are pieces).
         self._tied_scratch = {
-            owner: torch.empty_like(masters[layer][owner])
+            owner: torch.empty_like(layout.view(layout.grads[layer][owner]))
             for layer, items in self._tied.items()
             for _, _, owner in items
         }
@@ -89,7 +98,9 @@ class OptimizerThread:
         # split layer's gradient are added out of place, so summing twice (clipping
         # reads the gradients before the update does) gives the same bits.
         self._split_scratch = {
-            layer: {name: torch.empty_like(masters[layer][name]) for name in names}
+            layer: {
+                name: torch.empty_like(layout.view(layout.grads[layer][name])) for name in names
+            }
             for layer, names in layout.grads_part.items()
             if layer in masters
         }
@@ -111,6 +122,7 @@ class OptimizerThread:
         ``timeline``, with gradients summed by ``reducer`` (a group's) and each layer's
         update captured by ``background`` (Note [background checkpoint])."""
         self._done_step = first_step - 1
+        self._first_step = first_step
         self._timeline, self._reducer, self._background = timeline, reducer, background
         self._thread = threading.Thread(
             target=self._loop,
@@ -191,26 +203,48 @@ class OptimizerThread:
                 global_grad_norm({layer: self._grads(layer, k) for layer in remaining}), clip
             )
         busy_s = 0.0
+        publish = self._publisher(k)
+        shards = self.shards
         while remaining:
             self._wait_grads(remaining[0], k)
             ready = [layer for layer in remaining if self._grads_landed(layer, k)]
             grads = {layer: self._grads(layer, k) for layer in ready}
-            for layer in ready:  # observability: grad norm (TensorBoard)
+            outs = {
+                layer: {
+                    name: layout.view(layout.params[layer][name][k % 2])
+                    for name in self.masters[layer]
+                }
+                for layer in ready
+            }
+            if shards is not None:  # this node's pieces only (sharded_optimizer)
+                grads = {
+                    layer: {name: shards.own(g) for name, g in per.items()}
+                    for layer, per in grads.items()
+                }
+                pieces = {
+                    layer: {name: shards.own(o) for name, o in per.items()}
+                    for layer, per in outs.items()
+                }
+            for layer in ready:  # observability: grad norm (TensorBoard; a shard's)
                 timeline.layer_grads(k, grads[layer])
             started = time.perf_counter()
             self.optimizer.step_layers(
                 grads,
                 k,
                 clip_coef=coef,
-                outs={
-                    layer: {
-                        name: layout.view(layout.params[layer][name][k % 2])
-                        for name in self.masters[layer]
-                    }
-                    for layer in ready
-                },
-                on_layer_done=self._publisher(k),
+                outs=outs if shards is None else pieces,
+                on_layer_done=publish if shards is None else None,
             )
+            if shards is not None:
+                # Note [gathered before published]: descending, as on every node.
+                for layer in sorted(ready, reverse=True):
+                    shards.all_gather(
+                        list(outs[layer].values()),
+                        f"weights/{layer}",
+                        k - self._first_step + 1,
+                        f"layer {layer}'s weights of step {k} from every node",
+                    )
+                    publish(layer)
             busy_s += time.perf_counter() - started
             remaining = [layer for layer in remaining if layer not in ready]
         return busy_s

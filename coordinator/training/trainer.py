@@ -70,12 +70,13 @@ from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.job_planner import JobPlanner
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import release_freed_memory
-from roundpipe.coordinator.training.multinode import GradientReducer, JobGroup
+from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
 from roundpipe.coordinator.training.optimizer_thread import OptimizerThread
 from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.training.schedule import ScheduleBuilder
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
@@ -177,6 +178,9 @@ class Trainer:
         )
         """This node's side of the group, or None: one node."""
         self.layout: JobLayout | None = None
+        self.shards: ZeroShards | None = None
+        """This node's shard of the optimizer state (``train.optimizer_sharding:
+        sharded`` in a group), else None: ``masters`` are then whole."""
         self.on_event = on_event
         """Gets the job's ``JobEvent``s: the plan chosen, checkpoints written."""
         self.hardware: HardwareSpec | None = None
@@ -286,6 +290,7 @@ class Trainer:
                 if name in trainable:
                     self.masters.setdefault(layer, {})[name] = _as_master(w)
         del weights
+        full_masters = self._shard_masters()
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
@@ -309,8 +314,19 @@ class Trainer:
         source = (
             self.checkpointer.resume_source() if self.group is None or self.group.leader else None
         )
+        full_moments: dict[str, torch.Tensor] | None = None
         if source is not None:
-            self.checkpointer.restore(source)
+            if self.shards is not None:  # whole tensors first; sync keeps the pieces
+                assert full_masters is not None
+                full_moments = {
+                    f"{layer}.{name}.{kind}": torch.zeros_like(t)
+                    for layer, per in full_masters.items()
+                    for name, t in per.items()
+                    for kind in self.optimizer.kinds
+                }
+                self.checkpointer.restore(source, masters=full_masters, moments=full_moments)
+            else:
+                self.checkpointer.restore(source)
             self._start_after(source.step)
         if self.member is not None:
             leader_step = self.member.sync(
@@ -321,11 +337,56 @@ class Trainer:
                 loader=self.loader,
                 progress=self.progress_log,
                 start_step=self.start_step,
+                shards=self.shards,
+                full_masters=full_masters,
+                full_moments=full_moments,
             )
             if leader_step is not None:
                 self._start_after(leader_step)
+        del full_masters, full_moments
+        release_freed_memory()
         self._plan_chosen(self.start_step + 1, why)
         self.prepared = True
+
+    def _shard_masters(self) -> dict[int, dict[str, torch.Tensor]] | None:
+        """With ``train.optimizer_sharding: sharded`` in a group: keep only this node's
+        pieces as ``masters`` (roundpipe.coordinator.training.sharded_optimizer) and
+        return the whole ones, which ``prepare`` drops once the nodes are in sync. None:
+        replicated, or one node (whose shard is the whole state)."""
+        spec = self.spec
+        if spec.train.optimizer_sharding != "sharded":
+            if self.group is not None:
+                log.info(  # benchmarks/multinode.py reads it
+                    "[trainer] job %s: optimizer state replicated on %d nodes: rank %d holds "
+                    "the masters and moments of %d of %d trainable elements",
+                    self.job_id,
+                    self.group.world_size,
+                    self.group.rank,
+                    *(sum(t.numel() for per in self.masters.values() for t in per.values()),) * 2,
+                )
+            return None
+        if self.group is None:
+            log.info(
+                "[trainer] job %s: optimizer_sharding 'sharded' on one node: its shard is "
+                "the whole optimizer state (as 'replicated')",
+                self.job_id,
+            )
+            return None
+        self.shards = ZeroShards(
+            self.group, self.group.rank, self.group.world_size, spec.train.grad_transport
+        )
+        full = self.masters
+        self.masters = self.shards.shard_masters(full)
+        log.info(  # benchmarks/multinode.py reads it
+            "[trainer] job %s: optimizer state sharded over %d nodes: rank %d holds the "
+            "masters and moments of %d of %d trainable elements",
+            self.job_id,
+            self.group.world_size,
+            self.group.rank,
+            sum(t.numel() for per in self.masters.values() for t in per.values()),
+            sum(t.numel() for per in full.values() for t in per.values()),
+        )
+        return full
 
     def _build_parts(self) -> None:
         """The parts that work on the prepared state (module docstring)."""
@@ -356,6 +417,7 @@ class Trainer:
             wait_timeout_s=self.wait_timeout_s,
             cancelled=self._cancel,
             wake=lambda why: self.inbox.put(Wakeup(why)),
+            shards=self.shards,
         )
 
     def _start_after(self, step: int) -> None:
@@ -440,7 +502,8 @@ class Trainer:
         steps = spec.train.steps
         # observability: timeline, measured bubble, TensorBoard (coordinator.timeline)
         self.timeline = TimelineRecorder.for_job(self, len(self.masters))
-        if self.staging_bytes and (self.group is None or self.group.leader):
+        # Sharded state is gathered at rank 0 at a drained cut (Note [sharded checkpoint]).
+        if self.staging_bytes and (self.group is None or self.group.leader) and not self.shards:
             checkpointer.start_background(lambda: self.inbox.put(CheckpointSettled()))
         if self.member is not None:
             self.member.start_reducer(
@@ -448,6 +511,7 @@ class Trainer:
                 self.start_step + 1,
                 wait_grads=optimizer_thread.wait_local_grads,
                 grads=optimizer_thread.node_grads,
+                shards=self.shards,
             )
         optimizer_thread.start(
             self.start_step + 1,
@@ -544,7 +608,8 @@ class Trainer:
                     unfinished[task.task_id] = task
                     tracker.dispatch(task)  # parked if no worker is connected
                 report_through(k - 1)
-                writes_checkpoints = self.group is None or self.group.leader  # rank 0 only
+                # Rank 0 only; with sharded state every node, to gather its shard.
+                writes_checkpoints = self.group is None or self.group.leader or self.shards
                 if checkpointer.due(k) and background is None and writes_checkpoints:
                     # Note [checkpoint cut]: nothing of iteration k+1 is sent until the
                     # pipeline has drained and the optimizer has applied step k.
@@ -554,7 +619,8 @@ class Trainer:
                     optimizer_thread.wait_for(k, self._check_group)
                     report_through(k)
                     path = self.save_checkpoint(k)
-                    self._emit(CheckpointWritten(k, path, self.last_loss))
+                    if path is not None:
+                        self._emit(CheckpointWritten(k, path, self.last_loss))
             while any(pending_per_iteration.values()) or not self._loss_known(steps):
                 handle_next()
                 report_through(steps)
@@ -562,6 +628,20 @@ class Trainer:
             while checkpointer.background is not None and checkpointer.background.busy:
                 handle_next()  # the final checkpoint
             checkpointer.settle_background()  # one that settled after the last message
+            if self.shards is not None:  # rank 0 exports the whole model
+                if steps > self.start_step:
+                    log.info(
+                        "[multinode] job %s all-gather: %d bytes of weights per step",
+                        self.job_id,
+                        self.shards.bytes_gathered // (steps - self.start_step),
+                    )
+                full = self._gather_shards(steps, "final", masters_only=True)
+                if full is not None:
+                    assert self.exporter is not None
+                    self.exporter.masters = {
+                        layer: {key[len("master/") :]: t for key, t in per.items()}
+                        for layer, per in full.items()
+                    }
         finally:
             self._cancel.set()
             # Abandons an unfinished checkpoint and wakes a capture waiting for it; a
@@ -727,12 +807,57 @@ class Trainer:
 
     # -- checkpoints and results (checkpointer, exporter) -----------------------------
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int) -> Path | None:
         """Write the checkpoint after ``step`` from the live state (call only at a cut:
         Note [checkpoint cut]) and prune to ``output.keep_last``. Raises JobPaused if it
-        cannot be written."""
+        cannot be written. With sharded state every node calls this: the shards are
+        gathered at rank 0, which writes (Note [sharded checkpoint]); elsewhere None."""
         assert self.checkpointer is not None, "prepare() first"
-        return self.checkpointer.save(step)
+        if self.shards is None:
+            return self.checkpointer.save(step)
+        state = self._gather_shards(step, f"checkpoint/{step}", masters_only=False)
+        if state is None:
+            return None
+        context = self.checkpointer.context()
+        path = self.checkpointer.write(step, state, context)
+        del state
+        release_freed_memory()
+        return path
+
+    def _gather_shards(
+        self, step: int, name: str, *, masters_only: bool
+    ) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Every node's pieces of the masters (and moments), whole at rank 0, plus the
+        weights of version ``step - 1`` (the arena's): the state ``Checkpointer.write``
+        takes (Note [sharded checkpoint]). None on the other nodes. A collective: every
+        node calls it at the same cut."""
+        assert self.shards is not None and self.layout is not None
+        layout, kinds = self.layout, () if masters_only else self.optimizer.kinds
+        moments = self.optimizer.state_dict()["tensors"]
+        pieces: dict[int, list[tuple[str, torch.Tensor, torch.Size]]] = {}
+        for layer, per in self.masters.items():
+            entries = pieces[layer] = []
+            for n, m in per.items():
+                shape = layout.view(layout.params[layer][n][0]).shape  # a whole tensor's
+                entries.append((f"master/{n}", m, shape))
+                entries += [
+                    (f"{kind}/{n}", moments[f"{layer}.{n}.{kind}"], shape) for kind in kinds
+                ]
+        try:
+            full = self.shards.gather_full(pieces, name, f"every node's shard of step {step}")
+        except GroupError as exc:
+            assert self.member is not None
+            raise self.member.paused(exc) from None
+        except InterruptedError:
+            raise JobCancelled(f"job {self.job_id} was cancelled") from None
+        if full is None:
+            return None
+        for layer, per in full.items():
+            for n in self.masters[layer]:
+                previous = layout.params[layer][n][(step - 1) % 2]
+                assert previous is not None
+                per[f"prev/{n}"] = layout.view(previous)
+        return full
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""

@@ -1,0 +1,278 @@
+"""Optimizer state sharded across the nodes of a data-parallel group (ZeRO stage 1):
+``train.optimizer_sharding: sharded`` (docs/multi-node.md).
+
+Every node keeps the whole model's compute-dtype weights (both parities) and gradient
+slots in its arenas, as in the replicated mode, but the fp32 masters and the optimizer
+moments only of its *shard*: about 1/W of every trainable tensor. Per step and layer:
+
+* the gradient is **reduce-scattered** (``ZeroShards.reduce_scatter``): each node gets
+  the sum over the nodes of its shard only, written back into its shard's elements of
+  the gradient slot (the rest of the slot is left as it was, and never read);
+* each node steps its shard's masters and moments (an ordinary ``LayerwiseOptimizer``
+  over 1-D pieces), casting into its shard's elements of the weight arena;
+* the updated weights are **all-gathered** (``ZeroShards.all_gather``) into every
+  node's weight arena; only then is the layer's version published (Note [gathered
+  before published]).
+
+Note [shard boundaries]
+~~~~~~~~~~~~~~~~~~~~~~~
+Each trainable tensor of n elements is split on its own, flat: with
+``span = ceil(ceil(n / W) / ALIGN) * ALIGN``, rank r owns elements
+``[min(r * span, n), min((r + 1) * span, n))`` (the last ranks' pieces may be short or
+empty). Why per tensor and not per layer: a tied alias (the LM head's contribution to
+the embedding's gradient, Note [tied embeddings] in roundpipe.shared.model) has the
+owner's shape but lives in another layer, and the two must be summed element by element
+on the node that owns those elements; per tensor both split alike. Names are kept, so
+weight decay (by name) is unchanged. Why GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
+ALIGN = 256: both AdamW kernels treat a
+tensor's last ``numel % 16`` elements differently from the rest (Note [compiled AdamW
+kernel], torch's scalar tail loop), so a piece must start on a 16-element boundary and
+end either on one or at the tensor's end: then every element gets the arithmetic it
+gets in the whole tensor, and the sharded masters are bitwise the replicated ones
+(tests/test_sharded_optimizer.py). 256 is also the block of 8-bit states, for a later
+int8 shard. Rank 0 always owns element 0, so it holds a piece of every tensor.
+
+The collectives move one flat buffer per layer, *rank-major*: chunk r (of
+``chunk_numel`` elements) is the concatenation of rank r's pieces of the layer's
+tensors, each padded to its span. A reduce-scatter of that buffer leaves chunk r,
+summed, on rank r; an all-gather of each rank's chunk builds it on every node. Only
+the elements of pieces are ever read back; padding is never read.
+
+Note [gathered before published]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [reduced before stepped] (roundpipe.coordinator.training.multinode) holds for the
+shard: the optimizer steps layer l of step k once ``reduced[l] >= k``, reading only its
+own elements of the slot, which hold the sum over the nodes. Then ``version[l] = k``
+is stored only after the all-gather of l's step-k weights has written every node's
+pieces into params[k % 2]: so every reader of version k (the next forward, a backward
+that reuses the grads slot, Note [gradient buffer]) sees the whole tensor, and the grads
+slot with the reduced shard is not overwritten before the step read it. The all-gathers
+are issued by the optimizer thread in descending layer order on every node (the layers
+the optimizer steps together are always a prefix of the layers left, in descending
+order, because the reducer reduces in that order), on a process group of their own
+(``JobGroup.pg_gather``), so that they never interleave with the reducer thread's
+reduce-scatters on the job's group; each arrives first as any collective (Note [arrive
+before a collective]).
+
+Note [sharded checkpoint]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint stays free of topology (Note [checkpoint cut] in
+roundpipe.coordinator.training.checkpointer): it holds whole tensors, never shards. At a
+checkpoint step every node drains as rank 0 does (no background checkpoints: a layer's
+state is no longer on one node), then every node sends its pieces of the masters and
+moments to rank 0, one layer at a time (``gather_full``), and rank 0 writes the same
+files a replicated job writes (bitwise, tests/test_multinode_sharded.py), atomically
+(Note [atomic checkpoint]): a node lost during the gather fails the collective before
+anything is written, and one lost while rank 0 writes is noticed only afterwards, so
+the previous checkpoint stays intact either way (tests/test_multinode_sharded.py kills
+a node in the middle of the gather with the fault point below). The cost: rank 0 holds the whole
+masters and moments (12 bytes per trainable parameter) while it writes, and the other
+nodes wait for it. Resuming, rank 0 reads the whole state and broadcasts it layer by
+layer; each node keeps its pieces (``GroupMember.sync``), so a checkpoint of any
+topology resumes sharded, and a sharded one on any topology. The final model is
+gathered the same way, masters only, for rank 0 to export.
+
+Fault point (tests, docs/fault-tolerance.md): ``ROUNDPIPE_GATHER_FAULT="kill@NAME"`` in a
+coordinator's environment SIGKILLs it in the middle of the gather called NAME (after its
+first layer), e.g. ``kill@checkpoint/4`` for the checkpoint of step 4.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["ALIGN", "GATHER_FAULT_ENV", "Collectives", "ZeroShards", "piece", "span"]
+
+
+class Collectives(Protocol):
+    """What the shards need of a job's group (roundpipe.coordinator.training.multinode's
+    ``JobGroup``): collectives that arrive first (Note [arrive before a collective])."""
+
+    def reduce_scatter(
+        self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
+    ) -> None: ...
+
+    def all_gather(
+        self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
+    ) -> None: ...
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gathered: list[torch.Tensor] | None,
+        name: str,
+        count: int,
+        what: str,
+    ) -> None: ...
+
+
+log = logging.getLogger(__name__)
+
+GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
+ALIGN = 256
+"""Pieces start on multiples of this many elements (Note [shard boundaries])."""
+
+
+def span(numel: int, world_size: int) -> int:
+    """Elements per rank of a tensor of ``numel`` elements (a multiple of ALIGN)."""
+    per_rank = -(-numel // world_size)
+    return -(-per_rank // ALIGN) * ALIGN
+
+
+def piece(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The flat element range ``[lo, hi)`` rank ``rank`` owns (Note [shard boundaries])."""
+    s = span(numel, world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("a sharded tensor must be contiguous")
+    return t.view(-1)
+
+
+class ZeroShards:
+    """This node's shard of a job's trainable tensors, and the collectives that move
+    gradients and weights between the shards (module docstring)."""
+
+    def __init__(self, group: Collectives | None, rank: int, world_size: int, transport: str):
+        self.group = group
+        self.rank, self.world_size = rank, world_size
+        self.transport = getattr(torch, transport)
+        """The dtype gradients are reduced in (``train.grad_transport``)."""
+        self._scratch: dict[str, torch.Tensor] = {}
+        self.bytes_reduced = 0
+        """Bytes this node sent into reduce-scatters so far (its whole buffer)."""
+        self.bytes_gathered = 0
+
+    # -- pieces -----------------------------------------------------------------------
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        """This node's piece of ``t``: a flat view (empty when it owns none)."""
+        lo, hi = piece(t.numel(), self.rank, self.world_size)
+        return _flat(t)[lo:hi]
+
+    def chunk_numel(self, tensors: Sequence[torch.Tensor]) -> int:
+        return sum(span(t.numel(), self.world_size) for t in tensors)
+
+    def shard_masters(
+        self, masters: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """This node's pieces of the fp32 masters, as tensors of their own (copies: the
+        full masters can then be freed). Every layer and name is present; a piece this
+        node does not own is an empty tensor."""
+        return {
+            layer: {name: self.own(t).clone() for name, t in per.items()}
+            for layer, per in masters.items()
+        }
+
+    def pack(
+        self, tensors: Sequence[torch.Tensor], out: torch.Tensor, ranks: Sequence[int]
+    ) -> None:
+        """Copy the pieces of ``ranks`` of ``tensors`` into the rank-major ``out`` (whose
+        chunks are for ``range(W)``, or the one chunk of ``ranks == [r]`` when ``out``
+        is a single chunk)."""
+        chunk = self.chunk_numel(tensors)
+        single = out.numel() == chunk
+        for r in ranks:
+            base = 0 if single else r * chunk
+            offset = 0
+            for t in tensors:
+                lo, hi = piece(t.numel(), r, self.world_size)
+                out[base + offset : base + offset + hi - lo].copy_(_flat(t)[lo:hi])
+                offset += span(t.numel(), self.world_size)
+
+    def unpack(
+        self, src: torch.Tensor, tensors: Sequence[torch.Tensor], ranks: Sequence[int]
+    ) -> None:
+        """The reverse of :meth:`pack`: ranks' pieces from ``src`` into ``tensors``."""
+        chunk = self.chunk_numel(tensors)
+        single = src.numel() == chunk
+        for r in ranks:
+            base = 0 if single else r * chunk
+            offset = 0
+            for t in tensors:
+                lo, hi = piece(t.numel(), r, self.world_size)
+                _flat(t)[lo:hi].copy_(src[base + offset : base + offset + hi - lo])
+                offset += span(t.numel(), self.world_size)
+
+    def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch buffer of at least ``numel`` elements, reused (one per role: each
+        role is used by one thread)."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._scratch[key] = torch.zeros(numel, dtype=dtype)
+        return buf[:numel]
+
+    # -- collectives ------------------------------------------------------------------
+
+    def reduce_scatter(
+        self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str
+    ) -> None:
+        """Sum this node's pieces of ``tensors`` over the nodes, in place (the other
+        elements are left as they were). The reducer thread's."""
+        assert self.group is not None
+        w, chunk = self.world_size, self.chunk_numel(tensors)
+        flat = self._buffer("rs-in", w * chunk, self.transport)
+        out = self._buffer("rs-out", chunk, self.transport)
+        self.pack(tensors, flat, range(w))
+        self.group.reduce_scatter(out, flat, name, count, what)
+        self.unpack(out, tensors, [self.rank])
+        self.bytes_reduced += flat.numel() * flat.element_size()
+
+    def all_gather(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
+        """Fill the other nodes' pieces of ``tensors`` (the updated weights) from them.
+        The optimizer thread's (Note [gathered before published])."""
+        assert self.group is not None and tensors
+        w, chunk = self.world_size, self.chunk_numel(tensors)
+        dtype = tensors[0].dtype
+        mine = self._buffer("ag-in", chunk, dtype)
+        flat = self._buffer("ag-out", w * chunk, dtype)
+        self.pack(tensors, mine, [self.rank])
+        self.group.all_gather(flat, mine, name, count, what)
+        self.unpack(flat, tensors, [r for r in range(w) if r != self.rank])
+        self.bytes_gathered += flat.numel() * flat.element_size()
+
+    def gather_full(
+        self,
+        pieces: Mapping[int, Sequence[tuple[str, torch.Tensor, torch.Size]]],
+        name: str,
+        what: str,
+    ) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Rank 0 gets whole fp32 tensors whose pieces every node holds (a checkpoint's
+        masters and moments, the final model's masters): ``pieces`` is, per layer, a
+        list of ``(key, this node's piece, the whole tensor's shape)``. Returns
+        ``{layer: {key: whole tensor}}`` at rank 0, None elsewhere. One gather per
+        layer, so the other nodes hold one layer's buffer at a time."""
+        assert self.group is not None
+        w = self.world_size
+        full: dict[int, dict[str, torch.Tensor]] = {}
+        for i, layer in enumerate(sorted(pieces)):
+            entries = [(key, own, torch.Size(shape)) for key, own, shape in pieces[layer]]
+            chunk = sum(span(shape.numel(), w) for _, _, shape in entries)
+            mine = torch.zeros(chunk, dtype=torch.float32)
+            offset = 0
+            for _, own, shape in entries:
+                mine[offset : offset + own.numel()].copy_(own)
+                offset += span(shape.numel(), w)
+            gathered = [torch.empty(chunk) for _ in range(w)] if self.rank == 0 else None
+            self.group.gather(mine, gathered, name, i + 1, what)
+            if i == 0 and os.environ.get(GATHER_FAULT_ENV) == f"kill@{name}":
+                log.error("[multinode] %s: killed in gather %s", GATHER_FAULT_ENV, name)
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of the gather
+            if gathered is None:
+                continue
+            per = full[layer] = {key: torch.empty(shape) for key, _, shape in entries}
+            for r in range(w):
+                offset = 0
+                for key, _, shape in entries:
+                    lo, hi = piece(shape.numel(), r, w)
+                    per[key].view(-1)[lo:hi].copy_(gathered[r][offset : offset + hi - lo])
+                    offset += span(shape.numel(), w)
+        return full if self.rank == 0 else None

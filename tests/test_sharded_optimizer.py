@@ -1,0 +1,106 @@
+"""Sharded optimizer state (roundpipe.coordinator.training.sharded_optimizer): the shard
+boundaries, the rank-major buffers, and a step over pieces that is bitwise the step over
+whole tensors (Note [shard boundaries]). The group's end-to-end runs are in
+tests/test_multinode_sharded.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer, LRSchedule
+from roundpipe.coordinator.training.sharded_optimizer import ALIGN, ZeroShards, piece, span
+
+# Sizes around the alignment and the kernels' 16-element tails; one tiny tensor that
+# the last ranks own nothing of.
+SIZES = {"a.weight": (37, 29), "b.weight": (4097,), "norm.weight": (64,), "c.bias": (1,)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_pieces_cover_every_element_once_on_aligned_starts(world_size: int) -> None:
+    for numel in (1, 15, 16, 255, 256, 257, 1000, 4097, 100_000):
+        ranges = [piece(numel, r, world_size) for r in range(world_size)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == numel
+        for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+            assert hi == lo  # contiguous, in rank order
+        for lo, hi in ranges:
+            assert lo % ALIGN == 0 or lo == numel
+            assert hi - lo <= span(numel, world_size)
+            assert (hi - lo) % ALIGN == 0 or hi == numel  # a short piece ends the tensor
+
+
+def test_rank_major_buffers_round_trip() -> None:
+    """Packing every rank's pieces and unpacking them gives the tensors back; a single
+    chunk carries one rank's pieces; padding is never read back."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in SIZES.values()]
+    for w in (2, 3):
+        shards = [ZeroShards(None, r, w, "float32") for r in range(w)]
+        chunk = shards[0].chunk_numel(tensors)
+        flat = torch.full((w * chunk,), float("nan"))
+        shards[0].pack(tensors, flat, range(w))
+        back = [torch.zeros_like(t) for t in tensors]
+        shards[0].unpack(flat, back, range(w))
+        assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+        for r, sh in enumerate(shards):
+            mine = torch.zeros(chunk)
+            sh.pack(tensors, mine, [r])
+            assert torch.equal(mine, flat[r * chunk : (r + 1) * chunk].nan_to_num(0.0))
+
+
+def _optimizer(masters, kernel: str, algorithm: str) -> LayerwiseOptimizer:
+    return LayerwiseOptimizer(
+        masters,
+        schedule=LRSchedule(lr=3e-3, schedule="cosine", warmup_steps=1, total_steps=5),
+        weight_decay=0.1,
+        no_decay=("bias", "norm"),
+        kernel=kernel,
+        algorithm=algorithm,
+        momentum=0.9 if algorithm == "sgd" else 0.0,
+        threads=2,
+    )
+
+
+@pytest.mark.parametrize(
+    "kernel,algorithm", [("auto", "adamw"), ("torch", "adamw"), ("torch", "sgd")]
+)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_step_over_pieces_is_bitwise_the_whole_step(
+    kernel: str, algorithm: str, world_size: int
+) -> None:
+    """W optimizers, each over its pieces of the masters, fed the pieces of the same
+    gradients, write bitwise the masters and bf16 weights of one optimizer over the
+    whole tensors, step after step."""
+    torch.manual_seed(1)
+    whole = {0: {n: torch.randn(s) for n, s in SIZES.items()}, 1: {"d.weight": torch.randn(300)}}
+    shards = [ZeroShards(None, r, world_size, "float32") for r in range(world_size)]
+    parts = [sh.shard_masters(whole) for sh in shards]
+    reference = _optimizer(whole, kernel, algorithm)
+    sharded = [_optimizer(p, kernel, algorithm) for p in parts]
+    for step in range(1, 5):
+        grads = {
+            layer: {n: torch.randn_like(t) for n, t in per.items()} for layer, per in whole.items()
+        }
+        outs = {
+            layer: {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in per.items()}
+            for layer, per in whole.items()
+        }
+        sharded_outs = {
+            layer: {n: torch.empty_like(t) for n, t in per.items()} for layer, per in outs.items()
+        }
+        reference.step_layers(grads, step, outs=outs)
+        for sh, opt in zip(shards, sharded):
+            opt.step_layers(
+                {i: {n: sh.own(g.clone()) for n, g in per.items()} for i, per in grads.items()},
+                step,
+                outs={i: {n: sh.own(o) for n, o in per.items()} for i, per in sharded_outs.items()},
+            )
+        for layer, per in whole.items():
+            for n, master in per.items():
+                joined = torch.cat([p[layer][n] for p in parts])
+                assert torch.equal(
+                    joined.view(-1).view(torch.int32), master.view(-1).view(torch.int32)
+                ), (step, n)
+                assert torch.equal(
+                    sharded_outs[layer][n].view(torch.int16), outs[layer][n].view(torch.int16)
+                )
