@@ -23,8 +23,7 @@ empty). Why per tensor and not per layer: a tied alias (the LM head's contributi
 the embedding's gradient, Note [tied embeddings] in roundpipe.shared.model) has the
 owner's shape but lives in another layer, and the two must be summed element by element
 on the node that owns those elements; per tensor both split alike. Names are kept, so
-weight decay (by name) is unchanged. Why GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
-ALIGN = 256: both AdamW kernels treat a
+weight decay (by name) is unchanged. Why ALIGN = 256: both AdamW kernels treat a
 tensor's last ``numel % 16`` elements differently from the rest (Note [compiled AdamW
 kernel], torch's scalar tail loop), so a piece must start on a 16-element boundary and
 end either on one or at the tensor's end: then every element gets the arithmetic it
