@@ -180,3 +180,45 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: 
         status = handle.wait(timeout_s=300)
         assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
     assert_params_match(load_output(tmp_path / "out"), oracle_train(spec))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "collective",
+    ["grad/3#3", "weights/3#3"],
+    ids=["in-a-reduce-scatter", "in-a-weights-all-gather"],
+)
+def test_a_node_lost_inside_a_training_collective_pauses_and_resumes_exactly(
+    tmp_path: Path, collective: str
+) -> None:
+    """Node 1 dies where rank 0 is inside step 3's reduce-scatter of layer 3's gradient,
+    or inside the all-gather of its updated weights (ROUNDPIPE_COLLECTIVE_FAULT): rank 0
+    pauses the job naming node 1 instead of hanging, and `resume` continues from the
+    checkpoint of step 2 on rank 0 alone to the oracle's model."""
+    from runtime_helpers import oracle_train
+
+    spec = variant(
+        tiny_spec(tmp_path / "x", steps=4, num_microbatches=4),
+        tmp_path / "out",
+        optimizer_sharding="sharded",
+    )
+    with local_group(
+        tmp_path,
+        "mn-shard-coll",
+        timeout_s=5,
+        check_exit=False,
+        env={1: {"ROUNDPIPE_COLLECTIVE_FAULT": f"kill@{collective}"}},
+        client_timeout_s=120,
+    ) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        status = handle.wait(timeout_s=120)
+        assert status.state == "paused", f"{status.message}\n{rank0.logs()}"
+        assert "node 1" in status.message and "roundpipe resume" in status.message
+        assert rank1.coordinator.proc.wait(timeout=30) == -9
+        assert "killed entering" in rank1.coordinator.tail(200_000)
+        latest = (tmp_path / "out" / "checkpoints" / "latest").read_text().strip()
+        assert latest == "step-00000002"
+        handle.resume()
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+    assert_params_match(load_output(tmp_path / "out"), oracle_train(spec))

@@ -67,6 +67,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -94,6 +95,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+COLLECTIVE_FAULT_ENV = "ROUNDPIPE_COLLECTIVE_FAULT"
+"""Test point (docs/fault-tolerance.md): ``kill@NAME#COUNT`` in a coordinator's
+environment SIGKILLs it right after every node arrived at the COUNT-th collective NAME
+of a job (``grad/L``: layer L's gradient reduction, ``weights/L``: its sharded weights'
+all-gather), so the others are inside the collective when it dies."""
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
 """Default ``--dist-timeout``: how long a node may be silent (no heartbeat, or stuck in a
@@ -496,6 +503,13 @@ class JobGroup:
         """Wait until every node has arrived at collective ``name`` for the ``count``-th
         time. Raises InterruptedError if this job was stopped here, GroupError if another
         node left or went silent. A long wait is reported (``waiting``, the log)."""
+        self._arrive(name, count, what)
+        # Test point: this node dies where every other node has entered the collective.
+        if os.environ.get(COLLECTIVE_FAULT_ENV) == f"kill@{name}#{count}":
+            log.error("[multinode] %s: killed entering %s", COLLECTIVE_FAULT_ENV, what)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _arrive(self, name: str, count: int, what: str) -> None:
         key = f"arrive/{name}"
         target = count * self.world_size
         if int(self.store.add(key, 1)) >= target:
