@@ -113,7 +113,9 @@ def oracle_train(
     with (a bitsandbytes checkpoint's base: its codes dequantised)."""
     lora = spec.lora.model_settings() if spec.lora is not None else None
     if spec.model.path is not None:  # the checkpoint's weights, fresh adapters as load does
-        layered = LayeredModel.from_hf_dir(spec.model.path, lora)
+        layered = LayeredModel.from_hf_dir(
+            spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
+        )
     else:
         layered = LayeredModel(model_config_from_spec(spec.model), lora)
 

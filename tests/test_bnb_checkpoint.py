@@ -123,6 +123,8 @@ def test_lora_on_the_checkpoint_matches_the_loop_over_its_dequantised_base(
         layout = trainer.layout
         # The base sits in the params arena as the checkpoint's codes.
         assert any(n.endswith(PART_SEP + "codes") for per in layout.params.values() for n in per)
+        trainer.export(tmp_path / "export")  # the adapter, in peft's format
+    assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
     oracle = oracle_train(spec, dequantized_base=True)
     lora_only = {n: t for n, t in runtime.items() if ".lora_" in n}
     assert lora_only
