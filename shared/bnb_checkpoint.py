@@ -32,6 +32,9 @@ weight's element count, ``<w>`` its key, ``<m>`` its module's):
   and, with double quantisation, ``nested_blocksize``, ``nested_dtype`` and
   ``nested_offset`` (the fp32 offset as a decimal: it reads back exactly).
 - The weight is ``quant_map[index] * absmax[block]`` in fp32, then cast to ``dtype``.
+  Blocks cut the flattened weight, so a row may end inside one. (bitsandbytes 0.50's
+  CPU dequantisation kernel cuts them per row when a row's length is not a multiple of
+  64, unlike its quantiser and its reference torch path; we follow the latter.)
 
 8-bit (``load_in_8bit``): ``<w>`` int8 of the weight's shape, ``<m>.SCB`` fp32 ``[rows]``
 (each row's absmax: one per output channel) and ``<m>.weight_format`` (uint8 scalar, 0:
