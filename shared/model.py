@@ -34,6 +34,7 @@ holds real weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.shared.bnb_checkpoint import bnb_format, is_bnb, is_quantised, read_parts
 from roundpipe.shared.families import (
     MASK_OF_LAYER_TYPE,
     Family,
@@ -55,7 +57,7 @@ from roundpipe.shared.families import (
     supported_architectures,
 )
 from roundpipe.shared.quant_format import QUANTIZATIONS, QuantFormat
-from roundpipe.shared.quantized_base import QuantizedBase
+from roundpipe.shared.quantized_base import QuantizedBase, part_name
 
 __all__ = [
     "ALL_LINEAR",
@@ -137,6 +139,7 @@ _LORA_KEYS = (
     "base_quantization",
     "double_quantization",
     "int8_scales",
+    "base_layout",
 )
 
 
@@ -160,6 +163,9 @@ class LoraSettings:
     """nf4: the block absmaxes in 8 bits too (QLoRA's double quantisation)."""
     int8_scales: str = "per_channel"
     """int8: one absmax per row (``per_channel``) or per 64 elements (``per_block``)."""
+    base_layout: str = "roundpipe"
+    """``bitsandbytes``: the base is a bitsandbytes checkpoint's codes, not quantised at
+    load (set from the checkpoint by ``with_checkpoint``; Note [bitsandbytes checkpoint])."""
 
     def __post_init__(self) -> None:
         tm = self.target_modules
@@ -189,6 +195,33 @@ class LoraSettings:
             self.base_quantization,
             double_quant=bool(self.double_quantization),
             int8_scales=self.int8_scales,
+            layout=self.base_layout,
+        )
+
+    def with_checkpoint(self, quant_config: Any) -> LoraSettings:
+        """These settings on a checkpoint with ``quant_config`` (its
+        ``quantization_config``, or None): a bitsandbytes checkpoint's own quantisation
+        becomes the base's (Note [bitsandbytes checkpoint]); ValueError if the settings
+        ask for another."""
+        if not is_bnb(quant_config):
+            return self
+        fmt = bnb_format(quant_config)
+        ours = self.quant_format()
+        if ours is not None and dataclasses.replace(ours, layout=fmt.layout) != fmt:
+            raise ValueError(
+                f"lora.base_quantization: {self.base_quantization} (double_quantization: "
+                f"{ours.double_quant}, int8_scales: {ours.int8_scales}) conflicts with the "
+                f"checkpoint, which bitsandbytes quantised as {fmt.kind}"
+                + (f" (double_quantization: {fmt.double_quant})" if fmt.kind == "nf4" else "")
+                + ": omit lora.base_quantization (the checkpoint decides), or point "
+                "model.path at the unquantised checkpoint"
+            )
+        return dataclasses.replace(
+            self,
+            base_quantization=fmt.kind,
+            double_quantization=fmt.double_quant,
+            int8_scales=fmt.int8_scales,
+            base_layout=fmt.layout,
         )
 
     @classmethod
@@ -222,6 +255,8 @@ class LoraSettings:
             out["base_quantization"] = self.base_quantization
             out["double_quantization"] = self.double_quantization
             out["int8_scales"] = self.int8_scales
+        if self.base_layout != "roundpipe":
+            out["base_layout"] = self.base_layout
         return out
 
     def peft_config(self) -> Any:
@@ -293,6 +328,14 @@ class LayeredModel:
         self._check_config()
         if lora is not None and not isinstance(lora, LoraSettings):
             lora = LoraSettings.from_mapping(lora)
+        quant_config = getattr(self.config, "quantization_config", None)
+        if lora is not None:
+            lora = lora.with_checkpoint(quant_config)
+        elif is_bnb(quant_config):
+            raise ValueError(
+                "this checkpoint is quantised by bitsandbytes: its weights are frozen codes, "
+                "so it trains only with LoRA (full fine-tuning is refused)"
+            )
         self.lora: LoraSettings | None = lora
         self.source_dir = Path(source_dir) if source_dir is not None else None
         # The family's default (SDPA; eager where transformers has no SDPA path, as for
@@ -659,11 +702,15 @@ class LayeredModel:
         layout HF writes by default and the fused 3-D expert tensors. With LoRA the base
         weights come from the directory and the adapters are freshly initialised as peft
         does by default (A: Kaiming-uniform from a generator seeded with ``seed``, B: 0).
+        A bitsandbytes checkpoint's quantised base comes as its parts, not cast to
+        ``dtype`` (Note [bitsandbytes checkpoint] in roundpipe.shared.bnb_checkpoint).
         """
         path = Path(hf_dir) if hf_dir is not None else self.source_dir
         if path is None:
             raise ValueError("load_weights needs hf_dir: this model was not built from a dir")
         reader = _SafetensorsDir(path)
+        qb = self.quantized_base
+        bnb = qb if qb is not None and qb.format.bnb else None
         gen = torch.Generator().manual_seed(seed)
         out: dict[int, dict[str, torch.Tensor]] = {}
         missing: list[str] = []
@@ -676,6 +723,16 @@ class LayeredModel:
                     t = _init_lora_tensor(s, gen)
                 else:
                     key = _strip_peft(s.name).replace(".base_layer.", ".")
+                    if bnb is not None:  # Note [bitsandbytes checkpoint]
+                        if s.name in bnb.shapes:
+                            parts = read_parts(reader.raw, key, bnb.format, s.shape)
+                            out[layer].update((part_name(s.name, p), t) for p, t in parts.items())
+                            continue
+                        if is_quantised(reader.raw, key):
+                            parts = read_parts(reader.raw, key, bnb.format, s.shape)
+                            t = bnb.format.dequantize(parts, s.shape, torch.float32)
+                            out[layer][s.name] = t.to(dtype)
+                            continue
                     t = reader.get(key)
                     if t is None and self.dequantize_mxfp4:
                         t = reader.mxfp4(key)
@@ -804,7 +861,7 @@ class _SafetensorsDir:
         """``key`` dequantised from its MXFP4 ``_blocks`` / ``_scales`` (None if absent),
         by transformers' own conversion: fp4 (e2m1) pairs per byte, low nibble first,
         times 2^(scale - 127) per 32 values, transposed to the expert tensors' layout."""
-        blocks, scales = self._raw(f"{key}_blocks"), self._raw(f"{key}_scales")
+        blocks, scales = self.raw(f"{key}_blocks"), self.raw(f"{key}_scales")
         if blocks is None or scales is None:
             return None
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -812,12 +869,12 @@ class _SafetensorsDir:
         # Every fp4 value times a power of two is exact in bf16 (and so in fp32).
         return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
 
-    def _raw(self, key: str) -> torch.Tensor | None:
+    def raw(self, key: str) -> torch.Tensor | None:
         h = self._where.get(key)
         return None if h is None else h.get_tensor(key)
 
     def get(self, key: str) -> torch.Tensor | None:
-        t = self._raw(key)
+        t = self.raw(key)
         if t is not None:
             return t
         m = _FUSED_EXPERTS_RE.match(key)
@@ -834,10 +891,10 @@ class _SafetensorsDir:
         parts: list[torch.Tensor] = []
         for e in experts:
             if which == "down_proj":
-                t = self._raw(f"{base}.{e}.down_proj.weight")
+                t = self.raw(f"{base}.{e}.down_proj.weight")
             else:
-                gate = self._raw(f"{base}.{e}.gate_proj.weight")
-                up = self._raw(f"{base}.{e}.up_proj.weight")
+                gate = self.raw(f"{base}.{e}.gate_proj.weight")
+                up = self.raw(f"{base}.{e}.up_proj.weight")
                 t = None if gate is None or up is None else torch.cat([gate, up], dim=0)
             if t is None:
                 return None

@@ -26,6 +26,14 @@ index but the last, so one scale per output channel of a linear weight) or each 
 ``NF4_BLOCK`` flat elements (``per_block``) is scaled by ``127 / absmax`` and rounded to
 an int8 in [-127, 127]. Dequantised: ``code * (absmax / 127)`` in fp32, then cast.
 
+``layout: bitsandbytes`` -- the same two formats as a bitsandbytes checkpoint stores them
+(read by roundpipe.shared.bnb_checkpoint, Note [bitsandbytes checkpoint]; never quantised
+here). Its nf4 parts are those above plus the code tables the checkpoint carries (``code``,
+16 fp32, and with double quantisation ``absmax_code``, 256 fp32: bitsandbytes' dynamic map
+differs from ``dynamic_code()`` in the last bit of a few values); its int8 is
+``per_channel`` and dequantises as ``(code * absmax) * fp32(1/127)``, bitsandbytes' order
+of the operations, so that the weights are bit for bit the ones bitsandbytes computes.
+
 A quantised tensor is a dict of named *parts* (plain tensors), so that the arenas, the
 protocol and the transfer engines carry it as they carry any weight: ``parts(shape)``
 says their dtypes and shapes, ``quantize`` fills them, ``dequantize`` reads them back.
@@ -41,6 +49,7 @@ import torch
 
 __all__ = [
     "INT8_SCALES",
+    "LAYOUTS",
     "NESTED_BLOCK",
     "NF4_BLOCK",
     "NF4_CODE",
@@ -53,6 +62,11 @@ QUANTIZATIONS = ("none", "nf4", "int8")
 """``lora.base_quantization``'s values."""
 INT8_SCALES = ("per_channel", "per_block")
 """``lora.int8_scales``'s values."""
+
+LAYOUTS = ("roundpipe", "bitsandbytes")
+"""``QuantFormat.layout``'s values: quantised here, or read from a bitsandbytes checkpoint."""
+_INV127 = float(torch.tensor(1 / 127, dtype=torch.float32))
+"""1/127 rounded to fp32: bitsandbytes multiplies int8 codes by it."""
 
 NF4_BLOCK = 64
 """Elements per NF4 absmax (and per int8 ``per_block`` scale), as QLoRA."""
@@ -162,6 +176,8 @@ class QuantFormat:
     """nf4 only: store the absmaxes in 8 bits (QLoRA's double quantisation)."""
     int8_scales: str = "per_channel"
     """int8 only: one absmax per row (``per_channel``) or per 64 elements (``per_block``)."""
+    layout: str = "roundpipe"
+    """``bitsandbytes``: the parts come from a bitsandbytes checkpoint (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("nf4", "int8"):
@@ -170,6 +186,15 @@ class QuantFormat:
             raise ValueError(
                 f"unknown int8 scales {self.int8_scales!r}: expected one of {INT8_SCALES}"
             )
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown quantised layout {self.layout!r}: expected one of {LAYOUTS}")
+        if self.bnb and self.kind == "int8" and self.int8_scales != "per_channel":
+            raise ValueError("bitsandbytes stores int8 weights with per_channel scales only")
+
+    @property
+    def bnb(self) -> bool:
+        """Parts read from a bitsandbytes checkpoint (``layout: bitsandbytes``)."""
+        return self.layout == "bitsandbytes"
 
     # -- layout ------------------------------------------------------------------------
 
@@ -187,6 +212,10 @@ class QuantFormat:
                 out["absmax_offset"] = (torch.float32, (1,))
             else:
                 out["absmax"] = (torch.float32, (nb,))
+            if self.bnb:
+                out["code"] = (torch.float32, (NF4_CODE.numel(),))
+                if self.double_quant:
+                    out["absmax_code"] = (torch.float32, (_DYNAMIC_CODE.numel(),))
             return out
         if self.int8_scales == "per_channel":
             rows = n // shape[-1] if shape else 1
@@ -204,6 +233,10 @@ class QuantFormat:
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The parts of ``w`` (any float dtype; computed in fp32 on ``w``'s device)."""
+        if self.bnb:
+            raise ValueError(
+                "a bitsandbytes-layout base is read from its checkpoint, not quantised"
+            )
         if self.kind == "nf4":
             return self._quantize_nf4(w)
         return self._quantize_int8(w)
@@ -246,7 +279,8 @@ class QuantFormat:
         if not self.double_quant:
             return parts["absmax"]
         codes = parts["absmax_codes"]
-        values = _table("dyn", codes.device)[codes.long()]
+        table = parts["absmax_code"] if self.bnb else _table("dyn", codes.device)
+        values = table[codes.long()]
         scale = parts["absmax_scale"].repeat_interleave(NESTED_BLOCK)[: codes.numel()]
         return values * scale + parts["absmax_offset"]
 
@@ -258,8 +292,10 @@ class QuantFormat:
         codes = parts["codes"]
         if self.kind == "nf4":
             idx = torch.stack([codes >> 4, codes & 0xF], dim=1).view(-1, NF4_BLOCK).long()
-            values = _table("nf4", codes.device)[idx]
+            values = (parts["code"] if self.bnb else _table("nf4", codes.device))[idx]
             w = values * self.absmax(parts).unsqueeze(1)
+        elif self.bnb:
+            w = codes.reshape(-1, codes.shape[-1]) * parts["absmax"].unsqueeze(1) * _INV127
         elif self.int8_scales == "per_channel":
             w = codes.reshape(-1, codes.shape[-1]).to(torch.float32)
             w = w * (parts["absmax"] / 127.0).unsqueeze(1)

@@ -4,7 +4,9 @@ With ``lora.base_quantization: nf4 | int8`` the coordinator quantises the frozen
 once, at load (roundpipe.shared.quant_format has the formats); the host arenas, the
 uploads and the workers carry the quantised *parts* and each worker dequantises a
 layer's weights into the compute dtype just before that layer runs
-(roundpipe.worker.executor).
+(roundpipe.worker.executor). A LoRA job on a bitsandbytes-quantised checkpoint takes its
+codes as the parts instead, as they are (Note [bitsandbytes checkpoint] in
+roundpipe.shared.bnb_checkpoint); from there on nothing differs.
 
 Note [quantised base]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -100,7 +102,8 @@ class QuantizedBase:
     # -- the coordinator: W_0 into parts, and back for export -------------------------
 
     def quantize_weights(self, weights: MutableMapping[int, MutableMapping[str, torch.Tensor]]):
-        """Replace, in place, every quantised weight of a weight set by its parts."""
+        """Replace, in place, every quantised weight of a weight set by its parts (those
+        already given as parts, as a bitsandbytes checkpoint's are, stay as they are)."""
         for per_layer in weights.values():
             for name in [n for n in per_layer if n in self.shapes]:
                 w = per_layer.pop(name)

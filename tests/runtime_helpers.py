@@ -110,13 +110,20 @@ def oracle_train(
     given, receives each step's global gradient norm (before clipping).
     ``dequantized_base``: the frozen base of a ``lora.base_quantization`` job quantised
     and dequantised once (fp32), so the loop trains on the weights the workers compute
-    with."""
-    config = model_config_from_spec(spec.model)
+    with (a bitsandbytes checkpoint's base: its codes dequantised)."""
     lora = spec.lora.model_settings() if spec.lora is not None else None
-    layered = LayeredModel(config, lora)
+    if spec.model.path is not None:  # the checkpoint's weights, fresh adapters as load does
+        layered = LayeredModel.from_hf_dir(
+            spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
+        )
+    else:
+        layered = LayeredModel(model_config_from_spec(spec.model), lora)
 
     def initial():
-        weights = layered.init_weights(spec.init_seed)
+        if spec.model.path is not None:
+            weights = layered.load_weights(seed=spec.init_seed)
+        else:
+            weights = layered.init_weights(spec.init_seed)
         if dequantized_base:
             assert layered.quantized_base is not None
             layered.quantized_base.quantize_weights(weights)

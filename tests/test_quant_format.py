@@ -170,3 +170,55 @@ def test_zero_blocks_and_refused_kinds():
         QuantFormat("fp4")
     with pytest.raises(ValueError, match="per_tensor"):
         QuantFormat("int8", int8_scales="per_tensor")
+
+
+def bnb_layout_parts(fmt: QuantFormat, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``layout: bitsandbytes`` parts made from ours: the same codes plus the tables (a
+    bitsandbytes checkpoint's are read by roundpipe.shared.bnb_checkpoint)."""
+    from roundpipe.shared.quant_format import NF4_CODE, dynamic_code
+
+    parts = QuantFormat(fmt.kind, double_quant=fmt.double_quant).quantize(w)
+    if fmt.kind == "nf4":
+        parts["code"] = NF4_CODE.clone()
+        if fmt.double_quant:
+            parts["absmax_code"] = dynamic_code()
+    return parts
+
+
+@pytest.mark.parametrize("kind, dq", [("nf4", True), ("nf4", False), ("int8", False)])
+def test_the_bitsandbytes_layout_reads_its_tables_and_order(kind, dq):
+    fmt = QuantFormat(kind, double_quant=dq, layout="bitsandbytes")
+    torch.manual_seed(0)
+    shape = (24, 40)  # rows end inside blocks: the blocks cut the flattened tensor
+    w = torch.randn(shape) * 0.02
+    parts = bnb_layout_parts(fmt, w)
+    assert {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()} == fmt.parts(shape)
+    ours = QuantFormat(kind, double_quant=dq)
+    got = fmt.dequantize(parts, shape, torch.float32)
+    if kind == "nf4":  # the same tables: the same weights
+        assert torch.equal(got, ours.dequantize(parts, shape, torch.float32))
+        # The tables are the parts', not the module's.
+        parts["code"] = parts["code"] * 2
+        assert torch.equal(fmt.dequantize(parts, shape, torch.float32), got * 2)
+    else:  # (code * absmax) * fp32(1/127), bitsandbytes' order of the operations
+        want = parts["codes"].float() * parts["absmax"].unsqueeze(1) * (1 / 127)
+        assert torch.equal(got, want)
+        assert torch.allclose(got, ours.dequantize(parts, shape, torch.float32), rtol=1e-6)
+    with pytest.raises(ValueError, match="read from its checkpoint"):
+        fmt.quantize(w)
+    with pytest.raises(ValueError, match="per_channel"):
+        QuantFormat("int8", int8_scales="per_block", layout="bitsandbytes")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, dq", [("nf4", True), ("nf4", False), ("int8", False)])
+def test_cuda_dequantises_the_bitsandbytes_layout_like_the_cpu(kind, dq):
+    fmt = QuantFormat(kind, double_quant=dq, layout="bitsandbytes")
+    torch.manual_seed(0)
+    shape = (8, 96, 128)
+    parts = bnb_layout_parts(fmt, torch.randn(shape) * 0.02)
+    on_gpu = {k: v.cuda() for k, v in parts.items()}
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = fmt.dequantize(parts, shape, dtype)
+        assert torch.equal(cpu, fmt.dequantize(on_gpu, shape, dtype).cpu())

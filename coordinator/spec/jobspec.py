@@ -505,31 +505,33 @@ def _model_errors(
 
 def _check_quantised_checkpoint(e: Problems, spec: JobSpec, quant: Any) -> None:
     """A checkpoint that bitsandbytes quantised (``load_in_4bit`` / ``load_in_8bit``)
-    cannot be fully fine-tuned: its weights are frozen codes. Reading its codes as a LoRA
-    job's quantised base is not implemented: such a job names the unquantised checkpoint
-    and ``lora.base_quantization``, which quantises once at load."""
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-    method = method if method is not None else getattr(quant, "quant_method", None)
-    if str(getattr(method, "value", method)).lower() != "bitsandbytes":
+    cannot be fully fine-tuned: its weights are frozen codes. A LoRA job takes its codes
+    as the quantised base (Note [bitsandbytes checkpoint] in
+    roundpipe.shared.bnb_checkpoint), unless ``lora.base_quantization`` asks for another
+    quantisation or the checkpoint's has no parts here (fp4)."""
+    from roundpipe.shared.bnb_checkpoint import bnb_format, is_bnb
+    from roundpipe.shared.model import LoraSettings
+
+    if not is_bnb(quant):
         return
     if spec.lora is None:
         e.add(
             "model.path",
             "this checkpoint is quantised by bitsandbytes (quantization_config); a "
             "quantised base trains only with LoRA (its weights are frozen), so full "
-            "fine-tuning is refused: add a lora section, and point model.path at the "
-            "unquantised checkpoint",
+            "fine-tuning is refused: add a lora section (the checkpoint's codes become "
+            "its quantised base), or point model.path at the unquantised checkpoint",
         )
-    else:
-        e.add(
-            "model.path",
-            "this checkpoint is quantised by bitsandbytes (quantization_config); reading "
-            "its codes is not supported yet: point model.path at the unquantised "
-            "checkpoint and set lora.base_quantization (nf4 or int8), which quantises "
-            "the base once, at load",
-        )
+        return
+    try:
+        bnb_format(quant)
+    except ValueError as exc:
+        e.add("model.path", str(exc))
+        return
+    try:
+        LoraSettings.from_mapping(spec.lora.model_settings()).with_checkpoint(quant)
+    except ValueError as exc:
+        e.add("lora.base_quantization", str(exc).removeprefix("lora.base_quantization: "))
 
 
 def validate_against_model(
