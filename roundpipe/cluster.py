@@ -32,7 +32,7 @@ from pathlib import Path
 
 import zmq
 
-from roundpipe.client import Client
+from roundpipe.client import Client, CoordinatorUnavailable
 from roundpipe.shared.keys import (
     COORDINATOR,
     ConnectKeys,
@@ -218,8 +218,13 @@ class LocalCluster:
     def wait_for_workers(self, count: int, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if len(self.client.workers()) >= count:
-                return
+            try:
+                if len(self.client.workers()) >= count:
+                    return
+            except CoordinatorUnavailable:
+                # A coordinator just started may not answer yet: on a loaded machine its
+                # imports alone can outlast one request's timeout. Ask again until ours.
+                continue
             time.sleep(0.1)
         raise TimeoutError(
             f"{count} workers did not connect within {timeout_s:.0f}s\n{self.logs()}"
