@@ -261,6 +261,19 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         metavar="BYTES/S",
         help="between the servers, per direction (default 10 GbE: %(default)s)",
     )
+    p.add_argument(
+        "--optimizer-sharding",
+        choices=("replicated", "sharded"),
+        default="replicated",
+        help="with --nodes: the job's train.optimizer_sharding (sharded: each node holds "
+        "1/W of the fp32 masters and optimizer states; default %(default)s)",
+    )
+    p.add_argument(
+        "--grad-transport",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="with --nodes: the job's train.grad_transport (default %(default)s)",
+    )
     return p
 
 
@@ -369,6 +382,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{args.seq_len} tokens"
     )
     multinode = _multinode_prediction(model, result, args, tokens)
+    per_node = _sharded_host_memory(host, args)
     if args.json:
         doc = {
             "prediction": "simulated",
@@ -402,6 +416,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
         }
         if multinode is not None:
             doc["multinode"] = asdict(multinode)
+        if per_node is not None:
+            doc["host_memory_per_node_sharded"] = {
+                **per_node.components(),
+                "total": per_node.total,
+                "bytes_per_parameter": per_node.total / params,
+            }
         print(json.dumps(doc, indent=2))
         return 0
     print(header)
@@ -429,6 +449,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if multinode is not None:
         bandwidth = parse_quantity(args.network_bandwidth, what="--network-bandwidth")
         print(multinode.describe(bandwidth))
+    if per_node is not None:
+        print(
+            f"with the optimizer state sharded over {args.nodes} nodes, each node needs "
+            f"{per_node.describe(params)} (rank 0 holds the whole fp32 masters and states "
+            "for a moment while it writes a checkpoint)"
+        )
     if args.grid:
         print("schedule (one line per worker; '|' separates tasks):")
         print(result.simulation.grid(iteration=result.simulation.iterations))
@@ -506,6 +532,24 @@ def _multinode_prediction(
         nodes=args.nodes,
         bandwidth_bytes_per_s=parse_quantity(args.network_bandwidth, what="--network-bandwidth"),
         staleness=args.staleness,
+        sharded=args.optimizer_sharding == "sharded",
+        weight_bytes=2 if args.dtype in ("bfloat16", "float16") else 4,
+        grad_bytes=2 if args.grad_transport == "bfloat16" else 4,
+    )
+
+
+def _sharded_host_memory(host: Any, args: argparse.Namespace) -> Any:
+    """Each node's host memory with the optimizer state sharded over ``--nodes``: 1/W of
+    the fp32 masters and states (Note [shard boundaries]; rank 0 holds them whole for a
+    moment while it writes a checkpoint), else None."""
+    if args.nodes == 1 or args.optimizer_sharding != "sharded":
+        return None
+    from dataclasses import replace
+
+    return replace(
+        host,
+        masters=-(-host.masters // args.nodes),
+        moments=-(-host.moments // args.nodes),
     )
 
 

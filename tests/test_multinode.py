@@ -215,3 +215,36 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     assert plan_main([*args, "--nodes", "2", "--network-bandwidth", "100MB/s"]) == 0
     out = capsys.readouterr().out
     assert "2 nodes over 0.1 GB/s: all-reduce of" in out and "tokens/s for all nodes" in out
+
+
+def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
+    """`roundpipe plan --nodes 2 --optimizer-sharding sharded`: a reduce-scatter of the
+    gradients and an all-gather of the weights instead of the all-reduce, and each
+    node's host memory with half the fp32 masters and optimizer states."""
+    import json
+
+    from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
+    from roundpipe.plan_command import plan_main
+
+    p = predict_data_parallel(
+        iteration_s=1.0, tokens_per_iteration=1000, trainable_params=250_000_000,
+        bandwidth_bytes_per_s=1e9, nodes=4, staleness=0, sharded=True,
+        weight_bytes=2, grad_bytes=2,
+    )  # fmt: skip
+    # (W-1)/W x (2 bytes of gradient + 2 bytes of weight) x 250M = 0.75 GB
+    assert p.allreduce_s == pytest.approx(0.75) and p.step_s == pytest.approx(1.75)
+    args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
+    args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
+    args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
+    args += ["--workers", "2", "--seq-len", "128", "--flops", "1T", "--nodes", "2"]
+    assert plan_main([*args, "--optimizer-sharding", "sharded", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    whole, per_node = doc["host_memory"], doc["host_memory_per_node_sharded"]
+    assert per_node["masters"] == -(-whole["masters"] // 2)
+    assert per_node["moments"] == -(-whole["moments"] // 2)
+    assert per_node["weights"] == whole["weights"] and per_node["total"] < whole["total"]
+    assert doc["multinode"]["sharded"] is True
+    assert plan_main([*args, "--optimizer-sharding", "sharded"]) == 0
+    out = capsys.readouterr().out
+    assert "reduce-scatter of the gradients and all-gather of the weights" in out
+    assert "with the optimizer state sharded over 2 nodes, each node needs" in out

@@ -1,8 +1,9 @@
 """What ``roundpipe plan --nodes W --network-bandwidth B`` predicts: the step of W servers
 in a data-parallel group (roundpipe.coordinator.training.multinode), each running the one-node plan.
 
-The cost model is a ring all-reduce of the fp32 gradients of the trainable parameters
-over the servers' network, overlapped with the step as docs/multi-node.md describes.
+The cost model is a ring all-reduce of the gradients of the trainable parameters over the
+servers' network (sharded optimizer state: a reduce-scatter of them and an all-gather of
+the updated weights), overlapped with the step as docs/multi-node.md describes.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ class DataParallelPrediction:
 
     nodes: int
     gradient_bytes: int
-    """Bytes all-reduced per step (fp32 gradients of the trainable parameters)."""
+    """Bytes reduced per step (the gradients of the trainable parameters, in the
+    transport dtype)."""
     allreduce_s: float
-    """A ring all-reduce's time: each node sends and receives 2 (W-1)/W of the bytes."""
+    """The network time per step: a ring all-reduce sends and receives 2 (W-1)/W of the
+    gradient bytes per node; sharded, a reduce-scatter of them and an all-gather of the
+    weights, (W-1)/W of each."""
     step_s: float
     tokens_per_s: float
+    sharded: bool = False
 
     def describe(self, bandwidth: float) -> str:
+        how = (
+            "reduce-scatter of the gradients and all-gather of the weights"
+            if self.sharded
+            else "all-reduce"
+        )
         return (
-            f"{self.nodes} nodes over {bandwidth / 1e9:g} GB/s: all-reduce of "
+            f"{self.nodes} nodes over {bandwidth / 1e9:g} GB/s: {how} of "
             f"{self.gradient_bytes / 2**20:,.1f} MiB of gradients per step takes "
             f"{self.allreduce_s:.3g}s; predicted {self.step_s:.3g}s per step, "
             f"{self.tokens_per_s:,.0f} tokens/s for all nodes (global batch = {self.nodes} x "
@@ -64,5 +74,5 @@ def predict_data_parallel(
     allreduce_s = moved / bandwidth_bytes_per_s
     step_s = max(iteration_s, allreduce_s) if staleness else iteration_s + allreduce_s
     return DataParallelPrediction(
-        nodes, nbytes, allreduce_s, step_s, nodes * tokens_per_iteration / step_s
+        nodes, nbytes, allreduce_s, step_s, nodes * tokens_per_iteration / step_s, sharded
     )
