@@ -132,9 +132,10 @@ LOOP_STALL_S = 0.5
 # healthy worker silent: all of them were declared lost and killed at once (seen on a
 # loaded 2-core machine, a job's preparation stalling the loop for 2.3 s with a 2 s
 # timeout). So silence is counted only while the loop runs: a turn that took longer
-# than LOOP_STALL_S credits every worker with its length. A worker that really died
-# meanwhile is found one stall later by its heartbeats, or at once by its process (on
-# this host).
+# than LOOP_STALL_S credits every worker with its excess over LOOP_STALL_S (not its
+# whole length: were every turn slow, a whole credit would keep a frozen worker alive).
+# A worker that really died meanwhile is found one stall later by its heartbeats, or at
+# once by its process (on this host).
 WORKER_LOST_AFTER_S = 5.0  # default --worker-timeout: heartbeats missed before "lost"
 _OUTBOX = "inproc://rp-coordinator-outbox"
 
@@ -358,7 +359,10 @@ class Coordinator:
                 # no heartbeat]).
                 now = time.monotonic()
                 if now - turn_at > LOOP_STALL_S:
-                    self.workers.excuse_silence(now - turn_at)
+                    # Only the excess: under a sustained load where every turn is a little
+                    # slow, heartbeats are still heard each turn, and a frozen worker must
+                    # still be found (a little later).
+                    self.workers.excuse_silence(now - turn_at - LOOP_STALL_S)
                     if now - turn_at > 1.0:
                         log.info(
                             "[coordinator] this loop stalled for %.1fs: the workers' silence "
