@@ -119,3 +119,30 @@ def test_the_chunked_mlp_equals_the_whole_one(lora, monkeypatch) -> None:
     assert grads_c.keys() == grads_w.keys()
     for name, g in grads_w.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_capped_cpu_worker_fails_loudly_naming_the_cap() -> None:
+    """Note [CPU memory cap]: past the cap an allocation fails at once (no swapping, no
+    OOM kill) and the worker's failure message names the cap."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from roundpipe.worker import memory_cap
+cap = memory_cap.private_bytes() + 64 * 2**20
+memory_cap.apply_cpu_memory_cap(cap)
+small = torch.ones(2**20)  # 4 MiB: fits
+try:
+    torch.ones(2**26)  # 256 MiB: does not
+except RuntimeError as exc:
+    print(memory_cap.describe_failure(exc))
+else:
+    print("allocated past the cap")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "the worker's memory cap of" in out.stdout, out.stdout
+    assert "RLIMIT_DATA" in out.stdout
