@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from roundpipe.shared.long_rows import MLP_CHUNK_TOKENS as _SHARED_MLP_CHUNK_TOKENS
+
 __all__ = ["MLP_CHUNK_TOKENS", "chunked_mlp", "install"]
 
 # Note [sequence-chunked MLP]
@@ -35,7 +37,7 @@ __all__ = ["MLP_CHUNK_TOKENS", "chunked_mlp", "install"]
 # 6,144 x 2 bytes = 0.2 GB for the 1.7B however long the sequence. A row is chunked only
 # when it is longer than one chunk. An MLP with an active dropout (a LoRA dropout) is
 # left whole: its recompute would have to replay the chunks' masks.
-MLP_CHUNK_TOKENS = 4096
+MLP_CHUNK_TOKENS = _SHARED_MLP_CHUNK_TOKENS
 
 _chunk = threading.local()
 
