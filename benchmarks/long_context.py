@@ -24,7 +24,7 @@ and the sequence-chunked MLP (Note [sequence-chunked MLP]) are on from 4,096 tok
 Usage::
 
     python benchmarks/long_context.py           # cap 1.5 GiB: about 7 min on 2 cores
-    python benchmarks/long_context.py --smoke   # the same paths, cap 900 MiB, coarse
+    python benchmarks/long_context.py --smoke   # the same paths, cap 500 MiB, coarse
 
 Last line: ``RESULT max_seq_tokens=<n> predicted_over_measured=<planner / measured>``.
 """
@@ -71,7 +71,7 @@ WORKERS = 2
 SIZES = {
     # cap per worker, first length, resolution of the bisection (tokens)
     "default": dict(cap="1GiB", start=512, resolution=1024),
-    "smoke": dict(cap="600MiB", start=2048, resolution=4096),
+    "smoke": dict(cap="500MiB", start=2048, resolution=4096),
 }
 
 
