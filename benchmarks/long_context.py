@@ -137,7 +137,16 @@ class Bench:
         self.cluster = LocalCluster(
             root / "cluster",
             self.arena_dir,
-            coordinator_args=["--threads", "1", "--log-level", "WARNING"],
+            # A task of a long row on a shared 2-core machine can take minutes: the
+            # progress deadline's default floor (60 s) would fence the worker running it.
+            coordinator_args=[
+                "--threads",
+                "1",
+                "--log-level",
+                "WARNING",
+                "--task-deadline",
+                "1800",
+            ],
             client_timeout_s=120,
             allow_read=spec_read_dirs(spec),
             allow_write=[root],
