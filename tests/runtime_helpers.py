@@ -104,10 +104,15 @@ def tiny_spec(
 
 
 def oracle_train(
-    spec: JobSpec, grad_norms: list[float] | None = None, *, dequantized_base: bool = False
+    spec: JobSpec,
+    grad_norms: list[float] | None = None,
+    *,
+    dequantized_base: bool = False,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Final parameters (by name) of the plain single-process loop; ``grad_norms``, if
-    given, receives each step's global gradient norm (before clipping).
+    given, receives each step's global gradient norm (before clipping), ``losses`` each
+    step's loss (normalised over the global batch, as the runtime reports it).
     ``dequantized_base``: the frozen base of a ``lora.base_quantization`` job quantised
     and dequantised once (fp32), so the loop trains on the weights the workers compute
     with (a bitsandbytes checkpoint's base: its codes dequantised)."""
@@ -171,6 +176,7 @@ def oracle_train(
         batch = loader.batch_for_step(k)
         total = batch.num_label_tokens
         batch_tokens = sum(ids.numel() for ids, _ in batch.microbatches)
+        step_loss = 0.0
         for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
             # Position ids restart per packed document: transformers then masks
             # attention block-diagonally, as the runtime does.
@@ -184,6 +190,9 @@ def oracle_train(
                 loss = (out.loss - weighted) * (count_label_tokens(labels) / total)
                 loss = loss + weighted * (ids.numel() / batch_tokens)
             loss.backward()
+            step_loss += float(loss.detach())
+        if losses is not None:
+            losses.append(step_loss)
         grad_params = dict(grad_model.named_parameters())
         for n, p in trainable.items():
             g = grad_params[n].grad

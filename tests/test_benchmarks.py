@@ -338,3 +338,28 @@ def test_optimizer_smoke_tables_every_system_with_its_bytes() -> None:
         r"RESULT optimizer_vs_bound=\d+\.\d\d vs_torch_fused=\d+\.\d\d vs_paper_adam=nan",
         lines[-1],
     )
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_smoke() -> None:
+    """`long_context.py --smoke`: capped CPU workers through the daemons train up to a
+    length and fail loudly past it, the error naming the cap; the planner's longest
+    sequence for the cap is near the bisection's (coarse here), and every run that
+    trained stayed under the planner's per-worker figure + 10% (no timing asserted)."""
+    out = _run_benchmark("long_context.py", "--smoke", timeout_s=900)
+    m = re.fullmatch(
+        r"RESULT max_seq_tokens=([0-9]+) predicted_over_measured=([0-9.]+)",
+        out.splitlines()[-1],
+    )
+    assert m, out
+    longest, ratio = int(m.group(1)), float(m.group(2))
+    assert longest >= 4096, out
+    # The smoke's bisection stops within 4,096 tokens of a ~12K boundary.
+    assert 0.6 <= ratio <= 1.6, out
+    failure = next(line for line in out.splitlines() if line.startswith("an over-cap run"))
+    assert "the worker's memory cap of 500.0 MiB was exceeded" in failure, out
+    table = [f for f in (line.split() for line in out.splitlines()) if len(f) == 10]
+    trained = [f for f in table if f[1] == "yes"]
+    assert trained and any(f[1] == "CAP" for f in table), out
+    for f in trained:
+        assert float(f[9]) <= 1.1, f  # peak RssAnon / the planner's figure

@@ -91,7 +91,7 @@ def test_worker_timeout_names_the_counter_as_the_coordinator_does(prepared) -> N
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--cpu", "--memory-limit", "8GiB"], "--memory-limit caps GPU memory and needs --gpu N"),
+        (["--cpu", "--memory-limit", "1MiB"], "this worker already uses"),
         (["--gpu", "0", "--memory-limit", "lots"], "cannot read --memory-limit 'lots'"),
     ],
 )

@@ -55,6 +55,7 @@ from roundpipe.shared.handoff import HandoffLost
 from roundpipe.shared.keys import ConnectKeys, KeyFileError, apply_connect_keys, connect_keys
 from roundpipe.shared.polling import poll_spinning
 from roundpipe.worker.faults import FAULT_ENV, Fault, parse_fault
+from roundpipe.worker.memory_cap import apply_cpu_memory_cap, describe_failure
 from roundpipe.worker.runtime import TaskAborted, TaskInterrupted, WorkerCore
 from roundpipe.worker.transfer import TransferEngine, make_engine, parse_duration
 
@@ -408,7 +409,7 @@ class WorkerDaemon:
             attempt=task.attempt,
             worker_id=core.worker_id,
             error_type=type(exc).__name__,
-            message=str(exc),
+            message=describe_failure(exc),
             traceback=traceback.format_exc(),
             retryable=retryable,
         )
@@ -554,7 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="SIZE",
         help="with --gpu: cap this worker's GPU memory, e.g. 24GiB (emulate a smaller card, "
-        "or share one GPU between workers); the coordinator plans stages to fit it",
+        "or share one GPU between workers); the coordinator plans stages to fit it. With "
+        "--cpu: cap the worker's private memory (RLIMIT_DATA); a task that needs more fails "
+        "naming the cap",
     )
     parser.add_argument(
         "--emulate-pcie",
@@ -595,15 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_limit is not None:
         from roundpipe.shared.units import parse_quantity
 
-        if args.gpu is None:
-            print(
-                "roundpipe-worker: --memory-limit caps GPU memory and needs --gpu N; a CPU "
-                "worker computes in the coordinator's host-memory arenas",
-                file=sys.stderr,
-            )
-            return 2
         try:
             memory_limit = int(parse_quantity(args.memory_limit, what="--memory-limit"))
+            if args.gpu is None:
+                # Note [CPU memory cap]: the worker's private memory, not the arenas.
+                apply_cpu_memory_cap(memory_limit)
+                memory_limit = None  # the coordinator plans CPU workers without a limit
         except ValueError as exc:
             print(f"roundpipe-worker: {exc}", file=sys.stderr)
             return 2

@@ -22,6 +22,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from roundpipe.shared.long_rows import LONG_ROW_TOKENS as _SHARED_LONG_ROW_TOKENS
+
 __all__ = ["LONG_ROW_TOKENS", "document_spans", "long_rows"]
 
 # Note [long-row attention]
@@ -36,7 +38,7 @@ __all__ = ["LONG_ROW_TOKENS", "document_spans", "long_rows"]
 # window, with a mask of that block only. Shorter rows keep transformers' masks, so
 # everything below the threshold runs exactly as before; above it the results equal the
 # masked computation up to float rounding (the kernels sum over fewer masked keys).
-LONG_ROW_TOKENS = 4096
+LONG_ROW_TOKENS = _SHARED_LONG_ROW_TOKENS
 WINDOW_BLOCK = 1024
 
 _spans = threading.local()
@@ -85,36 +87,39 @@ def _attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.pop("sliding_window", None)
     kwargs.pop("is_causal", None)  # each call below says whether it is
-    rows, heads, seq, dim = query.shape
-    out = query.new_empty(rows, seq, heads, value.shape[-1])
+    # Documents are cut with ``split`` and the pieces joined by ``cat``, not sliced out
+    # and written into one output: under autograd each slice (and each slice assignment)
+    # would make a whole row's gradient in backward, once per document: quadratic in a
+    # row's documents.
+    per_row = []
     for b, documents in enumerate(spans):
-        for start, stop in documents:
-            if window is None or stop - start <= window:
-                piece, _ = sdpa_attention_forward(
-                    module,
-                    query[b : b + 1, :, start:stop],
-                    key[b : b + 1, :, start:stop],
-                    value[b : b + 1, :, start:stop],
-                    None,
-                    is_causal=True,
-                    **kwargs,
-                )
-                out[b : b + 1, start:stop] = piece
+        sizes = [stop - start for start, stop in documents]
+        q_docs = query[b : b + 1].split(sizes, dim=2)
+        k_docs = key[b : b + 1].split(sizes, dim=2)
+        v_docs = value[b : b + 1].split(sizes, dim=2)
+        pieces = []
+        for q, k, v in zip(q_docs, k_docs, v_docs):
+            n = q.shape[2]
+            if window is None or n <= window:
+                piece, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
+                pieces.append(piece)
                 continue
-            for q0 in range(start, stop, WINDOW_BLOCK):
-                q1 = min(q0 + WINDOW_BLOCK, stop)
-                k0 = max(start, q0 - window + 1)
+            for q0 in range(0, n, WINDOW_BLOCK):
+                q1 = min(q0 + WINDOW_BLOCK, n)
+                k0 = max(0, q0 - window + 1)
                 mask = _window_mask(q0, q1, k0, q1, window, query.device)
                 piece, _ = sdpa_attention_forward(
                     module,
-                    query[b : b + 1, :, q0:q1],
-                    key[b : b + 1, :, k0:q1],
-                    value[b : b + 1, :, k0:q1],
+                    q[:, :, q0:q1],
+                    k[:, :, k0:q1],
+                    v[:, :, k0:q1],
                     mask[None, None],
                     is_causal=False,
                     **kwargs,
                 )
-                out[b : b + 1, q0:q1] = piece
+                pieces.append(piece)
+        per_row.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+    out = per_row[0] if len(per_row) == 1 else torch.cat(per_row, dim=0)
     return out, None
 
 

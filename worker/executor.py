@@ -61,6 +61,7 @@ from torch.func import functional_call
 
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
+from roundpipe.worker import document_attention, mlp_chunks
 from roundpipe.worker.document_attention import long_rows
 from roundpipe.worker.lm_head_loss import chunked_lm_head_loss
 from roundpipe.worker.stage_context import StageContext
@@ -257,6 +258,11 @@ class StageExecutor:
             self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
         self._rotary = model.make_rotary(self.device)
         self._install_router_hooks()
+        # Note [sequence-chunked MLP]: the dense MLPs' forward wrapped once per skeleton.
+        for layer in range(1, model.num_layers - 1):
+            mlp = getattr(model.decoder_part(layer)[0], "mlp", None)
+            if isinstance(mlp, torch.nn.Module):
+                mlp_chunks.install(mlp)
         # Declared non-rotary buffers (Gemma 3's embedding scale), made once per executor.
         self._part_buffers: dict[int, dict[str, torch.Tensor]] = {}
         # Times each layer's forward (the planner's profile) when the caller sets it per
@@ -719,7 +725,16 @@ class StageExecutor:
             layer_type = model.layer_type(layer)
             kind = model.mask_kind(layer)
             spans = ctx.spans_for(kind)
-            with long_rows(spans) if spans is not None else contextlib.nullcontext():
+            # Note [sequence-chunked MLP]: rows from LONG_ROW_TOKENS on.
+            chunk = (
+                mlp_chunks.MLP_CHUNK_TOKENS
+                if x.shape[1] >= document_attention.LONG_ROW_TOKENS
+                else None
+            )
+            with (
+                long_rows(spans) if spans is not None else contextlib.nullcontext(),
+                mlp_chunks.chunked_mlp(chunk) if chunk else contextlib.nullcontext(),
+            ):
                 out = functional_call(
                     mod,
                     params,

@@ -18,6 +18,7 @@ from roundpipe.coordinator.planning.model_flops import (
 from roundpipe.coordinator.planning.simulator import (
     SimStage,
 )
+from roundpipe.shared.long_rows import mlp_chunk_tokens
 from roundpipe.shared.plan import RECOMPUTE_GRAINS, Plan
 from roundpipe.shared.units import MiB
 
@@ -202,7 +203,11 @@ def estimate_costs(
             fwd = 2 * tokens * head_params / flops + (ce_bytes / 2 + norm_bytes) / mem_bw
             bwd_flops = 2 * tokens * head_params * (2 if head_trainable else 1)
             bwd_only = bwd_flops / flops + (ce_bytes / 2 + 2 * norm_bytes) / mem_bw
-            chunk = logits_chunk_bytes + logits_chunk_bytes * d // 4
+            # One chunk's fp32 logits (no more than the tokens have), plus in a 16-bit
+            # dtype the matmul's own output and the gradient cast back (Note [chunked
+            # LM head]); in fp32 the matmul writes into the fp32 buffer.
+            logits = min(logits_chunk_bytes, tokens * vocab * 4)
+            chunk = logits + (logits * d // 4 if d != 4 else 0)
             backward = fwd + bwd_only
             work = chunk + tokens * hidden * (3 * d + 8)
             fwork = chunk + tokens * hidden * (2 * d + 4)
@@ -222,13 +227,23 @@ def estimate_costs(
             fwd = fwd_flops / flops + elementwise / mem_bw
             backward = fwd + bwd_flops / flops + 2 * elementwise / mem_bw
             qk_norm = any(".q_norm." in s.name for s in specs)
-            work = tokens * (
-                d * (2 * hidden + 3 * q_width + 4 * kv_width + 4 * inter)
+            # The MLP's intermediate: whole, or (a long row's dense MLP, Note
+            # [sequence-chunked MLP]) its input kept and one chunk's worth, recomputed
+            # and backpropagated, at a time.
+            chunk = None if moe else mlp_chunk_tokens(seq_len)
+            if chunk is None:
+                mlp_work, mlp_fwork = tokens * d * 4 * inter, tokens * d * 3 * inter
+            else:
+                rows = microbatch_rows
+                mlp_work = tokens * d * hidden + rows * chunk * d * 8 * inter
+                mlp_fwork = rows * chunk * d * 3 * inter
+            work = mlp_work + tokens * (
+                d * (2 * hidden + 3 * q_width + 4 * kv_width)
                 + 8 * hidden
                 + (4 * (q_width + kv_width) if qk_norm else 0)
                 + (4 * experts.num_experts if moe else 0)
             )
-            fwork = tokens * (d * (3 * inter + q_width + 2 * kv_width + hidden) + 4 * hidden)
+            fwork = mlp_fwork + tokens * (d * (q_width + 2 * kv_width + hidden) + 4 * hidden)
             work += dequantized
             fwork += dequantized
             name = f"model.layers.{layer - 1}"
@@ -307,12 +322,15 @@ class CostModel:
         saved tensors of autograd and the kernels' workspace: attention, the loss
         chunks), and the activations it reads and writes."""
         act = self.act
-        p = int(self._p[b] - self._p[a])
+        # A CPU worker's task reads its weights and inputs where they are, in the host
+        # arenas (``HardwareSpec.host_views``): what it holds of its own is what it makes.
+        views = self.hw.host_views
+        p = 0 if views else int(self._p[b] - self._p[a])
         if kind == "F":
             return {
                 "weights": p,
                 "working memory": self._fmax[a][b],
-                "activations": 2 * (act[a] + act[b]),
+                "activations": 2 * act[b] if views else 2 * (act[a] + act[b]),
             }
         g = int(self._g[b] - self._g[a])
         work = int(self._w[b] - self._w[a])
@@ -325,10 +343,12 @@ class CostModel:
                 parts["layer inputs"] = int(self._acts[b] - self._acts[a + 1])
             else:
                 parts["working memory"] = work
-            parts["activations"] = 3 * act[a] + 2 * act[b]
+            # The input gradient and the one flowing between layers (the stage's input
+            # and its output gradient are views on a CPU worker).
+            parts["activations"] = 2 * act[b] if views else 3 * act[a] + 2 * act[b]
         else:  # tail
             parts["working memory"] = work
-            parts["activations"] = 3 * act[a]
+            parts["activations"] = act[a] if views else 3 * act[a]
         return parts
 
     def parts(self, kind: str, a: int, b: int) -> tuple[float, int, int, int, int]:
@@ -353,6 +373,8 @@ class CostModel:
                 up = p + m * (act[a] + self.labels_bytes)
                 down = g + (m * act[a] if a > 0 else 0)
             resident = p + g
+        if self.hw.host_views:
+            resident = 0  # nothing is uploaded ahead of a task: weights stay in the arenas
         return compute, up, down, resident, run
 
     def estimate(self, kind: str, a: int, b: int, label: str) -> StageEstimate:

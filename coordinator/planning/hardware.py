@@ -38,6 +38,10 @@ class HardwareSpec:
     flops_per_s: float = 82.6e12
     """Peak dense matmul throughput of one worker, for cold-start cost estimates
     (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
+    host_views: bool = False
+    """CPU workers: a task's weights and inputs are views of the host arenas, so nothing
+    is uploaded or prefetched and a worker's own memory is what its task allocates
+    (``CostModel.memory_parts``)."""
 
     @property
     def gpu_memory_limited(self) -> bool:
@@ -93,16 +97,29 @@ _CPU_TASK_OVERHEAD_S = 2e-3
 _NO_LIMIT = 1 << 60
 
 
-def cpu_hardware(num_workers: int, bandwidth_bytes_per_s: float | None = None) -> HardwareSpec:
+def cpu_hardware(
+    num_workers: int,
+    bandwidth_bytes_per_s: float | None = None,
+    *,
+    memory_limit_bytes: int | None = None,
+    reserved_bytes: int = 0,
+) -> HardwareSpec:
     """The planner's view of ``num_workers`` CPU workers (behind an emulated bus of
-    ``bandwidth_bytes_per_s``, if they run with ``--emulate-pcie``)."""
+    ``bandwidth_bytes_per_s``, if they run with ``--emulate-pcie``). With
+    ``memory_limit_bytes`` (a worker's ``--memory-limit``: Note [CPU memory cap] in
+    roundpipe.worker.memory_cap) stages must fit it, ``reserved_bytes`` (the worker
+    process's own memory) included, counted as the worker's own memory (``host_views``:
+    a plain CPU worker computes on the arenas' views; an emulated bus copies like a
+    GPU's). Without a cap memory is not planned and its figures stay the device-style
+    bound."""
     return HardwareSpec(
         num_workers=num_workers,
-        memory_limit_bytes=_NO_LIMIT,
+        memory_limit_bytes=memory_limit_bytes or _NO_LIMIT,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s or 1e15,
-        reserved_bytes=0,
+        reserved_bytes=reserved_bytes,
         task_overhead_s=_CPU_TASK_OVERHEAD_S,
         flops_per_s=_CPU_FLOPS_PER_S,
+        host_views=memory_limit_bytes is not None and bandwidth_bytes_per_s is None,
     )
 
 

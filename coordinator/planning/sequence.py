@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from roundpipe.coordinator.planning.costs import CostModel, LayerCost
 from roundpipe.coordinator.planning.hardware import HardwareSpec
-from roundpipe.coordinator.planning.search import PlanResult, plan_stages
+from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
+from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import format_bytes
 
 __all__ = ["SequenceFit", "longest_sequence"]
@@ -57,46 +58,58 @@ def longest_sequence(
     lo: int = 2,
     hi: int,
     recompute: str = "auto",
+    plan: Plan | None = None,
 ) -> SequenceFit | None:
     """The longest sequence in ``[lo, hi]`` whose costs (``costs_for(seq_len)``) have a
-    plan on ``hw``, or None when not even ``lo`` fits."""
+    plan on ``hw`` (``plan``: whose every worker fits with that plan; ``recompute`` then
+    ``stage`` or ``layer``), or None when not even ``lo`` fits."""
     if not 1 <= lo <= hi:
         raise ValueError(f"need 1 <= lo <= hi, got {lo} and {hi}")
 
-    def plan(seq_len: int) -> PlanResult | None:
-        try:
-            return plan_stages(
+    def search(seq_len: int, select: str) -> PlanResult:
+        tokens = num_microbatches * rows * seq_len
+        if plan is not None:
+            result = evaluate_plan(
+                plan,
                 costs_for(seq_len),
                 hw,
                 num_microbatches,
-                tokens_per_iteration=num_microbatches * rows * seq_len,
+                tokens_per_iteration=tokens,
                 recompute=recompute,
-                select="objective",  # only whether one fits matters until the end
             )
+            if max(result.per_worker_memory) > hw.memory_limit_bytes:
+                raise ValueError("does not fit")
+            return result
+        return plan_stages(
+            costs_for(seq_len),
+            hw,
+            num_microbatches,
+            tokens_per_iteration=tokens,
+            recompute=recompute,
+            select=select,
+        )
+
+    def fits(seq_len: int) -> PlanResult | None:
+        try:
+            return search(seq_len, "objective")  # only whether one fits matters until the end
         except ValueError:
             return None
 
-    if plan(lo) is None:
+    if fits(lo) is None:
         return None
     good, bad = lo, hi + 1
-    if plan(hi) is not None:
+    if fits(hi) is not None:
         good = hi
     else:
         bad = hi
         while bad - good > 1:
             mid = (good + bad) // 2
-            if plan(mid) is not None:
+            if fits(mid) is not None:
                 good = mid
             else:
                 bad = mid
     costs = costs_for(good)
-    result = plan_stages(
-        costs,
-        hw,
-        num_microbatches,
-        tokens_per_iteration=num_microbatches * rows * good,
-        recompute=recompute,
-    )
+    result = search(good, "simulation")
     worst = max(result.stages, key=lambda e: e.memory_bytes)
     cm = CostModel(costs, hw, num_microbatches, result.recompute)
     parts = dict(cm.memory_parts(worst.kind, worst.start, worst.stop))

@@ -160,6 +160,7 @@ class Coordinator:
         *,
         namespace: str | None = None,
         wait_timeout_s: float = 600.0,
+        task_deadline_s: float = 60.0,
         worker_timeout_s: float = WORKER_LOST_AFTER_S,
         paths: PathPolicy | None = None,
         keys_dir: str | Path | None = None,
@@ -188,6 +189,8 @@ class Coordinator:
         # clean up each other's leftovers.
         self.namespace = namespace or _namespace_for(address)
         self.wait_timeout_s = wait_timeout_s
+        self.task_deadline_s = task_deadline_s
+        """The floor of the progress deadline (RecoveryPolicy.deadline_floor_s)."""
         self.coordinator_id = secrets.token_hex(4)
         # The I/O thread's inproc PULL: the other threads' messages to peers come in here.
         self._outbox_address = _OUTBOX + self.coordinator_id
@@ -303,6 +306,7 @@ class Coordinator:
             arena_dir=self.arena_dir,
             namespace=self.namespace,
             wait_timeout_s=self.wait_timeout_s,
+            task_deadline_s=self.task_deadline_s,
         )
         job_thread = threading.Thread(target=runner.run, name="rp-job", daemon=True)
         job_thread.start()

@@ -45,6 +45,7 @@ from roundpipe.coordinator.training.multinode import (
     JobGroup,
     NodeGroup,
 )
+from roundpipe.coordinator.training.recovery import RecoveryPolicy
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.protocol import JobState, JobTeardown, Message, StageTask, encode
 
@@ -72,6 +73,7 @@ class JobRunner:
         arena_dir: Path,
         namespace: str,
         wait_timeout_s: float,
+        task_deadline_s: float = 60.0,
     ) -> None:
         self.book = book
         self.workers = workers
@@ -87,6 +89,7 @@ class JobRunner:
         self.arena_dir = arena_dir
         self.namespace = namespace
         self.wait_timeout_s = wait_timeout_s
+        self.task_deadline_s = task_deadline_s
 
     def run(self) -> None:
         if self.group is not None and not self.group.leader:
@@ -221,6 +224,7 @@ class JobRunner:
             namespace=self.namespace,
             output_dir=Path(job.output_dir or "."),
             wait_timeout_s=self.wait_timeout_s,
+            recovery_policy=RecoveryPolicy(deadline_floor_s=self.task_deadline_s),
             paths=self.paths,
             on_event=on_event,
             group=job_group,

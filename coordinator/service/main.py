@@ -89,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a task may wait for an input before failing",
     )
     parser.add_argument(
+        "--task-deadline",
+        type=float,
+        default=60.0,
+        help="a worker with tasks in flight that completes none for this many seconds "
+        "(or 20x the job's slowest task so far, if longer) is lost and fenced (default "
+        "%(default)s; raise it for long sequences on slow or shared CPU workers)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -193,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir,
         args.arena_dir,
         wait_timeout_s=args.wait_timeout,
+        task_deadline_s=args.task_deadline,
         worker_timeout_s=args.worker_timeout,
         paths=PathPolicy.for_coordinator(state_dir, args.allow_read, args.allow_write),
         keys_dir=keys_dir,
