@@ -7,10 +7,14 @@ Set ``ROUNDPIPE_FAULT`` in a worker's environment to make it fail at a chosen po
     ROUNDPIPE_FAULT="raise@iteration=4,kind=tail"            # an exception in the task
     ROUNDPIPE_FAULT="kill@task=7,when=end"                   # after the outputs, before TaskDone
     ROUNDPIPE_FAULT="kill@kind=forward,mb=1,when=issued"     # act counter out, bytes not landed
+    ROUNDPIPE_FAULT="hold@iteration=1"                       # a task that runs until cancelled
 
 Actions: ``kill`` (SIGKILL itself: a crash), ``stop`` (SIGSTOP itself: frozen, as a stuck
 kernel or a paused VM looks from outside), ``raise`` (a Python exception: the task fails
-and is reported). Conditions (all optional, all must match): ``iteration``, ``kind``
+and is reported), ``hold`` (the task waits at the point, logging "held by ROUNDPIPE_FAULT",
+until its job is torn down, then goes on, so its own interruption checks stop it: a task
+longer than any test, cancelled at a moment the test chooses; not with ``when=issued``).
+Conditions (all optional, all must match): ``iteration``, ``kind``
 (forward / tail / backward), ``task`` (task id), ``layer`` (the stage starts at it),
 ``mb`` (microbatch index; the fault fires when that microbatch starts), ``when``
 (``start`` of the task, ``mb`` start (default when ``mb`` is given), ``end``: after
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 __all__ = ["FAULT_ENV", "Fault", "FaultInjected", "parse_fault"]
 
 FAULT_ENV = "ROUNDPIPE_FAULT"
-_ACTIONS = ("kill", "stop", "raise")
+_ACTIONS = ("kill", "stop", "raise", "hold")
 _KEYS = ("iteration", "kind", "task", "layer", "mb", "when", "attempt", "repeat")
 
 
@@ -48,14 +52,15 @@ class Fault:
     conditions: dict[str, str]
     fired: bool = False
 
-    def point(self, where: str, *, task, mb: int | None = None) -> None:
-        """Fire if this point (``start``, ``mb``, ``issued`` or ``end``) of ``task`` matches."""
+    def point(self, where: str, *, task, mb: int | None = None) -> bool:
+        """Fire if this point (``start``, ``mb``, ``issued`` or ``end``) of ``task`` matches;
+        True if the caller must hold the task there (``hold``)."""
         if self.fired:
-            return
+            return False
         c = self.conditions
         when = c.get("when", "mb" if "mb" in c else "start")
         if when != where:
-            return
+            return False
         checks = {
             "iteration": task.iteration,
             "kind": task.kind,
@@ -64,19 +69,22 @@ class Fault:
             "attempt": task.attempt,
         }
         if "attempt" not in c and task.attempt != 0:
-            return
+            return False
         for key, value in checks.items():
             if key in c and c[key] != str(value) and not (key == "attempt" and c[key] == "any"):
-                return
+                return False
         if "mb" in c and (mb is None or c["mb"] != str(mb)):
-            return
+            return False
         self.fired = c.get("repeat") != "always"
+        if self.action == "hold":
+            return True
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raise FaultInjected(f"injected fault {self.action}@{c} fired")
+        return False
 
 
 def parse_fault(text: str | None) -> Fault | None:

@@ -516,9 +516,17 @@ class WorkerCore:
                 raise TaskAborted(str(exc)) from None
 
     def _fault_point(self, where: str, task: StageTask, mb: int | None = None) -> None:
-        if self.fault is not None:
-            self.fault.point(where, task=task, mb=mb)
+        if self.fault is not None and self.fault.point(where, task=task, mb=mb):
+            # ``hold`` (worker.faults): wait until the job is torn down, then go on, so the
+            # task's own interruption checks are what stop it.
+            log.warning("[worker] task %d held by ROUNDPIPE_FAULT", task.task_id)
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while task.job_id not in self._interrupted and time.monotonic() < deadline:
+                time.sleep(0.01)
 
+
+HOLD_LIMIT_S = 600.0
+"""The longest a ``hold`` fault holds a task (a test that never cancels still ends)."""
 
 _TASK_KEY = -1
 """Stopwatch key of a task's whole compute (layer keys are >= 0)."""
