@@ -23,7 +23,7 @@ and the sequence-chunked MLP (Note [sequence-chunked MLP]) are on from 4,096 tok
 
 Usage::
 
-    python benchmarks/long_context.py           # cap 1.5 GiB: about 7 min on 2 cores
+    python benchmarks/long_context.py           # cap 1 GiB: ~20 min on 2 shared cores
     python benchmarks/long_context.py --smoke   # the same paths, cap 500 MiB, coarse
 
 Last line: ``RESULT max_seq_tokens=<n> predicted_over_measured=<planner / measured>``.

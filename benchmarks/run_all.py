@@ -59,7 +59,7 @@ BENCHMARKS = (
     Benchmark("multinode", limit_s=300),
     Benchmark("host_memory", limit_s=240),
     Benchmark("qlora", limit_s=300),
-    Benchmark("long_context", limit_s=1200),
+    Benchmark("long_context", limit_s=2400),
     Benchmark("checkpoint", limit_s=300),
     Benchmark("gpu_throughput", limit_s=600, needs_gpu=True),
 )

@@ -380,6 +380,7 @@ class StageExecutor:
                         x, g, start, stop, bound, acc, rng, m, position_ids
                     )
                     _emit(grad_inputs, on_grad_input, m, gx)
+                    del gx, g  # not alive through the next microbatch
             return BackwardResult(grad_inputs, acc)
         with self._rng_scope(), torch.enable_grad():
             for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
@@ -394,7 +395,7 @@ class StageExecutor:
                     extra = scale * (counts * stats[1]).sum()
                 gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
                 _emit(grad_inputs, on_grad_input, m, gx)
-                del out
+                del out, gx, g
         return BackwardResult(grad_inputs, acc)
 
     def tail(
@@ -518,7 +519,9 @@ class StageExecutor:
                 elif start > 0:
                     gx = torch.zeros_like(x)
                 _emit(grad_inputs, on_grad_input, m, gx)
-                del h
+                # Nothing of this microbatch lives through the next one's forward: its
+                # input and hidden gradients are a hidden-sized tensor each.
+                del h, gx, grad_h, grad_w
         for name, _ in bound.trainable:
             # A trainable weight no token reached still gets its (zero) gradient.
             if name not in acc:
