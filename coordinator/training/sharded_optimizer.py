@@ -171,35 +171,32 @@ class ZeroShards:
             for layer, per in masters.items()
         }
 
+    def _pairs(self, tensors: Sequence[torch.Tensor], buf: torch.Tensor, ranks: Sequence[int]):
+        """``(slice of buf, that rank's piece of a tensor)`` for the pieces of ``ranks``:
+        ``buf`` is rank-major (chunks for ``range(W)``), or one chunk when ``ranks ==
+        [r]`` and ``buf`` holds a single chunk."""
+        chunk = self.chunk_numel(tensors)
+        single = buf.numel() == chunk
+        for r in ranks:
+            offset = 0 if single else r * chunk
+            for t in tensors:
+                lo, hi = piece(t.numel(), r, self.world_size)
+                yield buf[offset : offset + hi - lo], _flat(t)[lo:hi]
+                offset += span(t.numel(), self.world_size)
+
     def pack(
         self, tensors: Sequence[torch.Tensor], out: torch.Tensor, ranks: Sequence[int]
     ) -> None:
-        """Copy the pieces of ``ranks`` of ``tensors`` into the rank-major ``out`` (whose
-        chunks are for ``range(W)``, or the one chunk of ``ranks == [r]`` when ``out``
-        is a single chunk)."""
-        chunk = self.chunk_numel(tensors)
-        single = out.numel() == chunk
-        for r in ranks:
-            base = 0 if single else r * chunk
-            offset = 0
-            for t in tensors:
-                lo, hi = piece(t.numel(), r, self.world_size)
-                out[base + offset : base + offset + hi - lo].copy_(_flat(t)[lo:hi])
-                offset += span(t.numel(), self.world_size)
+        """Copy the pieces of ``ranks`` of ``tensors`` into ``out`` (see :meth:`_pairs`)."""
+        for slot, own in self._pairs(tensors, out, ranks):
+            slot.copy_(own)
 
     def unpack(
         self, src: torch.Tensor, tensors: Sequence[torch.Tensor], ranks: Sequence[int]
     ) -> None:
         """The reverse of :meth:`pack`: ranks' pieces from ``src`` into ``tensors``."""
-        chunk = self.chunk_numel(tensors)
-        single = src.numel() == chunk
-        for r in ranks:
-            base = 0 if single else r * chunk
-            offset = 0
-            for t in tensors:
-                lo, hi = piece(t.numel(), r, self.world_size)
-                _flat(t)[lo:hi].copy_(src[base + offset : base + offset + hi - lo])
-                offset += span(t.numel(), self.world_size)
+        for slot, own in self._pairs(tensors, src, ranks):
+            own.copy_(slot)
 
     def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A scratch buffer of at least ``numel`` elements, reused (one per role: each
