@@ -369,6 +369,7 @@ def main() -> None:
     parser.add_argument("--memory-limit", default="24GiB", help="per worker / process")
     parser.add_argument("--paper-site", default="/tmp/ref", help="where the paper's wheel is")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workdir", help="keep data and daemon logs here (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU workers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -390,7 +391,7 @@ def main() -> None:
 
     device = "cpu" if args.smoke else "cuda:0"
     peak = _child("peak", {"device": device, "dtype": args.dtype})["flops_per_s"]
-    root = Path(tempfile.mkdtemp(prefix="rp-gpu-bench-"))
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rp-gpu-bench-"))
     print(
         f"device {device}, measured {args.dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
         f"sequence {args.seq_len}, {args.microbatches} microbatches x {args.rows} row(s), "
@@ -413,6 +414,10 @@ def main() -> None:
                 results[system] = run_system(system, name, spec, args, workdir)
             except Exception as exc:  # one failing system must not hide the others
                 results[system] = Result(note=f"failed: {str(exc).splitlines()[0][:300]}")
+            # each system's figure as soon as it is known: a run stopped by a time limit
+            # keeps the systems that finished
+            r = results[system]
+            print(f"# {name} {system}: tokens/s {r.tokens_per_s} {r.note}", flush=True)
         paper = results.get("paper")
         for system, r in results.items():
             tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"

@@ -54,6 +54,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+repo=$(pwd)
+rundir=$(mktemp -d -t gpu-check-XXXX)
 export GPU_CHECK_OUT=$out
 export PYTHONUNBUFFERED=1
 
@@ -62,8 +65,11 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import zmq, msgspec" 2>/dev/nu
     --target /tmp/site .whl/*.whl || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 2; }
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# Without an installed checkout (the bare GPU machine), install this tree, offline.
-if ! python3 -c "import roundpipe.worker.transfer" 2>/dev/null; then
+# Without an installed checkout (the bare GPU machine), install this tree, offline. The
+# check runs outside the checkout: python -m puts the working directory first on sys.path,
+# where the checkout's roundpipe/ folder (the package's top level only; its subpackages
+# live in coordinator/, worker/, ...) would shadow the installed package.
+if ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/rp-site . \
     || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
   export PYTHONPATH=/tmp/rp-site:${PYTHONPATH:-}
@@ -83,7 +89,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   fi
   local started=$SECONDS
   echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  # from a neutral directory, for the reason above (every path below is absolute)
+  (cd "$rundir" && timeout --kill-after=10 "$limit" "$@") >"$out/$name.log" 2>&1
   local rc=$?
   tail -n 15 "$out/$name.log"
   echo "== $name: exit $rc in $((SECONDS - started))s"
@@ -117,33 +124,33 @@ json.dump(info, open(os.path.join(os.environ["GPU_CHECK_OUT"], "env.json"), "w")
 PY
 
 if [ $smoke -eq 1 ]; then
-  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py
-  step bandwidth 120 python3 benchmarks/bandwidth.py --smoke
-  step parity 600 python3 scripts/gpu_parity.py --smoke --steps 3 --json "$out/parity.json"
-  step overlap 600 python3 benchmarks/overlap.py --smoke
-  [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py --smoke
-  step optimizer 300 python3 benchmarks/optimizer.py --smoke --no-paper
-  step moe 300 python3 benchmarks/moe.py --smoke
-  step sync-mode 120 python3 benchmarks/sync_mode.py --no-runtime
-  [ $quick -eq 1 ] || step checkpoint 300 python3 benchmarks/checkpoint.py --smoke
+  step cuda-tests 600 python3 -m pytest -q "$repo"/tests/test_cuda.py
+  step bandwidth 120 python3 "$repo"/benchmarks/bandwidth.py --smoke
+  step parity 600 python3 "$repo"/scripts/gpu_parity.py --smoke --steps 3 --json "$out/parity.json"
+  step overlap 600 python3 "$repo"/benchmarks/overlap.py --smoke
+  [ $quick -eq 1 ] || step throughput 600 python3 "$repo"/benchmarks/gpu_throughput.py --smoke
+  step optimizer 300 python3 "$repo"/benchmarks/optimizer.py --smoke --no-paper
+  step moe 300 python3 "$repo"/benchmarks/moe.py --smoke
+  step sync-mode 120 python3 "$repo"/benchmarks/sync_mode.py --no-runtime
+  [ $quick -eq 1 ] || step checkpoint 300 python3 "$repo"/benchmarks/checkpoint.py --smoke
 else
-  step cuda-tests 600 python3 -m pytest -q tests/test_cuda.py tests/test_transfer.py \
-    tests/test_handoff.py
-  step ipc-exit 300 python3 scripts/ipc_event_after_exit.py --out "$out"
-  step bandwidth 120 python3 benchmarks/bandwidth.py
-  step parity 600 python3 scripts/gpu_parity.py --json "$out/parity.json"
-  step overlap 600 python3 benchmarks/overlap.py --iterations 2
-  [ $quick -eq 1 ] || step throughput 600 python3 benchmarks/gpu_throughput.py \
+  step cuda-tests 600 python3 -m pytest -q "$repo"/tests/test_cuda.py "$repo"/tests/test_transfer.py \
+    "$repo"/tests/test_handoff.py
+  step ipc-exit 300 python3 "$repo"/scripts/ipc_event_after_exit.py --out "$out"
+  step bandwidth 120 python3 "$repo"/benchmarks/bandwidth.py
+  step parity 600 python3 "$repo"/scripts/gpu_parity.py --json "$out/parity.json"
+  step overlap 600 python3 "$repo"/benchmarks/overlap.py --iterations 2
+  [ $quick -eq 1 ] || step throughput 600 python3 "$repo"/benchmarks/gpu_throughput.py \
     --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1
-  [ $quick -eq 1 ] || step vs-paper 600 python3 benchmarks/gpu_throughput.py \
+  [ $quick -eq 1 ] || step vs-paper 600 python3 "$repo"/benchmarks/gpu_throughput.py \
     --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1
-  step optimizer 300 python3 benchmarks/optimizer.py
-  step moe 300 python3 benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
-  step sync-mode 600 python3 benchmarks/sync_mode.py --no-clip-runs --repeats 3
-  step checkpoint 330 python3 benchmarks/checkpoint.py --repeats 2 --workers 4
-  step grad-buffer 270 python3 benchmarks/host_memory.py --throughput --rounds 3
-  step qlora-cuda 300 python3 -m pytest -q -m cuda tests/test_qlora.py
-  step qlora 300 python3 benchmarks/qlora.py --device cuda
+  step optimizer 300 python3 "$repo"/benchmarks/optimizer.py
+  step moe 300 python3 "$repo"/benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
+  step sync-mode 600 python3 "$repo"/benchmarks/sync_mode.py --no-clip-runs --repeats 3
+  step checkpoint 330 python3 "$repo"/benchmarks/checkpoint.py --repeats 2 --workers 4
+  step grad-buffer 270 python3 "$repo"/benchmarks/host_memory.py --throughput --rounds 3
+  step qlora-cuda 300 python3 -m pytest -q -m cuda "$repo"/tests/test_qlora.py
+  step qlora 300 python3 "$repo"/benchmarks/qlora.py --device cuda
 fi
 
 {

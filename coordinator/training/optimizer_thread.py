@@ -22,7 +22,7 @@ import torch
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed
 from roundpipe.coordinator.training.layout import JobLayout
-from roundpipe.coordinator.training.multinode import GradientReducer
+from roundpipe.coordinator.training.multinode import GradientReducer, GroupError
 from roundpipe.coordinator.training.optimizer import (
     LayerwiseOptimizer,
     clip_coefficient,
@@ -70,7 +70,8 @@ class OptimizerThread:
         self.wake = wake
         """Wakes the run loop (with the reason) when the thread failed."""
         self.error: BaseException | None = None
-        """What stopped the thread, surfaced by the run loop as JobFailed."""
+        """What stopped the thread, surfaced by the run loop: JobPaused for a GroupError
+        (a node lost inside a collective), else JobFailed."""
         self._done_step = 0
         self._first_step = 1
         self._cv = threading.Condition()
@@ -148,8 +149,8 @@ class OptimizerThread:
 
     def wait_for(self, step: int, check: Callable[[], None]) -> None:
         """Wait until step ``step`` has been applied to every layer, calling ``check``
-        (raises if the group stopped) twice a second. Raises JobFailed if the thread
-        failed, JobCancelled if the job was cancelled."""
+        (raises if the group stopped or this thread failed) twice a second. Raises
+        JobFailed if the thread failed, JobCancelled if the job was cancelled."""
         with self._cv:
             while self._done_step < step:
                 check()  # the optimizer waits for the group's gradients
@@ -178,6 +179,10 @@ class OptimizerThread:
                     self._cv.notify_all()
         except InterruptedError:
             pass  # cancelled while waiting for gradients
+        except GroupError as exc:  # a node left mid-collective: the job pauses
+            log.warning("[trainer] optimizer thread stopped: %s", exc)
+            self.error = exc
+            self.wake("optimizer error")
         except BaseException as exc:  # surfaced by the run loop as JobFailed
             log.exception("[trainer] optimizer thread failed")
             self.error = exc

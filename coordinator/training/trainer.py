@@ -616,7 +616,7 @@ class Trainer:
                     while any(pending_per_iteration.values()) or not self._loss_known(k):
                         handle_next()
                         report_through(k)
-                    optimizer_thread.wait_for(k, self._check_group)
+                    optimizer_thread.wait_for(k, self._check_running)
                     report_through(k)
                     path = self.save_checkpoint(k)
                     if path is not None:
@@ -624,7 +624,7 @@ class Trainer:
             while any(pending_per_iteration.values()) or not self._loss_known(steps):
                 handle_next()
                 report_through(steps)
-            optimizer_thread.wait_for(steps, self._check_group)
+            optimizer_thread.wait_for(steps, self._check_running)
             while checkpointer.background is not None and checkpointer.background.busy:
                 handle_next()  # the final checkpoint
             checkpointer.settle_background()  # one that settled after the last message
@@ -706,10 +706,7 @@ class Trainer:
     def _next_message(self) -> TaskDone | TaskFailed | InboxEvent:
         assert self.optimizer_thread is not None
         while True:
-            self._check_group()  # first: an optimizer stopped by the group is no bug
-            error = self.optimizer_thread.error
-            if error is not None:
-                raise JobFailed(f"optimizer failed: {error}") from error
+            self._check_running()
             if self._cancel.is_set():
                 raise JobCancelled(f"job {self.job_id} was cancelled")
             try:
@@ -797,6 +794,19 @@ class Trainer:
         want of a worker (they wait for it)."""
         if self.member is not None:
             self.member.check(tasks_parked=self.waiting_for_workers)
+
+    def _check_running(self) -> None:
+        """``_check_group``, then the optimizer thread: raise JobPaused if it stopped in a
+        collective that a lost node broke (the group stopped; that node's heartbeat may not
+        have timed out yet), JobFailed if it failed otherwise."""
+        self._check_group()  # first: an optimizer stopped by the group is no bug
+        assert self.optimizer_thread is not None
+        error = self.optimizer_thread.error
+        if error is None:
+            return
+        if isinstance(error, GroupError) and self.member is not None:
+            raise self.member.paused(error) from None
+        raise JobFailed(f"optimizer failed: {error}") from error
 
     def check_group(self) -> None:
         """Raise JobPaused if another node left the job, went silent or failed a
