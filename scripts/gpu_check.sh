@@ -2,6 +2,7 @@
 # Every GPU check in one command, for the rare session with a GPU machine (DEVELOPERS.md).
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--smoke] [--quick] [--steps NAME,NAME...]
+#                             [--pack FILE] [--max-step-s N]
 #
 # Steps, each under its own timeout, each writing a log (and JSON where it has figures)
 # under DIR (default: $OUT, else ./gpu-check-out):
@@ -35,6 +36,12 @@
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
+# On the GPU machine, run it as
+#   bash scripts/gpu_check.sh --out /tmp/gpu-check --pack $OUT/gpu-check.tgz --steps ...
+# --pack archives DIR into FILE after every step (the device tool brings back at most 8
+# files, and nothing of a command stopped at its limit but what is already under $OUT), and
+# --max-step-s caps every step's limit (a machine's start can take minutes of the session's
+# device time, which leaves a call less than its timeout). Steps run in this script's order.
 # --smoke rehearses the whole script on a machine without a GPU (CPU workers, tiny sizes);
 # tests/test_gpu_check.py runs it so.
 set -uo pipefail
@@ -44,12 +51,16 @@ out=${OUT:-gpu-check-out}
 smoke=0
 quick=0
 only=""  # --steps: a comma-separated subset (default: every step)
+pack=""  # --pack: a tarball of DIR, rewritten after every step
+max_step_s=""  # --max-step-s: cap on every step's limit
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=$2; shift 2 ;;
     --smoke) smoke=1; shift ;;
     --quick) quick=1; shift ;;
     --steps) only=$2; shift 2 ;;
+    --pack) pack=$2; shift 2 ;;
+    --max-step-s) max_step_s=$2; shift 2 ;;
     *) echo "gpu_check.sh: unknown option $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
@@ -70,7 +81,8 @@ fi
 # where the checkout's roundpipe/ folder (the package's top level only; its subpackages
 # live in coordinator/, worker/, ...) would shadow the installed package.
 if ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/rp-site . \
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \
+    --target /tmp/rp-site . \
     || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
   export PYTHONPATH=/tmp/rp-site:${PYTHONPATH:-}
 fi
@@ -87,6 +99,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then
     return 0
   fi
+  if [ -n "$max_step_s" ] && [ "$max_step_s" -lt "$limit" ]; then
+    limit=$max_step_s
+  fi
   local started=$SECONDS
   echo "== $name (limit ${limit}s)"
   # from a neutral directory, for the reason above (every path below is absolute)
@@ -95,6 +110,22 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   tail -n 15 "$out/$name.log"
   echo "== $name: exit $rc in $((SECONDS - started))s"
   summary+=("{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $((SECONDS - started))}")
+  write_summary
+}
+
+write_summary() {  # summary.json so far; with --pack, DIR archived into FILE
+  {
+    echo "["
+    for i in "${!summary[@]}"; do
+      sep=","; [ "$i" -eq $((${#summary[@]} - 1)) ] && sep=""
+      echo "  ${summary[$i]}$sep"
+    done
+    echo "]"
+  } >"$out/summary.json"
+  if [ -n "$pack" ]; then
+    tar czf "$pack.part" --exclude='*.jsonl' --exclude='*.safetensors' --exclude='*.pt' \
+      --exclude=keys -C "$out" . && mv "$pack.part" "$pack"
+  fi
 }
 
 step env 60 python3 - <<'PY'
@@ -141,9 +172,11 @@ else
   step parity 600 python3 "$repo"/scripts/gpu_parity.py --json "$out/parity.json"
   step overlap 600 python3 "$repo"/benchmarks/overlap.py --iterations 2
   [ $quick -eq 1 ] || step throughput 600 python3 "$repo"/benchmarks/gpu_throughput.py \
-    --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1
+    --models qwen3-1.7b --systems runtime-1w,plain --steps 3 --warmup 1 \
+    --workdir "$out/throughput-work"
   [ $quick -eq 1 ] || step vs-paper 600 python3 "$repo"/benchmarks/gpu_throughput.py \
-    --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1
+    --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1 \
+    --workdir "$out/vs-paper-work"
   step optimizer 300 python3 "$repo"/benchmarks/optimizer.py
   step moe 300 python3 "$repo"/benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
   step sync-mode 600 python3 "$repo"/benchmarks/sync_mode.py --no-clip-runs --repeats 3
@@ -153,14 +186,7 @@ else
   step qlora 300 python3 "$repo"/benchmarks/qlora.py --device cuda
 fi
 
-{
-  echo "["
-  for i in "${!summary[@]}"; do
-    sep=","; [ "$i" -eq $((${#summary[@]} - 1)) ] && sep=""
-    echo "  ${summary[$i]}$sep"
-  done
-  echo "]"
-} >"$out/summary.json"
+write_summary
 cat "$out/summary.json"
 failed=$(grep -c '"exit": [1-9]' "$out/summary.json")
 echo "gpu_check.sh: $failed step(s) failed; logs in $out"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,8 @@ def passing_steps(out: Path, *args: str, timeout: int) -> list[dict]:
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    steps = passing_steps(out, "--smoke", "--quick", timeout=900)
+    pack = tmp_path / "gpu-check.tgz"  # as the device tool brings it back
+    steps = passing_steps(out, "--smoke", "--quick", "--pack", str(pack), timeout=900)
     assert [s["step"] for s in steps] == [
         "env",
         "cuda-tests",
@@ -45,6 +47,10 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
         "sync-mode",
     ]
     assert all(s["exit"] == 0 for s in steps), steps
+    with tarfile.open(pack) as archive:
+        packed = {Path(name).name for name in archive.getnames()}
+    assert {"summary.json", "env.json", "parity.json"} <= packed
+    assert {f"{s['step']}.log" for s in steps} <= packed
     env = json.loads((out / "env.json").read_text())
     assert {"torch", "dev_shm_bytes", "ulimit_l", "cores", "nvidia_smi"} <= env.keys()
     assert json.loads((out / "parity.json").read_text())["ok"] is True
