@@ -247,3 +247,47 @@ def test_int8_job_trains_close_to_fp32_states_and_resumes_exactly(tmp_path, aren
     assert resumed[1][2:] == int8[1][2:]
     for name in int8[0]:
         assert torch.equal(resumed[0][name], int8[0][name]), name
+
+
+def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
+    """With ``train.optimizer_sharding: sharded`` over W nodes a node's figure holds its
+    pieces of the fp32 masters and moments (Note [shard boundaries]): together the ranks
+    hold each element once; rank 0 also counts the whole state it gathers while it writes
+    a checkpoint (Note [sharded checkpoint]). Replicated and one-node figures are
+    unchanged."""
+    from roundpipe.coordinator.training.memory import sharded_elements
+
+    spec = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "sharded"})
+    replicated = tiny_spec(tmp_path, plan=NARROW)
+    model = LayeredModel(model_config_from_spec(spec.model))
+    layout = JobLayout.plan_layout(
+        model,
+        Plan.parse(NARROW),
+        compute_dtype=torch.float32,
+        microbatch_rows=2,
+        seq_len=32,
+        num_microbatches=3,
+    )
+    trainable = model.parameter_count(trainable_only=True)
+    tensors = sum(
+        1
+        for layer in range(model.num_layers)
+        for p in model.layer_params(layer)
+        if p.trainable and p.tied_to is None
+    )
+    whole = host_memory_needed(layout, spec)  # one node: its shard is the whole state
+    assert (whole.masters, whole.moments, whole.gathered) == (4 * trainable, 8 * trainable, 0)
+    assert host_memory_needed(layout, replicated, nodes=3, rank=1) == whole
+    for nodes in (2, 3):
+        per_rank = [host_memory_needed(layout, spec, nodes=nodes, rank=r) for r in range(nodes)]
+        assert sum(sharded_elements(model, nodes, r) for r in range(nodes)) == trainable
+        assert sum(m.masters for m in per_rank) == 4 * trainable
+        assert sum(m.moments for m in per_rank) == 8 * trainable
+        assert per_rank[0].gathered == 12 * trainable
+        assert all(m.gathered == 0 for m in per_rank[1:])
+        for m in per_rank:
+            assert m.arenas == whole.arenas
+            # 1/W, but for each tensor's piece rounded up to 256 elements
+            assert m.masters <= 4 * (-(-trainable // nodes) + 256 * tensors)
+        assert per_rank[1].total < whole.total < per_rank[0].total
+        assert "state gathered for checkpoints" in per_rank[0].describe()

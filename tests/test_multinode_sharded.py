@@ -106,6 +106,7 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
             status = handle.wait(timeout_s=300)
             assert status.state == "succeeded", f"{mode}: {status.message}\n{rank0.logs()}"
         log_text = (tmp_path / "node1" / "coordinator.log").read_text()
+        rank0_text = (tmp_path / "node0" / "coordinator.log").read_text()
     scattered = [int(n) for n in re.findall(r"reduce-scatter: (\d+) bytes", log_text)]
     assert any(2 * b in scattered for b in scattered), scattered  # bf16: half of fp32's
     bf16, fp32 = load_output(tmp_path / "stale-bf16"), load_output(tmp_path / "stale-sharded")
@@ -128,6 +129,11 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
     # The sharded jobs ran sharded: node 1 held a part of the state, and reduce-scattered.
     assert "optimizer state sharded over 2 nodes: rank 1 holds" in log_text
     assert "reduce-scatter:" in log_text
+    # Each node's memory check counted what it holds (Note [sharded checkpoint]): rank 1
+    # its pieces, rank 0 its pieces and the whole state it gathers for checkpoints.
+    assert "(rank 1 of 2) needs" in log_text and "(rank 0 of 2) needs" in rank0_text
+    assert "state gathered for checkpoints" in rank0_text
+    assert "state gathered for checkpoints" not in log_text
     # ... and on one node (in process): as the replicated job's checkpoint does.
     from runtime_helpers import trained_in_process
 

@@ -38,6 +38,7 @@ from roundpipe.coordinator.spec.sections import staging_limit_bytes
 from roundpipe.coordinator.training.job_errors import JobFailed
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import (
+    HostMemory,
     InsufficientMemory,
     check_host_memory,
     checkpoint_staging_needed,
@@ -72,6 +73,10 @@ class JobPlanner:
     node_microbatches: int
     """Microbatches this node trains per step: the global batch's, or its share."""
     compute_dtype: torch.dtype
+    nodes: int = 1
+    """Nodes of the job's data-parallel group (1: none)."""
+    rank: int = 0
+    """This node's rank in it: what it holds of sharded optimizer state (``memory``)."""
     profile: ProfileAggregator | None = field(default=None, init=False)
     """Measured layer times, when the planner may re-plan (Note [re-planning])."""
     replan_attempts: int = field(default=0, init=False)
@@ -110,8 +115,9 @@ class JobPlanner:
         the machine has it available besides the job); else 0, and checkpoints drain."""
         spec = self.spec
         need = checkpoint_staging_needed(layout, spec)
-        if need == 0:
-            return 0
+        sharded = spec.train.optimizer_sharding == "sharded"
+        if need == 0 or (self.nodes > 1 and (self.rank != 0 or sharded)):
+            return 0  # only rank 0 writes, and in a sharded group only after a drain
         limit = staging_limit_bytes(spec.output.checkpoint_staging)
         if limit is not None:
             if committed_checkpoint_staging(layout, spec):
@@ -119,9 +125,7 @@ class JobPlanner:
             why = f"output.checkpoint_staging is {limit} bytes"
         else:
             try:
-                check_host_memory(
-                    host_memory_needed(layout, spec, checkpoint_staging=need), self.arena_dir
-                )
+                check_host_memory(self._needed(layout, need), self.arena_dir)
                 return need
             except InsufficientMemory:
                 why = "the machine does not have that much memory to spare"
@@ -161,11 +165,19 @@ class JobPlanner:
         # Admission control: refuse before any arena, master or moment exists, with the
         # figures (issue 15: seq_len 65536 on a tiny model took 2.7 GB unasked).
         self.staging_bytes = self._choose_staging(layout)
-        check_host_memory(
-            host_memory_needed(layout, spec, checkpoint_staging=self.staging_bytes),
-            self.arena_dir,
-        )
+        check_host_memory(self._needed(layout, self.staging_bytes), self.arena_dir)
         return layout
+
+    def host_memory(self, layout: JobLayout) -> HostMemory:
+        """This node's host memory for ``layout``, as the admission check counted it."""
+        return self._needed(layout, self.staging_bytes)
+
+    def _needed(self, layout: JobLayout, staging: int) -> HostMemory:
+        """This node's host memory for ``layout`` with ``staging`` bytes of checkpoint
+        staging (its share of sharded optimizer state: ``host_memory_needed``)."""
+        return host_memory_needed(
+            layout, self.spec, checkpoint_staging=staging, nodes=self.nodes, rank=self.rank
+        )
 
     def _initial_plan(
         self, model: LayeredModel, fits: Callable[[Plan], bool] | None = None

@@ -54,6 +54,7 @@ __all__ = [
     "grad_buffer_layers",
     "host_memory_needed",
     "least_host_memory",
+    "sharded_elements",
     "optimizer_state_nbytes",
     "planned_layout",
     "release_freed_memory",
@@ -89,6 +90,10 @@ class HostMemory:
     checkpoint_staging: int = 0
     """One checkpoint's training state copied for the background writer (coordinator
     memory; 0: checkpoints drain the pipeline)."""
+    gathered: int = 0
+    """The whole fp32 masters and optimizer states that rank 0 of a group with sharded
+    optimizer state gathers while it writes a checkpoint (Note [sharded checkpoint] in
+    roundpipe.coordinator.training.sharded_optimizer); 0 on the other ranks and unsharded."""
     split_sums: int = 0
     """Where the optimizer adds the two parts of a microbatch-split stage's gradient
     (coordinator memory, as large as the second parts: Note [microbatch-split stages] in
@@ -107,6 +112,7 @@ class HostMemory:
             + self.moments
             + self.staging
             + self.checkpoint_staging
+            + self.gathered
             + self.split_sums
         )
 
@@ -117,35 +123,70 @@ class HostMemory:
     def describe(self, parameters: int | None = None) -> str:
         """One line with every figure; with ``parameters``, also bytes per parameter."""
         per = "" if not parameters else f", {self.total / parameters:.2f} bytes per parameter"
+        gathered = (
+            f"state gathered for checkpoints {_gib(self.gathered)}, " if self.gathered else ""
+        )
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
             f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
             f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}, checkpoint staging "
-            f"{_gib(self.checkpoint_staging)}, split-gradient sums {_gib(self.split_sums)}){per}"
+            f"{_gib(self.checkpoint_staging)}, {gathered}split-gradient sums {_gib(self.split_sums)})"
+            f"{per}"
         )
 
 
 def host_memory_needed(
-    layout: JobLayout, spec: JobSpec | None = None, *, checkpoint_staging: int = 0
+    layout: JobLayout,
+    spec: JobSpec | None = None,
+    *,
+    checkpoint_staging: int = 0,
+    nodes: int = 1,
+    rank: int = 0,
 ) -> HostMemory:
     """What a job with this (planned, not yet created) layout takes in host memory.
     ``spec``: the job's optimizer settings (default: AdamW with fp32 states);
     ``checkpoint_staging``: bytes staged for background checkpoints (the trainer's
-    choice, ``committed_checkpoint_staging`` before it has chosen)."""
+    choice, ``committed_checkpoint_staging`` before it has chosen). ``nodes`` and
+    ``rank``: this node's place in a data-parallel group; with
+    ``train.optimizer_sharding: sharded`` it holds only its pieces of the masters and
+    optimizer states, and rank 0 also the whole of them while it writes a checkpoint."""
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
+    moments = optimizer_state_nbytes(layout, spec)
+    masters, gathered = 4 * trainable, 0
+    if spec is not None and spec.train.optimizer_sharding == "sharded" and nodes > 1:
+        held = sharded_elements(layout.model, nodes, rank)
+        # fp32 moments and SGD's momentum are per element (int8 states are refused)
+        moments, masters = moments * held // max(trainable, 1), 4 * held
+        gathered = 4 * trainable + optimizer_state_nbytes(layout, spec) if rank == 0 else 0
     return HostMemory(
         weights=sizes["params"],
         grads=sizes["grads"],
         activations=sum(n for name, n in sizes.items() if name not in ("params", "grads")),
-        masters=4 * trainable,
-        moments=optimizer_state_nbytes(layout, spec),
+        masters=masters,
+        moments=moments,
         checkpoint_staging=checkpoint_staging,
+        gathered=gathered,
         split_sums=sum(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         ),
     )
+
+
+def sharded_elements(model: LayeredModel, nodes: int, rank: int) -> int:
+    """Trainable elements whose masters and moments rank ``rank`` of ``nodes`` holds with
+    sharded optimizer state (Note [shard boundaries] in
+    roundpipe.coordinator.training.sharded_optimizer)."""
+    from roundpipe.coordinator.training.sharded_optimizer import piece
+
+    held = 0
+    for layer in range(model.num_layers):
+        for s in model.layer_params(layer):
+            if s.trainable and s.tied_to is None:
+                lo, hi = piece(s.numel, rank, nodes)
+                held += hi - lo
+    return held
 
 
 def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:

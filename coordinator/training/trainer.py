@@ -272,8 +272,17 @@ class Trainer:
             arena_dir=self.arena_dir,
             node_microbatches=self.node_microbatches,
             compute_dtype=self.compute_dtype,
+            nodes=1 if self.group is None else self.group.world_size,
+            rank=0 if self.group is None else self.group.rank,
         )
         layout, why = self.planner.first_layout(model)
+        log.info(
+            "[trainer] job %s: this node (rank %d of %d) needs %s",
+            self.job_id,
+            self.planner.rank,
+            self.planner.nodes,
+            self.planner.host_memory(layout).describe(model.parameter_count()),
+        )
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
         if model.quantized_base is not None:
