@@ -8,9 +8,14 @@ W = 2 once more with the gradients sent in bfloat16 (``train.grad_transport``). 
 per run: the step time, the gradient reduction (all-reduce or reduce-scatter) seconds
 and bytes per step, the bytes all-gathered per step (sharded), the host bytes per node
 (rank 0's arenas plus its fp32 masters and AdamW moments), and the step time that
-``roundpipe plan``'s data-parallel model predicts from the one-node step time and the
-loopback bandwidth measured by the 2-node replicated run. On one machine the nodes
-share its cores, so step times mostly measure that contention.
+``roundpipe plan``'s data-parallel model predicts from its two inputs, measured here:
+
+- the one-node step *as a node of W gets it on this machine*: W independent one-node
+  clusters run the one-node job at the same time (no group, no collectives). On one
+  machine the W nodes share its cores, which real servers do not; measuring the one-node
+  step under the same sharing leaves the model's own term, the traffic, to be checked;
+- the loopback bandwidth: a gloo all-reduce of the model's gradient bytes between two
+  processes, nothing else running (``--network-bandwidth``).
 
 Usage: python benchmarks/multinode.py [--steps 8] [--hidden 256] [--layers 4]
        [--nodes 1,2,3] [--smoke]
@@ -23,12 +28,17 @@ plan_error=<max |predicted / measured step - 1| over the runs with W > 1>``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import re
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +65,71 @@ def job_log(root: Path, job_id: str) -> str:
     """Rank 0's log of one job (STATE_DIR/jobs/JOB/job.log)."""
     logs = sorted(root.rglob(f"jobs/{job_id}/job.log"))
     return logs[0].read_text() if logs else ""
+
+
+def _allreduce_rank(rank: int, world: int, port: int, numel: int, reps: int, out) -> None:
+    """One process of ``loopback_bandwidth``: ``reps`` timed all-reduces after a warm-up."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    buf = torch.ones(numel)
+    dist.all_reduce(buf)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(buf)
+    if rank == 0:
+        out.put((time.perf_counter() - start) / reps)
+    dist.destroy_process_group()
+
+
+def loopback_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes per second one node sends (and receives) in a gloo ring all-reduce of
+    ``nbytes`` fp32 between two processes on this machine: 2 (W-1)/W x bytes / time, the
+    ``--network-bandwidth`` that ``predict_data_parallel`` takes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_allreduce_rank, args=(r, 2, port, nbytes // 4, reps, out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return nbytes / seconds  # 2 (W-1)/W = 1 at W = 2
+
+
+def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
+    """The one-node job's step time while ``nodes`` independent one-node clusters run it
+    at once (the share of this machine each node of a ``nodes``-node group gets): the
+    mean over the clusters of their median step."""
+    steps: list[float] = []
+    with contextlib.ExitStack() as stack:
+        clusters = [
+            stack.enter_context(cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1))
+            for i in range(nodes)
+        ]
+        handles = [c.client.submit(spec_for(f"c{nodes}-{i}")) for i, c in enumerate(clusters)]
+
+        def follow(handle) -> None:
+            steps.append(step_time(list(handle.progress(timeout_s=1200))))
+
+        threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c, h in zip(clusters, handles):
+            assert h.wait(timeout_s=60).state == "succeeded", c.logs()
+    return statistics.mean(steps)
 
 
 def model_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -129,6 +204,13 @@ def main() -> int:
             events = list(handle.progress(timeout_s=1200))
             assert handle.wait(timeout_s=60).state == "succeeded", one.logs()
             record((1, "replicated"), handle, events, root / "w1", root / "w1")
+        # The model's inputs, measured: the one-node step as W nodes share this machine,
+        # and the loopback bandwidth (module docstring).
+        shared_step = {1: runs[(1, "replicated")]["step_s"]}
+        for w in [n for n in node_counts if n > 1]:
+            shared_step[w] = concurrent_one_node_step(
+                w, lambda name: spec(name, 1), root / f"shared{w}"
+            )
         for w in [n for n in node_counts if n > 1]:
             modes = ["replicated", "sharded"] + (["bf16"] if w == 2 else [])
             # Several coordinators starting at once on a busy machine answer late.
@@ -152,10 +234,7 @@ def main() -> int:
     one = runs[(1, "replicated")]
     trainable = runs[(2, "replicated")]["trainable"]
     one["held"] = one["trainable"] = trainable
-    ref = runs[(2, "replicated")]
-    bandwidth = (
-        ref["reduce_bytes"] * 2 * (2 - 1) / 2 / ref["reduce_s"] if ref["reduce_s"] > 0 else 0.0
-    )
+    bandwidth = loopback_bandwidth(runs[(2, "replicated")]["reduce_bytes"])
     print(
         f"{'nodes':>5} {'mode':<10} {'step s':>8} {'pred s':>8} {'reduce s':>9} "
         f"{'reduce B':>10} {'gather B':>10} {'host MiB':>9}"
@@ -166,7 +245,7 @@ def main() -> int:
         predicted = float("nan")
         if w > 1 and bandwidth > 0 and mode != "bf16":
             p = predict_data_parallel(
-                iteration_s=one["step_s"],
+                iteration_s=shared_step[w],
                 tokens_per_iteration=1,
                 trainable_params=trainable,
                 nodes=w,
@@ -183,7 +262,11 @@ def main() -> int:
             f"{w:>5} {mode:<10} {r['step_s']:>8.4f} {predicted:>8.4f} {r['reduce_s']:>9.4f} "
             f"{r['reduce_bytes']:>10} {r['gather_bytes']:>10} {r['host'] / 2**20:>9.2f}"
         )
-    print(f"loopback bandwidth (2-node all-reduce, per direction): {bandwidth / 1e9:.3f} GB/s")
+    print(
+        f"loopback bandwidth (a 2-process gloo all-reduce, per direction): "
+        f"{bandwidth / 1e9:.3f} GB/s; one-node step with W nodes sharing this machine: "
+        + ", ".join(f"W={w} {s:.4f}s" for w, s in sorted(shared_step.items()))
+    )
     fp32, bf16 = runs[(2, "replicated")], runs[(2, "bf16")]
     loss_diff = max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"]))
     worst = max(

@@ -36,6 +36,8 @@
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
+# The qlora steps also need bitsandbytes, which that image lacks (43 MB of the 64 MiB a
+# call may carry): `../shared/tools/device-wheels.sh bitsandbytes==0.50.2` adds it.
 # On the GPU machine, run it as
 #   bash scripts/gpu_check.sh --out /tmp/gpu-check --pack $OUT/gpu-check.tgz --steps ...
 # --pack archives DIR into FILE after every step (the device tool brings back at most 8

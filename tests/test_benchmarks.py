@@ -266,6 +266,12 @@ def test_multinode_benchmark_smoke() -> None:
     assert int(rows[("2", "sharded")][6]) > 0  # weights all-gathered
     assert int(rows[("2", "bf16")][5]) * 2 == int(rows[("2", "replicated")][5])
     assert float(rows[("2", "sharded")][7]) < float(rows[("2", "replicated")][7])
+    # The model's inputs, measured: the loopback bandwidth, the one-node step shared.
+    assert re.search(
+        r"gloo all-reduce, per direction\): \d+\.\d{3} GB/s; one-node step with W nodes "
+        r"sharing this machine: W=1 \d+\.\d{4}s, W=2 \d+\.\d{4}s",
+        out,
+    ), out
     last = lines[-1]
     assert re.fullmatch(
         r"RESULT sharded_host_ratio=0\.\d{3} bitwise_equal=1 plan_error=\d+\.\d{3}", last
