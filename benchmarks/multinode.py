@@ -110,8 +110,9 @@ def loopback_bandwidth(nbytes: int, reps: int = 5) -> float:
 def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
     """The one-node job's step time while ``nodes`` independent one-node clusters run it
     at once (the share of this machine each node of a ``nodes``-node group gets): the
-    mean over the clusters of their median step."""
-    steps: list[float] = []
+    median over every cluster's steps that began and ended while all of them were
+    training (the clusters start a little apart; ``spec_for`` gives them enough steps)."""
+    runs: list[list[tuple[int, float]]] = []
     with contextlib.ExitStack() as stack:
         clusters = [
             stack.enter_context(cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1))
@@ -120,7 +121,7 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
         handles = [c.client.submit(spec_for(f"c{nodes}-{i}")) for i, c in enumerate(clusters)]
 
         def follow(handle) -> None:
-            steps.append(step_time(list(handle.progress(timeout_s=1200))))
+            runs.append([(e.step, e.time) for e in handle.progress(timeout_s=1200)])
 
         threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
         for t in threads:
@@ -129,7 +130,17 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
             t.join()
         for c, h in zip(clusters, handles):
             assert h.wait(timeout_s=60).state == "succeeded", c.logs()
-    return statistics.mean(steps)
+    start = max(events[1][1] for events in runs)  # after every cluster's first step
+    end = min(events[-1][1] for events in runs)  # before any cluster finished
+    gaps = [
+        b - a
+        for events in runs
+        for (_, a), (_, b) in zip(events[1:], events[2:])
+        if start <= a and b <= end
+    ]
+    if len(gaps) < 2 * nodes:  # too little overlap to tell: every step
+        gaps = [b - a for events in runs for (_, a), (_, b) in zip(events[1:], events[2:])]
+    return statistics.median(gaps)
 
 
 def model_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -165,11 +176,11 @@ def main() -> int:
     runs: dict[tuple[int, str], dict] = {}
     try:
 
-        def spec(name: str, nodes: int, **train):
+        def spec(name: str, nodes: int, steps: int = args.steps, **train):
             return demo_data_spec(
                 config,
                 root / name,
-                steps=args.steps,
+                steps=steps,
                 seq_len=64,
                 microbatch_size=2,
                 num_microbatches=m * nodes,
@@ -209,7 +220,7 @@ def main() -> int:
         shared_step = {1: runs[(1, "replicated")]["step_s"]}
         for w in [n for n in node_counts if n > 1]:
             shared_step[w] = concurrent_one_node_step(
-                w, lambda name: spec(name, 1), root / f"shared{w}"
+                w, lambda name: spec(name, 1, steps=3 * args.steps), root / f"shared{w}"
             )
         for w in [n for n in node_counts if n > 1]:
             modes = ["replicated", "sharded"] + (["bf16"] if w == 2 else [])
