@@ -51,9 +51,14 @@ class StageContext:
         rotary is keyed by layer type)."""
         key = layer_type if self._ex.model.rotary_keyed_by_layer_type else None
         if key not in self._rotary:
-            args = (
-                (self._h, self.position_ids) if key is None else (self._h, self.position_ids, key)
-            )
+            positions = self.position_ids
+            if hasattr(self._ex._rotary, "mrope_section") and positions.dim() == 2:
+                # A multimodal rotary (Qwen3.5's) takes one row of positions per grid
+                # axis, (3, rows, seq); text has the same positions on each. Newer
+                # transformers expand 2-D positions themselves, 5.17 (the GPU machine's)
+                # does not.
+                positions = positions.unsqueeze(0).expand(3, -1, -1)
+            args = (self._h, positions) if key is None else (self._h, positions, key)
             self._rotary[key] = self._ex._rotary(*args)
         return self._rotary[key]
 
