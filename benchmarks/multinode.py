@@ -112,7 +112,7 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
     at once (the share of this machine each node of a ``nodes``-node group gets): the
     median over every cluster's steps that began and ended while all of them were
     training (the clusters start a little apart; ``spec_for`` gives them enough steps)."""
-    runs: list[list[tuple[int, float]]] = []
+    runs: list[list[float]] = []  # each cluster's step times
     with contextlib.ExitStack() as stack:
         clusters = [
             stack.enter_context(cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1))
@@ -121,7 +121,7 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
         handles = [c.client.submit(spec_for(f"c{nodes}-{i}")) for i, c in enumerate(clusters)]
 
         def follow(handle) -> None:
-            runs.append([(e.step, e.time) for e in handle.progress(timeout_s=1200)])
+            runs.append([e.time for e in handle.progress(timeout_s=1200)])
 
         threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
         for t in threads:
@@ -130,17 +130,13 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
             t.join()
         for c, h in zip(clusters, handles):
             assert h.wait(timeout_s=60).state == "succeeded", c.logs()
-    start = max(events[1][1] for events in runs)  # after every cluster's first step
-    end = min(events[-1][1] for events in runs)  # before any cluster finished
-    gaps = [
-        b - a
-        for events in runs
-        for (_, a), (_, b) in zip(events[1:], events[2:])
-        if start <= a and b <= end
-    ]
-    if len(gaps) < 2 * nodes:  # too little overlap to tell: every step
-        gaps = [b - a for events in runs for (_, a), (_, b) in zip(events[1:], events[2:])]
-    return statistics.median(gaps)
+    start = max(times[1] for times in runs)  # after every cluster's first step
+    end = min(times[-1] for times in runs)  # before any cluster finished
+    steps = [(a, b) for times in runs for a, b in zip(times[1:], times[2:])]
+    shared = [b - a for a, b in steps if start <= a and b <= end]
+    if len(shared) < 2 * nodes:  # too little overlap to tell: every step
+        shared = [b - a for a, b in steps]
+    return statistics.median(shared)
 
 
 def model_tensors(out: Path) -> dict[str, torch.Tensor]:

@@ -260,14 +260,7 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
     spec = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "sharded"})
     replicated = tiny_spec(tmp_path, plan=NARROW)
     model = LayeredModel(model_config_from_spec(spec.model))
-    layout = JobLayout.plan_layout(
-        model,
-        Plan.parse(NARROW),
-        compute_dtype=torch.float32,
-        microbatch_rows=2,
-        seq_len=32,
-        num_microbatches=3,
-    )
+    layout = _layout(model, NARROW)
     trainable = model.parameter_count(trainable_only=True)
     tensors = sum(
         1

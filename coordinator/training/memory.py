@@ -54,10 +54,10 @@ __all__ = [
     "grad_buffer_layers",
     "host_memory_needed",
     "least_host_memory",
-    "sharded_elements",
     "optimizer_state_nbytes",
     "planned_layout",
     "release_freed_memory",
+    "sharded_elements",
     "weight_copies",
 ]
 
@@ -156,10 +156,11 @@ def host_memory_needed(
     moments = optimizer_state_nbytes(layout, spec)
     masters, gathered = 4 * trainable, 0
     if spec is not None and spec.train.optimizer_sharding == "sharded" and nodes > 1:
+        if rank == 0:
+            gathered = masters + moments  # the whole state, while a checkpoint is written
         held = sharded_elements(layout.model, nodes, rank)
         # fp32 moments and SGD's momentum are per element (int8 states are refused)
         moments, masters = moments * held // max(trainable, 1), 4 * held
-        gathered = 4 * trainable + optimizer_state_nbytes(layout, spec) if rank == 0 else 0
     return HostMemory(
         weights=sizes["params"],
         grads=sizes["grads"],
