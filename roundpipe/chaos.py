@@ -275,7 +275,10 @@ def _trial(
                 del cluster.workers[victim]
             armed.append(cluster.add_worker(next(names), fault=fault.point))
     _keep_workers(cluster, num_workers, names)
-    cluster.wait_for_workers(num_workers)
+    # An armed worker must be listed before the job starts, and the worker it replaced
+    # gone: otherwise round-robin may hand the armed one no task of its fault's iteration
+    # (on a loaded machine it can join that late) and the point never fires.
+    cluster.wait_for_workers(num_workers, exactly=_running(cluster) if armed else None)
     log_mark = _log_size(cluster)
     out = root / f"trial-{index}"
     handle = cluster.client.submit(_with_output(spec, out, plan))

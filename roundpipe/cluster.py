@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,20 +215,31 @@ class LocalCluster:
     def signal_worker(self, name: str, sig: int) -> None:
         self.workers[name].proc.send_signal(sig)
 
-    def wait_for_workers(self, count: int, timeout_s: float = 120.0) -> None:
+    def wait_for_workers(
+        self, count: int, timeout_s: float = 120.0, *, exactly: Iterable[str] | None = None
+    ) -> None:
+        """Wait until the coordinator lists ``count`` workers; with ``exactly``, until it
+        lists those names and no other. A worker that exited stays listed until the
+        coordinator's next liveness check, so a count alone can be met by a worker just
+        stopped while its replacement has not joined yet: a test that needs a particular
+        worker to get tasks from the first one names it."""
+        wanted = None if exactly is None else set(exactly)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if len(self.client.workers()) >= count:
+                listed = self.client.workers()
+                names = {w.name for w in listed if w.state != "lost"}
+                if wanted is None and len(listed) >= count:
+                    return
+                if wanted is not None and names == wanted and len(listed) == len(wanted):
                     return
             except CoordinatorUnavailable:
                 # A coordinator just started may not answer yet: on a loaded machine its
                 # imports alone can outlast one request's timeout. Ask again until ours.
                 continue
             time.sleep(0.1)
-        raise TimeoutError(
-            f"{count} workers did not connect within {timeout_s:.0f}s\n{self.logs()}"
-        )
+        which = f"workers {sorted(wanted)} (and no other)" if wanted else f"{count} workers"
+        raise TimeoutError(f"{which} did not connect within {timeout_s:.0f}s\n{self.logs()}")
 
     def logs(self, chars: int = 3000) -> str:
         return "\n".join(f"--- {d.name} ({d.log_path})\n{d.tail(chars)}" for d in self.daemons)

@@ -178,8 +178,9 @@ def test_a_producer_killed_between_counter_at_issue_and_landing_changes_nothing(
     equal to the fault-free run."""
     seed = chaos_seed()
     spec = tiny_spec(tmp_path / "out", steps=6, staleness=1)
-    # Iteration 4: the armed (restarted) worker has joined and gets tasks by then; a
-    # trial where it still got none is repeated.
+    # Iteration 4, mid-job: the harness lists the armed worker before it submits
+    # (chaos._trial), so round-robin hands it tasks of every iteration. A trial where it
+    # still fired nothing is repeated, and then the test fails.
     point = [FaultSpec("point", point="kill@iteration=4,when=issued")]
     report = run_chaos(
         spec,

@@ -35,3 +35,16 @@ def test_a_stalled_coordinator_does_not_declare_its_workers_lost(tmp_path: Path)
         assert [w.name for w in cluster.client.workers()] == ["w1"], cluster.logs()
         assert worker.alive(), cluster.logs()
         assert "lost:" not in cluster.coordinator.tail(100_000), cluster.logs()
+
+
+def test_waiting_for_named_workers_waits_out_the_one_replaced(tmp_path: Path) -> None:
+    """A worker that exited stays listed until the coordinator's next liveness check, so
+    "three workers listed" can be met by the stopped one before its replacement joins:
+    the chaos harness once started a job with its fault-armed worker not yet connected,
+    and the fault never fired. Waiting for names waits for exactly those."""
+    with cpu_cluster(tmp_path, "named", num_workers=2) as cluster:
+        cluster.signal_worker("w2", signal.SIGTERM)
+        cluster.workers.pop("w2").proc.wait(timeout=60)
+        cluster.add_worker("w3")
+        cluster.wait_for_workers(2, exactly=["w1", "w3"])
+        assert sorted(w.name for w in cluster.client.workers()) == ["w1", "w3"]
