@@ -107,35 +107,66 @@ def loopback_bandwidth(nbytes: int, reps: int = 5) -> float:
     return nbytes / seconds  # 2 (W-1)/W = 1 at W = 2
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """``name=value`` for the daemons started inside (they inherit os.environ)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+HOLD_STEP = 3
+"""The concurrent runs wait before this iteration until every cluster has reached it."""
+
+
 def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
     """The one-node job's step time while ``nodes`` independent one-node clusters run it
-    at once (the share of this machine each node of a ``nodes``-node group gets): the
-    median over every cluster's steps that began and ended while all of them were
-    training (the clusters start a little apart; ``spec_for`` gives them enough steps)."""
-    runs: list[list[float]] = []  # each cluster's step times
+    at once (the share of this machine each node of a ``nodes``-node group gets). The
+    clusters start seconds apart, so each job is held before iteration HOLD_STEP
+    (ROUNDPIPE_TRAIN_HOLD) until every one has got there, then all are let go at once:
+    the median over the steps after that, up to the first cluster's end."""
+    runs: list[list[tuple[int, float]]] = [[] for _ in range(nodes)]  # (step, time)
+    ready = [threading.Event() for _ in range(nodes)]
+    go = root / "go"
     with contextlib.ExitStack() as stack:
-        clusters = [
-            stack.enter_context(cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1))
-            for i in range(nodes)
-        ]
+        with _environment("ROUNDPIPE_TRAIN_HOLD", f"step={HOLD_STEP},until={go}"):
+            clusters = [
+                stack.enter_context(
+                    cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1)
+                )
+                for i in range(nodes)
+            ]
         handles = [c.client.submit(spec_for(f"c{nodes}-{i}")) for i, c in enumerate(clusters)]
 
-        def follow(handle) -> None:
-            runs.append([e.time for e in handle.progress(timeout_s=1200)])
+        def follow(i: int) -> None:
+            for e in handles[i].progress(timeout_s=1200):
+                runs[i].append((e.step, e.time))
+                if e.step == HOLD_STEP - 1:
+                    ready[i].set()
+            ready[i].set()  # ended (or failed) early: do not hold the others
 
-        threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
+        threads = [threading.Thread(target=follow, args=(i,)) for i in range(nodes)]
         for t in threads:
             t.start()
+        for event in ready:
+            event.wait(timeout=1200)
+        go.touch()
         for t in threads:
             t.join()
         for c, h in zip(clusters, handles):
             assert h.wait(timeout_s=60).state == "succeeded", c.logs()
-    start = max(times[1] for times in runs)  # after every cluster's first step
-    end = min(times[-1] for times in runs)  # before any cluster finished
-    steps = [(a, b) for times in runs for a, b in zip(times[1:], times[2:])]
-    shared = [b - a for a, b in steps if start <= a and b <= end]
-    if len(shared) < 2 * nodes:  # too little overlap to tell: every step
-        shared = [b - a for a, b in steps]
+    end = min(run[-1][1] for run in runs)  # before any cluster finished
+    # From the gap after the first step that began once all were let go.
+    shared = [
+        b - a for run in runs for (k, a), (_, b) in zip(run, run[1:]) if k > HOLD_STEP and b <= end
+    ]
+    assert len(shared) >= 2 * nodes, f"too few concurrent steps to measure: {runs}"
     return statistics.median(shared)
 
 

@@ -417,11 +417,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if multinode is not None:
             doc["multinode"] = asdict(multinode)
         if per_node is not None:
-            doc["host_memory_per_node_sharded"] = {
-                **per_node.components(),
-                "total": per_node.total,
-                "bytes_per_parameter": per_node.total / params,
-            }
+            for key, figure in zip(
+                ("host_memory_per_node_sharded", "host_memory_rank0_writing_sharded"), per_node
+            ):
+                doc[key] = {
+                    **figure.components(),
+                    "total": figure.total,
+                    "bytes_per_parameter": figure.total / params,
+                }
         print(json.dumps(doc, indent=2))
         return 0
     print(header)
@@ -450,10 +453,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
         bandwidth = parse_quantity(args.network_bandwidth, what="--network-bandwidth")
         print(multinode.describe(bandwidth))
     if per_node is not None:
+        node, rank0 = per_node
         print(
             f"with the optimizer state sharded over {args.nodes} nodes, each node needs "
-            f"{per_node.describe(params)} (rank 0 holds the whole fp32 masters and states "
-            "for a moment while it writes a checkpoint)"
+            f"{node.describe(params)}; rank 0, while it writes a checkpoint, "
+            f"{rank0.describe(params)}"
         )
     if args.grid:
         print("schedule (one line per worker; '|' separates tasks):")
@@ -538,19 +542,21 @@ def _multinode_prediction(
     )
 
 
-def _sharded_host_memory(host: Any, args: argparse.Namespace) -> Any:
-    """Each node's host memory with the optimizer state sharded over ``--nodes``: 1/W of
-    the fp32 masters and states (Note [shard boundaries]; rank 0 holds them whole for a
-    moment while it writes a checkpoint), else None."""
+def _sharded_host_memory(host: Any, args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """Host memory with the optimizer state sharded over ``--nodes``: a node's (1/W of the
+    fp32 masters and states, Note [shard boundaries]) and rank 0's while it writes a
+    checkpoint (the same, plus the whole masters and states it gathers: Note [sharded
+    checkpoint]); None without sharding."""
     if args.nodes == 1 or args.optimizer_sharding != "sharded":
         return None
     from dataclasses import replace
 
-    return replace(
+    node = replace(
         host,
         masters=-(-host.masters // args.nodes),
         moments=-(-host.moments // args.nodes),
     )
+    return node, replace(node, gathered=host.masters + host.moments)
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:

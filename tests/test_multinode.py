@@ -243,8 +243,15 @@ def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
     assert per_node["masters"] == -(-whole["masters"] // 2)
     assert per_node["moments"] == -(-whole["moments"] // 2)
     assert per_node["weights"] == whole["weights"] and per_node["total"] < whole["total"]
+    # Rank 0 gathers the whole masters and states while it writes a checkpoint.
+    writing = doc["host_memory_rank0_writing_sharded"]
+    assert writing["gathered"] == whole["masters"] + whole["moments"]
+    assert writing["total"] == per_node["total"] + writing["gathered"]
     assert doc["multinode"]["sharded"] is True
     assert plan_main([*args, "--optimizer-sharding", "sharded"]) == 0
     out = capsys.readouterr().out
     assert "reduce-scatter of the gradients and all-gather of the weights" in out
     assert "with the optimizer state sharded over 2 nodes, each node needs" in out
+    assert (
+        "rank 0, while it writes a checkpoint," in out and "state gathered for checkpoints" in out
+    )
