@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 
 from roundpipe.cluster import cpu_cluster, local_group
 from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 
 _REDUCED = r"job {} (all-reduce|reduce-scatter): (\d+) bytes of gradients per step, ([0-9.]+)s"
 _GATHERED = re.compile(r"all-gather: (\d+) bytes of weights per step")
@@ -107,20 +108,6 @@ def loopback_bandwidth(nbytes: int, reps: int = 5) -> float:
     return nbytes / seconds  # 2 (W-1)/W = 1 at W = 2
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    """``name=value`` for the daemons started inside (they inherit os.environ)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 HOLD_STEP = 3
 """The concurrent runs wait before this iteration until every cluster has reached it."""
 
@@ -135,13 +122,13 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
     ready = [threading.Event() for _ in range(nodes)]
     go = root / "go"
     with contextlib.ExitStack() as stack:
-        with _environment("ROUNDPIPE_TRAIN_HOLD", f"step={HOLD_STEP},until={go}"):
-            clusters = [
-                stack.enter_context(
-                    cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1)
-                )
-                for i in range(nodes)
-            ]
+        hold = {HOLD_ENV: f"step={HOLD_STEP},until={go}"}
+        clusters = [
+            stack.enter_context(
+                cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1, env=hold)
+            )
+            for i in range(nodes)
+        ]
         handles = [c.client.submit(spec_for(f"c{nodes}-{i}")) for i, c in enumerate(clusters)]
 
         def follow(i: int) -> None:

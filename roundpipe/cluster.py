@@ -223,15 +223,14 @@ class LocalCluster:
         coordinator's next liveness check, so a count alone can be met by a worker just
         stopped while its replacement has not joined yet: a test that needs a particular
         worker to get tasks from the first one names it."""
-        wanted = None if exactly is None else set(exactly)
+        wanted = None if exactly is None else sorted(exactly)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 listed = self.client.workers()
-                names = {w.name for w in listed if w.state != "lost"}
                 if wanted is None and len(listed) >= count:
                     return
-                if wanted is not None and names == wanted and len(listed) == len(wanted):
+                if wanted is not None and sorted(w.name for w in listed) == wanted:
                     return
             except CoordinatorUnavailable:
                 # A coordinator just started may not answer yet: on a loaded machine its
@@ -283,13 +282,19 @@ def cpu_cluster(
     *,
     num_workers: int = 0,
     worker_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[LocalCluster]:
     """A LocalCluster with ``num_workers`` CPU workers, connected (arenas in a private
-    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0."""
+    /dev/shm folder), stopped and cleaned up afterwards; the coordinator must exit 0.
+    ``env``: variables for every daemon (LocalCluster's)."""
     arena_dir = Path("/dev/shm") / f"rp-{name}-{os.getpid()}"
     arena_dir.mkdir()
     cluster = LocalCluster(
-        root, arena_dir, coordinator_args=list(coordinator_args), worker_args=worker_args
+        root,
+        arena_dir,
+        coordinator_args=list(coordinator_args),
+        worker_args=worker_args,
+        env=env,
     )
     try:
         for i in range(num_workers):
