@@ -204,10 +204,9 @@ def run_chaos(
         allow_read=spec_read_dirs(spec),
         allow_write=[root],
     )
-    names = iter(f"chaos-w{i}" for i in range(10_000))
+    fleet = _Fleet(cluster, num_workers)
     try:
-        for _ in range(num_workers):
-            cluster.add_worker(next(names))
+        fleet.keep()
         cluster.wait_for_workers(num_workers)
         started = time.monotonic()
         reference = _with_output(spec, root / "reference", plan)
@@ -227,11 +226,7 @@ def run_chaos(
             if index >= len(planned):
                 planned.append(more(index))
             faults, seed = planned[index]
-            results.append(
-                _trial(
-                    cluster, spec, plan, faults, seed, index, reference_s, names, num_workers, root
-                )
-            )
+            results.append(_trial(fleet, spec, plan, faults, seed, index, reference_s, root))
             r = results[-1]
             say(
                 f"chaos: trial {index} seed {seed}: {'; '.join(map(str, faults))} -> "
@@ -248,17 +243,16 @@ def run_chaos(
 
 
 def _trial(
-    cluster: LocalCluster,
+    fleet: _Fleet,
     spec: JobSpec,
     plan: str,
     faults: list[FaultSpec],
     seed: int,
     index: int,
     reference_s: float,
-    names,
-    num_workers: int,
     root: Path,
 ) -> TrialResult:
+    cluster = fleet.cluster
     rng = random.Random(seed)
     # Point faults live inside a worker: restart one worker with the fault armed.
     armed = []
@@ -267,18 +261,18 @@ def _trial(
             # Never replace a worker armed for this trial: its fault would be lost, and
             # its exit counted as a fault that fired. With every worker armed, one more
             # joins.
-            unarmed = [n for n in _running(cluster) if n not in {d.name for d in armed}]
+            unarmed = [n for n in fleet.running() if n not in {d.name for d in armed}]
             if unarmed:
                 victim = rng.choice(unarmed)
                 cluster.signal_worker(victim, signal.SIGTERM)
                 cluster.workers[victim].proc.wait(timeout=60)
                 del cluster.workers[victim]
-            armed.append(cluster.add_worker(next(names), fault=fault.point))
-    _keep_workers(cluster, num_workers, names)
+            armed.append(fleet.add(fault=fault.point))
+    fleet.keep()
     # An armed worker must be listed before the job starts, and the worker it replaced
     # gone: otherwise round-robin may hand the armed one no task of its fault's iteration
     # (on a loaded machine it can join that late) and the point never fires.
-    cluster.wait_for_workers(num_workers, exactly=_running(cluster) if armed else None)
+    cluster.wait_for_workers(fleet.count, exactly=fleet.running() if armed else None)
     log_mark = _log_size(cluster)
     out = root / f"trial-{index}"
     handle = cluster.client.submit(_with_output(spec, out, plan))
@@ -286,14 +280,13 @@ def _trial(
     injected_at: list[float] = []  # wall-clock times of faults that fired mid-job
     injected = 0
 
-    def keep() -> None:
-        _keep_workers(cluster, num_workers, names)
-
     for fault in sorted((f for f in faults if f.kind != "point"), key=lambda f: f.at_fraction):
         # Fire once the job has completed this fraction of its steps: wall-clock timing
         # would miss short jobs whose start-up overhead dominates.
         target = max(1, int(fault.at_fraction * spec.train.steps))
-        if not _wait_for_step(cluster, handle.job_id, target, max(600.0, 20 * reference_s), keep):
+        if not _wait_for_step(
+            cluster, handle.job_id, target, max(600.0, 20 * reference_s), fleet.keep
+        ):
             continue  # the job ended first: this fault did not happen
         if fault.kind == "coordinator":
             cluster.coordinator.proc.send_signal(signal.SIGKILL)
@@ -302,25 +295,26 @@ def _trial(
             cluster.start_coordinator()
             injected += 1
             continue
-        victim = rng.choice(_running(cluster))
+        victim = rng.choice(fleet.running())
         if fault.kind == "stop":
-            _frozen.add(victim)
-        cluster.signal_worker(victim, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+            fleet.freeze(victim)
+        else:
+            cluster.signal_worker(victim, signal.SIGKILL)
         injected_at.append(time.time())
         injected += 1
         # As systemd would: a replacement starts (the frozen one is fenced by the
         # coordinator once its heartbeats stop).
-        cluster.add_worker(next(names))
+        fleet.add()
     status = _wait(
         cluster,
         handle.job_id,
         timeout_s=max(600.0, 20 * reference_s),
-        keep=keep,
+        keep=fleet.keep,
     )
     # A point fault fired if its armed worker is gone (it killed itself, or froze itself
     # and was fenced); otherwise that worker never ran the matching task.
     injected += sum(1 for daemon in armed if not daemon.alive())
-    _keep_workers(cluster, num_workers, names)
+    fleet.keep()
     differences = _differences(root / "reference", out) if status.state == "succeeded" else []
     identical = status.state == "succeeded" and not differences
     detail = ""
@@ -394,22 +388,38 @@ def _wait(cluster: LocalCluster, job_id: str, timeout_s: float, keep=None):
     )
 
 
-# Workers this harness froze with SIGSTOP: the coordinator fences (SIGKILLs) them once
-# their heartbeats stop; until then they look alive but must never be picked or counted.
-_frozen: set[str] = set()
+class _Fleet:
+    """The workers of one chaos run, kept at ``count`` as systemd would keep them.
 
+    ``frozen`` names the workers this run stopped with SIGSTOP: the coordinator fences
+    (SIGKILLs) them once their heartbeats stop; until then they look alive but are never
+    picked or counted. It belongs to the run: names repeat from run to run (``chaos-w3``
+    in every run), so a name frozen by one run must not hide the next run's worker."""
 
-def _running(cluster: LocalCluster) -> list[str]:
-    return [n for n, d in cluster.workers.items() if d.alive() and n not in _frozen]
+    def __init__(self, cluster: LocalCluster, count: int) -> None:
+        self.cluster = cluster
+        self.count = count
+        self.frozen: set[str] = set()
+        self._names = iter(f"chaos-w{i}" for i in range(10_000))
 
+    def add(self, fault: str | None = None):
+        return self.cluster.add_worker(next(self._names), fault=fault)
 
-def _keep_workers(cluster: LocalCluster, count: int, names) -> None:
-    for name, daemon in list(cluster.workers.items()):
-        if not daemon.alive():
-            del cluster.workers[name]
-            _frozen.discard(name)
-    while len(_running(cluster)) < count:
-        cluster.add_worker(next(names))
+    def running(self) -> list[str]:
+        return [n for n, d in self.cluster.workers.items() if d.alive() and n not in self.frozen]
+
+    def freeze(self, name: str) -> None:
+        self.frozen.add(name)
+        self.cluster.signal_worker(name, signal.SIGSTOP)
+
+    def keep(self) -> None:
+        """Forget workers that exited and start replacements up to ``count``."""
+        for name, daemon in list(self.cluster.workers.items()):
+            if not daemon.alive():
+                del self.cluster.workers[name]
+                self.frozen.discard(name)
+        while len(self.running()) < self.count:
+            self.add()
 
 
 def _log_size(cluster: LocalCluster) -> int:

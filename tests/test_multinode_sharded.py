@@ -58,8 +58,8 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what:
 def test_sharding_is_validated() -> None:
     with pytest.raises(JobSpecError, match="train.optimizer_sharding: got 'zero1'"):
         tiny_spec(Path("/tmp/unused"), train={"optimizer_sharding": "zero1"})
-    with pytest.raises(JobSpecError, match="cannot be combined with optimizer.grad_clip"):
-        tiny_spec(Path("/tmp/unused"), train={"optimizer_sharding": "sharded"}, grad_clip=1.0)
+    # Clipping is combined with sharding (Note [clipping a sharded gradient]).
+    tiny_spec(Path("/tmp/unused"), train={"optimizer_sharding": "sharded"}, grad_clip=1.0)
     with pytest.raises(JobSpecError, match="train.grad_transport: got 'fp8'"):
         tiny_spec(Path("/tmp/unused"), train={"grad_transport": "fp8"})
 
@@ -86,6 +86,14 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
         optimizer_sharding="sharded",
         grad_transport="bfloat16",
     )
+    # Global-norm clipping tight enough to scale every step: the norm is summed from
+    # the nodes' pieces, so equal to the replicated job's up to rounding, not bitwise.
+    for mode in ("replicated", "sharded"):
+        specs[f"clip-{mode}"] = variant(
+            tiny_spec(tmp_path / "x", steps=4, staleness=1, num_microbatches=4, grad_clip=0.05),
+            tmp_path / f"clip-{mode}",
+            optimizer_sharding=mode,
+        )
     stale_ckpt = tmp_path / "stale-sharded" / "checkpoints" / "step-00000002"
     # (a longer client timeout: coordinators start slowly on a busy machine)
     with local_group(tmp_path, "mn-shard", client_timeout_s=120) as (rank0, rank1):
@@ -123,6 +131,10 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
                 checkpoint_tensors(replicated / "checkpoints" / step),
                 f"{name} {step}",
             )
+    clipped = {mode: load_output(tmp_path / f"clip-{mode}") for mode in ("replicated", "sharded")}
+    assert_params_match(clipped["sharded"], clipped["replicated"], rtol=1e-6)
+    unclipped = load_output(tmp_path / "stale-replicated")
+    assert any(not torch.allclose(clipped["replicated"][n], unclipped[n]) for n in unclipped)
     uninterrupted = load_output(tmp_path / "stale-replicated")
     for mode in ("replicated", "sharded"):
         assert_bitwise(load_output(tmp_path / f"again-{mode}"), uninterrupted, f"resumed {mode}")

@@ -188,14 +188,6 @@ def check_sharding(e: Problems, t: TrainSpec, o: OptimizerSpec) -> None:
     """What ``train.optimizer_sharding: sharded`` cannot be combined with (yet)."""
     if t.optimizer_sharding != "sharded":
         return
-    if o.grad_clip is not None:
-        e.add(
-            "train.optimizer_sharding",
-            "'sharded' cannot be combined with optimizer.grad_clip: the global gradient "
-            "norm would be summed from the nodes' shards, not bitwise the replicated "
-            "optimizer's; set optimizer.grad_clip: null or train.optimizer_sharding: "
-            "replicated (docs/multi-node.md)",
-        )
     if o.state_dtype == "int8":
         e.add(
             "train.optimizer_sharding",

@@ -570,6 +570,21 @@ class JobGroup:
         except RuntimeError as exc:
             raise self._collective_failed(what, exc) from None
 
+    def all_reduce_optimizer(
+        self, tensors: list[torch.Tensor], name: str, count: int, what: str
+    ) -> None:
+        """Sum ``tensors`` over all nodes, in place, on ``pg_gather``: the optimizer
+        thread's collectives of a sharded job (Note [clipping a sharded gradient] in
+        roundpipe.coordinator.training.sharded_optimizer), ordered with its all-gathers
+        and never interleaved with the reducer thread's collectives on ``pg``."""
+        assert self.pg_gather is not None
+        self.arrive(name, count, what)
+        try:
+            for t in tensors:
+                dist.all_reduce(t, group=self.pg_gather)
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+
     def broadcast(
         self, tensors: list[torch.Tensor], what: str, name: str = "broadcast", count: int = 1
     ) -> None:

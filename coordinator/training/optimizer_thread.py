@@ -199,17 +199,25 @@ class OptimizerThread:
         assert timeline is not None
         remaining = sorted(self.masters, reverse=True)  # the last layers finish first
         clip = self.spec.optimizer.grad_clip
+        shards = self.shards
         coef = None
         if clip is not None:
             # The global norm needs every gradient of the step before any update.
             for layer in remaining:
                 self._wait_grads(layer, k)
-            coef = clip_coefficient(
-                global_grad_norm({layer: self._grads(layer, k) for layer in remaining}), clip
-            )
+            step_grads = {layer: self._grads(layer, k) for layer in remaining}
+            if shards is None:
+                norm = global_grad_norm(step_grads)
+            else:  # Note [clipping a sharded gradient]
+                norm = shards.grad_norm(
+                    step_grads,
+                    "clip",
+                    k - self._first_step + 1,
+                    f"the gradient norm of step {k} from every node",
+                )
+            coef = clip_coefficient(norm, clip)
         busy_s = 0.0
         publish = self._publisher(k)
-        shards = self.shards
         while remaining:
             self._wait_grads(remaining[0], k)
             ready = [layer for layer in remaining if self._grads_landed(layer, k)]

@@ -53,6 +53,20 @@ order, because the reducer reduces in that order), on a process group of their o
 reduce-scatters on the job's group; each arrives first as any collective (Note [arrive
 before a collective]).
 
+Note [clipping a sharded gradient]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``optimizer.grad_clip`` scales every gradient of a step by one coefficient from the
+global norm (roundpipe.coordinator.training.optimizer), but after the reduce-scatter no
+node holds a whole gradient. As ZeRO does, each node takes the sum of squares of its
+pieces of each tensor, one all-reduce of that vector (one float64 per tensor, on the
+optimizer thread's ``pg_gather`` between the step's last reduce-scatter and its first
+all-gather) gives every node each tensor's squared norm, and the total is formed as
+``torch.nn.utils.get_total_norm`` forms it: the norm of the per-tensor norms. Every
+node thus scales by the same coefficient. It is not bitwise the replicated mode's: a
+tensor's norm summed from pieces rounds differently from one ``vector_norm`` over the
+whole tensor (last-bit differences of the coefficient; tests/test_multinode_sharded.py
+bounds the weights' difference).
+
 Note [sharded checkpoint]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A checkpoint stays free of topology (Note [checkpoint cut] in
@@ -108,6 +122,10 @@ class Collectives(Protocol):
         name: str,
         count: int,
         what: str,
+    ) -> None: ...
+
+    def all_reduce_optimizer(
+        self, tensors: list[torch.Tensor], name: str, count: int, what: str
     ) -> None: ...
 
 
@@ -234,6 +252,30 @@ class ZeroShards:
         self.group.all_gather(flat, mine, name, count, what)
         self.unpack(flat, tensors, [r for r in range(w) if r != self.rank])
         self.bytes_gathered += flat.numel() * flat.element_size()
+
+    def grad_norm(
+        self,
+        grads: Mapping[int, Mapping[str, torch.Tensor]],
+        name: str,
+        count: int,
+        what: str,
+    ) -> torch.Tensor:
+        """The L2 norm over all of a step's gradients (``{layer: {name: grad}}``) when
+        each node holds the summed gradient of its pieces only (Note [clipping a sharded
+        gradient]): every node gets the same 0-dim float32 norm. The optimizer thread's."""
+        assert self.group is not None
+        tensors = [g for layer in sorted(grads) for g in grads[layer].values()]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32)
+        squares = torch.stack(
+            [
+                torch.linalg.vector_norm(self.own(g), dtype=torch.float32).double() ** 2
+                for g in tensors
+            ]
+        )
+        self.group.all_reduce_optimizer([squares], name, count, what)
+        norms = squares.sqrt().float()  # each tensor's norm, as get_total_norm's first pass
+        return torch.linalg.vector_norm(norms)
 
     def gather_full(
         self,
