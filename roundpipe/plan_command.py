@@ -382,7 +382,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{args.seq_len} tokens"
     )
     multinode = _multinode_prediction(model, result, args, tokens)
-    per_node = _sharded_host_memory(host, args)
+    per_node = _sharded_host_memory(model, host, args)
     if args.json:
         doc = {
             "prediction": "simulated",
@@ -542,21 +542,25 @@ def _multinode_prediction(
     )
 
 
-def _sharded_host_memory(host: Any, args: argparse.Namespace) -> tuple[Any, Any] | None:
+def _sharded_host_memory(
+    model: LayeredModel, host: Any, args: argparse.Namespace
+) -> tuple[Any, Any] | None:
     """Host memory with the optimizer state sharded over ``--nodes``: a node's (1/W of the
     fp32 masters and states, Note [shard boundaries]) and rank 0's while it writes a
-    checkpoint (the same, plus the whole masters and states it gathers: Note [sharded
-    checkpoint]); None without sharding."""
+    checkpoint (the same, plus the whole masters and a layer's states: Note [streamed
+    checkpoint state]); None without sharding."""
     if args.nodes == 1 or args.optimizer_sharding != "sharded":
         return None
     from dataclasses import replace
+
+    from roundpipe.coordinator.training.memory import checkpoint_gather_nbytes
 
     node = replace(
         host,
         masters=-(-host.masters // args.nodes),
         moments=-(-host.moments // args.nodes),
     )
-    return node, replace(node, gathered=host.masters + host.moments)
+    return node, replace(node, gathered=checkpoint_gather_nbytes(model, host.masters, host.moments))
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from roundpipe.coordinator.training.checkpoint import (
     as_os_error,
     load_tensors,
     resolve_checkpoint,
+    save_tensor_stream,
     save_tensors,
     verify_checkpoint,
 )
@@ -71,6 +72,50 @@ def test_save_tensors_is_standard_safetensors(tmp_path: Path) -> None:
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "test"}
+
+
+def test_a_stream_of_parts_is_one_standard_safetensors_file(tmp_path: Path) -> None:
+    """Note [streamed checkpoint state]: the header first, then the tensors part by part
+    (a sharded checkpoint's optimizer states, one gathered layer at a time); no part is
+    asked for before the one before it was written."""
+    layers = [
+        {f"exp_avg/l{i}.w": torch.randn(3, 4), f"exp_avg_sq/l{i}.w": torch.rand(5)}
+        for i in range(3)
+    ]
+    first = {"prev/w": torch.randn(2, 2).to(torch.bfloat16), "rng": torch.get_rng_state()}
+    entries = [(k, t.dtype, tuple(t.shape)) for part in [first, *layers] for k, t in part.items()]
+    asked: list[int] = []
+    path = tmp_path / "state.safetensors"
+
+    def parts():
+        yield first
+        for i, part in enumerate(layers):
+            asked.append(i)
+            assert path.stat().st_size > 8 + 64 * i  # what came before is in the file
+            yield part
+
+    save_tensor_stream(path, entries, parts(), {"format": "test"})
+    assert asked == [0, 1, 2]
+    loaded = load_file(str(path))
+    for part in [first, *layers]:
+        for key, t in part.items():
+            assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t), key
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "test"}
+
+
+def test_a_stream_that_does_not_match_its_header_is_refused(tmp_path: Path) -> None:
+    entries = [("a", torch.float32, (2,)), ("b", torch.float32, (3,))]
+    with pytest.raises(ValueError, match=r"got tensor b torch.float32\[4\] where the header"):
+        save_tensor_stream(
+            tmp_path / "x", entries, iter([{"a": torch.zeros(2)}, {"b": torch.zeros(4)}])
+        )
+    with pytest.raises(ValueError, match="the parts ended before tensor b"):
+        save_tensor_stream(tmp_path / "y", entries, iter([{"a": torch.zeros(2)}]))
+    with pytest.raises(ValueError, match="where the header has no more tensors"):
+        save_tensor_stream(
+            tmp_path / "z", entries[:1], iter([{"a": torch.zeros(2), "b": torch.zeros(3)}])
+        )
 
 
 # --------------------------------------------------------------------------- writing

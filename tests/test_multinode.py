@@ -243,9 +243,10 @@ def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
     assert per_node["masters"] == -(-whole["masters"] // 2)
     assert per_node["moments"] == -(-whole["moments"] // 2)
     assert per_node["weights"] == whole["weights"] and per_node["total"] < whole["total"]
-    # Rank 0 gathers the whole masters and states while it writes a checkpoint.
+    # Rank 0 gathers the whole masters while it writes a checkpoint, the states a layer
+    # at a time (Note [streamed checkpoint state]).
     writing = doc["host_memory_rank0_writing_sharded"]
-    assert writing["gathered"] == whole["masters"] + whole["moments"]
+    assert whole["masters"] < writing["gathered"] < whole["masters"] + whole["moments"]
     assert writing["total"] == per_node["total"] + writing["gathered"]
     assert doc["multinode"]["sharded"] is True
     assert plan_main([*args, "--optimizer-sharding", "sharded"]) == 0

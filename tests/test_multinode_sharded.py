@@ -167,10 +167,18 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: Path) -> None:
-    """Node 1 dies in the middle of sending its shards of checkpoint step 4: rank 0
-    pauses the job naming node 1, writes nothing of step 4 (step 2 stays the latest),
-    and `resume` continues from step 2 on rank 0 alone to the end (the oracle's model)."""
+@pytest.mark.parametrize(
+    "gather", ["checkpoint/4", "checkpoint/4/states"], ids=["masters", "streamed-states"]
+)
+def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(
+    tmp_path: Path, gather: str
+) -> None:
+    """Node 1 dies in the middle of sending its shards of checkpoint step 4, of the
+    masters or of the optimizer states (rank 0 has then written the model files and the
+    start of the state file: Note [streamed checkpoint state]): rank 0 pauses the job
+    naming node 1, keeps nothing of step 4 (step 2 stays the latest, no temporary
+    directory is left), and `resume` continues from step 2 on rank 0 alone to the end
+    (the oracle's model)."""
     from runtime_helpers import assert_params_match, oracle_train
 
     spec = variant(
@@ -184,7 +192,7 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: 
         "mn-shard-fault",
         timeout_s=5,
         check_exit=False,
-        env={1: {"ROUNDPIPE_GATHER_FAULT": "kill@checkpoint/4"}},
+        env={1: {"ROUNDPIPE_GATHER_FAULT": f"kill@{gather}"}},
         client_timeout_s=120,
     ) as (rank0, rank1):
         handle = rank0.client.submit(spec)
@@ -192,7 +200,7 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(tmp_path: 
         assert status.state == "paused", f"{status.message}\n{rank0.logs()}"
         assert "node 1" in status.message and "roundpipe resume" in status.message
         assert rank1.coordinator.proc.wait(timeout=30) == -9
-        assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000002"]
         assert (checkpoints / "latest").read_text().strip() == "step-00000002"
         handle.resume()
         status = handle.wait(timeout_s=300)

@@ -54,14 +54,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
@@ -85,6 +86,9 @@ __all__ = [
     "as_os_error",
     "load_tensors",
     "resolve_checkpoint",
+    "StreamedTensors",
+    "TensorEntry",
+    "save_tensor_stream",
     "save_tensors",
     "verify_checkpoint",
 ]
@@ -194,34 +198,72 @@ def save_tensors(
 
     The file is standard safetensors (``safetensors.safe_open`` reads it).
     """
+    tensors = {name: t.detach() for name, t in tensors.items()}
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    save_tensor_stream(path, entries, iter([tensors]), metadata)
+
+
+TensorEntry = tuple[str, torch.dtype, tuple[int, ...]]
+"""A tensor's name, dtype and shape: what a safetensors header holds of it."""
+
+
+class StreamedTensors(NamedTuple):
+    """Tensors that arrive in parts (``save_tensor_stream``): all their entries up front,
+    the parts one after another."""
+
+    entries: Sequence[TensorEntry]
+    parts: Iterator[Mapping[str, torch.Tensor]]
+
+
+def save_tensor_stream(
+    path: Path,
+    entries: Sequence[TensorEntry],
+    parts: Iterator[Mapping[str, torch.Tensor]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write a safetensors file whose tensors arrive in parts: the header is written
+    first from ``entries`` (every tensor's name, dtype and shape, in file order), then
+    each part of ``parts`` (a mapping of the next tensors in that order) as it comes, so
+    only one part need be in memory at a time (Note [streamed checkpoint state] in
+    roundpipe.coordinator.training.sharded_optimizer: one layer gathered from every
+    node). Then fsync. A part that does not match the entries raises ValueError; the
+    caller's temporary directory then goes (Note [atomic checkpoint])."""
     header: dict[str, Any] = {}
-    order: list[torch.Tensor] = []
     offset = 0
-    for name, t in tensors.items():
-        code = _DTYPE_CODES.get(t.dtype)
+    for name, dtype, shape in entries:
+        code = _DTYPE_CODES.get(dtype)
         if code is None:
-            raise TypeError(f"cannot save {name}: dtype {t.dtype} is not supported")
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        nbytes = t.numel() * t.element_size()
+            raise TypeError(f"cannot save {name}: dtype {dtype} is not supported")
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {
             "dtype": code,
-            "shape": list(t.shape),
+            "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
-        order.append(t)
         offset += nbytes
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    expected = iter(entries)
     with _create(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for t in order:
-            if t.numel():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        for part in parts:
+            for name, t in part.items():
+                want = next(expected, None)
+                if want is None or want != (name, t.dtype, tuple(t.shape)):
+                    raise ValueError(
+                        f"{path.name}: got tensor {name} {t.dtype}{list(t.shape)} where the "
+                        f"header has {want or 'no more tensors'}"
+                    )
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                if t.numel():
+                    f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        missing = next(expected, None)
+        if missing is not None:
+            raise ValueError(f"{path.name}: the parts ended before tensor {missing[0]}")
         f.flush()
         os.fsync(f.fileno())
 

@@ -43,6 +43,7 @@ with 1 or 2 (the plan is chosen afresh).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -60,8 +61,10 @@ from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
+    StreamedTensors,
     as_os_error,
     resolve_checkpoint,
+    save_tensor_stream,
     save_tensors,
 )
 from roundpipe.coordinator.training.exporter import ModelExporter
@@ -270,11 +273,20 @@ class Checkpointer:
         cannot be written."""
         return self.write(step, self.state_tensors(step), self.context())
 
-    def write(self, step: int, state: LayerState, context: dict) -> Path:
+    def write(
+        self,
+        step: int,
+        state: LayerState,
+        context: dict,
+        streamed: StreamedTensors | None = None,
+    ) -> Path:
         """Write checkpoint ``step`` of ``state`` (live at a cut, or staged: the
         background writer calls this in its thread) atomically, through the output
-        directory held open for the whole write (``JobOutput.pinned``), then prune. Raises
-        JobPaused if it cannot be written, JobFailed if the output directory is refused."""
+        directory held open for the whole write (``JobOutput.pinned``), then prune.
+        ``streamed``: more training-state tensors, taken part by part as the file is
+        written (Note [streamed checkpoint state] in
+        roundpipe.coordinator.training.sharded_optimizer). Raises JobPaused if it cannot
+        be written, JobFailed if the output directory is refused."""
         started = time.perf_counter()
         background = self.background
         check = background.check_abort if background is not None else (lambda: None)
@@ -283,7 +295,7 @@ class Checkpointer:
             try:
                 written = checkpoints.write(
                     step,
-                    lambda d: self._fill(d, state, context["rng"], check),
+                    lambda d: self._fill(d, state, context["rng"], check, streamed),
                     self._manifest(step, context),
                 )
             except OSError as exc:
@@ -373,10 +385,11 @@ class Checkpointer:
         state: LayerState,
         rng: torch.Tensor,
         check_abort: Callable[[], None],
+        streamed: StreamedTensors | None = None,
     ) -> None:
         """The model files, then the training state. The fp32 masters are stored once,
         in the model files (read back by ``checkpoint_name``); the training state holds
-        the rest (docs/checkpoints.md, "What is on disk")."""
+        the rest (docs/checkpoints.md, "What is on disk"), ``streamed`` after it."""
         masters = {
             layer: {key[len("master/") :]: t for key, t in per.items() if key.startswith("master/")}
             for layer, per in state.items()
@@ -391,10 +404,16 @@ class Checkpointer:
         }
         tensors["rng/torch_cpu"] = rng
         (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-        save_tensors(
+        metadata = {"format": "roundpipe-training-state", "masters": "model files"}
+        if streamed is None:
+            save_tensors(directory / STATE_FILE, tensors, metadata)
+            return
+        entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+        save_tensor_stream(
             directory / STATE_FILE,
-            tensors,
-            {"format": "roundpipe-training-state", "masters": "model files"},
+            [*entries, *streamed.entries],
+            itertools.chain([tensors], streamed.parts),
+            metadata,
         )
 
     def _manifest(self, step: int, context: dict) -> dict:

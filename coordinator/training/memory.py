@@ -50,6 +50,7 @@ __all__ = [
     "InsufficientMemory",
     "check_host_memory",
     "checkpoint_staging_needed",
+    "checkpoint_gather_nbytes",
     "committed_checkpoint_staging",
     "grad_buffer_layers",
     "host_memory_needed",
@@ -91,9 +92,10 @@ class HostMemory:
     """One checkpoint's training state copied for the background writer (coordinator
     memory; 0: checkpoints drain the pipeline)."""
     gathered: int = 0
-    """The whole fp32 masters and optimizer states that rank 0 of a group with sharded
-    optimizer state gathers while it writes a checkpoint (Note [sharded checkpoint] in
-    roundpipe.coordinator.training.sharded_optimizer); 0 on the other ranks and unsharded."""
+    """What rank 0 of a group with sharded optimizer state gathers while it writes a
+    checkpoint: the whole fp32 masters, and the optimizer states one layer at a time
+    (Note [streamed checkpoint state] in roundpipe.coordinator.training.sharded_optimizer);
+    0 on the other ranks and unsharded."""
     split_sums: int = 0
     """Where the optimizer adds the two parts of a microbatch-split stage's gradient
     (coordinator memory, as large as the second parts: Note [microbatch-split stages] in
@@ -150,14 +152,15 @@ def host_memory_needed(
     choice, ``committed_checkpoint_staging`` before it has chosen). ``nodes`` and
     ``rank``: this node's place in a data-parallel group; with
     ``train.optimizer_sharding: sharded`` it holds only its pieces of the masters and
-    optimizer states, and rank 0 also the whole of them while it writes a checkpoint."""
+    optimizer states, and rank 0 also the whole masters (and a layer's states) while it
+    writes a checkpoint."""
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
     masters, gathered = 4 * trainable, 0
     if spec is not None and spec.train.optimizer_sharding == "sharded" and nodes > 1:
         if rank == 0:
-            gathered = masters + moments  # the whole state, while a checkpoint is written
+            gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
         held = sharded_elements(layout.model, nodes, rank)
         # fp32 moments and SGD's momentum are per element (int8 states are refused)
         moments, masters = moments * held // max(trainable, 1), 4 * held
@@ -173,6 +176,24 @@ def host_memory_needed(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         ),
     )
+
+
+def checkpoint_gather_nbytes(model: LayeredModel, masters: int, moments: int) -> int:
+    """What rank 0 of a group with sharded optimizer state holds on top of its pieces
+    while it writes a checkpoint, given the whole ``masters`` and ``moments`` bytes: the
+    whole masters (the model files are written from them at once), and the largest
+    layer's optimizer states twice (the gather's buffers and the whole tensors it fills;
+    the states are written a layer at a time: Note [streamed checkpoint state] in
+    roundpipe.coordinator.training.sharded_optimizer)."""
+    trainable = max(1, model.parameter_count(trainable_only=True))
+    largest = max(
+        (
+            sum(s.numel for s in model.layer_params(layer) if s.trainable and s.tied_to is None)
+            for layer in range(model.num_layers)
+        ),
+        default=0,
+    )
+    return masters + 2 * (moments * largest // trainable)
 
 
 def sharded_elements(model: LayeredModel, nodes: int, rank: int) -> int:

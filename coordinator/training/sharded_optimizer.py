@@ -72,22 +72,38 @@ Note [sharded checkpoint]
 A checkpoint stays free of topology (Note [checkpoint cut] in
 roundpipe.coordinator.training.checkpointer): it holds whole tensors, never shards. At a
 checkpoint step every node drains as rank 0 does (no background checkpoints: a layer's
-state is no longer on one node), then every node sends its pieces of the masters and
-moments to rank 0, one layer at a time (``gather_full``), and rank 0 writes the same
-files a replicated job writes (bitwise, tests/test_multinode_sharded.py), atomically
-(Note [atomic checkpoint]): a node lost during the gather fails the collective before
-anything is written, and one lost while rank 0 writes is noticed only afterwards, so
-the previous checkpoint stays intact either way (tests/test_multinode_sharded.py kills
-a node in the middle of the gather with the fault point below). The cost: rank 0 holds the whole
-masters and moments (12 bytes per trainable parameter) while it writes, and the other
-nodes wait for it. Resuming, rank 0 reads the whole state and broadcasts it layer by
-layer; each node keeps its pieces (``GroupMember.sync``), so a checkpoint of any
-topology resumes sharded, and a sharded one on any topology. The final model is
-gathered the same way, masters only, for rank 0 to export.
+state is no longer on one node), then every node sends its pieces to rank 0, one layer at
+a time (``gather_layers``): first the masters (gather ``checkpoint/STEP``), then the
+optimizer states (``checkpoint/STEP/states``, Note [streamed checkpoint state]). Rank 0
+writes the same files a replicated job writes (bitwise, tests/test_multinode_sharded.py),
+atomically (Note [atomic checkpoint]): a node lost during a gather fails the collective
+before the checkpoint is complete, and one lost while rank 0 writes is noticed only
+afterwards, so the previous checkpoint stays intact either way
+(tests/test_multinode_sharded.py kills a node in the middle of each gather with the
+fault point below). The other nodes wait while rank 0 writes. Resuming, rank 0 reads the
+whole state and broadcasts it layer by layer; each node keeps its pieces
+(``GroupMember.sync``), so a checkpoint of any topology resumes sharded, and a sharded
+one on any topology. The final model is gathered the same way, masters only, for rank 0
+to export.
+
+Note [streamed checkpoint state]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Rank 0 must not need the whole training state at once, or a group of W servers would fit
+no bigger a model than one server (12 bytes per trainable parameter on top of its own
+pieces). The optimizer states (8 of those 12 bytes with AdamW) are therefore written as
+they arrive: every tensor's name, dtype and shape are known before anything is gathered,
+so the training-state file's safetensors header is written first and each layer's states
+are appended as soon as that layer's gather completes (``save_tensor_stream`` in
+roundpipe.coordinator.training.checkpoint); rank 0 holds one layer of them at a time
+(twice: the gather's buffers and the whole tensors). The masters (4 bytes) are still
+gathered whole: the model files are written by ``save_pretrained`` of a Hugging Face
+model built from them. Streaming those too needs a model-file writer of our own (names,
+tied weights, shards and index as ``save_pretrained`` makes them); not done yet.
 
 Fault point (tests, docs/fault-tolerance.md): ``ROUNDPIPE_GATHER_FAULT="kill@NAME"`` in a
 coordinator's environment SIGKILLs it in the middle of the gather called NAME (after its
-first layer), e.g. ``kill@checkpoint/4`` for the checkpoint of step 4.
+first layer), e.g. ``kill@checkpoint/4`` (the masters) or ``kill@checkpoint/4/states``
+(the optimizer states) for the checkpoint of step 4.
 """
 
 from __future__ import annotations
@@ -95,12 +111,20 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
-__all__ = ["ALIGN", "GATHER_FAULT_ENV", "Collectives", "ZeroShards", "piece", "span"]
+__all__ = [
+    "ALIGN",
+    "GATHER_FAULT_ENV",
+    "Collectives",
+    "GatheredLayer",
+    "ZeroShards",
+    "piece",
+    "span",
+]
 
 
 class Collectives(Protocol):
@@ -133,6 +157,8 @@ log = logging.getLogger(__name__)
 
 GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
 ALIGN = 256
+GatheredLayer = tuple[int, dict[str, torch.Tensor]]
+"""A layer and its whole tensors by key, as ``ZeroShards.gather_layers`` yields them."""
 """Pieces start on multiples of this many elements (Note [shard boundaries])."""
 
 
@@ -283,14 +309,25 @@ class ZeroShards:
         name: str,
         what: str,
     ) -> dict[int, dict[str, torch.Tensor]] | None:
-        """Rank 0 gets whole fp32 tensors whose pieces every node holds (a checkpoint's
-        masters and moments, the final model's masters): ``pieces`` is, per layer, a
-        list of ``(key, this node's piece, the whole tensor's shape)``. Returns
-        ``{layer: {key: whole tensor}}`` at rank 0, None elsewhere. One gather per
-        layer, so the other nodes hold one layer's buffer at a time."""
+        """Rank 0 gets whole fp32 tensors whose pieces every node holds (the final
+        model's masters, a checkpoint's): ``pieces`` is, per layer, a list of ``(key,
+        this node's piece, the whole tensor's shape)``. Returns ``{layer: {key: whole
+        tensor}}`` at rank 0, None elsewhere. See :meth:`gather_layers`."""
+        full = dict(self.gather_layers(pieces, name, what))
+        return full if self.rank == 0 else None
+
+    def gather_layers(
+        self,
+        pieces: Mapping[int, Sequence[tuple[str, torch.Tensor, torch.Size]]],
+        name: str,
+        what: str,
+    ) -> Iterator[GatheredLayer]:
+        """One gather per layer, in ascending order: yields ``(layer, {key: whole
+        tensor})`` at rank 0 (``{}`` elsewhere) after each, so that rank 0 can write a
+        layer before the next is gathered (Note [streamed checkpoint state]) and every
+        node holds one layer's buffer at a time. Every node must run it to the end."""
         assert self.group is not None
         w = self.world_size
-        full: dict[int, dict[str, torch.Tensor]] = {}
         for i, layer in enumerate(sorted(pieces)):
             entries = [(key, own, torch.Size(shape)) for key, own, shape in pieces[layer]]
             chunk = sum(span(shape.numel(), w) for _, _, shape in entries)
@@ -305,12 +342,13 @@ class ZeroShards:
                 log.error("[multinode] %s: killed in gather %s", GATHER_FAULT_ENV, name)
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of the gather
             if gathered is None:
+                yield layer, {}
                 continue
-            per = full[layer] = {key: torch.empty(shape) for key, _, shape in entries}
+            per = {key: torch.empty(shape) for key, _, shape in entries}
             for r in range(w):
                 offset = 0
                 for key, _, shape in entries:
                     lo, hi = piece(shape.numel(), r, w)
                     per[key].view(-1)[lo:hi].copy_(gathered[r][offset : offset + hi - lo])
                     offset += span(shape.numel(), w)
-        return full if self.rank == 0 else None
+            yield layer, per

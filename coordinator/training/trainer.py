@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ from roundpipe.coordinator.spec.jobspec import (
     validate_against_model,
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
+from roundpipe.coordinator.training.checkpoint import StreamedTensors
 from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
@@ -76,7 +77,7 @@ from roundpipe.coordinator.training.optimizer_thread import OptimizerThread
 from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.training.schedule import ScheduleBuilder
-from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+from roundpipe.coordinator.training.sharded_optimizer import GatheredLayer, ZeroShards
 from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
@@ -644,7 +645,7 @@ class Trainer:
                         self.job_id,
                         self.shards.bytes_gathered // (steps - self.start_step),
                     )
-                full = self._gather_shards(steps, "final", masters_only=True)
+                full = self._gather_masters("final", f"every node's masters of step {steps}")
                 if full is not None:
                     assert self.exporter is not None
                     self.exporter.masters = {
@@ -834,49 +835,77 @@ class Trainer:
         assert self.checkpointer is not None, "prepare() first"
         if self.shards is None:
             return self.checkpointer.save(step)
-        state = self._gather_shards(step, f"checkpoint/{step}", masters_only=False)
+        state = self._gather_masters(f"checkpoint/{step}", f"every node's masters of step {step}")
+        kinds = self.optimizer.kinds
+        states = self._gathered(
+            self.shards.gather_layers(
+                self._shard_pieces(kinds),
+                f"checkpoint/{step}/states",
+                f"every node's optimizer states of step {step}",
+            )
+        )
         if state is None:
+            for _ in states:  # rank 0 writes each layer as it comes
+                pass
             return None
-        context = self.checkpointer.context()
-        path = self.checkpointer.write(step, state, context)
+        assert self.layout is not None
+        layout = self.layout
+        for layer, per in state.items():
+            for n in self.masters[layer]:
+                previous = layout.params[layer][n][(step - 1) % 2]
+                assert previous is not None
+                per[f"prev/{n}"] = layout.view(previous)
+        # Note [streamed checkpoint state]: the optimizer states, a layer at a time.
+        entries = [
+            (key, torch.float32, tuple(shape))
+            for layer, per in sorted(self._shard_pieces(kinds).items())
+            for key, _, shape in per
+        ]
+        streamed = StreamedTensors(entries, (per for _, per in states))
+        path = self.checkpointer.write(step, state, self.checkpointer.context(), streamed)
         del state
         release_freed_memory()
         return path
 
-    def _gather_shards(
-        self, step: int, name: str, *, masters_only: bool
-    ) -> dict[int, dict[str, torch.Tensor]] | None:
-        """Every node's pieces of the masters (and moments), whole at rank 0, plus the
-        weights of version ``step - 1`` (the arena's): the state ``Checkpointer.write``
-        takes (Note [sharded checkpoint]). None on the other nodes. A collective: every
-        node calls it at the same cut."""
-        assert self.shards is not None and self.layout is not None
-        layout, kinds = self.layout, () if masters_only else self.optimizer.kinds
-        moments = self.optimizer.state_dict()["tensors"]
+    def _shard_pieces(
+        self, kinds: tuple[str, ...]
+    ) -> dict[int, list[tuple[str, torch.Tensor, torch.Size]]]:
+        """Per layer, ``(key, this node's piece, the whole tensor's shape)`` of the fp32
+        masters (``kinds`` empty; keys ``master/NAME``) or of the optimizer states of
+        ``kinds`` (keys ``KIND/NAME``): what ``ZeroShards.gather_layers`` gathers."""
+        assert self.layout is not None
+        layout = self.layout
+        moments = self.optimizer.state_dict()["tensors"] if kinds else {}
         pieces: dict[int, list[tuple[str, torch.Tensor, torch.Size]]] = {}
         for layer, per in self.masters.items():
             entries = pieces[layer] = []
             for n, m in per.items():
                 shape = layout.view(layout.params[layer][n][0]).shape  # a whole tensor's
-                entries.append((f"master/{n}", m, shape))
+                if not kinds:
+                    entries.append((f"master/{n}", m, shape))
                 entries += [
                     (f"{kind}/{n}", moments[f"{layer}.{n}.{kind}"], shape) for kind in kinds
                 ]
+        return pieces
+
+    def _gathered(self, layers: Iterator[GatheredLayer]) -> Iterator[GatheredLayer]:
+        """``layers`` (a gather of the shards) with a lost node as JobPaused and a
+        cancelled job as JobCancelled."""
         try:
-            full = self.shards.gather_full(pieces, name, f"every node's shard of step {step}")
+            yield from layers
         except GroupError as exc:
             assert self.member is not None
             raise self.member.paused(exc) from None
         except InterruptedError:
             raise JobCancelled(f"job {self.job_id} was cancelled") from None
-        if full is None:
-            return None
-        for layer, per in full.items():
-            for n in self.masters[layer]:
-                previous = layout.params[layer][n][(step - 1) % 2]
-                assert previous is not None
-                per[f"prev/{n}"] = layout.view(previous)
-        return full
+
+    def _gather_masters(self, name: str, what: str) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Every node's pieces of the fp32 masters, whole at rank 0 (``{layer:
+        {"master/NAME": tensor}}``); None on the other nodes. A collective: every node
+        calls it at the same cut (Note [sharded checkpoint])."""
+        assert self.shards is not None
+        full = dict(self._gathered(self.shards.gather_layers(self._shard_pieces(()), name, what)))
+        return full if self.shards.rank == 0 else None
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
