@@ -290,3 +290,25 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
             assert m.masters <= 4 * (-(-trainable // nodes) + 256 * tensors)
         assert per_rank[1].total < whole.total
         assert "state gathered for checkpoints" in per_rank[0].describe()
+
+
+def test_sharded_background_checkpoints_stage_each_ranks_pieces(tmp_path) -> None:
+    """Note [sharded background checkpoint]: a node stages its pieces of the masters and
+    states, and rank 0 alone the whole previous weights; together the ranks stage one
+    replicated node's checkpoint."""
+    from roundpipe.coordinator.training.memory import checkpoint_staging_needed, sharded_elements
+
+    d = tiny_spec(tmp_path, plan=NARROW, steps=4, train={"optimizer_sharding": "sharded"}).to_dict()
+    d["output"]["checkpoint_every"] = 2
+    spec = JobSpec.from_dict(d)
+    model = LayeredModel(model_config_from_spec(spec.model))
+    layout = _layout(model, NARROW)
+    trainable = model.parameter_count(trainable_only=True)
+    prev = layout.compute_dtype.itemsize * trainable
+    whole = checkpoint_staging_needed(layout, spec)  # one node: the whole state
+    assert whole == 12 * trainable + prev
+    for nodes in (2, 3):
+        per = [checkpoint_staging_needed(layout, spec, nodes=nodes, rank=r) for r in range(nodes)]
+        assert sum(per) == whole
+        assert per[0] == 12 * sharded_elements(model, nodes, 0) + prev
+        assert all(p == 12 * sharded_elements(model, nodes, r) for r, p in enumerate(per) if r)

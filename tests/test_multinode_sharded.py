@@ -26,10 +26,12 @@ from roundpipe.coordinator.spec.jobspec import JobSpec
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
-def variant(spec: JobSpec, out: Path, **train) -> JobSpec:
+def variant(spec: JobSpec, out: Path, staging: str | int = "auto", **train) -> JobSpec:
+    """``spec`` writing to ``out`` with a checkpoint every 2 steps, in the background
+    where the machine has memory to spare (``staging`` 0: drained)."""
     d = spec.to_dict()
     d["train"].update(train)
-    d["output"] = {"dir": str(out), "checkpoint_every": 2}
+    d["output"] = {"dir": str(out), "checkpoint_every": 2, "checkpoint_staging": staging}
     return JobSpec.from_dict(d)
 
 
@@ -79,6 +81,11 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
             specs[f"{name}-{mode}"] = variant(
                 spec, tmp_path / f"{name}-{mode}", optimizer_sharding=mode
             )
+    # Checkpoints drained at the cut instead of written in the background (Note [sharded
+    # background checkpoint]): the same files.
+    specs["stale-sharded-drained"] = variant(
+        base["stale"], tmp_path / "stale-sharded-drained", staging=0, optimizer_sharding="sharded"
+    )
     # Gradients cross the network in bf16: half the bytes, close to fp32's results.
     specs["stale-bf16"] = variant(
         base["stale"],
@@ -120,6 +127,19 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
     bf16, fp32 = load_output(tmp_path / "stale-bf16"), load_output(tmp_path / "stale-sharded")
     assert any(not torch.equal(bf16[n], fp32[n]) for n in fp32)
     assert_params_match(bf16, fp32, rtol=1e-3)
+    for step in ("step-00000002", "step-00000004"):
+        assert_bitwise(
+            checkpoint_tensors(tmp_path / "stale-sharded-drained" / "checkpoints" / step),
+            checkpoint_tensors(tmp_path / "stale-replicated" / "checkpoints" / step),
+            f"drained {step}",
+        )
+    # Every node staged and sent its pieces in the background, or none did.
+    for name, background in (("stale-sharded", True), ("stale-sharded-drained", False)):
+        written = re.findall(
+            rf"checkpoint step \d+ written to \S*/{name}/checkpoints/\S+ in \S+s( \(in the background\))?",
+            rank0_text,
+        )
+        assert len(written) == 2 and all(bool(w) == background for w in written), (name, written)
     for name in base:
         lora = name == "lora"
         replicated = Path(specs[f"{name}-replicated"].output.dir)
@@ -168,22 +188,25 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "gather", ["checkpoint/4", "checkpoint/4/states"], ids=["masters", "streamed-states"]
+    ("gather", "staging"),
+    [("checkpoint/4", 0), ("checkpoint/4/states", 0), ("checkpoint/4/states", "1GiB")],
+    ids=["masters", "streamed-states", "in-the-background"],
 )
 def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(
-    tmp_path: Path, gather: str
+    tmp_path: Path, gather: str, staging: int | str
 ) -> None:
     """Node 1 dies in the middle of sending its shards of checkpoint step 4, of the
     masters or of the optimizer states (rank 0 has then written the model files and the
-    start of the state file: Note [streamed checkpoint state]): rank 0 pauses the job
-    naming node 1, keeps nothing of step 4 (step 2 stays the latest, no temporary
-    directory is left), and `resume` continues from step 2 on rank 0 alone to the end
-    (the oracle's model)."""
+    start of the state file: Note [streamed checkpoint state]), at a drained cut or from
+    the writer threads of background checkpoints: rank 0 pauses the job naming node 1,
+    keeps nothing of step 4 (step 2 stays the latest, no temporary directory is left),
+    and `resume` continues from step 2 on rank 0 alone to the end (the oracle's model)."""
     from runtime_helpers import assert_params_match, oracle_train
 
     spec = variant(
         tiny_spec(tmp_path / "x", steps=4, num_microbatches=4),
         tmp_path / "out",
+        staging=staging,
         optimizer_sharding="sharded",
     )
     checkpoints = tmp_path / "out" / "checkpoints"
@@ -202,6 +225,10 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(
         assert rank1.coordinator.proc.wait(timeout=30) == -9
         assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000002"]
         assert (checkpoints / "latest").read_text().strip() == "step-00000002"
+        log_text = (tmp_path / "node0" / "coordinator.log").read_text()
+        assert ("step 2 written to" in log_text) and (
+            ("(in the background)" in log_text) == bool(staging)
+        )
         handle.resume()
         status = handle.wait(timeout_s=300)
         assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
@@ -220,12 +247,16 @@ def test_a_node_lost_inside_a_training_collective_pauses_and_resumes_exactly(
     """Node 1 dies where rank 0 is inside step 3's reduce-scatter of layer 3's gradient,
     or inside the all-gather of its updated weights (ROUNDPIPE_COLLECTIVE_FAULT): rank 0
     pauses the job naming node 1 instead of hanging, and `resume` continues from the
-    checkpoint of step 2 on rank 0 alone to the oracle's model."""
+    checkpoint of step 2 on rank 0 alone to the oracle's model. (Drained checkpoints: a
+    background checkpoint of step 2 could still be in its gathers when node 1 dies, and
+    is then lost, as test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one
+    shows; Note [sharded background checkpoint].)"""
     from runtime_helpers import oracle_train
 
     spec = variant(
         tiny_spec(tmp_path / "x", steps=4, num_microbatches=4),
         tmp_path / "out",
+        staging=0,
         optimizer_sharding="sharded",
     )
     with local_group(

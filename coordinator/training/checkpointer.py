@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ from roundpipe.coordinator.training.checkpoint import (
     save_tensors,
 )
 from roundpipe.coordinator.training.exporter import ModelExporter
-from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
@@ -250,12 +251,21 @@ class Checkpointer:
 
     # -- writing ----------------------------------------------------------------------
 
-    def start_background(self, on_settled: Callable[[], None]) -> None:
+    def start_background(
+        self,
+        on_settled: Callable[[], None],
+        *,
+        sources: Callable[[int], LayerState] | None = None,
+        write: Callable[[int, LayerState, Any], Path | None] | None = None,
+    ) -> None:
         """Write the run's checkpoints in the background (Note [background checkpoint]);
-        ``on_settled`` is called in the writer thread as each one is written or fails."""
+        ``on_settled`` is called in the writer thread as each one is written or fails.
+        ``sources`` and ``write``: what to stage and how to write it, when not this
+        node's whole state written here (a sharded group's: Note [sharded background
+        checkpoint]; ``write`` returns None on the nodes that only send)."""
         self.background = BackgroundCheckpoints(
-            self.state_tensors,
-            self.write,
+            sources or self.state_tensors,
+            write or self.write,
             on_settled,
             name=f"rp-checkpoints-{self.job_id}",
         )
@@ -330,11 +340,14 @@ class Checkpointer:
             return
         finished, failed = self.background.take_settled()
         for step, path in finished:
-            self.emit(CheckpointWritten(step, path, self.progress.loss_at(step)))
+            if path is not None:  # None: a node of a sharded group that only sent
+                self.emit(CheckpointWritten(step, path, self.progress.loss_at(step)))
         if failed is None:
             return
         step, error = failed
-        if isinstance(error, (JobPaused, JobFailed)):  # full disk; output directory refused
+        # Full disk; output directory refused; a node lost or the job cancelled while a
+        # sharded checkpoint was gathered.
+        if isinstance(error, (JobPaused, JobFailed, JobCancelled)):
             raise error
         os_error = as_os_error(error, self.output.checkpoints.root)
         if os_error is not None:  # any I/O error pauses, as a drained checkpoint's does

@@ -42,7 +42,6 @@ from roundpipe.coordinator.training.memory import (
     InsufficientMemory,
     check_host_memory,
     checkpoint_staging_needed,
-    committed_checkpoint_staging,
     grad_buffer_layers,
     host_memory_needed,
     weight_copies,
@@ -114,13 +113,13 @@ class JobPlanner:
         one checkpoint's per-layer state, if the setting allows that much ("auto": if
         the machine has it available besides the job); else 0, and checkpoints drain."""
         spec = self.spec
-        need = checkpoint_staging_needed(layout, spec)
+        need = checkpoint_staging_needed(layout, spec, nodes=self.nodes, rank=self.rank)
         sharded = spec.train.optimizer_sharding == "sharded"
-        if need == 0 or (self.nodes > 1 and (self.rank != 0 or sharded)):
-            return 0  # only rank 0 writes, and in a sharded group only after a drain
+        if need == 0 or (self.nodes > 1 and self.rank != 0 and not sharded):
+            return 0  # only rank 0 writes; in a sharded group every node sends its pieces
         limit = staging_limit_bytes(spec.output.checkpoint_staging)
         if limit is not None:
-            if committed_checkpoint_staging(layout, spec):
+            if need <= limit:
                 return need
             why = f"output.checkpoint_staging is {limit} bytes"
         else:

@@ -288,18 +288,27 @@ def optimizer_state_nbytes(layout: JobLayout, spec: JobSpec | None = None) -> in
     return 4 * trainable if spec.optimizer.momentum else 0
 
 
-def checkpoint_staging_needed(layout: JobLayout, spec: JobSpec) -> int:
+def checkpoint_staging_needed(
+    layout: JobLayout, spec: JobSpec, *, nodes: int = 1, rank: int = 0
+) -> int:
     """Bytes of staging background checkpoints need (Note [background checkpoint] in
     roundpipe.coordinator.training.snapshot): one checkpoint's per-layer state, that is per
     trainable parameter its fp32 master (4), its optimizer state
     (:func:`optimizer_state_nbytes`) and its previous compute-dtype weight (``prev/*``).
-    0 for a job that checkpoints only after its last step: nothing to overlap with."""
+    With sharded optimizer state over ``nodes``, rank ``rank`` stages its pieces of the
+    masters and states, and only rank 0 the previous weights (Note [sharded background
+    checkpoint] in roundpipe.coordinator.training.sharded_optimizer). 0 for a job that
+    checkpoints only after its last step: nothing to overlap with."""
     every = spec.output.checkpoint_every
     if every <= 0 or every >= spec.train.steps:
         return 0
     trainable = layout.model.parameter_count(trainable_only=True)
     prev = layout.compute_dtype.itemsize * trainable
-    return 4 * trainable + optimizer_state_nbytes(layout, spec) + prev
+    state = 4 * trainable + optimizer_state_nbytes(layout, spec)
+    if spec.train.optimizer_sharding != "sharded" or nodes == 1:
+        return state + prev
+    held = sharded_elements(layout.model, nodes, rank)
+    return state * held // max(trainable, 1) + (prev if rank == 0 else 0)
 
 
 def committed_checkpoint_staging(layout: JobLayout, spec: JobSpec) -> int:

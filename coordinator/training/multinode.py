@@ -400,6 +400,10 @@ class JobGroup:
         self.pg_gather = dist.new_group(backend="gloo", timeout=timeout) if sharded else None
         """A sharded job's all-gathers of updated weights, issued by the optimizer thread
         while the reducer thread uses ``pg`` (Note [gathered before published])."""
+        self.pg_checkpoint = dist.new_group(backend="gloo", timeout=timeout) if sharded else None
+        """A sharded job's gathers of background checkpoints, issued by the checkpoint
+        writer thread while training goes on (Note [sharded background checkpoint] in
+        roundpipe.coordinator.training.sharded_optimizer)."""
         self._last_check = 0.0
         self._problem_lock = threading.Lock()
         self.waiting: str | None = None
@@ -624,11 +628,16 @@ class JobGroup:
         name: str,
         count: int,
         what: str,
+        *,
+        background: bool = False,
     ) -> None:
-        """Rank 0's ``gathered`` = every node's ``tensor``, by rank (on ``pg``)."""
+        """Rank 0's ``gathered`` = every node's ``tensor``, by rank (on ``pg``, or with
+        ``background`` on ``pg_checkpoint``: the checkpoint writer thread's)."""
+        group = self.pg_checkpoint if background else self.pg
+        assert group is not None
         self.arrive(name, count, what)
         try:
-            dist.gather(tensor, gathered, dst=0, group=self.pg)
+            dist.gather(tensor, gathered, dst=0, group=group)
         except RuntimeError as exc:
             raise self._collective_failed(what, exc) from None
 
@@ -654,10 +663,13 @@ class JobGroup:
         return [self.store.get(f"x/{name}/{r}").decode() for r in range(self.world_size)]
 
     def close(self) -> None:
-        try:
-            dist.destroy_process_group(self.pg)
-        except Exception:  # a broken group: nothing to release that exiting would not
-            pass
+        for pg in (self.pg, self.pg_gather, self.pg_checkpoint):
+            if pg is None:
+                continue
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # a broken group: nothing to release that exiting would not
+                pass
 
 
 def _gloo_reason(exc: BaseException) -> str:

@@ -71,10 +71,11 @@ Note [sharded checkpoint]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A checkpoint stays free of topology (Note [checkpoint cut] in
 roundpipe.coordinator.training.checkpointer): it holds whole tensors, never shards. At a
-checkpoint step every node drains as rank 0 does (no background checkpoints: a layer's
-state is no longer on one node), then every node sends its pieces to rank 0, one layer at
-a time (``gather_layers``): first the masters (gather ``checkpoint/STEP``), then the
-optimizer states (``checkpoint/STEP/states``, Note [streamed checkpoint state]). Rank 0
+checkpoint step every node drains as rank 0 does, or, with staging on every node, goes
+on training (Note [sharded background checkpoint]); then every node sends its pieces to
+rank 0, one layer at a time (``gather_layers``, roundpipe.coordinator.training.
+sharded_checkpoint): first the masters (gather ``checkpoint/STEP``), then the optimizer
+states (``checkpoint/STEP/states``, Note [streamed checkpoint state]). Rank 0
 writes the same files a replicated job writes (bitwise, tests/test_multinode_sharded.py),
 atomically (Note [atomic checkpoint]): a node lost during a gather fails the collective
 before the checkpoint is complete, and one lost while rank 0 writes is noticed only
@@ -85,6 +86,28 @@ whole state and broadcasts it layer by layer; each node keeps its pieces
 (``GroupMember.sync``), so a checkpoint of any topology resumes sharded, and a sharded
 one on any topology. The final model is gathered the same way, masters only, for rank 0
 to export.
+
+Note [sharded background checkpoint]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Background checkpoints (Note [background checkpoint] in
+roundpipe.coordinator.training.snapshot) work per node: every node has a writer thread
+and staging for its own pieces of the masters and states (rank 0 also for the whole
+previous weights, which it alone writes), captured by its optimizer thread right after
+each layer is published, that is after the layer's all-gather. Each writer then gathers
+the staged pieces at rank 0 as a drained checkpoint does, while training goes on. Its
+gathers run on a process group of its own (``JobGroup.pg_checkpoint``): the reducer
+(``pg``) and the optimizer (``pg_gather``) issue collectives meanwhile, and collectives
+of one group must be issued in the same order on every node, which only one thread per
+group guarantees. Each writer writes its checkpoints in step order, so every node
+gathers the same sequence. A gather is a collective: either every node stages or none,
+so the nodes agree at the start of each run (``JobGroup.exchange``), and drain if one
+cannot. A node lost during a background gather pauses the job on the others (the
+writer's error reaches the run loop) and leaves the previous checkpoint, as drained.
+What it costs: a background checkpoint is complete only once every node has sent its
+pieces, a few seconds after its step, while training goes on; a node lost in that window
+loses that checkpoint too (the job resumes from the one before), where a drained one
+would have been complete before the next step began. On one node, or with replicated
+state, only rank 0's own crash has that window.
 
 Note [streamed checkpoint state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -146,6 +169,8 @@ class Collectives(Protocol):
         name: str,
         count: int,
         what: str,
+        *,
+        background: bool = False,
     ) -> None: ...
 
     def all_reduce_optimizer(
@@ -321,11 +346,15 @@ class ZeroShards:
         pieces: Mapping[int, Sequence[tuple[str, torch.Tensor, torch.Size]]],
         name: str,
         what: str,
+        *,
+        background: bool = False,
     ) -> Iterator[GatheredLayer]:
         """One gather per layer, in ascending order: yields ``(layer, {key: whole
         tensor})`` at rank 0 (``{}`` elsewhere) after each, so that rank 0 can write a
         layer before the next is gathered (Note [streamed checkpoint state]) and every
-        node holds one layer's buffer at a time. Every node must run it to the end."""
+        node holds one layer's buffer at a time. Every node must run it to the end.
+        ``background``: from the checkpoint writer threads, on their own process group
+        (Note [sharded background checkpoint])."""
         assert self.group is not None
         w = self.world_size
         for i, layer in enumerate(sorted(pieces)):
@@ -337,7 +366,7 @@ class ZeroShards:
                 mine[offset : offset + own.numel()].copy_(own)
                 offset += span(shape.numel(), w)
             gathered = [torch.empty(chunk) for _ in range(w)] if self.rank == 0 else None
-            self.group.gather(mine, gathered, name, i + 1, what)
+            self.group.gather(mine, gathered, name, i + 1, what, background=background)
             if i == 0 and os.environ.get(GATHER_FAULT_ENV) == f"kill@{name}":
                 log.error("[multinode] %s: killed in gather %s", GATHER_FAULT_ENV, name)
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of the gather

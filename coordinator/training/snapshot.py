@@ -132,7 +132,7 @@ class BackgroundCheckpoints:
     def __init__(
         self,
         sources: Callable[[int], LayerState],
-        write: Callable[[int, LayerState, Any], Path],
+        write: Callable[[int, LayerState, Any], Path | None],
         on_settled: Callable[[], None],
         *,
         name: str = "rp-checkpoint-writer",
@@ -147,7 +147,7 @@ class BackgroundCheckpoints:
         self._pending: set[int] = set()  # layers of it not captured yet
         self._next: tuple[int, Any] | None = None  # begun, waiting for staging
         self._reported = 0
-        self._finished: list[tuple[int, Path]] = []
+        self._finished: list[tuple[int, Path | None]] = []
         self._failed: tuple[int, BaseException] | None = None
         self._closed = False
         self._fault = parse_writer_fault(os.environ.get(CHECKPOINT_FAULT_ENV))
@@ -226,7 +226,7 @@ class BackgroundCheckpoints:
 
     def take_settled(
         self,
-    ) -> tuple[list[tuple[int, Path]], tuple[int, BaseException] | None]:
+    ) -> tuple[list[tuple[int, Path | None]], tuple[int, BaseException] | None]:
         """Checkpoints written since the last call ((step, path), oldest first), and
         (step, error) of one that could not be written, if any (each returned once)."""
         with self._cv:

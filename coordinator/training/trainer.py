@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -50,7 +50,6 @@ from roundpipe.coordinator.spec.jobspec import (
     validate_against_model,
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
-from roundpipe.coordinator.training.checkpoint import StreamedTensors
 from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
@@ -77,7 +76,8 @@ from roundpipe.coordinator.training.optimizer_thread import OptimizerThread
 from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.coordinator.training.schedule import ScheduleBuilder
-from roundpipe.coordinator.training.sharded_optimizer import GatheredLayer, ZeroShards
+from roundpipe.coordinator.training.sharded_checkpoint import ShardedCheckpoints
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.protocol import JobSetup, ProgressEvent, StageTask, TaskDone, TaskFailed
 from roundpipe.shared.model import LayeredModel, model_config_dict
@@ -192,6 +192,8 @@ class Trainer:
         self.optimizer_thread: OptimizerThread | None = None
         self.checkpointer: Checkpointer | None = None
         self.exporter: ModelExporter | None = None
+        self.sharded_checkpoints: ShardedCheckpoints | None = None
+        """Writes checkpoints with sharded optimizer state (Note [sharded checkpoint])."""
         self.prepared = False
         """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
         # observability: replaced by a recording one when run() starts
@@ -429,6 +431,17 @@ class Trainer:
             wake=lambda why: self.inbox.put(Wakeup(why)),
             shards=self.shards,
         )
+        if self.shards is not None:
+            assert self.member is not None
+            self.sharded_checkpoints = ShardedCheckpoints(
+                self.shards,
+                self.layout,
+                self.masters,
+                self.optimizer,
+                self.checkpointer,
+                job_id=self.job_id,
+                paused=self.member.paused,
+            )
 
     def _start_after(self, step: int) -> None:
         """Start the run after ``step``, whose state (and progress) was just restored
@@ -512,9 +525,7 @@ class Trainer:
         steps = spec.train.steps
         # observability: timeline, measured bubble, TensorBoard (coordinator.timeline)
         self.timeline = TimelineRecorder.for_job(self, len(self.masters))
-        # Sharded state is gathered at rank 0 at a drained cut (Note [sharded checkpoint]).
-        if self.staging_bytes and (self.group is None or self.group.leader) and not self.shards:
-            checkpointer.start_background(lambda: self.inbox.put(CheckpointSettled()))
+        self._start_background_checkpoints(checkpointer)
         if self.member is not None:
             self.member.start_reducer(
                 layout,
@@ -645,7 +656,10 @@ class Trainer:
                         self.job_id,
                         self.shards.bytes_gathered // (steps - self.start_step),
                     )
-                full = self._gather_masters("final", f"every node's masters of step {steps}")
+                assert self.sharded_checkpoints is not None
+                full = self.sharded_checkpoints.gather_masters(
+                    "final", f"every node's masters of step {steps}"
+                )
                 if full is not None:
                     assert self.exporter is not None
                     self.exporter.masters = {
@@ -833,79 +847,38 @@ class Trainer:
         cannot be written. With sharded state every node calls this: the shards are
         gathered at rank 0, which writes (Note [sharded checkpoint]); elsewhere None."""
         assert self.checkpointer is not None, "prepare() first"
-        if self.shards is None:
+        if self.sharded_checkpoints is None:
             return self.checkpointer.save(step)
-        state = self._gather_masters(f"checkpoint/{step}", f"every node's masters of step {step}")
-        kinds = self.optimizer.kinds
-        states = self._gathered(
-            self.shards.gather_layers(
-                self._shard_pieces(kinds),
-                f"checkpoint/{step}/states",
-                f"every node's optimizer states of step {step}",
-            )
+        return self.sharded_checkpoints.save(step)
+
+    def _start_background_checkpoints(self, checkpointer: Checkpointer) -> None:
+        """Write checkpoints in the background if this node has staging for them (Note
+        [background checkpoint]): one node alone or rank 0 of a replicated group; with
+        sharded state every node, and only if every node has (Note [sharded background
+        checkpoint]: all of them take part in each gather, so all must stage or none)."""
+        settled = lambda: self.inbox.put(CheckpointSettled())  # noqa: E731
+        sharded = self.sharded_checkpoints
+        if sharded is None:
+            if self.staging_bytes and (self.group is None or self.group.leader):
+                checkpointer.start_background(settled)
+            return
+        assert self.group is not None
+        staged = self.group.exchange(
+            "background-checkpoints",
+            "1" if self.staging_bytes else "0",
+            "whether every node can stage checkpoints",
         )
-        if state is None:
-            for _ in states:  # rank 0 writes each layer as it comes
-                pass
-            return None
-        assert self.layout is not None
-        layout = self.layout
-        for layer, per in state.items():
-            for n in self.masters[layer]:
-                previous = layout.params[layer][n][(step - 1) % 2]
-                assert previous is not None
-                per[f"prev/{n}"] = layout.view(previous)
-        # Note [streamed checkpoint state]: the optimizer states, a layer at a time.
-        entries = [
-            (key, torch.float32, tuple(shape))
-            for layer, per in sorted(self._shard_pieces(kinds).items())
-            for key, _, shape in per
-        ]
-        streamed = StreamedTensors(entries, (per for _, per in states))
-        path = self.checkpointer.write(step, state, self.checkpointer.context(), streamed)
-        del state
-        release_freed_memory()
-        return path
-
-    def _shard_pieces(
-        self, kinds: tuple[str, ...]
-    ) -> dict[int, list[tuple[str, torch.Tensor, torch.Size]]]:
-        """Per layer, ``(key, this node's piece, the whole tensor's shape)`` of the fp32
-        masters (``kinds`` empty; keys ``master/NAME``) or of the optimizer states of
-        ``kinds`` (keys ``KIND/NAME``): what ``ZeroShards.gather_layers`` gathers."""
-        assert self.layout is not None
-        layout = self.layout
-        moments = self.optimizer.state_dict()["tensors"] if kinds else {}
-        pieces: dict[int, list[tuple[str, torch.Tensor, torch.Size]]] = {}
-        for layer, per in self.masters.items():
-            entries = pieces[layer] = []
-            for n, m in per.items():
-                shape = layout.view(layout.params[layer][n][0]).shape  # a whole tensor's
-                if not kinds:
-                    entries.append((f"master/{n}", m, shape))
-                entries += [
-                    (f"{kind}/{n}", moments[f"{layer}.{n}.{kind}"], shape) for kind in kinds
-                ]
-        return pieces
-
-    def _gathered(self, layers: Iterator[GatheredLayer]) -> Iterator[GatheredLayer]:
-        """``layers`` (a gather of the shards) with a lost node as JobPaused and a
-        cancelled job as JobCancelled."""
-        try:
-            yield from layers
-        except GroupError as exc:
-            assert self.member is not None
-            raise self.member.paused(exc) from None
-        except InterruptedError:
-            raise JobCancelled(f"job {self.job_id} was cancelled") from None
-
-    def _gather_masters(self, name: str, what: str) -> dict[int, dict[str, torch.Tensor]] | None:
-        """Every node's pieces of the fp32 masters, whole at rank 0 (``{layer:
-        {"master/NAME": tensor}}``); None on the other nodes. A collective: every node
-        calls it at the same cut (Note [sharded checkpoint])."""
-        assert self.shards is not None
-        full = dict(self._gathered(self.shards.gather_layers(self._shard_pieces(()), name, what)))
-        return full if self.shards.rank == 0 else None
+        if all(v == "1" for v in staged):
+            checkpointer.start_background(
+                settled, sources=sharded.sources, write=sharded.write_staged
+            )
+        elif self.staging_bytes:
+            log.info(
+                "[trainer] job %s: checkpoints stop the pipeline while they are written: "
+                "node(s) %s cannot stage them, and every node of a sharded group takes part",
+                self.job_id,
+                ", ".join(str(r) for r, v in enumerate(staged) if v != "1"),
+            )
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
