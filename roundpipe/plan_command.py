@@ -263,10 +263,11 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     )
     p.add_argument(
         "--optimizer-sharding",
-        choices=("replicated", "sharded"),
-        default="replicated",
+        choices=("auto", "replicated", "sharded"),
+        default="auto",
         help="with --nodes: the job's train.optimizer_sharding (sharded: each node holds "
-        "1/W of the fp32 masters and optimizer states; default %(default)s)",
+        "1/W of the fp32 masters and optimizer states; auto, the job spec's default: "
+        "sharded; default %(default)s)",
     )
     p.add_argument(
         "--grad-transport",
@@ -536,7 +537,7 @@ def _multinode_prediction(
         nodes=args.nodes,
         bandwidth_bytes_per_s=parse_quantity(args.network_bandwidth, what="--network-bandwidth"),
         staleness=args.staleness,
-        sharded=args.optimizer_sharding == "sharded",
+        sharded=args.optimizer_sharding != "replicated",
         weight_bytes=2 if args.dtype in ("bfloat16", "float16") else 4,
         grad_bytes=2 if args.grad_transport == "bfloat16" else 4,
     )
@@ -549,7 +550,7 @@ def _sharded_host_memory(
     fp32 masters and states, Note [shard boundaries]) and rank 0's while it writes a
     checkpoint (the same, plus the whole masters and a layer's states: Note [streamed
     checkpoint state]); None without sharding."""
-    if args.nodes == 1 or args.optimizer_sharding != "sharded":
+    if args.nodes == 1 or args.optimizer_sharding == "replicated":
         return None
     from dataclasses import replace
 

@@ -258,7 +258,7 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
     from roundpipe.coordinator.training.memory import sharded_elements
 
     spec = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "sharded"})
-    replicated = tiny_spec(tmp_path, plan=NARROW)
+    replicated = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "replicated"})
     model = LayeredModel(model_config_from_spec(spec.model))
     layout = _layout(model, NARROW)
     trainable = model.parameter_count(trainable_only=True)

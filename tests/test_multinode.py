@@ -191,8 +191,9 @@ def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
 
 
 def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
-    """`roundpipe plan --nodes 2 --network-bandwidth ...`: a ring all-reduce of the fp32
-    gradients, hidden behind the step at staleness 1, added to it at staleness 0."""
+    """`roundpipe plan --nodes 2 --network-bandwidth ... --optimizer-sharding replicated`:
+    a ring all-reduce of the fp32 gradients, hidden behind the step at staleness 1, added
+    to it at staleness 0."""
     from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
     from roundpipe.plan_command import plan_main
 
@@ -212,9 +213,14 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
     args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
     args += ["--workers", "2", "--seq-len", "128", "--flops", "1T"]
-    assert plan_main([*args, "--nodes", "2", "--network-bandwidth", "100MB/s"]) == 0
+    nodes = ["--nodes", "2", "--network-bandwidth", "100MB/s"]
+    assert plan_main([*args, *nodes, "--optimizer-sharding", "replicated"]) == 0
     out = capsys.readouterr().out
     assert "2 nodes over 0.1 GB/s: all-reduce of" in out and "tokens/s for all nodes" in out
+    # The job spec's default, auto, shards the optimizer state: so does the plan's.
+    assert plan_main([*args, *nodes]) == 0
+    out = capsys.readouterr().out
+    assert "reduce-scatter of the gradients and all-gather of the weights" in out
 
 
 def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:

@@ -64,6 +64,23 @@ def test_sharding_is_validated() -> None:
     tiny_spec(Path("/tmp/unused"), train={"optimizer_sharding": "sharded"}, grad_clip=1.0)
     with pytest.raises(JobSpecError, match="train.grad_transport: got 'fp8'"):
         tiny_spec(Path("/tmp/unused"), train={"grad_transport": "fp8"})
+    # The default, auto, shards wherever sharding is implemented; int8 states stay
+    # replicated under auto, and are refused when sharding is asked for.
+    from roundpipe.coordinator.spec.choices import optimizer_state_sharded
+    from roundpipe.coordinator.training.multinode import _sharded
+
+    default = tiny_spec(Path("/tmp/unused"))
+    assert default.train.optimizer_sharding == "auto" and _sharded(default.to_dict())
+    int8 = tiny_spec(Path("/tmp/unused"), optimizer={"state_dtype": "int8"})
+    assert not _sharded(int8.to_dict())
+    assert not optimizer_state_sharded("replicated", "float32")
+    assert optimizer_state_sharded("sharded", "float32")
+    with pytest.raises(JobSpecError, match="'sharded' is not implemented for optimizer.state"):
+        tiny_spec(
+            Path("/tmp/unused"),
+            train={"optimizer_sharding": "sharded"},
+            optimizer={"state_dtype": "int8"},
+        )
 
 
 @pytest.mark.slow

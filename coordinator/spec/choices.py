@@ -31,6 +31,7 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_CONVENTIONS",
     "STATE_DTYPES",
+    "optimizer_state_sharded",
     "packing_alias",
     "packing_mode",
 ]
@@ -56,10 +57,21 @@ kernel when it loads and passes its bitwise self-check (else torch's); ``torch``
 on torch's fused kernel (Note [compiled AdamW kernel])."""
 # ``lora.base_quantization`` (QUANTIZATIONS) and ``lora.int8_scales`` (INT8_SCALES) are
 # defined with their formats, in roundpipe.shared.quant_format, and re-exported here.
-OPTIMIZER_SHARDINGS = ("replicated", "sharded")
+OPTIMIZER_SHARDINGS = ("auto", "replicated", "sharded")
 """``train.optimizer_sharding`` with several nodes (docs/multi-node.md): every node holds
 all fp32 masters and moments (``replicated``), or each node only its shard of them
-(``sharded``: gradients reduce-scattered, updated weights all-gathered)."""
+(``sharded``: gradients reduce-scattered, updated weights all-gathered); ``auto``:
+sharded where it is implemented (see ``optimizer_state_sharded``)."""
+
+
+def optimizer_state_sharded(sharding: str, state_dtype: str) -> bool:
+    """Whether a job with ``train.optimizer_sharding: sharding`` and
+    ``optimizer.state_dtype: state_dtype`` shards its optimizer state over the nodes of
+    a group: ``sharded``, or ``auto`` unless the states are int8 (not implemented
+    sharded; ``auto`` then keeps them replicated). One node: its shard is the whole."""
+    return sharding == "sharded" or (sharding == "auto" and state_dtype != "int8")
+
+
 GRAD_TRANSPORTS = ("float32", "bfloat16")
 """``train.grad_transport``: the dtype gradients cross the network in between nodes
 (``float32``: exact; ``bfloat16``: half the bytes, rounded; docs/multi-node.md)."""

@@ -185,7 +185,8 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
 
 
 def check_sharding(e: Problems, t: TrainSpec, o: OptimizerSpec) -> None:
-    """What ``train.optimizer_sharding: sharded`` cannot be combined with (yet)."""
+    """What ``train.optimizer_sharding: sharded`` cannot be combined with (yet); ``auto``
+    keeps those replicated (``optimizer_state_sharded``)."""
     if t.optimizer_sharding != "sharded":
         return
     if o.state_dtype == "int8":

@@ -258,11 +258,12 @@ class TrainSpec:
     layers of the same shape share this many stages' worth of fp32 gradient slots, and a
     backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
     layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
-    optimizer_sharding: str = "replicated"
+    optimizer_sharding: str = "auto"
     """With several nodes (docs/multi-node.md), one of ``OPTIMIZER_SHARDINGS``:
-    ``replicated`` (every node holds all fp32 masters and moments) or ``sharded`` (each
-    node holds and steps only its 1/W of them; the same results, bitwise). One node:
-    ignored (its shard is the whole state)."""
+    ``replicated`` (every node holds all fp32 masters and moments), ``sharded`` (each
+    node holds and steps only its 1/W of them; the same results, bitwise) or ``auto``
+    (sharded, unless ``optimizer.state_dtype`` is int8). One node: ignored (its shard is
+    the whole state)."""
     grad_transport: str = "float32"
     """With several nodes, one of ``GRAD_TRANSPORTS``: the dtype the gradients cross the
     network in (``bfloat16``: half the bytes, rounded; ``float32``: exact)."""

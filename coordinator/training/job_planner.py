@@ -33,6 +33,7 @@ import torch
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import ProfileAggregator
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
+from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.sections import staging_limit_bytes
 from roundpipe.coordinator.training.job_errors import JobFailed
@@ -114,7 +115,7 @@ class JobPlanner:
         the machine has it available besides the job); else 0, and checkpoints drain."""
         spec = self.spec
         need = checkpoint_staging_needed(layout, spec, nodes=self.nodes, rank=self.rank)
-        sharded = spec.train.optimizer_sharding == "sharded"
+        sharded = optimizer_state_sharded(spec.train.optimizer_sharding, spec.optimizer.state_dtype)
         if need == 0 or (self.nodes > 1 and self.rank != 0 and not sharded):
             return 0  # only rank 0 writes; in a sharded group every node sends its pieces
         limit = staging_limit_bytes(spec.output.checkpoint_staging)

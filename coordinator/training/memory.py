@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.shared.model import LayeredModel
 
@@ -158,7 +159,7 @@ def host_memory_needed(
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
     masters, gathered = 4 * trainable, 0
-    if spec is not None and spec.train.optimizer_sharding == "sharded" and nodes > 1:
+    if spec is not None and nodes > 1 and _sharded(spec):
         if rank == 0:
             gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
         held = sharded_elements(layout.model, nodes, rank)
@@ -176,6 +177,10 @@ def host_memory_needed(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         ),
     )
+
+
+def _sharded(spec: JobSpec) -> bool:
+    return optimizer_state_sharded(spec.train.optimizer_sharding, spec.optimizer.state_dtype)
 
 
 def checkpoint_gather_nbytes(model: LayeredModel, masters: int, moments: int) -> int:
@@ -305,7 +310,7 @@ def checkpoint_staging_needed(
     trainable = layout.model.parameter_count(trainable_only=True)
     prev = layout.compute_dtype.itemsize * trainable
     state = 4 * trainable + optimizer_state_nbytes(layout, spec)
-    if spec.train.optimizer_sharding != "sharded" or nodes == 1:
+    if nodes == 1 or not _sharded(spec):
         return state + prev
     held = sharded_elements(layout.model, nodes, rank)
     return state * held // max(trainable, 1) + (prev if rank == 0 else 0)

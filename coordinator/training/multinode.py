@@ -79,6 +79,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from roundpipe.coordinator.spec.choices import optimizer_state_sharded
+
 if TYPE_CHECKING:
     from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 
@@ -373,9 +375,15 @@ class NodeGroup:
 
 
 def _sharded(spec: Mapping) -> bool:
-    """Whether a job's spec (as announced) asks for sharded optimizer state."""
+    """Whether a job's spec (as announced: ``JobSpec.to_dict``, every field present)
+    shards its optimizer state (``optimizer_state_sharded``)."""
     train = spec.get("train") if isinstance(spec, Mapping) else None
-    return isinstance(train, Mapping) and train.get("optimizer_sharding") == "sharded"
+    optimizer = spec.get("optimizer") if isinstance(spec, Mapping) else None
+    if not isinstance(train, Mapping) or not isinstance(optimizer, Mapping):
+        return False
+    return optimizer_state_sharded(
+        str(train.get("optimizer_sharding", "auto")), str(optimizer.get("state_dtype"))
+    )
 
 
 class JobGroup:

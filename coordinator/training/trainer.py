@@ -43,6 +43,7 @@ import torch
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec, cpu_hardware
 from roundpipe.coordinator.spec.checkpoint_format import CheckpointInfo
+from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.spec.data import DataLoader, GlobalBatch, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import (
     JobSpec,
@@ -366,7 +367,7 @@ class Trainer:
         return the whole ones, which ``prepare`` drops once the nodes are in sync. None:
         replicated, or one node (whose shard is the whole state)."""
         spec = self.spec
-        if spec.train.optimizer_sharding != "sharded":
+        if not optimizer_state_sharded(spec.train.optimizer_sharding, spec.optimizer.state_dtype):
             if self.group is not None:
                 log.info(  # benchmarks/multinode.py reads it
                     "[trainer] job %s: optimizer state replicated on %d nodes: rank %d holds "
@@ -378,11 +379,12 @@ class Trainer:
                 )
             return None
         if self.group is None:
-            log.info(
-                "[trainer] job %s: optimizer_sharding 'sharded' on one node: its shard is "
-                "the whole optimizer state (as 'replicated')",
-                self.job_id,
-            )
+            if spec.train.optimizer_sharding == "sharded":  # asked for, not the default
+                log.info(
+                    "[trainer] job %s: optimizer_sharding 'sharded' on one node: its shard "
+                    "is the whole optimizer state (as 'replicated')",
+                    self.job_id,
+                )
             return None
         self.shards = ZeroShards(
             self.group, self.group.rank, self.group.world_size, spec.train.grad_transport
