@@ -256,17 +256,19 @@ class Client:
         self._socket = None
         self._connect()
 
-    def _wait_reply(self, sock: zmq.Socket[bytes], timeout_s: float) -> list[bytes] | None:
-        """The reply frames within ``timeout_s``; None on timeout. Raises NotAuthorized
-        as soon as the coordinator refuses the handshake."""
+    def _wait_reply(self, sock: zmq.Socket[bytes] | None, timeout_s: float) -> list[bytes] | None:
+        """The reply frames on ``sock`` within ``timeout_s``; None on timeout. Raises
+        NotAuthorized as soon as the coordinator refuses the handshake. ``sock`` None:
+        nothing was sent, only a refusal is waited for."""
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        if sock is not None:
+            poller.register(sock, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(timeout=max(1, int(left * 1000))))
-            if sock in ready:
+            if sock is not None and sock in ready:
                 return sock.recv_multipart(flags=zmq.NOBLOCK)
             if self._monitor is not None and self._monitor in ready:
                 self._monitor.recv_multipart()  # a handshake-failed event
@@ -331,10 +333,15 @@ class Client:
             sock = self._socket
             assert sock is not None
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                reply_frames = self._wait_reply(sock, timeout_s)
-            except zmq.Again:
-                reply_frames = None
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # No connection to queue it on. libzmq ends a connection whose
+                    # handshake the coordinator refused, and does not reconnect it: under
+                    # load the refusal can come before this send. Its monitor tells.
+                    reply_frames = self._wait_reply(None, timeout_s)
+                else:
+                    reply_frames = self._wait_reply(sock, timeout_s)
             except BaseException:
                 # Interrupted (Ctrl-C) or failed between request and reply: the reply may
                 # still come, so this socket must not be used for another request.
