@@ -79,26 +79,24 @@ class ShardedCheckpoints:
     def gather_masters(self, name: str, what: str) -> dict[int, dict[str, torch.Tensor]] | None:
         """The live fp32 masters, whole at rank 0 (``{layer: {"master/NAME": t}}``; None
         elsewhere), on the job's process group (the final model, at a drained cut)."""
-        pieces = self._pieces(self._live(0), kinds=())
+        masters = {
+            layer: {f"master/{n}": m for n, m in per.items()} for layer, per in self.masters.items()
+        }
+        pieces = self._pieces(masters, kinds=())
         full = dict(self._gathered(self.shards.gather_layers(pieces, name, what)))
         return full if self.leader else None
 
     def _live(self, step: int) -> dict[int, dict[str, torch.Tensor]]:
-        """This node's pieces now, keyed as a checkpoint keys them (``master/NAME``,
-        ``KIND/NAME``), with rank 0's ``prev/NAME`` whole (version ``step - 1``)."""
-        moments = self.optimizer.state_dict()["tensors"]
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, per in self.masters.items():
-            entry = out[layer] = {}
-            for n, master in per.items():
-                entry[f"master/{n}"] = master
-                for kind in self.optimizer.kinds:
-                    entry[f"{kind}/{n}"] = moments[f"{layer}.{n}.{kind}"]
-                if self.leader and step >= 1:
-                    previous = self.layout.params[layer][n][(step - 1) % 2]
-                    assert previous is not None
-                    entry[f"prev/{n}"] = self.layout.view(previous)
-        return out
+        """This node's pieces now, keyed as a checkpoint keys them (the checkpointer's
+        ``state_tensors``: ``master/NAME``, ``KIND/NAME``), with ``prev/NAME`` (whole,
+        version ``step - 1``) at rank 0 only: the others never write it."""
+        state = self.checkpointer.state_tensors(step)
+        if self.leader:
+            return state
+        return {
+            layer: {key: t for key, t in per.items() if not key.startswith("prev/")}
+            for layer, per in state.items()
+        }
 
     # -- in the background ------------------------------------------------------------
 
@@ -129,6 +127,7 @@ class ShardedCheckpoints:
         """Gather the masters whole, then stream the optimizer states a layer at a time
         into rank 0's training-state file (Note [streamed checkpoint state])."""
         shards, kinds = self.shards, self.optimizer.kinds
+        state_pieces = self._pieces(state, kinds=kinds)
         masters = self._gathered(
             shards.gather_layers(
                 self._pieces(state, kinds=()),
@@ -140,7 +139,7 @@ class ShardedCheckpoints:
         whole = dict(masters)
         states = self._gathered(
             shards.gather_layers(
-                self._pieces(state, kinds=kinds),
+                state_pieces,
                 f"checkpoint/{step}/states",
                 f"every node's optimizer states of step {step}",
                 background=background,
@@ -154,7 +153,7 @@ class ShardedCheckpoints:
             per.update((key, t) for key, t in state[layer].items() if key.startswith("prev/"))
         entries = [
             (key, torch.float32, tuple(shape))
-            for _, per in sorted(self._pieces(state, kinds=kinds).items())
+            for _, per in sorted(state_pieces.items())
             for key, _, shape in per
         ]
         streamed = StreamedTensors(entries, (per for _, per in states))
