@@ -1,7 +1,9 @@
 """Pipeline timeline pictures: measured (``roundpipe timeline``) and predicted
 (``roundpipe plan --timeline``), drawn the same way so they compare side by side.
 
-One lane per worker plus one for the CPU optimizer. A task is a box from its start to
+One lane per worker plus one for the CPU optimizer and, for a node of a data-parallel
+group, one for the network: its collectives with the other nodes, the hatched part being
+the wait for the slowest node to arrive. A task is a box from its start to
 its end, coloured by kind (forward blue, tail purple, backward orange) and labelled with
 its stage (``F0``, ``T``, ``B1``; ``3:`` prefixes the step when several are drawn). The
 hatched part at the box's left is the share of the task that was not compute (waiting
@@ -25,8 +27,10 @@ COLOURS = {
     "tail": "#8172B3",
     "backward": "#DD8452",
     "optimizer": "#7F7F7F",
+    "collective": "#55A868",
 }
 OPTIMIZER_LANE = "optimizer"
+NETWORK_LANE = "network"
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Box:
     start: float
     end: float
     kind: str
-    """``forward``, ``tail``, ``backward`` or ``optimizer``."""
+    """``forward``, ``tail``, ``backward``, ``optimizer`` or ``collective``."""
     label: str
     busy_s: float | None = None
     """Compute seconds inside the box (None: all of it)."""
@@ -62,7 +66,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 def boxes_from_trace(tasks: Sequence[dict], *, multi_step: bool) -> list[Box]:
     """Boxes of the ``ph: X`` events ``coordinator.timeline.read_trace`` returns."""
-    from roundpipe.coordinator.training.timeline import OPTIMIZER_TID
+    from roundpipe.coordinator.training.timeline import NETWORK_TID, OPTIMIZER_TID
 
     boxes = []
     for e in tasks:
@@ -72,6 +76,10 @@ def boxes_from_trace(tasks: Sequence[dict], *, multi_step: bool) -> list[Box]:
         step = args.get("step")
         if e.get("tid") == OPTIMIZER_TID:
             boxes.append(Box(OPTIMIZER_LANE, start, end, "optimizer", str(step)))
+            continue
+        if e.get("tid") == NETWORK_TID:  # busy: after every node had arrived
+            moving = max(0.0, (end - start) - args.get("wait_s", 0.0))
+            boxes.append(Box(NETWORK_LANE, start, end, "collective", e["name"], moving))
             continue
         label = f"{step}:{e['name']}" if multi_step else e["name"]
         boxes.append(
@@ -129,10 +137,12 @@ def draw_timeline(
     from matplotlib.patches import Patch
 
     if lanes is None:
+        shared = (OPTIMIZER_LANE, NETWORK_LANE)
         workers = sorted(
-            {b.lane for b in boxes if b.lane != OPTIMIZER_LANE}, key=lambda s: int(s.split()[-1])
+            {b.lane for b in boxes if b.lane not in shared}, key=lambda s: int(s.split()[-1])
         )
-        lanes = [*workers, OPTIMIZER_LANE]
+        network = [NETWORK_LANE] if any(b.lane == NETWORK_LANE for b in boxes) else []
+        lanes = [*workers, OPTIMIZER_LANE, *network]
     row = {lane: i for i, lane in enumerate(lanes)}
     t0 = min((b.start for b in boxes), default=0.0)
     t1 = max((b.end for b in boxes), default=1.0)
@@ -188,6 +198,8 @@ def draw_timeline(
         Patch(facecolor=COLOURS["optimizer"], label="optimizer"),
         Patch(facecolor="white", edgecolor="#555555", hatch="///", label="not computing"),
     ]
+    if NETWORK_LANE in row:
+        legend.insert(4, Patch(facecolor=COLOURS["collective"], label="collective (hatched: wait)"))
     ax.legend(
         handles=legend, loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False
     )

@@ -22,6 +22,7 @@ from roundpipe.client import RoundPipeError
 from roundpipe.cluster import local_group
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.multinode import node_microbatches, settings_from_args
+from roundpipe.coordinator.training.timeline import NETWORK_TID, read_trace
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -97,6 +98,22 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         # The other node ran every job, its half of each batch.
         ran = {j.job_id: j.state for j in rank1.client.jobs()}
         assert ran == {h.job_id: "succeeded" for h in handles.values()}, rank1.logs()
+        # Each node's timeline (node 1's below its state directory) has a network lane:
+        # every step's gradient reductions and its loss, and the time waited for the
+        # other node.
+        outputs = [
+            Path(specs["stale"].output.dir),
+            Path(rank1.client.status(handles["stale"].job_id).output_dir),
+        ]
+        lanes = []
+        for output in outputs:
+            trace = read_trace(output / "timeline")
+            network = [e for e in trace.tasks if e["tid"] == NETWORK_TID]
+            lanes.append({(e["args"]["step"], e["name"]) for e in network})
+            assert all(e["args"]["wait_s"] >= 0 and e["dur"] > 0 for e in network)
+        assert {step for step, _ in lanes[0]} == {1, 2, 3, 4}
+        assert all((k, "loss") in lanes[0] and (k, "grad/0") in lanes[0] for k in range(1, 5))
+        assert lanes[0] == lanes[1]
         # Cancelling at rank 0 cancels on every node.
         long = rank0.client.submit(tiny_spec(tmp_path / "long", steps=500, num_microbatches=4))
         next(iter(long.progress(timeout_s=120)))

@@ -12,6 +12,7 @@ import pytest
 from roundpipe.cli import main as cli_main
 from roundpipe.coordinator.planning.simulator import SimStage, simulate_roundpipe
 from roundpipe.coordinator.training.timeline import (
+    NETWORK_TID,
     TaskRecord,
     TimelineRecorder,
     bubble_in_window,
@@ -21,7 +22,12 @@ from roundpipe.coordinator.training.timeline import (
 )
 from roundpipe.protocol import ProgressEvent, TaskDone
 from roundpipe.shared.plan import Plan
-from roundpipe.timeline_plot import boxes_from_simulation, parse_steps
+from roundpipe.timeline_plot import (
+    NETWORK_LANE,
+    boxes_from_simulation,
+    boxes_from_trace,
+    parse_steps,
+)
 
 PLAN = Plan.parse("F[0:2,2:4] T[4:6] B[2:4,0:2]")
 STAGES = [
@@ -137,6 +143,41 @@ def test_read_trace_of_a_running_or_resumed_job(tmp_path: Path) -> None:
     assert min(starts) >= 2000.0 - 1e-3
     with pytest.raises(FileNotFoundError, match="no timeline trace"):
         read_trace(tmp_path / "nothing")
+
+
+def test_a_group_nodes_collectives_have_a_lane_of_their_own(tmp_path: Path) -> None:
+    """A node of a data-parallel group records each collective: from ready, through the
+    wait for the other nodes, to its end. Per-step ones are filed under their step; each
+    segment names the lane; the picture draws it with the wait hatched."""
+    recorder = TimelineRecorder("j", tmp_path / "timeline", segment_steps=3)
+    recorder.start(1, PLAN, num_optimizer_layers=3)
+    t = 1000.0
+    for k in range(1, 7):
+        t = feed(recorder, range(k, k + 1), t0=t)
+        for layer in (2, 1, 0):  # ready at t, all arrived 0.02 s later, 0.01 s moving bytes
+            recorder.collective(f"grad/{layer}", k, t, t + 0.02, t + 0.03, 4096)
+            t += 0.03
+    recorder.collective("checkpoint/6/states", None, t, t, t + 0.5, 1 << 20)  # no step
+    recorder.close()
+    files = trace_files(tmp_path / "timeline")
+    # Steps 1-3, 4-6, and the collectives recorded after step 6 was reported.
+    assert len(files) == 3
+    for f in files:
+        doc = json.loads(f.read_text())
+        lanes = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+        assert "network (collectives)" in lanes
+    trace = read_trace(tmp_path / "timeline", steps=[5])
+    network = [e for e in trace.tasks if e["tid"] == NETWORK_TID]
+    assert [e["name"] for e in network] == ["grad/2", "grad/1", "grad/0"]
+    assert all(e["args"]["step"] == 5 and e["args"]["bytes"] == 4096 for e in network)
+    assert network[0]["args"]["wait_s"] == pytest.approx(0.02)
+    assert network[0]["dur"] == pytest.approx(30_000, abs=1)  # microseconds
+    boxes = [b for b in boxes_from_trace(trace.tasks, multi_step=False) if b.lane == NETWORK_LANE]
+    assert len(boxes) == 3
+    assert all(b.kind == "collective" and b.busy_s == pytest.approx(0.01, abs=1e-6) for b in boxes)
+    png = tmp_path / "t.png"
+    assert cli_main(["timeline", str(tmp_path), "--steps", "4:6", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_simulated_timeline_has_the_optimizer_lane() -> None:

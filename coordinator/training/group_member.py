@@ -107,6 +107,7 @@ class GroupMember:
         nodes as soon as this node has it (``wait_grads``, ``grads``: the optimizer
         thread's), in a thread of its own."""
         self.group.cancelled = self.cancelled.is_set
+        self.group.first_step = first_step
         self.reducer = GradientReducer(
             self.group,
             layers=sorted(layout.trainable_layers(), reverse=True),

@@ -63,6 +63,7 @@ bounded time, and the reason names it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -71,7 +72,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -83,6 +84,7 @@ from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+    from roundpipe.coordinator.training.timeline import TimelineRecorder
 
 __all__ = [
     "DEFAULT_DIST_TIMEOUT_S",
@@ -116,6 +118,9 @@ WAIT_REPORT_AFTER_S = 5.0
 """A node that waits this long at a collective says (log, job status) which nodes it
 waits for and, where they said, why (e.g. no worker connected there)."""
 WAIT_REPORT_EVERY_S = 60.0
+PER_STEP_COLLECTIVES = frozenset({"grad", "loss", "weights", "clip"})
+"""The collectives issued once per step (by the part of their name before any ``/``):
+the ``count`` of each is its step's place in the run, 1 for the run's first step."""
 
 
 # torch >= 2.10 names them *_single; older ones *_tensor (the same collectives).
@@ -401,6 +406,12 @@ class JobGroup:
         """The state another node left the job in (``cancelled``, ``failed``, ...)."""
         self.cancelled: Callable[[], bool] = lambda: False
         """Set by the trainer: the local job stopped, give up waiting."""
+        self.timeline: TimelineRecorder | None = None
+        """Set by the trainer's run (observability): told of every collective completed,
+        how long this node waited for the others and how long the collective took."""
+        self.first_step = 1
+        """The run's first step: a per-step collective's ``count`` is its step's place in
+        the run (PER_STEP_COLLECTIVES)."""
         # A fresh process group per job (Note [arrive before a collective]); every rank
         # creates it at the same point: after the announcement, before anything else.
         timeout = datetime.timedelta(seconds=nodes.timeout_s)
@@ -572,15 +583,30 @@ class JobGroup:
             return False
         return True
 
+    @contextlib.contextmanager
+    def _collective(self, name: str, count: int, what: str, nbytes: int) -> Iterator[None]:
+        """Arrive at collective ``name`` (its ``count``-th time), then run the body: the
+        collective itself. Its failure is named (``_collective_failed``); its times go to
+        the timeline."""
+        began = time.time()
+        self.arrive(name, count, what)
+        entered = time.time()
+        try:
+            yield
+        except RuntimeError as exc:
+            raise self._collective_failed(what, exc) from None
+        timeline = self.timeline
+        if timeline is not None:  # observability
+            kind = name.split("/", 1)[0]
+            step = self.first_step + count - 1 if kind in PER_STEP_COLLECTIVES else None
+            timeline.collective(name, step, began, entered, time.time(), nbytes)
+
     def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None:
         """Sum ``tensors`` over all nodes, in place."""
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes(tensors)):
             works = [dist.all_reduce(t, group=self.pg, async_op=True) for t in tensors]
             for work in works:
                 work.wait()
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def all_reduce_optimizer(
         self, tensors: list[torch.Tensor], name: str, count: int, what: str
@@ -590,44 +616,32 @@ class JobGroup:
         roundpipe.coordinator.training.sharded_optimizer), ordered with its all-gathers
         and never interleaved with the reducer thread's collectives on ``pg``."""
         assert self.pg_gather is not None
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes(tensors)):
             for t in tensors:
                 dist.all_reduce(t, group=self.pg_gather)
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def broadcast(
         self, tensors: list[torch.Tensor], what: str, name: str = "broadcast", count: int = 1
     ) -> None:
         """Copy rank 0's ``tensors`` into every node's, in place."""
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes(tensors)):
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def reduce_scatter(
         self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
     ) -> None:
         """``out`` = chunk ``rank`` of ``flat`` summed over all nodes (on ``pg``)."""
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes([flat])):
             _REDUCE_SCATTER(out, flat, group=self.pg)
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def all_gather(
         self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
     ) -> None:
         """``flat`` = every node's ``mine``, by rank (on ``pg_gather``)."""
         assert self.pg_gather is not None
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes([flat])):
             _ALL_GATHER(flat, mine, group=self.pg_gather)
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def gather(
         self,
@@ -643,11 +657,8 @@ class JobGroup:
         ``background`` on ``pg_checkpoint``: the checkpoint writer thread's)."""
         group = self.pg_checkpoint if background else self.pg
         assert group is not None
-        self.arrive(name, count, what)
-        try:
+        with self._collective(name, count, what, _nbytes([tensor]) * self.world_size):
             dist.gather(tensor, gathered, dst=0, group=group)
-        except RuntimeError as exc:
-            raise self._collective_failed(what, exc) from None
 
     def _collective_failed(self, what: str, exc: BaseException) -> GroupError:
         """The error for a failed collective, naming the node behind it: gloo names only
@@ -678,6 +689,10 @@ class JobGroup:
                 dist.destroy_process_group(pg)
             except Exception:  # a broken group: nothing to release that exiting would not
                 pass
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _gloo_reason(exc: BaseException) -> str:

@@ -11,7 +11,11 @@ roundpipe.coordinator.training.optimizer_thread, marked ``# observability``):
   right version, inputs, free gradient slots);
 * ``optimizer_layer(step, layer, start, end)``: the CPU optimizer updated one layer;
 * ``iteration_done(k)``: every task of iteration k has completed;
-* ``step_reported(event)``: the trainer published step k's ProgressEvent.
+* ``step_reported(event)``: the trainer published step k's ProgressEvent;
+* ``collective(...)``: in a data-parallel group, this node took part in a collective
+  (roundpipe.coordinator.training.multinode): when it was ready, when every node had
+  arrived, and when the collective ended. The network lane shows where a group's step
+  goes: waiting for the slowest node, or moving bytes.
 
 Memory is bounded: the recorder keeps the tasks of the last ``keep_steps`` iterations
 (enough to measure the bubble of recent steps) and forgets older ones. Everything it
@@ -60,6 +64,7 @@ from roundpipe.protocol import ProgressEvent, StageTask, TaskDone
 from roundpipe.shared.plan import Plan
 
 __all__ = [
+    "NETWORK_TID",
     "OPTIMIZER_TID",
     "TENSORBOARD_DIR",
     "TRACE_DIR",
@@ -82,6 +87,9 @@ TENSORBOARD_DIR = "tensorboard"
 OPTIMIZER_TID = 0
 """Chrome-trace thread id of the optimizer lane; worker w is thread id w + 1 (its id is
 also in each event's ``args.worker``)."""
+NETWORK_TID = -1
+"""Chrome-trace thread id of the network lane: this node's collectives with the other
+nodes of a data-parallel group (roundpipe.coordinator.training.multinode)."""
 _SEGMENT_RE = re.compile(r"^trace-(\d{8})-(\d+)\.json$")
 _KIND_CATEGORY = {"forward": "forward", "tail": "tail", "backward": "backward"}
 
@@ -309,6 +317,17 @@ class TimelineRecorder:
             if figures.iteration_end is not None:
                 self.latest_optimizer_lag_s = max(0.0, end - figures.iteration_end)
 
+    def collective(
+        self, name: str, step: int | None, began: float, entered: float, end: float, nbytes: int
+    ) -> None:
+        """This node was ready for collective ``name`` at ``began``, every node had
+        arrived at ``entered``, and it ended at ``end`` (``time.time()``); ``nbytes``: its
+        tensors' size. ``step``: the step of a per-step collective (None: another, e.g. a
+        checkpoint's gather)."""
+        with self._lock:
+            if self._writer is not None:
+                self._writer.collective(name, step, began, entered, end, nbytes)
+
     def iteration_done(self, k: int, num_workers: int | None = None) -> None:
         """Every task of iteration k has completed: step k-1's window is settled.
         ``num_workers``: the workers live now (default: those that completed a task)."""
@@ -457,6 +476,7 @@ class _TraceWriter:
         for event in meta:
             self._emit(event)
         self._named_workers: set[int] = set()
+        self._named_network = False
         self._prune()
 
     def _prune(self) -> None:
@@ -542,6 +562,39 @@ class _TraceWriter:
                 "ts": self._ts(r.start),
                 "dur": round((r.end - r.start) * 1e6, 1),
                 "args": {"step": r.step, "layer": r.layer},
+            }
+        )
+
+    def collective(
+        self, name: str, step: int | None, began: float, entered: float, end: float, nbytes: int
+    ) -> None:
+        self._roll()  # before naming the lane in the segment
+        if self._file is None:
+            return
+        if not self._named_network:
+            self._named_network = True
+            self._emit(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 1,
+                    "tid": NETWORK_TID,
+                    "args": {"name": "network (collectives)"},
+                }
+            )
+        args: dict = {"collective": name, "wait_s": entered - began, "bytes": nbytes}
+        if step is not None:
+            args["step"] = step
+        self._emit(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": "collective",
+                "pid": 1,
+                "tid": NETWORK_TID,
+                "ts": self._ts(began),
+                "dur": round((end - began) * 1e6, 1),
+                "args": args,
             }
         )
 
@@ -642,7 +695,8 @@ class Trace:
     """What ``read_trace`` found: the events of every step, newest run first."""
 
     tasks: list[dict]
-    """``ph: X`` events of workers (``tid`` >= 1) and the optimizer (``tid`` 0)."""
+    """``ph: X`` events of workers (``tid`` >= 1), the optimizer (``tid`` 0) and, in a
+    data-parallel group, the collectives of a step (``tid`` NETWORK_TID)."""
     steps: dict[int, dict]
     """Per step: ``loss``, ``tokens_per_s``, ``lr`` (from the step's instant event) and,
     once settled, ``bubble_fraction`` and ``busy`` (per worker id)."""

@@ -527,6 +527,8 @@ class Trainer:
         steps = spec.train.steps
         # observability: timeline, measured bubble, TensorBoard (coordinator.timeline)
         self.timeline = TimelineRecorder.for_job(self, len(self.masters))
+        if self.group is not None:  # the network lane
+            self.group.timeline = self.timeline
         self._start_background_checkpoints(checkpointer)
         if self.member is not None:
             self.member.start_reducer(
