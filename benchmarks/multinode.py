@@ -17,6 +17,10 @@ and bytes per step, the bytes all-gathered per step (sharded), the host bytes pe
 - the loopback bandwidth: a gloo all-reduce of the model's gradient bytes between two
   processes, nothing else running (``--network-bandwidth``).
 
+The workers are CPU workers on one host: the collectives move their bytes on the cores
+the workers compute on, so the prediction is the one for that case
+(``--collectives-share-cores``: the one-node step plus the network time).
+
 Usage: python benchmarks/multinode.py [--steps 8] [--hidden 256] [--layers 4]
        [--nodes 1,2,3] [--smoke]
 
@@ -277,6 +281,8 @@ def main() -> int:
                 bandwidth_bytes_per_s=bandwidth,
                 staleness=1,
                 sharded=mode == "sharded",
+                # CPU workers on one host: loopback moves the bytes on their cores.
+                shared_cores=True,
             )
             predicted = p.step_s
             errors.append(abs(predicted / r["step_s"] - 1))

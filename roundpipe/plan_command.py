@@ -275,6 +275,12 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         default="float32",
         help="with --nodes: the job's train.grad_transport (default %(default)s)",
     )
+    p.add_argument(
+        "--collectives-share-cores",
+        action="store_true",
+        help="with --nodes: the collectives move their bytes on the cores the workers "
+        "compute on (CPU workers, several nodes on one host): no overlap is credited",
+    )
     return p
 
 
@@ -540,6 +546,7 @@ def _multinode_prediction(
         sharded=args.optimizer_sharding != "replicated",
         weight_bytes=2 if args.dtype in ("bfloat16", "float16") else 4,
         grad_bytes=2 if args.grad_transport == "bfloat16" else 4,
+        shared_cores=args.collectives_share_cores,
     )
 
 

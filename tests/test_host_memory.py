@@ -4,6 +4,7 @@ roundpipe.coordinator.training.layout) changes no bit of training, and the figur
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,7 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
     checkpoint (Note [streamed checkpoint state]). Replicated and one-node figures are
     unchanged."""
     from roundpipe.coordinator.training.memory import sharded_elements
+    from roundpipe.coordinator.training.sharded_optimizer import span
 
     spec = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "sharded"})
     replicated = tiny_spec(tmp_path, plan=NARROW, train={"optimizer_sharding": "replicated"})
@@ -270,7 +272,15 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
     )
     whole = host_memory_needed(layout, spec)  # one node: its shard is the whole state
     assert (whole.masters, whole.moments, whole.gathered) == (4 * trainable, 8 * trainable, 0)
-    assert host_memory_needed(layout, replicated, nodes=3, rank=1) == whole
+    # Replicated over 3 nodes: the whole state, and the largest layer's gradient packed
+    # for its all-reduce (Note [one layout for both reductions]).
+    largest_packed = max(
+        3 * sum(span(p.numel, 3) for p in model.layer_params(layer) if p.trainable)
+        for layer in range(model.num_layers)
+    )
+    in_group = host_memory_needed(layout, replicated, nodes=3, rank=1)
+    assert in_group == replace(whole, collectives=4 * largest_packed)
+    assert "collective buffers" in in_group.describe()
     for nodes in (2, 3):
         per_rank = [host_memory_needed(layout, spec, nodes=nodes, rank=r) for r in range(nodes)]
         assert sum(sharded_elements(model, nodes, r) for r in range(nodes)) == trainable

@@ -226,6 +226,9 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     assert p.step_s == pytest.approx(1.0) and p.tokens_per_s == pytest.approx(2000)
     p0 = predict(nodes=4, staleness=0)
     assert p0.allreduce_s == pytest.approx(1.5) and p0.step_s == pytest.approx(2.5)
+    # Collectives on the workers' own cores (CPU workers on one host): nothing hidden.
+    shared = predict(nodes=2, staleness=1, shared_cores=True)
+    assert shared.step_s == pytest.approx(2.0)
     args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
     args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
     args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
@@ -238,6 +241,17 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
     assert plan_main([*args, *nodes]) == 0
     out = capsys.readouterr().out
     assert "reduce-scatter of the gradients and all-gather of the weights" in out
+    import json
+
+    doc = {}
+    for flags in ([], ["--collectives-share-cores"]):
+        assert plan_main([*args, *nodes, "--staleness", "1", "--json", *flags]) == 0
+        doc[bool(flags)] = json.loads(capsys.readouterr().out)["multinode"]
+    overlapped, serial = doc[False], doc[True]
+    assert serial["allreduce_s"] == pytest.approx(overlapped["allreduce_s"])
+    assert serial["step_s"] > overlapped["step_s"]
+    iteration = serial["step_s"] - serial["allreduce_s"]
+    assert overlapped["step_s"] == pytest.approx(max(iteration, overlapped["allreduce_s"]))
 
 
 def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:

@@ -55,6 +55,7 @@ def predict_data_parallel(
     sharded: bool = False,
     weight_bytes: int = 2,
     grad_bytes: int = 4,
+    shared_cores: bool = False,
 ) -> DataParallelPrediction:
     """The step time of ``nodes`` coordinators, each running the one-node plan whose step
     takes ``iteration_s``. Per-layer all-reduces overlap the rest of the backward; with
@@ -63,7 +64,11 @@ def predict_data_parallel(
     reduced first layers, and no overlap is credited (an upper bound). ``sharded``
     (``train.optimizer_sharding``): a reduce-scatter of the gradients (``grad_bytes``
     per parameter: ``train.grad_transport``) and an all-gather of the weights
-    (``weight_bytes`` per parameter: the compute dtype) instead of the all-reduce."""
+    (``weight_bytes`` per parameter: the compute dtype) instead of the all-reduce.
+    ``shared_cores``: the collectives move their bytes on the cores the workers compute
+    on (CPU workers; on one host, loopback is a memory copy by the CPU), so nothing
+    overlaps them and the step is the iteration plus the network time, whatever the
+    staleness."""
     if nodes < 1 or bandwidth_bytes_per_s <= 0:
         raise ValueError("--nodes must be >= 1 and --network-bandwidth > 0")
     nbytes = grad_bytes * trainable_params
@@ -72,7 +77,8 @@ def predict_data_parallel(
     else:  # a ring all-reduce
         moved = 2 * (nodes - 1) / nodes * nbytes
     allreduce_s = moved / bandwidth_bytes_per_s
-    step_s = max(iteration_s, allreduce_s) if staleness else iteration_s + allreduce_s
+    overlapped = staleness and not shared_cores
+    step_s = max(iteration_s, allreduce_s) if overlapped else iteration_s + allreduce_s
     return DataParallelPrediction(
         nodes, nbytes, allreduce_s, step_s, nodes * tokens_per_iteration / step_s, sharded
     )

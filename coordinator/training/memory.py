@@ -52,6 +52,7 @@ __all__ = [
     "check_host_memory",
     "checkpoint_staging_needed",
     "checkpoint_gather_nbytes",
+    "collective_buffer_nbytes",
     "committed_checkpoint_staging",
     "grad_buffer_layers",
     "host_memory_needed",
@@ -101,6 +102,11 @@ class HostMemory:
     """Where the optimizer adds the two parts of a microbatch-split stage's gradient
     (coordinator memory, as large as the second parts: Note [microbatch-split stages] in
     roundpipe.shared.plan); 0 when no stage is split."""
+    collectives: int = 0
+    """A node's scratch buffers for its collectives with the other nodes of a group: the
+    largest layer's gradient packed in the transport dtype (Note [one layout for both
+    reductions]) and, sharded, the reduce-scatter's chunk and the all-gather's buffers of
+    its weights; 0 on one node."""
 
     @property
     def arenas(self) -> int:
@@ -117,6 +123,7 @@ class HostMemory:
             + self.checkpoint_staging
             + self.gathered
             + self.split_sums
+            + self.collectives
         )
 
     def components(self) -> dict[str, int]:
@@ -129,6 +136,8 @@ class HostMemory:
         gathered = (
             f"state gathered for checkpoints {_gib(self.gathered)}, " if self.gathered else ""
         )
+        if self.collectives:
+            gathered += f"collective buffers {_gib(self.collectives)}, "
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
@@ -158,7 +167,10 @@ def host_memory_needed(
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
-    masters, gathered = 4 * trainable, 0
+    masters, gathered, collectives = 4 * trainable, 0, 0
+    if nodes > 1:
+        sharded = spec is not None and _sharded(spec)
+        collectives = collective_buffer_nbytes(layout.model, spec, nodes, sharded=sharded)
     if spec is not None and nodes > 1 and _sharded(spec):
         if rank == 0:
             gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
@@ -176,7 +188,31 @@ def host_memory_needed(
         split_sums=sum(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         ),
+        collectives=collectives,
     )
+
+
+def collective_buffer_nbytes(
+    model: LayeredModel, spec: JobSpec | None, nodes: int, *, sharded: bool
+) -> int:
+    """``HostMemory.collectives``: the largest layer's trainable tensors packed rank-major
+    (Note [shard boundaries]) in the transport dtype, plus, sharded, the reduce-scatter's
+    output chunk and the all-gather's chunk and buffer in the compute dtype."""
+    from roundpipe.coordinator.training.sharded_optimizer import span
+
+    packed = max(
+        (
+            nodes * sum(span(s.numel, nodes) for s in model.layer_params(layer) if s.trainable)
+            for layer in range(model.num_layers)
+        ),
+        default=0,
+    )
+    transport = 2 if spec is not None and spec.train.grad_transport == "bfloat16" else 4
+    weight = 4 if spec is None or spec.train.dtype == "float32" else 2
+    total = packed * transport
+    if sharded:
+        total += packed // nodes * transport + (packed + packed // nodes) * weight
+    return total
 
 
 def _sharded(spec: JobSpec) -> bool:

@@ -81,9 +81,9 @@ import torch
 import torch.distributed as dist
 
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
     from roundpipe.coordinator.training.timeline import TimelineRecorder
 
 __all__ = [
@@ -735,6 +735,10 @@ class GradientReducer:
         only (roundpipe.coordinator.training.sharded_optimizer); None: all-reduce."""
         self.transport = transport
         """The dtype gradients cross the network in (``train.grad_transport``)."""
+        self._packer = ZeroShards(
+            group, group.rank, group.world_size, str(transport).removeprefix("torch.")
+        )
+        """The replicated mode's reductions, in the sharded mode's buffer layout."""
         self.first_step, self.last_step = first_step, last_step
         self._wait_grads = wait_grads
         self._grads = grads
@@ -811,13 +815,8 @@ class GradientReducer:
         this node's shard of them; in the transport dtype."""
         if self.shards is not None:
             self.shards.reduce_scatter(tensors, name, count, what)
-        elif self.transport == torch.float32:
-            self.group.all_reduce(tensors, name, count, what)
-        else:  # rounded to the transport dtype, summed there, widened back
-            sent = [t.to(self.transport) for t in tensors]
-            self.group.all_reduce(sent, name, count, what)
-            for t, s in zip(tensors, sent):
-                t.copy_(s)
+        else:  # packed in the transport dtype (Note [one layout for both reductions])
+            self._packer.all_reduce(tensors, name, count, what)
 
     # -- for the optimizer and the run loop -----------------------------------------------
 

@@ -37,6 +37,19 @@ tensors, each padded to its span. A reduce-scatter of that buffer leaves chunk r
 summed, on rank r; an all-gather of each rank's chunk builds it on every node. Only
 the elements of pieces are ever read back; padding is never read.
 
+Note [one layout for both reductions]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The replicated mode reduces each layer's gradient with one all-reduce of the same
+rank-major buffer (``ZeroShards.all_reduce``), not one per tensor. A ring all-reduce
+adds a chunk's elements in an order set by the chunk's place in the buffer (over 3
+nodes: (a + b) + c for one chunk, (b + c) + a for the next), and so does the
+reduce-scatter of that buffer, chunk r ending on rank r. In one layout both modes add
+every element's terms in the same order, so their models stay bitwise equal at any node
+count; one all-reduce per tensor would chunk each tensor its own way, and differ from
+the sharded mode in the last bit at 3 nodes and more. One collective per layer is also
+cheaper: each costs an arrival and a round of gloo messages. The cost is a scratch
+buffer of the largest layer's gradient in the transport dtype (``HostMemory.collectives``).
+
 Note [gathered before published]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Note [reduced before stepped] (roundpipe.coordinator.training.multinode) holds for the
@@ -157,6 +170,8 @@ class Collectives(Protocol):
     def reduce_scatter(
         self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
     ) -> None: ...
+
+    def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None: ...
 
     def all_gather(
         self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
@@ -289,6 +304,18 @@ class ZeroShards:
         self.pack(tensors, flat, range(w))
         self.group.reduce_scatter(out, flat, name, count, what)
         self.unpack(out, tensors, [self.rank])
+        self.bytes_reduced += flat.numel() * flat.element_size()
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
+        """Sum ``tensors`` over the nodes, in place and whole: the replicated mode's
+        reduction, as one collective in the layout of ``reduce_scatter`` (Note [one
+        layout for both reductions]). The reducer thread's."""
+        assert self.group is not None
+        w, chunk = self.world_size, self.chunk_numel(tensors)
+        flat = self._buffer("ar", w * chunk, self.transport)
+        self.pack(tensors, flat, range(w))
+        self.group.all_reduce([flat], name, count, what)
+        self.unpack(flat, tensors, range(w))
         self.bytes_reduced += flat.numel() * flat.element_size()
 
     def all_gather(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
