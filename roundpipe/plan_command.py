@@ -554,19 +554,29 @@ def _sharded_host_memory(
     model: LayeredModel, host: Any, args: argparse.Namespace
 ) -> tuple[Any, Any] | None:
     """Host memory with the optimizer state sharded over ``--nodes``: a node's (1/W of the
-    fp32 masters and states, Note [shard boundaries]) and rank 0's while it writes a
-    checkpoint (the same, plus the whole masters and a layer's states: Note [streamed
-    checkpoint state]); None without sharding."""
+    fp32 masters and states, Note [shard boundaries], and its collectives' buffers) and
+    rank 0's while it writes a checkpoint (the same, plus the whole masters and a layer's
+    states: Note [streamed checkpoint state]); None without sharding."""
     if args.nodes == 1 or args.optimizer_sharding == "replicated":
         return None
     from dataclasses import replace
 
-    from roundpipe.coordinator.training.memory import checkpoint_gather_nbytes
+    from roundpipe.coordinator.training.memory import (
+        checkpoint_gather_nbytes,
+        collective_buffer_nbytes,
+    )
 
     node = replace(
         host,
         masters=-(-host.masters // args.nodes),
         moments=-(-host.moments // args.nodes),
+        collectives=collective_buffer_nbytes(
+            model,
+            args.nodes,
+            sharded=True,
+            transport_bytes=2 if args.grad_transport == "bfloat16" else 4,
+            weight_bytes=4 if args.dtype == "float32" else 2,
+        ),
     )
     return node, replace(node, gathered=checkpoint_gather_nbytes(model, host.masters, host.moments))
 

@@ -170,7 +170,15 @@ def host_memory_needed(
     masters, gathered, collectives = 4 * trainable, 0, 0
     if nodes > 1:
         sharded = spec is not None and _sharded(spec)
-        collectives = collective_buffer_nbytes(layout.model, spec, nodes, sharded=sharded)
+        collectives = collective_buffer_nbytes(
+            layout.model,
+            nodes,
+            sharded=sharded,
+            transport_bytes=2
+            if spec is not None and spec.train.grad_transport == "bfloat16"
+            else 4,
+            weight_bytes=4 if spec is None or spec.train.dtype == "float32" else 2,
+        )
     if spec is not None and nodes > 1 and _sharded(spec):
         if rank == 0:
             gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
@@ -193,11 +201,12 @@ def host_memory_needed(
 
 
 def collective_buffer_nbytes(
-    model: LayeredModel, spec: JobSpec | None, nodes: int, *, sharded: bool
+    model: LayeredModel, nodes: int, *, sharded: bool, transport_bytes: int, weight_bytes: int
 ) -> int:
     """``HostMemory.collectives``: the largest layer's trainable tensors packed rank-major
-    (Note [shard boundaries]) in the transport dtype, plus, sharded, the reduce-scatter's
-    output chunk and the all-gather's chunk and buffer in the compute dtype."""
+    (Note [shard boundaries]) in the transport dtype (``transport_bytes`` per element),
+    plus, sharded, the reduce-scatter's output chunk and the all-gather's chunk and
+    buffer in the compute dtype (``weight_bytes``)."""
     from roundpipe.coordinator.training.sharded_optimizer import span
 
     packed = max(
@@ -207,11 +216,9 @@ def collective_buffer_nbytes(
         ),
         default=0,
     )
-    transport = 2 if spec is not None and spec.train.grad_transport == "bfloat16" else 4
-    weight = 4 if spec is None or spec.train.dtype == "float32" else 2
-    total = packed * transport
+    total = packed * transport_bytes
     if sharded:
-        total += packed // nodes * transport + (packed + packed // nodes) * weight
+        total += packed // nodes * transport_bytes + (packed + packed // nodes) * weight_bytes
     return total
 
 
