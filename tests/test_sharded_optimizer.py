@@ -104,3 +104,74 @@ def test_a_step_over_pieces_is_bitwise_the_whole_step(
                 assert torch.equal(
                     sharded_outs[layer][n].view(torch.int16), outs[layer][n].view(torch.int16)
                 )
+
+
+class _Gloo:
+    """The collectives ZeroShards needs, straight on the default gloo group (no arrival:
+    every process of the test takes part in every one)."""
+
+    def reduce_scatter(self, out, flat, name, count, what) -> None:
+        torch.distributed.reduce_scatter_tensor(out, flat)
+
+    def all_gather(self, flat, mine, name, count, what) -> None:
+        torch.distributed.all_gather_into_tensor(flat, mine)
+
+    def all_reduce(self, tensors, name, count, what) -> None:
+        for t in tensors:
+            torch.distributed.all_reduce(t)
+
+
+def _one_layout_rank(rank: int, world: int, port: int, out) -> None:
+    """One node of ``test_both_reductions_add_in_one_order``."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    g = torch.Generator().manual_seed(rank)
+    # A layer's gradients: sizes that do and do not divide into aligned pieces, and
+    # magnitudes far apart, so that the order of the additions shows in the last bit.
+    shapes = [(300, 257), (257,), (64, 1000), (7,), (1, 4097)]
+    grads = [torch.randn(s, generator=g) * 10.0 ** (i - 2) for i, s in enumerate(shapes)]
+    shards = ZeroShards(_Gloo(), rank, world, "float32")
+    replicated = [t.clone() for t in grads]
+    shards.all_reduce(replicated, "grad/0", 1, "layer 0")
+    sharded = [t.clone() for t in grads]
+    shards.reduce_scatter(sharded, "grad/0", 1, "layer 0")
+    shards.all_gather(sharded, "weights/0", 1, "layer 0")  # the summed pieces, whole
+    per_tensor = [t.clone() for t in grads]
+    for t in per_tensor:
+        dist.all_reduce(t)
+    out.put(
+        (
+            rank,
+            all(torch.equal(a, b) for a, b in zip(replicated, sharded)),
+            all(torch.equal(a, b) for a, b in zip(per_tensor, sharded)),
+        )
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_both_reductions_add_in_one_order(world: int) -> None:
+    """Note [one layout for both reductions], on real gloo processes: the replicated
+    mode's all-reduce of the rank-major buffer gives every node exactly the sums the
+    sharded mode's reduce-scatter gives each piece's owner, at 2 nodes and at 3, where
+    one all-reduce per tensor does not (a ring adds in an order set by position)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_one_layout_rank, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert all(same for _, same, _ in results), results
+    per_tensor_same = all(same for _, _, same in results)
+    assert per_tensor_same == (world == 2), results  # a + b == b + a; three terms: not so
