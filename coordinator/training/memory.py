@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
+import torch
 
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.training.layout import JobLayout
@@ -136,14 +137,13 @@ class HostMemory:
         gathered = (
             f"state gathered for checkpoints {_gib(self.gathered)}, " if self.gathered else ""
         )
-        if self.collectives:
-            gathered += f"collective buffers {_gib(self.collectives)}, "
+        collectives = f"collective buffers {_gib(self.collectives)}, " if self.collectives else ""
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
             f"{_gib(self.activations)}; fp32 masters {_gib(self.masters)}, optimizer states "
             f"{_gib(self.moments)}, pinned staging {_gib(self.staging)}, checkpoint staging "
-            f"{_gib(self.checkpoint_staging)}, {gathered}split-gradient sums {_gib(self.split_sums)})"
+            f"{_gib(self.checkpoint_staging)}, {gathered}{collectives}split-gradient sums {_gib(self.split_sums)})"
             f"{per}"
         )
 
@@ -168,18 +168,21 @@ def host_memory_needed(
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
     masters, gathered, collectives = 4 * trainable, 0, 0
+    sharded = spec is not None and nodes > 1 and _sharded(spec)
     if nodes > 1:
-        sharded = spec is not None and _sharded(spec)
+        transport, weights = (
+            ("float32", "float32")
+            if spec is None
+            else (spec.train.grad_transport, spec.train.dtype)
+        )
         collectives = collective_buffer_nbytes(
             layout.model,
             nodes,
             sharded=sharded,
-            transport_bytes=2
-            if spec is not None and spec.train.grad_transport == "bfloat16"
-            else 4,
-            weight_bytes=4 if spec is None or spec.train.dtype == "float32" else 2,
+            transport_bytes=getattr(torch, transport).itemsize,
+            weight_bytes=getattr(torch, weights).itemsize,
         )
-    if spec is not None and nodes > 1 and _sharded(spec):
+    if sharded:
         if rank == 0:
             gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
         held = sharded_elements(layout.model, nodes, rank)

@@ -735,10 +735,12 @@ class GradientReducer:
         only (roundpipe.coordinator.training.sharded_optimizer); None: all-reduce."""
         self.transport = transport
         """The dtype gradients cross the network in (``train.grad_transport``)."""
-        self._packer = ZeroShards(
-            group, group.rank, group.world_size, str(transport).removeprefix("torch.")
+        self._packer = (
+            ZeroShards(group, group.rank, group.world_size, str(transport).removeprefix("torch."))
+            if shards is None
+            else None
         )
-        """The replicated mode's reductions, in the sharded mode's buffer layout."""
+        """Replicated: its reductions, in the sharded mode's buffer layout."""
         self.first_step, self.last_step = first_step, last_step
         self._wait_grads = wait_grads
         self._grads = grads
@@ -816,6 +818,7 @@ class GradientReducer:
         if self.shards is not None:
             self.shards.reduce_scatter(tensors, name, count, what)
         else:  # packed in the transport dtype (Note [one layout for both reductions])
+            assert self._packer is not None
             self._packer.all_reduce(tensors, name, count, what)
 
     # -- for the optimizer and the run loop -----------------------------------------------
