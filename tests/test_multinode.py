@@ -95,7 +95,10 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
             assert status.state == "succeeded", f"{name}: {status.message}\n{rank0.logs()}"
             # (the resumed job's steps 1-2 come from its checkpoint's progress)
             assert [e.step for e in events] == [1, 2, 3, 4], name
-        # The other node ran every job, its half of each batch.
+        # The other node ran every job, its half of each batch (it records the end of
+        # its share a moment after rank 0 reported the job's: wait for it).
+        for handle in handles.values():
+            wait_for_state(rank1, handle.job_id, "succeeded")
         ran = {j.job_id: j.state for j in rank1.client.jobs()}
         assert ran == {h.job_id: "succeeded" for h in handles.values()}, rank1.logs()
         # Each node's timeline (node 1's below its state directory) has a network lane:
