@@ -22,7 +22,7 @@ the workers compute on, so the prediction is the one for that case
 (``--collectives-share-cores``: the one-node step plus the network time).
 
 Usage: python benchmarks/multinode.py [--steps 8] [--hidden 256] [--layers 4]
-       [--nodes 1,2,3] [--smoke]
+       [--nodes 1,2,3] [--grad-bucket-mb MiB] [--smoke]
 
 Last line: ``RESULT sharded_host_ratio=<sharded / replicated host bytes per node at W=2>
 bitwise_equal=<1 if every sharded model equals its replicated one bit for bit>
@@ -172,6 +172,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2, help="per node")
     parser.add_argument("--nodes", default="1,2,3", help="node counts to run")
+    parser.add_argument(
+        "--grad-bucket-mb",
+        type=float,
+        default=None,
+        help="the jobs' train.grad_bucket_mb (default: the job spec's default)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny and quick (tests)")
     args = parser.parse_args()
     if args.smoke:  # the default's runs, narrower, shorter, on 1 and 2 nodes
@@ -191,6 +197,7 @@ def main() -> int:
     for name in ("ROUNDPIPE_ALLOW_READ", "ROUNDPIPE_ALLOW_WRITE"):  # the coordinators' roots
         os.environ[name] = ":".join(filter(None, (os.environ.get(name), str(root))))
     m = args.microbatches
+    bucket = {} if args.grad_bucket_mb is None else {"grad_bucket_mb": args.grad_bucket_mb}
     runs: dict[tuple[int, str], dict] = {}
     try:
 
@@ -204,7 +211,7 @@ def main() -> int:
                 num_microbatches=m * nodes,
                 # bf16 weight copies, as jobs have them by default (the arenas' share of
                 # the host bytes per node is then that of a real job)
-                train={"dtype": "bfloat16", **train},
+                train={"dtype": "bfloat16", **bucket, **train},
             )
 
         def record(key, handle, events, logs_root: Path, out: Path) -> None:

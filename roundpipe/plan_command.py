@@ -25,6 +25,7 @@ from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
 from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.planning.shape_costs import estimate_costs_on_gpu
+from roundpipe.coordinator.spec.sections import TrainSpec
 from roundpipe.shared.families import FAMILIES
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import format_bytes, format_seconds, parse_quantity
@@ -274,6 +275,13 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         choices=("float32", "bfloat16"),
         default="float32",
         help="with --nodes: the job's train.grad_transport (default %(default)s)",
+    )
+    p.add_argument(
+        "--grad-bucket-mb",
+        type=float,
+        default=TrainSpec.grad_bucket_mb,
+        help="with --nodes: the job's train.grad_bucket_mb, which sizes the collectives' "
+        "buffers (default %(default)s)",
     )
     p.add_argument(
         "--collectives-share-cores",
@@ -576,6 +584,7 @@ def _sharded_host_memory(
             sharded=True,
             transport_bytes=2 if args.grad_transport == "bfloat16" else 4,
             weight_bytes=4 if args.dtype == "float32" else 2,
+            bucket_mb=args.grad_bucket_mb,
         ),
     )
     return node, replace(node, gathered=checkpoint_gather_nbytes(model, host.masters, host.moments))

@@ -67,7 +67,15 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         "exact": tiny_spec(
             tmp_path / "exact", steps=4, num_microbatches=4, plan="F[0:2/1,2:4] T[4:6] B[2:4,0:2/1]"
         ),
-        "stale": tiny_spec(tmp_path / "stale", steps=4, staleness=1, num_microbatches=4),
+        # One collective per layer here; the others bucket every layer into one
+        # (Note [gradient buckets]).
+        "stale": tiny_spec(
+            tmp_path / "stale",
+            steps=4,
+            staleness=1,
+            num_microbatches=4,
+            train={"grad_bucket_mb": 0},
+        ),
         "lora": tiny_spec(tmp_path / "lora", steps=4, num_microbatches=4, lora=LORA),
     }
     # One coordinator (in-process) writes checkpoints of steps 2 and 4; the group
@@ -102,21 +110,25 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         ran = {j.job_id: j.state for j in rank1.client.jobs()}
         assert ran == {h.job_id: "succeeded" for h in handles.values()}, rank1.logs()
         # Each node's timeline (node 1's below its state directory) has a network lane:
-        # every step's gradient reductions and its loss, and the time waited for the
-        # other node.
-        outputs = [
-            Path(specs["stale"].output.dir),
-            Path(rank1.client.status(handles["stale"].job_id).output_dir),
-        ]
-        lanes = []
-        for output in outputs:
-            trace = read_trace(output / "timeline")
-            network = [e for e in trace.tasks if e["tid"] == NETWORK_TID]
-            lanes.append({(e["args"]["step"], e["name"]) for e in network})
-            assert all(e["args"]["wait_s"] >= 0 and e["dur"] > 0 for e in network)
-        assert {step for step, _ in lanes[0]} == {1, 2, 3, 4}
-        assert all((k, "loss") in lanes[0] and (k, "grad/0") in lanes[0] for k in range(1, 5))
-        assert lanes[0] == lanes[1]
+        # every step's gradient reductions and all-gathers of the updated weights
+        # (sharded state, the default), one per layer or one per bucket, its loss, and
+        # the time waited for the other node.
+        per_layer = {f"{c}/{layer}" for layer in range(6) for c in ("grad", "weights")}
+        bucketed = {"grad/0-5", "weights/0-5"}
+        for name, expected in (("stale", per_layer), ("exact", bucketed)):
+            expected = expected | {"loss"}
+            outputs = [
+                Path(specs[name].output.dir),
+                Path(rank1.client.status(handles[name].job_id).output_dir),
+            ]
+            lanes = []
+            for output in outputs:
+                trace = read_trace(output / "timeline")
+                network = [e for e in trace.tasks if e["tid"] == NETWORK_TID]
+                lanes.append({(e["args"]["step"], e["name"]) for e in network})
+                assert all(e["args"]["wait_s"] >= 0 and e["dur"] > 0 for e in network)
+            assert lanes[0] == {(k, c) for k in range(1, 5) for c in expected}, name
+            assert lanes[0] == lanes[1], name
         # Cancelling at rank 0 cancels on every node.
         long = rank0.client.submit(tiny_spec(tmp_path / "long", steps=500, num_microbatches=4))
         next(iter(long.progress(timeout_s=120)))
@@ -259,8 +271,9 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
 
 def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
     """`roundpipe plan --nodes 2 --optimizer-sharding sharded`: a reduce-scatter of the
-    gradients and an all-gather of the weights instead of the all-reduce, and each
-    node's host memory with half the fp32 masters and optimizer states."""
+    gradients, which moves what an all-reduce moves on gloo (Note [a reduce-scatter over
+    gloo]), and an all-gather of the weights, and each node's host memory with half the
+    fp32 masters and optimizer states."""
     import json
 
     from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
@@ -271,14 +284,21 @@ def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
         bandwidth_bytes_per_s=1e9, nodes=4, staleness=0, sharded=True,
         weight_bytes=2, grad_bytes=2,
     )  # fmt: skip
-    # (W-1)/W x (2 bytes of gradient + 2 bytes of weight) x 250M = 0.75 GB
-    assert p.allreduce_s == pytest.approx(0.75) and p.step_s == pytest.approx(1.75)
+    # (2 (W-1)/W x 2 bytes of gradient + (W-1)/W x 2 bytes of weight) x 250M = 1.125 GB
+    assert p.allreduce_s == pytest.approx(1.125) and p.step_s == pytest.approx(2.125)
     args = ["--architecture", "qwen3", "--set", "hidden_size=64", "--set", "intermediate_size=128"]
     args += ["--set", "num_hidden_layers=4", "--set", "num_attention_heads=4"]
     args += ["--set", "num_key_value_heads=2", "--set", "vocab_size=1000"]
     args += ["--workers", "2", "--seq-len", "128", "--flops", "1T", "--nodes", "2"]
-    assert plan_main([*args, "--optimizer-sharding", "sharded", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    # The default buckets put this tiny model in one (Note [gradient buckets]): buffers
+    # larger than what sharding saves on it; one collective per layer needs less.
+    bucketed = {}
+    for mb in ("25", "0"):
+        sharded = [*args, "--optimizer-sharding", "sharded", "--grad-bucket-mb", mb]
+        assert plan_main([*sharded, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        bucketed[mb] = doc["host_memory_per_node_sharded"]["collectives"]
+    assert bucketed["25"] > bucketed["0"] > 0
     whole, per_node = doc["host_memory"], doc["host_memory_per_node_sharded"]
     assert per_node["masters"] == -(-whole["masters"] // 2)
     assert per_node["moments"] == -(-whole["moments"] // 2)

@@ -254,15 +254,16 @@ def test_a_node_lost_in_the_checkpoint_gather_leaves_the_previous_one(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "collective",
-    ["grad/3#3", "weights/3#3"],
+    ("collective", "bucket_mb"),
+    [("grad/3#3", 0), ("weights/0-5#3", 25)],
     ids=["in-a-reduce-scatter", "in-a-weights-all-gather"],
 )
 def test_a_node_lost_inside_a_training_collective_pauses_and_resumes_exactly(
-    tmp_path: Path, collective: str
+    tmp_path: Path, collective: str, bucket_mb: float
 ) -> None:
-    """Node 1 dies where rank 0 is inside step 3's reduce-scatter of layer 3's gradient,
-    or inside the all-gather of its updated weights (ROUNDPIPE_COLLECTIVE_FAULT): rank 0
+    """Node 1 dies where rank 0 is inside step 3's reduce-scatter of layer 3's gradient
+    (one collective per layer), or inside the all-gather of the updated weights of the
+    bucket of every layer (Note [gradient buckets]) (ROUNDPIPE_COLLECTIVE_FAULT): rank 0
     pauses the job naming node 1 instead of hanging, and `resume` continues from the
     checkpoint of step 2 on rank 0 alone to the oracle's model. (Drained checkpoints: a
     background checkpoint of step 2 could still be in its gathers when node 1 dies, and
@@ -275,6 +276,7 @@ def test_a_node_lost_inside_a_training_collective_pauses_and_resumes_exactly(
         tmp_path / "out",
         staging=0,
         optimizer_sharding="sharded",
+        grad_bucket_mb=bucket_mb,
     )
     with local_group(
         tmp_path,

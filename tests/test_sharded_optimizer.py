@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer, LRSchedule
-from roundpipe.coordinator.training.sharded_optimizer import ALIGN, ZeroShards, piece, span
+from roundpipe.coordinator.training.sharded_optimizer import (
+    ALIGN,
+    ZeroShards,
+    bucket_name,
+    bucket_text,
+    gradient_buckets,
+    piece,
+    span,
+)
 
 # Sizes around the alignment and the kernels' 16-element tails; one tiny tensor that
 # the last ranks own nothing of.
@@ -110,15 +118,16 @@ class _Gloo:
     """The collectives ZeroShards needs, straight on the default gloo group (no arrival:
     every process of the test takes part in every one)."""
 
-    def reduce_scatter(self, out, flat, name, count, what) -> None:
-        torch.distributed.reduce_scatter_tensor(out, flat)
-
     def all_gather(self, flat, mine, name, count, what) -> None:
         torch.distributed.all_gather_into_tensor(flat, mine)
 
     def all_reduce(self, tensors, name, count, what) -> None:
         for t in tensors:
             torch.distributed.all_reduce(t)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _one_layout_rank(rank: int, world: int, port: int, out) -> None:
@@ -139,16 +148,19 @@ def _one_layout_rank(rank: int, world: int, port: int, out) -> None:
     sharded = [t.clone() for t in grads]
     shards.reduce_scatter(sharded, "grad/0", 1, "layer 0")
     shards.all_gather(sharded, "weights/0", 1, "layer 0")  # the summed pieces, whole
+    # gloo's own reduce-scatter of the same packed buffer (Note [a reduce-scatter over
+    # gloo]), then the same all-gather
+    native = [t.clone() for t in grads]
+    chunk = shards.chunk_numel(native)
+    flat, mine = torch.empty(world * chunk), torch.empty(chunk)
+    shards.pack(native, flat, range(world))
+    dist.reduce_scatter_tensor(mine, flat)
+    shards.unpack(mine, native, [rank])
+    shards.all_gather(native, "weights/0", 1, "layer 0")
     per_tensor = [t.clone() for t in grads]
     for t in per_tensor:
         dist.all_reduce(t)
-    out.put(
-        (
-            rank,
-            all(torch.equal(a, b) for a, b in zip(replicated, sharded)),
-            all(torch.equal(a, b) for a, b in zip(per_tensor, sharded)),
-        )
-    )
+    out.put((rank, _same(replicated, sharded), _same(per_tensor, sharded), _same(native, sharded)))
     dist.destroy_process_group()
 
 
@@ -157,7 +169,9 @@ def test_both_reductions_add_in_one_order(world: int) -> None:
     """Note [one layout for both reductions], on real gloo processes: the replicated
     mode's all-reduce of the rank-major buffer gives every node exactly the sums the
     sharded mode's reduce-scatter gives each piece's owner, at 2 nodes and at 3, where
-    one all-reduce per tensor does not (a ring adds in an order set by position)."""
+    one all-reduce per tensor does not (a ring adds in an order set by position); and
+    the sharded mode's reduce-scatter, an all-reduce of its own buffer, gives the bits
+    of gloo's reduce-scatter (Note [a reduce-scatter over gloo])."""
     import multiprocessing
     import socket
 
@@ -172,6 +186,22 @@ def test_both_reductions_add_in_one_order(world: int) -> None:
     results = sorted(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    assert all(same for _, same, _ in results), results
-    per_tensor_same = all(same for _, _, same in results)
+    assert all(same for _, same, _, _ in results), results
+    assert all(same for _, _, _, same in results), results
+    per_tensor_same = all(same for _, _, same, _ in results)
     assert per_tensor_same == (world == 2), results  # a + b == b + a; three terms: not so
+
+
+def test_gradient_buckets_group_consecutive_layers_up_to_the_cap() -> None:
+    """Note [gradient buckets]: layers keep the reduction order; a bucket grows while the
+    next layer fits under the cap; a layer over the cap is a bucket of its own; cap 0 is
+    one bucket per layer. The collectives are named after the bucket's layers."""
+    layers = [(5, 40), (4, 30), (3, 30), (2, 200), (1, 10), (0, 90)]
+    assert gradient_buckets(layers, 100) == [(5, 4, 3), (2,), (1, 0)]
+    assert gradient_buckets(layers, 70) == [(5, 4), (3,), (2,), (1,), (0,)]
+    assert gradient_buckets(layers, 0) == [(5,), (4,), (3,), (2,), (1,), (0,)]
+    assert gradient_buckets(layers, 10**9) == [(5, 4, 3, 2, 1, 0)]
+    assert gradient_buckets([], 100) == []
+    assert bucket_name("grad", (5, 4, 3)) == "grad/3-5"
+    assert bucket_name("weights", (2,)) == "weights/2"
+    assert (bucket_text((1, 0)), bucket_text((2,))) == ("layers 0-1", "layer 2")

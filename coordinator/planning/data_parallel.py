@@ -2,8 +2,9 @@
 in a data-parallel group (roundpipe.coordinator.training.multinode), each running the one-node plan.
 
 The cost model is a ring all-reduce of the gradients of the trainable parameters over the
-servers' network (sharded optimizer state: a reduce-scatter of them and an all-gather of
-the updated weights), overlapped with the step as docs/multi-node.md describes.
+servers' network (sharded optimizer state: the same, as gloo has no reduce-scatter of its
+own, Note [a reduce-scatter over gloo], and an all-gather of the updated weights),
+overlapped with the step as docs/multi-node.md describes.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class DataParallelPrediction:
     transport dtype)."""
     allreduce_s: float
     """The network time per step: a ring all-reduce sends and receives 2 (W-1)/W of the
-    gradient bytes per node; sharded, a reduce-scatter of them and an all-gather of the
-    weights, (W-1)/W of each."""
+    gradient bytes per node; sharded, the gradients' reduce-scatter moves as much (on
+    gloo it is an all-reduce) and the all-gather of the weights (W-1)/W of their
+    bytes."""
     step_s: float
     tokens_per_s: float
     sharded: bool = False
@@ -61,10 +63,11 @@ def predict_data_parallel(
     takes ``iteration_s``. Per-layer all-reduces overlap the rest of the backward; with
     staleness 1 the optimizer (and so the all-reduce) also has the whole next iteration,
     so the step is the slower of the two; with staleness 0 the next forward needs the
-    reduced first layers, and no overlap is credited (an upper bound). ``sharded``
-    (``train.optimizer_sharding``): a reduce-scatter of the gradients (``grad_bytes``
-    per parameter: ``train.grad_transport``) and an all-gather of the weights
-    (``weight_bytes`` per parameter: the compute dtype) instead of the all-reduce.
+    reduced first layers, and no overlap is credited (an upper bound). The gradients
+    cross in ``grad_bytes`` per parameter (``train.grad_transport``). ``sharded``
+    (``train.optimizer_sharding``): their reduce-scatter, which moves what the all-reduce
+    moves (Note [a reduce-scatter over gloo]), and an all-gather of the weights
+    (``weight_bytes`` per parameter: the compute dtype).
     ``shared_cores``: the collectives move their bytes on the cores the workers compute
     on (CPU workers; on one host, loopback is a memory copy by the CPU), so nothing
     overlaps them and the step is the iteration plus the network time, whatever the
@@ -72,10 +75,9 @@ def predict_data_parallel(
     if nodes < 1 or bandwidth_bytes_per_s <= 0:
         raise ValueError("--nodes must be >= 1 and --network-bandwidth > 0")
     nbytes = grad_bytes * trainable_params
-    if sharded:  # a reduce-scatter of the gradients, an all-gather of the weights
-        moved = (nodes - 1) / nodes * (nbytes + weight_bytes * trainable_params)
-    else:  # a ring all-reduce
-        moved = 2 * (nodes - 1) / nodes * nbytes
+    moved = 2 * (nodes - 1) / nodes * nbytes  # a ring all-reduce of the gradients
+    if sharded:  # and an all-gather of the weights
+        moved += (nodes - 1) / nodes * weight_bytes * trainable_params
     allreduce_s = moved / bandwidth_bytes_per_s
     overlapped = staleness and not shared_cores
     step_s = max(iteration_s, allreduce_s) if overlapped else iteration_s + allreduce_s

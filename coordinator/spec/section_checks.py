@@ -171,6 +171,8 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
     check_choice(e, "train.recompute", t.recompute, ("auto", *RECOMPUTE_GRAINS))
     check_choice(e, "train.optimizer_sharding", t.optimizer_sharding, OPTIMIZER_SHARDINGS)
     check_choice(e, "train.grad_transport", t.grad_transport, GRAD_TRANSPORTS)
+    if not (is_num(t.grad_bucket_mb) and t.grad_bucket_mb >= 0):
+        bad_number(e, "train.grad_bucket_mb", t.grad_bucket_mb, "a number of MiB >= 0")
     if t.plan is not None:
         from roundpipe.shared.plan import Plan
 

@@ -267,6 +267,13 @@ class TrainSpec:
     grad_transport: str = "float32"
     """With several nodes, one of ``GRAD_TRANSPORTS``: the dtype the gradients cross the
     network in (``bfloat16``: half the bytes, rounded; ``float32``: exact)."""
+    grad_bucket_mb: float = 25.0
+    """With several nodes: consecutive layers are reduced (and, sharded, their weights
+    gathered) in one collective until their gradients reach this many MiB in the
+    transport dtype, as DDP's ``bucket_cap_mb``; a larger layer is a bucket of its own.
+    0: one collective per layer. Both ``optimizer_sharding`` modes give the same bits
+    at any value; over 3 nodes or more it sets the order in which the nodes' gradients
+    are added (last-bit differences between values)."""
     recompute: str = "auto"
     """How backward tasks recompute their stage: ``stage`` (the whole stage under
     autograd: fastest), ``layer`` (one layer at a time, keeping only each layer's input:

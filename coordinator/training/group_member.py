@@ -119,6 +119,7 @@ class GroupMember:
             wake=self.wake,
             shards=shards,
             transport=getattr(torch, self.spec.train.grad_transport),
+            bucket_bytes=self.spec.train.grad_bucket_mb * 2**20,
         )
         self.reducer.start()
 

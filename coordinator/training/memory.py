@@ -40,6 +40,7 @@ import psutil
 import torch
 
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
+from roundpipe.coordinator.spec.sections import TrainSpec
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.shared.model import LayeredModel
 
@@ -105,9 +106,9 @@ class HostMemory:
     roundpipe.shared.plan); 0 when no stage is split."""
     collectives: int = 0
     """A node's scratch buffers for its collectives with the other nodes of a group: the
-    largest layer's gradient packed in the transport dtype (Note [one layout for both
-    reductions]) and, sharded, the reduce-scatter's chunk and the all-gather's buffers of
-    its weights; 0 on one node."""
+    largest bucket's gradient packed in the transport dtype (Note [one layout for both
+    reductions], Note [gradient buckets]) and, sharded, the all-gather's buffers of its
+    weights; 0 on one node."""
 
     @property
     def arenas(self) -> int:
@@ -181,6 +182,7 @@ def host_memory_needed(
             sharded=sharded,
             transport_bytes=getattr(torch, transport).itemsize,
             weight_bytes=getattr(torch, weights).itemsize,
+            bucket_mb=(TrainSpec if spec is None else spec.train).grad_bucket_mb,
         )
     if sharded:
         if rank == 0:
@@ -204,24 +206,39 @@ def host_memory_needed(
 
 
 def collective_buffer_nbytes(
-    model: LayeredModel, nodes: int, *, sharded: bool, transport_bytes: int, weight_bytes: int
+    model: LayeredModel,
+    nodes: int,
+    *,
+    sharded: bool,
+    transport_bytes: int,
+    weight_bytes: int,
+    bucket_mb: float = 0,
 ) -> int:
-    """``HostMemory.collectives``: the largest layer's trainable tensors packed rank-major
-    (Note [shard boundaries]) in the transport dtype (``transport_bytes`` per element),
-    plus, sharded, the reduce-scatter's output chunk and the all-gather's chunk and
-    buffer in the compute dtype (``weight_bytes``)."""
-    from roundpipe.coordinator.training.sharded_optimizer import span
+    """``HostMemory.collectives``: the largest bucket's trainable tensors (Note [gradient
+    buckets]: ``bucket_mb`` is ``train.grad_bucket_mb``) packed rank-major (Note [shard
+    boundaries]) in the transport dtype (``transport_bytes`` per element) for its
+    reduction, plus, sharded, the all-gather's chunk and buffer in the compute dtype
+    (``weight_bytes``) and the whole buffer gloo allocates for its output."""
+    from roundpipe.coordinator.training.sharded_optimizer import gradient_buckets, span
 
+    trainable = {
+        layer: [s.numel for s in model.layer_params(layer) if s.trainable]
+        for layer in reversed(range(model.num_layers))  # the reducer's order
+    }
+    buckets = gradient_buckets(
+        [(layer, transport_bytes * sum(n)) for layer, n in trainable.items() if n],
+        bucket_mb * 2**20,
+    )
     packed = max(
         (
-            nodes * sum(span(s.numel, nodes) for s in model.layer_params(layer) if s.trainable)
-            for layer in range(model.num_layers)
+            nodes * sum(span(n, nodes) for layer in bucket for n in trainable[layer])
+            for bucket in buckets
         ),
         default=0,
     )
     total = packed * transport_bytes
     if sharded:
-        total += packed // nodes * transport_bytes + (packed + packed // nodes) * weight_bytes
+        total += (2 * packed + packed // nodes) * weight_bytes
     return total
 
 

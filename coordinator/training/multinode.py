@@ -81,7 +81,12 @@ import torch
 import torch.distributed as dist
 
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
-from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+from roundpipe.coordinator.training.sharded_optimizer import (
+    ZeroShards,
+    bucket_name,
+    bucket_text,
+    gradient_buckets,
+)
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.training.timeline import TimelineRecorder
@@ -104,7 +109,8 @@ COLLECTIVE_FAULT_ENV = "ROUNDPIPE_COLLECTIVE_FAULT"
 """Test point (docs/fault-tolerance.md): ``kill@NAME#COUNT`` in a coordinator's
 environment SIGKILLs it right after every node arrived at the COUNT-th collective NAME
 of a job (``grad/L``: layer L's gradient reduction, ``weights/L``: its sharded weights'
-all-gather), so the others are inside the collective when it dies."""
+all-gather; ``grad/L-M`` and ``weights/L-M`` for a bucket of layers L to M, Note
+[gradient buckets]), so the others are inside the collective when it dies."""
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
 """Default ``--dist-timeout``: how long a node may be silent (no heartbeat, or stuck in a
@@ -123,8 +129,7 @@ PER_STEP_COLLECTIVES = frozenset({"grad", "loss", "weights", "clip"})
 the ``count`` of each is its step's place in the run, 1 for the run's first step."""
 
 
-# torch >= 2.10 names them *_single; older ones *_tensor (the same collectives).
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.10 names it all_gather_single; older ones all_gather_into_tensor.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -628,13 +633,6 @@ class JobGroup:
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
 
-    def reduce_scatter(
-        self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
-    ) -> None:
-        """``out`` = chunk ``rank`` of ``flat`` summed over all nodes (on ``pg``)."""
-        with self._collective(name, count, what, _nbytes([flat])):
-            _REDUCE_SCATTER(out, flat, group=self.pg)
-
     def all_gather(
         self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
     ) -> None:
@@ -706,12 +704,14 @@ def _gloo_reason(exc: BaseException) -> str:
 
 class GradientReducer:
     """The thread that all-reduces each layer's gradient of every step (Note [reduced
-    before stepped]) and, after the last layer, the step's loss.
+    before stepped]), a bucket of layers at a time (Note [gradient buckets]), and, after
+    the last layer, the step's loss.
 
     ``layers`` is the order, the same on every node (descending: the tail's gradient is
     complete first). ``wait_grads(layer, k)`` blocks until this node's share is in the
     arena; ``grads(layer, k)`` are the tensors holding it, reduced in place (the same
-    shapes on every node, whatever its plan).
+    shapes on every node, whatever its plan). ``bucket_bytes``: ``train.grad_bucket_mb``
+    in bytes.
     """
 
     def __init__(
@@ -727,6 +727,7 @@ class GradientReducer:
         wake: Callable[[str], None],
         shards: ZeroShards | None = None,
         transport: torch.dtype = torch.float32,
+        bucket_bytes: float = 0,
     ):
         self.group = group
         self.layers = layers
@@ -753,10 +754,15 @@ class GradientReducer:
         self.error: BaseException | None = None
         self.reduce_s: dict[int, float] = {}
         """Seconds spent inside all-reduces per step (waiting for other nodes included)."""
-        self.bytes_per_step = sum(
-            t.numel() * transport.itemsize for layer in layers for t in grads(layer, first_step)
-        )
+        layer_bytes = [
+            (layer, sum(t.numel() * transport.itemsize for t in grads(layer, first_step)))
+            for layer in layers
+        ]
+        self.bytes_per_step = sum(n for _, n in layer_bytes)
         """Bytes of gradients reduced per step (in the transport dtype)."""
+        self.buckets = gradient_buckets(layer_bytes, bucket_bytes)
+        """The layers reduced together, in order (Note [gradient buckets]); a sharded
+        job's optimizer all-gathers its weights in the same buckets."""
         self.thread = threading.Thread(
             target=self._run, name=f"rp-allreduce-{group.job_id}", daemon=True
         )
@@ -768,18 +774,20 @@ class GradientReducer:
         try:
             for k in range(self.first_step, self.last_step + 1):
                 spent = 0.0
-                for layer in self.layers:
-                    self._wait_grads(layer, k)
+                for bucket in self.buckets:
+                    for layer in bucket:
+                        self._wait_grads(layer, k)
                     started = time.perf_counter()
                     self._reduce(
-                        self._grads(layer, k),
-                        f"grad/{layer}",
+                        [t for layer in bucket for t in self._grads(layer, k)],
+                        bucket_name("grad", bucket),
                         k - self.first_step + 1,
-                        f"layer {layer}'s gradient of step {k} from every node",
+                        f"{bucket_text(bucket)}'s gradient of step {k} from every node",
                     )
                     spent += time.perf_counter() - started
                     with self._cv:
-                        self._reduced[layer] = k
+                        for layer in bucket:
+                            self._reduced[layer] = k
                         self._cv.notify_all()
                 with self._cv:
                     while k not in self._local_loss:

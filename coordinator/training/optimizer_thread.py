@@ -28,7 +28,11 @@ from roundpipe.coordinator.training.optimizer import (
     clip_coefficient,
     global_grad_norm,
 )
-from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+from roundpipe.coordinator.training.sharded_optimizer import (
+    ZeroShards,
+    bucket_name,
+    bucket_text,
+)
 from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints
 from roundpipe.coordinator.training.timeline import TimelineRecorder
 from roundpipe.shared.model import LayeredModel
@@ -218,6 +222,14 @@ class OptimizerThread:
             coef = clip_coefficient(norm, clip)
         busy_s = 0.0
         publish = self._publisher(k)
+        # Sharded: the buckets whose weights are still to be gathered, in the reducer's
+        # order, and the stepped layers' pieces waiting for theirs (Note [gathered
+        # before published]).
+        to_gather: list[tuple[int, ...]] = []
+        if shards is not None:
+            assert self._reducer is not None, "sharded optimizer state needs a group"
+            to_gather = list(self._reducer.buckets)
+        stepped: dict[int, list[torch.Tensor]] = {}
         while remaining:
             self._wait_grads(remaining[0], k)
             ready = [layer for layer in remaining if self._grads_landed(layer, k)]
@@ -249,15 +261,18 @@ class OptimizerThread:
                 on_layer_done=publish if shards is None else None,
             )
             if shards is not None:
-                # Note [gathered before published]: descending, as on every node.
-                for layer in sorted(ready, reverse=True):
+                # Note [gathered before published]: bucket by bucket, as on every node.
+                stepped.update((layer, list(outs[layer].values())) for layer in ready)
+                while to_gather and all(layer in stepped for layer in to_gather[0]):
+                    bucket = to_gather.pop(0)
                     shards.all_gather(
-                        list(outs[layer].values()),
-                        f"weights/{layer}",
+                        [t for layer in bucket for t in stepped.pop(layer)],
+                        bucket_name("weights", bucket),
                         k - self._first_step + 1,
-                        f"layer {layer}'s weights of step {k} from every node",
+                        f"{bucket_text(bucket)}'s weights of step {k} from every node",
                     )
-                    publish(layer)
+                    for layer in bucket:
+                        publish(layer)
             busy_s += time.perf_counter() - started
             remaining = [layer for layer in remaining if layer not in ready]
         return busy_s

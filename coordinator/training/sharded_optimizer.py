@@ -5,9 +5,10 @@ Every node keeps the whole model's compute-dtype weights (both parities) and gra
 slots in its arenas, as in the replicated mode, but the fp32 masters and the optimizer
 moments only of its *shard*: about 1/W of every trainable tensor. Per step and layer:
 
-* the gradient is **reduce-scattered** (``ZeroShards.reduce_scatter``): each node gets
-  the sum over the nodes of its shard only, written back into its shard's elements of
-  the gradient slot (the rest of the slot is left as it was, and never read);
+* the gradient is **reduce-scattered** (``ZeroShards.reduce_scatter``; Note [a
+  reduce-scatter over gloo]): each node gets the sum over the nodes of its shard only,
+  written back into its shard's elements of the gradient slot (the rest of the slot is
+  left as it was, and never read);
 * each node steps its shard's masters and moments (an ordinary ``LayerwiseOptimizer``
   over 1-D pieces), casting into its shard's elements of the weight arena;
 * the updated weights are **all-gathered** (``ZeroShards.all_gather``) into every
@@ -39,29 +40,64 @@ the elements of pieces are ever read back; padding is never read.
 
 Note [one layout for both reductions]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The replicated mode reduces each layer's gradient with one all-reduce of the same
-rank-major buffer (``ZeroShards.all_reduce``), not one per tensor. A ring all-reduce
+The replicated mode reduces each bucket's gradients (Note [gradient buckets]) with one
+all-reduce of the same rank-major buffer (``ZeroShards.all_reduce``), not one per
+tensor. A ring all-reduce
 adds a chunk's elements in an order set by the chunk's place in the buffer (over 3
 nodes: (a + b) + c for one chunk, (b + c) + a for the next), and so does the
 reduce-scatter of that buffer, chunk r ending on rank r. In one layout both modes add
 every element's terms in the same order, so their models stay bitwise equal at any node
 count; one all-reduce per tensor would chunk each tensor its own way, and differ from
-the sharded mode in the last bit at 3 nodes and more. One collective per layer is also
+the sharded mode in the last bit at 3 nodes and more. One collective per bucket is also
 cheaper: each costs an arrival and a round of gloo messages. The cost is a scratch
-buffer of the largest layer's gradient in the transport dtype (``HostMemory.collectives``).
+buffer of the largest bucket's gradient in the transport dtype
+(``HostMemory.collectives``).
+
+Note [a reduce-scatter over gloo]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones
+its input, all-reduces the clone and copies this rank's chunk out (ProcessGroupGloo).
+So ``ZeroShards.reduce_scatter`` all-reduces its own packed buffer and unpacks only this
+node's chunk: the same bits as gloo's reduce-scatter (tests/test_sharded_optimizer.py
+compares them), without a fresh copy of the whole buffer per call (for 10 MB between
+two processes on the 2-core developer machine: 11 ms against gloo's 15 ms). What it
+costs, either way: a sharded job's gradients move as much as an all-reduce moves, 2
+(W-1)/W of their bytes per node, not the (W-1)/W of a true reduce-scatter; only the
+all-gather of the weights, gloo's own, moves (W-1)/W. The sharded mode saves host
+memory, not traffic (``predict_data_parallel`` counts it so). A ring reduce-scatter of
+our own over gloo's point-to-point sends would halve the gradient bytes; not done.
+
+Note [gradient buckets]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every collective has a fixed cost besides its bytes: the arrival in the store (Note
+[arrive before a collective]), a round of gloo messages, and waking the threads that
+take part, on the same cores as the workers when they are CPU workers. A layer of a
+small model or of a LoRA adapter moves a few hundred KiB, so one collective per layer
+is mostly fixed cost. As DDP buckets its all-reduces (``bucket_cap_mb``), consecutive
+layers in the reduction order are grouped (``gradient_buckets``) until their gradients
+reach ``train.grad_bucket_mb`` in the transport dtype; a layer larger than that is a
+bucket of its own (an 8B model's layers are hundreds of MiB each: one per bucket, as
+before). A bucket is one reduction (its layers' tensors packed rank-major as one
+layer's are) and, sharded, one all-gather of its updated weights. Both modes bucket
+alike, so Note [one layout for both reductions] still holds. What it costs: a
+bucket's reduction starts only once all its layers' gradients are in (less overlap
+with the backward), and the scratch is the largest bucket, not the largest layer.
+The collectives are named after the bucket's layers: ``grad/3`` for layer 3 alone,
+``grad/0-5`` for layers 0 to 5, and ``weights/...`` alike.
 
 Note [gathered before published]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Note [reduced before stepped] (roundpipe.coordinator.training.multinode) holds for the
 shard: the optimizer steps layer l of step k once ``reduced[l] >= k``, reading only its
 own elements of the slot, which hold the sum over the nodes. Then ``version[l] = k``
-is stored only after the all-gather of l's step-k weights has written every node's
-pieces into params[k % 2]: so every reader of version k (the next forward, a backward
+is stored only after the all-gather of l's step-k weights (with its bucket's, Note
+[gradient buckets]) has written every node's pieces into params[k % 2]: so every reader of version k (the next forward, a backward
 that reuses the grads slot, Note [gradient buffer]) sees the whole tensor, and the grads
 slot with the reduced shard is not overwritten before the step read it. The all-gathers
-are issued by the optimizer thread in descending layer order on every node (the layers
-the optimizer steps together are always a prefix of the layers left, in descending
-order, because the reducer reduces in that order), on a process group of their own
+are issued by the optimizer thread bucket by bucket in the reducer's order (descending
+layers) on every node, each once all its layers are stepped (the layers the optimizer
+steps together are always a prefix of the layers left, in descending order, because
+the reducer reduces in that order), on a process group of their own
 (``JobGroup.pg_gather``), so that they never interleave with the reducer thread's
 reduce-scatters on the job's group; each arrives first as any collective (Note [arrive
 before a collective]).
@@ -158,6 +194,9 @@ __all__ = [
     "Collectives",
     "GatheredLayer",
     "ZeroShards",
+    "bucket_name",
+    "bucket_text",
+    "gradient_buckets",
     "piece",
     "span",
 ]
@@ -166,10 +205,6 @@ __all__ = [
 class Collectives(Protocol):
     """What the shards need of a job's group (roundpipe.coordinator.training.multinode's
     ``JobGroup``): collectives that arrive first (Note [arrive before a collective])."""
-
-    def reduce_scatter(
-        self, out: torch.Tensor, flat: torch.Tensor, name: str, count: int, what: str
-    ) -> None: ...
 
     def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None: ...
 
@@ -197,9 +232,42 @@ log = logging.getLogger(__name__)
 
 GATHER_FAULT_ENV = "ROUNDPIPE_GATHER_FAULT"
 ALIGN = 256
+"""Pieces start on multiples of this many elements (Note [shard boundaries])."""
 GatheredLayer = tuple[int, dict[str, torch.Tensor]]
 """A layer and its whole tensors by key, as ``ZeroShards.gather_layers`` yields them."""
-"""Pieces start on multiples of this many elements (Note [shard boundaries])."""
+
+
+def gradient_buckets(
+    layer_bytes: Sequence[tuple[int, int]], cap_bytes: float
+) -> list[tuple[int, ...]]:
+    """``(layer, gradient bytes)`` in the reduction order, grouped into buckets of
+    consecutive layers of at most ``cap_bytes`` together; a layer larger than that is a
+    bucket of its own, and ``cap_bytes`` 0 makes one bucket per layer (Note [gradient
+    buckets])."""
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for layer, nbytes in layer_bytes:
+        if current and size + nbytes > cap_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(layer)
+        size += nbytes
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
+def bucket_name(kind: str, bucket: Sequence[int]) -> str:
+    """A bucket's collective: ``grad/3`` (layer 3 alone), ``grad/0-5`` (layers 0 to 5)."""
+    lo, hi = min(bucket), max(bucket)
+    return f"{kind}/{lo}" if lo == hi else f"{kind}/{lo}-{hi}"
+
+
+def bucket_text(bucket: Sequence[int]) -> str:
+    """``layer 3`` or ``layers 0-5``: a bucket, for messages."""
+    lo, hi = min(bucket), max(bucket)
+    return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
 
 
 def span(numel: int, world_size: int) -> int:
@@ -296,26 +364,32 @@ class ZeroShards:
         self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str
     ) -> None:
         """Sum this node's pieces of ``tensors`` over the nodes, in place (the other
-        elements are left as they were). The reducer thread's."""
-        assert self.group is not None
-        w, chunk = self.world_size, self.chunk_numel(tensors)
-        flat = self._buffer("rs-in", w * chunk, self.transport)
-        out = self._buffer("rs-out", chunk, self.transport)
-        self.pack(tensors, flat, range(w))
-        self.group.reduce_scatter(out, flat, name, count, what)
-        self.unpack(out, tensors, [self.rank])
-        self.bytes_reduced += flat.numel() * flat.element_size()
+        elements are left as they were), by an all-reduce of the packed buffer (Note [a
+        reduce-scatter over gloo]). The reducer thread's."""
+        self._all_reduce(tensors, [self.rank], name, count, what)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
         """Sum ``tensors`` over the nodes, in place and whole: the replicated mode's
         reduction, as one collective in the layout of ``reduce_scatter`` (Note [one
         layout for both reductions]). The reducer thread's."""
+        self._all_reduce(tensors, range(self.world_size), name, count, what)
+
+    def _all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        ranks: Sequence[int],
+        name: str,
+        count: int,
+        what: str,
+    ) -> None:
+        """Pack ``tensors`` rank-major in the transport dtype, all-reduce the buffer, and
+        write the sums of ``ranks``' pieces back."""
         assert self.group is not None
         w, chunk = self.world_size, self.chunk_numel(tensors)
         flat = self._buffer("ar", w * chunk, self.transport)
         self.pack(tensors, flat, range(w))
         self.group.all_reduce([flat], name, count, what)
-        self.unpack(flat, tensors, range(w))
+        self.unpack(flat, tensors, ranks)
         self.bytes_reduced += flat.numel() * flat.element_size()
 
     def all_gather(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
