@@ -77,6 +77,15 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
             train={"grad_bucket_mb": 0},
         ),
         "lora": tiny_spec(tmp_path / "lora", steps=4, num_microbatches=4, lora=LORA),
+        # Decoder layers 1 and 3, 2 and 4 take turns in a gradient slot (Note [gradient
+        # buffer]): a bucket of them would wait for itself, so one per layer.
+        "slots": tiny_spec(
+            tmp_path / "slots",
+            steps=4,
+            num_microbatches=4,
+            plan="F[0:3,3:4] T[4:6] B[3:4,2:3,1:2,0:1]",
+            train={"grad_buffer_stages": 1},
+        ),
     }
     # One coordinator (in-process) writes checkpoints of steps 2 and 4; the group
     # resumes from step 2 (Note [checkpoint cut]: topology-free).
@@ -115,7 +124,7 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         # the time waited for the other node.
         per_layer = {f"{c}/{layer}" for layer in range(6) for c in ("grad", "weights")}
         bucketed = {"grad/0-5", "weights/0-5"}
-        for name, expected in (("stale", per_layer), ("exact", bucketed)):
+        for name, expected in (("stale", per_layer), ("exact", bucketed), ("slots", per_layer)):
             expected = expected | {"loss"}
             outputs = [
                 Path(specs[name].output.dir),
@@ -271,7 +280,7 @@ def test_plan_predicts_the_step_of_several_nodes(capsys) -> None:
 
 def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
     """`roundpipe plan --nodes 2 --optimizer-sharding sharded`: a reduce-scatter of the
-    gradients, which moves what an all-reduce moves on gloo (Note [a reduce-scatter over
+    gradients, which moves what an all-reduce moves on gloo (Note [sharded collectives over
     gloo]), and an all-gather of the weights, and each node's host memory with half the
     fp32 masters and optimizer states."""
     import json

@@ -118,8 +118,9 @@ class _Gloo:
     """The collectives ZeroShards needs, straight on the default gloo group (no arrival:
     every process of the test takes part in every one)."""
 
-    def all_gather(self, flat, mine, name, count, what) -> None:
-        torch.distributed.all_gather_into_tensor(flat, mine)
+    def all_gather(self, flat, name, count, what) -> None:  # gloo's own, as the reference
+        mine = flat.chunk(torch.distributed.get_world_size())[torch.distributed.get_rank()]
+        torch.distributed.all_gather_into_tensor(flat, mine.clone())
 
     def all_reduce(self, tensors, name, count, what) -> None:
         for t in tensors:
@@ -148,8 +149,8 @@ def _one_layout_rank(rank: int, world: int, port: int, out) -> None:
     sharded = [t.clone() for t in grads]
     shards.reduce_scatter(sharded, "grad/0", 1, "layer 0")
     shards.all_gather(sharded, "weights/0", 1, "layer 0")  # the summed pieces, whole
-    # gloo's own reduce-scatter of the same packed buffer (Note [a reduce-scatter over
-    # gloo]), then the same all-gather
+    # gloo's own reduce-scatter of the same packed buffer (Note [sharded collectives
+    # over gloo]), then the same all-gather
     native = [t.clone() for t in grads]
     chunk = shards.chunk_numel(native)
     flat, mine = torch.empty(world * chunk), torch.empty(chunk)
@@ -171,7 +172,7 @@ def test_both_reductions_add_in_one_order(world: int) -> None:
     sharded mode's reduce-scatter gives each piece's owner, at 2 nodes and at 3, where
     one all-reduce per tensor does not (a ring adds in an order set by position); and
     the sharded mode's reduce-scatter, an all-reduce of its own buffer, gives the bits
-    of gloo's reduce-scatter (Note [a reduce-scatter over gloo])."""
+    of gloo's reduce-scatter (Note [sharded collectives over gloo])."""
     import multiprocessing
     import socket
 

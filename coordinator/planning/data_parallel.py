@@ -3,7 +3,7 @@ in a data-parallel group (roundpipe.coordinator.training.multinode), each runnin
 
 The cost model is a ring all-reduce of the gradients of the trainable parameters over the
 servers' network (sharded optimizer state: the same, as gloo has no reduce-scatter of its
-own, Note [a reduce-scatter over gloo], and an all-gather of the updated weights),
+own, Note [sharded collectives over gloo], and an all-gather of the updated weights),
 overlapped with the step as docs/multi-node.md describes.
 """
 
@@ -66,7 +66,7 @@ def predict_data_parallel(
     reduced first layers, and no overlap is credited (an upper bound). The gradients
     cross in ``grad_bytes`` per parameter (``train.grad_transport``). ``sharded``
     (``train.optimizer_sharding``): their reduce-scatter, which moves what the all-reduce
-    moves (Note [a reduce-scatter over gloo]), and an all-gather of the weights
+    moves (Note [sharded collectives over gloo]), and an all-gather of the weights
     (``weight_bytes`` per parameter: the compute dtype).
     ``shared_cores``: the collectives move their bytes on the cores the workers compute
     on (CPU workers; on one host, loopback is a memory copy by the CPU), so nothing

@@ -119,7 +119,9 @@ class GroupMember:
             wake=self.wake,
             shards=shards,
             transport=getattr(torch, self.spec.train.grad_transport),
-            bucket_bytes=self.spec.train.grad_bucket_mb * 2**20,
+            # Note [gradient buckets]: a bucket of layers that share gradient slots
+            # would wait for itself.
+            bucket_bytes=0 if layout.shares_grad_slots else self.spec.train.grad_bucket_mb * 2**20,
         )
         self.reducer.start()
 

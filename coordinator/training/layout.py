@@ -68,7 +68,10 @@ stage of a plan must map its layers to distinct slots (``fits``); ``grad_buffer_
 at least the largest such stage guarantees it.
 
 Global-norm clipping needs every gradient of a step before the first update, so a job
-with ``optimizer.grad_clip`` keeps one slot per layer (``grad_buffer_layers=None``).
+with ``optimizer.grad_clip`` keeps one slot per layer (``grad_buffer_layers=None``). A
+bucket of a group's gradient reduction needs all its layers' gradients at once too, so
+where slots are shared the reduction takes one layer at a time (Note [gradient buckets]
+in roundpipe.coordinator.training.sharded_optimizer).
 
 Note [weight copies]
 ~~~~~~~~~~~~~~~~~~~
@@ -329,6 +332,11 @@ class JobLayout:
         gradient-writing stage (Note [gradient buffer])."""
         widest = max(stop - start for start, stop in (plan.tail, *plan.backward))
         return max(1, stages) * widest
+
+    @property
+    def shares_grad_slots(self) -> bool:
+        """Whether some layers take turns in one gradient slot (Note [gradient buffer])."""
+        return len(set(self.grad_slot.values())) < len(self.grad_slot)
 
     def grad_sharers(self, layer: int) -> list[int]:
         """Other layers whose gradients use ``layer``'s slot (Note [gradient buffer])."""

@@ -182,7 +182,10 @@ def host_memory_needed(
             sharded=sharded,
             transport_bytes=getattr(torch, transport).itemsize,
             weight_bytes=getattr(torch, weights).itemsize,
-            bucket_mb=(TrainSpec if spec is None else spec.train).grad_bucket_mb,
+            # one layer at a time where gradient slots are shared (Note [gradient buckets])
+            bucket_mb=0
+            if layout.shares_grad_slots
+            else (TrainSpec if spec is None else spec.train).grad_bucket_mb,
         )
     if sharded:
         if rank == 0:
@@ -217,8 +220,8 @@ def collective_buffer_nbytes(
     """``HostMemory.collectives``: the largest bucket's trainable tensors (Note [gradient
     buckets]: ``bucket_mb`` is ``train.grad_bucket_mb``) packed rank-major (Note [shard
     boundaries]) in the transport dtype (``transport_bytes`` per element) for its
-    reduction, plus, sharded, the all-gather's chunk and buffer in the compute dtype
-    (``weight_bytes``) and the whole buffer gloo allocates for its output."""
+    reduction, plus, sharded, the all-gather's buffer in the compute dtype
+    (``weight_bytes``; Note [sharded collectives over gloo])."""
     from roundpipe.coordinator.training.sharded_optimizer import gradient_buckets, span
 
     trainable = {
@@ -238,7 +241,7 @@ def collective_buffer_nbytes(
     )
     total = packed * transport_bytes
     if sharded:
-        total += (2 * packed + packed // nodes) * weight_bytes
+        total += packed * weight_bytes
     return total
 
 

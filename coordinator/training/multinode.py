@@ -129,10 +129,6 @@ PER_STEP_COLLECTIVES = frozenset({"grad", "loss", "weights", "clip"})
 the ``count`` of each is its step's place in the run, 1 for the run's first step."""
 
 
-# torch >= 2.10 names it all_gather_single; older ones all_gather_into_tensor.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class GroupError(RuntimeError):
     """The data-parallel group cannot go on with the job; the message names the node and
     what it did (left the job, went silent, closed its connection)."""
@@ -633,13 +629,20 @@ class JobGroup:
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
 
-    def all_gather(
-        self, flat: torch.Tensor, mine: torch.Tensor, name: str, count: int, what: str
-    ) -> None:
-        """``flat`` = every node's ``mine``, by rank (on ``pg_gather``)."""
+    def all_gather(self, flat: torch.Tensor, name: str, count: int, what: str) -> None:
+        """Chunk r of ``flat`` (W equal chunks, rank-major) from rank r into every node's
+        ``flat``, in place (on ``pg_gather``): one broadcast per rank, not gloo's
+        all-gather (Note [sharded collectives over gloo] in
+        roundpipe.coordinator.training.sharded_optimizer)."""
         assert self.pg_gather is not None
+        chunks = flat.chunk(self.world_size)
         with self._collective(name, count, what, _nbytes([flat])):
-            _ALL_GATHER(flat, mine, group=self.pg_gather)
+            works = [
+                dist.broadcast(chunk, src=rank, group=self.pg_gather, async_op=True)
+                for rank, chunk in enumerate(chunks)
+            ]
+            for work in works:
+                work.wait()
 
     def gather(
         self,
@@ -768,6 +771,13 @@ class GradientReducer:
         )
 
     def start(self) -> None:
+        log.info(
+            "[multinode] job %s: %d layers' gradients reduced in %d collective(s) per step: %s",
+            self.group.job_id,
+            len(self.layers),
+            len(self.buckets),
+            ", ".join(bucket_name("grad", b) for b in self.buckets),
+        )
         self.thread.start()
 
     def _run(self) -> None:
