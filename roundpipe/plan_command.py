@@ -139,9 +139,10 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
 
 def _host_memory(
     model: LayeredModel, plan: Plan, args: argparse.Namespace, num_microbatches: int
-) -> tuple[Any, int]:
-    """The job's host memory under ``plan`` (what admission control checks) and the
-    model's parameter count."""
+) -> tuple[Any, int, bool]:
+    """The job's host memory under ``plan`` (what admission control checks), the
+    model's parameter count, and whether layers share gradient slots (Note [gradient
+    buffer]; a group then reduces one layer at a time, Note [gradient buckets])."""
     import torch
 
     from roundpipe.coordinator.spec.sections import TrainSpec
@@ -159,7 +160,7 @@ def _host_memory(
         grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
         weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
     )
-    return host_memory_needed(layout), max(1, model.parameter_count())
+    return host_memory_needed(layout), max(1, model.parameter_count()), layout.shares_grad_slots
 
 
 def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -378,7 +379,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             baselines.append(
                 bound_baseline(costs, hw, m, schedule=schedule, tokens_per_iteration=tokens)
             )
-    host, params = _host_memory(model, result.plan, args, m)
+    host, params, shares_slots = _host_memory(model, result.plan, args, m)
     base = _base_figures(model, costs, result.plan, args)
     drawn = None
     if args.timeline:  # observability: the prediction as a picture (roundpipe.timeline_plot)
@@ -397,7 +398,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"{args.seq_len} tokens"
     )
     multinode = _multinode_prediction(model, result, args, tokens)
-    per_node = _sharded_host_memory(model, host, args)
+    per_node = _sharded_host_memory(model, host, args, shares_slots=shares_slots)
     if args.json:
         doc = {
             "prediction": "simulated",
@@ -559,12 +560,14 @@ def _multinode_prediction(
 
 
 def _sharded_host_memory(
-    model: LayeredModel, host: Any, args: argparse.Namespace
+    model: LayeredModel, host: Any, args: argparse.Namespace, *, shares_slots: bool
 ) -> tuple[Any, Any] | None:
     """Host memory with the optimizer state sharded over ``--nodes``: a node's (1/W of the
     fp32 masters and states, Note [shard boundaries], and its collectives' buffers) and
     rank 0's while it writes a checkpoint (the same, plus the whole masters and a layer's
-    states: Note [streamed checkpoint state]); None without sharding."""
+    states: Note [streamed checkpoint state]); None without sharding. ``shares_slots``:
+    the plan's layers share gradient slots, so the collectives take one layer at a time
+    (Note [gradient buckets])."""
     if args.nodes == 1 or args.optimizer_sharding == "replicated":
         return None
     from dataclasses import replace
@@ -584,7 +587,7 @@ def _sharded_host_memory(
             sharded=True,
             transport_bytes=2 if args.grad_transport == "bfloat16" else 4,
             weight_bytes=4 if args.dtype == "float32" else 2,
-            bucket_mb=args.grad_bucket_mb,
+            bucket_mb=0 if shares_slots else args.grad_bucket_mb,
         ),
     )
     return node, replace(node, gathered=checkpoint_gather_nbytes(model, host.masters, host.moments))

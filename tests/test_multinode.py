@@ -206,6 +206,35 @@ def test_a_lost_node_pauses_the_job_which_resumes_on_the_rest(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_nodes_whose_plans_differ_agree_on_the_gradient_buckets(tmp_path: Path) -> None:
+    """Each node plans for its own workers. Node 1's three workers get narrow stages whose
+    decoder layers take turns in gradient slots (``grad_buffer_stages: 1``, Note
+    [gradient buffer]), so it must reduce one layer at a time (Note [gradient
+    buckets]); rank 0's single worker runs the whole model as one stage and would
+    bucket every layer into one collective. The nodes agree: both take one layer at a
+    time (a mismatch would leave each waiting at a collective the other never
+    reaches), and the job equals the oracle."""
+    from runtime_helpers import TINY_QWEN3
+
+    spec = tiny_spec(
+        tmp_path / "out",
+        steps=3,
+        num_microbatches=4,
+        config={**TINY_QWEN3, "num_hidden_layers": 8},
+        train={"grad_buffer_stages": 1},
+    )
+    with local_group(tmp_path, "mn-plans", workers_per_node=[1, 3]) as (rank0, rank1):
+        handle = rank0.client.submit(spec)
+        status = handle.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{rank0.logs()}"
+        wait_for_state(rank1, handle.job_id, "succeeded")
+    for node in ("node0", "node1"):
+        log_text = (tmp_path / node / "coordinator.log").read_text()
+        assert "10 layers' gradients reduced in 10 collective(s) per step" in log_text, node
+    assert_params_match(load_output(Path(spec.output.dir), False), oracle(spec, False))
+
+
+@pytest.mark.slow
 def test_rank_0_says_which_node_it_waits_for(tmp_path: Path) -> None:
     """Node 1 has no worker: the job waits, and rank 0's status and log name node 1 and
     why. Cancelled at rank 0, it is cancelled at node 1 too (which was waiting for a

@@ -108,6 +108,15 @@ class GroupMember:
         thread's), in a thread of its own."""
         self.group.cancelled = self.cancelled.is_set
         self.group.first_step = first_step
+        # Note [gradient buckets]: a bucket of layers that share gradient slots would wait
+        # for itself. Each node plans for its own workers, so the nodes agree first: one
+        # layer per collective on every node if any node shares slots.
+        shared = self.group.exchange(
+            "grad-slots",
+            "1" if layout.shares_grad_slots else "0",
+            "whether any node shares gradient slots",
+        )
+        bucket_mb = 0 if "1" in shared else self.spec.train.grad_bucket_mb
         self.reducer = GradientReducer(
             self.group,
             layers=sorted(layout.trainable_layers(), reverse=True),
@@ -119,9 +128,7 @@ class GroupMember:
             wake=self.wake,
             shards=shards,
             transport=getattr(torch, self.spec.train.grad_transport),
-            # Note [gradient buckets]: a bucket of layers that share gradient slots
-            # would wait for itself.
-            bucket_bytes=0 if layout.shares_grad_slots else self.spec.train.grad_bucket_mb * 2**20,
+            bucket_bytes=bucket_mb * 2**20,
         )
         self.reducer.start()
 

@@ -275,6 +275,8 @@ class OptimizerThread:
                         publish(layer)
             busy_s += time.perf_counter() - started
             remaining = [layer for layer in remaining if layer not in ready]
+        # Every bucket's layers are stepped by now; one left over would never publish.
+        assert not to_gather, f"buckets {to_gather} hold layers the optimizer does not step"
         return busy_s
 
     def _publisher(self, k: int) -> Callable[[int], None]:

@@ -93,7 +93,10 @@ roundpipe.coordinator.training.layout), a backward task writes a layer's gradien
 after the layers above that share its slot are updated, which for a layer of the same
 bucket (or one that a backward stage writes together with a layer of it) would wait
 for the bucket itself: such a job reduces one layer at a time (``train.grad_buffer_stages:
-0`` gives every layer a slot of its own, and buckets back).
+0`` gives every layer a slot of its own, and buckets back). Each node plans for its own
+workers, so the nodes tell each other at the start of each run whether they share
+slots (``JobGroup.exchange``), and all take one layer at a time if any does: the nodes'
+collectives must match one for one.
 The collectives are named after the bucket's layers: ``grad/3`` for layer 3 alone,
 ``grad/0-5`` for layers 0 to 5, and ``weights/...`` alike.
 
@@ -107,9 +110,9 @@ is stored only after the all-gather of l's step-k weights (with its bucket's, No
 that reuses the grads slot, Note [gradient buffer]) sees the whole tensor, and the grads
 slot with the reduced shard is not overwritten before the step read it. The all-gathers
 are issued by the optimizer thread bucket by bucket in the reducer's order (descending
-layers) on every node, each once all its layers are stepped (the layers the optimizer
-steps together are always a prefix of the layers left, in descending order, because
-the reducer reduces in that order), on a process group of their own
+layers) on every node, each once all its layers are stepped, whatever set of layers the
+optimizer happened to step together (that depends on timing and differs between
+nodes), on a process group of their own
 (``JobGroup.pg_gather``), so that they never interleave with the reducer thread's
 reduce-scatters on the job's group; each arrives first as any collective (Note [arrive
 before a collective]).
