@@ -3,7 +3,7 @@
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
 #
-#   scripts/test.sh            everything (what CI runs; about 15 minutes on 2 cores)
+#   scripts/test.sh            everything (what CI runs; 25-30 minutes on 2 cores, goal 15)
 #   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes):
 #                              units, the model against transformers, the trainer with
 #                              in-process workers, the wire, the layering and the docs.
