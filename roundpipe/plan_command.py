@@ -576,6 +576,7 @@ def _sharded_host_memory(
         checkpoint_gather_nbytes,
         collective_buffer_nbytes,
     )
+    from roundpipe.coordinator.training.sharded_optimizer import bucket_cap_mb
 
     node = replace(
         host,
@@ -587,7 +588,7 @@ def _sharded_host_memory(
             sharded=True,
             transport_bytes=2 if args.grad_transport == "bfloat16" else 4,
             weight_bytes=4 if args.dtype == "float32" else 2,
-            bucket_mb=0 if shares_slots else args.grad_bucket_mb,
+            bucket_mb=bucket_cap_mb(args.grad_bucket_mb, shares_slots),
         ),
     )
     return node, replace(node, gathered=checkpoint_gather_nbytes(model, host.masters, host.moments))

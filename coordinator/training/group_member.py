@@ -27,7 +27,7 @@ from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
 from roundpipe.coordinator.training.progress_log import ProgressLog
-from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+from roundpipe.coordinator.training.sharded_optimizer import ZeroShards, bucket_cap_mb
 
 __all__ = ["GroupMember"]
 
@@ -116,7 +116,7 @@ class GroupMember:
             "1" if layout.shares_grad_slots else "0",
             "whether any node shares gradient slots",
         )
-        bucket_mb = 0 if "1" in shared else self.spec.train.grad_bucket_mb
+        bucket_mb = bucket_cap_mb(self.spec.train.grad_bucket_mb, "1" in shared)
         self.reducer = GradientReducer(
             self.group,
             layers=sorted(layout.trainable_layers(), reverse=True),

@@ -171,6 +171,8 @@ def host_memory_needed(
     masters, gathered, collectives = 4 * trainable, 0, 0
     sharded = spec is not None and nodes > 1 and _sharded(spec)
     if nodes > 1:
+        from roundpipe.coordinator.training.sharded_optimizer import bucket_cap_mb
+
         transport, weights = (
             ("float32", "float32")
             if spec is None
@@ -182,10 +184,10 @@ def host_memory_needed(
             sharded=sharded,
             transport_bytes=getattr(torch, transport).itemsize,
             weight_bytes=getattr(torch, weights).itemsize,
-            # one layer at a time where gradient slots are shared (Note [gradient buckets])
-            bucket_mb=0
-            if layout.shares_grad_slots
-            else (TrainSpec if spec is None else spec.train).grad_bucket_mb,
+            bucket_mb=bucket_cap_mb(
+                (TrainSpec if spec is None else spec.train).grad_bucket_mb,
+                layout.shares_grad_slots,
+            ),
         )
     if sharded:
         if rank == 0:

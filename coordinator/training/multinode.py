@@ -740,11 +740,14 @@ class GradientReducer:
         self.transport = transport
         """The dtype gradients cross the network in (``train.grad_transport``)."""
         self._packer = (
-            ZeroShards(group, group.rank, group.world_size, str(transport).removeprefix("torch."))
-            if shards is None
-            else None
+            shards
+            if shards is not None
+            else ZeroShards(
+                group, group.rank, group.world_size, str(transport).removeprefix("torch.")
+            )
         )
-        """Replicated: its reductions, in the sharded mode's buffer layout."""
+        """What packs and reduces: the shards, or, replicated, a packer in the sharded
+        mode's buffer layout (Note [one layout for both reductions])."""
         self.first_step, self.last_step = first_step, last_step
         self._wait_grads = wait_grads
         self._grads = grads
@@ -834,9 +837,8 @@ class GradientReducer:
         """Sum ``tensors`` over the nodes in place: all of them, or with sharded state
         this node's shard of them; in the transport dtype."""
         if self.shards is not None:
-            self.shards.reduce_scatter(tensors, name, count, what)
-        else:  # packed in the transport dtype (Note [one layout for both reductions])
-            assert self._packer is not None
+            self._packer.reduce_scatter(tensors, name, count, what)
+        else:
             self._packer.all_reduce(tensors, name, count, what)
 
     # -- for the optimizer and the run loop -----------------------------------------------

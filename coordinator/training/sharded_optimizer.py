@@ -209,6 +209,7 @@ __all__ = [
     "Collectives",
     "GatheredLayer",
     "ZeroShards",
+    "bucket_cap_mb",
     "bucket_name",
     "bucket_text",
     "gradient_buckets",
@@ -271,16 +272,25 @@ def gradient_buckets(
     return buckets
 
 
+def bucket_cap_mb(grad_bucket_mb: float, shares_grad_slots: bool) -> float:
+    """The bucket size a group reduces with: ``train.grad_bucket_mb``, or 0 (one layer
+    per collective) where layers share gradient slots (Note [gradient buckets])."""
+    return 0 if shares_grad_slots else grad_bucket_mb
+
+
+def _layer_range(bucket: Sequence[int]) -> str:
+    lo, hi = min(bucket), max(bucket)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
 def bucket_name(kind: str, bucket: Sequence[int]) -> str:
     """A bucket's collective: ``grad/3`` (layer 3 alone), ``grad/0-5`` (layers 0 to 5)."""
-    lo, hi = min(bucket), max(bucket)
-    return f"{kind}/{lo}" if lo == hi else f"{kind}/{lo}-{hi}"
+    return f"{kind}/{_layer_range(bucket)}"
 
 
 def bucket_text(bucket: Sequence[int]) -> str:
     """``layer 3`` or ``layers 0-5``: a bucket, for messages."""
-    lo, hi = min(bucket), max(bucket)
-    return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+    return ("layer " if len(set(bucket)) == 1 else "layers ") + _layer_range(bucket)
 
 
 def span(numel: int, world_size: int) -> int:
