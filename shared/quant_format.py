@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from roundpipe.shared.quant_choices import INT8_SCALES, QUANTIZATIONS
+
 __all__ = [
     "INT8_SCALES",
     "LAYOUTS",
@@ -58,10 +60,6 @@ __all__ = [
     "dynamic_code",
 ]
 
-QUANTIZATIONS = ("none", "nf4", "int8")
-"""``lora.base_quantization``'s values."""
-INT8_SCALES = ("per_channel", "per_block")
-"""``lora.int8_scales``'s values."""
 
 LAYOUTS = ("roundpipe", "bitsandbytes")
 """``QuantFormat.layout``'s values: quantised here, or read from a bitsandbytes checkpoint."""

@@ -8,6 +8,8 @@ and under ``TYPE_CHECKING`` count (a lazy import still ties two modules together
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,18 @@ def test_the_demo_does_not_import_the_cli() -> None:
     never imports the CLI back (an import cycle)."""
     names = [name for _, name in _imports("roundpipe.demo")]
     assert "roundpipe.cli" not in names and "roundpipe.progress" in names
+
+
+def test_the_client_and_the_cli_start_without_torch() -> None:
+    """`roundpipe status` and friends, and `import roundpipe.client`, load no torch (nor
+    transformers): that import costs seconds per command. A verb that computes (plan,
+    demo, chaos) imports what it needs when it runs."""
+    probe = (
+        "import sys, roundpipe.cli, roundpipe.client;"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

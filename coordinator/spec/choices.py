@@ -10,7 +10,7 @@ from typing import Any
 
 from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.shared.families import FAMILIES
-from roundpipe.shared.quant_format import INT8_SCALES, QUANTIZATIONS
+from roundpipe.shared.quant_choices import INT8_SCALES, QUANTIZATIONS
 
 __all__ = [
     "ARCHITECTURES",
@@ -56,7 +56,8 @@ OPTIMIZER_KERNELS = ("auto", "torch")
 kernel when it loads and passes its bitwise self-check (else torch's); ``torch`` always
 on torch's fused kernel (Note [compiled AdamW kernel])."""
 # ``lora.base_quantization`` (QUANTIZATIONS) and ``lora.int8_scales`` (INT8_SCALES) are
-# defined with their formats, in roundpipe.shared.quant_format, and re-exported here.
+# defined in roundpipe.shared.quant_choices (no torch: the client checks specs) and
+# re-exported here.
 OPTIMIZER_SHARDINGS = ("auto", "replicated", "sharded")
 """``train.optimizer_sharding`` with several nodes (docs/multi-node.md): every node holds
 all fp32 masters and moments (``replicated``), or each node only its shard of them
