@@ -1,7 +1,8 @@
 """What checkpoints cost a running job (issue 25): background against drained writes.
 
 One Qwen3-shaped full fine-tuning job (fp32, AdamW, staleness 1) through real daemons
-(LocalCluster) on CPU workers, three ways, interleaved ``--repeats`` times:
+(one LocalCluster, job after job) on CPU workers, three ways, interleaved ``--repeats``
+times:
 
   none        no checkpoint in the timed steps
   background  a checkpoint every ``--every`` steps, written by the background writer
@@ -39,9 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import demo_data_spec, run_runtime
+from common import demo_data_spec, run_job, runtime_cluster
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.paths import spec_read_dirs
 
 MODES = ("none", "background", "drained")
 _WRITTEN = re.compile(r"checkpoint step (\d+) written to \S+ in ([0-9.]+)s")
@@ -102,12 +104,9 @@ def checkpoint_bytes(out: Path) -> int:
     return sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file())
 
 
-def write_seconds(root: Path) -> list[float]:
+def write_seconds(job_log: Path) -> list[float]:
     """Seconds each checkpoint's write took, from the job's log."""
-    out = []
-    for log in root.rglob("job.log"):
-        out += [float(m.group(2)) for m in _WRITTEN.finditer(log.read_text())]
-    return out
+    return [float(m.group(2)) for m in _WRITTEN.finditer(job_log.read_text())]
 
 
 def main() -> None:
@@ -140,26 +139,33 @@ def main() -> None:
         sizes: dict[str, int] = {}
         writes: dict[str, list[float]] = {m: [] for m in MODES}
         plan = ""
-        for r in range(args.repeats):
-            for mode in MODES:  # interleaved: a change in load hits all alike
-                root = base / f"{mode}-{r}"
-                out = root / "out"
-                run = run_runtime(
-                    job_spec(args, out, mode),
-                    [["--cpu", "--threads", "1"]] * args.workers,
-                    warmup=args.warmup,
-                    root=root,
-                    coordinator_threads=1,
-                    env={"OMP_NUM_THREADS": "1"},
-                    stop_after=stop_after,
-                    coordinator_args=["--log-level", "INFO"],
-                )
-                plan = run.plan
-                step_s[mode] += run.step_s
-                sizes[mode] = max(sizes.get(mode, 0), checkpoint_bytes(out))
-                writes[mode] += write_seconds(root)
-                shutil.rmtree(root, ignore_errors=True)
-        timed = range(args.warmup + 1, stop_after + 1)  # the steps run_runtime times
+        # One cluster runs every job in turn (workers are stateless; each job's warm-up
+        # steps come before its timed ones).
+        with runtime_cluster(
+            [["--cpu", "--threads", "1"]] * args.workers,
+            root=base / "cluster",
+            coordinator_threads=1,
+            env={"OMP_NUM_THREADS": "1"},
+            coordinator_args=["--log-level", "INFO"],
+            allow_read=spec_read_dirs(job_spec(args, base, "none")),
+            allow_write=[base],
+        ) as cluster:
+            for r in range(args.repeats):
+                for mode in MODES:  # interleaved: a change in load hits all alike
+                    out = base / f"{mode}-{r}" / "out"
+                    run = run_job(
+                        cluster,
+                        job_spec(args, out, mode),
+                        warmup=args.warmup,
+                        stop_after=stop_after,
+                    )
+                    plan = run.plan
+                    step_s[mode] += run.step_s
+                    sizes[mode] = max(sizes.get(mode, 0), checkpoint_bytes(out))
+                    assert run.job_log is not None
+                    writes[mode] += write_seconds(run.job_log)
+                    shutil.rmtree(out.parent, ignore_errors=True)
+        timed = range(args.warmup + 1, stop_after + 1)  # the steps run_job times
         per_run = sum(1 for k in timed if k % args.every == 0)
         none_total = sum(step_s["none"]) / args.repeats
         step = statistics.mean(step_s["none"])

@@ -7,12 +7,13 @@ scripts, so this directory is on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class RuntimeRun:
     """Peak GPU memory per worker process (MiB, from nvidia-smi; empty without a GPU)."""
     losses: dict[int, float] = field(default_factory=dict)
     """Loss of every reported step."""
+    job_log: Path | None = None
+    """The job's log in the coordinator's state directory."""
 
 
 class GpuMemorySampler:
@@ -132,11 +135,43 @@ def run_runtime(
 ) -> RuntimeRun:
     """Start a ``LocalCluster`` with one worker per entry of ``worker_args`` (device
     options, e.g. ``["--cpu", "--threads", "1"]`` or ``["--gpu", "0", "--memory-limit",
-    "24GiB"]``), run ``spec`` and measure the steps after ``warmup``: to the end, or with
-    ``stop_after`` until that step, then cancel the job (a large model's final checkpoint
-    would cost minutes and tens of GB of disk). ``coordinator_args`` go to the
-    coordinator; ``while_running(cluster)`` is called once the job is submitted (e.g. to
-    start a metrics scraper)."""
+    "24GiB"]``), run ``spec`` on it (:func:`run_job`) and stop it: fresh processes for
+    one job, as a GPU memory peak must be measured. ``coordinator_args`` go to the
+    coordinator."""
+    with runtime_cluster(
+        worker_args,
+        root=root,
+        coordinator_threads=coordinator_threads,
+        env=env,
+        coordinator_args=coordinator_args,
+        allow_read=spec_read_dirs(spec),
+        allow_write=[Path(spec.output.dir or root).parent],
+    ) as cluster:
+        return run_job(
+            cluster,
+            spec,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            stop_after=stop_after,
+            while_running=while_running,
+        )
+
+
+@contextlib.contextmanager
+def runtime_cluster(
+    worker_args: Sequence[Sequence[str]],
+    *,
+    root: Path,
+    coordinator_threads: int,
+    env: dict[str, str] | None = None,
+    coordinator_args: Sequence[str] = (),
+    allow_read: Sequence[Path] = (),
+    allow_write: Sequence[Path] = (),
+) -> Iterator[LocalCluster]:
+    """A coordinator and one worker per entry of ``worker_args``, connected, stopped
+    afterwards: for several jobs in a row where a benchmark times steps only (workers are
+    stateless; each job's warm-up steps absorb what an earlier job left warm). Its jobs
+    may read below ``allow_read`` and write below ``allow_write``."""
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-bench-", dir="/dev/shm"))
     cluster = LocalCluster(
         root,
@@ -150,45 +185,63 @@ def run_runtime(
         ],
         client_timeout_s=60,
         env=env,
-        allow_read=spec_read_dirs(spec),
-        allow_write=[Path(spec.output.dir or root).parent],
+        allow_read=allow_read,
+        allow_write=allow_write,
     )
     try:
-        workers = [
-            cluster.add_worker(f"w{i}", device=device) for i, device in enumerate(worker_args)
-        ]
-        cluster.wait_for_workers(len(workers), timeout_s=300)
-        with GpuMemorySampler() as memory:
-            job = cluster.client.submit(spec)
-            if while_running is not None:
-                while_running(cluster)
-            events = []
-            for event in job.progress(timeout_s=timeout_s):
-                events.append(event)
-                if stop_after is not None and event.step >= stop_after:
-                    job.cancel()
-                    break
-            status = job.wait(timeout_s=600)
-        ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
-        if status.state not in ended_well:
-            raise RuntimeError(f"benchmark job {status.state}: {status.message}; logs in {root}")
-        times = {e.step: e.time for e in events}
-        timed = [k for k in sorted(times) if k > warmup and k - 1 in times]
-        if not timed:
-            raise RuntimeError(f"no step after the {warmup} warm-up steps was reported")
-        step_s = [times[k] - times[k - 1] for k in timed]
-        tokens = spec.global_batch_size * spec.data.seq_len * len(step_s)
-        worker_pids = {w.proc.pid for w in workers}
-        return RuntimeRun(
-            tokens_per_s=tokens / sum(step_s),
-            step_s=step_s,
-            plan=status.plan,
-            gpu_peak_mib={pid: v for pid, v in memory.peak_mib.items() if pid in worker_pids},
-            losses={e.step: e.loss for e in events},
-        )
+        for i, device in enumerate(worker_args):
+            cluster.add_worker(f"w{i}", device=device)
+        cluster.wait_for_workers(len(worker_args), timeout_s=300)
+        yield cluster
     finally:
         cluster.stop(timeout_s=60)
         shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def run_job(
+    cluster: LocalCluster,
+    spec: JobSpec,
+    *,
+    warmup: int,
+    timeout_s: float = 3600,
+    stop_after: int | None = None,
+    while_running: Callable[[LocalCluster], None] | None = None,
+) -> RuntimeRun:
+    """Run ``spec`` on ``cluster`` and measure the steps after ``warmup``: to the end, or
+    with ``stop_after`` until that step, then cancel the job (a large model's final
+    checkpoint would cost minutes and tens of GB of disk). ``while_running(cluster)`` is
+    called once the job is submitted (e.g. to start a metrics scraper)."""
+    with GpuMemorySampler() as memory:
+        job = cluster.client.submit(spec)
+        if while_running is not None:
+            while_running(cluster)
+        events = []
+        for event in job.progress(timeout_s=timeout_s):
+            events.append(event)
+            if stop_after is not None and event.step >= stop_after:
+                job.cancel()
+                break
+        status = job.wait(timeout_s=600)
+    ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
+    if status.state not in ended_well:
+        raise RuntimeError(
+            f"benchmark job {status.state}: {status.message}; logs in {cluster.root}"
+        )
+    times = {e.step: e.time for e in events}
+    timed = [k for k in sorted(times) if k > warmup and k - 1 in times]
+    if not timed:
+        raise RuntimeError(f"no step after the {warmup} warm-up steps was reported")
+    step_s = [times[k] - times[k - 1] for k in timed]
+    tokens = spec.global_batch_size * spec.data.seq_len * len(step_s)
+    worker_pids = {d.proc.pid for d in cluster.workers.values()}
+    return RuntimeRun(
+        tokens_per_s=tokens / sum(step_s),
+        step_s=step_s,
+        plan=status.plan,
+        gpu_peak_mib={pid: v for pid, v in memory.peak_mib.items() if pid in worker_pids},
+        losses={e.step: e.loss for e in events},
+        job_log=cluster.state_dir / "jobs" / job.job_id / "job.log",
+    )
 
 
 def plain_loop(

@@ -14,8 +14,9 @@ tokens), 2 CPU workers of one thread each:
              without splits (what it chose before splits existed); the best unsplit
              plan for each staleness over every partition of the layers (the planner's
              candidate search skips most of them); and any ``--plan``
-  runtime    the job through real daemons (LocalCluster), staleness 0 and 1, tokens/s
-             at the median step after the warm-up, mean of ``--repeats`` interleaved
+  runtime    the job through real daemons (one LocalCluster, job after job), staleness
+             0 and 1, tokens/s at the median step after the warm-up, mean of
+             ``--repeats`` interleaved
              runs (with their spread and the ratio of each interleaved pair): the
              planner's plans; the unsplit plan forced on both settings ("runtime,
              unsplit", the figure before splits); with the demo's global-norm
@@ -41,12 +42,13 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from common import run_runtime
+from common import run_job, runtime_cluster
 
 from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
+from roundpipe.coordinator.spec.paths import spec_read_dirs
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -190,30 +192,9 @@ def main() -> None:
         if not args.no_clip_runs:
             cases.append(("runtime, clip 1.0", 1.0, None))
         cases += [(f"runtime, {Plan.parse(t)}", None, t) for t in args.plan]
-    cpu = ["--cpu", "--threads", "1"]
-    tokens_per_step = spec.global_batch_size * spec.data.seq_len
     rates = {(label, s): [] for label, _, _ in cases for s in (0, 1)}
-    # Interleaved, so that a change in the machine's load hits every case alike.
-    for r in range(args.repeats):
-        for c, (label, clip, plan) in enumerate(cases):
-            for staleness in (0, 1):
-                name = f"case{c}-s{staleness}-{r}"
-                run = run_runtime(
-                    demo_spec(staleness, clip, args.steps, root / name / "out", plan),
-                    [cpu] * args.workers,
-                    warmup=args.warmup,
-                    root=root / name,
-                    coordinator_threads=1,
-                    env={"OMP_NUM_THREADS": "1"},
-                )
-                # The median step: robust to a burst of load from other processes on
-                # the machine, which would weigh on the mean of one run.
-                rate = tokens_per_step / statistics.median(run.step_s)
-                rates[(label, staleness)].append(rate)
-                print(
-                    f"# {label}, staleness {staleness}, run {r}: plan {run.plan}, "
-                    f"{rate:.0f} tokens/s at the median step ({run.tokens_per_s:.0f} mean)"
-                )
+    if cases:
+        _run_cases(cases, args, spec, root, rates)
     for label, _, _ in cases:
         s0, s1 = rates[(label, 0)], rates[(label, 1)]
         pairs = [a / b for a, b in zip(s0, s1, strict=True)]
@@ -236,6 +217,46 @@ def main() -> None:
     unsplit = ratio.get("runtime, unsplit" if runtime else "simulator, unsplit")
     line = f"RESULT sync_vs_async={ratio['runtime' if runtime else 'simulator']:.2f}"
     print(line if unsplit is None else f"{line} unsplit={unsplit:.2f}")
+
+
+def _run_cases(
+    cases: Sequence[tuple[str, float | None, str | None]],
+    args: argparse.Namespace,
+    spec: JobSpec,
+    root: Path,
+    rates: dict[tuple[str, int], list[float]],
+) -> None:
+    """Each case at staleness 0 and 1, ``args.repeats`` times, into ``rates`` (tokens/s
+    at the median step). One cluster runs every job in turn (its workers are stateless;
+    each job's warm-up steps come before its timed ones)."""
+    cpu = ["--cpu", "--threads", "1"]
+    tokens_per_step = spec.global_batch_size * spec.data.seq_len
+    with runtime_cluster(
+        [cpu] * args.workers,
+        root=root / "cluster",
+        coordinator_threads=1,
+        env={"OMP_NUM_THREADS": "1"},
+        allow_read=spec_read_dirs(spec),
+        allow_write=[root],
+    ) as cluster:
+        # Interleaved, so that a change in the machine's load hits every case alike.
+        for r in range(args.repeats):
+            for c, (label, clip, plan) in enumerate(cases):
+                for staleness in (0, 1):
+                    out = root / f"case{c}-s{staleness}-{r}" / "out"
+                    run = run_job(
+                        cluster,
+                        demo_spec(staleness, clip, args.steps, out, plan),
+                        warmup=args.warmup,
+                    )
+                    # The median step: robust to a burst of load from other processes
+                    # on the machine, which would weigh on the mean of one run.
+                    rate = tokens_per_step / statistics.median(run.step_s)
+                    rates[(label, staleness)].append(rate)
+                    print(
+                        f"# {label}, staleness {staleness}, run {r}: plan {run.plan}, "
+                        f"{rate:.0f} tokens/s at the median step ({run.tokens_per_s:.0f} mean)"
+                    )
 
 
 def _spread(values: Sequence[float], fmt: str = ".0f") -> str:
