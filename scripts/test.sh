@@ -3,7 +3,11 @@
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
 #
-#   scripts/test.sh            everything (what CI runs; 25-30 minutes on 2 cores, goal 15)
+#   scripts/test.sh            everything (what CI runs; about 20 minutes on 2 cores, goal
+#                              15), in ROUNDPIPE_TEST_PROCS pytest processes (default 2,
+#                              pytest-xdist; 0 runs them in this one): a system test waits
+#                              on its daemons' start-up for much of its time, and one
+#                              process at a time left a third of two cores idle
 #   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes):
 #                              units, the model against transformers, the trainer with
 #                              in-process workers, the wire, the layering and the docs.
@@ -32,7 +36,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   python -m pytest -q -m "not slow" "${QUICK_FILES[@]}" "$@"
 else
-  python -m pytest -q "$@"
+  python -m pytest -q -n "${ROUNDPIPE_TEST_PROCS:-2}" --dist worksteal "$@"
 fi
 status=$?
 if [ "$status" -eq 5 ]; then

@@ -62,16 +62,34 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
 
 
 def check_overlap_smoke(stdout: str) -> None:
-    """`benchmarks/overlap.py --smoke` ran to its RESULT line with both figures."""
+    """`benchmarks/overlap.py --smoke` runs the default's stage plan (8 decoder layers:
+    four forward stages, the tail, four backward stages, gradient slots shared between
+    layers; a 4-layer smoke run once hid a default that deadlocked) to its RESULT line,
+    over two timed iterations, so an iteration's last task prefetches the next one's
+    first."""
+    assert "one worker, 9 tasks per iteration, 2 timed iteration(s)" in stdout, stdout
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT overlap_efficiency=") and "speedup=" in last, stdout
+    assert re.fullmatch(r"RESULT overlap_efficiency=\d+\.\d\d speedup=\d+\.\d\d", last), last
 
 
 def check_optimizer_smoke(stdout: str) -> None:
-    """`benchmarks/optimizer.py --smoke --no-paper`: every system of the table runs and the
+    """`benchmarks/optimizer.py --smoke --no-paper`: every system of the table runs, each
+    with the bytes per parameter its passes move (one pass 32, two passes 36), and the
     RESULT line carries its three ratios, the paper's nan (no timing asserted)."""
     lines = stdout.strip().splitlines()
-    rows = {line.split()[0] for line in lines if line and not line.startswith(("#", "RESULT"))}
+    table = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line and not line.startswith(("#", "RESULT"))
+    }
+    rows = set(table)
+    assert "runtime kernel compiled" in stdout
+    assert [table[name][4] for name in ("runtime", "runtime-torch", "torch-fused", "stream")] == [
+        "32",
+        "36",
+        "36",
+        "32",
+    ]
     assert {
         "runtime",
         "runtime-dft",
