@@ -55,10 +55,14 @@ class JobSpecError(ValueError):
 
 
 def _clip(text: str, limit: int = 500) -> str:
-    # One problem's line: a key of a megabyte must not make a megabyte message.
-    return (
-        text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
-    )
+    # One problem's line: a key of a megabyte must not make a megabyte message. The
+    # middle goes: a line ends with what to do about it ("... with --allow-read DIR"),
+    # which long paths before it must not push out.
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    head = limit - tail
+    return f"{text[:head]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
 
 class Problems:
