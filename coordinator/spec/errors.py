@@ -54,13 +54,13 @@ class JobSpecError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _clip(text: str, limit: int = 500) -> str:
+def _clip(text: str, limit: int = 800) -> str:
     # One problem's line: a key of a megabyte must not make a megabyte message. The
     # middle goes: a line ends with what to do about it ("... with --allow-read DIR"),
     # which long paths before it must not push out.
     if len(text) <= limit:
         return text
-    tail = limit // 3
+    tail = limit // 4
     head = limit - tail
     return f"{text[:head]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
