@@ -150,6 +150,14 @@ def test_peers_without_an_authorised_key_get_nothing(cluster: LocalCluster, tmp_
                 except zmq.Again:
                     pass  # the refused connection is gone: nothing can even be queued
         raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"junk" * 1000)
+        # Until the coordinator hangs up: had this end closed first, a busy coordinator
+        # would have seen the connection vanish instead of its junk (a CI run did).
+        raw.settimeout(30)
+        try:
+            while raw.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
         assert _replies(no_key, 1.5) == [] and _replies(stranger, 0.5) == []
     finally:
         no_key.close()
