@@ -162,7 +162,6 @@ def main() -> None:
                     plan = run.plan
                     step_s[mode] += run.step_s
                     sizes[mode] = max(sizes.get(mode, 0), checkpoint_bytes(out))
-                    assert run.job_log is not None
                     writes[mode] += write_seconds(run.job_log)
                     shutil.rmtree(out.parent, ignore_errors=True)
         timed = range(args.warmup + 1, stop_after + 1)  # the steps run_job times

@@ -34,12 +34,12 @@ class RuntimeRun:
     step_s: list[float]
     """Seconds of each timed step (after warm-up), from the job's progress events."""
     plan: str
+    job_log: Path
+    """The job's log in the coordinator's state directory."""
     gpu_peak_mib: dict[int, float] = field(default_factory=dict)
     """Peak GPU memory per worker process (MiB, from nvidia-smi; empty without a GPU)."""
     losses: dict[int, float] = field(default_factory=dict)
     """Loss of every reported step."""
-    job_log: Path | None = None
-    """The job's log in the coordinator's state directory."""
 
 
 class GpuMemorySampler:

@@ -16,8 +16,8 @@ tokens), 2 CPU workers of one thread each:
              candidate search skips most of them); and any ``--plan``
   runtime    the job through real daemons (one LocalCluster, job after job), staleness
              0 and 1, tokens/s at the median step after the warm-up, mean of
-             ``--repeats`` interleaved
-             runs (with their spread and the ratio of each interleaved pair): the
+             ``--repeats`` interleaved runs (with their spread and the ratio of each
+             interleaved pair): the
              planner's plans; the unsplit plan forced on both settings ("runtime,
              unsplit", the figure before splits); with the demo's global-norm
              clipping (which makes the optimizer wait for the whole step); and each
