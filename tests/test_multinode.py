@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from runtime_helpers import assert_params_match, load_output, oracle_train, tiny_spec
@@ -147,13 +148,21 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
         # The global batch must split evenly over the nodes: refused at submission.
         with pytest.raises(RoundPipeError, match="multiple of the number of nodes"):
             rank0.client.submit(tiny_spec(tmp_path / "odd", num_microbatches=3))
-        # Jobs are taken by rank 0 only.
+        # Jobs are taken by rank 0 only, so only rank 0 runs a spec-checking process.
         with pytest.raises(RoundPipeError, match="submit and resume jobs at rank 0"):
             rank1.client.submit(specs["exact"])
+        assert spec_checkers(rank0) == 1 and spec_checkers(rank1) == 0
     for name, spec in specs.items():
         lora = name == "lora"
         reference = single if name == "resumed" else spec
         assert_params_match(load_output(Path(spec.output.dir), lora), oracle(reference, lora))
+
+
+def spec_checkers(node) -> int:
+    """How many spec-checking processes (coordinator.service.admission) ``node``'s
+    coordinator runs: its multiprocessing children other than the resource tracker."""
+    children = psutil.Process(node.coordinator.proc.pid).children()
+    return sum("spawn_main" in " ".join(c.cmdline()) for c in children)
 
 
 def wait_for_state(node, job_id: str, state: str, timeout_s: float = 30) -> None:

@@ -310,8 +310,13 @@ class Coordinator:
         )
         job_thread = threading.Thread(target=runner.run, name="rp-job", daemon=True)
         job_thread.start()
-        validator = self.requests.validator = SpecValidator(self.arena_dir, strict_reads=True)
-        validator.start()
+        # A follower of a data-parallel group takes no submissions (rank 0 checks every
+        # spec and announces the job to the others): it starts no checking process, so
+        # pays neither its imports (seconds of CPU) nor its memory.
+        validator = None
+        if self.group is None or self.group.leader:
+            validator = self.requests.validator = SpecValidator(self.arena_dir, strict_reads=True)
+            validator.start()
         admission_thread = threading.Thread(
             target=self.admissions.run,
             args=(self.ctx, self._outbox_address, self._stop),
@@ -393,7 +398,8 @@ class Coordinator:
                 active.trainer.cancel()
             self.admissions.wake()  # the admission thread exits
             admission_thread.join(timeout=60)
-            validator.close()
+            if validator is not None:
+                validator.close()
             job_thread.join(timeout=60)
             self.router.disable_monitor()
             self.handshake_events.close()

@@ -101,8 +101,10 @@ class ClientRequests:
         self.max_jobs_per_owner = max_jobs_per_owner
         """Most jobs one owner may have queued or running (``--max-jobs-per-owner``; None:
         no limit). A submission or resume beyond it is refused (``busy``, saying why)."""
-        # The spec checker child (coordinator.admission), set while the daemon serves;
-        # without it (a coordinator driven by tests) specs are validated in-process.
+        # The spec checker child (coordinator.admission), set while the daemon serves,
+        # except on a group's followers, which refuse every submission before it would
+        # be used; without it (a coordinator driven by tests) specs are validated
+        # in-process.
         self.validator: SpecValidator | None = None
 
     def answer(self, msg: Message, peer: Peer) -> Message:
