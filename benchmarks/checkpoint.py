@@ -15,8 +15,13 @@ in 4 MiB pieces, then fsync).
 
 For each way: seconds per step (mean over the steps after ``--warmup``), seconds lost per
 checkpoint (the timed steps' total minus the none run's, per checkpoint in them), that
-as a fraction of a step, bytes per checkpoint, and the writer's bandwidth (bytes / the
-seconds from start of a write to ``latest`` moved, from the job log) against the disk's.
+as a fraction of a step, bytes per checkpoint, the writer's bandwidth (bytes / the
+seconds from start of a write to ``latest`` moved, from the job log) against the disk's,
+and the coordinator's CPU seconds per checkpoint (its process's user + system time over
+the timed steps, minus the none run's, per checkpoint in them). Where the workers keep every core
+busy (CPU workers on a small machine), the writer's CPU time comes out of theirs: the
+stall is then about that CPU time over the cores, whatever the overlap; on a GPU host
+the workers' compute is on the GPUs and the writer has cores of its own.
 
 Last line ``RESULT checkpoint_stall_steps=<background: lost seconds per checkpoint / step
 seconds> write_vs_disk=<background write bandwidth / disk bandwidth>``.
@@ -40,6 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from common import demo_data_spec, run_job, runtime_cluster
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
@@ -138,6 +144,7 @@ def main() -> None:
         step_s: dict[str, list[float]] = {m: [] for m in MODES}
         sizes: dict[str, int] = {}
         writes: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu_s: dict[str, float] = {m: 0.0 for m in MODES}  # the coordinator's, per run
         plan = ""
         # One cluster runs every job in turn (workers are stateless; each job's warm-up
         # steps come before its timed ones).
@@ -150,15 +157,24 @@ def main() -> None:
             allow_read=spec_read_dirs(job_spec(args, base, "none")),
             allow_write=[base],
         ) as cluster:
+            coordinator = psutil.Process(cluster.coordinator.proc.pid)
             for r in range(args.repeats):
                 for mode in MODES:  # interleaved: a change in load hits all alike
                     out = base / f"{mode}-{r}" / "out"
+                    cpu_at: dict[int, float] = {}  # over the timed steps, as their times
+
+                    def sample(event, cpu_at=cpu_at) -> None:
+                        if event.step in (args.warmup, stop_after):
+                            cpu_at[event.step] = _cpu_s(coordinator)
+
                     run = run_job(
                         cluster,
                         job_spec(args, out, mode),
                         warmup=args.warmup,
                         stop_after=stop_after,
+                        on_progress=sample,
                     )
+                    cpu_s[mode] += (cpu_at[stop_after] - cpu_at[args.warmup]) / args.repeats
                     plan = run.plan
                     step_s[mode] += run.step_s
                     sizes[mode] = max(sizes.get(mode, 0), checkpoint_bytes(out))
@@ -171,13 +187,14 @@ def main() -> None:
         params = _param_count(job_spec(args, base / "count", "none"))
         print(f"# model: {params / 1e6:.1f}M parameters, plan {plan}, {args.workers} CPU workers")
         print(f"# disk: sequential write {disk_bps / 1e6:.0f} MB/s ({args.disk_bytes:.0f} bytes)")
+        print(f"# {psutil.cpu_count()} cores for the coordinator and the {args.workers} workers")
         print(
             f"# checkpoints every {args.every} steps: {per_run} in each run's timed steps "
             f"{timed.start}..{timed.stop - 1}"
         )
         print(
             f"{'mode':11} {'s/step':>8} {'steps/s':>8} {'lost s/ckpt':>12} {'/ step':>7} "
-            f"{'MB/ckpt':>8} {'write s':>8} {'MB/s':>7} {'vs disk':>7}"
+            f"{'MB/ckpt':>8} {'write s':>8} {'MB/s':>7} {'vs disk':>7} {'CPU s/ckpt':>10}"
         )
         results: dict[str, tuple[float, float]] = {}
         for mode in MODES:
@@ -188,18 +205,25 @@ def main() -> None:
             write_s = statistics.mean(writes[mode]) if writes[mode] else float("nan")
             bandwidth = size / write_s if writes[mode] else float("nan")
             results[mode] = (lost / step, bandwidth / disk_bps)
+            ckpt_cpu = (cpu_s[mode] - cpu_s["none"]) / per_run if per_run else float("nan")
             if mode == "none":  # no checkpoint in its timed steps
                 print(f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {'-':>12} {'-':>7}")
                 continue
             print(
                 f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {lost:12.3f} {lost / step:7.2f} "
                 f"{size / 1e6:8.1f} {write_s:8.2f} {bandwidth / 1e6:7.0f} "
-                f"{bandwidth / disk_bps:7.2f}"
+                f"{bandwidth / disk_bps:7.2f} {ckpt_cpu:10.2f}"
             )
         stall, vs_disk = results["background"]
         print(f"RESULT checkpoint_stall_steps={stall:.3f} write_vs_disk={vs_disk:.2f}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    """User + system seconds of ``process`` (every thread) so far."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def _param_count(spec: JobSpec) -> int:

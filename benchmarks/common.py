@@ -23,6 +23,7 @@ from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.spec.paths import spec_read_dirs
+from roundpipe.protocol import ProgressEvent
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 
 
@@ -206,11 +207,13 @@ def run_job(
     timeout_s: float = 3600,
     stop_after: int | None = None,
     while_running: Callable[[LocalCluster], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
 ) -> RuntimeRun:
     """Run ``spec`` on ``cluster`` and measure the steps after ``warmup``: to the end, or
     with ``stop_after`` until that step, then cancel the job (a large model's final
     checkpoint would cost minutes and tens of GB of disk). ``while_running(cluster)`` is
-    called once the job is submitted (e.g. to start a metrics scraper)."""
+    called once the job is submitted (e.g. to start a metrics scraper), ``on_progress``
+    with each progress event as it arrives."""
     with GpuMemorySampler() as memory:
         job = cluster.client.submit(spec)
         if while_running is not None:
@@ -218,6 +221,8 @@ def run_job(
         events = []
         for event in job.progress(timeout_s=timeout_s):
             events.append(event)
+            if on_progress is not None:
+                on_progress(event)
             if stop_after is not None and event.step >= stop_after:
                 job.cancel()
                 break

@@ -216,15 +216,18 @@ def test_run_all_tables_each_benchmarks_result(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_checkpoint_benchmark_smoke() -> None:
-    """`checkpoint.py --smoke`: the three ways run, checkpoints have bytes and a write
-    bandwidth, and the RESULT line carries both figures (no timing asserted)."""
+    """`checkpoint.py --smoke`: the three ways run, checkpoints have bytes, a write
+    bandwidth and the coordinator's CPU seconds per checkpoint, and the RESULT line
+    carries both figures (no timing asserted)."""
     out = _run_benchmark("checkpoint.py", "--smoke", timeout_s=600)
     rows = {f[0]: f for f in (line.split() for line in out.splitlines()) if len(f) >= 5}
     assert {"none", "background", "drained"} <= rows.keys(), out
     assert re.search(r"^# model: .*, plan F\[.*\] T\[.*\] B\[.*\], 2 CPU workers$", out, re.M)
     for mode in ("background", "drained"):
         assert float(rows[mode][5]) > 0 and float(rows[mode][7]) > 0, rows[mode]
+        assert len(rows[mode]) == 10 and re.fullmatch(r"-?\d+\.\d\d", rows[mode][9]), rows[mode]
     assert "# disk: sequential write" in out
+    assert re.search(r"^# \d+ cores for the coordinator and the 2 workers$", out, re.M), out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT checkpoint_stall_steps=-?\d+\.\d{3} write_vs_disk=\d+\.\d\d", last)
 
