@@ -196,6 +196,34 @@ def test_gpu_worker_core_matches_the_cpu_worker(tmp_path: Path, arena_dir: Path)
         assert torch.allclose(gpu_grads[name], g, rtol=1e-3, atol=1e-5), name
 
 
+def test_a_gpu_worker_holds_no_cached_memory_after_its_last_job(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """After an iteration on a GPU WorkerCore and the job's teardown, the process has
+    given the allocator's cached blocks back: its reserved memory is no more than
+    before the job (it rose during it)."""
+    from runtime_helpers import first_iteration
+
+    from roundpipe.worker.runtime import WorkerCore
+
+    trainer, tasks = first_iteration(tmp_path, arena_dir, "job-gpu-rel", "gpurel")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    core = WorkerCore(0, "cuda:0")
+    try:
+        core.setup_job(trainer.job_setup())
+        for task in tasks:
+            core.run_task(task)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_reserved() > before
+        core.teardown_job("job-gpu-rel")
+        assert torch.cuda.memory_reserved() <= before, torch.cuda.memory_summary()
+    finally:
+        core.close()
+        trainer.close()
+
+
 def test_cuda_engines_hand_off_an_activation_through_an_ipc_event(
     arena_dir: Path, spawn_child
 ) -> None:

@@ -13,6 +13,7 @@ from runtime_helpers import first_iteration
 from roundpipe.protocol import replace
 from roundpipe.shared.events import EventTimeout
 from roundpipe.worker.runtime import WorkerCore
+from roundpipe.worker.transfer import CpuEngine
 
 
 @pytest.fixture
@@ -34,6 +35,42 @@ def test_tasks_report_per_layer_times(prepared) -> None:
     assert set(dones[3].layer_times) == {"2", "3"}
     assert all(v > 0 for d in dones for v in d.layer_times.values())
     assert sum(dones[3].layer_times.values()) <= dones[3].seconds
+
+
+class _CountingEngine(CpuEngine):
+    """The CPU engine, counting the calls to release cached device memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releases = 0
+
+    def release_cached_memory(self) -> None:
+        self.releases += 1
+
+
+def test_device_memory_is_released_when_the_last_job_is_torn_down(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A worker keeps no cached device memory between jobs (CUDA: the allocator's free
+    blocks go back to the GPU, tests/test_cuda.py); while another job is set up, a
+    teardown releases nothing."""
+    trainer, tasks = first_iteration(tmp_path, arena_dir, "job-rel", "reltest", 5)
+    engine = _CountingEngine()
+    core = WorkerCore(1, transfer=engine)
+    try:
+        core.setup_job(trainer.job_setup())
+        core.setup_job(replace(trainer.job_setup(), job_id="job-rel-2"))
+        for t in tasks:
+            core.run_task(t)
+        core.teardown_job("job-rel-2")
+        assert engine.releases == 0 and list(core.jobs) == ["job-rel"]
+        core.teardown_job("job-rel")
+        assert engine.releases == 1 and not core.jobs
+        core.teardown_job("job-rel")  # a repeated teardown: nothing left to release
+        assert engine.releases == 1
+    finally:
+        core.close()
+        trainer.close()
 
 
 def test_rerun_never_rewrites_published_outputs(prepared) -> None:

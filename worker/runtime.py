@@ -179,6 +179,10 @@ class WorkerCore:
             self.engine.unregister(state.arenas.values())
             state.close()
             log.info("[worker %d] job %s torn down", self.worker_id, job_id)
+            if not self.jobs:
+                # Stateless between jobs, device memory included: nothing is cached for
+                # a next job that may have other shapes, or never come.
+                self.engine.release_cached_memory()
         self._interrupted.discard(job_id)
 
     def _check_interrupted(self, task: StageTask) -> None:

@@ -642,6 +642,10 @@ class TransferEngine(ABC):
         """(host-to-device, device-to-host) bytes/s, for Hello and the planner."""
         return None, None
 
+    def release_cached_memory(self) -> None:  # noqa: B027 - only CUDA caches device memory
+        """Hand the device memory this process keeps cached, and no tensor uses, back to
+        the device. The worker calls it when its last job is torn down."""
+
     def close(self) -> None:  # noqa: B027
         pass
 
@@ -829,6 +833,12 @@ class CudaEngine(_LinkedEngine):
         for arena in arenas:
             if id(arena) not in self._pinned and pin_arena(arena):
                 self._pinned.add(id(arena))
+
+    def release_cached_memory(self):
+        # torch's caching allocator keeps every freed block for reuse; on a GPU that other
+        # processes share, an idle worker would hold its last job's peak for good.
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def unregister(self, arenas):
         from roundpipe.worker.cuda import unpin_arena
