@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from roundpipe.coordinator.training.checkpoint import (
 )
 from roundpipe.coordinator.training.job_errors import JobPaused
 from roundpipe.coordinator.training.memory import InsufficientMemory, host_memory_needed
+from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints
 from roundpipe.shared.model import LayeredModel
 
 STEPS = 5
@@ -318,10 +320,21 @@ def test_full_disk_while_the_next_checkpoint_waits_pauses_the_job(
     step's, waits for its staging: the job pauses with the reason, nothing hangs, and
     no temporary directory is left."""
 
+    # No timing decides the order: the write of checkpoint 2 fails only once checkpoint 4
+    # has been begun, which then waits for the staging that write holds.
+    last_begun = threading.Event()
+    real_begin = BackgroundCheckpoints.begin
+
+    def begin(self, step, context):
+        real_begin(self, step, context)
+        if step == 4:
+            last_begun.set()
+
     def full_disk(path, tensors, metadata=None):
-        time.sleep(1.0)  # long enough for the run to reach its last step
+        assert last_begun.wait(timeout=120), "checkpoint 4 was never begun"
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
+    monkeypatch.setattr(BackgroundCheckpoints, "begin", begin)
     monkeypatch.setattr(checkpointer_module, "save_tensors", full_disk)
     d = spec_for(tmp_path / "out", every=2).to_dict()
     d["train"]["steps"] = 4
