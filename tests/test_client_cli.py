@@ -200,6 +200,7 @@ class FakeCoordinator:
         self.heartbeat_senders: dict[str, float] = {}
         self.max_events = max_events
         self.delay_next_s = 0.0
+        self.late_reply_sent = threading.Event()  # set once a delayed reply went out
         self.server_keys: tuple[bytes, bytes] | None = None  # CURVE (public, secret)
         self.jobs: dict[str, _FakeJob] = {}
         self.requests: list[Message] = []
@@ -239,11 +240,14 @@ class FakeCoordinator:
                 identity, *frames = sock.recv_multipart()
                 request = decode(frames)
                 reply = self.handle(request)
-                if self.delay_next_s:  # a slow coordinator: the reply comes late
+                late = self.delay_next_s > 0
+                if late:  # a slow coordinator: the reply comes late
                     time.sleep(self.delay_next_s)
                     self.delay_next_s = 0.0
                 if reply is not None:
                     sock.send_multipart([identity, *encode(reply)])
+                if late:
+                    self.late_reply_sent.set()
         finally:
             sock.close(linger=0)
 
@@ -494,7 +498,7 @@ def test_late_reply_is_never_taken_for_the_next_one(fake: FakeCoordinator) -> No
         fake.delay_next_s = 0.5
         with pytest.raises(CoordinatorUnavailable):
             c.jobs()
-        time.sleep(0.5)  # the JobList reply has been sent by now, to the old socket
+        assert fake.late_reply_sent.wait(10)  # the JobList reply went to the old socket
         assert [w.name for w in c.workers()] == ["rp-worker-0", "rp-worker-1"]
         assert c.jobs() == []
 
