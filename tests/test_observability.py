@@ -18,22 +18,34 @@ from runtime_helpers import oracle_train, run_in_process, tiny_spec
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster, cpu_cluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace, trace_files
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30  # long enough to still run when `roundpipe status` is asked, early on
+STEPS = 10
+HOLD_STEP = 6
+"""The job waits before this iteration until the test has asked its questions of a
+running job (``ROUNDPIPE_TRAIN_HOLD``, coordinator/training/hold_point.py): no race with
+how fast a loaded machine trains."""
 _SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+def release(tmp_path_factory) -> Path:
+    """Created by the test to let the held job go on."""
+    return tmp_path_factory.mktemp("obs-hold") / "go"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, release: Path) -> Iterator[LocalCluster]:
     with cpu_cluster(
         tmp_path_factory.mktemp("obs"),
         "obs",
         ["--wait-timeout", "120", "--metrics-address", "127.0.0.1:0"],
         num_workers=2,
         worker_args=["--emulate-pcie", "4GB/s"],  # so that bytes and bandwidth are real
+        env={HOLD_ENV: f"step={HOLD_STEP},until={release}"},
     ) as c:
         yield c
 
@@ -74,7 +86,7 @@ def one(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_metrics_status_timeline_tensorboard(
-    cluster: LocalCluster, tmp_path: Path, capsys, monkeypatch
+    cluster: LocalCluster, release: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:
     url = metrics_url(cluster)
     spec = tiny_spec(tmp_path / "out", steps=STEPS, staleness=1).to_dict()
@@ -145,7 +157,9 @@ def test_metrics_status_timeline_tensorboard(
     assert cli_main(["workers", "--address", cluster.address]) == 0
     out = capsys.readouterr().out
     assert "4.0 / 4.0 GB/s" in out, out
+    assert handle.status().step < HOLD_STEP  # all of the above saw the job running
 
+    release.touch()
     status = handle.wait(timeout_s=300)
     assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
     events = {e.step: e for e in handle.progress(timeout_s=30)}
