@@ -20,6 +20,7 @@ from runtime_helpers import tiny_spec
 
 from roundpipe.chaos import FaultSpec, random_faults, run_chaos
 from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -120,15 +121,24 @@ def test_a_deterministically_failing_task_fails_the_job_after_bounded_retries(
 def test_job_waits_with_no_worker_and_continues_when_one_joins(
     tmp_path: Path, arena_dir: Path
 ) -> None:
-    # Ten steps: both workers are killed at step 3, long before the job could end.
+    # Both workers are killed once step 3 is reported, while the job is held before
+    # iteration 5 (ROUNDPIPE_TRAIN_HOLD): it cannot end first, however fast it trains.
     spec = tiny_spec(tmp_path / "ref", steps=10, staleness=0)
-    cluster = LocalCluster(tmp_path, arena_dir, coordinator_args=["--worker-timeout", "2"])
+    go = tmp_path / "go"
+    go.touch()  # the reference run is not held
+    cluster = LocalCluster(
+        tmp_path,
+        arena_dir,
+        coordinator_args=["--worker-timeout", "2"],
+        env={HOLD_ENV: f"step=5,until={go}"},
+    )
     try:
         cluster.add_worker("a")
         cluster.add_worker("b")
         cluster.wait_for_workers(2)
         reference = cluster.client.submit(spec).wait(timeout_s=300)
         assert reference.state == "succeeded", reference.message
+        go.unlink()
         raw = spec.to_dict()
         raw["output"]["dir"] = str(tmp_path / "faulty")  # same 2 workers: same default plan
         job = cluster.client.submit(type(spec).from_dict(raw))
@@ -138,6 +148,7 @@ def test_job_waits_with_no_worker_and_continues_when_one_joins(
             time.sleep(0.02)
         for name in ("a", "b"):
             cluster.signal_worker(name, signal.SIGKILL)
+        go.touch()
         while "waiting for a worker" not in job.status().message:
             assert time.monotonic() < deadline, (job.status(), cluster.logs())
             time.sleep(0.05)
