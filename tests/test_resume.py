@@ -51,12 +51,14 @@ from roundpipe.coordinator.training.checkpoint import (
     load_tensors,
     verify_checkpoint,
 )
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+HOLD_STEP = 12  # where the cluster fixture's jobs wait while its release file is absent
 
 
 def roundpipe_resume(
@@ -410,7 +412,14 @@ def wait_for(cluster: LocalCluster, what: str, predicate, timeout_s: float = 120
 def cluster(tmp_path: Path):
     arena_dir = Path("/dev/shm") / f"rp-resume-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(tmp_path / "cluster", arena_dir, coordinator_args=["--wait-timeout", "120"])
+    release = tmp_path / "go"  # while it exists, no job is held (ROUNDPIPE_TRAIN_HOLD)
+    release.touch()
+    c = LocalCluster(
+        tmp_path / "cluster",
+        arena_dir,
+        coordinator_args=["--wait-timeout", "120"],
+        env={HOLD_ENV: f"step={HOLD_STEP},until={release}"},
+    )
     try:
         yield c
     finally:
@@ -429,6 +438,10 @@ def test_coordinator_sigkill_resumes_running_job_and_runs_queued_one(
     # them, so the kill (at a random moment after checkpoint 2) often lands in a write.
     long = make_spec(tmp_path / "long", staleness=1, every=1, steps=24)
     short = make_spec(tmp_path / "short", staleness=0, every=0, steps=3)
+    # The long job is held before iteration HOLD_STEP until the coordinator is back, so
+    # it cannot end before the kill on any machine (checkpoints 2.. are written first).
+    release = tmp_path / "go"
+    release.unlink()
     long_job = cluster.client.submit(long)
     short_job = cluster.client.submit(short)
     ckpts = CheckpointDir(tmp_path / "long" / "checkpoints")
@@ -446,6 +459,7 @@ def test_coordinator_sigkill_resumes_running_job_and_runs_queued_one(
     )
     assert latest is not None and latest.path.name == ckpts.pointer()
     cluster.signal_worker("w1", signal.SIGKILL)  # it resumes with one worker fewer
+    release.touch()
     cluster.start_coordinator()
     wait_for(cluster, "the worker to rejoin", lambda: len(cluster.client.workers()) == 1)
     jobs = {j.job_id: j.state for j in cluster.client.jobs()}
