@@ -29,9 +29,11 @@ from runtime_helpers import tiny_spec, trained_in_process
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy
+from roundpipe.coordinator.training.hold_point import HOLD_ENV
 from roundpipe.coordinator.training.job_errors import JobPaused
 
 NOFILE = 256
+HOLD_STEP = 4
 FLOOD = 2 * NOFILE
 
 # The coordinator, started with a hard and soft RLIMIT_NOFILE of its first argument.
@@ -45,9 +47,11 @@ _LAUNCH = (
 class _LimitedTcpCluster(LocalCluster):
     """A LocalCluster whose coordinator serves tcp:// on loopback with few descriptors."""
 
-    def __init__(self, root: Path, arena_dir: Path, port: int, nofile: int) -> None:
+    def __init__(
+        self, root: Path, arena_dir: Path, port: int, nofile: int, env: dict[str, str]
+    ) -> None:
         self._port, self._nofile = port, nofile
-        super().__init__(root, arena_dir)
+        super().__init__(root, arena_dir, env=env)
 
     def start_coordinator(self):
         self.address = f"tcp://127.0.0.1:{self._port}"
@@ -70,7 +74,10 @@ def _free_port() -> int:
 def cluster(tmp_path: Path) -> Iterator[_LimitedTcpCluster]:
     arena_dir = Path("/dev/shm") / f"rp-flood-{os.getpid()}"
     arena_dir.mkdir()
-    c = _LimitedTcpCluster(tmp_path / "c", arena_dir, _free_port(), NOFILE)
+    # Jobs wait before iteration HOLD_STEP until the test creates `go`
+    # (ROUNDPIPE_TRAIN_HOLD): the flood is in place before the job's later checkpoints.
+    hold = {HOLD_ENV: f"step={HOLD_STEP},until={tmp_path / 'go'}"}
+    c = _LimitedTcpCluster(tmp_path / "c", arena_dir, _free_port(), NOFILE, hold)
     try:
         yield c
     finally:
@@ -117,6 +124,9 @@ def test_idle_connection_flood_neither_silences_the_admin_nor_fails_a_job(
         while "connection budget" not in cluster.coordinator.tail(200_000):
             assert time.monotonic() < deadline, cluster.logs()
             time.sleep(0.05)
+        # The rest of the job, with its checkpoint every step, runs under the flood.
+        assert handle.status().step < HOLD_STEP
+        (tmp_path / "go").touch()
         status = handle.wait(timeout_s=300)
     finally:
         for s in flood:
