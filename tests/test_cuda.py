@@ -61,6 +61,7 @@ def test_ipc_event_orders_a_copy_across_processes(arena_dir: Path, spawn_child) 
             on_device = payload.to("cuda", non_blocking=True)
         stream.synchronize()
         assert bool((on_device == 42.0).all()), "consumer copied before the producer's D2H"
+        table.signal(2, 1)  # done with its event: the producer may exit
         assert child.wait(timeout=60) == 0, child.stderr.read()
         unpin_arena(arena)
 

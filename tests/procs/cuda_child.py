@@ -3,11 +3,10 @@
 Publishes an interprocess event ring, then writes a payload into the arena with an
 asynchronous device-to-host copy that a GPU sleep delays, records the event, and signals
 the counters *without* synchronising the host. A consumer that reads the payload without
-waiting on the event would see stale bytes.
+waiting on the event would see stale bytes. It exits once the consumer signals slot 2.
 """
 
 import sys
-import time
 
 import torch
 
@@ -39,7 +38,9 @@ def main() -> None:
     table.signal(0, 1)
     print("signalled", flush=True)
     stream.synchronize()
-    time.sleep(5)  # keep the event's process alive while the consumer uses it
+    # Keep the event's process alive until the consumer says it is done with it (slot
+    # 2): an event whose exporter has exited is another case (issue 32 measures it).
+    table.wait_at_least(2, 1, timeout_s=300)
 
 
 if __name__ == "__main__":
