@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import final_weights_in_process, first_iteration, tiny_spec
+from transfer_helpers import HeldLink
 
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.protocol import replace
@@ -111,23 +112,9 @@ def _produce(engine, board: HandoffBoard, counter: int, value: int, src, dst):
     )
 
 
-def _held_producer() -> tuple[EmulatedEngine, threading.Event]:
-    """An emulated producer engine whose downloads land only once the returned event is
-    set: no timing decides whether a consumer runs before or after the producer's copy."""
-    producer = EmulatedEngine(1e9, latency_s=0.0)
-    gate = threading.Event()
-    finish = producer.d2h._finish
-
-    def held_finish(chunk, token) -> None:
-        gate.wait(60)
-        finish(chunk, token)
-
-    producer.d2h._finish = held_finish
-    return producer, gate
-
-
 def test_counter_at_issue_and_the_consumer_link_waits(board: HandoffBoard, arena_dir) -> None:
-    producer, gate = _held_producer()
+    producer = EmulatedEngine(1e9, latency_s=0.0)
+    held = HeldLink(producer.d2h)  # the producer's copy lands when the test says so
     consumer = EmulatedEngine(1e9, latency_s=0.0)
     try:
         with Arena.create("data", 8 * MB, directory=arena_dir) as arena:
@@ -144,7 +131,7 @@ def test_counter_at_issue_and_the_consumer_link_waits(board: HandoffBoard, arena
             # did not wait; the consumer's link does.
             up = consumer.upload({"x": slot}, Priority.ACTIVATION, [handoff])
             assert not up.done() and not up.wait_issued(0.2)
-            gate.set()
+            held.release()
             got = up.tensors()["x"]
             assert torch.equal(got, src)
             assert up.handoff_wait_s > 0  # spent on the link, not the caller
@@ -152,14 +139,15 @@ def test_counter_at_issue_and_the_consumer_link_waits(board: HandoffBoard, arena
             assert down.finished_at >= down.issued_at
             assert board.landed(counter, 1)
     finally:
-        gate.set()
+        held.release()
         producer.close()
         consumer.close()
 
 
 def test_a_consumer_that_skips_the_wait_reads_stale_bytes(board: HandoffBoard, arena_dir) -> None:
     """The test switch that disables the wait is caught: the check can fail."""
-    producer, gate = _held_producer()
+    producer = EmulatedEngine(1e9, latency_s=0.0)
+    held = HeldLink(producer.d2h)  # the producer's copy lands when the test says so
     consumer = EmulatedEngine(1e9, latency_s=0.0)
     consumer.h2d.wait_for_producers = False
     try:
@@ -170,11 +158,11 @@ def test_a_consumer_that_skips_the_wait_reads_stale_bytes(board: HandoffBoard, a
             board.table.wait_at_least(counter, 1, 5)
             handoff = board.handoff(counter, 1, timeout_s=5)
             got = consumer.upload({"x": slot}, Priority.ACTIVATION, [handoff]).tensors()["x"]
-            gate.set()
+            held.release()
             down.wait(5)  # before the arena goes away
             assert not bool((got == 3.0).any())  # stale: the slot's old zeros
     finally:
-        gate.set()
+        held.release()
         producer.close()
         consumer.close()
 
@@ -269,14 +257,7 @@ class _FrozenDownloads(EmulatedEngine):
 
     def __init__(self) -> None:
         super().__init__(1e9, latency_s=0.0)
-        self.gate = threading.Event()
-        finish = self.d2h._finish
-
-        def frozen(chunk, token) -> None:
-            self.gate.wait()
-            finish(chunk, token)
-
-        self.d2h._finish = frozen  # type: ignore[method-assign]
+        self.held = HeldLink(self.d2h)
 
 
 def _grads(trainer) -> dict[str, torch.Tensor]:
@@ -330,7 +311,7 @@ def test_a_producer_lost_between_issue_and_landing_costs_a_rerun(
         for name in expected:
             assert torch.equal(got[name], expected[name]), name
     finally:
-        frozen.gate.set()  # the "dead" copy lands late (same bytes) before teardown
+        frozen.held.release()  # the "dead" copy lands late (same bytes) before teardown
         for core in (dying, consumer, rescuer):
             core.close()
         for engine in engines:
@@ -366,7 +347,7 @@ def test_a_consumer_waiting_for_a_lost_producer_yields_to_the_rerun(
         consumer.run_task(replace(tasks[0], attempt=1))  # the link is free again
         consumer.run_task(tasks[1])
     finally:
-        frozen.gate.set()
+        frozen.held.release()
         for core in (dying, consumer):
             core.close()
         for engine in engines:

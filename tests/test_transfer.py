@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import final_weights_in_process, first_iteration, tiny_spec
+from transfer_helpers import HeldLink
 
 from roundpipe.shared.arena import DATA_START, Arena
 from roundpipe.shared.events import EventTable
@@ -58,8 +59,10 @@ def test_download_runs_its_callback_on_the_link_after_the_bytes_landed(
         seen["thread"] = threading.current_thread().name
         seen["complete"] = torch.equal(dst, src)
 
+    held = HeldLink(engine.d2h)
     t = engine.download([(src, dst)], Priority.WEIGHT, then=landed)
-    assert not torch.equal(dst, src)  # 30 ms of bus time: nothing has landed yet
+    assert not torch.equal(dst, src) and not seen  # asynchronous: nothing has landed yet
+    held.release()
     t.wait(10)
     assert seen == {"thread": "rp-d2h-emulated", "complete": True}
 
@@ -67,22 +70,27 @@ def test_download_runs_its_callback_on_the_link_after_the_bytes_landed(
 def test_activation_upload_overtakes_queued_weight_chunks() -> None:
     """Note [priority-aware transfers]: an activation issued behind 8 weight chunks waits
     for the chunk on the bus, not for the other seven."""
-    e = EmulatedEngine(1e9, latency_s=0.05, chunk_bytes=MB)  # each chunk ~51 ms
+    e = EmulatedEngine(1e9, latency_s=0.0, chunk_bytes=MB)
+    held = HeldLink(e.h2d)  # the first weight chunk stays on the bus until both are queued
     try:
         weights = e.upload({"w": torch.zeros(2 * MB)}, Priority.WEIGHT)  # 8 chunks
+        assert held.on_bus.wait(10)
         chunks_left_when_activation_landed: list[int] = []
         act = e.upload({"x": torch.ones(1000)}, Priority.ACTIVATION)
         act.then(lambda: chunks_left_when_activation_landed.append(weights._left))
+        held.release()
         act.wait(10)
         weights.wait(10)
-        assert chunks_left_when_activation_landed[0] >= 6
+        assert chunks_left_when_activation_landed == [7]
         assert act.finished_at < weights.finished_at
     finally:
+        held.release()
         e.close()
 
 
 def test_activation_downloads_go_before_weight_gradients() -> None:
-    e = EmulatedEngine(1e9, latency_s=0.05, chunk_bytes=MB)
+    e = EmulatedEngine(1e9, latency_s=0.0, chunk_bytes=MB)
+    held = HeldLink(e.d2h)  # the first gradient chunk stays on the bus until both are queued
     try:
         order: list[str] = []
         grads = e.download(
@@ -90,13 +98,16 @@ def test_activation_downloads_go_before_weight_gradients() -> None:
             Priority.WEIGHT,
             then=lambda: order.append("g"),
         )
+        assert held.on_bus.wait(10)
         act = e.download(
             [(torch.ones(10), torch.zeros(10))], Priority.ACTIVATION, then=lambda: order.append("a")
         )
+        held.release()
         grads.wait(10)
         act.wait(10)
         assert order == ["a", "g"]
     finally:
+        held.release()
         e.close()
 
 
