@@ -56,7 +56,7 @@ def test_timeout_names_counter_target_and_last_value(arena_dir: Path) -> None:
         with pytest.raises(EventTimeout) as err:
             table.wait_at_least(3, 5, timeout_s=0.2)
         elapsed = time.perf_counter() - start
-        assert 0.2 <= elapsed < 2.0
+        assert 0.2 <= elapsed < 20  # the timeout, not forever (a loaded machine runs late)
         message = str(err.value)
         assert "wgrad[layer 3] (counter 3)" in message
         assert "reach 5" in message and "last value seen 4" in message
