@@ -18,10 +18,10 @@ checkpoint (the timed steps' total minus the none run's, per checkpoint in them)
 as a fraction of a step, bytes per checkpoint, the writer's bandwidth (bytes / the
 seconds from start of a write to ``latest`` moved, from the job log) against the disk's,
 and the coordinator's CPU seconds per checkpoint (its process's user + system time over
-the timed steps, minus the none run's, per checkpoint in them). Where the workers keep every core
-busy (CPU workers on a small machine), the writer's CPU time comes out of theirs: the
-stall is then about that CPU time over the cores, whatever the overlap; on a GPU host
-the workers' compute is on the GPUs and the writer has cores of its own.
+the timed steps, minus the none run's, per checkpoint in them). Where the workers keep
+every core busy (CPU workers on a small machine), the writer's CPU time comes out of
+theirs: the stall is then about that CPU time over the cores, whatever the overlap; on
+a GPU host the workers' compute is on the GPUs and the writer has cores of its own.
 
 Last line ``RESULT checkpoint_stall_steps=<background: lost seconds per checkpoint / step
 seconds> write_vs_disk=<background write bandwidth / disk bandwidth>``.
@@ -205,10 +205,10 @@ def main() -> None:
             write_s = statistics.mean(writes[mode]) if writes[mode] else float("nan")
             bandwidth = size / write_s if writes[mode] else float("nan")
             results[mode] = (lost / step, bandwidth / disk_bps)
-            ckpt_cpu = (cpu_s[mode] - cpu_s["none"]) / per_run if per_run else float("nan")
             if mode == "none":  # no checkpoint in its timed steps
                 print(f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {'-':>12} {'-':>7}")
                 continue
+            ckpt_cpu = (cpu_s[mode] - cpu_s["none"]) / per_run if per_run else float("nan")
             print(
                 f"{mode:11} {mean:8.3f} {1 / mean:8.3f} {lost:12.3f} {lost / step:7.2f} "
                 f"{size / 1e6:8.1f} {write_s:8.2f} {bandwidth / 1e6:7.0f} "

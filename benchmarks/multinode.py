@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 
 from roundpipe.cluster import cpu_cluster, local_group
 from roundpipe.coordinator.planning.data_parallel import predict_data_parallel
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 
 _REDUCED = r"job {} (all-reduce|reduce-scatter): (\d+) bytes of gradients per step, ([0-9.]+)s"
 _GATHERED = re.compile(r"all-gather: (\d+) bytes of weights per step")
@@ -126,7 +126,7 @@ def concurrent_one_node_step(nodes: int, spec_for, root: Path) -> float:
     ready = [threading.Event() for _ in range(nodes)]
     go = root / "go"
     with contextlib.ExitStack() as stack:
-        hold = {HOLD_ENV: f"step={HOLD_STEP},until={go}"}
+        hold = hold_env(HOLD_STEP, go)
         clusters = [
             stack.enter_context(
                 cpu_cluster(root / f"c{nodes}-{i}", f"bench-c{i}", num_workers=1, env=hold)

@@ -20,7 +20,7 @@ from runtime_helpers import tiny_spec
 
 from roundpipe.chaos import FaultSpec, random_faults, run_chaos
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_job_waits_with_no_worker_and_continues_when_one_joins(
         tmp_path,
         arena_dir,
         coordinator_args=["--worker-timeout", "2"],
-        env={HOLD_ENV: f"step=5,until={go}"},
+        env=hold_env(5, go),
     )
     try:
         cluster.add_worker("a")

@@ -29,7 +29,7 @@ from runtime_helpers import tiny_spec, trained_in_process
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.coordinator.training.job_errors import JobPaused
 
 NOFILE = 256
@@ -76,7 +76,7 @@ def cluster(tmp_path: Path) -> Iterator[_LimitedTcpCluster]:
     arena_dir.mkdir()
     # Jobs wait before iteration HOLD_STEP until the test creates `go`
     # (ROUNDPIPE_TRAIN_HOLD): the flood is in place before the job's later checkpoints.
-    hold = {HOLD_ENV: f"step={HOLD_STEP},until={tmp_path / 'go'}"}
+    hold = hold_env(HOLD_STEP, tmp_path / "go")
     c = _LimitedTcpCluster(tmp_path / "c", arena_dir, _free_port(), NOFILE, hold)
     try:
         yield c

@@ -20,7 +20,7 @@ import torch
 from runtime_helpers import assert_params_match, fake_hello, load_output, oracle_train, tiny_spec
 
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.protocol import Reject, decode, encode
 from roundpipe.shared.plan import Plan
 
@@ -142,7 +142,7 @@ def test_worker_joining_mid_job_receives_tasks(tmp_path: Path) -> None:
     go = tmp_path / "go"
     arena_dir = Path("/dev/shm") / f"rp-join-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(tmp_path / "cluster", arena_dir, env={HOLD_ENV: f"step=3,until={go}"})
+    c = LocalCluster(tmp_path / "cluster", arena_dir, env=hold_env(3, go))
     try:
         c.add_worker("w1")
         c.wait_for_workers(1)

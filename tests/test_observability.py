@@ -18,7 +18,7 @@ from runtime_helpers import oracle_train, run_in_process, tiny_spec
 from roundpipe.cli import main as cli_main
 from roundpipe.cluster import LocalCluster, cpu_cluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace, trace_files
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def cluster(tmp_path_factory, release: Path) -> Iterator[LocalCluster]:
         ["--wait-timeout", "120", "--metrics-address", "127.0.0.1:0"],
         num_workers=2,
         worker_args=["--emulate-pcie", "4GB/s"],  # so that bytes and bandwidth are real
-        env={HOLD_ENV: f"step={HOLD_STEP},until={release}"},
+        env=hold_env(HOLD_STEP, release),
     ) as c:
         yield c
 

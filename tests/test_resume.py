@@ -51,7 +51,7 @@ from roundpipe.coordinator.training.checkpoint import (
     load_tensors,
     verify_checkpoint,
 )
-from roundpipe.coordinator.training.hold_point import HOLD_ENV
+from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.trainer import Trainer
@@ -418,7 +418,7 @@ def cluster(tmp_path: Path):
         tmp_path / "cluster",
         arena_dir,
         coordinator_args=["--wait-timeout", "120"],
-        env={HOLD_ENV: f"step={HOLD_STEP},until={release}"},
+        env=hold_env(HOLD_STEP, release),
     )
     try:
         yield c

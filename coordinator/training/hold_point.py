@@ -12,9 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["HOLD_ENV", "held"]
+__all__ = ["HOLD_ENV", "held", "hold_env"]
 
 HOLD_ENV = "ROUNDPIPE_TRAIN_HOLD"
+
+
+def hold_env(step: int, until: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment that holds every job before iteration ``step`` until ``until``
+    exists (for a daemon's environment: LocalCluster's ``env``)."""
+    return {HOLD_ENV: f"step={step},until={os.fspath(until)}"}
 
 
 def _parse(value: str) -> tuple[int, Path]:
