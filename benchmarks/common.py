@@ -22,7 +22,7 @@ import torch
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
-from roundpipe.coordinator.spec.paths import spec_read_dirs
+from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR, spec_read_dirs
 from roundpipe.protocol import ProgressEvent
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 
@@ -81,9 +81,6 @@ class GpuMemorySampler:
                 self.peak_mib[pid] = max(self.peak_mib.get(pid, 0.0), mib)
 
 
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
-
-
 def demo_data_spec(
     config: dict,
     out: Path,
@@ -97,16 +94,23 @@ def demo_data_spec(
     output: dict | None = None,
 ) -> JobSpec:
     """A Qwen3-shaped job of ``config`` on the shipped demo corpus and tokenizer, fp32,
-    constant lr 1e-4 (the benchmarks' common job); ``train`` / ``output`` add keys."""
+    constant lr 1e-4 (the benchmarks' common job); ``train`` / ``output`` add keys. The
+    corpus is the installed package's (``DEMO_DATA_DIR``, which its coordinator may read),
+    not this checkout's: they differ where the checkout is installed elsewhere, as
+    scripts/gpu_check.sh does on the GPU machine."""
     return JobSpec.from_dict(
         {
             "model": {
                 "architecture": "qwen3",
                 "config": config,
                 "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
+                "tokenizer": str(DEMO_DATA_DIR / "tokenizer"),
             },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": seq_len, "seed": 1},
+            "data": {
+                "path": str(DEMO_DATA_DIR / "demo_corpus.jsonl"),
+                "seq_len": seq_len,
+                "seed": 1,
+            },
             "batch": {"microbatch_size": microbatch_size, "num_microbatches": num_microbatches},
             "train": {
                 "steps": steps,

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from roundpipe.coordinator.spec.data import build_dataset
+from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.worker.executor import StageExecutor
 from roundpipe.worker.reference import run_iteration  # one iteration, in this process
 
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 MODES = ("none", "documents", "concat")
 
 
@@ -66,8 +66,12 @@ def main(argv: list[str] | None = None) -> None:
         a.conversations, a.hidden = 16, 64
     from transformers import AutoTokenizer, Qwen3Config
 
-    tok = AutoTokenizer.from_pretrained(str(DEMO / "chat_tokenizer"), local_files_only=True)
-    chats = [json.loads(line) for line in (DEMO / "demo_chat.jsonl").open()][: a.conversations]
+    tok = AutoTokenizer.from_pretrained(
+        str(DEMO_DATA_DIR / "chat_tokenizer"), local_files_only=True
+    )
+    chats = [json.loads(line) for line in (DEMO_DATA_DIR / "demo_chat.jsonl").open()][
+        : a.conversations
+    ]
     tmp = tempfile.TemporaryDirectory(prefix="roundpipe-packing-")
     data = Path(tmp.name) / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))

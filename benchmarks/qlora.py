@@ -43,14 +43,13 @@ import torch
 
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.plan_command import plan_main
 from roundpipe.shared.model import LayeredModel, count_label_tokens
 from roundpipe.shared.quantized_base import PART_SEP
 from roundpipe.worker.runtime import WorkerCore
 from roundpipe.worker.transfer import CudaEngine, EmulatedEngine, Priority
-
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
 
 SIZES = {
     # Decoder layers several times wider than the embedding, as in real models (the
@@ -74,9 +73,9 @@ def make_spec(out: Path, size: str, quant: str, steps: int) -> JobSpec:
                 "architecture": "qwen3",
                 "config": config,
                 "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
+                "tokenizer": str(DEMO_DATA_DIR / "tokenizer"),
             },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": 32, "seed": 1},
+            "data": {"path": str(DEMO_DATA_DIR / "demo_corpus.jsonl"), "seq_len": 32, "seed": 1},
             "batch": {"microbatch_size": 2, "num_microbatches": 3},
             "train": {"steps": steps, "staleness": 1, "dtype": "bfloat16", "seed": 0},
             "optimizer": {"lr": 1e-4, "schedule": "constant"},

@@ -48,11 +48,11 @@ from roundpipe.coordinator.planning.costs import estimate_costs
 from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
-from roundpipe.coordinator.spec.paths import spec_read_dirs
+from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR, spec_read_dirs
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
-DEMO_JOB = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data" / "demo_job.yaml"
+DEMO_JOB = DEMO_DATA_DIR / "demo_job.yaml"
 
 
 # Every partition of a model of up to this many layers is simulated (about 4^(layers-2)

@@ -2,7 +2,7 @@
 # Every GPU check in one command, for the rare session with a GPU machine (DEVELOPERS.md).
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--smoke] [--quick] [--steps NAME,NAME...]
-#                             [--pack FILE] [--max-step-s N]
+#                             [--pack FILE] [--max-step-s N] [--install]
 #
 # Steps, each under its own timeout, each writing a log (and JSON where it has figures)
 # under DIR (default: $OUT, else ./gpu-check-out):
@@ -45,7 +45,9 @@
 # --max-step-s caps every step's limit (a machine's start can take minutes of the session's
 # device time, which leaves a call less than its timeout). Steps run in this script's order.
 # --smoke rehearses the whole script on a machine without a GPU (CPU workers, tiny sizes);
-# tests/test_gpu_check.py runs it so.
+# tests/test_gpu_check.py runs it so, with --install: the checkout is installed into a
+# scratch directory even where an install exists, as on the GPU machine, so a step that
+# reads the checkout's files where the installed package's are meant fails here too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,6 +57,7 @@ quick=0
 only=""  # --steps: a comma-separated subset (default: every step)
 pack=""  # --pack: a tarball of DIR, rewritten after every step
 max_step_s=""  # --max-step-s: cap on every step's limit
+install=0  # --install: install this checkout even where roundpipe is importable
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=$2; shift 2 ;;
@@ -63,6 +66,7 @@ while [ $# -gt 0 ]; do
     --steps) only=$2; shift 2 ;;
     --pack) pack=$2; shift 2 ;;
     --max-step-s) max_step_s=$2; shift 2 ;;
+    --install) install=1; shift ;;
     *) echo "gpu_check.sh: unknown option $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
@@ -70,6 +74,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 repo=$(pwd)
 rundir=$(mktemp -d -t gpu-check-XXXX)
+trap 'rm -rf "$rundir"' EXIT
 export GPU_CHECK_OUT=$out
 export PYTHONUNBUFFERED=1
 
@@ -82,11 +87,11 @@ fi
 # check runs outside the checkout: python -m puts the working directory first on sys.path,
 # where the checkout's roundpipe/ folder (the package's top level only; its subpackages
 # live in coordinator/, worker/, ...) would shadow the installed package.
-if ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
+if [ $install -eq 1 ] || ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \
-    --target /tmp/rp-site . \
+    --target "$rundir/site" . \
     || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
-  export PYTHONPATH=/tmp/rp-site:${PYTHONPATH:-}
+  export PYTHONPATH=$rundir/site:${PYTHONPATH:-}
 fi
 
 # The paper's library, for vs-paper: its own directory, on PYTHONPATH only in its process.

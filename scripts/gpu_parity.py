@@ -20,8 +20,7 @@ from pathlib import Path
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
-
-DEMO = Path(__file__).resolve().parent.parent / "roundpipe" / "demo_data"
+from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR  # the installed package's
 
 
 def spec(out: Path, steps: int) -> JobSpec:
@@ -40,9 +39,9 @@ def spec(out: Path, steps: int) -> JobSpec:
                     "max_position_embeddings": 512,
                 },
                 "init_seed": 0,
-                "tokenizer": str(DEMO / "tokenizer"),
+                "tokenizer": str(DEMO_DATA_DIR / "tokenizer"),
             },
-            "data": {"path": str(DEMO / "demo_corpus.jsonl"), "seq_len": 128, "seed": 1},
+            "data": {"path": str(DEMO_DATA_DIR / "demo_corpus.jsonl"), "seq_len": 128, "seed": 1},
             "batch": {"microbatch_size": 2, "num_microbatches": 3},
             "train": {"steps": steps, "staleness": 0, "dtype": "float32", "seed": 0},
             "optimizer": {"lr": 1e-3, "schedule": "constant"},

@@ -35,7 +35,12 @@ def passing_steps(out: Path, *args: str, timeout: int) -> list[dict]:
 def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     pack = tmp_path / "gpu-check.tgz"  # as the device tool brings it back
-    steps = passing_steps(out, "--smoke", "--quick", "--pack", str(pack), timeout=900)
+    # --install: the checkout installed into a scratch directory, as on the GPU machine
+    # (there, a parity step that named the checkout's demo data was refused by a
+    # coordinator that may read only the installed package's)
+    steps = passing_steps(
+        out, "--smoke", "--quick", "--install", "--pack", str(pack), timeout=900
+    )
     assert [s["step"] for s in steps] == [
         "env",
         "cuda-tests",
