@@ -38,9 +38,7 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
     # --install: the checkout installed into a scratch directory, as on the GPU machine
     # (there, a parity step that named the checkout's demo data was refused by a
     # coordinator that may read only the installed package's)
-    steps = passing_steps(
-        out, "--smoke", "--quick", "--install", "--pack", str(pack), timeout=900
-    )
+    steps = passing_steps(out, "--smoke", "--quick", "--install", "--pack", str(pack), timeout=900)
     assert [s["step"] for s in steps] == [
         "env",
         "cuda-tests",
