@@ -143,6 +143,12 @@ def run(cmd):
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unavailable: {exc}"
 import psutil, torch, transformers
+from importlib import metadata
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 info = {
     "python": sys.version.split()[0],
     "torch": torch.__version__,
@@ -156,6 +162,10 @@ info = {
     "cores": os.cpu_count(),
     "memory_bytes": psutil.virtual_memory().total,
     "platform": platform.platform(),
+    # what the install and the steps depend on (setuptools builds the checkout here)
+    "packages": {n: version(n) for n in (
+        "setuptools", "pip", "numpy", "peft", "accelerate", "safetensors", "tokenizers",
+        "huggingface-hub", "bitsandbytes", "pyzmq", "msgspec", "numba", "datasets")},
 }
 print(json.dumps(info, indent=1))
 json.dump(info, open(os.path.join(os.environ["GPU_CHECK_OUT"], "env.json"), "w"), indent=1)

@@ -56,6 +56,7 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
     assert {f"{s['step']}.log" for s in steps} <= packed
     env = json.loads((out / "env.json").read_text())
     assert {"torch", "dev_shm_bytes", "ulimit_l", "cores", "nvidia_smi"} <= env.keys()
+    assert env["packages"]["setuptools"] and env["packages"]["pyzmq"], env["packages"]
     assert json.loads((out / "parity.json").read_text())["ok"] is True
     # The overlap, optimizer and moe steps run exactly the benchmarks' --smoke commands;
     # their logs are checked here as the benchmark smoke tests did (one run, not two).
