@@ -23,7 +23,8 @@
 #               a many-core host (issue 25's stall and write-bandwidth targets; skipped with --quick)
 #   grad-buffer benchmarks/host_memory.py --throughput: what the bounded gradient buffer
 #               costs in tokens/s on a quiet host (issue 24's < 2%)
-#   qlora-cuda  pytest -m cuda tests/test_qlora.py: NF4 / int8 dequantisation on the GPU equal
+#   qlora-cuda  pytest -m cuda tests/test_qlora.py tests/test_quant_format.py: NF4 / int8
+#               dequantisation (ours and the bitsandbytes layout) on the GPU equal
 #               to the CPU's, a GPU worker's quantised-base job equal to CPU workers' (issue 37)
 #   qlora       benchmarks/qlora.py --device cuda: bf16 vs NF4 vs int8 base (issue 37)
 #   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
@@ -199,7 +200,8 @@ else
   step sync-mode 600 python3 "$repo"/benchmarks/sync_mode.py --no-clip-runs --repeats 3
   step checkpoint 330 python3 "$repo"/benchmarks/checkpoint.py --repeats 2 --workers 4
   step grad-buffer 270 python3 "$repo"/benchmarks/host_memory.py --throughput --rounds 3
-  step qlora-cuda 300 python3 -m pytest -q -m cuda "$repo"/tests/test_qlora.py
+  step qlora-cuda 300 python3 -m pytest -q -m cuda "$repo"/tests/test_qlora.py \
+    "$repo"/tests/test_quant_format.py
   step qlora 300 python3 "$repo"/benchmarks/qlora.py --device cuda
 fi
 

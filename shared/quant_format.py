@@ -294,9 +294,14 @@ class QuantFormat:
             w = values * self.absmax(parts).unsqueeze(1)
         elif self.bnb:
             w = codes.reshape(-1, codes.shape[-1]) * parts["absmax"].unsqueeze(1) * _INV127
-        elif self.int8_scales == "per_channel":
-            w = codes.reshape(-1, codes.shape[-1]).to(torch.float32)
-            w = w * (parts["absmax"] / 127.0).unsqueeze(1)
         else:
-            w = codes.view(-1, NF4_BLOCK).to(torch.float32) * (parts["absmax"] / 127.0).unsqueeze(1)
+            # absmax / 127 divided by a tensor on its own device: CUDA divides by a Python
+            # number as a multiplication by its reciprocal (one ulp off the CPU's true
+            # division), and a GPU worker's weights must equal a CPU worker's bit for bit.
+            absmax = parts["absmax"]
+            scale = (absmax / absmax.new_tensor(127.0)).unsqueeze(1)
+            if self.int8_scales == "per_channel":
+                w = codes.reshape(-1, codes.shape[-1]).to(torch.float32) * scale
+            else:
+                w = codes.view(-1, NF4_BLOCK).to(torch.float32) * scale
         return w.reshape(-1)[:n].view(shape).to(dtype)

@@ -163,4 +163,6 @@ def test_cuda_worker_trains_an_nf4_base_like_the_cpu_worker(tmp_path, arena_dir)
     )
     with trained_in_process(spec, arena_dir, 2, job_id="job-cpu") as trainer:
         cpu = {n: t.clone() for layer in trainer.final_weights().values() for n, t in layer.items()}
-    assert_params_match({n: t for n, t in gpu.items() if ".lora_" in n}, cpu, rtol=1e-4)
+    # 1e-3, as test_cuda.py's GPU-against-CPU worker test: three Adam steps carry the
+    # kernels' reduction-order rounding (tiny_spec's own runs drift 2e-5 in two steps)
+    assert_params_match({n: t for n, t in gpu.items() if ".lora_" in n}, cpu, rtol=1e-3)
