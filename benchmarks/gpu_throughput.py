@@ -24,7 +24,14 @@ Recomputation is not counted (it is overhead, as usual for MFU).
 
 Last line: `RESULT vs_paper=<x> mfu=<y>` for the first model (runtime-1w tokens/s over
 the paper's; nan where the paper's library did not run). Targets: vs_paper >= 1.0, MFU >=
-0.40, Qwen3-4B full fine-tuning and Llama-8B LoRA running under a 24 GiB cap.
+0.40, Qwen3-4B full fine-tuning and Llama-8B LoRA running under a 24 GiB cap. Exits 1
+when a system failed (one skipped for want of CUDA or of the paper's library is not a
+failure). Each child's whole output stays in the workdir (``<model>/paper.log``,
+``<model>/plain.log``), the runtime's daemon logs beside them.
+
+The paper's library runs as installed: on Python 3.12 that includes its beartype runtime
+type checks (its default with beartype >= 0.23 on Python >= 3.12), which cost it some
+speed; note that beside its figures.
 
 Usage:
   python benchmarks/gpu_throughput.py [--models qwen3-1.7b,qwen3-4b,llama-8b-lora]
@@ -224,9 +231,16 @@ def _with_plan(spec: JobSpec, plan: str) -> JobSpec:
 # -- child processes -----------------------------------------------------------------
 
 
-def _run_json(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None):
+def _run_json(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    log: Path | None = None,
+):
     """Run ``argv`` with this Python; return its last JSON stdout line, or raise with the
-    end of its stderr on one line."""
+    end of its stderr on one line. With ``log``, the child's whole stdout and stderr are
+    kept there: the one-line tail loses a compiler's or a traceback's cause."""
     result = subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
@@ -235,16 +249,23 @@ def _run_json(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | 
         env={**os.environ, **(env or {})},
         cwd=cwd,
     )
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(
+            f"$ {' '.join(argv)}\nexit {result.returncode}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         tail = " | ".join(result.stderr.splitlines()[-3:])
-        raise RuntimeError(f"{Path(argv[0]).name} exited {result.returncode}: {tail}")
+        where = f" (whole output in {log})" if log is not None else ""
+        raise RuntimeError(f"{Path(argv[0]).name} exited {result.returncode}{where}: {tail}")
     return json.loads(lines[-1])
 
 
-def _child(role: str, job: dict):
+def _child(role: str, job: dict, log: Path | None = None):
     """Run ``role`` of this script in a fresh process (see ``child_main``)."""
-    return _run_json([__file__, "--child", role, "--job", json.dumps(job)])
+    return _run_json([__file__, "--child", role, "--job", json.dumps(job)], log=log)
 
 
 def child_main(role: str, job: dict) -> None:
@@ -317,7 +338,7 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
         "threads": 2 if args.smoke else None,
     }
     if system == "plain":
-        out = _child("plain", job)
+        out = _child("plain", job, log=root / "plain.log")
         if out.get("oom"):
             return Result(note="OOM under the cap")
         peak = out["gpu_peak_mib"] / 1024 if out.get("gpu_peak_mib") else None
@@ -349,8 +370,10 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
             [str(HERE / "paper_baseline.py"), "--job", json.dumps(paper_job)],
             env=env,
             cwd=tempfile.gettempdir(),  # not the repo root: its roundpipe/ would shadow theirs
+            log=root / "paper.log",
         )
-        return Result(out["tokens_per_s"], out["gpu_peak_mib"] / 1024)
+        checks = "on" if out.get("beartype_checks") else "off"
+        return Result(out["tokens_per_s"], out["gpu_peak_mib"] / 1024, f"beartype checks {checks}")
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -404,6 +427,7 @@ def main() -> None:
     print(header + "  note")
     first: dict[str, Result] = {}
     first_per_token = 0.0
+    failed: list[str] = []
     for name in models:
         workdir = root / name
         spec = make_spec(MODELS[name], args, workdir)
@@ -418,6 +442,8 @@ def main() -> None:
             # keeps the systems that finished
             r = results[system]
             print(f"# {name} {system}: tokens/s {r.tokens_per_s} {r.note}", flush=True)
+            if r.note.startswith("failed"):
+                failed.append(f"{name} {system}")
         paper = results.get("paper")
         for system, r in results.items():
             tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
@@ -439,6 +465,9 @@ def main() -> None:
     )
     mfu = ours.tokens_per_s * first_per_token / peak if ours and ours.tokens_per_s else float("nan")
     print(f"RESULT vs_paper={vs_paper:.2f} mfu={mfu:.3f}")
+    if failed:  # a skipped system (no CUDA, no paper site) is not a failure; a crash is
+        print(f"gpu_throughput.py: {', '.join(failed)} failed (see above)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ def main() -> None:
             {
                 "tokens_per_s": rows * seq * job["steps"] / seconds,
                 "gpu_peak_mib": torch.cuda.max_memory_reserved() / 2**20,
+                # its runtime type checks, on by its own rule (beartype >= 0.23, Python
+                # >= 3.12): they slow it, so the figure says whether they ran
+                "beartype_checks": bool(getattr(paper, "ENABLE_BEAR", False)),
             }
         ),
         flush=True,

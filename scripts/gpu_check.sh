@@ -71,6 +71,16 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_check.sh: unknown option $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
+# Every step's name, in the order they run; --steps takes only these (a typo would
+# otherwise skip a step silently and spend a GPU call on nothing).
+all_steps="env cuda-tests ipc-exit bandwidth parity overlap throughput vs-paper optimizer moe
+  sync-mode checkpoint grad-buffer qlora-cuda qlora long-context"
+for name in ${only//,/ }; do
+  if [[ " $(echo $all_steps) " != *" $name "* ]]; then
+    echo "gpu_check.sh: unknown step '$name' in --steps; steps: $(echo $all_steps)" >&2
+    exit 2
+  fi
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 repo=$(pwd)
@@ -78,28 +88,6 @@ rundir=$(mktemp -d -t gpu-check-XXXX)
 trap 'rm -rf "$rundir"' EXIT
 export GPU_CHECK_OUT=$out
 export PYTHONUNBUFFERED=1
-
-if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import zmq, msgspec" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 2; }
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-# Without an installed checkout (the bare GPU machine), install this tree, offline. The
-# check runs outside the checkout: python -m puts the working directory first on sys.path,
-# where the checkout's roundpipe/ folder (the package's top level only; its subpackages
-# live in coordinator/, worker/, ...) would shadow the installed package.
-if [ $install -eq 1 ] || ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \
-    --target "$rundir/site" . \
-    || { echo "gpu_check.sh: installing this checkout failed" >&2; exit 2; }
-  export PYTHONPATH=$rundir/site:${PYTHONPATH:-}
-fi
-
-# The paper's library, for vs-paper: its own directory, on PYTHONPATH only in its process.
-if ls .whl/ref/*.whl >/dev/null 2>&1 && [ ! -d /tmp/ref/roundpipe ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/ref .whl/ref/*.whl \
-    || echo "gpu_check.sh: installing the paper's library from .whl/ref failed" >&2
-fi
 
 summary=()
 step() {  # step NAME TIMEOUT_S COMMAND...
@@ -112,7 +100,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   fi
   local started=$SECONDS
   echo "== $name (limit ${limit}s)"
-  # from a neutral directory, for the reason above (every path below is absolute)
+  # from a neutral directory, for the reason given at the install (every path is absolute)
   (cd "$rundir" && timeout --kill-after=10 "$limit" "$@") >"$out/$name.log" 2>&1
   local rc=$?
   tail -n 15 "$out/$name.log"
@@ -136,8 +124,37 @@ write_summary() {  # summary.json so far; with --pack, DIR archived into FILE
   fi
 }
 
+install_failed() {  # the install's output where the pack brings it back, then stop
+  echo "gpu_check.sh: $1 failed; its output is in $out/install.log" >&2
+  tail -n 30 "$out/install.log" >&2
+  summary+=("{\"step\": \"install\", \"exit\": 2, \"seconds\": $SECONDS}")
+  write_summary
+  exit 2
+}
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import zmq, msgspec" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$out/install.log" 2>&1 || install_failed "installing .whl/"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# Without an installed checkout (the bare GPU machine), install this tree, offline. The
+# check runs outside the checkout: python -m puts the working directory first on sys.path,
+# where the checkout's roundpipe/ folder (the package's top level only; its subpackages
+# live in coordinator/, worker/, ...) would shadow the installed package.
+if [ $install -eq 1 ] || ! (cd / && python3 -c "import roundpipe.worker.transfer") 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \
+    --target "$rundir/site" . >>"$out/install.log" 2>&1 || install_failed "installing this checkout"
+  export PYTHONPATH=$rundir/site:${PYTHONPATH:-}
+fi
+
+# The paper's library, for vs-paper: its own directory, on PYTHONPATH only in its process.
+if ls .whl/ref/*.whl >/dev/null 2>&1 && [ ! -d /tmp/ref/roundpipe ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/ref .whl/ref/*.whl \
+    >>"$out/install.log" 2>&1 \
+    || echo "gpu_check.sh: installing the paper's library from .whl/ref failed (install.log)" >&2
+fi
+
 step env 60 python3 - <<'PY'
-import json, os, platform, shutil, subprocess, sys
+import json, os, platform, shutil, subprocess, sys, sysconfig
 def run(cmd):
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -163,6 +180,10 @@ info = {
     "cores": os.cpu_count(),
     "memory_bytes": psutil.virtual_memory().total,
     "platform": platform.platform(),
+    # the paper's library compiles its CPU optimizer on first use (vs-paper): a compiler
+    # and this Python's headers must be there
+    "gxx": run(["g++", "--version"]).splitlines()[0] if shutil.which("g++") else None,
+    "python_h": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
     # what the install and the steps depend on (setuptools builds the checkout here)
     "packages": {n: version(n) for n in (
         "setuptools", "pip", "numpy", "peft", "accelerate", "safetensors", "tokenizers",

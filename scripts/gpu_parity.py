@@ -6,14 +6,22 @@ worker (the reference), once on the worker given by ``--device`` (default ``--gp
 a GPU). Prints both loss curves, writes them as JSON (``--json``), and exits 1 if any
 step's loss differs by more than ``--rtol`` (relative).
 
+The daemons' logs and the job outputs stay in ``--workdir`` (default: ``parity-work``
+under ``$GPU_CHECK_OUT`` when gpu_check.sh runs it, else a temp dir), so a failed or
+stopped run brings its cause back; every wait is bounded by ``--wait-s``, under the
+step's own limit, and each curve is printed as soon as it is known.
+
 Usage: python scripts/gpu_parity.py [--device "--gpu 0"] [--json out.json] [--smoke]
+           [--workdir DIR] [--wait-s 120]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,17 +58,25 @@ def spec(out: Path, steps: int) -> JobSpec:
     )
 
 
-def losses(root: Path, worker: list[str], steps: int) -> list[float]:
+def losses(root: Path, worker: list[str], steps: int, wait_s: float) -> list[float]:
+    """The job's loss curve on one worker started with ``worker``; raises with the
+    daemons' logs when the job fails or a wait runs out."""
+    shutil.rmtree(root, ignore_errors=True)  # a rerun's: the job's output dir starts empty
+    root.mkdir(parents=True)
     arena_dir = Path(tempfile.mkdtemp(prefix="rp-parity-", dir="/dev/shm"))
     cluster = LocalCluster(root, arena_dir, client_timeout_s=60, allow_write=[root])
     try:
         cluster.add_worker("w0", device=worker)
-        cluster.wait_for_workers(1)
+        cluster.wait_for_workers(1, timeout_s=wait_s)
         handle = cluster.client.submit(spec(root / "out", steps))
-        curve = [e.loss for e in handle.progress(timeout_s=600)]
-        status = handle.wait(timeout_s=600)
+        try:
+            curve = [e.loss for e in handle.progress(timeout_s=wait_s)]
+            status = handle.wait(timeout_s=wait_s)
+        except TimeoutError as exc:
+            raise RuntimeError(f"{worker}: {exc}\n{cluster.logs()}") from exc
         if status.state != "succeeded":
             raise RuntimeError(f"{worker}: job {status.state}: {status.message}\n{cluster.logs()}")
+        print(f"{' '.join(worker)}: {' '.join(f'{x:.6f}' for x in curve)}", flush=True)
         return curve
     finally:
         cluster.stop()
@@ -76,13 +92,29 @@ def main() -> int:
     parser.add_argument("--rtol", type=float, default=1e-3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU worker on an emulated bus")
+    parser.add_argument("--workdir", default=None, help="daemon logs and job outputs")
+    parser.add_argument("--wait-s", type=float, default=120.0, help="bound on every wait")
     args = parser.parse_args()
     device = shlex.split(args.device)
     if args.smoke:
         device = ["--cpu", "--threads", "1", "--emulate-pcie", "200MB/s"]
-    root = Path(tempfile.mkdtemp(prefix="rp-parity-"))
-    reference = losses(root / "cpu", ["--cpu", "--threads", "1"], args.steps)
-    measured = losses(root / "device", device, args.steps)
+    if args.workdir:
+        root = Path(args.workdir)
+    elif os.environ.get("GPU_CHECK_OUT"):
+        root = Path(os.environ["GPU_CHECK_OUT"]) / "parity-work"
+    else:
+        root = Path(tempfile.mkdtemp(prefix="rp-parity-"))
+    print(f"daemon logs and job outputs in {root}", flush=True)
+    reference = losses(root / "cpu", ["--cpu", "--threads", "1"], args.steps, args.wait_s)
+    try:
+        measured = losses(root / "device", device, args.steps, args.wait_s)
+    except RuntimeError as exc:
+        print(f"{exc}\nRESULT parity=FAIL error={str(exc).splitlines()[0]!r}", flush=True)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"device": device, "cpu": reference, "error": str(exc), "ok": False})
+            )
+        return 1
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, measured))
     ok = len(reference) == len(measured) == args.steps and worst <= args.rtol
     print(f"{'step':>4} {'cpu worker':>12} {'device worker':>14}")

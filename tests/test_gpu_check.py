@@ -54,8 +54,13 @@ def test_gpu_check_smoke_runs_every_step(tmp_path: Path) -> None:
         packed = {Path(name).name for name in archive.getnames()}
     assert {"summary.json", "env.json", "parity.json"} <= packed
     assert {f"{s['step']}.log" for s in steps} <= packed
+    # the parity run's daemon logs come back with it (a hang there must show its cause)
+    with tarfile.open(pack) as archive:
+        parity_logs = {n for n in archive.getnames() if "parity-work" in n and n.endswith(".log")}
+    assert {"coordinator.log", "w0.log"} <= {Path(n).name for n in parity_logs}, parity_logs
     env = json.loads((out / "env.json").read_text())
     assert {"torch", "dev_shm_bytes", "ulimit_l", "cores", "nvidia_smi"} <= env.keys()
+    assert {"gxx", "python_h"} <= env.keys()  # what vs-paper's optimizer compile needs
     assert env["packages"]["setuptools"] and env["packages"]["pyzmq"], env["packages"]
     assert json.loads((out / "parity.json").read_text())["ok"] is True
     # The overlap, optimizer and moe steps run exactly the benchmarks' --smoke commands;
@@ -135,3 +140,47 @@ def test_gpu_check_runs_the_steps_asked_for(tmp_path: Path) -> None:
 def test_gpu_check_refuses_an_unknown_option(tmp_path: Path) -> None:
     result = gpu_check("--fast", timeout=60)
     assert result.returncode == 2 and "unknown option --fast" in result.stderr
+
+
+def test_gpu_check_refuses_an_unknown_step_before_running_any(tmp_path: Path) -> None:
+    """A misspelt --steps name would skip that step silently and waste a GPU call."""
+    result = gpu_check("--out", str(tmp_path / "out"), "--steps", "env,vs_paper", timeout=60)
+    assert result.returncode == 2
+    assert "unknown step 'vs_paper'" in result.stderr and "vs-paper" in result.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_failed_install_is_packed_with_its_output(tmp_path: Path) -> None:
+    """On the GPU machine only what is under $OUT comes back: an install that fails must
+    leave its log there, packed, not only a line on stderr."""
+    checkout = tmp_path / "checkout"  # a checkout whose pyproject.toml does not parse
+    (checkout / "scripts").mkdir(parents=True)
+    (checkout / "scripts" / "gpu_check.sh").write_text(
+        (ROOT / "scripts" / "gpu_check.sh").read_text()
+    )
+    (checkout / "pyproject.toml").write_text("[project\nname = broken\n")
+    out, pack = tmp_path / "out", tmp_path / "gpu-check.tgz"
+    result = subprocess.run(
+        [
+            "bash",
+            str(checkout / "scripts" / "gpu_check.sh"),
+            "--out",
+            str(out),
+            "--install",
+            "--pack",
+            str(pack),
+            "--steps",
+            "env",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=checkout,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "installing this checkout failed" in result.stderr
+    assert (out / "install.log").read_text().strip()
+    steps = json.loads((out / "summary.json").read_text())
+    assert [(s["step"], s["exit"]) for s in steps] == [("install", 2)]
+    with tarfile.open(pack) as archive:
+        assert {"install.log", "summary.json"} <= {Path(n).name for n in archive.getnames()}
