@@ -40,7 +40,7 @@ def test_registered_arena_h2d_and_d2h(arena_dir: Path) -> None:
         back.copy_(device * 2, non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(back, host * 2)
-        unpin_arena(arena)
+        assert unpin_arena(arena)  # the driver agreed
 
 
 def test_ipc_event_orders_a_copy_across_processes(arena_dir: Path, spawn_child) -> None:
@@ -119,6 +119,26 @@ def test_cuda_engine_round_trip_through_a_registered_arena(arena_dir: Path) -> N
             )
             done.wait(60)
             assert landed == [True]  # the callback ran after the bytes were in the arena
+        finally:
+            engine.unregister([arena])
+            engine.close()
+
+
+def test_a_cuda_engine_given_no_device_index_uses_the_current_device(arena_dir: Path) -> None:
+    """``cuda`` without an index: the link threads' set_device would raise and the thread
+    die, and the first copy would wait forever; the engine takes the current device."""
+    from roundpipe.worker.transfer import CudaEngine, Priority
+
+    engine = CudaEngine(torch.device("cuda"))
+    with Arena.create("noindex", 8 << 20, directory=arena_dir) as arena:
+        engine.register([arena])
+        engine.register([arena])  # registered once: a second pin would be refused
+        try:
+            assert engine.device == torch.device("cuda", torch.cuda.current_device())
+            host = arena.view(arena.ref(DATA_START, torch.float32, (1 << 20,)))
+            host.copy_(torch.arange(1 << 20, dtype=torch.float32))
+            up = engine.upload({"w": host}, Priority.WEIGHT)
+            assert torch.equal(up.tensors()["w"].cpu(), host)
         finally:
             engine.unregister([arena])
             engine.close()
@@ -258,7 +278,9 @@ def test_cuda_engines_hand_off_an_activation_through_an_ipc_event(
             up = engine.upload({"x": payload}, Priority.ACTIVATION, [handoff])
             got = up.tensors()["x"]
             assert bool((got == 42.0).all()), "consumer copied before the producer's D2H"
-            assert board.landed(child_mod.COUNTER, 1)
+            # The producer marks "landed" from its own link thread once its host sees the
+            # copy done, which may be after this consumer's device-side wait released it.
+            board.wait_landed(child_mod.COUNTER, 1, timeout_s=60)
             table.signal(child_mod.DONE, 1)
             assert child.wait(timeout=60) == 0, child.stderr.read()
         finally:

@@ -54,6 +54,7 @@ __all__ = [
     "cuda_available",
     "open_ipc_event",
     "pin_arena",
+    "pinned_key",
     "unpin_arena",
 ]
 
@@ -86,11 +87,29 @@ def pin_arena(arena: Arena) -> bool:
     return True
 
 
-def unpin_arena(arena: Arena) -> None:
+def pinned_key(arena: Arena) -> tuple[str, int]:
+    """What identifies a registration: the arena's file and the address it is mapped at.
+    (An ``id()`` can be reused by a later arena object once this one is gone, which would
+    leave that arena unpinned; a file reopened elsewhere is a new registration.)"""
+    return str(arena.path), arena.view(arena.ref(DATA_START, torch.uint8, (1,))).data_ptr()
+
+
+def unpin_arena(arena: Arena) -> bool:
+    """Undo :func:`pin_arena`. Returns whether the driver agreed; a refusal is logged
+    (the pages stay locked until the process exits, which costs memory, not correctness)."""
     if not cuda_available():
-        return
+        return False
     tensor = arena.view(arena.ref(DATA_START, torch.uint8, (arena.data_nbytes,)))
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    err = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+    if err != 0:
+        log.warning(
+            "cudaHostUnregister of arena %r failed with CUDA error %d; its %d bytes stay "
+            "page-locked until this worker exits",
+            arena.name,
+            err,
+            arena.data_nbytes,
+        )
+    return err == 0
 
 
 class CudaEventRing:
