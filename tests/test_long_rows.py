@@ -61,6 +61,48 @@ def test_documents_and_windows_attended_piece_by_piece_equal_the_mask(window) ->
     assert plain.shape == out.shape
 
 
+@pytest.mark.parametrize("window", [None, 700])
+def test_keys_repeated_to_every_query_head_attend_as_the_groups_do(window, monkeypatch) -> None:
+    """fp32 grouped heads on CUDA take the repeated-keys path (SDPA's only streaming
+    kernel for them there); forced here on the CPU, it gives the grouped result."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [1200, 1900]
+    seq = sum(lengths)
+    q = torch.randn(1, 4, seq, 16, generator=g)
+    k, v = torch.randn(1, 2, seq, 16, generator=g), torch.randn(1, 2, seq, 16, generator=g)
+    spans = document_spans(_packed_positions(lengths))
+    args = dict(scaling=0.25, sliding_window=window)
+    assert not document_attention._needs_full_heads(_Module(), q)  # a CPU tensor
+    with long_rows(spans):
+        grouped, _ = document_attention._attention(_Module(), q, k, v, None, **args)
+    monkeypatch.setattr(document_attention, "_needs_full_heads", lambda module, query: True)
+    with long_rows(spans):
+        repeated, _ = document_attention._attention(_Module(), q, k, v, None, **args)
+    torch.testing.assert_close(repeated, grouped, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(repeated, _reference(q, k, v, spans, window), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
+def test_a_long_fp32_grouped_row_on_cuda_runs_on_a_streaming_kernel() -> None:
+    """With the math kernel ruled out, an fp32 grouped-query row still attends: it does
+    not need the seq x seq scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seq = 8192
+    q = torch.randn(1, 4, seq, 64, device="cuda", generator=g)
+    k = torch.randn(1, 2, seq, 64, device="cuda", generator=g)
+    v = torch.randn(1, 2, seq, 64, device="cuda", generator=g)
+    spans = [[(0, 3000), (3000, seq)]]
+    with long_rows(spans), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out, _ = document_attention._attention(_Module(), q, k, v, None, scaling=0.125)
+    assert out.shape == (1, seq, 4, 64) and torch.isfinite(out).all()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # a plain causal row: no spans
+        plain, _ = document_attention._attention(_Module(), q, k, v, None, scaling=0.125)
+    assert plain.shape == (1, seq, 4, 64) and torch.isfinite(plain).all()
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_a_long_packed_row_matches_the_masked_computation(arch, monkeypatch) -> None:
     """The executor at LONG_ROW_TOKENS: forward and layer-grain backward of a row of

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from roundpipe.shared.long_rows import LONG_ROW_TOKENS as _SHARED_LONG_ROW_TOKENS
@@ -38,6 +38,14 @@ __all__ = ["LONG_ROW_TOKENS", "document_spans", "long_rows"]
 # window, with a mask of that block only. Shorter rows keep transformers' masks, so
 # everything below the threshold runs exactly as before; above it the results equal the
 # masked computation up to float rounding (the kernels sum over fewer masked keys).
+#
+# Grouped-query heads in fp32 on CUDA: transformers asks SDPA for ``enable_gqa`` when there
+# is no mask, and of CUDA's streaming kernels only flash and cuDNN take it, in fp16/bf16
+# only; fp32 with ``enable_gqa`` falls to the math kernel, which does build the
+# ``seq x seq`` scores (tens of GB at 73K tokens). There, when no mask is given (long rows
+# and plain causal rows alike), the keys and values are repeated to every query head
+# first (``_full_heads``), which the memory-efficient kernel streams: 2 x (query heads /
+# key heads - 1) x the row's keys more memory, not a square.
 LONG_ROW_TOKENS = _SHARED_LONG_ROW_TOKENS
 WINDOW_BLOCK = 1024
 
@@ -74,6 +82,28 @@ def _window_mask(q0: int, q1: int, k0: int, k1: int, window: int, device: Any) -
     return (k <= q) & (k > q - window)
 
 
+class _FullHeads:
+    """``module`` as transformers' SDPA sees it once keys and values carry every query
+    head: no groups left to repeat or to ask the kernel for."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.is_causal = getattr(module, "is_causal", True)
+
+
+def _needs_full_heads(module: torch.nn.Module, query: torch.Tensor) -> bool:
+    """Whether SDPA would meet grouped heads with no kernel but the ``seq x seq`` math
+    one (Note [long-row attention])."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return groups > 1 and query.device.type == "cuda" and query.dtype == torch.float32
+
+
+def _full_heads(module, key, value):
+    groups = module.num_key_value_groups
+    return _FullHeads(module), repeat_kv(key, groups), repeat_kv(value, groups)
+
+
 def _attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -83,6 +113,8 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     spans = getattr(_spans, "value", None)
+    if attention_mask is None and _needs_full_heads(module, query):
+        module, key, value = _full_heads(module, key, value)  # (with a mask, SDPA repeats)
     if attention_mask is not None or spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.pop("sliding_window", None)
