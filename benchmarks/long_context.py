@@ -201,7 +201,12 @@ def predicted(cap: int, reserve: int, seq_len: int | None = None) -> tuple[int, 
 
     def costs_for(n: int):
         return estimate_costs(
-            model, microbatch_rows=1, seq_len=n, compute_dtype="float32", flops_per_s=2e10
+            model,
+            microbatch_rows=1,
+            seq_len=n,
+            compute_dtype="float32",
+            flops_per_s=2e10,
+            on_gpu=False,  # CPU workers
         )
 
     fit = longest_sequence(

@@ -106,6 +106,7 @@ def simulate(
         seq_len=spec.data.seq_len,
         compute_dtype=spec.train.dtype,
         flops_per_s=hw.flops_per_s,
+        on_gpu=False,  # CPU workers
     )
     forced = [Plan.parse(text) for text in plans]
     for plan in forced:

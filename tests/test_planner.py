@@ -205,6 +205,36 @@ def test_estimates_track_the_model(tiny_qwen: LayeredModel) -> None:
     assert lc[1].backward_s < short[1].backward_s  # no weight gradients of the base
 
 
+def test_the_tail_holds_the_logits_chunk_its_workers_use() -> None:
+    """A GPU worker's chunked LM head holds 4,096 tokens of fp32 logits at a time (2.3 GiB
+    at Qwen3's vocabulary), a CPU worker's 128 MiB: the planner prices the one the job's
+    workers use (shared.logits_chunks, as the executor chunks)."""
+    from roundpipe.shared.logits_chunks import logits_chunk_tokens
+    from roundpipe.worker.executor import StageExecutor
+
+    vocab = 151_936
+    model = LayeredModel(tiny_config("qwen3", vocab_size=vocab))
+    kw = dict(microbatch_rows=1, seq_len=8192, compute_dtype="bfloat16", flops_per_s=100e12)
+    gpu, cpu = estimate_costs(model, **kw), estimate_costs(model, on_gpu=False, **kw)
+    rest = gpu[-1].work_bytes - 4096 * vocab * 6  # fp32 chunk + its bf16 matmul output
+    assert rest == cpu[-1].work_bytes - (128 * MiB // (4 * vocab)) * vocab * 6
+    assert 0 < rest < 8192 * model.hidden_size * 16
+    assert StageExecutor(model).chunk_tokens == logits_chunk_tokens(vocab, on_gpu=False)
+    # a sequence shorter than a chunk holds only its own tokens' logits
+    short = estimate_costs(model, **{**kw, "seq_len": 1024})
+    assert short[-1].work_bytes - (1024 * vocab * 6) == 1024 * model.hidden_size * (3 * 2 + 8)
+
+
+def test_initial_plan_for_cpu_and_gpu_workers_price_their_own_logits_chunk() -> None:
+    vocab = 151_936
+    model = LayeredModel(tiny_config("qwen3", vocab_size=vocab))
+    kw = dict(microbatch_rows=1, seq_len=2048, num_microbatches=2, compute_dtype="float32")
+    gpu = initial_plan(model, hw(2), **kw)
+    cpu = initial_plan(model, cpu_hardware(2), **kw)
+    cpu_chunk = 128 * MiB // (4 * vocab)  # 220 tokens; a GPU's chunk takes all 2,048
+    assert gpu.costs[-1].work_bytes - cpu.costs[-1].work_bytes == (2048 - cpu_chunk) * vocab * 4
+
+
 def test_replan_only_when_clearly_better() -> None:
     costs = llm_costs(16, head=2.0)
     h = hw(4)

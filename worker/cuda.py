@@ -53,8 +53,10 @@ __all__ = [
     "EventHandleBoard",
     "cuda_available",
     "open_ipc_event",
+    "PinnedArenas",
     "pin_arena",
     "pinned_key",
+    "release_cached_memory",
     "unpin_arena",
 ]
 
@@ -110,6 +112,39 @@ def unpin_arena(arena: Arena) -> bool:
             arena.data_nbytes,
         )
     return err == 0
+
+
+class PinnedArenas:
+    """The arenas one engine registered, each once (a second ``cudaHostRegister`` of the
+    same pages is refused), keyed by ``pinned_key``."""
+
+    def __init__(self) -> None:
+        self._keys: set[tuple[str, int]] = set()
+
+    def register(self, arenas: Sequence[Arena]) -> None:
+        for arena in arenas:
+            key = pinned_key(arena)
+            if key not in self._keys and pin_arena(arena):
+                self._keys.add(key)
+
+    def unregister(self, arenas: Sequence[Arena]) -> None:
+        for arena in arenas:
+            key = pinned_key(arena)
+            if key in self._keys:
+                self._keys.discard(key)
+                unpin_arena(arena)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the blocks torch's caching allocator keeps on ``device`` back to the GPU: on
+    a GPU other processes share, an idle worker would hold its last job's peak for good.
+    cuBLAS keeps a workspace per (handle, stream) in that allocator, which empty_cache
+    cannot free while they hold it, so they go first (torch has no public name for this;
+    where it lacks the private one, the workspaces stay)."""
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+        torch.cuda.empty_cache()
 
 
 class CudaEventRing:

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
+from roundpipe.shared.logits_chunks import CPU_LOGITS_CHUNK_BYTES, GPU_LOGITS_CHUNK_TOKENS
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
 from roundpipe.worker import document_attention, mlp_chunks
@@ -80,13 +81,8 @@ __all__ = [
     "tail_labels",
 ]
 
-DEFAULT_LOGITS_CHUNK_BYTES = 128 * 1024 * 1024
-"""CPU: fp32 bytes of one chunk of logits, about 1000 tokens at a 32k vocabulary (a CPU
-runs a chunk no faster for being larger, and host memory is shared with everything)."""
-
-GPU_LOGITS_CHUNK_TOKENS = 4096
-"""GPU: tokens per chunk of logits, as the paper's library (2.5 GB of fp32 logits at a
-151,936 vocabulary): large enough that the head's matmuls run near peak."""
+# The chunk rule is shared with the planner, which prices its memory.
+DEFAULT_LOGITS_CHUNK_BYTES = CPU_LOGITS_CHUNK_BYTES
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

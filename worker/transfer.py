@@ -796,9 +796,7 @@ class CudaEngine(_LinkedEngine):
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CudaEngine needs a cuda device, got {device}")
-        if device.index is None:
-            # The link threads call set_device with it; "cuda" alone makes that raise
-            # inside the thread, which dies, and every later copy waits for it forever.
+        if device.index is None:  # (the link threads' set_device would raise, and they die)
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(device, chunk_bytes, counter_at_issue)
         self.ring_size = ring_size
@@ -819,7 +817,9 @@ class CudaEngine(_LinkedEngine):
             window,
         )
         self.d2h = _CudaLink("rp-d2h", self, {p: self.down for p in Priority}, window)
-        self._pinned: set[tuple[str, int]] = set()  # pinned_key() of what it registered
+        from roundpipe.worker.cuda import PinnedArenas
+
+        self._pins = PinnedArenas()
 
     def _alloc(self, like: torch.Tensor, priority: Priority) -> torch.Tensor:
         # Allocated on the stream that writes it. A block from the compute stream's pool
@@ -832,32 +832,15 @@ class CudaEngine(_LinkedEngine):
             return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def register(self, arenas):
-        from roundpipe.worker.cuda import pin_arena, pinned_key
-
-        for arena in arenas:
-            key = pinned_key(arena)
-            if key not in self._pinned and pin_arena(arena):
-                self._pinned.add(key)
+        self._pins.register(arenas)
 
     def release_cached_memory(self):
-        # torch's caching allocator keeps every freed block for reuse; on a GPU that other
-        # processes share, an idle worker would hold its last job's peak for good.
-        # cuBLAS keeps a workspace per (handle, stream) in that allocator: empty_cache
-        # cannot free blocks still held by them, so they go first (torch has no public
-        # name for this; where it lacks the private one, the workspaces stay).
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()
-            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
-            torch.cuda.empty_cache()
+        from roundpipe.worker.cuda import release_cached_memory
+
+        release_cached_memory(self.device)
 
     def unregister(self, arenas):
-        from roundpipe.worker.cuda import pinned_key, unpin_arena
-
-        for arena in arenas:
-            key = pinned_key(arena)
-            if key in self._pinned:
-                self._pinned.discard(key)
-                unpin_arena(arena)
+        self._pins.unregister(arenas)
 
     # -- activation hand-offs (Note [activation hand-off]) ------------------------------
 

@@ -18,9 +18,9 @@ from roundpipe.coordinator.planning.model_flops import (
 from roundpipe.coordinator.planning.simulator import (
     SimStage,
 )
+from roundpipe.shared.logits_chunks import logits_chunk_tokens
 from roundpipe.shared.long_rows import mlp_chunk_tokens
 from roundpipe.shared.plan import RECOMPUTE_GRAINS, Plan
-from roundpipe.shared.units import MiB
 
 if TYPE_CHECKING:
     from roundpipe.shared.model import LayeredModel
@@ -134,7 +134,7 @@ def estimate_costs(
     flops_per_s: float,
     efficiency: float = 0.7,
     memory_bandwidth: float = 1.0e12,
-    logits_chunk_bytes: int = 128 * MiB,
+    on_gpu: bool = True,
 ) -> list[LayerCost]:
     """Cold-start ``LayerCost`` per layer from parameter counts and a FLOP model.
 
@@ -154,6 +154,9 @@ def estimate_costs(
       gradient (none with LoRA);
     * tail: LM head ``2 T V H`` forward, twice that backward (input and weight
       gradients), plus about six fp32 passes over ``T x V`` logits for the chunked loss.
+
+    ``on_gpu``: whether the workers are GPUs, whose chunked LM head holds 4,096 tokens of
+    logits at a time, or CPU workers, which hold 128 MiB (``shared.logits_chunks``).
     """
     if microbatch_rows < 1 or seq_len < 1:
         raise ValueError("microbatch_rows and seq_len must be >= 1")
@@ -206,7 +209,7 @@ def estimate_costs(
             # One chunk's fp32 logits (no more than the tokens have), plus in a 16-bit
             # dtype the matmul's own output and the gradient cast back (Note [chunked
             # LM head]); in fp32 the matmul writes into the fp32 buffer.
-            logits = min(logits_chunk_bytes, tokens * vocab * 4)
+            logits = min(logits_chunk_tokens(vocab, on_gpu=on_gpu), tokens) * vocab * 4
             chunk = logits + (logits * d // 4 if d != 4 else 0)
             backward = fwd + bwd_only
             work = chunk + tokens * hidden * (3 * d + 8)

@@ -38,6 +38,9 @@ class HardwareSpec:
     flops_per_s: float = 82.6e12
     """Peak dense matmul throughput of one worker, for cold-start cost estimates
     (``estimate_costs``); the default is an RTX 4090's bf16 peak."""
+    gpu_workers: bool = True
+    """GPU workers; False for CPU workers, whose chunked LM head holds fewer tokens of
+    logits at a time (``shared.logits_chunks``)."""
     host_views: bool = False
     """CPU workers: a task's weights and inputs are views of the host arenas, so nothing
     is uploaded or prefetched and a worker's own memory is what its task allocates
@@ -119,6 +122,7 @@ def cpu_hardware(
         reserved_bytes=reserved_bytes,
         task_overhead_s=_CPU_TASK_OVERHEAD_S,
         flops_per_s=_CPU_FLOPS_PER_S,
+        gpu_workers=False,
         host_views=memory_limit_bytes is not None and bandwidth_bytes_per_s is None,
     )
 

@@ -892,6 +892,7 @@ def initial_plan(
         seq_len=seq_len,
         compute_dtype=compute_dtype,
         flops_per_s=hardware.flops_per_s,
+        on_gpu=hardware.gpu_workers,  # CPU workers chunk the LM head differently
     )
     return plan_stages(
         costs,
