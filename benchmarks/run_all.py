@@ -60,6 +60,7 @@ BENCHMARKS = (
     Benchmark("host_memory", limit_s=240),
     Benchmark("qlora", limit_s=300),
     Benchmark("long_context", limit_s=2400),
+    Benchmark("long_context_gpu", limit_s=600, needs_gpu=True),
     Benchmark("checkpoint", limit_s=300),
     Benchmark("gpu_throughput", limit_s=600, needs_gpu=True),
 )

@@ -8,6 +8,7 @@
 # under DIR (default: $OUT, else ./gpu-check-out):
 #   env         nvidia-smi, torch / transformers versions, /dev/shm, ulimit -l, cores, memory
 #   cuda-tests  pytest tests/test_cuda.py tests/test_transfer.py tests/test_handoff.py
+#               tests/test_long_rows.py (its CUDA case: fp32 grouped heads without the math kernel)
 #   ipc-exit    scripts/ipc_event_after_exit.py: what an imported CUDA IPC event does once
 #               its exporter was SIGKILLed (ipc_event_after_exit.json; docs/runtime.md)
 #   bandwidth   benchmarks/bandwidth.py: pinned vs pageable copies, the engine's start-up test
@@ -29,11 +30,14 @@
 #   qlora       benchmarks/qlora.py --device cuda: bf16 vs NF4 vs int8 base (issue 37)
 #   optimizer   benchmarks/optimizer.py on every core of the machine (issue 18's many-core
 #               figure)
+#   long-context benchmarks/long_context_gpu.py: the Qwen3-1.7B shape at 73,728 and 102,400
+#               tokens per row on one GPU worker under --memory-limit 24GiB, against the
+#               planner's figures (issue 36's GPU target: >= 73K, goal 100K)
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,ipc-exit,bandwidth,parity`, then
 # `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`,
-# `--steps checkpoint,grad-buffer`.
+# `--steps checkpoint,grad-buffer`, `--steps qlora-cuda,qlora`, `--steps long-context`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
@@ -203,9 +207,11 @@ if [ $smoke -eq 1 ]; then
   step moe 300 python3 "$repo"/benchmarks/moe.py --smoke
   step sync-mode 120 python3 "$repo"/benchmarks/sync_mode.py --no-runtime
   [ $quick -eq 1 ] || step checkpoint 300 python3 "$repo"/benchmarks/checkpoint.py --smoke
+  [ $quick -eq 1 ] || step long-context 300 python3 "$repo"/benchmarks/long_context_gpu.py \
+    --smoke --workdir "$out/long-context-work"
 else
   step cuda-tests 600 python3 -m pytest -q "$repo"/tests/test_cuda.py "$repo"/tests/test_transfer.py \
-    "$repo"/tests/test_handoff.py
+    "$repo"/tests/test_handoff.py "$repo"/tests/test_long_rows.py
   step ipc-exit 300 python3 "$repo"/scripts/ipc_event_after_exit.py --out "$out"
   step bandwidth 120 python3 "$repo"/benchmarks/bandwidth.py
   step parity 600 python3 "$repo"/scripts/gpu_parity.py --json "$out/parity.json"
@@ -224,6 +230,8 @@ else
   step qlora-cuda 300 python3 -m pytest -q -m cuda "$repo"/tests/test_qlora.py \
     "$repo"/tests/test_quant_format.py
   step qlora 300 python3 "$repo"/benchmarks/qlora.py --device cuda
+  step long-context 540 python3 "$repo"/benchmarks/long_context_gpu.py \
+    --workdir "$out/long-context-work"
 fi
 
 write_summary

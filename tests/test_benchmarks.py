@@ -322,6 +322,20 @@ def test_cpu_overhead_benchmark_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_long_context_gpu_benchmark_smoke() -> None:
+    """`long_context_gpu.py --smoke`: the GPU benchmark's path on a CPU worker (the job
+    per length through the daemons, the plan the coordinator chose priced by the planner,
+    the table and the RESULT line); rows of 4,096 and 8,192 tokens take the long-row
+    attention and chunked MLP. The 1.7B at 73K tokens needs a GPU (gpu_check.sh's
+    long-context step)."""
+    out = _run_benchmark("long_context_gpu.py", "--smoke", timeout_s=300)
+    rows = {f[0]: f for f in (line.split() for line in out.splitlines()) if len(f) >= 6}
+    for n in ("4096", "8192"):
+        assert rows[n][1] == "yes" and float(rows[n][4]) > 0, out  # trained; planner GiB
+    assert re.fullmatch(r"RESULT max_seq_tokens=8192 planner_max=\d+", out.splitlines()[-1])
+
+
+@pytest.mark.slow
 def test_long_context_benchmark_smoke() -> None:
     """`long_context.py --smoke`: capped CPU workers through the daemons train up to a
     length and fail loudly past it, the error naming the cap; the planner's longest

@@ -219,7 +219,8 @@ class JobPlanner:
             )
         return result.plan, (
             f"planned from parameter sizes for {hw.num_workers} worker(s), predicted "
-            f"{result.predicted_iteration_s:.3g}s per step"
+            f"{result.predicted_iteration_s:.3g}s per step, recompute at "
+            f"{result.recompute} grain"
         )
 
     def replan_candidate(self, layout: JobLayout) -> tuple[Plan, str] | None:
