@@ -68,6 +68,11 @@ _INV127 = float(torch.tensor(1 / 127, dtype=torch.float32))
 
 NF4_BLOCK = 64
 """Elements per NF4 absmax (and per int8 ``per_block`` scale), as QLoRA."""
+CHUNK_ELEMENTS = 1 << 22
+"""Elements quantised or dequantised per pass. Each pass's fp32 values and indices
+take about 16 bytes per element; done over a whole tensor at once, that is 8x the bf16
+result (about 7.5 GB for one Qwen3-30B-A3B expert tensor on a 24 GiB GPU). Blocks and
+rows are independent, so a pass gives the bits the whole tensor would."""
 NESTED_BLOCK = 256
 """Absmaxes per second-level scale with double quantisation, as QLoRA."""
 
@@ -138,6 +143,7 @@ def _table(which: str, device: torch.device) -> torch.Tensor:
             "nf4_mid": _midpoints(NF4_CODE),
             "dyn": _DYNAMIC_CODE,
             "dyn_mid": _midpoints(_DYNAMIC_CODE),
+            "nf4_pairs": _nf4_pairs(NF4_CODE),
         }[which]
         t = _TABLES[key] = base.to(device)
     return t
@@ -240,12 +246,19 @@ class QuantFormat:
         return self._quantize_int8(w)
 
     def _quantize_nf4(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        blocks = _padded_blocks(w, NF4_BLOCK)
-        absmax = _absmax_rows(blocks)
-        scaled = blocks / _safe(absmax).unsqueeze(1)
-        idx = torch.bucketize(scaled, _table("nf4_mid", w.device)).to(torch.uint8).view(-1)
-        # Two indices per byte, the first of a pair in the high nibble.
-        codes = (idx[0::2] << 4) | idx[1::2]
+        flat = w.reshape(-1)
+        nb = _blocks(flat.numel(), NF4_BLOCK)
+        codes = torch.empty(nb * NF4_BLOCK // 2, dtype=torch.uint8, device=w.device)
+        absmax = torch.empty(nb, dtype=torch.float32, device=w.device)
+        per_pass = CHUNK_ELEMENTS // NF4_BLOCK
+        for b0 in range(0, nb, per_pass):
+            b1 = min(b0 + per_pass, nb)
+            blocks = _padded_blocks(flat[b0 * NF4_BLOCK : b1 * NF4_BLOCK], NF4_BLOCK)
+            absmax[b0:b1] = _absmax_rows(blocks)
+            scaled = blocks / _safe(absmax[b0:b1]).unsqueeze(1)
+            idx = torch.bucketize(scaled, _table("nf4_mid", w.device)).to(torch.uint8).view(-1)
+            # Two indices per byte, the first of a pair in the high nibble.
+            codes[b0 * NF4_BLOCK // 2 : b1 * NF4_BLOCK // 2] = (idx[0::2] << 4) | idx[1::2]
         out = {"codes": codes}
         if not self.double_quant:
             out["absmax"] = absmax
@@ -261,13 +274,28 @@ class QuantFormat:
 
     def _quantize_int8(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.int8_scales == "per_channel":
-            rows = w.reshape(-1, w.shape[-1]).to(torch.float32)
+            width = w.shape[-1]
+            source = w.reshape(-1, width)
+            codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         else:
-            rows = _padded_blocks(w, NF4_BLOCK)
-        absmax = _absmax_rows(rows)
-        codes = torch.round(rows * (127.0 / _safe(absmax)).unsqueeze(1)).clamp_(-127, 127)
-        codes = codes.to(torch.int8)
-        codes = codes.view(w.shape) if self.int8_scales == "per_channel" else codes.view(-1)
+            width = NF4_BLOCK
+            source = w.reshape(-1)
+            codes = torch.empty(
+                _blocks(source.numel(), width) * width, dtype=torch.int8, device=w.device
+            )
+        num_rows = codes.numel() // max(width, 1) if codes.numel() else 0
+        absmax = torch.empty(num_rows, dtype=torch.float32, device=w.device)
+        code_rows = codes.view(num_rows, width)
+        per_pass = max(1, CHUNK_ELEMENTS // max(width, 1))
+        for r0 in range(0, num_rows, per_pass):
+            r1 = min(r0 + per_pass, num_rows)
+            if self.int8_scales == "per_channel":
+                rows = source[r0:r1].to(torch.float32)
+            else:
+                rows = _padded_blocks(source[r0 * width : r1 * width], width)
+            absmax[r0:r1] = _absmax_rows(rows)
+            scale = (127.0 / _safe(absmax[r0:r1])).unsqueeze(1)
+            code_rows[r0:r1] = torch.round(rows * scale).clamp_(-127, 127).to(torch.int8)
         return {"codes": codes, "absmax": absmax}
 
     # -- dequantise --------------------------------------------------------------------
@@ -285,23 +313,56 @@ class QuantFormat:
     def dequantize(
         self, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        """The tensor of ``shape`` in ``dtype``, on the parts' device (a new tensor)."""
+        """The tensor of ``shape`` in ``dtype``, on the parts' device (a new tensor),
+        made ``CHUNK_ELEMENTS`` at a time: beside the result, only one pass's fp32 values
+        and indices exist (module docstring of the formats; ``CHUNK_ELEMENTS``)."""
         n = math.prod(shape)
         codes = parts["codes"]
+        out = torch.empty(n, dtype=dtype, device=codes.device)
         if self.kind == "nf4":
-            idx = torch.stack([codes >> 4, codes & 0xF], dim=1).view(-1, NF4_BLOCK).long()
-            values = (parts["code"] if self.bnb else _table("nf4", codes.device))[idx]
-            w = values * self.absmax(parts).unsqueeze(1)
-        elif self.bnb:
-            w = codes.reshape(-1, codes.shape[-1]) * parts["absmax"].unsqueeze(1) * _INV127
+            self._dequantize_nf4(parts, out)
         else:
+            self._dequantize_int8(parts, out)
+        return out.view(shape)
+
+    def _dequantize_nf4(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        codes, n = parts["codes"], out.numel()
+        # The two fp32 values of each byte (high nibble first), looked up with the byte
+        # itself as an int32 index: no int64 index per element, no stacked nibbles.
+        pairs = _nf4_pairs(parts["code"]) if self.bnb else _table("nf4_pairs", codes.device)
+        absmax = self.absmax(parts)
+        per_pass, nb = CHUNK_ELEMENTS // NF4_BLOCK, _blocks(n, NF4_BLOCK)
+        for b0 in range(0, nb, per_pass):
+            b1 = min(b0 + per_pass, nb)
+            byte_idx = codes[b0 * NF4_BLOCK // 2 : b1 * NF4_BLOCK // 2].to(torch.int32)
+            values = pairs.index_select(0, byte_idx).view(-1, NF4_BLOCK)
+            values.mul_(absmax[b0:b1].unsqueeze(1))
+            e0, e1 = b0 * NF4_BLOCK, min(b1 * NF4_BLOCK, n)
+            out[e0:e1] = values.view(-1)[: e1 - e0]
+
+    def _dequantize_int8(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        codes, absmax, n = parts["codes"], parts["absmax"], out.numel()
+        if self.bnb or self.int8_scales == "per_channel":
+            code_rows = codes.reshape(-1, codes.shape[-1])
+        else:
+            code_rows = codes.view(-1, NF4_BLOCK)
+        width = code_rows.shape[1]
+        if not self.bnb:
             # absmax / 127 divided by a tensor on its own device: CUDA divides by a Python
             # number as a multiplication by its reciprocal (one ulp off the CPU's true
             # division), and a GPU worker's weights must equal a CPU worker's bit for bit.
-            absmax = parts["absmax"]
             scale = (absmax / absmax.new_tensor(127.0)).unsqueeze(1)
-            if self.int8_scales == "per_channel":
-                w = codes.reshape(-1, codes.shape[-1]).to(torch.float32) * scale
+        per_pass, num_rows = max(1, CHUNK_ELEMENTS // max(width, 1)), _blocks(n, max(width, 1))
+        for r0 in range(0, num_rows, per_pass):
+            r1 = min(r0 + per_pass, num_rows)
+            if self.bnb:  # bitsandbytes' order of the operations
+                w = code_rows[r0:r1] * absmax[r0:r1].unsqueeze(1) * _INV127
             else:
-                w = codes.view(-1, NF4_BLOCK).to(torch.float32) * scale
-        return w.reshape(-1)[:n].view(shape).to(dtype)
+                w = code_rows[r0:r1].to(torch.float32) * scale[r0:r1]
+            e0, e1 = r0 * width, min(r1 * width, n)
+            out[e0:e1] = w.view(-1)[: e1 - e0]
+
+
+def _nf4_pairs(code: torch.Tensor) -> torch.Tensor:
+    """``[256, 2]``: row ``b`` holds ``code[b >> 4]`` and ``code[b & 15]``."""
+    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from roundpipe.shared import quant_format
 from roundpipe.shared.quant_format import QuantFormat
 
 # The NF4 values as printed in the QLoRA paper (Appendix E).
@@ -92,9 +93,18 @@ def reference_int8(parts: dict, shape: tuple[int, ...], scales: str) -> np.ndarr
 SHAPES = [(48, 40), (3, 24, 16), (7, 9)]  # 1920 (30 blocks), MoE-like 3-D, a ragged tail
 
 
+@pytest.fixture(params=["whole", "passes"])
+def passes(request, monkeypatch):
+    """Each tensor in one pass, or (``passes``) in passes of 128 elements: two NF4
+    blocks, a few int8 rows, a ragged last pass (``CHUNK_ELEMENTS``)."""
+    if request.param == "passes":
+        monkeypatch.setattr(quant_format, "CHUNK_ELEMENTS", 128)
+    return request.param
+
+
 @pytest.mark.parametrize("double_quant", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_nf4_dequantisation_is_the_definition_bitwise(shape, double_quant):
+def test_nf4_dequantisation_is_the_definition_bitwise(shape, double_quant, passes):
     torch.manual_seed(0)
     w = torch.randn(shape) * 0.05
     fmt = QuantFormat("nf4", double_quant=double_quant)
@@ -110,7 +120,7 @@ def test_nf4_dequantisation_is_the_definition_bitwise(shape, double_quant):
 
 @pytest.mark.parametrize("scales", ["per_channel", "per_block"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int8_dequantisation_is_the_definition_bitwise(shape, scales):
+def test_int8_dequantisation_is_the_definition_bitwise(shape, scales, passes):
     torch.manual_seed(1)
     w = torch.randn(shape)
     fmt = QuantFormat("int8", int8_scales=scales)
@@ -119,6 +129,36 @@ def test_int8_dequantisation_is_the_definition_bitwise(shape, scales):
     got = fmt.dequantize(parts, shape, torch.float32).numpy()
     want = reference_int8(parts, shape, scales)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_dequantisation_holds_one_pass_of_temporaries_beside_its_result():
+    """A 64M-element NF4 tensor dequantised to bf16 (128 MiB) on the CPU: the process's
+    peak grows by the result and one pass's fp32 values and indices, not by the ~16 bytes
+    per element a whole-tensor pass would hold (over 1 GiB here)."""
+    code = """
+import resource, sys, torch
+from roundpipe.shared.quant_format import CHUNK_ELEMENTS, NF4_BLOCK, QuantFormat
+n = 64 << 20
+fmt = QuantFormat("nf4", double_quant=False)
+g = torch.Generator().manual_seed(0)
+parts = {"codes": torch.randint(0, 256, (n // 2,), dtype=torch.uint8, generator=g),
+         "absmax": torch.rand(n // NF4_BLOCK, generator=g)}
+small = {"codes": parts["codes"][: 1 << 19], "absmax": parts["absmax"][: 1 << 14]}
+fmt.dequantize(small, (1024, 1024), torch.bfloat16)  # the allocator's first use
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+out = fmt.dequantize(parts, (n // 4096, 4096), torch.bfloat16)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(grew, out.numel() * 2, CHUNK_ELEMENTS)
+"""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    grew, result_bytes, chunk = map(int, result.stdout.split())
+    assert grew <= result_bytes + 24 * chunk, (grew, result_bytes)  # 128 MiB + <= 96 MiB
 
 
 def test_nf4_codes_are_the_nearest_values():
@@ -222,3 +262,22 @@ def test_cuda_dequantises_the_bitsandbytes_layout_like_the_cpu(kind, dq):
     for dtype in (torch.float32, torch.bfloat16):
         cpu = fmt.dequantize(parts, shape, dtype)
         assert torch.equal(cpu, fmt.dequantize(on_gpu, shape, dtype).cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, dq", [("nf4", True), ("nf4", False), ("int8", False)])
+def test_cuda_dequantisation_peaks_at_its_result_and_one_pass(kind, dq):
+    """On a 24 GiB card a Qwen3-30B-A3B expert tensor's dequantisation must not hold
+    ~16 bytes per element of temporaries: the allocator's peak is the bf16 result and
+    one pass (``CHUNK_ELEMENTS``)."""
+    fmt = QuantFormat(kind, double_quant=dq)
+    shape = (16, 1024, 4096)  # 64M elements, an expert tensor's kind of shape
+    parts = {k: v.cuda() for k, v in fmt.quantize(torch.randn(shape) * 0.02).items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fmt.dequantize(parts, shape, torch.bfloat16)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= out.numel() * 2 + 24 * quant_format.CHUNK_ELEMENTS, peak
