@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ from roundpipe.shared.keys import (
 )
 
 __all__ = ["Daemon", "LocalCluster", "cpu_cluster", "free_port", "group_args", "local_group"]
+
+_MAX_IPC_PATH = 100
+"""Longest ipc:// socket path used as is (the kernel's limit is about 107 bytes)."""
 
 
 @dataclass
@@ -84,7 +88,14 @@ class LocalCluster:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.arena_dir = Path(arena_dir)
-        self.address = f"ipc://{self.root}/coordinator.sock"
+        sock = self.root / "coordinator.sock"
+        self._sock_dir: Path | None = None
+        if len(str(sock).encode()) > _MAX_IPC_PATH:
+            # A Unix socket's path holds about 107 bytes (sun_path): a deep root (a test's
+            # tmp_path under xdist, a benchmark's work folder) gets a short private one.
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="rp-sock-"))
+            sock = self._sock_dir / "coordinator.sock"
+        self.address = f"ipc://{sock}"
         self.state_dir = self.root / "state"
         roots = [("--allow-read", p) for p in allow_read] + [
             ("--allow-write", p) for p in allow_write
@@ -257,6 +268,8 @@ class LocalCluster:
                 daemon.proc.kill()
                 daemon.proc.wait()
         self.client.close()
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
         # Arena files, and the coordinator's private arena directory with what is in it
         # (roundpipe.shared.arena: rp.<namespace>.<pid>.<start>.<random>.d).
         leftovers = []

@@ -280,3 +280,23 @@ def test_emulated_bus_workers_match_cpu_workers_bitwise(
             entry.unlink()
         arena_dir.rmdir()
         assert leaked == [], f"arenas leaked: {leaked}"
+
+
+def test_a_cluster_rooted_too_deep_for_a_socket_path_still_connects(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A Unix socket's path holds about 107 bytes; a cluster whose root is deeper (a
+    test's tmp_path under xdist, a benchmark's work folder under $OUT) puts its
+    coordinator's socket in a short private directory, removed when it stops, and keeps
+    its logs in the root."""
+    root = tmp_path / ("d" * 60) / ("e" * 40)
+    cluster = LocalCluster(root, arena_dir)
+    try:
+        sock = Path(cluster.address.removeprefix("ipc://"))
+        assert len(str(sock)) <= 100 and not sock.is_relative_to(root)
+        cluster.add_worker("w0")
+        cluster.wait_for_workers(1)
+        assert (root / "coordinator.log").exists() and sock.exists()
+    finally:
+        cluster.stop()
+    assert not sock.parent.exists()
