@@ -15,8 +15,10 @@
 #   parity      scripts/gpu_parity.py: a tiny job on a GPU worker vs CPU-worker losses
 #   overlap     benchmarks/overlap.py (CPU, emulated bus)
 #   throughput  benchmarks/gpu_throughput.py, Qwen3-1.7B shape (skipped with --quick)
-#   vs-paper    the same shape, this runtime beside the paper's library (PyPI roundpipe 0.1.1
-#               from .whl/ref, in /tmp/ref; skipped with --quick): issue 14's RESULT vs_paper
+#   vs-paper    Qwen3-1.7B in the paper's benchmark shape (sequence 2048, 10 microbatches of
+#               13 rows: its 128-row step, 12.8 rows per microbatch, rounded up), this runtime
+#               beside the paper's library (PyPI roundpipe 0.1.1 from .whl/ref, in /tmp/ref;
+#               skipped with --quick): issue 32's RESULT vs_paper
 #   moe         benchmarks/moe.py: a Qwen3-30B-A3B-shaped MoE layer against the dense layer
 #   sync-mode   benchmarks/sync_mode.py: staleness 0 vs 1 on CPU workers, on a quiet many-core
 #               host (issue 18's sync_vs_async; the shared 2-core machine is too noisy)
@@ -221,7 +223,7 @@ else
     --workdir "$out/throughput-work"
   [ $quick -eq 1 ] || step vs-paper 600 python3 "$repo"/benchmarks/gpu_throughput.py \
     --models qwen3-1.7b --systems runtime-1w,paper --paper-site /tmp/ref --steps 3 --warmup 1 \
-    --workdir "$out/vs-paper-work"
+    --seq-len 2048 --microbatches 10 --rows 13 --workdir "$out/vs-paper-work"
   step optimizer 300 python3 "$repo"/benchmarks/optimizer.py
   step moe 300 python3 "$repo"/benchmarks/moe.py --shape full --device cuda --dtype bfloat16 --no-eager
   step sync-mode 600 python3 "$repo"/benchmarks/sync_mode.py --no-clip-runs --repeats 3
