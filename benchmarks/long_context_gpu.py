@@ -40,7 +40,7 @@ from common import run_job, runtime_cluster  # benchmarks/ is on sys.path
 
 from roundpipe.client import JobRejected
 from roundpipe.coordinator.planning.costs import estimate_costs
-from roundpipe.coordinator.planning.hardware import gpu_hardware
+from roundpipe.coordinator.planning.hardware import cpu_hardware, gpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan
 from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
@@ -98,9 +98,10 @@ def make_spec(config: dict, root: Path, seq_len: int, args: argparse.Namespace) 
 class Planner:
     """What the planner predicts for ``spec``'s model on one GPU worker of ``cap`` bytes."""
 
-    def __init__(self, spec: JobSpec, cap: int) -> None:
+    def __init__(self, spec: JobSpec, cap: int, *, cpu: bool = False) -> None:
         self.model = LayeredModel(model_config_from_spec(spec.model))
-        self.hw = gpu_hardware(1, cap)
+        # (--smoke: the CPU worker it runs on, uncapped; its figures only check the path)
+        self.hw = cpu_hardware(1) if cpu else gpu_hardware(1, cap)
         self.microbatches, self.dtype = spec.batch.num_microbatches, spec.train.dtype
         self.max_positions = self.model.config.max_position_embeddings
 
@@ -111,6 +112,7 @@ class Planner:
             seq_len=seq_len,
             compute_dtype=self.dtype,
             flops_per_s=self.hw.flops_per_s,
+            on_gpu=self.hw.gpu_workers,
         )
 
     def longest(self) -> int:
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = ["--cpu", "--threads", "1"] if args.smoke else ["--gpu", "0"]
     worker += ["--memory-limit", str(cap)] if not args.smoke else []
     specs = {n: make_spec(config, root / "data", n, args) for n in lengths}
-    planner = Planner(specs[lengths[0]], cap)
+    planner = Planner(specs[lengths[0]], cap, cpu=args.smoke)
     planner_max = planner.longest()
     print(
         f"one worker ({' '.join(worker)}); qwen3 {config['num_hidden_layers']} layers, hidden "
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         [worker],
         root=root / "cluster",
         coordinator_threads=1 if args.smoke else 8,
+        coordinator_args=["--log-level", "INFO"],  # the job log's plan line: its grain
         allow_read=[root / "data"],
         allow_write=[root / "data"],
     ) as cluster:
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((seq_len, "refused", None, "-", None, str(exc).splitlines()[0]))
                 print(f"# {seq_len}: refused at submit: {exc}", flush=True)
                 break
-            except RuntimeError as exc:  # the job failed: it must say why (memory)
+            except (RuntimeError, TimeoutError) as exc:  # it must say why (memory)
                 rows.append((seq_len, "failed", None, "-", None, str(exc).splitlines()[0]))
                 print(f"# {seq_len}: failed: {exc}", flush=True)
                 break
@@ -208,13 +211,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _recompute(job_log: Path) -> str:
-    """The recompute grain the job ran at, from its log's plan line ("recompute at layer
-    grain"; stage where it does not say)."""
-    try:
-        text = job_log.read_text()
-    except OSError:
-        return "stage"
-    return "layer" if "recompute at layer grain" in text else "stage"
+    """The recompute grain the job ran at, from its log's plan line ("... recompute at
+    layer grain"; the coordinator runs at INFO so that the line is written)."""
+    text = job_log.read_text()
+    for grain in ("layer", "stage"):
+        if f"recompute at {grain} grain" in text:
+            return grain
+    raise RuntimeError(f"{job_log} does not say the job's recompute grain")
 
 
 if __name__ == "__main__":

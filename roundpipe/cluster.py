@@ -93,7 +93,7 @@ class LocalCluster:
         if len(str(sock).encode()) > _MAX_IPC_PATH:
             # A Unix socket's path holds about 107 bytes (sun_path): a deep root (a test's
             # tmp_path under xdist, a benchmark's work folder) gets a short private one.
-            self._sock_dir = Path(tempfile.mkdtemp(prefix="rp-sock-"))
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="rp-sock-", dir="/tmp"))
             sock = self._sock_dir / "coordinator.sock"
         self.address = f"ipc://{sock}"
         self.state_dir = self.root / "state"
@@ -108,11 +108,16 @@ class LocalCluster:
         self.daemons: list[Daemon] = []
         self.workers: dict[str, Daemon] = {}
         self.keys_dir: Path | None = self.root / "keys" if keys else None
-        if self.keys_dir is not None and not (self.keys_dir / f"{COORDINATOR}.key").exists():
-            init_keys(self.keys_dir)
-            add_key(self.keys_dir, "admin", "admin", out_dir=self.keys_dir)
-        self.coordinator: Daemon | None = self.start_coordinator() if start else None
-        self.client = self.client_as("admin", timeout_s=client_timeout_s)
+        try:
+            if self.keys_dir is not None and not (self.keys_dir / f"{COORDINATOR}.key").exists():
+                init_keys(self.keys_dir)
+                add_key(self.keys_dir, "admin", "admin", out_dir=self.keys_dir)
+            self.coordinator: Daemon | None = self.start_coordinator() if start else None
+            self.client = self.client_as("admin", timeout_s=client_timeout_s)
+        except BaseException:
+            if self._sock_dir is not None:  # no one gets a cluster to stop()
+                shutil.rmtree(self._sock_dir, ignore_errors=True)
+            raise
 
     def add_key(self, name: str, role: str) -> Path:
         """Authorise a new identity; returns its key pair (``*.key_secret``)."""

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR  # the installed package's
@@ -67,12 +68,12 @@ def losses(root: Path, worker: list[str], steps: int, wait_s: float) -> list[flo
     cluster = LocalCluster(root, arena_dir, client_timeout_s=60, allow_write=[root])
     try:
         cluster.add_worker("w0", device=worker)
-        cluster.wait_for_workers(1, timeout_s=wait_s)
-        handle = cluster.client.submit(spec(root / "out", steps))
         try:
+            cluster.wait_for_workers(1, timeout_s=wait_s)
+            handle = cluster.client.submit(spec(root / "out", steps))
             curve = [e.loss for e in handle.progress(timeout_s=wait_s)]
             status = handle.wait(timeout_s=wait_s)
-        except TimeoutError as exc:
+        except (TimeoutError, RoundPipeError) as exc:  # a worker that never came, a refusal
             raise RuntimeError(f"{worker}: {exc}\n{cluster.logs()}") from exc
         if status.state != "succeeded":
             raise RuntimeError(f"{worker}: job {status.state}: {status.message}\n{cluster.logs()}")

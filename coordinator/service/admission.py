@@ -129,6 +129,7 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
         seq_len=job.data.seq_len,
         compute_dtype=getattr(torch, job.train.dtype),
         flops_per_s=hardware.flops_per_s,
+        on_gpu=hardware.gpu_workers,
     )
     m, limit = job.batch.num_microbatches, hardware.memory_limit_bytes
     where = f"the connected GPU workers ({format_bytes(limit)} each)"
