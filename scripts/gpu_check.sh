@@ -125,7 +125,7 @@ write_summary() {  # summary.json so far; with --pack, DIR archived into FILE
     echo "]"
   } >"$out/summary.json"
   if [ -n "$pack" ]; then
-    tar czf "$pack.part" --exclude='*.jsonl' --exclude='*.safetensors' --exclude='*.pt' \
+    tar czf "$pack.part" --exclude='*.jsonl' --exclude='*.safetensors' --exclude='*.pt' --exclude='*.sock' \
       --exclude=keys -C "$out" . && mv "$pack.part" "$pack"
   fi
 }
