@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from common import run_job, runtime_cluster  # benchmarks/ is on sys.path
+from gpu_throughput import MODELS
 
 from roundpipe.client import JobRejected
 from roundpipe.coordinator.planning.costs import estimate_costs
@@ -48,17 +49,8 @@ from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import GiB, format_bytes, parse_quantity
 
-QWEN3_1_7B = {
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": True,
-}
+# Qwen3-1.7B's published shape, its position table extended (the module docstring).
+QWEN3_1_7B = {**MODELS["qwen3-1.7b"]["config"], "max_position_embeddings": 131072}
 SMOKE = {  # narrow, but grouped-query heads, tied embeddings and rows past LONG_ROW_TOKENS
     "vocab_size": 512,
     "hidden_size": 64,
