@@ -22,8 +22,11 @@ attention width x sequence (causal attention, forward and backward); for LoRA
 4 x frozen + 6 x adapter parameters, plus attention (no weight gradients for the base).
 Recomputation is not counted (it is overhead, as usual for MFU).
 
-Last line: `RESULT vs_paper=<x> mfu=<y>` for the first model (runtime-1w tokens/s over
-the paper's; nan where the paper's library did not run). Targets: vs_paper >= 1.0, MFU >=
+Last line: `RESULT vs_paper=<x> mfu=<y> plan_error=<z>` for the first model (runtime-1w
+tokens/s over the paper's, nan where the paper's library did not run; plan_error:
+|predicted / measured - 1| of runtime-1w's step time, predicted by the planner for the
+plan it ran from the layer times the job measured, its profile.json, as `roundpipe plan
+--profile` does). Targets: vs_paper >= 1.0, MFU >=
 0.40, Qwen3-4B full fine-tuning and Llama-8B LoRA running under a 24 GiB cap. Exits 1
 when a system failed (one skipped for want of CUDA or of the paper's library is not a
 failure). Each child's whole output stays in the workdir (``<model>/paper.log``,
@@ -57,8 +60,12 @@ from pathlib import Path
 
 from common import plain_loop, run_runtime
 
+from roundpipe.coordinator.planning.hardware import HardwareSpec
+from roundpipe.coordinator.planning.profile import PROFILE_FILE, load_profile
+from roundpipe.coordinator.planning.search import evaluate_plan
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.shared.model import LayeredModel
+from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import parse_quantity
 
 HERE = Path(__file__).resolve().parent
@@ -151,6 +158,32 @@ class Result:
     tokens_per_s: float | None = None
     gpu_peak_gib: float | None = None
     note: str = ""
+    plan_error: float | None = None
+    """|predicted / measured - 1| of the step time, the prediction from the job's own
+    measured layer times (its profile.json) for the plan it ran (issue 32: within 15%)."""
+
+
+def plan_prediction(spec: JobSpec, plan: str) -> float | None:
+    """Seconds per step the planner predicts for ``plan`` from the layer times the job
+    measured (``profile.json`` in its output directory, with the workers it planned
+    for), as `roundpipe plan --profile` does; None if the job wrote no profile."""
+    path = Path(spec.output.dir) / PROFILE_FILE
+    if not path.exists():
+        return None
+    costs, about = load_profile(path)
+    result = evaluate_plan(
+        Plan.parse(plan),
+        costs,
+        HardwareSpec(**about["hardware"]),
+        about["num_microbatches"],
+        staleness=spec.train.staleness,
+        recompute=about["recompute"],
+    )
+    return result.predicted_iteration_s
+
+
+def _error(predicted: float | None, measured: float) -> float | None:
+    return None if predicted is None or measured <= 0 else abs(predicted / measured - 1)
 
 
 # -- the job -------------------------------------------------------------------------
@@ -329,7 +362,15 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
             coordinator_threads=1 if args.smoke else os.cpu_count() or 1,
         )
         peak = max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None
-        return Result(run.tokens_per_s, peak, f"plan {run.plan}")
+        step_s = sum(run.step_s) / len(run.step_s)
+        predicted = plan_prediction(spec, run.plan)
+        note = f"plan {run.plan}"
+        if predicted is not None:
+            note += (
+                f"; from its measured layer times the planner predicts {predicted:.3g} s "
+                f"per step, measured {step_s:.3g} s"
+            )
+        return Result(run.tokens_per_s, peak, note, plan_error=_error(predicted, step_s))
     job = {
         "spec": spec.to_dict(),
         "warmup": args.warmup,
@@ -464,7 +505,8 @@ def main() -> None:
         else float("nan")
     )
     mfu = ours.tokens_per_s * first_per_token / peak if ours and ours.tokens_per_s else float("nan")
-    print(f"RESULT vs_paper={vs_paper:.2f} mfu={mfu:.3f}")
+    plan_error = ours.plan_error if ours and ours.plan_error is not None else float("nan")
+    print(f"RESULT vs_paper={vs_paper:.2f} mfu={mfu:.3f} plan_error={plan_error:.3f}")
     if failed:  # a skipped system (no CUDA, no paper site) is not a failure; a crash is
         print(f"gpu_throughput.py: {', '.join(failed)} failed (see above)", file=sys.stderr)
         sys.exit(1)

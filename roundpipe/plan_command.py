@@ -204,6 +204,13 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         help="find the longest sequence that fits --memory-limit per worker (up to the "
         "model's max_position_embeddings) and say where its memory goes",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="per-layer times a job measured (profile.json in its output directory) "
+        "instead of the cost model's; give the job's --seq-len and --microbatch-size",
+    )
     p.add_argument("--microbatch-size", type=int, default=1, metavar="ROWS")
     p.add_argument("--microbatches", type=int, default=None, metavar="M", help="default N+1")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -293,6 +300,30 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     return p
 
 
+def _measured_costs(args: argparse.Namespace, model: LayeredModel):
+    """``(costs, about)`` of ``--profile``, checked against the model and the shape asked
+    for: measured times hold for the sequence and rows they were measured at."""
+    from roundpipe.coordinator.planning.profile import load_profile
+
+    if args.max_seq_len:
+        raise ValueError("--profile holds times for one sequence length: give --seq-len")
+    costs, about = load_profile(Path(args.profile))
+    if len(costs) != model.num_layers:
+        raise ValueError(
+            f"--profile {args.profile} has {len(costs)} layers, the model {model.num_layers}"
+        )
+    for key, asked, flag in (
+        ("seq_len", args.seq_len, "--seq-len"),
+        ("microbatch_rows", args.microbatch_size, "--microbatch-size"),
+    ):
+        if about.get(key) is not None and about[key] != asked:
+            raise ValueError(
+                f"--profile {args.profile} was measured with {key} {about[key]}; "
+                f"give {flag} {about[key]}"
+            )
+    return costs, about
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
     """``roundpipe plan`` on parsed arguments; prints to stdout. Raises ValueError on bad input."""
     if args.seq_len is None and not args.max_seq_len:
@@ -328,8 +359,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
     else:
         speed = f"{flops / 1e12:g} TFLOPS x {args.efficiency:g}"
     memory_bandwidth = parse_quantity(args.memory_bandwidth, what="--memory-bandwidth")
+    measured = _measured_costs(args, model) if args.profile else None
+    if measured is not None:
+        speed = f"layer times measured by job {measured[1].get('job', '?')} ({args.profile})"
 
     def costs_for(seq_len: int) -> list[LayerCost]:
+        if measured is not None:
+            return measured[0]
         if args.gpu:
             return estimate_costs_on_gpu(
                 model,

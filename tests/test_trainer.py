@@ -312,3 +312,43 @@ def test_layer_grain_recompute_trains_bitwise_what_stage_grain_trains(
     assert runs["stage"].keys() == runs["layer"].keys()
     for name, t in runs["stage"].items():
         assert torch.equal(t, runs["layer"][name]), name
+
+
+def test_the_measured_profile_is_written_and_roundpipe_plan_predicts_from_it(
+    tmp_path, arena_dir, capsys
+) -> None:
+    """Once every layer has a measurement the job's output directory holds profile.json:
+    its measured layer times, its shape and the workers it planned for. `roundpipe plan
+    --profile` predicts a step from it, for the shape it was measured at only."""
+    from roundpipe.coordinator.planning.profile import PROFILE_FILE, load_profile
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
+    from roundpipe.plan_command import plan_main
+
+    spec = tiny_spec(tmp_path / "out", staleness=1, steps=4)
+    trainer = new_trainer(spec, arena_dir)
+    try:
+        trainer.prepare(2)
+        _run_with(trainer, 2)
+        measured = trainer.planner.profile.costs()
+        plan = str(trainer.plan)
+    finally:
+        trainer.close()
+    path = Path(spec.output.dir) / PROFILE_FILE
+    costs, about = load_profile(path)
+    assert costs == measured
+    assert about["plan"] == plan and about["seq_len"] == spec.data.seq_len
+    assert about["num_microbatches"] == spec.batch.num_microbatches
+    assert about["hardware"]["num_workers"] == 2 and about["hardware"]["gpu_workers"] is False
+
+    config = tmp_path / "config.json"
+    model_config_from_spec(spec.model).to_json_file(config)
+    args = ["--model-config", str(config), "--workers", "2", "--plan", plan, "--dtype", "float32"]
+    args += ["--microbatches", str(spec.batch.num_microbatches), "--profile", str(path)]
+    rows = ["--microbatch-size", str(spec.batch.microbatch_size)]
+    assert plan_main([*args, *rows, "--seq-len", str(spec.data.seq_len)]) == 0
+    assert f"layer times measured by job {about['job']}" in capsys.readouterr().out
+    assert plan_main([*args, *rows, "--seq-len", str(2 * spec.data.seq_len)]) == 2
+    assert f"give --seq-len {spec.data.seq_len}" in capsys.readouterr().err
+    path.write_text("{}")
+    assert plan_main([*args, *rows, "--seq-len", str(spec.data.seq_len)]) == 2
+    assert "is not a profile" in capsys.readouterr().err

@@ -3,9 +3,12 @@ for re-planning."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from roundpipe.coordinator.planning.costs import (
@@ -203,3 +206,47 @@ class ProfileAggregator:
                 bwd = p.backward_s * global_scale
             out.append(replace(p, forward_s=fwd, backward_s=bwd))
         return out
+
+
+# -- a measured profile as a file -------------------------------------------------------
+
+PROFILE_FILE = "profile.json"
+"""Where a job's measured profile goes in its output directory (``save_profile``)."""
+
+_PROFILE_VERSION = 1
+
+
+def save_profile(path: Path, costs: Sequence[LayerCost], about: Mapping[str, Any]) -> None:
+    """Write measured per-layer ``costs`` and ``about`` (the job's shape and the workers
+    they were measured on) to ``path``, atomically: ``roundpipe plan --profile`` reads it
+    back to predict a step from measured rather than estimated times."""
+    doc = {
+        "version": _PROFILE_VERSION,
+        "about": dict(about),
+        "layers": [asdict(c) for c in costs],
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def load_profile(path: Path) -> tuple[list[LayerCost], dict[str, Any]]:
+    """``(costs, about)`` from a file ``save_profile`` wrote. Raises ValueError naming the
+    file when it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the profile {path}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != _PROFILE_VERSION:
+        raise ValueError(
+            f"{path} is not a profile this version writes (a job's {PROFILE_FILE}, "
+            f"version {_PROFILE_VERSION})"
+        )
+    names = {f.name for f in fields(LayerCost)}
+    try:
+        costs = [
+            LayerCost(**{k: v for k, v in layer.items() if k in names}) for layer in doc["layers"]
+        ]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: a layer entry is malformed ({exc})") from None
+    return costs, dict(doc.get("about") or {})

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec
-from roundpipe.coordinator.planning.profile import ProfileAggregator
+from roundpipe.coordinator.planning.profile import PROFILE_FILE, ProfileAggregator, save_profile
 from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.spec.jobspec import JobSpec
@@ -222,6 +222,42 @@ class JobPlanner:
             f"{result.predicted_iteration_s:.3g}s per step, recompute at "
             f"{result.recompute} grain"
         )
+
+    def write_profile(self, output_dir: Path, plan: Plan) -> None:
+        """Write the measured profile, once every layer has a measurement, to
+        ``output_dir/profile.json`` with what it was measured on: `roundpipe plan
+        --profile` predicts a step from it (measured times against the cold-start
+        model's). Only the group's rank 0 writes (one output). A write that fails is
+        logged, not fatal: the file is observability."""
+        profile, hw = self.profile, self.hardware
+        if profile is None or not profile.covered or self.rank != 0:
+            return
+        spec = self.spec
+        about = {
+            "job": self.job_id,
+            "architecture": spec.model.architecture,
+            "seq_len": spec.data.seq_len,
+            "microbatch_rows": spec.batch.microbatch_size,
+            "num_microbatches": self.node_microbatches,
+            "dtype": spec.train.dtype,
+            "plan": str(plan),
+            "recompute": self.recompute,
+            "iterations_folded": profile.folded_iterations,
+            "settled": profile.settled,
+            "hardware": {
+                "num_workers": hw.num_workers,
+                "memory_limit_bytes": hw.memory_limit_bytes,
+                "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s,
+                "reserved_bytes": hw.reserved_bytes,
+                "task_overhead_s": hw.task_overhead_s,
+                "gpu_workers": hw.gpu_workers,
+                "host_views": hw.host_views,
+            },
+        }
+        try:
+            save_profile(output_dir / PROFILE_FILE, profile.costs(), about)
+        except OSError as exc:
+            log.warning("[planner] job %s: could not write its profile: %s", self.job_id, exc)
 
     def replan_candidate(self, layout: JobLayout) -> tuple[Plan, str] | None:
         """A better plan than ``layout``'s under the measured layer times, if they have

@@ -792,6 +792,7 @@ class Trainer:
             planner.profile.record_done(task, msg)
             if pending[task.iteration] == 0:
                 planner.profile.end_iteration(task.iteration)
+                planner.write_profile(self.held_output, self.plan)  # roundpipe plan --profile
 
     # -- data parallelism across nodes (group_member) ---------------------------------
 
