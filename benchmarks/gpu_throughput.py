@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import plain_loop, run_runtime
+from common import RuntimeRun, plain_loop, run_runtime
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import PROFILE_FILE, load_profile
@@ -163,16 +163,19 @@ class Result:
     measured layer times (its profile.json) for the plan it ran (issue 32: within 15%)."""
 
 
-def plan_prediction(spec: JobSpec, plan: str) -> float | None:
-    """Seconds per step the planner predicts for ``plan`` from the layer times the job
-    measured (``profile.json`` in its output directory, with the workers it planned
-    for), as `roundpipe plan --profile` does; None if the job wrote no profile."""
+def plan_prediction(spec: JobSpec, run: RuntimeRun) -> float | None:
+    """Seconds per step the planner predicts for the plan ``run`` ran, from the layer
+    times its job measured (``profile.json`` in its output directory, with the workers
+    it planned for), as `roundpipe plan --profile` does; None if that job wrote none
+    (another system's job may have left one there)."""
     path = Path(spec.output.dir) / PROFILE_FILE
     if not path.exists():
         return None
     costs, about = load_profile(path)
+    if about.get("job") != run.job_log.parent.name:
+        return None
     result = evaluate_plan(
-        Plan.parse(plan),
+        Plan.parse(run.plan),
         costs,
         HardwareSpec(**about["hardware"]),
         about["num_microbatches"],
@@ -363,7 +366,7 @@ def run_system(system: str, name: str, spec: JobSpec, args: argparse.Namespace, 
         )
         peak = max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None
         step_s = sum(run.step_s) / len(run.step_s)
-        predicted = plan_prediction(spec, run.plan)
+        predicted = plan_prediction(spec, run)
         note = f"plan {run.plan}"
         if predicted is not None:
             note += (
