@@ -34,6 +34,7 @@ from pathlib import Path
 import zmq
 
 from roundpipe.client import Client, CoordinatorUnavailable
+from roundpipe.shared.defaults import MAX_IPC_PATH
 from roundpipe.shared.keys import (
     COORDINATOR,
     ConnectKeys,
@@ -44,9 +45,6 @@ from roundpipe.shared.keys import (
 )
 
 __all__ = ["Daemon", "LocalCluster", "cpu_cluster", "free_port", "group_args", "local_group"]
-
-_MAX_IPC_PATH = 100
-"""Longest ipc:// socket path used as is (the kernel's limit is about 107 bytes)."""
 
 
 @dataclass
@@ -90,7 +88,7 @@ class LocalCluster:
         self.arena_dir = Path(arena_dir)
         sock = self.root / "coordinator.sock"
         self._sock_dir: Path | None = None
-        if len(str(sock).encode()) > _MAX_IPC_PATH:
+        if len(str(sock).encode()) > MAX_IPC_PATH:
             # A Unix socket's path holds about 107 bytes (sun_path): a deep root (a test's
             # tmp_path under xdist, a benchmark's work folder) gets a short private one.
             self._sock_dir = Path(tempfile.mkdtemp(prefix="rp-sock-", dir="/tmp"))

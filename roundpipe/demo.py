@@ -35,6 +35,7 @@ from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.spec.paths import spec_read_dirs
 from roundpipe.progress import watch_job
+from roundpipe.shared.defaults import MAX_IPC_PATH
 from roundpipe.shared.keys import add_key, init_keys
 
 __all__ = [
@@ -66,8 +67,6 @@ imports torch; on a small, busy machine that takes a while)."""
 
 _SHUTDOWN_GRACE_S = 20.0
 _LOG_TAIL_LINES = 25
-# A Unix socket path is limited to about 107 bytes (sun_path); past that, use TCP.
-_MAX_IPC_PATH = 100
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -147,9 +146,9 @@ def _make_arena_dir(tmp: Path) -> Path:
 
 def _pick_address(tmp: Path) -> str:
     sock_path = tmp / "coordinator.sock"
-    if len(str(sock_path)) <= _MAX_IPC_PATH:
+    if len(str(sock_path)) <= MAX_IPC_PATH:
         return f"ipc://{sock_path}"
-    # Ask the kernel for a free port. Another process could take it before the
+    # Past a socket path's limit, TCP. Ask the kernel for a free port. Another process could take it before the
     # coordinator binds; the coordinator then exits 2 "address in use" and we say so.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

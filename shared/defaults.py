@@ -24,6 +24,7 @@ __all__ = [
     "SUBMIT_TIMEOUT_S",
     "DEFAULT_ADDRESS",
     "FALLBACK_ADDRESS",
+    "MAX_IPC_PATH",
     "default_address",
     "default_state_dir",
     "env_non_negative",
@@ -81,3 +82,9 @@ def env_non_negative(name: str, default: float, unit: str, off: str) -> float:
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {raw!r}")
     return value
+
+
+MAX_IPC_PATH = 100
+"""Longest ipc:// socket path used as is: a Unix socket's path holds about 107 bytes
+(sun_path). A launcher with a longer one picks another (the demo a TCP port, a
+``LocalCluster`` a short private directory)."""

@@ -16,8 +16,11 @@ GPU_LOGITS_CHUNK_TOKENS = 4096
 151,936 vocabulary): large enough that the head's matmuls run near peak."""
 
 
-def logits_chunk_tokens(vocab_size: int, *, on_gpu: bool) -> int:
-    """Tokens per chunk of logits for a worker on a GPU or on the CPU."""
+def logits_chunk_tokens(
+    vocab_size: int, *, on_gpu: bool, cpu_chunk_bytes: int = CPU_LOGITS_CHUNK_BYTES
+) -> int:
+    """Tokens per chunk of logits for a worker on a GPU or on the CPU (whose chunk is
+    ``cpu_chunk_bytes`` of fp32 logits)."""
     if on_gpu:
         return GPU_LOGITS_CHUNK_TOKENS
-    return max(1, CPU_LOGITS_CHUNK_BYTES // (4 * vocab_size))
+    return max(1, cpu_chunk_bytes // (4 * vocab_size))

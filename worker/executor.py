@@ -60,6 +60,7 @@ import torch
 from torch.func import functional_call
 
 from roundpipe.shared.logits_chunks import CPU_LOGITS_CHUNK_BYTES, GPU_LOGITS_CHUNK_TOKENS
+from roundpipe.shared.logits_chunks import logits_chunk_tokens as chunk_rule
 from roundpipe.shared.model import IGNORE_INDEX, LayeredModel, shift_labels
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
 from roundpipe.worker import document_attention, mlp_chunks
@@ -244,14 +245,16 @@ class StageExecutor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype
-        if logits_chunk_tokens is None and self.device.type == "cuda":
-            logits_chunk_tokens = GPU_LOGITS_CHUNK_TOKENS
         if logits_chunk_tokens is not None:
             if logits_chunk_tokens < 1:
                 raise ValueError(f"logits_chunk_tokens must be positive, got {logits_chunk_tokens}")
             self.chunk_tokens = logits_chunk_tokens
-        else:
-            self.chunk_tokens = max(1, logits_chunk_bytes // (4 * model.vocab_size))
+        else:  # the rule the planner prices (shared.logits_chunks)
+            self.chunk_tokens = chunk_rule(
+                model.vocab_size,
+                on_gpu=self.device.type == "cuda",
+                cpu_chunk_bytes=logits_chunk_bytes,
+            )
         self._rotary = model.make_rotary(self.device)
         self._install_router_hooks()
         # Note [sequence-chunked MLP]: the dense MLPs' forward wrapped once per skeleton.
