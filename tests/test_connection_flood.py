@@ -57,11 +57,11 @@ class _LimitedTcpCluster(LocalCluster):
         self.address = f"tcp://127.0.0.1:{self._port}"
         return super().start_coordinator()
 
-    def _spawn(self, name, args, env=None):
+    def _spawn(self, name, args, env=None, **kwargs):
         if name == "coordinator":
             assert args[:2] == ["-m", "roundpipe.coordinator.service.main"], args
             args = ["-c", _LAUNCH, str(self._nofile), *args[2:]]
-        return super()._spawn(name, args, env)
+        return super()._spawn(name, args, env, **kwargs)
 
 
 def _free_port() -> int:
