@@ -5,10 +5,11 @@ benchmarks and tests (``roundpipe demo`` has its own launcher with progress disp
 :func:`local_group` is several, one data-parallel group over loopback (docs/multi-node.md).
 
 Every daemon is a real process running its console script's entry point and logging to
-a file in ``root``: forked from this process's :mod:`roundpipe.forkserver` (which has
-the daemons' modules imported already; ``fork_daemons=False``, or a GPU worker, starts
-``sys.executable -m ...`` instead). Workers can be added, killed (SIGKILL), frozen (SIGSTOP) and thawed at
-any time; ``stop()`` terminates everything with deadlines and reports arenas left behind.
+a file in ``root``: forked from this process's :mod:`roundpipe.forkserver`, which has
+the daemons' modules imported already (``ps`` shows the server's command line for them),
+or, with ``fork_daemons=False`` and for a GPU worker, ``sys.executable -m ...``.
+Workers can be added, killed (SIGKILL), frozen (SIGSTOP) and thawed at any time;
+``stop()`` terminates everything with deadlines and reports arenas left behind.
 
 Authentication is on, as in production: the cluster makes a throwaway key set in
 ``root/keys`` (``roundpipe keys init``: the coordinator's pair and a ``worker`` key, plus
@@ -21,6 +22,7 @@ ipc:// socket then authenticates peers by their uid).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -46,6 +48,8 @@ from roundpipe.shared.keys import (
     connect_keys,
     init_keys,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Daemon", "LocalCluster", "cpu_cluster", "free_port", "group_args", "local_group"]
 
@@ -182,13 +186,17 @@ class LocalCluster:
         if self.fork_daemons and forkable and module in forkserver.ENTRY_POINTS:
             server = forkserver.shared_server()
             if server is not None and server.can_start(env):
-                proc = server.start(module, args[2:], env=env, log_path=log_path)
-                daemon = Daemon(name, proc, log_path)
-                self.daemons.append(daemon)
-                return daemon
-        with open(log_path, "a") as log:
+                try:
+                    proc = server.start(module, args[2:], env=env, log_path=log_path)
+                except forkserver.ForkServerError as exc:  # e.g. fork() out of memory
+                    log.warning("%s starts as a new interpreter: %s", name, exc)
+                else:
+                    daemon = Daemon(name, proc, log_path)
+                    self.daemons.append(daemon)
+                    return daemon
+        with open(log_path, "a") as log_file:
             proc = subprocess.Popen(
-                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+                [sys.executable, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env
             )
         daemon = Daemon(name, proc, log_path)
         self.daemons.append(daemon)

@@ -21,8 +21,9 @@ What a forked daemon shares with one started afresh, and what it does not:
   :meth:`ForkServer.can_start` accepts an environment only where those
   (:data:`IMPORT_TIME_ENV`: ``PYTHON*``, the thread pools' ``OMP_*`` and the like,
   ``CUDA_*``, torch's and Hugging Face's, ``HOME``, ``PATH``...) equal the server's.
-  This package reads its own ``ROUNDPIPE_*`` variables at run time; a variable no
-  library knows (``PYTEST_CURRENT_TEST``, a job's own) may differ. Anything else is
+  This package reads its own ``ROUNDPIPE_*`` variables at run time, but for the two
+  polling knobs listed there; a variable no library knows (``PYTEST_CURRENT_TEST``)
+  may differ. Anything else is
   started afresh by the caller.
 - The parent of the daemon is the server, not the caller; ``ps`` shows the server's
   command line for it. CUDA is never initialised in the server (it imports, never runs),
@@ -50,8 +51,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
+from typing import NoReturn, TextIO
 
 ENTRY_POINTS = {
     "roundpipe.worker.daemon": "run",
@@ -74,6 +75,9 @@ PRELOAD = (
 
 IMPORT_TIME_ENV = (
     *("PYTHON", "LD_", "MALLOC_", "TMPDIR", "HOME", "PATH", "XDG_", "LANG", "LC_"),
+    # This package's two knobs read when their modules load (shared/polling.py,
+    # shared/events.py); the rest of ROUNDPIPE_* is read at run time.
+    *("ROUNDPIPE_RECV_SPIN_US", "ROUNDPIPE_WAIT_POLL_MS"),
     *("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMEXPR_"),  # thread pools
     *("CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_"),  # torch and its libraries
     *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_"),
@@ -84,6 +88,10 @@ the server's."""
 
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 """Set in the server over its owner's environment (see the module docstring)."""
+
+HF_HUB_DEFAULTS = {"HF_HUB_OFFLINE": "1"}
+"""What both daemons set where unset (models, tokenizers and data are local); the server
+sets it before its imports."""
 
 POLL_S = 0.02
 
@@ -106,7 +114,7 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.returncode(self.pid)
+            self.returncode = self._server.exit_status(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -157,6 +165,7 @@ class ForkServer:
         """True when a daemon with this environment may be forked from this server."""
 
         def imported_under(e: Mapping[str, str]) -> dict[str, str]:
+            e = {**HF_HUB_DEFAULTS, **e}
             return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_ENV)}
 
         return self.alive() and imported_under(env) == imported_under(self.env)
@@ -189,7 +198,7 @@ class ForkServer:
         )
         return ForkedProcess(self, reply["pid"], [sys.executable, "-m", module, *args])
 
-    def returncode(self, pid: int) -> int | None:
+    def exit_status(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})["returncode"]
 
     def close(self) -> None:
@@ -218,9 +227,11 @@ class ForkServer:
 
     def _read_line(self, timeout_s: float) -> dict | None:
         # The server answers at once (a fork, a waitpid); the timeout only keeps a
-        # wedged server from hanging its owner.
+        # wedged server from hanging its owner. A late answer would be read as the next
+        # request's: the wedged server is stopped instead.
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
         if not ready:
+            self._proc.kill()
             raise ForkServerError(f"the fork server did not answer within {timeout_s:.0f}s")
         line = self._proc.stdout.readline()
         return json.loads(line) if line else None
@@ -260,7 +271,13 @@ def serve() -> None:
     """Import the daemons, then answer requests on stdin until it closes."""
     requests = os.fdopen(os.dup(0), "r")
     replies = os.fdopen(os.dup(1), "w")
-    control = (requests.fileno(), replies.fileno())
+    # Ctrl-C reaches the whole process group: the server must outlive it, for its owner
+    # to stop the daemons and learn their exit status (each daemon gets it back).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Set before the imports, as the coordinator does before it imports transformers:
+    # huggingface_hub fixes its offline mode when it is imported.
+    for name, value in HF_HUB_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)  # stderr stays the owner's: a server's own failure shows there
@@ -290,7 +307,8 @@ def serve() -> None:
                 reply({"error": f"fork failed: {exc}"})
                 continue
             if pid == 0:
-                _run_daemon(request, control)  # never returns
+                _become_daemon(request, (requests, replies))
+            exited.pop(pid, None)  # a pid reaped earlier, now another daemon's
             reply({"pid": pid})
         elif request["op"] == "poll":
             pid = request["pid"]
@@ -307,40 +325,24 @@ def serve() -> None:
             reply({"error": f"unknown request {request['op']!r}"})
 
 
-def _run_daemon(request: dict, control: tuple[int, int]) -> None:
-    """In the forked child: become the daemon the request names; exit with its status."""
-    code = 1
-    try:
-        for fd in control:
-            os.close(fd)
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        module = importlib.import_module(request["module"])
-        sys.argv = [module.__file__, *request["args"]]
-        entry = getattr(module, ENTRY_POINTS[request["module"]])
-        result = entry()
-        code = result if isinstance(result, int) else 0
-    except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - reported as python -m would, then exit 1
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+def _become_daemon(request: dict, control: tuple[TextIO, TextIO]) -> NoReturn:
+    """In the forked child: become the daemon the request names. It ends as
+    ``python -m <module>`` would: the entry point's status through ``sys.exit`` (the
+    interpreter's shutdown, atexit hooks and non-daemon threads included), an uncaught
+    exception as a traceback and status 1; it never returns to the server's loop."""
+    for stream in control:
+        stream.close()
+    log_fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    module = importlib.import_module(request["module"])
+    sys.argv = [module.__file__, *request["args"]]
+    sys.exit(getattr(module, ENTRY_POINTS[request["module"]])())
 
 
 if __name__ == "__main__":

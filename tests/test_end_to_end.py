@@ -138,11 +138,13 @@ def test_second_coordinator_on_the_same_address_exits_clearly(
 def test_worker_joining_mid_job_receives_tasks(tmp_path: Path) -> None:
     """A worker that connects while a job runs gets its share of the tasks. The job is
     held before iteration 3 (the ROUNDPIPE_TRAIN_HOLD test point) until the late worker
-    is in, so the join lands mid-job however fast the machine trains."""
+    is in, so the join lands mid-job however fast the machine trains. Its daemons are
+    new interpreters, as systemd starts them, not forks (roundpipe.forkserver): the
+    coordinator's own exit, atexit hooks and threads included, is checked that way."""
     go = tmp_path / "go"
     arena_dir = Path("/dev/shm") / f"rp-join-{os.getpid()}"
     arena_dir.mkdir()
-    c = LocalCluster(tmp_path / "cluster", arena_dir, env=hold_env(3, go))
+    c = LocalCluster(tmp_path / "cluster", arena_dir, env=hold_env(3, go), fork_daemons=False)
     try:
         c.add_worker("w1")
         c.wait_for_workers(1)
@@ -170,6 +172,8 @@ def test_worker_joining_mid_job_receives_tasks(tmp_path: Path) -> None:
         leaked = c.stop()
         shutil.rmtree(arena_dir, ignore_errors=True)
     assert leaked == []
+    assert isinstance(c.coordinator.proc, subprocess.Popen)
+    assert c.coordinator.proc.returncode == 0, c.logs()
 
 
 def test_cli_submit_wait_drives_a_job_to_its_result(cluster: LocalCluster, tmp_path: Path) -> None:

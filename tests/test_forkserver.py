@@ -81,6 +81,9 @@ def test_signals_reach_the_daemon_and_its_status_comes_back(
     assert proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(timeout=0.2)
+    # Ctrl-C in a terminal reaches the server too: it lives on to stop its daemons.
+    os.kill(server._proc.pid, signal.SIGINT)
+    assert proc.poll() is None and server.alive()
     proc.kill()
     assert proc.wait(timeout=30) == -signal.SIGKILL
     proc.kill()  # reaped: not signalled again (its pid may belong to another process)
@@ -190,7 +193,7 @@ def test_a_request_to_a_closed_server_says_so(tmp_path: Path) -> None:
     s = ForkServer()
     s.close()
     with pytest.raises(ForkServerError, match="fork server"):
-        s.returncode(1)
+        s.exit_status(1)
 
 
 def test_a_server_whose_imports_start_a_thread_refuses_and_clusters_start_daemons_afresh(
