@@ -181,26 +181,32 @@ class LocalCluster:
         where allowed, else as a new interpreter."""
         log_path = self.root / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(env or {})}
-        module = args[1] if args[:1] == ["-m"] else None
-        proc: subprocess.Popen | forkserver.ForkedProcess
-        if self.fork_daemons and forkable and module in forkserver.ENTRY_POINTS:
-            server = forkserver.shared_server()
-            if server is not None and server.can_start(env):
-                try:
-                    proc = server.start(module, args[2:], env=env, log_path=log_path)
-                except forkserver.ForkServerError as exc:  # e.g. fork() out of memory
-                    log.warning("%s starts as a new interpreter: %s", name, exc)
-                else:
-                    daemon = Daemon(name, proc, log_path)
-                    self.daemons.append(daemon)
-                    return daemon
-        with open(log_path, "a") as log_file:
-            proc = subprocess.Popen(
-                [sys.executable, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env
-            )
+        proc = self._fork(name, args, env, log_path) if forkable else None
+        if proc is None:
+            with open(log_path, "a") as log_file:
+                proc = subprocess.Popen(
+                    [sys.executable, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env
+                )
         daemon = Daemon(name, proc, log_path)
         self.daemons.append(daemon)
         return daemon
+
+    def _fork(
+        self, name: str, args: list[str], env: dict[str, str], log_path: Path
+    ) -> forkserver.ForkedProcess | None:
+        """``python -m <module> ...`` forked from the fork server; None where it may not
+        be (see :mod:`roundpipe.forkserver`) or the fork failed."""
+        module = args[1] if args[:1] == ["-m"] else None
+        if not self.fork_daemons or module not in forkserver.ENTRY_POINTS:
+            return None
+        server = forkserver.shared_server()
+        if server is None or not server.can_start(env):
+            return None
+        try:
+            return server.start(module, args[2:], env=env, log_path=log_path)
+        except forkserver.ForkServerError as exc:  # e.g. fork() out of memory
+            log.warning("%s starts as a new interpreter: %s", name, exc)
+            return None
 
     def coordinator_argv(self) -> list[str]:
         """The coordinator's command line (after the Python interpreter)."""

@@ -138,11 +138,18 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _import_time_part(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that imports read (with the daemons' own defaults)."""
+    env = {**HF_HUB_DEFAULTS, **env}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
 class ForkServer:
     """The owner's end of one fork server process (see the module docstring)."""
 
     def __init__(self, env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0):
         self.env = {**(os.environ if env is None else env), **SERVER_ENV}
+        self._imported_under = _import_time_part(self.env)
         self._lock = threading.Lock()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "roundpipe.forkserver"],
@@ -163,12 +170,7 @@ class ForkServer:
 
     def can_start(self, env: Mapping[str, str]) -> bool:
         """True when a daemon with this environment may be forked from this server."""
-
-        def imported_under(e: Mapping[str, str]) -> dict[str, str]:
-            e = {**HF_HUB_DEFAULTS, **e}
-            return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_ENV)}
-
-        return self.alive() and imported_under(env) == imported_under(self.env)
+        return self.alive() and _import_time_part(env) == self._imported_under
 
     def alive(self) -> bool:
         return self._proc.poll() is None
