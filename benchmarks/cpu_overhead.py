@@ -44,6 +44,7 @@ from pathlib import Path
 from common import demo_data_spec, plain_loop, run_runtime
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.scratch import work_dir
 from roundpipe.shared.plan import Plan
 
 CONFIG = {
@@ -223,14 +224,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup = 3, 1
-    root = Path(tempfile.mkdtemp(prefix="rp-bench-"))
-    if args.observability:
-        observability(args, root)
-        return
-    spec = make_spec(args.steps, args.microbatches, root / "out", smoke=args.smoke)
-    plain = plain_loop(spec, warmup=args.warmup, threads=args.threads)
-    one = runtime(spec, 1, args.threads, args.warmup, root)
-    two = runtime(spec, 2, max(1, args.threads // 2), args.warmup, root)
+    with work_dir("rp-bench-") as root:
+        if args.observability:
+            observability(args, root)
+            return
+        spec = make_spec(args.steps, args.microbatches, root / "out", smoke=args.smoke)
+        plain = plain_loop(spec, warmup=args.warmup, threads=args.threads)
+        one = runtime(spec, 1, args.threads, args.warmup, root)
+        two = runtime(spec, 2, max(1, args.threads // 2), args.warmup, root)
     tokens = spec.global_batch_size * spec.data.seq_len
     print(
         f"model: qwen3 hidden {spec.model.config['hidden_size']} x 8 layers, seq "

@@ -64,6 +64,7 @@ from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import PROFILE_FILE, load_profile
 from roundpipe.coordinator.planning.search import evaluate_plan
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.scratch import work_dir
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import parse_quantity
@@ -458,61 +459,63 @@ def main() -> None:
 
     device = "cpu" if args.smoke else "cuda:0"
     peak = _child("peak", {"device": device, "dtype": args.dtype})["flops_per_s"]
-    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rp-gpu-bench-"))
-    print(
-        f"device {device}, measured {args.dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
-        f"sequence {args.seq_len}, {args.microbatches} microbatches x {args.rows} row(s), "
-        f"{args.warmup} warm-up + {args.steps} timed steps; cap "
-        f"{args.memory_limit_bytes / 2**30:.0f} GiB per process"
-    )
-    header = (
-        f"{'model':15} {'system':11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs paper':>9}"
-    )
-    print(header + "  note")
-    first: dict[str, Result] = {}
-    first_per_token = 0.0
-    failed: list[str] = []
-    for name in models:
-        workdir = root / name
-        spec = make_spec(MODELS[name], args, workdir)
-        per_token = flops_per_token(spec)
-        results: dict[str, Result] = {}
-        for system in systems:
-            try:
-                results[system] = run_system(system, name, spec, args, workdir)
-            except Exception as exc:  # one failing system must not hide the others
-                results[system] = Result(note=f"failed: {str(exc).splitlines()[0][:300]}")
-            # each system's figure as soon as it is known: a run stopped by a time limit
-            # keeps the systems that finished
-            r = results[system]
-            print(f"# {name} {system}: tokens/s {r.tokens_per_s} {r.note}", flush=True)
-            if r.note.startswith("failed"):
-                failed.append(f"{name} {system}")
-        paper = results.get("paper")
-        for system, r in results.items():
-            tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
-            mfu = f"{r.tokens_per_s * per_token / peak:6.3f}" if r.tokens_per_s else f"{'-':>6}"
-            mem = f"{r.gpu_peak_gib:9.1f}" if r.gpu_peak_gib is not None else f"{'-':>9}"
-            ratio = (
-                f"{r.tokens_per_s / paper.tokens_per_s:9.2f}"
-                if r.tokens_per_s and paper is not None and paper.tokens_per_s
-                else f"{'-':>9}"
-            )
-            print(f"{name:15} {system:11} {tps} {mfu} {mem} {ratio}  {r.note}", flush=True)
-        if not first:
-            first, first_per_token = results, per_token
-    ours, paper = first.get("runtime-1w"), first.get("paper")
-    vs_paper = (
-        ours.tokens_per_s / paper.tokens_per_s
-        if ours and ours.tokens_per_s and paper and paper.tokens_per_s
-        else float("nan")
-    )
-    mfu = ours.tokens_per_s * first_per_token / peak if ours and ours.tokens_per_s else float("nan")
-    plan_error = ours.plan_error if ours and ours.plan_error is not None else float("nan")
-    print(f"RESULT vs_paper={vs_paper:.2f} mfu={mfu:.3f} plan_error={plan_error:.3f}")
-    if failed:  # a skipped system (no CUDA, no paper site) is not a failure; a crash is
-        print(f"gpu_throughput.py: {', '.join(failed)} failed (see above)", file=sys.stderr)
-        sys.exit(1)
+    with work_dir("rp-gpu-bench-", args.workdir) as root:
+        print(
+            f"device {device}, measured {args.dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
+            f"sequence {args.seq_len}, {args.microbatches} microbatches x {args.rows} row(s), "
+            f"{args.warmup} warm-up + {args.steps} timed steps; cap "
+            f"{args.memory_limit_bytes / 2**30:.0f} GiB per process"
+        )
+        header = f"{'model':15} {'system':11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs paper':>9}"
+        print(header + "  note")
+        first: dict[str, Result] = {}
+        first_per_token = 0.0
+        failed: list[str] = []
+        for name in models:
+            workdir = root / name
+            spec = make_spec(MODELS[name], args, workdir)
+            per_token = flops_per_token(spec)
+            results: dict[str, Result] = {}
+            for system in systems:
+                try:
+                    results[system] = run_system(system, name, spec, args, workdir)
+                except Exception as exc:  # one failing system must not hide the others
+                    results[system] = Result(note=f"failed: {str(exc).splitlines()[0][:300]}")
+                # each system's figure as soon as it is known: a run stopped by a time limit
+                # keeps the systems that finished
+                r = results[system]
+                print(f"# {name} {system}: tokens/s {r.tokens_per_s} {r.note}", flush=True)
+                if r.note.startswith("failed"):
+                    failed.append(f"{name} {system}")
+            paper = results.get("paper")
+            for system, r in results.items():
+                tps = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
+                mfu = f"{r.tokens_per_s * per_token / peak:6.3f}" if r.tokens_per_s else f"{'-':>6}"
+                mem = f"{r.gpu_peak_gib:9.1f}" if r.gpu_peak_gib is not None else f"{'-':>9}"
+                ratio = (
+                    f"{r.tokens_per_s / paper.tokens_per_s:9.2f}"
+                    if r.tokens_per_s and paper is not None and paper.tokens_per_s
+                    else f"{'-':>9}"
+                )
+                print(f"{name:15} {system:11} {tps} {mfu} {mem} {ratio}  {r.note}", flush=True)
+            if not first:
+                first, first_per_token = results, per_token
+        ours, paper = first.get("runtime-1w"), first.get("paper")
+        vs_paper = (
+            ours.tokens_per_s / paper.tokens_per_s
+            if ours and ours.tokens_per_s and paper and paper.tokens_per_s
+            else float("nan")
+        )
+        mfu = (
+            ours.tokens_per_s * first_per_token / peak
+            if ours and ours.tokens_per_s
+            else float("nan")
+        )
+        plan_error = ours.plan_error if ours and ours.plan_error is not None else float("nan")
+        print(f"RESULT vs_paper={vs_paper:.2f} mfu={mfu:.3f} plan_error={plan_error:.3f}")
+        if failed:  # a skipped system (no CUDA, no paper site) is not a failure; a crash is
+            print(f"gpu_throughput.py: {', '.join(failed)} failed (see above)", file=sys.stderr)
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -180,7 +180,8 @@ def _time_roundtrips(role: str, n: int, exchange: Callable[[zmq.Socket, int], No
     child process serving ``role``, after a warm-up."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
-    address = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+    sock_dir = tempfile.TemporaryDirectory(prefix="rp-ipc-")
+    address = f"ipc://{sock_dir.name}/bench.sock"
     sock.bind(address)
     child = subprocess.Popen([sys.executable, __file__, role, address])
     times = []
@@ -196,6 +197,7 @@ def _time_roundtrips(role: str, n: int, exchange: Callable[[zmq.Socket, int], No
         child.kill()
         sock.close()
         ctx.term()
+        sock_dir.cleanup()
     return times
 
 

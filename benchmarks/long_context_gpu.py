@@ -33,7 +33,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 from common import run_job, runtime_cluster  # benchmarks/ is on sys.path
@@ -45,6 +44,7 @@ from roundpipe.coordinator.planning.hardware import cpu_hardware, gpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan
 from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
+from roundpipe.scratch import work_dir
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 from roundpipe.shared.units import GiB, format_bytes, parse_quantity
@@ -140,66 +140,68 @@ def main(argv: list[str] | None = None) -> int:
         args.lengths = "4096,8192"
     lengths = sorted(int(n) for n in args.lengths.split(",") if n)
     cap = int(parse_quantity(args.memory_limit, what="--memory-limit"))
-    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rp-long-gpu-"))
-    worker = ["--cpu", "--threads", "1"] if args.smoke else ["--gpu", "0"]
-    worker += ["--memory-limit", str(cap)] if not args.smoke else []
-    specs = {n: make_spec(config, root / "data", n, args) for n in lengths}
-    planner = Planner(specs[lengths[0]], cap, cpu=args.smoke)
-    planner_max = planner.longest()
-    print(
-        f"one worker ({' '.join(worker)}); qwen3 {config['num_hidden_layers']} layers, hidden "
-        f"{config['hidden_size']}, vocab {config['vocab_size']}; {args.microbatches} "
-        f"microbatches of 1 row, {args.dtype}; {args.warmup} warm-up + 1 timed step; "
-        f"the planner's longest under {format_bytes(cap)}: {planner_max:,} tokens",
-        flush=True,
-    )
-    rows = []
-    with runtime_cluster(
-        [worker],
-        root=root / "cluster",
-        coordinator_threads=1 if args.smoke else 8,
-        coordinator_args=["--log-level", "INFO"],  # the job log's plan line: its grain
-        allow_read=[root / "data"],
-        allow_write=[root / "data"],
-    ) as cluster:
-        for seq_len in lengths:
-            try:
-                run = run_job(
-                    cluster, specs[seq_len], warmup=args.warmup, stop_after=args.warmup + 1
+    with work_dir("rp-long-gpu-", args.workdir) as root:
+        worker = ["--cpu", "--threads", "1"] if args.smoke else ["--gpu", "0"]
+        worker += ["--memory-limit", str(cap)] if not args.smoke else []
+        specs = {n: make_spec(config, root / "data", n, args) for n in lengths}
+        planner = Planner(specs[lengths[0]], cap, cpu=args.smoke)
+        planner_max = planner.longest()
+        print(
+            f"one worker ({' '.join(worker)}); qwen3 {config['num_hidden_layers']} layers, hidden "
+            f"{config['hidden_size']}, vocab {config['vocab_size']}; {args.microbatches} "
+            f"microbatches of 1 row, {args.dtype}; {args.warmup} warm-up + 1 timed step; "
+            f"the planner's longest under {format_bytes(cap)}: {planner_max:,} tokens",
+            flush=True,
+        )
+        rows = []
+        with runtime_cluster(
+            [worker],
+            root=root / "cluster",
+            coordinator_threads=1 if args.smoke else 8,
+            coordinator_args=["--log-level", "INFO"],  # the job log's plan line: its grain
+            allow_read=[root / "data"],
+            allow_write=[root / "data"],
+        ) as cluster:
+            for seq_len in lengths:
+                try:
+                    run = run_job(
+                        cluster, specs[seq_len], warmup=args.warmup, stop_after=args.warmup + 1
+                    )
+                except JobRejected as exc:  # admission: the planner says it does not fit
+                    rows.append((seq_len, "refused", None, "-", None, str(exc).splitlines()[0]))
+                    print(f"# {seq_len}: refused at submit: {exc}", flush=True)
+                    break
+                except (RuntimeError, TimeoutError) as exc:  # it must say why (memory)
+                    rows.append((seq_len, "failed", None, "-", None, str(exc).splitlines()[0]))
+                    print(f"# {seq_len}: failed: {exc}", flush=True)
+                    break
+                peak = max(run.gpu_peak_mib.values()) * 2**20 if run.gpu_peak_mib else None
+                recompute = _recompute(run.job_log)
+                need = planner.memory(seq_len, run.plan, recompute)
+                rows.append((seq_len, "yes", run.tokens_per_s, run.plan, peak, f"{need / GiB:.1f}"))
+                peak_text = f"{peak / GiB:.1f} GiB" if peak else "not measured (no nvidia-smi)"
+                print(
+                    f"# {seq_len}: trained, {run.tokens_per_s:,.0f} tokens/s, plan {run.plan} "
+                    f"({recompute} grain), peak {peak_text}, planner {need / GiB:.1f} GiB",
+                    flush=True,
                 )
-            except JobRejected as exc:  # admission: the planner says it does not fit
-                rows.append((seq_len, "refused", None, "-", None, str(exc).splitlines()[0]))
-                print(f"# {seq_len}: refused at submit: {exc}", flush=True)
-                break
-            except (RuntimeError, TimeoutError) as exc:  # it must say why (memory)
-                rows.append((seq_len, "failed", None, "-", None, str(exc).splitlines()[0]))
-                print(f"# {seq_len}: failed: {exc}", flush=True)
-                break
-            peak = max(run.gpu_peak_mib.values()) * 2**20 if run.gpu_peak_mib else None
-            recompute = _recompute(run.job_log)
-            need = planner.memory(seq_len, run.plan, recompute)
-            rows.append((seq_len, "yes", run.tokens_per_s, run.plan, peak, f"{need / GiB:.1f}"))
-            peak_text = f"{peak / GiB:.1f} GiB" if peak else "not measured (no nvidia-smi)"
-            print(
-                f"# {seq_len}: trained, {run.tokens_per_s:,.0f} tokens/s, plan {run.plan} "
-                f"({recompute} grain), peak {peak_text}, planner {need / GiB:.1f} GiB",
-                flush=True,
-            )
-    print(f"{'tokens':>8} {'trains':>7} {'tokens/s':>9} {'peak GiB':>9} {'planner GiB':>12}  plan")
-    for seq_len, ok, tps, plan, peak, note in rows:
-        tps_text = f"{tps:9,.0f}" if tps else f"{'-':>9}"
-        peak_text = f"{peak / GiB:9.1f}" if peak else f"{'-':>9}"
-        planned = note if ok == "yes" else "-"
-        print(f"{seq_len:>8} {ok:>7} {tps_text} {peak_text} {planned:>12}  {plan}")
-        if ok != "yes":
-            print(f"         {note}")
-    trained = [n for n, ok, *_ in rows if ok == "yes"]
-    failures = [note for _, ok, *_, note in rows if ok != "yes"]
-    if failures and not any(w in failures[0].lower() for w in ("memory", "fit", "cap")):
-        print(f"long_context_gpu.py: a failure that does not name memory: {failures[0]}")
-        return 1
-    print(f"RESULT max_seq_tokens={max(trained, default=0)} planner_max={planner_max}")
-    return 0
+        print(
+            f"{'tokens':>8} {'trains':>7} {'tokens/s':>9} {'peak GiB':>9} {'planner GiB':>12}  plan"
+        )
+        for seq_len, ok, tps, plan, peak, note in rows:
+            tps_text = f"{tps:9,.0f}" if tps else f"{'-':>9}"
+            peak_text = f"{peak / GiB:9.1f}" if peak else f"{'-':>9}"
+            planned = note if ok == "yes" else "-"
+            print(f"{seq_len:>8} {ok:>7} {tps_text} {peak_text} {planned:>12}  {plan}")
+            if ok != "yes":
+                print(f"         {note}")
+        trained = [n for n, ok, *_ in rows if ok == "yes"]
+        failures = [note for _, ok, *_, note in rows if ok != "yes"]
+        if failures and not any(w in failures[0].lower() for w in ("memory", "fit", "cap")):
+            print(f"long_context_gpu.py: a failure that does not name memory: {failures[0]}")
+            sys.exit(1)  # inside work_dir: the daemons' logs are kept
+        print(f"RESULT max_seq_tokens={max(trained, default=0)} planner_max={planner_max}")
+        return 0
 
 
 def _recompute(job_log: Path) -> str:

@@ -41,6 +41,7 @@ from common import demo_data_spec
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.trainer import Trainer
+from roundpipe.scratch import work_dir
 from roundpipe.worker.runtime import WorkerCore
 from roundpipe.worker.transfer import CpuEngine, EmulatedEngine
 
@@ -200,30 +201,30 @@ def main() -> None:
     # Two timed iterations, not one: only then does an iteration's last task see the next
     # iteration's first one queued behind it and prefetch its weights, as in the default.
     iterations = 2 if args.smoke else args.iterations
-    root = Path(tempfile.mkdtemp(prefix="rp-overlap-"))
-    arena_dir = Path(tempfile.mkdtemp(prefix="rp-overlap-", dir="/dev/shm"))
-    try:
-        compute_s, computed = measure(
-            root / "c", arena_dir, args.smoke, CpuEngine, iterations, False
-        )
-        # Bytes per iteration, from a run on a bus too fast to matter.
-        fast = functools.partial(EmulatedEngine, 1e12, latency_s=0.0)
-        _, dones = measure(root / "b", arena_dir, args.smoke, fast, 1, False)
-        up = sum(d.upload_bytes for d in dones)
-        down = sum(d.download_bytes for d in dones)
-        bandwidth = max(up, down) / compute_s
-        # Chunks of about 2 ms on the bus: a GPU's 8 MB chunks at 25 GB/s are 0.3 ms,
-        # small beside a stage; a slow emulated bus needs smaller ones to match.
-        chunk = max(4096, int(bandwidth * 2e-3))
-        bus = functools.partial(
-            EmulatedEngine, bandwidth, latency_s=args.latency, chunk_bytes=chunk
-        )
-        serial_s, _ = measure(root / "s", arena_dir, args.smoke, bus, iterations, False)
-        overlapped_s, _ = measure(root / "o", arena_dir, args.smoke, bus, iterations, True)
-    finally:
-        for f in arena_dir.iterdir():
-            f.unlink()
-        arena_dir.rmdir()
+    with work_dir("rp-overlap-") as root:
+        arena_dir = Path(tempfile.mkdtemp(prefix="rp-overlap-", dir="/dev/shm"))
+        try:
+            compute_s, computed = measure(
+                root / "c", arena_dir, args.smoke, CpuEngine, iterations, False
+            )
+            # Bytes per iteration, from a run on a bus too fast to matter.
+            fast = functools.partial(EmulatedEngine, 1e12, latency_s=0.0)
+            _, dones = measure(root / "b", arena_dir, args.smoke, fast, 1, False)
+            up = sum(d.upload_bytes for d in dones)
+            down = sum(d.download_bytes for d in dones)
+            bandwidth = max(up, down) / compute_s
+            # Chunks of about 2 ms on the bus: a GPU's 8 MB chunks at 25 GB/s are 0.3 ms,
+            # small beside a stage; a slow emulated bus needs smaller ones to match.
+            chunk = max(4096, int(bandwidth * 2e-3))
+            bus = functools.partial(
+                EmulatedEngine, bandwidth, latency_s=args.latency, chunk_bytes=chunk
+            )
+            serial_s, _ = measure(root / "s", arena_dir, args.smoke, bus, iterations, False)
+            overlapped_s, _ = measure(root / "o", arena_dir, args.smoke, bus, iterations, True)
+        finally:
+            for f in arena_dir.iterdir():
+                f.unlink()
+            arena_dir.rmdir()
     per_task = [d.compute_s for d in computed[: len(dones)]]
     bound = sum(
         max(c, d.upload_bytes / bandwidth, d.download_bytes / bandwidth)

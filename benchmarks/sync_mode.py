@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from roundpipe.coordinator.planning.hardware import cpu_hardware
 from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR, spec_read_dirs
+from roundpipe.scratch import work_dir
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
@@ -179,23 +179,23 @@ def main() -> None:
         help="also run this plan (train.plan) at both settings; may be repeated",
     )
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="rp-bench-sync-"))
-    spec = demo_spec(1, None, args.steps, root / "sim")
-    try:
-        rows, unsplit_plan = simulate(spec, args.workers, args.plan)
-    except ValueError as exc:  # a --plan that does not parse or fit the demo's layers
-        parser.error(f"--plan: {exc}")
-    cases: list[tuple[str, float | None, str | None]] = []
-    if not args.no_runtime:
-        cases.append(("runtime", None, None))
-        if not args.no_unsplit_runs:
-            cases.append(("runtime, unsplit", None, str(unsplit_plan)))
-        if not args.no_clip_runs:
-            cases.append(("runtime, clip 1.0", 1.0, None))
-        cases += [(f"runtime, {Plan.parse(t)}", None, t) for t in args.plan]
-    rates = {(label, s): [] for label, _, _ in cases for s in (0, 1)}
-    if cases:
-        _run_cases(cases, args, spec, root, rates)
+    with work_dir("rp-bench-sync-") as root:
+        spec = demo_spec(1, None, args.steps, root / "sim")
+        try:
+            rows, unsplit_plan = simulate(spec, args.workers, args.plan)
+        except ValueError as exc:  # a --plan that does not parse or fit the demo's layers
+            parser.error(f"--plan: {exc}")
+        cases: list[tuple[str, float | None, str | None]] = []
+        if not args.no_runtime:
+            cases.append(("runtime", None, None))
+            if not args.no_unsplit_runs:
+                cases.append(("runtime, unsplit", None, str(unsplit_plan)))
+            if not args.no_clip_runs:
+                cases.append(("runtime, clip 1.0", 1.0, None))
+            cases += [(f"runtime, {Plan.parse(t)}", None, t) for t in args.plan]
+        rates = {(label, s): [] for label, _, _ in cases for s in (0, 1)}
+        if cases:
+            _run_cases(cases, args, spec, root, rates)
     for label, _, _ in cases:
         s0, s1 = rates[(label, 0)], rates[(label, 1)]
         pairs = [a / b for a, b in zip(s0, s1, strict=True)]

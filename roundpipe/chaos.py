@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -571,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_args=["--emulate-pcie", args.emulate_pcie] if args.emulate_pcie else (),
         )
     except JobRejected as exc:  # e.g. more host memory than this machine has
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
         return _error(str(exc), 2)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
@@ -579,9 +582,14 @@ def main(argv: list[str] | None = None) -> int:
             f.unlink()
         arena_dir.rmdir()
     print(report.table())
+    # A failure's daemon logs and models are the evidence: kept. A pass's are not worth
+    # the space in /tmp unless the user named the directory.
+    kept = bool(args.workdir) or not report.ok
+    if not kept:
+        shutil.rmtree(root, ignore_errors=True)
     print(
         f"chaos: {'PASS' if report.ok else 'FAIL'}: {report.injected} fault(s) injected "
-        f"mid-job (seed {seed}; work dir {root})"
+        f"mid-job (seed {seed}; work dir {root if kept else 'removed'})"
     )
     return 0 if report.ok else 1
 

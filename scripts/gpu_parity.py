@@ -30,6 +30,7 @@ from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR  # the installed package's
+from roundpipe.scratch import work_dir
 
 
 def spec(out: Path, steps: int) -> JobSpec:
@@ -99,13 +100,19 @@ def main() -> int:
     device = shlex.split(args.device)
     if args.smoke:
         device = ["--cpu", "--threads", "1", "--emulate-pcie", "200MB/s"]
-    if args.workdir:
-        root = Path(args.workdir)
-    elif os.environ.get("GPU_CHECK_OUT"):
-        root = Path(os.environ["GPU_CHECK_OUT"]) / "parity-work"
-    else:
-        root = Path(tempfile.mkdtemp(prefix="rp-parity-"))
-    print(f"daemon logs and job outputs in {root}", flush=True)
+    named = args.workdir
+    if named is None and os.environ.get("GPU_CHECK_OUT"):
+        named = Path(os.environ["GPU_CHECK_OUT"]) / "parity-work"
+    with work_dir("rp-parity-", named) as root:
+        print(f"daemon logs and job outputs in {root}", flush=True)
+        code = compare(args, device, root)
+        if code:
+            sys.exit(code)  # inside work_dir: a temporary one is kept for its logs
+    return 0
+
+
+def compare(args: argparse.Namespace, device: list[str], root: Path) -> int:
+    """Both loss curves, the table and the RESULT line; 0 when they agree."""
     reference = losses(root / "cpu", ["--cpu", "--threads", "1"], args.steps, args.wait_s)
     try:
         measured = losses(root / "device", device, args.steps, args.wait_s)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,14 +26,24 @@ import sync_mode  # noqa: E402
 
 
 def _run_benchmark(script: str, *args: str, timeout_s: float = 300) -> str:
-    """Run ``benchmarks/<script> args`` to completion; its stdout."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Run ``benchmarks/<script> args`` to completion; its stdout. A run that succeeds
+    leaves nothing in its temporary directory (``$TMPDIR``): run on a shared server, or
+    many times by this suite, a benchmark must not fill /tmp."""
+    with tempfile.TemporaryDirectory(prefix="rp-bench-tmp-") as tmp:
+        result = subprocess.run(
+            [sys.executable, str(BENCHMARKS / script), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "TMPDIR": tmp},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        # torchinductor_<user> is torch's compile cache, made when torch._dynamo is
+        # imported and shared by every later run: not the benchmark's.
+        left = sorted(
+            p.name for p in Path(tmp).iterdir() if not p.name.startswith("torchinductor_")
+        )
+        assert not left, f"{script} left {left} in $TMPDIR"
     return result.stdout
 
 

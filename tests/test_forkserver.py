@@ -93,7 +93,7 @@ def test_a_forked_coordinator_runs_in_the_working_directory_it_was_given(
     server: ForkServer, tmp_path: Path
 ) -> None:
     """Relative paths resolve against the caller's directory, as they would for a
-    coordinator started there; SIGTERM stops it with status 0."""
+    coordinator started there; SIGTERM stops it with status 0, its socket file removed."""
     sock = f"/tmp/rp-fs-{os.getpid()}.sock"
     proc = server.start(
         COORD,
@@ -111,7 +111,10 @@ def test_a_forked_coordinator_runs_in_the_working_directory_it_was_given(
     finally:
         proc.terminate()
         code = proc.wait(timeout=60)
+        left_behind = os.path.exists(sock)
+        Path(sock).unlink(missing_ok=True)
     assert code == 0, (tmp_path / "c.log").read_text()
+    assert not left_behind, "a stopped coordinator removes its ipc socket file"
 
 
 def test_only_the_daemons_entry_points_and_import_time_variables_it_shares_are_forked(

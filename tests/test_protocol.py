@@ -1445,13 +1445,14 @@ def test_receive_loop_survives_garbage(transport: str) -> None:
     client = ctx.socket(zmq.DEALER if routed else zmq.PAIR)
     for s in (server, client):
         s.setsockopt(zmq.LINGER, 0)
+    # A short private directory: ipc paths are limited to ~100 characters.
+    sock_dir = tempfile.TemporaryDirectory(prefix="rp-")
     try:
         if routed:
             port = server.bind_to_random_port("tcp://127.0.0.1")
             client.connect(f"tcp://127.0.0.1:{port}")
         else:
-            # A short private directory: ipc paths are limited to ~100 characters.
-            address = f"ipc://{tempfile.mkdtemp(prefix='rp-')}/protocol.sock"
+            address = f"ipc://{sock_dir.name}/protocol.sock"
             server.bind(address)
             client.connect(address)
         for frames in _GARBAGE:
@@ -1466,6 +1467,7 @@ def test_receive_loop_survives_garbage(transport: str) -> None:
     finally:
         server.close()
         client.close()
+        sock_dir.cleanup()
 
 
 def test_error_codes_are_one_closed_set() -> None:

@@ -404,6 +404,10 @@ class Coordinator:
             self.router.disable_monitor()
             self.handshake_events.close()
             self.router.close()
+            if self.address.startswith("ipc://"):
+                # libzmq leaves the socket file; a stopped coordinator leaves nothing (the
+                # bind refused to take over a live one, so the file is this daemon's).
+                Path(self.address[len("ipc://") :]).unlink(missing_ok=True)
             self.outbox.close()
             self.zap.close()
             self.ctx.term()
