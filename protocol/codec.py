@@ -126,6 +126,7 @@ __all__ = [
     "decode_as",
     "encode",
     "encoded_size",
+    "message_type",
 ]
 
 DEFAULT_MAX_BODY_BYTES: int = 16 * 1024 * 1024
@@ -202,6 +203,18 @@ def decode(frames: Sequence[bytes], *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     exception type.
     """
     return _decode(frames, max_body_bytes, None)
+
+
+def message_type(frame: bytes | memoryview) -> type[Message] | None:
+    """The message type a frame's header names, read without touching its body (a
+    receiver can then choose the body limit to decode it with); None when the header
+    names no registered type. The version is not checked here: :func:`decode` does, and
+    says so."""
+    view = memoryview(frame)
+    if view.nbytes <= _HEADER_BYTES or view[:2] != _MAGIC:
+        return None
+    body_at = _HEADER_BYTES + 1 + view[_HEADER_BYTES]
+    return _REGISTRY_BY_NAME_BYTES.get(view[_HEADER_BYTES + 1 : body_at].tobytes())
 
 
 def decode_as(

@@ -406,6 +406,12 @@ class TaskDone(Message):
     wait_s: NonNegFloat = 0.0
 
 
+MAX_FAILURE_TEXT_CHARS = 64 * 1024
+"""Most characters of TaskFailed's ``message`` and of its ``traceback`` each: a worker
+cuts longer ones (keeping the traceback's end, where the error is), and the coordinator
+refuses a TaskFailed larger than these allow (coordinator/service/inbound.py)."""
+
+
 @declare_message
 class TaskFailed(Message):
     """A task raised. Signals it already stored stay stored; a retry rewrites only what

@@ -7,9 +7,11 @@ over its real socket, then checks the coordinator still answers.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -17,12 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from coordinator_helpers import serving
 from runtime_helpers import coordinator_only, fake_hello
 
 from roundpipe.client import Client
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.service.daemon import Coordinator
+from roundpipe.coordinator.service.inbound import DEFAULT_FRAME_LIMIT, frame_limit
 from roundpipe.coordinator.service.jobs import MAX_TEXT_CHARS, JobRecord
 from roundpipe.coordinator.service.jobstore import JobStore
 from roundpipe.coordinator.service.workers import MAX_NAME_CHARS
@@ -32,15 +36,18 @@ from roundpipe.protocol import (
     MAX_REPLY_BYTES,
     ErrorReply,
     GetJobStatus,
+    Hello,
     ListWorkers,
     Message,
     ProgressEvent,
     SubmitJob,
+    TaskFailed,
     Welcome,
     WorkerList,
     decode,
     encode,
 )
+from roundpipe.shared.keys import apply_connect_keys
 
 CLI = [sys.executable, "-m", "roundpipe.cli"]
 
@@ -95,15 +102,88 @@ def test_frame_over_the_socket_limit_is_dropped_before_it_is_read(cluster: Local
     _alive(cluster)
 
 
-def test_fake_hellos_with_huge_names_then_list_workers(cluster: LocalCluster) -> None:
+def test_a_hello_too_large_to_keep_is_refused_unread(cluster: LocalCluster) -> None:
+    """A Hello is kept for as long as its worker stays connected: 20 of 15 MiB each
+    once held 350 MiB of the coordinator's memory."""
+    hello = fake_hello(
+        worker_name="huge-" + "n" * 4_000_000,
+        device="cpu",
+        device_index=None,
+        device_name="d",
+        memory_bytes=2**34,
+        compute_capability=None,
+    )
+    reply = _ask(cluster, encode(hello), as_="worker")
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol_error", reply
+    limit = frame_limit(Hello)
+    assert f"refused unread: Hello of {len(encode(hello)[0])} bytes" in reply.message, reply
+    assert f"over the limit of {limit}" in reply.message
+    assert not [w for w in cluster.client.workers() if w.name.startswith("huge")]
+    _alive(cluster)
+
+
+def test_a_message_of_many_frames_is_refused_without_keeping_them(cluster: LocalCluster) -> None:
+    frames = encode(GetJobStatus(job_id="x")) * 20_000
+    reply = _ask(cluster, frames)
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol_error", reply
+    assert "a message has 1 frame, this one 20000" in reply.message, reply
+    _alive(cluster)
+
+
+def test_any_type_over_its_limit_is_refused_unread(cluster: LocalCluster) -> None:
+    """Decoding is the cost (a 16 MiB body of a type holding ``Any`` took 3 s of the I/O
+    thread): past its type's limit a frame is answered from its header alone."""
+    frame = encode(GetJobStatus(job_id="x" * (DEFAULT_FRAME_LIMIT + 10)))[0]
+    reply = _ask(cluster, [frame])
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol_error", reply
+    assert f"GetJobStatus of {len(frame)} bytes is over the limit of" in reply.message
+    # A worker's failure report may be larger, up to what its cut texts make.
+    assert frame_limit(TaskFailed) > DEFAULT_FRAME_LIMIT
+    _alive(cluster)
+
+
+def test_claimed_routing_ids_cannot_abort_the_coordinator(cluster: LocalCluster) -> None:
+    """libzmq's ROUTER aborts the process when its next automatic routing id (b"\\0" +
+    a counter started from rand()) is one a peer claimed; unseeded, rand() starts the
+    same in every process, so a client claiming the next ids killed the coordinator as
+    soon as another peer connected. The claims here are those ids: the first values
+    of an unseeded rand() as libzmq forms them."""
+    libc = ctypes.CDLL(None)
+    libc.srand(1)  # glibc's sequence when nobody seeds it
+    draws = [libc.rand() for _ in range(8)]
+    starts = [(draws[i] | (draws[i + 1] << 31)) & 0xFFFFFFFF for i in range(0, 8, 2)]
+    claimers = []
+    try:
+        for start in starts:
+            for k in range(10):
+                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTING_ID, b"\0" + struct.pack(">I", (start + k) & 0xFFFFFFFF))
+                apply_connect_keys(sock, cluster._keys("admin"))
+                sock.connect(cluster.address)
+                claimers.append(sock)
+                sock.send_multipart(encode(GetJobStatus(job_id="x")))
+        for sock in claimers:  # answered: each claim is registered
+            assert sock.poll(30_000), cluster.logs()
+            sock.recv_multipart()
+        for _ in range(20):  # honest peers, whose ids the ROUTER makes
+            reply = _ask(cluster, encode(ListWorkers()))
+            assert isinstance(reply, WorkerList), (reply, cluster.logs())
+    finally:
+        for sock in claimers:
+            sock.close()
+    _alive(cluster)
+
+
+def test_fake_hellos_with_long_names_then_list_workers(cluster: LocalCluster) -> None:
     socks = []
     try:
         for i in range(2):
             hello = fake_hello(
-                worker_name=f"fake{i}-" + "n" * 4_000_000,
+                worker_name=f"fake{i}-" + "n" * 5_000,
                 device="cpu",
                 device_index=None,
-                device_name="d" * 4_000_000,
+                device_name="d" * 5_000,
                 memory_bytes=2**34,
                 compute_capability=None,
             )
@@ -210,8 +290,11 @@ def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) 
 
 
 def test_unknown_job_id_of_megabytes_gets_a_short_error(cluster: LocalCluster) -> None:
-    reply = _ask(cluster, encode(GetJobStatus(job_id="j" * 15_000_000)))
+    reply = _ask(cluster, encode(GetJobStatus(job_id="j" * 200_000)))  # decoded
     assert isinstance(reply, ErrorReply) and reply.code == "unknown_job"
+    assert len(reply.message) < 1000
+    reply = _ask(cluster, encode(GetJobStatus(job_id="j" * 15_000_000)))  # refused unread
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol_error"
     assert len(reply.message) < 1000
     _alive(cluster)
 
@@ -337,3 +420,26 @@ def test_spec_checker_child_exits_with_a_killed_coordinator(
         assert not alive, f"still running after the coordinator died: {alive}"
     finally:
         cluster.stop()
+
+
+def test_a_workers_failure_report_always_fits_the_coordinators_limit() -> None:
+    """The worker cuts a failure's message (keeping its start) and traceback (keeping
+    its end, where the error is) so that the TaskFailed is never refused unread."""
+    from roundpipe.worker.daemon import _cut
+
+    text = "\U0001f525" * 300_000  # 4 bytes a character in UTF-8: the worst case
+    message, trace = _cut("start " + text, keep="start"), _cut(text + " end", keep="end")
+    assert message.startswith("start ") and trace.endswith(" end")
+    assert "characters left out" in message and "characters left out" in trace
+    failed = TaskFailed(
+        job_id="j" * 64,
+        task_id=1,
+        attempt=0,
+        worker_id=0,
+        error_type="RuntimeError",
+        message=message,
+        traceback=trace,
+        retryable=True,
+    )
+    assert len(encode(failed)[0]) <= frame_limit(TaskFailed)
+    assert _cut("short", keep="end") == "short"

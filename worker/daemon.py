@@ -51,6 +51,7 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
+from roundpipe.protocol.worker_messages import MAX_FAILURE_TEXT_CHARS
 from roundpipe.shared.handoff import HandoffLost
 from roundpipe.shared.keys import ConnectKeys, KeyFileError, apply_connect_keys, connect_keys
 from roundpipe.shared.polling import poll_spinning
@@ -409,10 +410,20 @@ class WorkerDaemon:
             attempt=task.attempt,
             worker_id=core.worker_id,
             error_type=type(exc).__name__,
-            message=describe_failure(exc),
-            traceback=traceback.format_exc(),
+            message=_cut(describe_failure(exc), keep="start"),
+            traceback=_cut(traceback.format_exc(), keep="end"),
             retryable=retryable,
         )
+
+
+def _cut(text: str, keep: str) -> str:
+    """``text`` within MAX_FAILURE_TEXT_CHARS (the coordinator refuses a larger
+    TaskFailed): its start or its end, and how much was left out."""
+    if len(text) <= MAX_FAILURE_TEXT_CHARS:
+        return text
+    note = f"[... {len(text) - MAX_FAILURE_TEXT_CHARS + 64:,} characters left out ...]"
+    room = MAX_FAILURE_TEXT_CHARS - 64
+    return f"{text[:room]}\n{note}" if keep == "start" else f"{note}\n{text[-room:]}"
 
 
 class _Outbox:

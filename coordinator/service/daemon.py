@@ -33,7 +33,9 @@ connection, for a task dispatched to it; a lost worker is SIGKILLed only if its 
 is provably the worker's (coordinator.workers, Note [no fencing by hearsay]).
 
 Nothing a peer sends can end the I/O loop: the socket refuses frames over
-``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); lists are answered a page of
+``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); a message is read a frame at
+a time and a frame over its type's limit is answered unread (Note [inbound limits],
+coordinator.inbound, which also makes the ROUTER's routing ids unpredictable); lists are answered a page of
 at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to ``MAX_TEXT_CHARS`` (with
 a count of what was cut), so every reply is encodable; a reply that still cannot be
 encoded becomes an ErrorReply; and any exception while handling one message is logged
@@ -75,6 +77,12 @@ from roundpipe.coordinator.service.connections import (
     handle_monitor_events,
 )
 from roundpipe.coordinator.service.figures import current_tasks, job_figures
+from roundpipe.coordinator.service.inbound import (
+    Received,
+    frame_limit,
+    receive,
+    unpredictable_routing_ids,
+)
 from roundpipe.coordinator.service.job_runner import JobRunner
 from roundpipe.coordinator.service.jobs import JobBook, bounded_text
 from roundpipe.coordinator.service.jobstore import JobStore
@@ -89,11 +97,13 @@ from roundpipe.coordinator.service.workers import (
     implausible_hardware,
     provable_worker_process,
 )
+from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES
 from roundpipe.coordinator.spec.paths import PathPolicy, modes
 from roundpipe.coordinator.training.job_events import WorkerJoined, WorkerLost
 from roundpipe.coordinator.training.multinode import NodeGroup
 from roundpipe.protocol import (
     DEFAULT_MAX_BODY_BYTES,
+    NUM_FRAMES,
     PROTOCOL_VERSION,
     ErrorReply,
     Heartbeat,
@@ -109,6 +119,7 @@ from roundpipe.protocol import (
     Welcome,
     decode,
     encode,
+    message_type,
 )
 from roundpipe.shared.arena import check_arena_root, default_arena_dir, remove_stale_arenas
 from roundpipe.shared.polling import poll_spinning
@@ -141,8 +152,9 @@ _OUTBOX = "inproc://rp-coordinator-outbox"
 
 MAX_FRAME_BYTES = DEFAULT_MAX_BODY_BYTES + 256
 """ZMQ_MAXMSGSIZE of the ROUTER: libzmq drops the connection of a peer sending a larger
-frame instead of reading it into memory first (decode would refuse its body anyway;
-256 bytes cover header and type name)."""
+frame instead of reading it into memory first. Smaller frames are read, and one over its
+type's limit is answered unread (Note [inbound limits]): a spec of a few MiB then gets
+a reply saying why, not silence."""
 
 
 class AddressInUse(RuntimeError):
@@ -243,6 +255,7 @@ class Coordinator:
             raise AddressInUse(f"another coordinator is already serving {self.address}")
         # The ZAP handler must be bound before any peer connects: libzmq refuses every
         # handshake while ZAP_DOMAIN is set and no handler listens.
+        unpredictable_routing_ids()  # Note [inbound limits]
         self.zap = self.ctx.socket(zmq.ROUTER)
         self.zap.setsockopt(zmq.LINGER, 0)
         self.zap.bind(ZAP_ENDPOINT)
@@ -434,19 +447,23 @@ class Coordinator:
         self._send(identity, encode_reply(reply))
 
     def _on_router(self) -> None:
-        parts = self.router.recv_multipart(copy=False)
-        identity = parts[0].bytes
+        got = receive(self.router)  # Note [inbound limits]
+        identity = got.identity
         assert self.auth is not None
-        peer = self.auth.peer(parts[-1])
+        peer = self.auth.peer(got.last)
         if peer is None:
             # Authenticated at connect time, but its key has since been removed.
             self.auth.refusals.warning(
                 "revoked", "dropped a message from an identity no longer authorised"
             )
             return
-        frames = [p.bytes for p in parts[1:]]
+        refusal = self._oversized(got, peer)
+        if refusal is not None:
+            self._reply(identity, refusal)
+            return
+        frames = [f.bytes for f in got.frames]
         try:
-            msg = decode(frames)
+            msg = decode(frames, max_body_bytes=frame_limit(message_type(frames[0])))
         except ProtocolVersionError as exc:
             self._noisy.warning(
                 "version", "rejected a peer speaking protocol %s: %s", exc.seen_version, exc
@@ -486,12 +503,33 @@ class Coordinator:
         elif isinstance(msg, (SubmitJob, ResumeJob)):
             # Answered on the admission thread: validating a spec reads files (the data,
             # the model's config) and must not hold up this loop.
-            size = len(frames[0]) if len(frames) == 1 else 0
-            refusal = self.admissions.offer(identity, msg, peer, size)
+            refusal = self.admissions.offer(identity, msg, peer)
             if refusal is not None:
                 self._reply(identity, refusal)
         else:
             self._reply(identity, self.requests.answer(msg, peer))
+
+    def _oversized(self, got: Received, peer: Peer) -> ErrorReply | None:
+        """The refusal of a message with frames beyond its one, or a frame over its
+        type's limit, before any of it is decoded (Note [inbound limits])."""
+        if got.dropped or len(got.frames) != NUM_FRAMES:
+            problem = f"a message has {NUM_FRAMES} frame, this one {len(got.frames) + got.dropped}"
+        else:
+            size = len(got.frames[0].buffer)
+            cls = message_type(got.frames[0].buffer)
+            if size <= frame_limit(cls):
+                return None
+            if cls is SubmitJob:
+                return ErrorReply(
+                    code="bad_spec",
+                    message=f"the job spec is {size} bytes, more than the limit of "
+                    f"{MAX_SPEC_BYTES}; a spec names files, it does not hold data",
+                )
+            what = cls.__name__ if cls is not None else "a message of no known type"
+            problem = f"{what} of {size} bytes is over the limit of {frame_limit(cls)}"
+        assert self.auth is not None
+        self.auth.refusals.warning("malformed", "refused from %s unread: %s", peer.name, problem)
+        return ErrorReply(code="protocol_error", message=f"refused unread: {problem}")
 
     def _forbid(self, identity: bytes, peer: Peer, msg: Message) -> None:
         self.auth.refusals.warning(  # type: ignore[union-attr]

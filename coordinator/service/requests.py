@@ -34,7 +34,7 @@ from roundpipe.coordinator.service.jobs import (
 from roundpipe.coordinator.service.jobstore import JobStoreError
 from roundpipe.coordinator.service.workers import MAX_NAME_CHARS, WorkerTable
 from roundpipe.coordinator.spec.errors import JobSpecError
-from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES, JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy, check_ownership
 from roundpipe.coordinator.training.multinode import NodeGroup, node_microbatches
 from roundpipe.protocol import (
@@ -334,17 +334,10 @@ class Admissions:
             MAX_PENDING_ADMISSIONS
         )
 
-    def offer(
-        self, identity: bytes, msg: SubmitJob | ResumeJob, peer: Peer, size: int
-    ) -> ErrorReply | None:
-        """Queue a submission (its spec ``size`` bytes long) or resume for the thread;
-        the refusal to send at once instead, if the spec is too big or the queue full."""
-        if isinstance(msg, SubmitJob) and size > MAX_SPEC_BYTES:
-            return ErrorReply(
-                code="bad_spec",
-                message=f"the job spec is {size} bytes, more than the limit of "
-                f"{MAX_SPEC_BYTES}; a spec names files, it does not hold data",
-            )
+    def offer(self, identity: bytes, msg: SubmitJob | ResumeJob, peer: Peer) -> ErrorReply | None:
+        """Queue a submission or resume for the thread; the refusal to send at once
+        instead, if the queue is full (a spec over MAX_SPEC_BYTES never gets here: the
+        I/O thread refuses it unread, Note [inbound limits])."""
         try:
             self._queue.put_nowait((identity, msg, peer))
         except queue.Full:
