@@ -118,6 +118,20 @@ def test_a_deterministically_failing_task_fails_the_job_after_bounded_retries(
         assert cluster.stop() == []
 
 
+def test_the_only_worker_retries_a_task_that_failed_once(tmp_path: Path, arena_dir: Path) -> None:
+    """One worker (one GPU): a task that fails once is retried on the same worker. It
+    used to wait for another worker to join, and the job hung "waiting for a worker"."""
+    cluster = LocalCluster(tmp_path, arena_dir, coordinator_args=["--worker-timeout", "2"])
+    try:
+        cluster.add_worker("only", fault="raise@kind=tail,iteration=1")
+        cluster.wait_for_workers(1)
+        status = cluster.client.submit(tiny_spec(tmp_path / "out", steps=3)).wait(timeout_s=300)
+        assert status.state == "succeeded" and status.step == 3, (status, cluster.logs())
+        assert "retry 1 of 2" in cluster.coordinator.tail(10**6)
+    finally:
+        assert cluster.stop() == []
+
+
 def test_job_waits_with_no_worker_and_continues_when_one_joins(
     tmp_path: Path, arena_dir: Path
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from protocol_helpers import sample_stage_task, task_failed
 
+from roundpipe.coordinator.training import recovery
 from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskGaveUp, TaskTracker
 from roundpipe.protocol import StageTask, TaskDone
 
@@ -93,3 +94,36 @@ def test_progress_deadline_finds_a_hung_worker() -> None:
     tracker.completed(done(1, 2, seconds=1.0))  # slowest task 1 s -> deadline 10 s
     assert tracker.hung_workers(start + 9) == []
     assert tracker.hung_workers(start + 11) == [1]
+
+
+def test_the_only_worker_retries_its_own_failed_task() -> None:
+    """With one worker there is no other to retry on: the task goes back to it (it was
+    parked, waiting for a worker that never joins, and the job hung)."""
+    tracker, pool = make([1], max_attempts=3)
+    tracker.dispatch(task(7))
+    tracker.failed(task_failed("j", 7, 0, 1, "OutOfMemoryError", "CUDA out of memory"))
+    assert pool.sent[-1] == (7, 1, 1) and not tracker.parked
+    assert not tracker.waiting_for_workers
+    tracker.failed(task_failed("j", 7, 1, 1, "OutOfMemoryError", "CUDA out of memory"))
+    with pytest.raises(TaskGaveUp, match="failed 3 times"):
+        tracker.failed(task_failed("j", 7, 2, 1, "OutOfMemoryError", "CUDA out of memory"))
+
+
+def test_idle_time_between_tasks_is_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline of a worker that had nothing to do runs from its next task: a pause
+    between iterations (a drained checkpoint of a large model) longer than the deadline
+    fenced every worker half a second after the next iteration began."""
+    clock = [1000.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: clock[0])
+    tracker, _ = make([1, 2], deadline_floor_s=5.0, deadline_factor=10.0)
+    tracker.dispatch(task(0))
+    tracker.dispatch(task(1))
+    clock[0] += 0.1
+    tracker.completed(done(0, 1, seconds=0.1))
+    tracker.completed(done(1, 2, seconds=0.1))
+    clock[0] += 60  # a minute with nothing in flight
+    tracker.dispatch(task(2))
+    tracker.dispatch(task(3))
+    assert tracker.hung_workers(clock[0] + 0.5) == []
+    assert tracker.hung_workers(clock[0] + 4) == []
+    assert sorted(tracker.hung_workers(clock[0] + 6)) == [1, 2]  # a real hang still is one

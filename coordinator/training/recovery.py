@@ -131,7 +131,7 @@ class TaskTracker:
                 f"{msg.worker_id}: {msg.error_type}: {msg.message}"
             )
         log.warning(
-            "[recovery] task %d failed on worker %d (%s: %s); retry %d of %d elsewhere",
+            "[recovery] task %d failed on worker %d (%s: %s); retry %d of %d",
             task.task_id,
             msg.worker_id,
             msg.error_type,
@@ -139,7 +139,10 @@ class TaskTracker:
             count,
             self.policy.max_attempts - 1,
         )
-        self._redispatch([task], avoid=msg.worker_id)
+        # Another worker if there is one; the same one if it is the only one left (a
+        # one-GPU job must still retry, or the task would wait for a worker that never
+        # joins).
+        self._redispatch([task], avoid=msg.worker_id, or_else_same=True)
 
     # -- worker loss ------------------------------------------------------------------
 
@@ -172,10 +175,14 @@ class TaskTracker:
         self._redispatch(stranded, avoid=worker_id)
         return [t.task_id for t in stranded]
 
-    def _redispatch(self, tasks: list[StageTask], *, avoid: int) -> None:
+    def _redispatch(
+        self, tasks: list[StageTask], *, avoid: int, or_else_same: bool = False
+    ) -> None:
         for task in tasks:
             retry = replace(task, attempt=task.attempt + 1)
-            self._assign(retry, [w for w in self.live_workers() if w != avoid])
+            live = self.live_workers()
+            others = [w for w in live if w != avoid]
+            self._assign(retry, others or ([avoid] if or_else_same and avoid in live else []))
 
     def _assign(self, task: StageTask, candidates: list[int]) -> None:
         """Send to the next candidate round-robin, or park the task if there is none."""
@@ -184,8 +191,12 @@ class TaskTracker:
             return
         worker_id = candidates[self._round_robin % len(candidates)]
         self._round_robin += 1
-        self.in_flight[task.task_id] = _Entry(task, worker_id, time.monotonic())
-        self._last_progress.setdefault(worker_id, time.monotonic())
+        now = time.monotonic()
+        if not any(e.worker_id == worker_id for e in self.in_flight.values()):
+            # Idle until now: its deadline runs from this task, not from its last
+            # completion (a pause between iterations, a drained checkpoint, is no hang).
+            self._last_progress[worker_id] = now
+        self.in_flight[task.task_id] = _Entry(task, worker_id, now)
         self.send(task, worker_id)
 
     def hung_workers(self, now: float | None = None) -> list[int]:
