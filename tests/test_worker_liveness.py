@@ -48,3 +48,33 @@ def test_waiting_for_named_workers_waits_out_the_one_replaced(tmp_path: Path) ->
         cluster.add_worker("w3")
         cluster.wait_for_workers(2, exactly=["w1", "w3"])
         assert sorted(w.name for w in cluster.client.workers()) == ["w1", "w3"]
+
+
+def test_a_worker_that_reconnects_is_not_killed_under_its_old_registration(
+    tmp_path: Path,
+) -> None:
+    """The coordinator's loop stalls longer than the worker's --coordinator-timeout: the
+    worker gives up on it and registers again on a new connection, the same process.
+    Its old registration is lost at once (its tasks would be re-dispatched), and its
+    process is not fenced: it used to be SIGKILLed a heartbeat timeout later."""
+    with cpu_cluster(
+        tmp_path,
+        "reconnect",
+        ["--worker-timeout", str(TIMEOUT_S)],
+        num_workers=1,
+        worker_args=["--coordinator-timeout", "2"],
+    ) as cluster:
+        worker = cluster.workers["w1"]
+        cluster.coordinator.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(3)  # the stall itself: past the worker's 2 s, not the coordinator's
+        finally:
+            cluster.coordinator.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while "lost: reconnected as worker" not in cluster.coordinator.tail(100_000):
+            assert time.monotonic() < deadline and worker.alive(), cluster.logs()
+            time.sleep(0.05)
+        time.sleep(TIMEOUT_S + 1)  # past the old registration's heartbeat timeout
+        assert worker.alive(), cluster.logs()
+        assert "fenced" not in cluster.coordinator.tail(100_000), cluster.logs()
+        assert [w.name for w in cluster.client.workers()] == ["w1"], cluster.logs()

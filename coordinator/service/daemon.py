@@ -651,14 +651,15 @@ class Coordinator:
         with self._lock:
             lost = self.workers.take_lost(self.worker_timeout_s)
             active = self.book.active
-        for entry, reason in lost:
+        for entry, reason, fence in lost:
             log.warning(
                 "[coordinator] worker %d (%s) lost: %s",
                 entry.worker_id,
-                entry.hello.worker_name,
+                bounded_text(entry.hello.worker_name, MAX_NAME_CHARS),
                 reason,
             )
-            fence_process(entry)  # a frozen process must never wake up and write
+            if fence:
+                fence_process(entry)  # a frozen process must never wake up and write
             if active is not None and active.trainer is not None:
                 active.trainer.inbox.put(WorkerLost(entry.worker_id, reason))
 

@@ -78,6 +78,8 @@ class WorkerTable:
         # Which worker each dispatched task went to: (job id, task id) -> worker id. A
         # TaskDone/TaskFailed is accepted only from that worker.
         self._assigned: dict[tuple[str, int], int] = {}
+        # Registrations replaced by their own process reconnecting: lost, never fenced.
+        self._superseded: list[tuple[WorkerEntry, str]] = []
 
     # -- joining and being heard ------------------------------------------------------
 
@@ -88,6 +90,16 @@ class WorkerTable:
         connection ``identity``; returns its worker id."""
         with self._lock:
             wid = self._by_identity.get(identity) or next(self._worker_ids)
+            if process is not None:
+                # The same process on a new connection: a worker that reconnected (it
+                # gave up on a coordinator whose loop stalled). Its old registration is
+                # lost, its tasks re-dispatched, and its process, alive and registered
+                # again, is not fenced.
+                for old in [e for e in self._workers.values() if e.process == process]:
+                    if old.worker_id != wid:
+                        del self._workers[old.worker_id]
+                        self._by_identity.pop(old.identity, None)
+                        self._superseded.append((old, f"reconnected as worker {wid}"))
             self._workers[wid] = WorkerEntry(
                 wid, identity, hello, time.monotonic(), peer_name=peer_name, process=process
             )
@@ -181,13 +193,16 @@ class WorkerTable:
             for entry in self._workers.values():
                 entry.last_seen = min(now, entry.last_seen + seconds)
 
-    def take_lost(self, timeout_s: float) -> list[tuple[WorkerEntry, str]]:
-        """Remove and return the workers that are lost, with why: process gone (same
-        host, checked by pid + start time), or no heartbeat for ``timeout_s``. The
-        caller fences them (``fence_process``) and tells the job."""
+    def take_lost(self, timeout_s: float) -> list[tuple[WorkerEntry, str, bool]]:
+        """Remove and return the workers that are lost, with why and whether to fence
+        them: process gone (same host, checked by pid + start time), or no heartbeat for
+        ``timeout_s`` (fence); or registered again by the same process on a new
+        connection (not fenced: the process is a live worker). The caller fences
+        (``fence_process``) and tells the job."""
         now = time.monotonic()
-        lost: list[tuple[WorkerEntry, str]] = []
         with self._lock:
+            lost = [(entry, reason, False) for entry, reason in self._superseded]
+            self._superseded.clear()
             for wid, entry in list(self._workers.items()):
                 if process_gone(entry.process):
                     reason = "process exited"
@@ -195,7 +210,7 @@ class WorkerTable:
                     reason = f"no heartbeat for {timeout_s:.0f}s"
                 else:
                     continue
-                lost.append((entry, reason))
+                lost.append((entry, reason, True))
                 del self._workers[wid]
                 self._by_identity.pop(entry.identity, None)
         return lost
