@@ -81,6 +81,34 @@ def test_schema_1_store_gains_the_plan_column(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_migration_stopped_part_way_leaves_the_store_as_it_was(tmp_path: Path) -> None:
+    """The migration is one transaction. Its second step fails here (the store already
+    has an ``owner`` column): the first step (``plan``) must be undone and the version
+    kept, as after a coordinator killed between the steps, which used to leave a store
+    that no later start could open ("duplicate column name: plan")."""
+    db = sqlite3.connect(str(tmp_path / JobStore.FILENAME))
+    db.execute(
+        "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL "
+        "UNIQUE, spec TEXT NOT NULL, state TEXT NOT NULL, message TEXT NOT NULL DEFAULT '', "
+        "output_dir TEXT, step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER NOT NULL "
+        "DEFAULT 0, loss REAL, checkpoint_step INTEGER, created_at REAL NOT NULL, "
+        "updated_at REAL NOT NULL, owner TEXT)"
+    )
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    with pytest.raises(JobStoreError, match="duplicate column name: owner"):
+        JobStore.in_state_dir(tmp_path)
+    db = sqlite3.connect(str(tmp_path / JobStore.FILENAME))
+    columns = [row[1] for row in db.execute("PRAGMA table_info(jobs)")]
+    assert "plan" not in columns
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    db.execute("ALTER TABLE jobs DROP COLUMN owner")  # what was in the way, gone:
+    db.commit()
+    db.close()
+    JobStore.in_state_dir(tmp_path).close()  # the migration runs whole
+
+
 def test_damaged_or_newer_store_is_refused_clearly(tmp_path: Path) -> None:
     (tmp_path / JobStore.FILENAME).write_bytes(b"this is not a database" * 100)
     with pytest.raises(JobStoreError, match="move it aside"):

@@ -118,24 +118,36 @@ class JobStore:
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise JobStoreError(
-                    f"job store {self.path} has schema version {version}, newer than this "
-                    f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
-                )
-            self._db.execute(_SCHEMA)
-            # Migrations: v2 added the plan column, v3 the owner.
-            if 1 <= version < 2:
-                self._db.execute("ALTER TABLE jobs ADD COLUMN plan TEXT")
-            if 1 <= version < 3:
-                self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
-            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # One transaction: killed part-way, a migration must leave the old schema
+            # and its version (each statement committing on its own left columns added
+            # under the old version number, and the next start failed on them).
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._create_or_migrate()
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
         except sqlite3.Error as exc:
             raise JobStoreError(
                 f"cannot open the job store {self.path}: {exc}; if the file is damaged, "
                 "move it aside (the coordinator then starts with no jobs)"
             ) from exc
+
+    def _create_or_migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise JobStoreError(
+                f"job store {self.path} has schema version {version}, newer than this "
+                f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
+            )
+        self._db.execute(_SCHEMA)
+        # Migrations: v2 added the plan column, v3 the owner.
+        if 1 <= version < 2:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN plan TEXT")
+        if 1 <= version < 3:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @classmethod
     def in_state_dir(cls, state_dir: str | Path) -> JobStore:
