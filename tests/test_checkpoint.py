@@ -281,3 +281,42 @@ def test_unwritable_directory_fails_the_probe(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises(OSError):
         CheckpointDir(blocker / "checkpoints").ensure_writable()
+
+
+def test_the_final_model_is_on_disk_before_the_job_succeeds(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save_pretrained`` writes in place and syncs nothing, and the job store records
+    "succeeded" durably right after the export: every file of the export (and of a LoRA
+    job's randomly initialised base) and their directories are fsynced. A base-model
+    copy left by a writer killed between its write and its rename is removed."""
+    from runtime_helpers import tiny_spec, trained_in_process
+
+    synced: set[str] = set()
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], text=True, capture_output=True
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    left = out / f".tmp-base_model-{int(dead.stdout)}-abcd1234"
+    left.mkdir()
+    (left / "model.safetensors").write_text("partial")
+    spec = tiny_spec(out, steps=2, lora={"r": 4})
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with trained_in_process(spec, arena_dir, 1) as trainer:
+        trainer.export(tmp_path / "export")
+    monkeypatch.undo()
+    exported = tmp_path / "export"
+    files = [str(p) for p in exported.iterdir() if p.is_file()]
+    assert files and set(files) <= synced, sorted(set(files) - synced)
+    assert str(exported) in synced
+    # The base's files are synced before their directory is renamed into place; then
+    # the rename itself, in the output directory.
+    assert (out / "base_model" / "model.safetensors").is_file() and str(out) in synced
+    assert not left.exists()

@@ -112,6 +112,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def sync_files(directory: Path) -> None:
+    """fsync the regular files directly in ``directory``, then the directory: what a
+    writer that is not atomic (``save_pretrained``) wrote there is on disk before the
+    caller records that it was written."""
+    for entry in directory.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            with open(entry, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete the ``.tmp-*`` / ``.trash-*`` entries in ``directory`` whose writing
+    process is gone (a writer killed between its writes and its renames)."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    if removed:
+        log.info("[checkpoint] removed %d stale temporary entries in %s", len(removed), directory)
+    return removed
+
+
 def _create(path: Path) -> BinaryIO:
     """A new file of this process's private mode (0600 by default, whatever the umask),
     never through a symbolic link left at ``path``."""
@@ -345,25 +378,7 @@ class CheckpointDir:
 
     def remove_stale(self) -> list[Path]:
         """Delete ``.tmp-*`` / ``.trash-*`` entries whose writing process is gone."""
-        removed = []
-        try:
-            entries = list(self.root.iterdir())
-        except FileNotFoundError:
-            return []
-        for entry in entries:
-            m = _TEMP_RE.match(entry.name)
-            if m is None or _pid_alive(int(m.group(1))):
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-            removed.append(entry)
-        if removed:
-            log.info(
-                "[checkpoint] removed %d stale temporary entries in %s", len(removed), self.root
-            )
-        return removed
+        return remove_stale_temporaries(self.root)
 
     def ensure_writable(self) -> None:
         """Create the directory, remove stale temporaries, and prove a synced write works.

@@ -19,7 +19,11 @@ import torch
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import modes, restrict_tree
-from roundpipe.coordinator.training.checkpoint import as_os_error
+from roundpipe.coordinator.training.checkpoint import (
+    as_os_error,
+    remove_stale_temporaries,
+    sync_files,
+)
 from roundpipe.coordinator.training.job_errors import JobPaused
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
@@ -129,6 +133,7 @@ class ModelExporter:
         restrict_tree(directory)  # whatever the umask: full weights are private
 
     def _write_base_model(self, base_model, base_dir: Path) -> None:
+        remove_stale_temporaries(base_dir.parent)  # a copy left by a writer killed mid-way
         tmp = base_dir.parent / f".tmp-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
         trash = base_dir.parent / f".trash-{base_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
@@ -140,6 +145,7 @@ class ModelExporter:
             if base_dir.exists():
                 os.rename(base_dir, trash)
             os.rename(tmp, base_dir)
+            sync_files(base_dir.parent)  # the renames
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(trash, ignore_errors=True)
@@ -156,6 +162,9 @@ class ModelExporter:
             try:
                 target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
                 self.write_hf_model(target)
+                # On disk before the job is recorded as succeeded: save_pretrained
+                # writes in place and syncs nothing.
+                sync_files(target)
             except Exception as exc:
                 os_error = as_os_error(exc, target)
                 if os_error is None:
