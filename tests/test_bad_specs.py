@@ -105,13 +105,19 @@ def _data_case(tmp_path: Path, name: str) -> tuple[Path, str]:
     elif name == "empty":
         data.write_bytes(b'{"text": ""}\n' * 50)
         expect = "empty dataset"
-    else:  # token ids the model (vocab_size 512) does not have
+    elif name == "vocab":  # token ids the model (vocab_size 512) does not have
         data.write_text('{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, 700, 6]}\n')
         expect = "vocab_size is 512"
+    else:  # a label id it does not have: the loss failed on the worker, every retry
+        data.write_text(
+            '{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}\n'
+            '{"input_ids": [5, 6, 7], "labels": [-100, 6, 700]}\n'
+        )
+        expect = "up to 700, but the model's vocab_size is 512"
     return data, expect
 
 
-@pytest.mark.parametrize("case", ["not-utf8", "empty", "vocab"])
+@pytest.mark.parametrize("case", ["not-utf8", "empty", "vocab", "vocab-labels"])
 def test_data_problems_are_found_at_submit(
     cluster: LocalCluster, tmp_path: Path, case: str
 ) -> None:

@@ -173,6 +173,20 @@ def test_other_data_errors(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "junk-tok")
 
 
+@pytest.mark.parametrize("first_labelled", [True, False])
+def test_token_records_have_labels_all_or_none(tmp_path: Path, first_labelled: bool) -> None:
+    """Whether records are labelled was read from the first record alone: labels on a
+    later record were then dropped without a word and its prompt tokens trained."""
+    labelled = {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}
+    plain = {"input_ids": [4, 5, 6]}
+    records = [labelled, plain] if first_labelled else [plain, labelled]
+    f = write_jsonl(tmp_path / "mixed.jsonl", records)
+    with pytest.raises(
+        DataError, match=r"mixed\.jsonl:2: .*'labels'.* every record 'labels' or none"
+    ):
+        build_dataset(f, seq_len=8)
+
+
 def numbered_dataset(num_rows: int, seq_len: int = 4) -> PackedDataset:
     """Row i is filled with the value i + 1, so batches show which rows they hold."""
     tokens = torch.arange(1, num_rows + 1, dtype=torch.int32).unsqueeze(1).repeat(1, seq_len)

@@ -283,7 +283,7 @@ def test_validate_against_model(files: dict[str, Path]) -> None:
         )
     errs = errors_of(exc)
     assert "at most the model's max_position_embeddings (100)" in errs["data.seq_len"]
-    assert "token ids up to 299" in errs["data"]
+    assert "token ids (inputs or labels) up to 299" in errs["data"]
 
 
 def test_yaml_file(files: dict[str, Path], tmp_path: Path) -> None:

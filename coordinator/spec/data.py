@@ -343,7 +343,9 @@ class _Packer:
         return len(self.ids) - len(self.lengths) * self.seq_len
 
     def add(self, doc: Document) -> None:
-        self.max_id = max(self.max_id, max(doc.ids))
+        # Labels too: a label id past the vocabulary fails the loss on a worker (a
+        # device-side assert on CUDA) as an input id does. IGNORE_INDEX is below both.
+        self.max_id = max(self.max_id, max(doc.ids), max(doc.labels, default=-1))
         s = self.seq_len
         if self.mode == "concat":
             self.ids.extend(doc.ids)

@@ -141,11 +141,10 @@ def documents(
     """Every document of file ``p`` in format ``fmt``: text tokenized (EOS appended when
     ``eos`` is given), token rows as they are, chats and prompt/completion pairs rendered
     with their labels (``loss_on``)."""
-    if fmt in ("text", "jsonl_text", "jsonl_tokens"):
-        has_labels = fmt == "jsonl_tokens" and _first_has(p, split, cols.labels)
-        if has_labels:
-            yield from _labelled_tokens(p, split, cols)
-            return
+    if fmt == "jsonl_tokens":
+        yield from _token_records(p, split, cols, eos)
+        return
+    if fmt in ("text", "jsonl_text"):
         for ids in _token_documents(read_documents(p, fmt, columns=cols, split=split), tokenizer):
             if eos is not None and ids and ids[-1] != eos:
                 ids.append(eos)
@@ -184,19 +183,28 @@ def documents(
         yield Document(ids, labels, row.where, whole=True)
 
 
-def _first_has(p: str, split: str, name: str) -> bool:
-    first = next(iter(source_rows(p, split)), None)
-    return first is not None and name in first.fields
-
-
-def _labelled_tokens(p: str, split: str, cols: Columns) -> Iterator[Document]:
+def _token_records(p: str, split: str, cols: Columns, eos: int | None) -> Iterator[Document]:
+    """Records of token ids. Labelled (``cols.labels``: each a whole record, its own
+    labels) when the first record has labels, and then every record must; otherwise
+    none may: labels on a later record only would be dropped without a word, and
+    their prompt tokens trained."""
+    labelled: bool | None = None
     for row in source_rows(p, split):
         ids = _token_list(row, cols.input_ids)
-        if cols.labels not in row.fields:
+        has = cols.labels in row.fields
+        if labelled is None:
+            labelled = has
+        elif has != labelled:
+            first = "has them, so every record needs them" if labelled else "has none"
             raise DataError(
-                f"{row.where}: no {cols.labels!r} (the first record has them, so every "
-                "record needs them)"
+                f"{row.where}: {'no' if labelled else 'a'} {cols.labels!r} field, but the "
+                f"first record {first}: give every record {cols.labels!r} or none"
             )
+        if not labelled:
+            if eos is not None and ids and ids[-1] != eos:
+                ids.append(eos)
+            yield Document(ids, list(ids), p, whole=False)
+            continue
         labels = _token_list(row, cols.labels, labels=True)
         if len(labels) != len(ids):
             raise DataError(

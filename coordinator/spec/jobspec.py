@@ -497,7 +497,7 @@ def _model_errors(
     if vocab_size_needed is not None and is_int(vocab) and vocab_size_needed > vocab:
         e.add(
             "data",
-            f"the data uses token ids up to {vocab_size_needed - 1}, but the model's "
+            f"the data uses token ids (inputs or labels) up to {vocab_size_needed - 1}, but the model's "
             f"vocab_size is {vocab}; expected a tokenizer that matches the model",
         )
     return e.items
