@@ -44,7 +44,6 @@ from roundpipe.client import (
     STOPPED_STATES,
     Client,
     JobHandle,
-    JobRejected,
     RoundPipeError,
 )
 from roundpipe.coordinator.spec.errors import JobSpecError
@@ -800,12 +799,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
-    except JobRejected as exc:
-        _error(str(exc))
-        return EXIT_USAGE if exc.code in _SPEC_ERROR_CODES else EXIT_FAILURE
     except (RoundPipeError, TimeoutError) as exc:
+        # The spec's own fault (refused at submit, or a stored spec refused at resume)
+        # is a usage error, whichever call it came from.
         _error(str(exc))
-        return EXIT_FAILURE
+        return EXIT_USAGE if getattr(exc, "code", None) in _SPEC_ERROR_CODES else EXIT_FAILURE
     except KeyboardInterrupt:
         print(file=sys.stderr)
         _error("interrupted")

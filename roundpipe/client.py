@@ -19,8 +19,10 @@ socket to it and sends one request (the single frame of
 A request that gets no reply within ``timeout_s`` raises :class:`CoordinatorUnavailable`;
 the socket is then closed and a fresh one connected, so a reply that arrives late can
 never be taken for the answer to a later request. ``submit`` and ``resume`` wait at least
-:data:`~roundpipe.shared.defaults.SUBMIT_TIMEOUT_S` (120 s): the coordinator reads the job's
-whole data file before it answers.
+:data:`~roundpipe.shared.defaults.SUBMIT_TIMEOUT_S` (360 s, longer than the coordinator's
+check may take): the coordinator reads the job's whole data file before it answers; past
+that wait they raise :class:`StillChecking`, since the coordinator answered a ping just
+before and may yet accept the job.
 
 Errors. An :class:`~roundpipe.protocol.ErrorReply` from the coordinator becomes a typed
 exception, all subclasses of :class:`RoundPipeError`: :class:`UnknownJob`,
@@ -95,6 +97,7 @@ __all__ = [
     "NotAuthorized",
     "RoundPipeError",
     "STOPPED_STATES",
+    "StillChecking",
     "UnknownJob",
 ]
 
@@ -134,6 +137,22 @@ class CoordinatorUnavailable(RoundPipeError):
             f"no reply from the RoundPipe coordinator at {address} within {timeout_s:g} s; "
             f"is it running? Start one with `roundpipe-coordinator --address {address}`, "
             "or point the client at the running one (--address, or ROUNDPIPE_ADDRESS)"
+        )
+        self.address = address
+        self.timeout_s = timeout_s
+
+
+class StillChecking(CoordinatorUnavailable):
+    """The coordinator answered a ping, then not a submission (or resume) within the
+    wait: it is busy checking specs, and may still accept the job."""
+
+    def __init__(self, address: str, timeout_s: float, what: str) -> None:
+        RoundPipeError.__init__(
+            self,
+            f"the RoundPipe coordinator at {address} is running (it answered just before) "
+            f"but did not answer the {what} within {timeout_s:g} s: it is still checking "
+            "this spec or others submitted before it (reading and tokenizing their data). "
+            "The job may yet be accepted: look at `roundpipe jobs` before submitting again",
         )
         self.address = address
         self.timeout_s = timeout_s
@@ -401,11 +420,11 @@ class Client:
         job_spec = _as_job_spec(spec)
         self._ping()
         # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
-        reply = self._request(
-            SubmitJob(spec=job_spec.to_dict()),
-            JobAccepted,
-            timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S),
-        )
+        wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
+        try:
+            reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted, timeout_s=wait_s)
+        except CoordinatorUnavailable:
+            raise StillChecking(self._address, wait_s, "submission") from None
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
@@ -486,9 +505,11 @@ class Client:
         is (nothing to do). Raises :class:`RoundPipeError` (code ``"bad_state"``) for a
         job that has succeeded."""
         self._ping()
-        reply = self._request(
-            ResumeJob(job_id=job_id), Ack, timeout_s=max(self._timeout_s, SUBMIT_TIMEOUT_S)
-        )
+        wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
+        try:
+            reply = self._request(ResumeJob(job_id=job_id), Ack, timeout_s=wait_s)
+        except CoordinatorUnavailable:
+            raise StillChecking(self._address, wait_s, f"resume of {job_id}") from None
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "CLIENT_TIMEOUT_S",
     "SUBMIT_TIMEOUT_S",
+    "SPEC_CHECK_TIMEOUT_S",
     "DEFAULT_ADDRESS",
     "FALLBACK_ADDRESS",
     "MAX_IPC_PATH",
@@ -65,10 +66,16 @@ CLIENT_TIMEOUT_S: float = 10.0
 the coordinator unavailable. Every request is answered without waiting for training
 work, so this only trips when no coordinator is listening (or it is wedged)."""
 
-SUBMIT_TIMEOUT_S: float = 120.0
+SPEC_CHECK_TIMEOUT_S: float = 300.0
+"""Longest the coordinator's check of one spec may take before its child is killed and
+the spec refused (coordinator/service/admission.py)."""
+
+SUBMIT_TIMEOUT_S: float = SPEC_CHECK_TIMEOUT_S + 60.0
 """The least a client waits for the reply to a SubmitJob or ResumeJob: before accepting a
 job the coordinator reads (and tokenizes) its whole data file, so that an empty, broken
-or mismatched dataset is refused at submit rather than after the job started."""
+or mismatched dataset is refused at submit rather than after the job started. Longer
+than the check may take: a client that gave up first reported the coordinator gone
+while it accepted and ran the job."""
 
 
 def env_non_negative(name: str, default: float, unit: str, off: str) -> float:

@@ -42,6 +42,7 @@ from roundpipe.client import (
     JobHandle,
     JobRejected,
     RoundPipeError,
+    StillChecking,
     UnknownJob,
 )
 from roundpipe.coordinator.spec.errors import JobSpecError
@@ -62,6 +63,7 @@ from roundpipe.protocol import (
     Message,
     Progress,
     ProgressEvent,
+    ResumeJob,
     SubmitJob,
     WorkerInfo,
     WorkerList,
@@ -493,6 +495,29 @@ def test_timeout_raises_unavailable_then_recovers(tmp_path: Path) -> None:
             fake.stop()
 
 
+def test_a_submission_still_being_checked_is_not_reported_as_a_dead_coordinator(
+    fake: FakeCoordinator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator answers the ping but not yet the submission (it is tokenizing a
+    large data file): the error says the job may yet be accepted, not "is it running?"
+    (a user who believed that submitted the job twice)."""
+    import roundpipe.client as client_module
+
+    monkeypatch.setattr(client_module, "SUBMIT_TIMEOUT_S", 0.3)
+    answer = fake.handle
+    monkeypatch.setattr(fake, "handle", lambda m: None if isinstance(m, SubmitJob) else answer(m))
+    with Client(fake.address, timeout_s=0.2) as c:
+        with pytest.raises(StillChecking) as info:
+            c.submit(_write_spec(tmp_path))
+    assert isinstance(info.value, CoordinatorUnavailable)
+    text = str(info.value)
+    assert "is running" in text and "may yet be accepted" in text and "roundpipe jobs" in text
+    assert "is it running?" not in text
+    from roundpipe.shared.defaults import SPEC_CHECK_TIMEOUT_S, SUBMIT_TIMEOUT_S
+
+    assert SUBMIT_TIMEOUT_S > SPEC_CHECK_TIMEOUT_S  # the real wait outlasts the check
+
+
 def test_late_reply_is_never_taken_for_the_next_one(fake: FakeCoordinator) -> None:
     with Client(fake.address, timeout_s=0.2) as c:
         fake.delay_next_s = 0.5
@@ -899,3 +924,18 @@ def test_demo_bad_overrides_exit_2(tmp_path: Path) -> None:
     rc, _, err = _demo(tmp_path, output_dir=tmp_path / "file")
     assert rc == 2
     assert "output.dir" in err
+
+
+def test_cli_resume_of_a_job_whose_spec_is_now_refused_is_a_usage_error(
+    capsys, fake: FakeCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 2 means "invalid job spec", from the client or as ``bad_spec`` from the
+    coordinator (docs/client.md): resume's ``bad_spec`` exited 1."""
+    answer = fake.handle
+    refusal = ErrorReply(code="bad_spec", message="job-0001 cannot run again: data.path: gone")
+    monkeypatch.setattr(
+        fake, "handle", lambda m: refusal if isinstance(m, ResumeJob) else answer(m)
+    )
+    rc, _, err = _run(capsys, "resume", "job-0001", "--address", fake.address)
+    assert rc == 2 and "data.path: gone" in err, err
+    _no_traceback(err)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from roundpipe.coordinator.spec.errors import FieldError, JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.shared.defaults import SPEC_CHECK_TIMEOUT_S
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.planning.hardware import HardwareSpec
@@ -37,8 +38,9 @@ __all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spe
 
 log = logging.getLogger(__name__)
 
-VALIDATION_TIMEOUT_S = 300.0
-"""Longest one validation may take before its child is killed and the spec refused."""
+VALIDATION_TIMEOUT_S = SPEC_CHECK_TIMEOUT_S
+"""Longest one validation may take before its child is killed and the spec refused (the
+client waits longer for its answer: SUBMIT_TIMEOUT_S)."""
 
 
 class ValidationUnavailable(RuntimeError):
