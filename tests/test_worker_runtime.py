@@ -84,11 +84,20 @@ def test_rerun_never_rewrites_published_outputs(prepared) -> None:
     grad = layout.view(grad_ref)
     act.fill_(123.0)
     grad.fill_(-7.0)
+    # The tail's losses have no counter: published with its gradients, they are what
+    # the step reports; a re-run computing them from weights the optimizer replaced
+    # since must not overwrite them.
+    tail = next(t for t in tasks if t.kind == "tail")
+    losses = [layout.view(mb.loss) for mb in tail.microbatches]
+    for loss in losses:
+        loss.fill_(99.0)
     counters = layout.events.snapshot()
-    for t in (tasks[0], tasks[-1]):  # the forward writing act[2], the backward writing layer 1
+    # the forward writing act[2], the tail, the backward writing layer 1
+    for t in (tasks[0], tail, tasks[-1]):
         core.run_task(replace(t, attempt=1))
     assert bool((act == 123.0).all()), "a re-run rewrote a published activation"
     assert bool((grad == -7.0).all()), f"a re-run rewrote the published gradient {grad_name}"
+    assert all(bool((loss == 99.0).all()) for loss in losses), "a re-run rewrote the losses"
     assert layout.events.snapshot() == counters  # and no counter moved
 
 

@@ -62,6 +62,13 @@ Note [no rewrite after signal]
     prove which process it is: roundpipe.coordinator.training.recovery, docs/fault-tolerance.md).
     A task that fails or aborts first waits for its copies in flight, so a re-run on the
     same worker sees what really landed.
+
+    The tail's losses have no counter: the coordinator reads them after TaskDone. They
+    are queued before the tail's weight gradients, at the same priority, so once those
+    gradients' signals are stored the first run's losses are in place too, and the
+    optimizer may already have replaced the weights the re-run read. So a re-run whose
+    gradients landed writes no losses either: the step's loss stays the one computed
+    with the step's weights.
 """
 
 from __future__ import annotations
@@ -365,12 +372,13 @@ class WorkerCore:
             # Losses come down once per task; the coordinator reads them after TaskDone,
             # so they need no counter.
             feed.verify_inputs()  # Note [dead producers and imported events], point a
-            pairs = []
-            for m, mb in enumerate(task.microbatches):
-                assert mb.loss is not None
-                dst = state.view(mb.loss)
-                pairs.append((result.losses[m : m + 1].reshape(dst.shape), dst))
-            copies.add(self.engine.download(pairs, Priority.WEIGHT), up=False)
+            if not (task.grad_signals and self._landed(state, list(task.grad_signals))):
+                pairs = []  # (else: Note [no rewrite after signal], the losses)
+                for m, mb in enumerate(task.microbatches):
+                    assert mb.loss is not None
+                    dst = state.view(mb.loss)
+                    pairs.append((result.losses[m : m + 1].reshape(dst.shape), dst))
+                copies.add(self.engine.download(pairs, Priority.WEIGHT), up=False)
             grads = result.weight_grads
         watch.stop(_TASK_KEY)
         # Only waits inside the stopwatch's window come off compute_s; the gradient-slot
