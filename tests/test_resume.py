@@ -319,6 +319,30 @@ def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
     assert_bitwise(train(spec, arena_dir), reference(1, 2))
 
 
+def test_a_paused_job_names_the_checkpoint_it_resumes_from_even_another_jobs(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job started from another job's checkpoint (``model.resume_from``) whose first
+    own checkpoint finds the disk full resumes from that other checkpoint: the message
+    said a checkpoint of the same step in its own directory, which never existed."""
+    train(make_spec(tmp_path / "a", steps=2), arena_dir, job_id="job-a")
+    source = tmp_path / "a" / "checkpoints" / step_name(2)
+    doc = make_spec(tmp_path / "b", steps=5).to_dict()
+    doc["model"]["resume_from"] = str(source)
+    real_save = checkpointer_module.save_tensors
+
+    def full_disk(path, tensors, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpointer_module, "save_tensors", full_disk)
+    with pytest.raises(JobPaused) as info:
+        train(JobSpec.from_dict(doc), arena_dir, job_id="job-b")
+    monkeypatch.setattr(checkpointer_module, "save_tensors", real_save)
+    message = str(info.value)
+    assert f"checkpoint step 2 ({source}) is kept and the job resumes from it" in message, message
+    assert str(tmp_path / "b" / "checkpoints" / step_name(2)) not in message
+
+
 def test_unwritable_output_pauses_before_any_work(tmp_path: Path, arena_dir: Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the output directory should go")

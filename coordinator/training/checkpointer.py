@@ -239,6 +239,7 @@ class Checkpointer:
             raise JobFailed(f"cannot resume from {where}: {exc}") from None
         self.progress.replace(p for p in manifest.get("progress", []) if p[0] <= s)
         self.output.checkpoint_step = s
+        self.output.checkpoint_path = info.path
         self.resumed_from = info
         log.info(
             "[trainer] job %s resumes from %s (step %d of %d%s)",
@@ -314,6 +315,7 @@ class Checkpointer:
                 ) from exc
             path = self.output.checkpoints.root / written.name
             self.output.checkpoint_step = step
+            self.output.checkpoint_path = path
             try:
                 checkpoints.prune(self.spec.output.keep_last, self.job_id)
             except OSError as exc:  # the new checkpoint is safe; old ones just linger

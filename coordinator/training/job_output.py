@@ -39,6 +39,9 @@ class JobOutput:
         self.checkpoint_step: int | None = None
         """Step of the newest checkpoint written or resumed from (None: none yet): what
         a paused job resumes from."""
+        self.checkpoint_path: Path | None = None
+        """Where that checkpoint is: in this job's ``checkpoints/``, or where the job
+        resumed from (``model.resume_from`` may name another job's)."""
         self._pins = threading.local()
         """Per thread (the run loop's and the background checkpoint writer's each hold
         their own): ``root``, the output directory's pin while ``pinned`` holds one;
@@ -130,10 +133,10 @@ class JobOutput:
         else:
             fix = "fix the problem"
         if self.checkpoint_step:
+            path = self.checkpoint_path or self.checkpoints.root / step_name(self.checkpoint_step)
             kept = (
-                f"checkpoint step {self.checkpoint_step} "
-                f"({self.checkpoints.root / step_name(self.checkpoint_step)}) is kept and the "
-                "job resumes from it"
+                f"checkpoint step {self.checkpoint_step} ({path}) is kept and the job "
+                "resumes from it"
             )
         else:
             kept = "no checkpoint has been written yet, so the job resumes from the start"
