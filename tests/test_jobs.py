@@ -12,8 +12,15 @@ from runtime_helpers import tiny_spec
 
 from roundpipe.coordinator.service.jobs import BadState, JobBook, outcome
 from roundpipe.coordinator.service.jobstore import JobStore
-from roundpipe.coordinator.spec.checkpoint_format import FORMAT, FORMAT_VERSION, MANIFEST, step_name
+from roundpipe.coordinator.spec.checkpoint_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    step_name,
+)
 from roundpipe.coordinator.spec.paths import PathPolicy
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.protocol import FINAL_JOB_STATES, JOB_STATES, STOPPED_JOB_STATES
 
@@ -125,3 +132,17 @@ def test_restart_after_a_checkpoint_the_store_missed_shows_its_step(tmp_path: Pa
     assert job.status().step == 4
     assert job.message == "interrupted by a coordinator restart; resumes from checkpoint step 4"
     assert book_in(tmp_path / "state").jobs[a.job_id].checkpoint_step == 4  # stored too
+
+
+def test_restart_names_the_checkpoint_the_pointer_names(tmp_path: Path) -> None:
+    """Killed after step 4 was renamed into place but before ``latest`` moved: the
+    trainer resumes from step 2 (the pointer's), so the status must say 2, not 4."""
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    assert book.take_next(threading.Event()) is a
+    _manifest(tmp_path / "a", 2, a.job_id)
+    _manifest(tmp_path / "a", 4, a.job_id)
+    (tmp_path / "a" / "checkpoints" / LATEST).write_text(step_name(2) + "\n")
+    job = book_in(tmp_path / "state").jobs[a.job_id]
+    assert job.checkpoint_step == 2 and job.status().step == 2
+    assert CheckpointDir(tmp_path / "a" / "checkpoints").pointer() == step_name(2)

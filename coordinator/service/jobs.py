@@ -215,17 +215,24 @@ class JobBook:
 
     def _catch_up_checkpoint(self, job: JobRecord) -> None:
         """A crash can fall between a checkpoint's completion on disk and its step
-        reaching the store: take the newest of this job's complete checkpoints (their
-        manifests only; the trainer verifies the files when it resumes), so that the
-        status and message name the step the job really resumes from."""
+        reaching the store: take the checkpoint the trainer will resume from, by its rule
+        (``CheckpointDir.find_latest``: the one ``latest`` names if it is this job's, else
+        the newest of this job's), reading manifests only (the trainer verifies the
+        files), so that the status and message name the step the job really resumes
+        from. (A checkpoint renamed into place whose pointer never moved is not it.)"""
         if not job.output_dir:
             return
+        checkpoints = CheckpointDir(Path(job.output_dir) / "checkpoints")
         try:
-            found = CheckpointDir(Path(job.output_dir) / "checkpoints").complete(job.job_id)
+            found = checkpoints.complete(job.job_id)
+            pointed = checkpoints.pointer()
         except OSError as exc:
             log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
             return
-        newest = found[-1].step if found else None
+        chosen = next((c for c in found if c.path.name == pointed), None)
+        if chosen is None and found:
+            chosen = found[-1]
+        newest = chosen.step if chosen is not None else None
         if newest is None or newest <= (job.checkpoint_step or 0):
             return
         job.checkpoint_step = newest
