@@ -130,11 +130,28 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
                 f"model config {str(path)!r} holds a JSON {type(config).__name__}, not an "
                 "object; expected a Hugging Face config.json"
             )
+        _check_set_keys(config.get("model_type"), overrides)
         config.update(overrides)
         for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
             config.pop(key, None)
         return LayeredModel.from_config(config, lora)
+    _check_set_keys(args.architecture, overrides)
     return LayeredModel.from_config({"model_type": args.architecture, **overrides}, lora)
+
+
+def _check_set_keys(model_type: object, overrides: dict[str, Any]) -> None:
+    """Refuse a ``--set`` key the model's config has no field for, as a job spec's
+    ``model.config`` does: transformers keeps it and the model ignores it, so a typo
+    priced the default model without a word."""
+    from transformers import CONFIG_MAPPING
+
+    from roundpipe.coordinator.spec.section_checks import unknown_config_keys
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return  # from_config names what it does not know
+    unknown = unknown_config_keys(CONFIG_MAPPING[model_type], overrides)
+    if unknown:
+        raise ValueError("; ".join(f"--set {key}: {problem}" for key, problem in unknown.items()))
 
 
 def _host_memory(

@@ -151,6 +151,14 @@ def test_unwritable_output_paths(tmp_path: Path) -> None:
     result = roundpipe("plan", "--model-config", str(tmp_path / "list.json"), "--workers", "2",
                        "--seq-len", "32")  # fmt: skip
     assert_user_error(result, 2, LINE, "holds a JSON list, not an object")
+    # A misspelt --set key: refused as a job spec's model.config refuses it (it priced
+    # the default 28-layer model).
+    result = roundpipe("plan", "--architecture", "qwen3", "--set", "num_hidden_layer=2",
+                       "--workers", "2", "--seq-len", "32")  # fmt: skip
+    assert_user_error(
+        result, 2, LINE, "--set num_hidden_layer: unknown Qwen3Config field (did you mean "
+        "'num_hidden_layers'?)"
+    )  # fmt: skip
 
 
 def test_no_coordinator_running() -> None:

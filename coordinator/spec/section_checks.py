@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from roundpipe.coordinator.spec.checkpoint_format import LATEST, MANIFEST
@@ -199,6 +199,24 @@ def check_sharding(e: Problems, t: TrainSpec, o: OptimizerSpec) -> None:
         )
 
 
+def unknown_config_keys(config_cls: type, keys: Iterable[str]) -> dict[str, str]:
+    """Each of ``keys`` that ``config_cls`` (a transformers config class) has no field
+    for, with what to say (a close field name, if any): transformers itself keeps an
+    unknown key as an attribute and the model ignores it."""
+    known = (
+        {f.name for f in dataclasses.fields(config_cls)}
+        | set(getattr(config_cls, "attribute_map", {}))
+        | _LEGACY_CONFIG_KEYS
+    )
+    out = {}
+    for key in keys:
+        if key not in known:
+            hint = difflib.get_close_matches(key, sorted(known), n=1)
+            guess = f" (did you mean {hint[0]!r}?)" if hint else ""
+            out[key] = f"unknown {config_cls.__name__} field{guess}"
+    return out
+
+
 def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     """Check the model section; return its config (dict or transformers config) if known."""
     if m.init_seed is not None:
@@ -265,16 +283,9 @@ def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     if not check_choice(e, "model.architecture", m.architecture, ARCHITECTURES):
         return None
     config_cls = config_class(m.architecture)
-    known = (
-        {f.name for f in dataclasses.fields(config_cls)}
-        | set(getattr(config_cls, "attribute_map", {}))
-        | _LEGACY_CONFIG_KEYS
-    )
-    unknown = [k for k in m.config if k not in known]
-    for key in unknown:
-        hint = difflib.get_close_matches(key, sorted(known), n=1)
-        guess = f" (did you mean {hint[0]!r}?)" if hint else ""
-        e.add(f"model.config.{key}", f"unknown {config_cls.__name__} field{guess}")
+    unknown = unknown_config_keys(config_cls, m.config)
+    for key, problem in unknown.items():
+        e.add(f"model.config.{key}", problem)
     if unknown:
         return None
     try:
