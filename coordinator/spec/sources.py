@@ -132,6 +132,15 @@ def decode_line(raw: bytes, path: str, lineno: int) -> str:
 
 
 def parse_json_object(line: str, path: str, lineno: int) -> dict[str, Any]:
+    if line.startswith("["):
+        # The usual instruction-data .json (Alpaca, LLaMA-Factory): one array of records,
+        # often pretty-printed. Its first line is not a record; say what the file is.
+        raise SourceError(
+            f"{path}:{lineno}: this looks like a JSON array of records; data files are "
+            'JSON Lines, one object per line: convert it, e.g. python -c "import json, '
+            'sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]" '
+            f"{Path(path).name} > {Path(path).stem}.jsonl"
+        )
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
