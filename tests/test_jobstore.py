@@ -53,16 +53,22 @@ def test_jobs_and_states_survive_reopening(tmp_path: Path) -> None:
     assert store.get("nope") is None
 
 
-def test_schema_1_store_gains_the_plan_column(tmp_path: Path) -> None:
-    """A store written before plans were stored opens, keeps its jobs and stores plans."""
-    db = sqlite3.connect(str(tmp_path / JobStore.FILENAME))
+def _schema_1_store(directory: Path, more_columns: str = "") -> sqlite3.Connection:
+    """A job store as the first schema wrote it (``more_columns`` added to its table)."""
+    db = sqlite3.connect(str(directory / JobStore.FILENAME))
     db.execute(
         "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL "
         "UNIQUE, spec TEXT NOT NULL, state TEXT NOT NULL, message TEXT NOT NULL DEFAULT '', "
         "output_dir TEXT, step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER NOT NULL "
         "DEFAULT 0, loss REAL, checkpoint_step INTEGER, created_at REAL NOT NULL, "
-        "updated_at REAL NOT NULL)"
+        f"updated_at REAL NOT NULL{more_columns})"
     )
+    return db
+
+
+def test_schema_1_store_gains_the_plan_column(tmp_path: Path) -> None:
+    """A store written before plans were stored opens, keeps its jobs and stores plans."""
+    db = _schema_1_store(tmp_path)
     db.execute(
         "INSERT INTO jobs (job_id, spec, state, total_steps, created_at, updated_at) "
         "VALUES ('old-job', '{}', 'succeeded', 4, 1.0, 2.0)"
@@ -86,14 +92,7 @@ def test_a_migration_stopped_part_way_leaves_the_store_as_it_was(tmp_path: Path)
     has an ``owner`` column): the first step (``plan``) must be undone and the version
     kept, as after a coordinator killed between the steps, which used to leave a store
     that no later start could open ("duplicate column name: plan")."""
-    db = sqlite3.connect(str(tmp_path / JobStore.FILENAME))
-    db.execute(
-        "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL "
-        "UNIQUE, spec TEXT NOT NULL, state TEXT NOT NULL, message TEXT NOT NULL DEFAULT '', "
-        "output_dir TEXT, step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER NOT NULL "
-        "DEFAULT 0, loss REAL, checkpoint_step INTEGER, created_at REAL NOT NULL, "
-        "updated_at REAL NOT NULL, owner TEXT)"
-    )
+    db = _schema_1_store(tmp_path, ", owner TEXT")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
