@@ -146,3 +146,21 @@ def test_restart_names_the_checkpoint_the_pointer_names(tmp_path: Path) -> None:
     job = book_in(tmp_path / "state").jobs[a.job_id]
     assert job.checkpoint_step == 2 and job.status().step == 2
     assert CheckpointDir(tmp_path / "a" / "checkpoints").pointer() == step_name(2)
+
+
+def test_a_checkpoint_finished_during_a_clean_stop_is_shown_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a background checkpoint is being written: the job is stored queued
+    with its older step, then the write completes (pointer moved) with nobody left to
+    record it. The restarted coordinator shows the step the job resumes from."""
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    assert book.take_next(threading.Event()) is a
+    book.record_checkpoint(a, 2, 5.5)
+    _manifest(tmp_path / "a", 2, a.job_id)
+    book.finish(a, "queued", "interrupted by a coordinator shutdown; resumes from step 2")
+    _manifest(tmp_path / "a", 4, a.job_id)  # the background write, done after the stop
+    (tmp_path / "a" / "checkpoints" / LATEST).write_text(step_name(4) + "\n")
+    job = book_in(tmp_path / "state").jobs[a.job_id]
+    assert job.state == "queued" and job.checkpoint_step == 4 and job.status().step == 4

@@ -193,8 +193,10 @@ class JobBook:
         for stored in self.store.all():
             job = self._record_from_store(stored)
             if job.state == "queued":
-                if job.job_id in interrupted:
-                    self._catch_up_checkpoint(job)
+                # Interrupted by a crash, or stopped (SIGTERM) while a background
+                # checkpoint was being written: that write may have completed after the
+                # store last heard of one.
+                self._catch_up_checkpoint(job)
                 # It resumes from its newest checkpoint: show that step until it runs
                 # (the stored step may be later, from a shutdown between checkpoints).
                 job.step = job.checkpoint_step or 0
