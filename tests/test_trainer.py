@@ -352,3 +352,53 @@ def test_the_measured_profile_is_written_and_roundpipe_plan_predicts_from_it(
     path.write_text("{}")
     assert plan_main([*args, *rows, "--seq-len", str(spec.data.seq_len)]) == 2
     assert "is not a profile" in capsys.readouterr().err
+
+
+def test_a_job_with_no_worker_waits_for_one_instead_of_failing(tmp_path, arena_dir) -> None:
+    """Its tasks are parked while no worker is connected (docs/fault-tolerance.md): the
+    optimizer's wait for their gradients has no deadline of its own. It had one, four
+    times --wait-timeout, and failed the job "optimizer failed: timed out" (40 minutes
+    at the default; 2 s here). The job still stops when it is cancelled."""
+    import threading
+
+    from roundpipe.coordinator.training.job_errors import JobCancelled
+
+    class NoWorkers:
+        def send_task(self, task, worker_id):
+            raise AssertionError("there is no worker to send to")
+
+        def live_workers(self):
+            return []
+
+        def fence(self, worker_id, reason):
+            pass
+
+    spec = tiny_spec(tmp_path / "out", steps=2)
+    trainer = Trainer(
+        "job-parked",
+        spec,
+        arena_dir=arena_dir,
+        namespace="parked",
+        output_dir=tmp_path / "out",
+        wait_timeout_s=0.5,
+    )
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            trainer.run(NoWorkers())
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 -- the test reads it
+            outcome.append(exc)
+
+    try:
+        trainer.prepare(1)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(3.0)  # past 4 x wait_timeout_s: the old deadline
+        assert not outcome and trainer.waiting_for_workers, outcome
+        trainer.cancel()
+        thread.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], JobCancelled), outcome
+    finally:
+        trainer.close()

@@ -13,6 +13,7 @@ before a drained checkpoint and at the end of the run."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -54,7 +55,6 @@ class OptimizerThread:
         layout: JobLayout,
         masters: Mapping[int, Mapping[str, torch.Tensor]],
         optimizer: LayerwiseOptimizer,
-        wait_timeout_s: float,
         cancelled: threading.Event,
         wake: Callable[[str], None],
         shards: ZeroShards | None = None,
@@ -68,7 +68,6 @@ class OptimizerThread:
         self.layout = layout
         self.masters = masters
         self.optimizer = optimizer
-        self.wait_timeout_s = wait_timeout_s
         self.cancelled = cancelled
         """Set when the job stops: the thread gives up waiting for gradients."""
         self.wake = wake
@@ -338,9 +337,11 @@ class OptimizerThread:
         events, counters = self.layout.events, self.layout.counters
 
         def wait(counter: int) -> None:
-            events.wait_at_least(
-                counter, k, timeout_s=self.wait_timeout_s * 4, should_abort=self.cancelled.is_set
-            )
+            # No deadline: a step may wait any time for its gradients (its tasks parked
+            # while no worker is connected, a slow step on CPU workers). A task that does
+            # not progress is the task tracker's to find (its progress deadline), a
+            # silent node the group's; this wait ends when the job stops.
+            events.wait_at_least(counter, k, timeout_s=math.inf, should_abort=self.cancelled.is_set)
 
         wait(counters.wgrad(layer))
         if self._split_at(layer, k):  # known once wgrad[l] >= k

@@ -428,7 +428,6 @@ class Trainer:
             layout=self.layout,
             masters=self.masters,
             optimizer=self.optimizer,
-            wait_timeout_s=self.wait_timeout_s,
             cancelled=self._cancel,
             wake=lambda why: self.inbox.put(Wakeup(why)),
             shards=self.shards,
