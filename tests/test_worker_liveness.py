@@ -56,25 +56,31 @@ def test_a_worker_that_reconnects_is_not_killed_under_its_old_registration(
     """The coordinator's loop stalls longer than the worker's --coordinator-timeout: the
     worker gives up on it and registers again on a new connection, the same process.
     Its old registration is lost at once (its tasks would be re-dispatched), and its
-    process is not fenced: it used to be SIGKILLed a heartbeat timeout later."""
+    process is not fenced: it used to be SIGKILLed a heartbeat timeout later. The stall
+    is long (21 s): the worker's tries used to back off up to 8 s apart, and a stall
+    ending inside such a pause left the old registration to time out first."""
     with cpu_cluster(
         tmp_path,
         "reconnect",
-        ["--worker-timeout", str(TIMEOUT_S)],
+        ["--worker-timeout", "2"],
         num_workers=1,
-        worker_args=["--coordinator-timeout", "2"],
+        worker_args=["--coordinator-timeout", "1.5", "--handshake-timeout", "2"],
     ) as cluster:
         worker = cluster.workers["w1"]
+        deadline = time.monotonic() + 60
+        while "heard the coordinator's heartbeat" not in worker.tail(100_000):
+            assert time.monotonic() < deadline, cluster.logs()  # (it checks only after)
+            time.sleep(0.05)
         cluster.coordinator.proc.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(3)  # the stall itself: past the worker's 2 s, not the coordinator's
+            time.sleep(21)  # the stall itself (not a wait for an outcome)
         finally:
             cluster.coordinator.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 60
         while "lost: reconnected as worker" not in cluster.coordinator.tail(100_000):
             assert time.monotonic() < deadline and worker.alive(), cluster.logs()
             time.sleep(0.05)
-        time.sleep(TIMEOUT_S + 1)  # past the old registration's heartbeat timeout
+        time.sleep(3)  # past the old registration's heartbeat timeout
         assert worker.alive(), cluster.logs()
         assert "fenced" not in cluster.coordinator.tail(100_000), cluster.logs()
         assert [w.name for w in cluster.client.workers()] == ["w1"], cluster.logs()

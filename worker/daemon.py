@@ -66,7 +66,10 @@ log = logging.getLogger("roundpipe.worker")
 
 
 class HandshakeError(RuntimeError):
-    pass
+    def __init__(self, message: str, *, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
+        """False when no coordinator answered at all (silence, not a refusal)."""
 
 
 def apply_memory_limit(device: torch.device, limit_bytes: int) -> int:
@@ -195,19 +198,22 @@ class WorkerDaemon:
             if isinstance(msg, Welcome):
                 return msg
             if isinstance(msg, Reject):
+                self.sock.close()
                 raise HandshakeError(f"the coordinator rejected this worker: {msg.reason}")
             if isinstance(msg, ErrorReply):
+                self.sock.close()
                 raise HandshakeError(f"the coordinator refused the handshake: {msg.message}")
         self.sock.close()
         raise HandshakeError(
-            f"no answer from a coordinator at {self.coordinator} within {timeout_s:.0f}s; "
+            answered=False,
+            message=f"no answer from a coordinator at {self.coordinator} within {timeout_s:.0f}s; "
             "is roundpipe-coordinator running there? (--coordinator / ROUNDPIPE_ADDRESS; "
             "--handshake-timeout) Does it know this worker's key? "
             + (
                 f"(using {self.keys.key_path}; it must be authorised with role worker)"
                 if self.keys is not None
                 else "(none configured: --key / ROUNDPIPE_KEY)"
-            )
+            ),
         )
 
     # -- sessions ---------------------------------------------------------------------
@@ -224,12 +230,29 @@ class WorkerDaemon:
                     return  # stopped
                 except CoordinatorLost as exc:
                     log.warning("[worker] %s; dropping all job state and reconnecting", exc)
+                silent_tries = 0
                 while not self._stop.is_set():
                     try:
                         welcome = self.connect(min(5.0, self.handshake_timeout_s))
                         backoff_s = 0.5
                         break
                     except HandshakeError as exc:
+                        if not exc.answered:
+                            silent_tries += 1
+                            if silent_tries & (silent_tries - 1) == 0:  # 1, 2, 4, ...: a
+                                # coordinator down for days does not fill the journal
+                                log.info(
+                                    "[worker] reconnect failed %d time(s) (%s); trying again",
+                                    silent_tries,
+                                    exc,
+                                )
+                            # Silence: ask again at once, so that a Hello is always
+                            # waiting. A coordinator whose loop only stalled then hears
+                            # this process again as soon as it runs, before its old
+                            # registration times out (a Hello arriving after that found
+                            # the process fenced as a lost worker). The wait for an
+                            # answer paces the tries; libzmq redials underneath.
+                            continue
                         log.info(
                             "[worker] reconnect failed (%s); retrying in %.1fs", exc, backoff_s
                         )
@@ -283,6 +306,12 @@ class WorkerDaemon:
                     else:
                         last_heard = time.monotonic()
                         if self._on_message(self.sock.recv_multipart(), queue_):
+                            if not heard_beat:
+                                log.info(
+                                    "[worker] heard the coordinator's heartbeat: it counts as "
+                                    "lost after %.0fs of silence from now on",
+                                    self.coordinator_timeout_s,
+                                )
                             heard_beat = True
                 now = time.monotonic()
                 if now >= next_beat:
