@@ -132,7 +132,9 @@ class RoundPipeError(Exception):
 class CoordinatorUnavailable(RoundPipeError):
     """No reply from the coordinator within the client's timeout."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, *, sent: bool = True) -> None:
+        self.sent = sent
+        """Whether the request left this client (False: no connection took it)."""
         super().__init__(
             f"no reply from the RoundPipe coordinator at {address} within {timeout_s:g} s; "
             f"is it running? Start one with `roundpipe-coordinator --address {address}`, "
@@ -352,9 +354,11 @@ class Client:
             sock = self._socket
             assert sock is not None
             try:
+                sent = True
                 try:
                     sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 except zmq.Again:
+                    sent = False
                     # No connection to queue it on. libzmq ends a connection whose
                     # handshake the coordinator refused, and does not reconnect it: under
                     # load the refusal can come before this send. Its monitor tells.
@@ -370,7 +374,7 @@ class Client:
                 # The request (or its late reply) is still queued on this socket; start
                 # over with a fresh one so the next request cannot read a stale reply.
                 self._replace_socket(sock)
-                raise CoordinatorUnavailable(self._address, timeout_s)
+                raise CoordinatorUnavailable(self._address, timeout_s, sent=sent)
         # A DEALER gets no routing envelope, but tolerate an empty delimiter frame from a
         # coordinator that replies REQ-style.
         if len(reply_frames) == NUM_FRAMES + 1 and len(reply_frames[0]) == 0:
@@ -423,7 +427,9 @@ class Client:
         wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
         try:
             reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted, timeout_s=wait_s)
-        except CoordinatorUnavailable:
+        except CoordinatorUnavailable as exc:
+            if not exc.sent:
+                raise
             raise StillChecking(self._address, wait_s, "submission") from None
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
@@ -508,7 +514,9 @@ class Client:
         wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
         try:
             reply = self._request(ResumeJob(job_id=job_id), Ack, timeout_s=wait_s)
-        except CoordinatorUnavailable:
+        except CoordinatorUnavailable as exc:
+            if not exc.sent:
+                raise
             raise StillChecking(self._address, wait_s, f"resume of {job_id}") from None
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)

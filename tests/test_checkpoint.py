@@ -208,6 +208,21 @@ def test_missing_or_garbage_pointer_scans_directories(tmp_path: Path) -> None:
     assert ckpts.pointer() is None and ckpts.find_latest().step == 2
     (tmp_path / LATEST).unlink()
     assert ckpts.find_latest().step == 2
+    # An output directory is the submitter's: what `latest` is there is read at every
+    # coordinator start. Bytes that are not UTF-8 (they stopped the start), a FIFO (it
+    # would wait for a writer forever), a symbolic link, a directory: no pointer.
+    (tmp_path / LATEST).write_bytes(b"\xff\xfe" * 1000)
+    assert ckpts.pointer() is None and ckpts.find_latest().step == 2
+    (tmp_path / LATEST).unlink()
+    os.mkfifo(tmp_path / LATEST)
+    assert ckpts.pointer() is None
+    (tmp_path / LATEST).unlink()
+    (tmp_path / LATEST).symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_text(step_name(1) + "\n")
+    assert ckpts.pointer() is None
+    (tmp_path / LATEST).unlink()
+    (tmp_path / LATEST).mkdir()
+    assert ckpts.pointer() is None and ckpts.find_latest().step == 2
 
 
 def test_find_latest_only_returns_the_jobs_own(tmp_path: Path) -> None:

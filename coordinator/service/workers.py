@@ -9,7 +9,9 @@ count only from the identity that registered it, on its own connection
 checked by pid and start time) or its heartbeats stop (``WorkerTable.take_lost``), or when
 the trainer says it stopped making progress (``WorkerTable.fence``). A lost worker is
 fenced: SIGKILLed if its process is provably the worker's (Note [no fencing by hearsay]
-below), else only dropped. See docs/fault-tolerance.md.
+below), else only dropped. A registration is also lost, never fenced, when its own
+process registers again on a new connection (a worker that gave up on a stalled
+coordinator and reconnected). See docs/fault-tolerance.md.
 
 The table shares the daemon's lock (it guards the job book too), so a request sees jobs
 and workers in one consistent state.

@@ -9,8 +9,11 @@ checkpoint]). Nothing here checks file sizes or checksums.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,9 +93,26 @@ def read_manifest(path: Path) -> CheckpointInfo:
 
 
 def read_pointer(root: Path) -> str | None:
-    """The checkpoint name ``root/latest`` holds, or None (absent or not a step name)."""
+    """The checkpoint name ``root/latest`` holds, or None (absent, or not a regular file
+    holding a step name). An output directory is the submitter's to fill: ``latest``
+    may be anything there, and the coordinator reads it at start, so it reads at most
+    a few bytes of a regular file, never a symbolic link, and never waits (a FIFO)."""
     try:
-        name = (root / LATEST).read_text(encoding="utf-8").strip()
+        fd = os.open(root / LATEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link: never what a writer leaves
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, 256)
+    finally:
+        os.close(fd)
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
         return None
     return name if parse_step(name) is not None else None

@@ -132,14 +132,17 @@ def decode_line(raw: bytes, path: str, lineno: int) -> str:
 
 
 def parse_json_object(line: str, path: str, lineno: int) -> dict[str, Any]:
-    if line.startswith("["):
+    if lineno == 1 and line.startswith("["):
         # The usual instruction-data .json (Alpaca, LLaMA-Factory): one array of records,
-        # often pretty-printed. Its first line is not a record; say what the file is.
+        # often pretty-printed. Its first line is not a record; say what the file is,
+        # and how to convert it (into another file: `> itself` would empty it first).
+        name = Path(path).name
+        out = Path(path).stem + (".converted.jsonl" if name.endswith(".jsonl") else ".jsonl")
         raise SourceError(
             f"{path}:{lineno}: this looks like a JSON array of records; data files are "
             'JSON Lines, one object per line: convert it, e.g. python -c "import json, '
             'sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]" '
-            f"{Path(path).name} > {Path(path).stem}.jsonl"
+            f"{name} > {out}"
         )
     try:
         obj = json.loads(line)

@@ -14,10 +14,11 @@ Three separate signals decide that a worker is gone (docs/fault-tolerance.md):
   thread, so a long task never looks dead) -> lost, and fenced with SIGKILL when local;
 - no task completed for the progress deadline while it has tasks in flight (a stuck
   kernel with a live I/O thread) -> lost and fenced. The deadline is ``deadline_factor`` x
-  the slowest task time measured so far, never below ``deadline_floor_s``.
+  the slowest task time measured so far, never below ``deadline_floor_s``, counted from
+  the worker's last completion or, if it was idle, from the task that ended its idleness.
 
-A task that *fails* (the worker reports an exception) is retried elsewhere up to
-``max_attempts`` times in all; then the job fails with the task's error (e.g. out of
+A task that *fails* (the worker reports an exception) is retried on another worker (on
+the same one when it is the only one) up to ``max_attempts`` times in all; then the job fails with the task's error (e.g. out of
 memory for its stage), instead of retrying forever.
 """
 
@@ -117,7 +118,8 @@ class TaskTracker:
         return entry
 
     def failed(self, msg: TaskFailed) -> None:
-        """Retry a failed task elsewhere, or raise TaskGaveUp after max_attempts."""
+        """Retry a failed task on another worker (the same one if it is the only one
+        live), or raise TaskGaveUp after max_attempts."""
         entry = self.in_flight.pop(msg.task_id, None)
         if entry is None:
             return
