@@ -594,3 +594,21 @@ def test_sgd_state_round_trip_continues_identically() -> None:
     assert all(torch.equal(a_w[i][n], b_w[i][n]) for i, d in a_w.items() for n in d)
     with pytest.raises(ValueError, match="optimizer state tensors differ"):
         LayerwiseOptimizer(_big_layers(), schedule=sched).load_state_dict(state)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_one_overflowing_gradient_element_costs_one_update_not_a_block(state_dtype: str) -> None:
+    """A finite gradient above ~6e20 makes its second moment inf. With fp32 states its
+    update is zero (m / inf) and every weight stays finite; with 8-bit states the
+    block's scale became inf, and all 256 moments, then weights, NaN."""
+    torch.manual_seed(0)
+    w = torch.randn(1024)
+    opt = LayerwiseOptimizer(
+        {0: {"w": w}}, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype, weight_decay=0.0
+    )
+    for step in (1, 2, 3):
+        g = torch.randn(1024) * 1e-3
+        if step == 1:
+            g[3] = 1e30
+        opt.step_layer(0, {"w": g}, step)
+        assert torch.isfinite(w).all(), (step, int((~torch.isfinite(w)).sum()))

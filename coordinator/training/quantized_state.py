@@ -116,10 +116,26 @@ def quantize_(
     if full:
         blocks = src[: full * BLOCK].view(full, BLOCK)
         torch.amax(blocks.abs(), dim=1, out=absmax[:full])
+        if torch.isinf(absmax[:full]).any():  # rare: checked on the scales, not the data
+            _finite_(src)
+            torch.amax(blocks.abs(), dim=1, out=absmax[:full])
         scale = torch.where(absmax[:full] > 0, absmax[:full], 1.0)
         blocks.div_(scale.unsqueeze(1))
     if n > full * BLOCK:
         tail = src[full * BLOCK :]
         absmax[full] = tail.abs().max()
+        if torch.isinf(absmax[full]):
+            _finite_(tail)
+            absmax[full] = tail.abs().max()
         tail.div_(absmax[full] if absmax[full] > 0 else 1.0)
     code_map.encode(src, codes)
+
+
+def _finite_(values: torch.Tensor) -> None:
+    """Infinities to the largest finite float32, in place. One element whose square
+    overflowed (a gradient above ~6e20 makes the second moment inf) would make its
+    block's scale inf, and inf / inf turned all of the block's moments, then weights,
+    into NaN; in fp32 states that element's update is only zero (m / inf), as it is
+    here with the largest float instead."""
+    limit = torch.finfo(torch.float32).max
+    values.clamp_(-limit, limit)
