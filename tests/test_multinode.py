@@ -363,3 +363,38 @@ def test_plan_predicts_sharded_traffic_and_host_memory_per_node(capsys) -> None:
     assert (
         "rank 0, while it writes a checkpoint," in out and "state gathered for checkpoints" in out
     )
+
+
+def test_a_second_coordinator_with_a_rank_already_in_the_group_is_refused() -> None:
+    """Two coordinators both started with --rank 1: the second was let in, overwrote
+    rank 1's address and heartbeats in the store, and failed only at its first
+    collective, pausing the job on every node."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    member = Path(__file__).parent / "procs" / "group_member.py"
+
+    def start(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(member), "--rank", str(rank), "--world-size", "2",
+             "--port", str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    members = [start(0), start(1)]
+    try:
+        for proc in members:
+            assert proc.stdout.readline().strip() == "joined"
+        duplicate = start(1)
+        out, _ = duplicate.communicate(timeout=120)
+        assert duplicate.returncode == 3, out
+        assert "rank 1 is already in the data-parallel group" in out, out
+        assert "its own --rank" in out
+    finally:
+        for proc in members:
+            proc.stdin.close()
+            proc.wait(timeout=60)

@@ -134,6 +134,16 @@ class GroupError(RuntimeError):
     what it did (left the job, went silent, closed its connection)."""
 
 
+def _cannot_join(settings: GroupSettings, exc: Exception) -> GroupError:
+    return GroupError(
+        f"cannot join the data-parallel group at {settings.host}:{settings.port} as "
+        f"rank {settings.rank} of {settings.world_size} within {settings.timeout_s:.0f}s "
+        f"(--dist-timeout): {exc}. Start every rank with the same --dist-init and "
+        "--world-size, each with its own --rank, and open the port (and gloo's "
+        "ports) between the servers (docs/multi-node.md)"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class GroupSettings:
     """Where and as whom a coordinator joins the data-parallel group."""
@@ -278,6 +288,21 @@ class NodeGroup:
                 timeout=timeout,
                 wait_for_workers=True,
             )
+            # Each rank once: a second coordinator started with a rank already in the
+            # group was let in, overwrote that rank's address and heartbeats, and failed
+            # only at its first collective, pausing every node's job.
+            claims = store.add(f"rp/rank-claims/{settings.rank}", 1)
+        except (RuntimeError, OSError) as exc:
+            raise _cannot_join(settings, exc) from None
+        if claims != 1:
+            raise GroupError(
+                f"rank {settings.rank} is already in the data-parallel group at "
+                f"{settings.host}:{settings.port}: another coordinator was started with "
+                f"--rank {settings.rank}, or this rank joined before and the group cannot "
+                "take it back (restart every coordinator of the group). Give each "
+                "coordinator its own --rank (docs/multi-node.md)"
+            )
+        try:
             dist.init_process_group(
                 "gloo",
                 store=dist.PrefixStore("rp/world", store),
@@ -286,13 +311,7 @@ class NodeGroup:
                 timeout=timeout,
             )
         except (RuntimeError, OSError) as exc:
-            raise GroupError(
-                f"cannot join the data-parallel group at {settings.host}:{settings.port} as "
-                f"rank {settings.rank} of {settings.world_size} within {settings.timeout_s:.0f}s "
-                f"(--dist-timeout): {exc}. Start every rank with the same --dist-init and "
-                "--world-size, each with its own --rank, and open the port (and gloo's "
-                "ports) between the servers (docs/multi-node.md)"
-            ) from None
+            raise _cannot_join(settings, exc) from None
         group = cls(settings, store)
         store.set(f"rp/host/{settings.rank}", group.hostname)
         group._heartbeat.start()
