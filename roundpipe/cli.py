@@ -702,6 +702,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
                     f"{args.name} over a private channel, with {keys_dir / 'coordinator.key'}"
                 )
         elif args.keys_command == "list":
+            keys.authorized_dir(keys_dir)  # a wrong --keys-dir is an error, not "no keys"
             listed = keys.authorized_keys(keys_dir)
             rows = [(k.name, k.role, k.public_key.decode()[:12] + "...") for k in listed]
             print(_table(("NAME", "ROLE", "PUBLIC KEY"), rows) if rows else "no authorised keys")

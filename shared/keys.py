@@ -50,6 +50,7 @@ __all__ = [
     "add_key",
     "apply_connect_keys",
     "ask_reload",
+    "authorized_dir",
     "authorized_keys",
     "check_name",
     "config_dir",
@@ -67,7 +68,9 @@ COORDINATOR = "coordinator"
 AUTHORIZED = "authorized"
 SYSTEM_COORDINATOR_KEY = Path("/etc/roundpipe/coordinator.key")
 """Where a shared server publishes its coordinator's public key for every user."""
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+"""An identity's name, matched whole (fullmatch: ``$`` would also accept a name ending in
+a newline, a file that ``keys list`` shows split and ``keys remove`` cannot name)."""
 _ROLE_LINE = re.compile(r'^\s+role\s*=\s*"([^"]*)"\s*$', re.MULTILINE)
 
 
@@ -113,7 +116,7 @@ def config_dir() -> Path:
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name == COORDINATOR:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name == COORDINATOR:
         raise KeyFileError(
             f"invalid key name {name!r}: use 1-64 letters, digits, '_', '.' or '-' (not "
             f"starting with '.' or '-', and not {COORDINATOR!r})"
@@ -253,17 +256,24 @@ def remove_key(keys_dir: Path, name: str) -> Path:
     return target
 
 
-def ask_reload(keys_dir: Path) -> Path:
-    """Mark ``keys_dir/authorized`` changed (its modification time becomes now): every
-    coordinator using it re-reads its keys at its next check, within a second, even if
-    no file changed. No signal and no pid needed, only the write access that ``keys
-    add`` and ``keys remove`` need. Returns the directory."""
+def authorized_dir(keys_dir: Path) -> Path:
+    """``keys_dir/authorized``; KeyFileError if it is not there (a wrong --keys-dir must
+    not read as "nobody is authorised")."""
     authorized = Path(keys_dir) / AUTHORIZED
     if not authorized.is_dir():
         raise KeyFileError(
             f"{authorized} does not exist; is --keys-dir the coordinator's key directory? "
             f"(create one with `roundpipe keys init --keys-dir {keys_dir}`)"
         )
+    return authorized
+
+
+def ask_reload(keys_dir: Path) -> Path:
+    """Mark ``keys_dir/authorized`` changed (its modification time becomes now): every
+    coordinator using it re-reads its keys at its next check, within a second, even if
+    no file changed. No signal and no pid needed, only the write access that ``keys
+    add`` and ``keys remove`` need. Returns the directory."""
+    authorized = authorized_dir(keys_dir)
     try:
         os.utime(authorized)
     except PermissionError:
@@ -285,7 +295,7 @@ def authorized_keys(keys_dir: Path) -> list[AuthorizedKey]:
             role_match = _ROLE_LINE.search(path.read_text(errors="replace"))
         except (KeyFileError, OSError):
             continue
-        if role_match is None or role_match.group(1) not in ROLES or not _NAME.match(path.stem):
+        if role_match is None or role_match.group(1) not in ROLES or not _NAME.fullmatch(path.stem):
             continue
         out.append(AuthorizedKey(path.stem, role_match.group(1), public, path))
     return out

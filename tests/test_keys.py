@@ -64,7 +64,7 @@ def test_bad_names_roles_and_a_second_init_are_refused(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="already holds a coordinator key"):
         init_keys(keys)
     assert coordinator_key_pair(keys) == before
-    for name in ("../evil", ".hidden", "coordinator", "", "a b", "x" * 65):
+    for name in ("../evil", ".hidden", "coordinator", "", "a b", "x" * 65, "evil\n"):
         with pytest.raises(KeyFileError, match="invalid key name"):
             add_key(keys, name, "client", out_dir=tmp_path)
     with pytest.raises(KeyFileError, match="invalid role"):
@@ -75,6 +75,16 @@ def test_bad_names_roles_and_a_second_init_are_refused(tmp_path: Path) -> None:
         bad = tmp_path / "bad.key"
         bad.write_text("hello\n")
         add_key(keys, "eve", "client", public_key=bad)
+
+
+def test_keys_list_of_a_directory_that_is_not_a_key_directory_says_so(
+    tmp_path: Path, capsys
+) -> None:
+    """A wrong --keys-dir printed "no authorised keys" and exit 0: an operator who forgot
+    the option was told nobody is authorised."""
+    assert cli.main(["keys", "list", "--keys-dir", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert "authorized does not exist" in err and "keys init" in err
 
 
 def test_connect_keys_say_what_is_missing(tmp_path: Path, monkeypatch) -> None:
