@@ -596,19 +596,31 @@ def test_sgd_state_round_trip_continues_identically() -> None:
         LayerwiseOptimizer(_big_layers(), schedule=sched).load_state_dict(state)
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
-def test_one_overflowing_gradient_element_costs_one_update_not_a_block(state_dtype: str) -> None:
+def test_one_overflowing_gradient_element_costs_one_update_not_a_block() -> None:
     """A finite gradient above ~6e20 makes its second moment inf. With fp32 states its
-    update is zero (m / inf) and every weight stays finite; with 8-bit states the
-    block's scale became inf, and all 256 moments, then weights, NaN."""
-    torch.manual_seed(0)
-    w = torch.randn(1024)
-    opt = LayerwiseOptimizer(
-        {0: {"w": w}}, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype, weight_decay=0.0
-    )
-    for step in (1, 2, 3):
-        g = torch.randn(1024) * 1e-3
-        if step == 1:
-            g[3] = 1e30
-        opt.step_layer(0, {"w": g}, step)
-        assert torch.isfinite(w).all(), (step, int((~torch.isfinite(w)).sum()))
+    update is zero (m / inf) and the other weights train on. With 8-bit states the
+    block's scale became inf and all 256 moments, then weights, NaN; clamping the
+    infinity instead left a huge first moment over a finite second one, which moved the
+    weight by ~1e6 a step. Now the element restarts its moments: it moves as little as
+    in fp32, and its block trains as a clean run's does."""
+
+    def run(state_dtype: str, spike: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(1024)
+        w0 = w.clone()
+        opt = LayerwiseOptimizer(
+            {0: {"w": w}}, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype, weight_decay=0.0
+        )
+        for step in range(1, 41):
+            g = torch.randn(1024) * 1e-3
+            if spike and step == 1:
+                g[3] = 1e30
+            opt.step_layer(0, {"w": g}, step)
+        return w, w0
+
+    w, w0 = run("int8", spike=True)
+    assert torch.isfinite(w).all()
+    assert abs(float(w[3] - w0[3])) < 0.1  # fp32: 0 (frozen); int8 clamped: ~4e7
+    clean, _ = run("int8", spike=False)
+    block = [i for i in range(256) if i != 3]  # its neighbours train as without the spike
+    assert torch.allclose(w[block], clean[block], atol=2e-3), float((w - clean)[block].abs().max())

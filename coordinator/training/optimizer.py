@@ -869,8 +869,15 @@ class LayerwiseOptimizer:
 
     @staticmethod
     def _pack_int8(packed: list[tuple]) -> None:
-        for scratch, codes, absmax, code_map in packed:
-            quantize_(scratch, codes, absmax, code_map)
+        """Store the chunk's moments back. An element whose second moment overflowed (a
+        gradient above ~6e20) restarts both its moments at zero: this step its update
+        was already zero (m / inf, as with fp32 states), and keeping its huge first
+        moment beside a finite second moment would move its weight by ~1e6 a step."""
+        (m, m_codes, m_absmax, m_map), (v, v_codes, v_absmax, v_map) = packed
+        overflowed = quantize_(v, v_codes, v_absmax, v_map)
+        if overflowed is not None:
+            m.masked_fill_(overflowed, 0.0)
+        quantize_(m, m_codes, m_absmax, m_map)
 
     def _step_reference(
         self, entry: _Layer, grad_list: list[torch.Tensor], coef: torch.Tensor | None, lr: float

@@ -108,16 +108,21 @@ def dequantize_(
 
 def quantize_(
     src: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, code_map: CodeMap
-) -> None:
+) -> torch.Tensor | None:
     """Block scales of ``src`` (fp32, flat) into ``absmax`` and its codes into ``codes``.
-    ``src`` is scaled in place (it is scratch)."""
+    ``src`` is scaled in place (it is scratch). Returns None, or, when some elements were
+    infinite, where they were: they are stored as 0 (see ``_pack_int8`` in
+    coordinator/training/optimizer.py), since an infinite element made its block's scale
+    inf and inf / inf turned all 256 of the block's moments, then weights, into NaN.
+    Checked on the scales, so the common case costs nothing."""
     n = src.numel()
     full = n // BLOCK
+    overflowed = None
     if full:
         blocks = src[: full * BLOCK].view(full, BLOCK)
         torch.amax(blocks.abs(), dim=1, out=absmax[:full])
-        if torch.isinf(absmax[:full]).any():  # rare: checked on the scales, not the data
-            _finite_(src)
+        if torch.isinf(absmax[:full]).any():
+            overflowed = _zero_infinities(src)
             torch.amax(blocks.abs(), dim=1, out=absmax[:full])
         scale = torch.where(absmax[:full] > 0, absmax[:full], 1.0)
         blocks.div_(scale.unsqueeze(1))
@@ -125,17 +130,14 @@ def quantize_(
         tail = src[full * BLOCK :]
         absmax[full] = tail.abs().max()
         if torch.isinf(absmax[full]):
-            _finite_(tail)
+            overflowed = _zero_infinities(src) if overflowed is None else overflowed
             absmax[full] = tail.abs().max()
         tail.div_(absmax[full] if absmax[full] > 0 else 1.0)
     code_map.encode(src, codes)
+    return overflowed
 
 
-def _finite_(values: torch.Tensor) -> None:
-    """Infinities to the largest finite float32, in place. One element whose square
-    overflowed (a gradient above ~6e20 makes the second moment inf) would make its
-    block's scale inf, and inf / inf turned all of the block's moments, then weights,
-    into NaN; in fp32 states that element's update is only zero (m / inf), as it is
-    here with the largest float instead."""
-    limit = torch.finfo(torch.float32).max
-    values.clamp_(-limit, limit)
+def _zero_infinities(values: torch.Tensor) -> torch.Tensor:
+    infinite = torch.isinf(values)
+    values.masked_fill_(infinite, 0.0)
+    return infinite
