@@ -378,15 +378,21 @@ def test_a_second_coordinator_with_a_rank_already_in_the_group_is_refused() -> N
         port = s.getsockname()[1]
     member = Path(__file__).parent / "procs" / "group_member.py"
 
-    def start(rank: int) -> subprocess.Popen:
+    def start(rank: int, **env: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, str(member), "--rank", str(rank), "--world-size", "2",
              "--port", str(port)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **env},
         )  # fmt: skip
 
-    members = [start(0), start(1)]
+    members = [start(0)]
     try:
+        # A rank whose first start failed after its claim (here gloo cannot use the
+        # interface it was told to, while rank 0 waits) may start again.
+        failed, _ = start(1, GLOO_SOCKET_IFNAME="no-such-if0").communicate(timeout=120)
+        assert "refused: cannot join the data-parallel group" in failed, failed
+        members.append(start(1))
         for proc in members:
             assert proc.stdout.readline().strip() == "joined"
         duplicate = start(1)

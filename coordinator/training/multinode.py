@@ -290,11 +290,15 @@ class NodeGroup:
             )
             # Each rank once: a second coordinator started with a rank already in the
             # group was let in, overwrote that rank's address and heartbeats, and failed
-            # only at its first collective, pausing every node's job.
+            # only at its first collective, pausing every node's job. A rank has joined
+            # once its host is published (below); an earlier claim whose coordinator
+            # died or failed before that (a wrong GLOO_SOCKET_IFNAME, a restart during
+            # start-up) does not bar the next one.
             claims = store.add(f"rp/rank-claims/{settings.rank}", 1)
+            taken = claims != 1 and store.check([f"rp/host/{settings.rank}"])
         except (RuntimeError, OSError) as exc:
             raise _cannot_join(settings, exc) from None
-        if claims != 1:
+        if taken:
             raise GroupError(
                 f"rank {settings.rank} is already in the data-parallel group at "
                 f"{settings.host}:{settings.port}: another coordinator was started with "
