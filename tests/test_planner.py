@@ -538,3 +538,21 @@ def test_plan_command_max_seq_len(capsys) -> None:
     assert "the longest sequence that fits is" in out and "working memory" in out
     assert plan_main(args) == 2
     assert "give --seq-len TOKENS, or --max-seq-len" in capsys.readouterr().err
+
+
+def test_the_whole_model_as_one_stage_must_fit_beside_its_prefetched_copy() -> None:
+    """One worker: the whole model's running memory fit the limit, but not beside the
+    next task's prefetched copy of the same stage, as every other tail must; that plan
+    (38.5 GiB on a 24 GiB worker) was chosen and admitted."""
+
+    def layer(f: float) -> LayerCost:
+        return LayerCost(
+            forward_s=f, backward_s=3 * f, param_bytes=GiB, grad_bytes=2 * GiB,
+            activation_bytes=16 * MiB, work_bytes=256 * MiB, forward_work_bytes=64 * MiB,
+        )  # fmt: skip
+
+    costs = [layer(0.01)] + [layer(1.0)] * 4 + [layer(2.0)]
+    hw = HardwareSpec(num_workers=1, memory_limit_bytes=24 * GiB, reserved_bytes=GiB)
+    result = plan_stages(costs, hw, 2)
+    assert result.plan != Plan(forward=(), tail=(0, 6), backward=()), result.plan
+    assert max(result.per_worker_memory) <= result.memory_limit_bytes, result.notes

@@ -630,6 +630,11 @@ def plan_stages(
             break  # the tail alone already costs more than the best plan so far
         tried_tails += 1
         if t == 0:
+            if tail_run + tail_res > room_total:
+                # The whole model as one stage runs beside the next task's prefetched
+                # copy of itself, as every other tail does (its memory was checked
+                # alone: a plan over the limit was chosen and admitted).
+                continue
             obj = max(1, hw.num_workers) * tail_time
             single = Plan(forward=(), tail=(0, n), backward=())
             _push(keep, _Candidate(obj, 1, single), candidates, fits)
