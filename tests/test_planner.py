@@ -556,3 +556,38 @@ def test_the_whole_model_as_one_stage_must_fit_beside_its_prefetched_copy() -> N
     result = plan_stages(costs, hw, 2)
     assert result.plan != Plan(forward=(), tail=(0, 6), backward=()), result.plan
     assert max(result.per_worker_memory) <= result.memory_limit_bytes, result.notes
+
+
+def test_admission_prices_a_pinned_plan_at_the_grain_the_job_runs(tmp_path) -> None:
+    """A pinned train.plan with train.recompute: layer runs its backward stages a layer
+    at a time; admission priced it at stage grain and refused a plan that fits."""
+    import torch
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.coordinator.planning.costs import estimate_costs
+    from roundpipe.coordinator.planning.hardware import gpu_hardware
+    from roundpipe.coordinator.service.admission import validate_spec
+    from roundpipe.coordinator.spec.errors import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
+
+    config = {"hidden_size": 64, "intermediate_size": 1024, "num_hidden_layers": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 512, "max_position_embeddings": 8192}  # fmt: skip
+    plan = "F[0:9] T[9:10] B[0:9]"
+
+    def spec(recompute: str):
+        return tiny_spec(tmp_path / "out", config=config, seq_len=4096, microbatch_size=4,
+                         num_microbatches=3, dtype="bfloat16", plan=plan,
+                         train={"recompute": recompute})  # fmt: skip
+
+    model = LayeredModel(model_config_from_spec(spec("layer").model))
+    costs = estimate_costs(model, microbatch_rows=4, seq_len=4096,
+                           compute_dtype=torch.bfloat16, flops_per_s=82.6e12)  # fmt: skip
+    big = gpu_hardware(2, 1 << 40)
+    need = {g: max(evaluate_plan(Plan.parse(plan), costs, big, 3, recompute=g).per_worker_memory)
+            for g in ("stage", "layer")}  # fmt: skip
+    assert need["layer"] < need["stage"]
+    between = gpu_hardware(2, (need["stage"] + need["layer"]) // 2)
+    validate_spec(spec("layer").to_dict(), hardware=between)  # fits at layer grain
+    with pytest.raises(JobSpecError, match="train.plan: needs about"):
+        validate_spec(spec("stage").to_dict(), hardware=between)

@@ -135,9 +135,18 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     )
     m, limit = job.batch.num_microbatches, hardware.memory_limit_bytes
     where = f"the connected GPU workers ({format_bytes(limit)} each)"
+    # At the grain the job will run at (coordinator/training/job_planner.py): a pinned
+    # plan at train.recompute's ("auto": stage); the planner's search given the same
+    # setting. Priced at stage grain, a pinned layer-grain plan that fits was refused.
     if job.train.plan:
+        grain = "stage" if job.train.recompute == "auto" else job.train.recompute
         result = evaluate_plan(
-            Plan.parse(job.train.plan), costs, hardware, m, staleness=job.train.staleness
+            Plan.parse(job.train.plan),
+            costs,
+            hardware,
+            m,
+            staleness=job.train.staleness,
+            recompute=grain,
         )
         need = max(result.per_worker_memory)
         if need > limit:
@@ -153,7 +162,9 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
             )
         return
     try:
-        plan_stages(costs, hardware, m, staleness=job.train.staleness)
+        plan_stages(
+            costs, hardware, m, staleness=job.train.staleness, recompute=job.train.recompute
+        )
     except ValueError as exc:
         raise JobSpecError([FieldError("", f"cannot run on {where}: {exc}")]) from None
 
