@@ -163,9 +163,14 @@ def _host_memory(
     import torch
 
     from roundpipe.coordinator.spec.sections import TrainSpec
+    from roundpipe.coordinator.training.job_planner import replan_pool_capacity
     from roundpipe.coordinator.training.layout import JobLayout
     from roundpipe.coordinator.training.memory import host_memory_needed
 
+    # A job whose plan is the planner's may re-plan (train.replan, on by default): its
+    # slot pools have room for more stages, and admission counts them. A pinned plan
+    # (--plan, as train.plan) never re-plans.
+    capacity = {} if args.plan else replan_pool_capacity(model.num_layers, plan)
     layout = JobLayout.plan_layout(
         model,
         plan,
@@ -176,6 +181,7 @@ def _host_memory(
         # The job spec's default gradient buffer (Note [gradient buffer]).
         grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
         weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
+        **capacity,
     )
     return host_memory_needed(layout), max(1, model.parameter_count()), layout.shares_grad_slots
 

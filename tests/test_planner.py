@@ -429,6 +429,7 @@ def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
 
     import torch
 
+    from roundpipe.coordinator.training.job_planner import replan_pool_capacity
     from roundpipe.coordinator.training.layout import JobLayout
     from roundpipe.coordinator.training.memory import host_memory_needed
     from roundpipe.shared.model import LayeredModel
@@ -452,6 +453,8 @@ def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
         seq_len=256,
         num_microbatches=3,
         grad_buffer_layers=JobLayout.grad_buffer_layers_for(Plan.parse(doc["plan"]), 2),
+        # the planner's plan: the job may re-plan, so its slot pools have headroom
+        **replan_pool_capacity(model.num_layers, Plan.parse(doc["plan"])),
     )
     need = host_memory_needed(layout)
     host = doc["host_memory"]
@@ -591,3 +594,54 @@ def test_admission_prices_a_pinned_plan_at_the_grain_the_job_runs(tmp_path) -> N
     validate_spec(spec("layer").to_dict(), hardware=between)  # fits at layer grain
     with pytest.raises(JobSpecError, match="train.plan: needs about"):
         validate_spec(spec("stage").to_dict(), hardware=between)
+
+
+def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path) -> None:
+    """`roundpipe plan` says how much host memory the coordinator will require. The
+    trainer sizes a re-planning job's slot pools with headroom for more stages; plan
+    left it out and said 11% less here, so a job it said fits could be refused."""
+    import contextlib
+    import io
+    import json
+
+    import torch
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.coordinator.planning.hardware import gpu_hardware
+    from roundpipe.coordinator.spec.jobspec import model_config_from_spec
+    from roundpipe.coordinator.training.job_planner import JobPlanner
+
+    config = {"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 12,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+              "vocab_size": 512, "max_position_embeddings": 8192}  # fmt: skip
+    job = tiny_spec(tmp_path / "out", config=config, seq_len=4096, microbatch_size=1,
+                    num_microbatches=5, dtype="bfloat16", staleness=1)  # fmt: skip
+    assert job.train.replan and not job.train.plan
+    model = LayeredModel(model_config_from_spec(job.model))
+    planner = JobPlanner("j", job, hardware=gpu_hardware(4, 24 * GiB), arena_dir=tmp_path,
+                         node_microbatches=5, compute_dtype=torch.bfloat16)  # fmt: skip
+    layout, _ = planner.first_layout(model)
+    admitted = planner.host_memory(layout)
+    args = [
+        "--architecture",
+        "qwen3",
+        "--workers",
+        "4",
+        "--memory-limit",
+        "24GiB",
+        "--seq-len",
+        "4096",
+        "--microbatches",
+        "5",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    ]
+    for key, value in config.items():
+        args += ["--set", f"{key}={value}"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_main(args) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["plan"] == str(layout.plan)
+    assert doc["host_memory"]["total"] == admitted.total, (doc["host_memory"], admitted)

@@ -50,7 +50,7 @@ from roundpipe.coordinator.training.memory import (
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.plan import Plan
 
-__all__ = ["JobPlanner"]
+__all__ = ["JobPlanner", "replan_pool_capacity"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ _REPLAN_MIN_GAIN = 0.05
 _POOL_HEADROOM = 1.5
 """Slot pools hold this many times the initial plan's boundaries (at least 2 more, at
 most every layer), so a re-plan may add stages (Note [re-planning])."""
+
+
+def replan_pool_capacity(num_layers: int, plan: Plan) -> dict[str, int]:
+    """The activation and gradient slot pools of a job that may re-plan (_POOL_HEADROOM):
+    ``JobLayout.plan_layout``'s ``act_capacity`` and ``dact_capacity``. `roundpipe plan`
+    sizes its host-memory figure with them too, as admission does."""
+    capacity = {}
+    for key, boundaries in (
+        ("act_capacity", JobLayout.activation_boundaries(plan)),
+        ("dact_capacity", JobLayout.gradient_boundaries(plan)),
+    ):
+        n = len(boundaries)
+        capacity[key] = min(num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
+    return capacity
 
 
 @dataclass(eq=False, repr=False)
@@ -144,12 +158,7 @@ class JobPlanner:
         spec = self.spec
         capacity: dict[str, int] = {}
         if self.profile is not None:  # leave room in the slot pools for a re-plan
-            for key, boundaries in (
-                ("act_capacity", JobLayout.activation_boundaries(plan)),
-                ("dact_capacity", JobLayout.gradient_boundaries(plan)),
-            ):
-                n = len(boundaries)
-                capacity[key] = min(model.num_layers - 1, max(n + 2, int(n * _POOL_HEADROOM)))
+            capacity = replan_pool_capacity(model.num_layers, plan)
         layout = JobLayout.plan_layout(
             model,
             plan,
