@@ -138,8 +138,8 @@ def test_format_detection(tmp_path: Path) -> None:
         ('{"text": "ok"}\n[1, 2]\n', r":2: expected a JSON object, got list"),
         # Alpaca-style .json: one pretty-printed array, not JSON Lines
         (
-            '[\n  {"text": "a"},\n  {"text": "b"}\n]\n',
-            r":1: this looks like a JSON array.* bad\.jsonl > bad\.converted\.jsonl$",
+            '\n[\n  {"text": "a"},\n  {"text": "b"}\n]\n',
+            r":2: this looks like a JSON array.* bad\.jsonl > bad\.converted\.jsonl$",
         ),
         ('{"text": "ok"}\n{"txt": "x"}\n', r":2: no 'text' field \(its keys: 'txt'\)"),
         ('{"text": "ok"}\n{"text": 5}\n', r":2: field 'text' is int"),

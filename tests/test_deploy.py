@@ -270,9 +270,10 @@ def test_the_daemons_run_under_the_address_families_their_units_allow(
     keys = tmp_path / "keys"
     subprocess.run([bin_dir / "roundpipe", "keys", "init", "--keys-dir", keys], check=True,
                    capture_output=True)  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as a, socket.socket() as b:  # both held: two different ports
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, group_port = a.getsockname()[1], b.getsockname()[1]  # coordinator, gloo store
     address = f"tcp://127.0.0.1:{port}"
     coordinator_log, worker_log = tmp_path / "coordinator.log", tmp_path / "worker.log"
     env = {**os.environ, "ROUNDPIPE_KEY": str(keys / "worker.key_secret"),
@@ -298,7 +299,7 @@ def test_the_daemons_run_under_the_address_families_their_units_allow(
         member = subprocess.run(
             [*restrict, _families("roundpipe-coordinator.service"), "--", sys.executable,
              str(Path(__file__).parent / "procs" / "group_member.py"), "--rank", "0",
-             "--world-size", "1", "--port", str(port + 1 if port < 65535 else port - 1)],
+             "--world-size", "1", "--port", str(group_port)],
             input="", capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert member.stdout.strip() == "joined", member.stdout + member.stderr

@@ -117,11 +117,13 @@ def _jsonl(path: str) -> Iterator[SourceRow]:
     except OSError as exc:
         raise SourceError(f"cannot read data file {path}: {exc.strerror}") from None
     with f:
+        first = True
         for lineno, raw in enumerate(f, 1):
             line = decode_line(raw, path, lineno).strip()
             if not line:
                 continue
-            yield SourceRow(f"{path}:{lineno}", parse_json_object(line, path, lineno))
+            yield SourceRow(f"{path}:{lineno}", parse_json_object(line, path, lineno, first))
+            first = False
 
 
 def decode_line(raw: bytes, path: str, lineno: int) -> str:
@@ -131,8 +133,9 @@ def decode_line(raw: bytes, path: str, lineno: int) -> str:
         raise SourceError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
 
 
-def parse_json_object(line: str, path: str, lineno: int) -> dict[str, Any]:
-    if lineno == 1 and line.startswith("["):
+def parse_json_object(line: str, path: str, lineno: int, first: bool = False) -> dict[str, Any]:
+    """The record on line ``lineno`` (``first``: the file's first non-blank line)."""
+    if first and line.startswith("["):
         # The usual instruction-data .json (Alpaca, LLaMA-Factory): one array of records,
         # often pretty-printed. Its first line is not a record; say what the file is,
         # and how to convert it (into another file: `> itself` would empty it first).
