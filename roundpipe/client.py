@@ -132,11 +132,14 @@ class RoundPipeError(Exception):
 class CoordinatorUnavailable(RoundPipeError):
     """No reply from the coordinator within the client's timeout."""
 
-    def __init__(self, address: str, timeout_s: float, *, sent: bool = True) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, *, sent: bool = True, message: str | None = None
+    ) -> None:
         self.sent = sent
         """Whether the request left this client (False: no connection took it)."""
         super().__init__(
-            f"no reply from the RoundPipe coordinator at {address} within {timeout_s:g} s; "
+            message
+            or f"no reply from the RoundPipe coordinator at {address} within {timeout_s:g} s; "
             f"is it running? Start one with `roundpipe-coordinator --address {address}`, "
             "or point the client at the running one (--address, or ROUNDPIPE_ADDRESS)"
         )
@@ -149,15 +152,15 @@ class StillChecking(CoordinatorUnavailable):
     wait: it is busy checking specs, and may still accept the job."""
 
     def __init__(self, address: str, timeout_s: float, what: str) -> None:
-        RoundPipeError.__init__(
-            self,
-            f"the RoundPipe coordinator at {address} is running (it answered just before) "
-            f"but did not answer the {what} within {timeout_s:g} s: it is still checking "
-            "this spec or others submitted before it (reading and tokenizing their data). "
-            "The job may yet be accepted: look at `roundpipe jobs` before submitting again",
+        super().__init__(
+            address,
+            timeout_s,
+            message=f"the RoundPipe coordinator at {address} is running (it answered just "
+            f"before) but did not answer the {what} within {timeout_s:g} s: it is still "
+            "checking this spec or others submitted before it (reading and tokenizing "
+            "their data). The job may yet be accepted: look at `roundpipe jobs` before "
+            "submitting again",
         )
-        self.address = address
-        self.timeout_s = timeout_s
 
 
 class NotAuthorized(RoundPipeError):
@@ -400,6 +403,20 @@ class Client:
             f"expected {names} or ErrorReply, got {type(reply).__name__}"
         )
 
+    def _checked_request(
+        self, request: Message, expected: type[_M], *, what: str
+    ) -> _M | ErrorReply:
+        """A SubmitJob or ResumeJob, which the coordinator answers once it has checked the
+        spec: waited for at least SUBMIT_TIMEOUT_S, then StillChecking (it answered the
+        ping just before, so it may yet accept the job)."""
+        wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
+        try:
+            return self._request(request, expected, timeout_s=wait_s)
+        except CoordinatorUnavailable as exc:
+            if not exc.sent:
+                raise
+            raise StillChecking(self._address, wait_s, what) from None
+
     def _ping(self) -> None:
         """A cheap request with the client's own timeout, before one that may take long
         to answer: a coordinator that is not running is reported as fast as ever."""
@@ -424,13 +441,9 @@ class Client:
         job_spec = _as_job_spec(spec)
         self._ping()
         # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
-        wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
-        try:
-            reply = self._request(SubmitJob(spec=job_spec.to_dict()), JobAccepted, timeout_s=wait_s)
-        except CoordinatorUnavailable as exc:
-            if not exc.sent:
-                raise
-            raise StillChecking(self._address, wait_s, "submission") from None
+        reply = self._checked_request(
+            SubmitJob(spec=job_spec.to_dict()), JobAccepted, what="submission"
+        )
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
@@ -511,13 +524,7 @@ class Client:
         is (nothing to do). Raises :class:`RoundPipeError` (code ``"bad_state"``) for a
         job that has succeeded."""
         self._ping()
-        wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
-        try:
-            reply = self._request(ResumeJob(job_id=job_id), Ack, timeout_s=wait_s)
-        except CoordinatorUnavailable as exc:
-            if not exc.sent:
-                raise
-            raise StillChecking(self._address, wait_s, f"resume of {job_id}") from None
+        reply = self._checked_request(ResumeJob(job_id=job_id), Ack, what=f"resume of {job_id}")
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 

@@ -22,7 +22,12 @@ from roundpipe.coordinator.planning.data_parallel import (
 )
 from roundpipe.coordinator.planning.gpus import GPUS
 from roundpipe.coordinator.planning.hardware import HardwareSpec
-from roundpipe.coordinator.planning.search import PlanResult, evaluate_plan, plan_stages
+from roundpipe.coordinator.planning.search import (
+    PlanResult,
+    evaluate_plan,
+    pinned_grain,
+    plan_stages,
+)
 from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.planning.shape_costs import estimate_costs_on_gpu
 from roundpipe.coordinator.spec.sections import TrainSpec
@@ -420,7 +425,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             m,
             staleness=args.staleness,
             tokens_per_iteration=tokens,
-            recompute="stage" if args.recompute == "auto" else args.recompute,
+            recompute=pinned_grain(args.recompute),
         )
     else:
         result = plan_stages(

@@ -211,11 +211,7 @@ def add_key(
     check_name(name)
     if role not in ROLES:
         raise KeyFileError(f"invalid role {role!r}: choose one of {', '.join(ROLES)}")
-    authorized = Path(keys_dir) / AUTHORIZED
-    if not authorized.is_dir():
-        raise KeyFileError(
-            f"{authorized} does not exist; run `roundpipe keys init --keys-dir {keys_dir}` first"
-        )
+    authorized = authorized_dir(keys_dir)
     target = authorized / f"{name}.key"
     if target.exists():
         raise KeyFileError(

@@ -548,6 +548,13 @@ def _check_single_layers(cm: CostModel) -> None:
             )
 
 
+def pinned_grain(recompute: str) -> str:
+    """The recompute grain of a plan the planner did not choose (a pinned train.plan):
+    ``train.recompute``, with "auto" meaning stage grain. Admission prices such a plan
+    at it and the trainer runs it there."""
+    return "stage" if recompute == "auto" else recompute
+
+
 def plan_stages(
     costs: Sequence[LayerCost],
     hw: HardwareSpec,

@@ -121,7 +121,7 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     import torch
 
     from roundpipe.coordinator.planning.costs import estimate_costs
-    from roundpipe.coordinator.planning.search import evaluate_plan, plan_stages
+    from roundpipe.coordinator.planning.search import evaluate_plan, pinned_grain, plan_stages
     from roundpipe.shared.plan import Plan
     from roundpipe.shared.units import format_bytes
 
@@ -135,18 +135,17 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     )
     m, limit = job.batch.num_microbatches, hardware.memory_limit_bytes
     where = f"the connected GPU workers ({format_bytes(limit)} each)"
-    # At the grain the job will run at (coordinator/training/job_planner.py): a pinned
-    # plan at train.recompute's ("auto": stage); the planner's search given the same
-    # setting. Priced at stage grain, a pinned layer-grain plan that fits was refused.
+    # At the grain the job will run at: a pinned plan at pinned_grain, the planner's
+    # search given the same setting. Priced at stage grain, a pinned layer-grain plan
+    # that fits was refused.
     if job.train.plan:
-        grain = "stage" if job.train.recompute == "auto" else job.train.recompute
         result = evaluate_plan(
             Plan.parse(job.train.plan),
             costs,
             hardware,
             m,
             staleness=job.train.staleness,
-            recompute=grain,
+            recompute=pinned_grain(job.train.recompute),
         )
         need = max(result.per_worker_memory)
         if need > limit:

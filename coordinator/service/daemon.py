@@ -35,8 +35,9 @@ is provably the worker's (coordinator.workers, Note [no fencing by hearsay]).
 Nothing a peer sends can end the I/O loop: the socket refuses frames over
 ``MAX_FRAME_BYTES`` before reading them (ZMQ_MAXMSGSIZE); a message is read a frame at
 a time and a frame over its type's limit is answered unread (Note [inbound limits],
-coordinator.inbound, which also makes the ROUTER's routing ids unpredictable); lists are answered a page of
-at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to ``MAX_TEXT_CHARS`` (with
+coordinator.inbound, which also makes the ROUTER's routing ids unpredictable); lists
+are answered a page of at most ``MAX_REPLY_BYTES`` at a time and free texts are cut to
+``MAX_TEXT_CHARS`` (with
 a count of what was cut), so every reply is encodable; a reply that still cannot be
 encoded becomes an ErrorReply; and any exception while handling one message is logged
 and the loop goes on with the next.
@@ -461,9 +462,9 @@ class Coordinator:
         if refusal is not None:
             self._reply(identity, refusal)
             return
-        frames = [f.bytes for f in got.frames]
+        frames = [f.bytes for f in got.frames]  # within their type's limit (_oversized)
         try:
-            msg = decode(frames, max_body_bytes=frame_limit(message_type(frames[0])))
+            msg = decode(frames)
         except ProtocolVersionError as exc:
             self._noisy.warning(
                 "version", "rejected a peer speaking protocol %s: %s", exc.seen_version, exc

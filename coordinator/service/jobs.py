@@ -231,9 +231,7 @@ class JobBook:
         except OSError as exc:
             log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
             return
-        chosen = next((c for c in found if c.path.name == pointed), None)
-        if chosen is None and found:
-            chosen = found[-1]
+        chosen = next((c for c in found if c.path.name == pointed), found[-1] if found else None)
         newest = chosen.step if chosen is not None else None
         if newest is None or newest <= (job.checkpoint_step or 0):
             return

@@ -104,7 +104,8 @@ _CHUNK = 1 << 22
 # --------------------------------------------------------------------------- fsync helpers
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: the renames and creations in it are on disk."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -120,7 +121,7 @@ def sync_files(directory: Path) -> None:
         if entry.is_file() and not entry.is_symlink():
             with open(entry, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
@@ -488,7 +489,7 @@ class CheckpointDir:
                 files[rel] = _hash_and_sync(file)
             for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
                 if d != tmp:
-                    _fsync_dir(d)
+                    fsync_dir(d)
             body = dict(manifest)
             body.update(
                 format=FORMAT,
@@ -498,7 +499,7 @@ class CheckpointDir:
                 files=files,
             )
             _write_synced(tmp / MANIFEST, json.dumps(body, indent=1).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             target = self.root / name
             if os.path.lexists(target):
                 # A checkpoint of this step exists (another job's, or this job's from
@@ -506,7 +507,7 @@ class CheckpointDir:
                 trash = self._temp_path("trash", name)
                 os.rename(target, trash)
             os.rename(tmp, target)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -523,7 +524,7 @@ class CheckpointDir:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def remove(self, path: Path) -> None:
         """Delete one checkpoint directory (renamed to ``.trash-*`` first)."""

@@ -21,6 +21,7 @@ from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import modes, restrict_tree
 from roundpipe.coordinator.training.checkpoint import (
     as_os_error,
+    fsync_dir,
     remove_stale_temporaries,
     sync_files,
 )
@@ -145,7 +146,7 @@ class ModelExporter:
             if base_dir.exists():
                 os.rename(base_dir, trash)
             os.rename(tmp, base_dir)
-            sync_files(base_dir.parent)  # the renames
+            fsync_dir(base_dir.parent)  # the renames
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(trash, ignore_errors=True)

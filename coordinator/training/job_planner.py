@@ -32,7 +32,7 @@ import torch
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import PROFILE_FILE, ProfileAggregator, save_profile
-from roundpipe.coordinator.planning.search import initial_plan, replan_if_better
+from roundpipe.coordinator.planning.search import initial_plan, pinned_grain, replan_if_better
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.sections import staging_limit_bytes
@@ -196,7 +196,7 @@ class JobPlanner:
         spec, hw = self.spec, self.hardware
         # A given plan, or a planner asked for one grain, runs at that grain; "auto" is
         # the planner's to choose.
-        self.recompute = "stage" if spec.train.recompute == "auto" else spec.train.recompute
+        self.recompute = pinned_grain(spec.train.recompute)
         if spec.train.plan:
             plan = Plan.parse(spec.train.plan)
             try:

@@ -18,8 +18,9 @@ Three separate signals decide that a worker is gone (docs/fault-tolerance.md):
   the worker's last completion or, if it was idle, from the task that ended its idleness.
 
 A task that *fails* (the worker reports an exception) is retried on another worker (on
-the same one when it is the only one) up to ``max_attempts`` times in all; then the job fails with the task's error (e.g. out of
-memory for its stage), instead of retrying forever.
+the same one when it is the only one) up to ``max_attempts`` times in all; then the job
+fails with the task's error (e.g. out of memory for its stage), instead of retrying
+forever.
 """
 
 from __future__ import annotations
