@@ -24,7 +24,8 @@ def work_dir(
 ) -> Iterator[Path]:
     """``named`` if given (kept), else a new directory ``<parent or $TMPDIR>/<prefix>*``
     removed on success. A failure is an exception, or ``sys.exit`` with a status other
-    than 0: the directory is then kept and named on stderr."""
+    than 0: the directory is then kept and named on stderr, unless it is empty (a usage
+    error before anything was written leaves nothing behind)."""
     if named is not None:
         path = Path(named)
         path.mkdir(parents=True, exist_ok=True)
@@ -46,6 +47,9 @@ def work_dir(
 
 
 def _say_kept(path: Path) -> None:
+    if not any(path.iterdir()):
+        path.rmdir()  # nothing to read: not worth a directory in /tmp
+        return
     print(
         f"the run failed: its files (daemon logs, job outputs) are kept in {path}", file=sys.stderr
     )

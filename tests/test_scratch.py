@@ -40,3 +40,13 @@ def test_a_directory_the_user_named_is_made_and_never_removed(tmp_path: Path) ->
     with pytest.raises(RuntimeError), work_dir("rp-x-", named):
         raise RuntimeError("boom")
     assert named.is_dir()
+
+
+def test_a_run_that_failed_before_writing_anything_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage error (argparse's exit 2) inside the block: the directory is empty, so
+    there is nothing to keep."""
+    with pytest.raises(SystemExit), work_dir("rp-x-", parent=tmp_path):
+        sys.exit(2)
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().err == ""
