@@ -432,3 +432,27 @@ def load_output(output_dir: Path, lora: bool = False) -> dict[str, torch.Tensor]
     else:
         model = AutoModelForCausalLM.from_pretrained(str(output_dir))
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def out_of_descriptors():
+    """Inside, this process has no file descriptor left to open (RLIMIT_NOFILE lowered to
+    what is open plus a few, those few taken): every open fails with EMFILE, as in a
+    coordinator under a flood of connections. Restored on the way out."""
+    import errno
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -24,11 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import tiny_spec, trained_in_process
+from runtime_helpers import DEMO_DATA, out_of_descriptors, tiny_spec, trained_in_process
 
 from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.spec.documents import read_documents
+from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy
+from roundpipe.coordinator.spec.tokenizers import load_tokenizer
 from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.coordinator.training.job_errors import JobPaused
 
@@ -182,4 +185,75 @@ def test_checkpoint_that_cannot_open_its_directory_pauses_the_job(
     message = str(info.value)
     for part in ("checkpoint step 2", "Too many open files", "EMFILE", "roundpipe resume"):
         assert part in message, message
+    assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_readers_out_of_descriptors_raise_the_hosts_error_not_a_data_error(
+    tmp_path: Path,
+) -> None:
+    """With every descriptor taken, loading the tokenizer and reading a data file raise
+    the OSError (EMFILE: the job pauses, to be resumed), not a DataError (the job would
+    fail for good, as one did under CI's flood: its checkpoint's HF export reloads the
+    tokenizer). A file that is really missing still gets its DataError."""
+    import transformers  # noqa: F401  (its imports open files of their own)
+
+    load_tokenizer(DEMO_DATA / "tokenizer")  # warm: the failure below is the descriptors'
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n')
+    with out_of_descriptors():
+        with pytest.raises(OSError) as err:
+            load_tokenizer(DEMO_DATA / "tokenizer")
+        assert err.value.errno == errno.EMFILE and not isinstance(err.value, DataError)
+        for fmt in ("jsonl_text", "text"):
+            with pytest.raises(OSError) as err:
+                list(read_documents(data, fmt))
+            assert err.value.errno == errno.EMFILE, fmt
+    with pytest.raises(DataError, match="data file not found"):
+        list(read_documents(tmp_path / "missing.jsonl", "jsonl_text"))
+
+
+def test_checkpoint_whose_tokenizer_cannot_be_read_pauses_the_job(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoint step 2's HF export cannot read the tokenizer's files (EMFILE, wrapped
+    by transformers in an error of its own): the job pauses, naming the error and what
+    to do, and step 1's checkpoint is kept."""
+    import transformers
+
+    from roundpipe.coordinator.spec import tokenizers
+
+    d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=0)
+    spec = JobSpec.from_dict(d)
+    real_load, real_from_pretrained = (
+        tokenizers.load_tokenizer,
+        transformers.AutoTokenizer.from_pretrained,
+    )
+    exports = []
+
+    def failing_from_pretrained(*args, **kwargs):
+        try:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "tokenizer_config.json")
+        except OSError as exc:
+            raise ValueError("Can't load tokenizer") from exc
+
+    def load_for_export(path):  # the exporter looks it up at each checkpoint
+        exports.append(path)
+        if len(exports) == 2:
+            monkeypatch.setattr(
+                transformers.AutoTokenizer, "from_pretrained", failing_from_pretrained
+            )
+        try:
+            return real_load(path)
+        finally:
+            monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", real_from_pretrained)
+
+    monkeypatch.setattr(tokenizers, "load_tokenizer", load_for_export)
+    with pytest.raises(JobPaused) as info:
+        with trained_in_process(spec, arena_dir, 2, job_id="job-emfile-tok"):
+            pass
+    message = str(info.value)
+    for part in ("Too many open files", "roundpipe resume"):
+        assert part in message, message
+    assert len(exports) == 2
     assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import DEMO_DATA, InProcessWorkers, tiny_spec
+from runtime_helpers import DEMO_DATA, InProcessWorkers, out_of_descriptors, tiny_spec
 
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.errors import JobSpecError
@@ -65,24 +65,12 @@ def test_out_of_descriptors_is_the_hosts_problem_not_the_specs(tree: Path) -> No
     directory raises the OSError itself (EMFILE: the job runner pauses the job, to be
     resumed), not a refusal of the spec's path (the job would fail for good)."""
     import errno
-    import resource
 
     policy = _policy(tree)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    held = []
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-    try:
-        with pytest.raises(OSError) as err:
-            while True:
-                held.append(os.open(os.devnull, os.O_RDONLY))
-        assert err.value.errno == errno.EMFILE
+    with out_of_descriptors():
         with pytest.raises(OSError) as err:
             policy.prepare_output(tree / "write" / "out")
         assert err.value.errno == errno.EMFILE and not isinstance(err.value, PathRefused)
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert policy.prepare_output(tree / "write" / "out").is_dir()
 
 

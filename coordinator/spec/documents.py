@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.errors import DataError, host_shortage
 from roundpipe.coordinator.spec.formats import (
     Columns,
     check_data_path,
@@ -103,6 +103,8 @@ def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
     try:
         f = open_for_read(path)  # no symbolic link followed in the coordinator
     except OSError as exc:
+        if host_shortage(exc) is not None:
+            raise  # the host's shortage, not the file's: the job pauses (spec.errors)
         raise DataError(f"cannot read data file {path}: {exc.strerror}") from None
     lines: list[str] = []
     start = 0

@@ -7,16 +7,19 @@ unusable data.
 
 from __future__ import annotations
 
+import errno
 import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "HOST_OUT_OF_RESOURCES",
     "MAX_LISTED_PROBLEMS",
     "DataError",
     "FieldError",
     "JobSpecError",
     "Problems",
+    "host_shortage",
     "show_value",
 ]
 
@@ -96,3 +99,24 @@ def show_value(value: Any) -> str:
 class DataError(ValueError):
     """A data file, tokenizer or data cursor is unusable. The message names the path
     (and the line number, for a bad JSONL line)."""
+
+
+HOST_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+"""Errors reading a spec's files that say the coordinator's host ran out of descriptors
+or memory (a flood of connections?), not that the spec or its files are wrong: they
+propagate as OSError, so a running job pauses to be resumed instead of failing for good
+(the job runner's rule)."""
+
+
+def host_shortage(exc: BaseException) -> OSError | None:
+    """The OSError in ``exc``'s chain (itself, then what it was raised from or during)
+    whose errno is one of HOST_OUT_OF_RESOURCES, or None. Libraries such as
+    transformers wrap the OSError of a file they could not open in errors of their own."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in HOST_OUT_OF_RESOURCES:
+            return current
+        current = current.__cause__ or current.__context__
+    return None

@@ -26,6 +26,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from roundpipe.coordinator.spec.errors import host_shortage
 from roundpipe.shared.model import IGNORE_INDEX
 
 __all__ = [
@@ -59,6 +60,8 @@ def load_chat_template(tokenizer: Any, path: str | None) -> None:
             with open(path, encoding="utf-8") as f:
                 tokenizer.chat_template = f.read()
         except OSError as exc:
+            if host_shortage(exc) is not None:
+                raise  # the host's shortage, not the file's: the job pauses (spec.errors)
             raise InstructError(f"cannot read chat template {path}: {exc.strerror}") from None
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"

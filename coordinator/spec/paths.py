@@ -34,7 +34,6 @@ Rules (docs/deploy.md, "Paths and file modes"):
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import logging
 import os
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from roundpipe.coordinator.spec.errors import FieldError, JobSpecError
+from roundpipe.coordinator.spec.errors import HOST_OUT_OF_RESOURCES, FieldError, JobSpecError
 from roundpipe.coordinator.spec.sections import PATH_FIELDS
 
 __all__ = [
@@ -186,10 +185,6 @@ def open_no_symlinks(path: str | os.PathLike[str]) -> IO[bytes]:
 
 
 _FD_DIR = "/proc/self/fd"
-_HOST_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
-"""Errors opening a directory that say the coordinator's host ran out of descriptors or
-memory (a flood of connections?), not that the path is wrong: they propagate as
-OSError, so a running job pauses to be resumed instead of failing on its spec."""
 
 
 def pinned_dir(fd: int) -> Path | None:
@@ -400,7 +395,7 @@ class PathPolicy:
         try:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
-            if exc.errno in _HOST_OUT_OF_RESOURCES:
+            if exc.errno in HOST_OUT_OF_RESOURCES:
                 raise  # not the spec's fault: the job pauses, to be resumed
             raise PathRefused(
                 field, f"write root {root} cannot be opened ({exc.strerror}); create it"
@@ -418,7 +413,7 @@ class PathPolicy:
                 try:
                     nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
-                    if exc.errno in _HOST_OUT_OF_RESOURCES:
+                    if exc.errno in HOST_OUT_OF_RESOURCES:
                         raise
                     raise PathRefused(
                         field,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from roundpipe.coordinator.spec.errors import host_shortage
 from roundpipe.coordinator.spec.paths import open_for_read
 
 __all__ = [
@@ -115,6 +116,8 @@ def _jsonl(path: str) -> Iterator[SourceRow]:
         # symbolic link is followed: the path was resolved when the job was accepted.
         f = open_for_read(path)
     except OSError as exc:
+        if host_shortage(exc) is not None:
+            raise  # the host's shortage, not the file's: the job pauses (spec.errors)
         raise SourceError(f"cannot read data file {path}: {exc.strerror}") from None
     with f:
         first = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from roundpipe.coordinator.spec.errors import DataError
+from roundpipe.coordinator.spec.errors import DataError, host_shortage
 
 __all__ = ["NO_TOKENIZER_FILES", "TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer"]
 
@@ -45,4 +45,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+        shortage = host_shortage(exc)
+        if shortage is not None:  # out of descriptors (a flood?): the host's, not the job's
+            raise shortage from None
         raise DataError(f"cannot load a tokenizer from {p}: {' '.join(str(exc).split())}") from None
