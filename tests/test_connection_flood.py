@@ -143,49 +143,101 @@ def test_idle_connection_flood_neither_silences_the_admin_nor_fails_a_job(
 
 
 class _NoDescriptorsAt:
-    """A PathPolicy whose ``open_output`` fails with EMFILE on its ``at``-th call (the
-    first is the trainer's own check in ``prepare``; each checkpoint opens it again)."""
+    """A PathPolicy whose ``open_output`` fails with EMFILE on its ``at``-th call and the
+    ``times - 1`` calls after it (the first call is the trainer's own check in
+    ``prepare``; each checkpoint, each try of one and the final model open it again)."""
 
-    def __init__(self, policy: PathPolicy, at: int) -> None:
-        self._policy, self._at, self.calls = policy, at, 0
+    def __init__(self, policy: PathPolicy, at: int, times: float = 1) -> None:
+        self._policy, self._at, self._times, self.calls = policy, at, times, 0
 
     def __getattr__(self, name):
         return getattr(self._policy, name)
 
     def open_output(self, path):
         self.calls += 1
-        if self.calls == self._at:
+        if self._at <= self.calls < self._at + self._times:
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
         return self._policy.open_output(path)
 
 
-@pytest.mark.parametrize("staging", [0, "auto"], ids=["drained", "background"])
-def test_checkpoint_that_cannot_open_its_directory_pauses_the_job(
-    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, staging
+def _train_with_paths(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, policy, staging, job_id
 ) -> None:
-    """The output directory cannot be opened for checkpoint step 2 (EMFILE: the process
-    is out of descriptors). The job pauses, naming the error and what to do; step 1's
-    checkpoint is kept."""
+    """A 3-step job checkpointing every step, then its final model, its trainer confined
+    by ``policy`` (if any); the retries of Note [out of descriptors] wait 0 s (twice)."""
+    from roundpipe.coordinator.training import job_output
     from roundpipe.coordinator.training import trainer as trainer_module
 
     d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
     d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=staging)
-    spec = JobSpec.from_dict(d)
-    policy = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "state", [], [tmp_path]), 3)
     real_init = trainer_module.Trainer.__init__
 
     def init(self, *args, **kwargs):
         kwargs["paths"] = policy
         real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module.Trainer, "__init__", init)
+    with monkeypatch.context() as patch:  # undone on return: a test may train again
+        patch.setattr(job_output, "DESCRIPTOR_RETRY_WAITS_S", (0.0, 0.0))
+        if policy is not None:
+            patch.setattr(trainer_module.Trainer, "__init__", init)
+        with trained_in_process(JobSpec.from_dict(d), arena_dir, 2, job_id=job_id) as trainer:
+            trainer.export()  # the final model, as the job runner writes it
+
+
+STAGING = pytest.mark.parametrize("staging", [0, "auto"], ids=["drained", "background"])
+
+
+@STAGING
+def test_checkpoint_short_of_descriptors_for_a_moment_is_tried_again(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog, staging
+) -> None:
+    """The output directory cannot be opened for checkpoint step 2's first try (EMFILE,
+    as for a moment under a flood of connections): the checkpoint is tried again and
+    the job succeeds, every checkpoint written."""
+    policy = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "state", [], [tmp_path]), 3)
+    with caplog.at_level("WARNING", logger="roundpipe.coordinator.training.job_output"):
+        _train_with_paths(tmp_path, arena_dir, monkeypatch, policy, staging, "job-emfile-once")
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 1 and "cannot write checkpoint step 2" in retries[0], retries
+    assert "Too many open files" in retries[0], retries
+    for step in (1, 2, 3):
+        assert (tmp_path / "out" / "checkpoints" / f"step-{step:08d}").is_dir()
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+@STAGING
+def test_checkpoint_that_cannot_open_its_directory_pauses_the_job(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch, staging
+) -> None:
+    """The output directory cannot be opened for checkpoint step 2, try after try
+    (EMFILE: the process stays out of descriptors). The job pauses, naming the error
+    and what to do; step 1's checkpoint is kept."""
+    policy = _NoDescriptorsAt(
+        PathPolicy.for_coordinator(tmp_path / "state", [], [tmp_path]), 3, times=float("inf")
+    )
     with pytest.raises(JobPaused) as info:
-        with trained_in_process(spec, arena_dir, 2, job_id="job-emfile"):
-            pass
+        _train_with_paths(tmp_path, arena_dir, monkeypatch, policy, staging, "job-emfile")
     message = str(info.value)
     for part in ("checkpoint step 2", "Too many open files", "EMFILE", "roundpipe resume"):
         assert part in message, message
+    assert policy.calls == 2 + 3  # prepare, step 1, then step 2's three tries
     assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()
+    assert not (tmp_path / "out" / "checkpoints" / "step-00000002").exists()
+
+
+def test_final_model_short_of_descriptors_for_a_moment_is_tried_again(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final model's first try cannot open the output directory (EMFILE): it is
+    written on the next, and the job succeeds."""
+    counting = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "a", [], [tmp_path]), 0, 0)
+    _train_with_paths(tmp_path / "a", arena_dir, monkeypatch, counting, 0, "job-count")
+    final = counting.calls  # prepare, the 3 checkpoints, then the final model
+    assert final == 5, final
+    policy = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "b", [], [tmp_path]), final)
+    _train_with_paths(tmp_path / "b", arena_dir, monkeypatch, policy, 0, "job-final-once")
+    assert policy.calls == final + 1
+    assert (tmp_path / "b" / "out" / "config.json").is_file()
 
 
 def test_readers_out_of_descriptors_raise_the_hosts_error_not_a_data_error(
@@ -215,16 +267,14 @@ def test_readers_out_of_descriptors_raise_the_hosts_error_not_a_data_error(
 def test_checkpoint_whose_tokenizer_cannot_be_read_pauses_the_job(
     tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Checkpoint step 2's HF export cannot read the tokenizer's files (EMFILE, wrapped
-    by transformers in an error of its own): the job pauses, naming the error and what
-    to do, and step 1's checkpoint is kept."""
+    """From checkpoint step 2 on, the HF export cannot read the tokenizer's files
+    (EMFILE, wrapped by transformers in an error of its own): the checkpoint is tried
+    again, then the job pauses (not fails), naming the error and what to do; step 1's
+    checkpoint is kept."""
     import transformers
 
     from roundpipe.coordinator.spec import tokenizers
 
-    d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
-    d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=0)
-    spec = JobSpec.from_dict(d)
     real_load, real_from_pretrained = (
         tokenizers.load_tokenizer,
         transformers.AutoTokenizer.from_pretrained,
@@ -239,7 +289,7 @@ def test_checkpoint_whose_tokenizer_cannot_be_read_pauses_the_job(
 
     def load_for_export(path):  # the exporter looks it up at each checkpoint
         exports.append(path)
-        if len(exports) == 2:
+        if len(exports) >= 2:
             monkeypatch.setattr(
                 transformers.AutoTokenizer, "from_pretrained", failing_from_pretrained
             )
@@ -250,10 +300,9 @@ def test_checkpoint_whose_tokenizer_cannot_be_read_pauses_the_job(
 
     monkeypatch.setattr(tokenizers, "load_tokenizer", load_for_export)
     with pytest.raises(JobPaused) as info:
-        with trained_in_process(spec, arena_dir, 2, job_id="job-emfile-tok"):
-            pass
+        _train_with_paths(tmp_path, arena_dir, monkeypatch, None, 0, "job-emfile-tok")
     message = str(info.value)
-    for part in ("Too many open files", "roundpipe resume"):
+    for part in ("checkpoint step 2", "Too many open files", "roundpipe resume"):
         assert part in message, message
-    assert len(exports) == 2
+    assert len(exports) == 1 + 3  # step 1, then step 2's three tries
     assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()

@@ -301,7 +301,37 @@ class Checkpointer:
         started = time.perf_counter()
         background = self.background
         check = background.check_abort if background is not None else (lambda: None)
-        with self.output.pinned(f"cannot write checkpoint step {step}") as output:
+        what = f"cannot write checkpoint step {step}"
+
+        def write_once() -> Path:
+            return self._write_pinned(what, step, state, context, check, streamed)
+
+        if streamed is not None:  # gathered as written: never again (Note [out of descriptors])
+            path = write_once()
+        else:
+            wait = background.wait_unless_closed if background is not None else time.sleep
+            path = self.output.retry_short_of_descriptors(what, write_once, wait)
+        log.info(
+            "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",
+            self.job_id,
+            step,
+            path,
+            time.perf_counter() - started,
+            " (in the background)" if background is not None else "",
+        )
+        return path
+
+    def _write_pinned(
+        self,
+        what: str,
+        step: int,
+        state: LayerState,
+        context: dict,
+        check: Callable[[], None],
+        streamed: StreamedTensors | None,
+    ) -> Path:
+        """One try of ``write``: the checkpoint, then the pruning."""
+        with self.output.pinned(what) as output:
             checkpoints = CheckpointDir(output / self.output.checkpoints.root.name)
             try:
                 written = checkpoints.write(
@@ -310,9 +340,7 @@ class Checkpointer:
                     self._manifest(step, context),
                 )
             except OSError as exc:
-                raise JobPaused(
-                    self.output.io_error_message(f"cannot write checkpoint step {step}", exc)
-                ) from exc
+                raise JobPaused(self.output.io_error_message(what, exc)) from exc
             path = self.output.checkpoints.root / written.name
             self.output.checkpoint_step = step
             self.output.checkpoint_path = path
@@ -324,14 +352,6 @@ class Checkpointer:
                     self.job_id,
                     self.output.shown(str(exc)),
                 )
-        log.info(
-            "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",
-            self.job_id,
-            step,
-            path,
-            time.perf_counter() - started,
-            " (in the background)" if background is not None else "",
-        )
         return path
 
     def settle_background(self) -> None:

@@ -158,7 +158,15 @@ class ModelExporter:
         written (the final checkpoint holds the same model)."""
         output_dir = self.output.output_dir
         directory = output_dir if directory is None else Path(directory)
-        with self.output.pinned(f"cannot write the final model to {directory}") as output:
+        what = f"cannot write the final model to {directory}"
+        # Written in place: a new try overwrites (Note [out of descriptors]).
+        return self.output.retry_short_of_descriptors(
+            what, lambda: self._export_pinned(what, output_dir, directory)
+        )
+
+    def _export_pinned(self, what: str, output_dir: Path, directory: Path) -> Path:
+        """One try of ``export``."""
+        with self.output.pinned(what) as output:
             target = output if directory == output_dir else directory
             try:
                 target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
@@ -170,9 +178,5 @@ class ModelExporter:
                 os_error = as_os_error(exc, target)
                 if os_error is None:
                     raise
-                raise JobPaused(
-                    self.output.io_error_message(
-                        f"cannot write the final model to {directory}", os_error
-                    )
-                ) from exc
+                raise JobPaused(self.output.io_error_message(what, os_error)) from exc
         return directory

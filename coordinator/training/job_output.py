@@ -6,24 +6,53 @@ written through the checked directory held open (``JobOutput.pinned``): in a wri
 others can write to, it could otherwise be renamed away and replaced by a link between
 the check and the last file written. Error messages name the directory as the user
 knows it, never the pin (``shown``), and say which checkpoint a paused job resumes from
-(``io_error_message``)."""
+(``io_error_message``). A write that ran out of file descriptors is tried again a few
+times before the job pauses (``retry_short_of_descriptors``: Note [out of descriptors])."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from roundpipe.coordinator.spec.checkpoint_format import step_name
+from roundpipe.coordinator.spec.errors import host_shortage
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused, pinned_dir
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
 
-__all__ = ["JobOutput"]
+__all__ = ["DESCRIPTOR_RETRY_WAITS_S", "JobOutput"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DESCRIPTOR_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+"""How long a write that ran out of file descriptors waits before each new try (15.5 s
+in all, past the ROUTER's 10 s handshake limit); then the job pauses. Note [out of
+descriptors]."""
+
+# Note [out of descriptors]
+# The coordinator's connection budget (Note [connection budget] in
+# roundpipe.coordinator.service.connections) is enforced after the fact: libzmq accepts a
+# flood's connections on its own thread, as fast as descriptors allow, and the I/O loop
+# hangs up the excess once it reads the monitor's events. Under a burst the process can
+# therefore sit at its open-files limit for a moment, and again each time the kernel
+# hands over more of the flood's pending connects, until the flood is hung up or its
+# handshakes time out (10 s). A checkpoint or final model that meets EMFILE or ENFILE
+# then is tried again after DESCRIPTOR_RETRY_WAITS_S (the write is atomic, or overwrites
+# in place, so a new try starts clean) and the job pauses only if the descriptors stay
+# short: a leak or a limit set too low, for a person to fix. Other errors (a full disk,
+# permissions) do not go away by waiting and pause at once. A checkpoint whose state
+# is gathered from several nodes as it is written (Note [streamed checkpoint state]) is
+# not tried again: the gathers are collectives the other nodes do not repeat.
 
 
 class JobOutput:
@@ -108,6 +137,30 @@ class JobOutput:
         """Where this thread writes into the output directory: the pin it holds
         (``pinned``), else the directory's path."""
         return getattr(self._pins, "root", None) or self.output_dir
+
+    def retry_short_of_descriptors(
+        self, what: str, write: Callable[[], T], wait: Callable[[float], None] = time.sleep
+    ) -> T:
+        """``write()``, tried again after each of DESCRIPTOR_RETRY_WAITS_S (``wait``
+        waits; it may raise to give up) while it raises JobPaused for EMFILE or ENFILE
+        (Note [out of descriptors]); any other error, or the last one, propagates."""
+        for wait_s in (*DESCRIPTOR_RETRY_WAITS_S, None):
+            try:
+                return write()
+            except JobPaused as paused:
+                shortage = host_shortage(paused)
+                if wait_s is None or shortage is None or shortage.errno == errno.ENOMEM:
+                    raise
+                log.warning(
+                    "[trainer] job %s: %s: out of file descriptors (%s); trying again in %gs "
+                    "(a flood of connections? see the coordinator's log)",
+                    self.job_id,
+                    what,
+                    shortage.strerror or shortage,
+                    wait_s,
+                )
+            wait(wait_s)
+        raise AssertionError("unreachable")
 
     def shown(self, text: object) -> str:
         """``text`` (a path, a message) as the user knows it: the output directory's pin

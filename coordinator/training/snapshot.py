@@ -242,6 +242,15 @@ class BackgroundCheckpoints:
         if self._closed:
             raise CheckpointAborted("the job stopped while a checkpoint was being written")
 
+    def wait_unless_closed(self, seconds: float) -> None:
+        """Wait ``seconds`` before a checkpoint is tried again (Note [out of
+        descriptors] in roundpipe.coordinator.training.job_output); raise
+        CheckpointAborted at once if ``close`` is called meanwhile."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed, timeout=seconds)
+            if self._closed:
+                raise CheckpointAborted("the job stopped while a checkpoint was being written")
+
     def _fault_point(self, fault: WriterFault) -> None:
         with self._cv:
             step = self._step
