@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 QUICK_FILES=(
   tests/test_package_layout.py tests/test_docs.py
   tests/test_protocol.py tests/test_protocol_wire.py
-  tests/test_jobspec.py tests/test_data.py tests/test_instruct.py
+  tests/test_jobspec.py tests/test_data.py tests/test_data_odd_inputs.py tests/test_instruct.py
   tests/test_planner.py tests/test_simulator.py tests/test_shape_costs.py
   tests/test_model_layers.py tests/test_model_plan.py tests/test_model_flops.py
   tests/test_model_oracle.py tests/test_model_families.py tests/test_model_executor.py

@@ -41,7 +41,7 @@ from roundpipe.coordinator.spec.instruct import (
     render_prompt_completion,
 )
 from roundpipe.coordinator.spec.paths import open_for_read
-from roundpipe.coordinator.spec.sources import SourceError, SourceRow, decode_line
+from roundpipe.coordinator.spec.sources import SourceError, SourceRow, decode_line, is_unicode_text
 from roundpipe.shared.model import IGNORE_INDEX
 
 __all__ = ["Document", "documents", "read_documents"]
@@ -85,6 +85,11 @@ def _text_of(row: SourceRow, name: str) -> str:
     text = row.fields[name]
     if not isinstance(text, str):
         raise DataError(f"{row.where}: field {name!r} is {type(text).__name__}; expected a string")
+    if not is_unicode_text(text):
+        raise DataError(
+            f"{row.where}: field {name!r} holds an unpaired UTF-16 surrogate (a broken "
+            "\\ud83d-style escape); fix or drop the record"
+        )
     return text
 
 

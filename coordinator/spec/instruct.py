@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from roundpipe.coordinator.spec.errors import host_shortage
+from roundpipe.coordinator.spec.sources import is_unicode_text
 from roundpipe.shared.model import IGNORE_INDEX
 
 __all__ = [
@@ -57,8 +58,13 @@ def load_chat_template(tokenizer: Any, path: str | None) -> None:
     ends up with none."""
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # without a byte-order mark
                 tokenizer.chat_template = f.read()
+        except UnicodeDecodeError as exc:
+            raise InstructError(
+                f"chat template {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                f"at offset {exc.start})"
+            ) from None
         except OSError as exc:
             if host_shortage(exc) is not None:
                 raise  # the host's shortage, not the file's: the job pauses (spec.errors)
@@ -144,6 +150,13 @@ def _turn_by_turn_mask(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if i == 0:  # nothing before it to render: where its tokens start is unknown
+            raise InstructError(
+                f"{where}: the conversation opens with an assistant turn, whose tokens "
+                "this chat template cannot locate (it has no {% generation %} markers); "
+                "use a template with them (data.chat_template), data.loss_on: all, or "
+                "drop the record"
+            )
         before = _ids(_render(tokenizer, messages[:i], where, add_generation_prompt=True))
         upto = _ids(_render(tokenizer, messages[: i + 1], where))
         if upto[: len(before)] != before or ids[: len(upto)] != upto:
@@ -172,6 +185,12 @@ def render_prompt_completion(
     (or everything with ``loss_on: all``)."""
     pf, cf = fields
     if isinstance(prompt, str) and isinstance(completion, str):
+        for name, text in ((pf, prompt), (cf, completion)):
+            if not is_unicode_text(text):
+                raise InstructError(
+                    f"{where}: field {name!r} holds an unpaired UTF-16 surrogate (a broken "
+                    "\\ud83d-style escape); fix or drop the record"
+                )
         head = [int(t) for t in tokenizer([prompt], verbose=False)["input_ids"][0]]
         tail = [
             int(t)

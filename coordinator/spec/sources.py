@@ -14,7 +14,8 @@ Sources (``source_kind`` tells them apart; nothing is ever downloaded):
   ``dataset_dict.json``): opened with ``datasets.load_from_disk``; for a DatasetDict
   the split is ``split`` (default ``train``);
 * a directory of ``.parquet`` or ``.arrow`` shards (as ``push_to_hub`` / ``to_parquet``
-  leave them): every shard in name order.
+  leave them): every shard in name order; of shards named for several splits
+  (``train-00000-of-00001.parquet``, ``test-...``), those of ``split`` only.
 
 Plain text (``.txt``) is not a row source; roundpipe.coordinator.spec.documents reads it.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +90,7 @@ def read_rows(path: str, *, split: str = "train") -> Iterator[SourceRow]:
     elif kind == "datasets":
         yield from _saved_dataset(path, split)
     elif kind == "shards":
-        for shard in _shards(path):
+        for shard in _shards(path, split):
             if shard.endswith(".arrow"):
                 yield from _arrow(shard)
             else:
@@ -130,10 +132,23 @@ def _jsonl(path: str) -> Iterator[SourceRow]:
 
 
 def decode_line(raw: bytes, path: str, lineno: int) -> str:
+    """Line ``lineno`` of ``path`` as text; the first line without its byte-order mark
+    (editors on Windows write one: it is not text to train on)."""
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SourceError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from None
+    return text.removeprefix("\ufeff") if lineno == 1 else text
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` is text a tokenizer takes: JSON's ``\\ud83d`` escapes can leave
+    an unpaired surrogate half, which fast tokenizers refuse with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_json_object(line: str, path: str, lineno: int, first: bool = False) -> dict[str, Any]:
@@ -156,6 +171,10 @@ def parse_json_object(line: str, path: str, lineno: int, first: bool = False) ->
         raise SourceError(
             f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
         ) from None
+    except RecursionError:
+        raise SourceError(f"{path}:{lineno}: JSON nested too deeply to read") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise SourceError(f"{path}:{lineno}: unreadable JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise SourceError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -164,11 +183,28 @@ def parse_json_object(line: str, path: str, lineno: int, first: bool = False) ->
 # ------------------------------------------------------------------------ tables
 
 
-def _shards(folder: str) -> list[str]:
+_SPLIT_SHARD = re.compile(r"(?P<split>.+?)-\d+-of-\d+\.[^.]+")
+"""A shard named for its split, as ``push_to_hub`` writes them:
+``train-00000-of-00002.parquet``."""
+
+
+def _shards(folder: str, split: str | None = None) -> list[str]:
+    """The shards of ``folder`` to read, in name order. Shards named for more than one
+    split (``train-...``, ``test-...``) are a dataset's splits side by side: only
+    ``split``'s are read (None: all of them)."""
     names = sorted(os.listdir(folder))
     parquet = [n for n in names if Path(n).suffix.lower() in PARQUET_EXTS]
     arrow = [n for n in names if n.endswith(".arrow")]
-    return [os.path.join(folder, n) for n in (parquet or arrow)]
+    shards = parquet or arrow
+    splits = {m["split"] if (m := _SPLIT_SHARD.fullmatch(n)) else None for n in shards}
+    if split is not None and len(splits) > 1 and None not in splits:
+        if split not in splits:
+            raise SourceError(
+                f"{folder} holds the shards of splits {', '.join(sorted(splits))} but not "
+                f"{split!r}; set data.split to one of them"
+            )
+        shards = [n for n in shards if _SPLIT_SHARD.fullmatch(n)["split"] == split]
+    return [os.path.join(folder, n) for n in shards]
 
 
 def _parquet(path: str, label: str) -> Iterator[SourceRow]:
@@ -181,8 +217,16 @@ def _parquet(path: str, label: str) -> Iterator[SourceRow]:
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         raise SourceError(f"cannot read Parquet file {path}: {exc}") from None
     row = 0
-    for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
-        for fields in batch.to_pylist():
+    batches = pf.iter_batches(batch_size=_BATCH_ROWS)
+    while True:
+        try:  # a damaged page, or a value Python cannot hold, shows only as it is read
+            batch = next(batches, None)
+            rows = [] if batch is None else batch.to_pylist()
+        except Exception as exc:
+            raise SourceError(f"cannot read Parquet file {path} near row {row}: {exc}") from None
+        if batch is None:
+            return
+        for fields in rows:
             yield SourceRow(f"{label} row {row}", fields)
             row += 1
 
@@ -218,6 +262,9 @@ def _saved_dataset(path: str, split: str) -> Iterator[SourceRow]:
 
 
 def _rows_of(ds: Any, label: str) -> Iterator[SourceRow]:
+    # Python values, every column: a dataset saved after set_format("torch") or
+    # "numpy" would slice to tensors and arrays, and hide the columns left out.
+    ds = ds.with_format(None)
     for start in range(0, len(ds), _BATCH_ROWS):
         chunk = ds[start : start + _BATCH_ROWS]  # a dict of columns
         names = list(chunk)
