@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_helpers import LORA_SPEC, batch, split_rows, tiny_config  # noqa: E402
+from model_helpers import LORA_SPEC, batch, rel_err, split_rows, tiny_config  # noqa: E402
 
 from roundpipe.shared.model import LayeredModel, count_label_tokens, shift_labels  # noqa: E402
 from roundpipe.shared.plan import Plan  # noqa: E402
@@ -358,3 +358,78 @@ def test_layer_grain_keeps_one_layers_saved_tensors_at_a_time() -> None:
     stage, layer = peak_saved("stage"), peak_saved("layer")
     layers = last - 1
     assert layer * (layers - 0.5) < stage, (stage, layer)
+
+
+def _packed(*lengths: int) -> torch.Tensor:
+    """One row's position ids for documents of ``lengths`` tokens packed together."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def test_dynamic_rotary_depends_on_its_own_microbatch_only() -> None:
+    """Note [dynamic rotary]: transformers' dynamic NTK rotary keeps the table of the
+    longest sequence it saw. Microbatch 0 (documents of 36 and 4 tokens: positions up to
+    35) and 1 (up to 39) both pass the model's 32: a staged plan recomputed microbatch 0
+    with microbatch 1's table (a weight gradient 2.7% off), and one forward task gave
+    other outputs after a longer one had run."""
+    config = tiny_config(
+        "llama",
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        max_position_embeddings=32,
+    )
+    model = LayeredModel.from_config(config)
+    weights = model.init_weights(seed=3)
+    n = model.num_layers
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    mbs = [(ids[:1], ids[:1].clone()), (ids[1:], ids[1:].clone())]
+    positions = [_packed(36, 4), _packed(40)]
+    fused, staged = (
+        run_iteration(model, plan, weights, mbs, StageExecutor(model), position_ids=positions)
+        for plan in (
+            Plan(forward=(), tail=(0, n), backward=()),
+            Plan(forward=((0, 2),), tail=(2, n), backward=((0, 2),)),
+        )
+    )
+    for name, grad in fused.grads.items():
+        assert rel_err(staged.grads[name], grad) < 1e-5, name
+    w = model.range_weights(weights, 0, 3)
+    fresh = StageExecutor(model).forward(0, 3, w, [ids[:1]], position_ids=[positions[0]])
+    used = StageExecutor(model)
+    used.forward(0, 3, w, [ids[1:]], position_ids=[positions[1]])  # a longer row first
+    again = used.forward(0, 3, w, [ids[:1]], position_ids=[positions[0]])
+    assert torch.equal(fresh.outputs[0], again.outputs[0])
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_an_interrupted_moe_task_leaves_no_router_logits_behind(kind: str) -> None:
+    """A task stopped mid-microbatch (its job torn down: ``before_layer`` raises) drops
+    the router logits it captured: kept, they held the microbatch's autograd graph and
+    activations on the compute thread past the job's end."""
+    from roundpipe.worker import executor as executor_module
+
+    model = LayeredModel.from_config(
+        tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    )
+    assert model.router_aux is not None
+    weights = model.init_weights(seed=0)
+    ex = StageExecutor(model)
+    ids, _ = batch(seed=4)
+    fwd = ex.forward(0, 4, model.range_weights(weights, 0, 4), [ids], save_layers={1})
+    calls = []
+
+    def torn_down() -> None:
+        calls.append(1)
+        if len(calls) == 3:  # two decoder layers in: one of them routed
+            raise RuntimeError("job torn down")
+
+    ex.before_layer = torn_down
+    with pytest.raises(RuntimeError, match="torn down"):
+        if kind == "forward":
+            ex.forward(0, 4, model.range_weights(weights, 0, 4), [ids])
+        else:
+            w = model.range_weights(weights, 1, 4)
+            grads = [torch.randn_like(fwd.outputs[0])]
+            counts = [torch.zeros(model.router_aux.num_experts)]
+            ex.backward(
+                1, 4, w, fwd.saved[1], grads, router_counts=counts, batch_tokens=ids.numel()
+            )
+    assert getattr(executor_module._ROUTER_LOGITS, "captured", None) is None

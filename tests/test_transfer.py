@@ -205,6 +205,10 @@ def test_next_task_weights_upload_while_the_current_task_computes(
         assert all(d.upload_bytes > 0 and d.upload_s > 0 for d in dones)
         assert all(d.download_bytes > 0 for d in dones)
         assert dones[2].layer_times and dones[2].compute_s > 0
+        # Nothing keeps a used upload's device weights alive once its task is done.
+        del prefetched
+        core.teardown_job("job-tx")
+        assert core.prefetcher.last is None
     finally:
         core.close()
         trainer.close()

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +66,7 @@ from roundpipe.shared.plan import RECOMPUTE_GRAINS
 from roundpipe.worker import document_attention, mlp_chunks
 from roundpipe.worker.document_attention import long_rows
 from roundpipe.worker.lm_head_loss import chunked_lm_head_loss
-from roundpipe.worker.stage_context import StageContext
+from roundpipe.worker.stage_context import StageContext, rotary_reset
 from roundpipe.worker.transfer import Stopwatch
 
 __all__ = [
@@ -256,6 +256,7 @@ class StageExecutor:
                 cpu_chunk_bytes=logits_chunk_bytes,
             )
         self._rotary = model.make_rotary(self.device)
+        self._rotary_reset = rotary_reset(self._rotary)  # Note [dynamic rotary]
         self._install_router_hooks()
         # Note [sequence-chunked MLP]: the dense MLPs' forward wrapped once per skeleton.
         for layer in range(1, model.num_layers - 1):
@@ -301,7 +302,7 @@ class StageExecutor:
         keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
         bound = self._bind(start, stop, weights, grad=False)
         result = ForwardResult(outputs=[], saved={layer: [] for layer in keep})
-        with self._rng_scope(), torch.no_grad():
+        with self._task_scope(), torch.no_grad():
             for m, x in enumerate(inputs):
                 x = self._input(x, start)
                 ctx: StageContext | None = None
@@ -372,7 +373,7 @@ class StageExecutor:
             # Nothing upstream of this stage and nothing to learn in it (LoRA prefix).
             return BackwardResult(None, {})
         if recompute == "layer" and router_counts is None:
-            with self._rng_scope():
+            with self._task_scope():
                 for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
                     g = self._hidden(g, "grad_outputs")
                     gx = self._backward_by_layer(
@@ -381,7 +382,7 @@ class StageExecutor:
                     _emit(grad_inputs, on_grad_input, m, gx)
                     del gx, g  # not alive through the next microbatch
             return BackwardResult(grad_inputs, acc)
-        with self._rng_scope(), torch.enable_grad():
+        with self._task_scope(), torch.enable_grad():
             for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
                 g = self._hidden(g, "grad_outputs")
                 x, out = self._run_with_grad(x, start, stop, bound, rng, m, position_ids)
@@ -451,7 +452,7 @@ class StageExecutor:
         aux_losses: list[torch.Tensor] = []
         router_counts: list[torch.Tensor] = []
         grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
-        with self._rng_scope(), torch.enable_grad():
+        with self._task_scope(), torch.enable_grad():
             for m, (x, y) in enumerate(zip(inputs, labels)):
                 x, h = self._run_with_grad(x, start, norm_layer, bound, rng, m, position_ids)
                 extra = None
@@ -861,9 +862,19 @@ class StageExecutor:
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(s)
 
-    def _rng_scope(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _task_scope(self) -> Iterator[None]:
+        """Around a task's microbatches: the caller's RNG state forked (each layer seeds
+        its own), and the router-logit capture dropped however the task ends. A task
+        interrupted or failed mid-microbatch would otherwise leave the logits, with their
+        autograd graph and activations, on this long-lived thread until the next MoE
+        task: device memory no cache release returns, past the job's end."""
         devices = [self.device.index] if self.device.type == "cuda" else []
-        return torch.random.fork_rng(devices=devices)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                yield
+        finally:
+            _ROUTER_LOGITS.captured = None
 
 
 _ROUTER_LOGITS = threading.local()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 
 from roundpipe.protocol import StageTask
@@ -67,8 +68,9 @@ class WeightPrefetcher:
         """Prefetched uploads a task used (for tests and logs)."""
         self.discarded = 0
         """Prefetched uploads thrown away: stale, for another task, or the job ended."""
-        self.last: Upload | None = None
-        """The most recent prefetched upload issued (for tests)."""
+        # The most recent prefetched upload issued, weakly: held, it would keep a whole
+        # stage's device weights alive on an idle worker after the task or job ended.
+        self._last: weakref.ref[Upload] | None = None
 
     def arm(self, task: StageTask) -> None:
         engine = self.engine
@@ -111,7 +113,13 @@ class WeightPrefetcher:
             if cancel.is_set() or self._key != key:
                 return
             self._upload = self.engine.upload(weights, Priority.WEIGHT)
-            self.last = self._upload
+            self._last = weakref.ref(self._upload)
+
+    @property
+    def last(self) -> Upload | None:
+        """The most recent prefetched upload issued, while something else holds it (for
+        tests)."""
+        return None if self._last is None else self._last()
 
     def take(self, task: StageTask) -> Upload | None:
         """The prefetched upload of exactly this task, if it was issued; else None (and

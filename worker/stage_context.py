@@ -14,7 +14,44 @@ import torch
 from roundpipe.worker import document_attention
 from roundpipe.worker.document_attention import document_spans
 
-__all__ = ["StageContext"]
+__all__ = ["StageContext", "rotary_reset"]
+
+# Note [dynamic rotary]
+# transformers' dynamic NTK rotary (rope_type "dynamic") rescales its frequencies from the
+# longest position it is called with, and keeps the result: it grows the table when a
+# longer sequence comes and resets it only when one shorter than the model's original
+# maximum does. One rotary module serves every task of a job on an executor, so the
+# table a microbatch got depended on which microbatches and tasks ran before it: the
+# forward of microbatch 0 and its recompute in the backward disagreed once microbatch 1
+# was longer (a weight gradient 2.7% off), and the same task gave different outputs on
+# different workers. The module is therefore put back as it was built before each
+# microbatch's first call (``rotary_reset``): a microbatch's table depends on its own
+# positions only, as in one transformers forward of that microbatch on a fresh model.
+
+
+def rotary_reset(rotary: torch.nn.Module) -> Callable[[], None] | None:
+    """For a rotary module that changes as it runs (rope_type "dynamic"), a function that
+    puts it back as it is now; None for every other rotary. Note [dynamic rotary]."""
+    types = getattr(rotary, "rope_type", None)
+    kinds = types.values() if isinstance(types, dict) else [types]
+    if "dynamic" not in kinds:
+        return None
+    buffers = {name: b.clone() for name, b in rotary.named_buffers(recurse=False)}
+    # Plain attributes the update sets: max_seq_len_cached, attention_scaling,
+    # original_inv_freq (their names, and the layer-type prefixes, vary by version).
+    attributes = {
+        name: value.clone() if isinstance(value, torch.Tensor) else value
+        for name, value in vars(rotary).items()
+        if not name.startswith("_") and isinstance(value, (int, float, torch.Tensor))
+    }
+
+    def reset() -> None:
+        for name, b in buffers.items():
+            rotary.register_buffer(name, b.clone(), persistent=False)
+        for name, value in attributes.items():
+            setattr(rotary, name, value.clone() if isinstance(value, torch.Tensor) else value)
+
+    return reset
 
 
 class StageContext:
@@ -59,6 +96,8 @@ class StageContext:
                 # does not.
                 positions = positions.unsqueeze(0).expand(3, -1, -1)
             args = (self._h, positions) if key is None else (self._h, positions, key)
+            if self._ex._rotary_reset is not None:
+                self._ex._rotary_reset()  # Note [dynamic rotary]
             self._rotary[key] = self._ex._rotary(*args)
         return self._rotary[key]
 
