@@ -243,3 +243,50 @@ def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
         acc.Reload()
         logged = [s.value for s in acc.Scalars("train/grad_norm")]
         assert logged == pytest.approx(expected, rel=1e-4), clip
+
+
+def test_the_metrics_endpoint_holds_few_connections_and_drops_idle_ones(monkeypatch) -> None:
+    """Note [bounded metrics endpoint]: idle connections to the metrics port (no key
+    needed) each held a thread and a descriptor of the coordinator for ever. Now at most
+    METRICS_CONNECTIONS are served at once, those beyond are closed as they are accepted,
+    an idle one is closed after METRICS_TIMEOUT_S (2 s here), and scrapes work again."""
+    import errno
+    import select
+    import socket
+    import threading
+
+    from roundpipe.coordinator.service import metrics
+    from roundpipe.coordinator.service.connections import METRICS_CONNECTIONS
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)
+    server = metrics.MetricsServer(lambda: metrics.MetricsSnapshot({"running": 1}, 0), ":0")
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    threads = threading.active_count()
+    idle = []
+    for _ in range(40):  # connects in flight: the listen backlog is short
+        s = socket.socket()
+        s.setblocking(False)
+        assert s.connect_ex(("127.0.0.1", server.port)) in (0, errno.EINPROGRESS)
+        idle.append(s)
+    try:
+        most = 0
+        deadline = time.monotonic() + 120
+        open_ = list(idle)
+        while open_:  # every connection is closed by the server, at once or once idle
+            assert time.monotonic() < deadline, f"{len(open_)} connections still open"
+            most = max(most, threading.active_count() - threads)
+            readable, _, _ = select.select(open_, [], [], 0.05)
+            for s in readable:
+                try:
+                    gone = s.recv(1) == b""
+                except OSError:  # refused or reset: closed too
+                    gone = True
+                if gone:
+                    open_.remove(s)
+        assert 0 < most <= METRICS_CONNECTIONS, most
+        assert server.refused > 0
+        assert one(scrape(url), "roundpipe_jobs", state="running") == 1.0
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

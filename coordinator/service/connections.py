@@ -41,6 +41,9 @@ FD_RESERVE = 128
 coordinator starts: a running job's files (arenas, checkpoint files, its log, the model
 and data it reads, TensorBoard), the job store, the spec checker. A job on the tiny test
 model holds about 12 more than an idle coordinator."""
+METRICS_CONNECTIONS = 8
+"""Connections the Prometheus endpoint serves at once (Note [bounded metrics endpoint] in
+roundpipe.coordinator.service.metrics): kept out of the connection budget."""
 MAX_CONNECTIONS = 4096
 """The connection budget's ceiling, whatever RLIMIT_NOFILE allows: every connection costs
 libzmq buffers too."""
@@ -60,8 +63,9 @@ WANTED_OPEN_FILES = 65536
 # - the ROUTER closes a connection whose handshake is not complete after
 #   HANDSHAKE_TIMEOUT_S (ZMQ_HANDSHAKE_IVL);
 # - the connections are bounded by a budget: the soft limit less the descriptors open at
-#   start and FD_RESERVE (a job's files), at most MAX_CONNECTIONS. The ROUTER's monitor
-#   reports each accepted connection with its descriptor and each closed one. Beyond the
+#   start, FD_RESERVE (a job's files) and METRICS_CONNECTIONS (the Prometheus
+#   endpoint's), at most MAX_CONNECTIONS. The ROUTER's monitor reports each accepted
+#   connection with its descriptor and each closed one. Beyond the
 #   budget the coordinator hangs up (shutdown(2): libzmq then closes the connection as it
 #   would a peer's hang-up) connections that can still be in their handshake, i.e. that
 #   were accepted less than HANDSHAKE_TIMEOUT_S ago (an older one has finished it, or
@@ -255,12 +259,12 @@ def raise_open_files_limit() -> None:
 
 def connection_budget() -> int:
     """How many connections the ROUTER may hold (Note [connection budget]): the soft
-    RLIMIT_NOFILE less the descriptors open now and FD_RESERVE, within
-    [MIN_CONNECTIONS, MAX_CONNECTIONS]."""
+    RLIMIT_NOFILE less the descriptors open now, FD_RESERVE and METRICS_CONNECTIONS,
+    within [MIN_CONNECTIONS, MAX_CONNECTIONS]."""
     soft = soft_open_files_limit()
     if soft is None:
         return MAX_CONNECTIONS
-    budget = soft - open_files() - FD_RESERVE
+    budget = soft - open_files() - FD_RESERVE - METRICS_CONNECTIONS
     if budget < MIN_CONNECTIONS:
         log.warning(
             "[coordinator] RLIMIT_NOFILE is %d: with %d files open and %d kept for jobs, "

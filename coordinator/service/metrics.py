@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import psutil
 
+from roundpipe.coordinator.service.connections import METRICS_CONNECTIONS
 from roundpipe.coordinator.service.figures import JobFigures
 from roundpipe.protocol import JOB_STATES
 
@@ -215,18 +220,84 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+METRICS_TIMEOUT_S = 10.0
+"""A metrics connection that sends nothing for this long is closed."""
+
+# Note [bounded metrics endpoint]
+# prometheus_client's own server starts a thread per connection and never closes an idle
+# one: anyone who reaches the port (no key needed) held a thread and a descriptor of the
+# coordinator per connection, outside the connection budget (Note [connection budget]),
+# until the process ran out of descriptors (a running job paused; on ipc:// libzmq
+# aborted the coordinator). Here the endpoint serves at most METRICS_CONNECTIONS at once
+# and closes any beyond them as soon as they are accepted, and a connection idle for
+# METRICS_TIMEOUT_S is closed. A flood of the metrics port can fail scrapes, nothing
+# else; the connection budget leaves the endpoint's descriptors out.
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # StreamRequestHandler: the socket's timeout
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per scrape on stderr: noise in the coordinator's journal
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A threaded WSGI server holding at most METRICS_CONNECTIONS connections."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the kernel's queue: no descriptor of ours until accepted
+
+    def __init__(self, address: tuple[str, int], family: int) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+        self.refused = 0
+        super().__init__(address, _QuietHandler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: it will not give the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a peer that hung up or timed out: nothing to report
+
+
 class MetricsServer:
-    """Serves ``/metrics`` over HTTP on its own thread (prometheus_client's server)."""
+    """Serves ``/metrics`` over HTTP on its own thread, holding a bounded number of
+    connections (Note [bounded metrics endpoint])."""
 
     def __init__(self, read_snapshot: Callable[[], MetricsSnapshot], address: str) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
 
         host, port = parse_address(address)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(CoordinatorCollector(read_snapshot))
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._server = _BoundedServer((host, port), family)
+        self._server.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="rp-metrics", daemon=True
+        )
+        self._thread.start()
         self.port = self._server.server_port
         log.info("[metrics] serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because METRICS_CONNECTIONS were open."""
+        return self._server.refused
 
     def close(self) -> None:
         self._server.shutdown()
