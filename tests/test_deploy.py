@@ -204,6 +204,21 @@ def test_notifier_protocol(tmp_path: Path) -> None:
     sock.close()
 
 
+def test_notifier_never_blocks_when_nobody_reads(tmp_path: Path) -> None:
+    """The I/O loop sends the notifications: with systemd's queue full (10 datagrams by
+    default) a blocking send stalled the loop that answers every client and worker."""
+    import threading
+
+    sock, path = _fake_notify_socket(tmp_path)  # never read
+    n = Notifier({"NOTIFY_SOCKET": path})
+    sender = threading.Thread(target=lambda: [n.status(f"line {i}") for i in range(200)])
+    sender.start()
+    sender.join(timeout=30)
+    assert not sender.is_alive(), "a notification blocked"
+    n.close()
+    sock.close()
+
+
 def test_coordinator_notifies_ready_watchdog_and_stopping(tmp_path: Path, arena_dir: Path) -> None:
     sock, path = _fake_notify_socket(tmp_path)
     env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")
@@ -227,8 +242,12 @@ def test_coordinator_notifies_ready_watchdog_and_stopping(tmp_path: Path, arena_
     try:
         messages = []
         deadline = time.monotonic() + 60
-        while sum(m == "WATCHDOG=1" for m in messages) < 3 and time.monotonic() < deadline:
+        status = "STATUS=listening on ipc://" + f"{tmp_path}/c.sock; 0 workers; no job running"
+        while (
+            sum(m == "WATCHDOG=1" for m in messages) < 3 or status not in messages
+        ) and time.monotonic() < deadline:
             messages.append(sock.recv(4096).decode())
+        assert status in messages, messages  # what `systemctl status` shows, kept current
         assert messages[0].startswith("READY=1"), messages
         assert f"MAINPID={proc.pid}" in messages[0]
         assert sum(m == "WATCHDOG=1" for m in messages) >= 3

@@ -352,6 +352,7 @@ class Coordinator:
         poller.register(self.handshake_events, zmq.POLLIN)
         next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
         turn_at = time.monotonic()
+        last_status = ""
         try:
             while not self._stop.is_set():
                 notifier.watchdog_tick()  # from this loop: a wedged loop gets restarted
@@ -395,6 +396,10 @@ class Coordinator:
                 turn_at = now
                 if now >= next_check:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
+                    status = self.status_line()
+                    if status != last_status:  # systemctl status shows it
+                        notifier.status(status)
+                        last_status = status
                     try:
                         assert self.auth is not None
                         self.auth.reload()  # a removed key is refused from now on
@@ -665,6 +670,24 @@ class Coordinator:
                 active.trainer.inbox.put(WorkerLost(entry.worker_id, reason))
 
     # -- metrics ----------------------------------------------------------------------
+
+    def status_line(self) -> str:
+        """One line on the workers and jobs, for systemd's STATUS= (``systemctl status``),
+        e.g. ``2 workers; running job-... step 14/100; 1 queued``."""
+        with self._lock:
+            workers = len(self.workers.live())
+            active = self.book.active
+            queued = sum(j.state == "queued" for j in self.book.jobs.values())
+        parts = [f"{workers} worker{'s' if workers != 1 else ''}"]
+        if active is not None:
+            t = active.trainer
+            step = t.step if t is not None and t.prepared else active.step
+            parts.append(f"running {active.job_id} step {step}/{active.total_steps}")
+        else:
+            parts.append("no job running")
+        if queued:
+            parts.append(f"{queued} queued")
+        return f"listening on {self.address}; " + "; ".join(parts)
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         """What the Prometheus metrics show (coordinator.metrics), read now: the book and

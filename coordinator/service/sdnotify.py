@@ -3,7 +3,7 @@
 Under ``Type=notify`` systemd passes ``NOTIFY_SOCKET`` (a datagram socket path, or an
 abstract one starting with ``@``) and, with ``WatchdogSec=``, ``WATCHDOG_USEC`` (and
 ``WATCHDOG_PID``). The coordinator sends ``READY=1`` once it listens, a ``STATUS=`` line
-when jobs change, ``WATCHDOG=1`` from its I/O loop at half the watchdog interval (so a
+when its workers or jobs change (checked once a heartbeat interval), ``WATCHDOG=1`` from its I/O loop at half the watchdog interval (so a
 wedged loop gets the service restarted), and ``STOPPING=1`` on shutdown. Outside systemd
 every call is a cheap no-op.
 """
@@ -45,9 +45,11 @@ class Notifier:
         if self._sock is None or self._address is None:
             return
         try:
-            self._sock.sendto("\n".join(lines).encode(), self._address)
+            # Never blocks: the caller is the I/O loop, and a datagram socket whose
+            # receiver lags blocks a sender once its queue (10 datagrams) is full.
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, self._address)
         except OSError:
-            pass  # systemd gone or socket full: notifications are best effort
+            pass  # systemd gone or its queue full: notifications are best effort
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}", f"MAINPID={os.getpid()}")
