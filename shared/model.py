@@ -296,6 +296,13 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
+def _without_base_layers(name: str) -> str:
+    """A peft-wrapped weight's name as the base model's checkpoint holds it: every
+    ``.base_layer`` gone, however many wrappers are nested (peft wraps each fused MoE
+    expert parameter in a wrapper of its own: ``experts.base_layer.base_layer.x``)."""
+    return re.sub(r"(?:\.base_layer)+\.", ".", _strip_peft(name))
+
+
 def _strip_peft(name: str) -> str:
     return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
 
@@ -539,7 +546,7 @@ class LayeredModel:
             return name
         if ".lora_" in name:
             return re.sub(r"\.lora_([AB])\.[^.]+\.", r".lora_\1.", name)
-        return _strip_peft(name).replace(".base_layer.", ".")
+        return _without_base_layers(name)
 
     def read_exported(self, hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` as an exported checkpoint in ``hf_dir`` holds them (under
@@ -726,7 +733,7 @@ class LayeredModel:
                 if ".lora_" in s.name:
                     t = _init_lora_tensor(s, gen)
                 else:
-                    key = _strip_peft(s.name).replace(".base_layer.", ".")
+                    key = _without_base_layers(s.name)
                     if bnb is not None:  # Note [bitsandbytes checkpoint]
                         if s.name in bnb.shapes:
                             parts = read_parts(reader.raw, key, bnb.format, s.shape)

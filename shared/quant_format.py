@@ -294,8 +294,10 @@ class QuantFormat:
             else:
                 rows = _padded_blocks(source[r0 * width : r1 * width], width)
             absmax[r0:r1] = _absmax_rows(rows)
-            scale = (127.0 / _safe(absmax[r0:r1])).unsqueeze(1)
-            code_rows[r0:r1] = torch.round(rows * scale).clamp_(-127, 127).to(torch.int8)
+            # x / absmax * 127, as the format defines it: 127 / absmax overflows to inf
+            # for an absmax below about 3.7e-37 (and 0 * inf is NaN).
+            unit = rows / _safe(absmax[r0:r1]).unsqueeze(1)
+            code_rows[r0:r1] = torch.round(unit * 127.0).clamp_(-127, 127).to(torch.int8)
         return {"codes": codes, "absmax": absmax}
 
     # -- dequantise --------------------------------------------------------------------

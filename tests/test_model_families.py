@@ -427,3 +427,36 @@ def test_job_trains_a_dequantised_mxfp4_checkpoint(tmp_path: Path, arena_dir: Pa
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert getattr(hf.config, "quantization_config", None) is None
+
+
+def test_all_linear_lora_on_an_moe_model_directory_trains(tmp_path: Path, arena_dir: Path) -> None:
+    """peft wraps each fused expert parameter in a wrapper of its own (``experts.
+    base_layer.base_layer.gate_up_proj``): the checkpoint name kept one ``.base_layer``,
+    so the default all-linear LoRA (nf4 base or not) on an MoE model read from a
+    directory failed at start, the checkpoint said to lack the experts."""
+    from runtime_helpers import tiny_spec, trained_in_process
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "moe")
+    for quant in ("none", "nf4"):
+        lora = {"r": 4, "alpha": 8, "base_quantization": quant}  # all-linear: the default
+        d = tiny_spec(tmp_path / f"out-{quant}", steps=2, lora=lora).to_dict()
+        d["model"] = {"path": str(tmp_path / "moe"), "tokenizer": d["model"]["tokenizer"]}
+        with trained_in_process(JobSpec.from_dict(d), arena_dir, 2, job_id=f"job-{quant}") as t:
+            assert t.step == 2 and t.last_loss is not None, quant

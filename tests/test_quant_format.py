@@ -281,3 +281,16 @@ def test_cuda_dequantisation_peaks_at_its_result_and_one_pass(kind, dq):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= out.numel() * 2 + 24 * quant_format.CHUNK_ELEMENTS, peak
+
+
+@pytest.mark.parametrize("scales", ["per_channel", "per_block"])
+def test_int8_codes_of_subnormal_rows_follow_the_definition(scales):
+    """code = round(x / absmax * 127): with 127 / absmax first, an absmax below about
+    3.7e-37 made the scale inf, every nonzero element ±127 and zero NaN (0 * inf)."""
+    w = torch.zeros(2, 64)
+    w[0, :4] = torch.tensor([1e-38, 5e-39, 0.0, -2.5e-39])
+    w[1, :2] = torch.tensor([1.0, -0.5])
+    codes = QuantFormat("int8", int8_scales=scales).quantize(w)["codes"]
+    assert codes.reshape(2, 64)[0, :4].tolist() == [127, 64, 0, -32]
+    assert codes.reshape(2, 64)[1, :2].tolist() == [127, -64]
+    assert not codes.reshape(2, 64)[:, 4:].any()

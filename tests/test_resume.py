@@ -256,6 +256,31 @@ def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path, arena_di
     assert info.step == 5 and info.manifest["resumed_from"].endswith(step_name(3))
 
 
+@pytest.mark.parametrize(
+    "quant, change",
+    [("nf4", {"double_quantization": False}), ("int8", {"int8_scales": "per_block"})],
+)
+def test_resume_from_refuses_another_storage_of_the_quantised_base(
+    tmp_path: Path, arena_dir: Path, quant: str, change: dict
+) -> None:
+    """How a quantised base's scales are stored changes the base the adapters were
+    trained against, as the format does: a continuation with another double
+    quantisation or other int8 scales was accepted and trained a different job."""
+    spec = make_spec(tmp_path / "first", every=1, steps=3, lora=dict(LORA, base_quantization=quant))
+    assert train(spec, arena_dir, job_id="job-first", stop_after=1) is None
+    d = spec.to_dict()
+    d["model"]["resume_from"] = str(tmp_path / "first")
+    d["output"]["dir"] = str(tmp_path / "second")
+    JobSpec.from_dict(d)  # the same settings continue it
+    d["lora"].update(change)
+    with pytest.raises(JobSpecError) as err:
+        JobSpec.from_dict(d)
+    (key,) = change
+    assert any(
+        e.path == f"lora.{key}" and "but the adapters of" in e.message for e in err.value.errors
+    ), err.value
+
+
 def assert_resume_refused_at_validation(good: dict, tmp_path: Path) -> None:
     """A resume that cannot continue the checkpoint (step 3 of 2 x 3 rows, shuffled with
     seed 7, full fine-tuning) is refused by validation, so `roundpipe submit`

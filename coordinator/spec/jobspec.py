@@ -432,8 +432,14 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
         want = "LoRA (a lora section)" if spec.lora is not None else "full fine-tuning"
         e.add("model.resume_from", f"{ckpt} holds {has}, but this spec asks for {want}")
     elif isinstance(old_lora, dict) and spec.lora is not None:
-        # A quantised base changes the model the adapters were trained against.
-        for key in ("r", "target_modules", "base_quantization"):
+        # A quantised base changes the model the adapters were trained against, and so
+        # does how its scales are stored (nf4's double quantisation, int8's scales).
+        keys = ["r", "target_modules", "base_quantization"]
+        if spec.lora.base_quantization == "nf4":
+            keys.append("double_quantization")
+        elif spec.lora.base_quantization == "int8":
+            keys.append("int8_scales")
+        for key in keys:
             before = old_lora.get(key)
             now = plain(getattr(spec.lora, key))
             if before is not None and before != now:
