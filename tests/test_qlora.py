@@ -166,3 +166,42 @@ def test_cuda_worker_trains_an_nf4_base_like_the_cpu_worker(tmp_path, arena_dir)
     # 1e-3, as test_cuda.py's GPU-against-CPU worker test: three Adam steps carry the
     # kernels' reduction-order rounding (tiny_spec's own runs drift 2e-5 in two steps)
     assert_params_match({n: t for n, t in gpu.items() if ".lora_" in n}, cpu, rtol=1e-3)
+
+
+@pytest.mark.parametrize("from_directory", [True, False], ids=["model-path", "random-base"])
+def test_checkpoints_and_export_write_the_adapter_without_dequantising_the_base(
+    tmp_path, arena_dir, monkeypatch, from_directory
+):
+    """Each checkpoint of a quantised-base LoRA job dequantised the whole base to fp32
+    (8x its arena) to write an adapter of a few hundred KB. Now the base is dequantised
+    only to write ``<output>/base_model`` once (a random base), never for a model read
+    from a directory; the checkpoints and the export still hold the adapter."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.shared.quantized_base import QuantizedBase
+
+    calls = []
+    real = QuantizedBase.dequantize_weights
+    monkeypatch.setattr(
+        QuantizedBase, "dequantize_weights", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    d = tiny_spec(tmp_path / "out", steps=3, lora={"r": 4, "alpha": 8, "base_quantization": "nf4"})
+    d = d.to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=0)
+    if from_directory:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen3Config(**TINY_QWEN3)).save_pretrained(tmp_path / "m")
+        d["model"] = {"path": str(tmp_path / "m"), "tokenizer": d["model"]["tokenizer"]}
+    with trained_in_process(JobSpec.from_dict(d), arena_dir, 2) as trainer:
+        trainer.export()
+        adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+        assert adapter and all("lora_" in k for k in adapter)
+        final = {n: t for per in trainer.final_weights().values() for n, t in per.items()}
+    assert len(calls) == (0 if from_directory else 1) + 1  # + final_weights() just above
+    for step in (1, 2, 3):
+        files = tmp_path / "out" / "checkpoints" / f"step-{step:08d}"
+        assert (files / "adapter_model.safetensors").is_file()
+    lora_b = [n for n in final if ".lora_B." in n]
+    assert lora_b and any(final[n].abs().sum() > 0 for n in lora_b)  # it trained

@@ -429,7 +429,7 @@ class Checkpointer:
             layer: {key[len("master/") :]: t for key, t in per.items() if key.startswith("master/")}
             for layer, per in state.items()
         }
-        self.exporter.write_hf_model(directory, self.exporter.weights_with(masters))
+        self.exporter.write_hf_model(directory, self.exporter.file_weights(masters))
         check_abort()
         tensors = {
             key: t
