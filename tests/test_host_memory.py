@@ -188,8 +188,8 @@ def test_int8_states_follow_fp32_adamw_and_resume_bit_for_bit() -> None:
     assert {k.rsplit(".", 1)[1] for k in state["tensors"]} == {
         "exp_avg",
         "exp_avg_absmax",
-        "exp_avg_sq",
-        "exp_avg_sq_absmax",
+        "exp_avg_sqrt",
+        "exp_avg_sqrt_absmax",
     }
     assert state["tensors"]["1.b.exp_avg"].dtype == torch.uint8
     # A fresh optimizer loaded from the state continues exactly as the original does.

@@ -172,6 +172,60 @@ def test_stopped_and_resumed_job_equals_uninterrupted_bitwise(
     assert [c.step for c in ckpts.complete("job-r")] == [4, 5]
 
 
+def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
+    tmp_path: Path, arena_dir: Path, caplog
+) -> None:
+    """Note [8-bit second moment]: 8-bit states once stored the second moment itself
+    (kind ``exp_avg_sq``), now its root. A checkpoint of the old kind resumes, converted
+    (not bitwise: the conversion rounds), and ends near the new kind's own resume."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from roundpipe.coordinator.spec.checkpoint_format import MANIFEST
+    from roundpipe.coordinator.training.checkpoint import STATE_FILE, save_tensors
+    from roundpipe.coordinator.training.quantized_state import (
+        UNSIGNED_MAP,
+        dequantize_,
+        quantize_,
+    )
+
+    results = {}
+    for kind in ("new", "old"):
+        spec = make_spec(tmp_path / kind, staleness=1, optimizer={"state_dtype": "int8"})
+        assert train(spec, arena_dir, stop_after=2) is None
+        if kind == "old":  # rewrite step 2's second moments as they used to be stored
+            path = CheckpointDir(tmp_path / kind / "checkpoints").find_latest("job-r").path
+            with safe_open(str(path / STATE_FILE), framework="pt") as f:
+                tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # not the mmap
+                metadata = f.metadata()
+            for key in [k for k in tensors if k.startswith("exp_avg_sqrt/")]:
+                name = key.split("/", 1)[1]
+                codes, absmax = tensors.pop(key), tensors.pop(f"exp_avg_sqrt_absmax/{name}")
+                v = torch.empty(codes.numel())
+                dequantize_(codes, absmax, UNSIGNED_MAP, v)
+                quantize_(v.square_(), codes, absmax, UNSIGNED_MAP)
+                tensors[f"exp_avg_sq/{name}"] = codes
+                tensors[f"exp_avg_sq_absmax/{name}"] = absmax
+            save_tensors(path / STATE_FILE, tensors, metadata)
+            manifest = json.loads((path / MANIFEST).read_text())  # still an intact checkpoint
+            data = (path / STATE_FILE).read_bytes()
+            manifest["files"][STATE_FILE] = {
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+            (path / MANIFEST).write_text(json.dumps(manifest))
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            results[kind] = train(spec, arena_dir)
+        converted = "8-bit second moments converted to their roots" in caplog.text
+        assert converted == (kind == "old"), caplog.text
+    (new, new_progress), (old, old_progress) = results["new"], results["old"]
+    assert [s for s, _ in old_progress] == [s for s, _ in new_progress]
+    for name, w in new.items():
+        assert torch.allclose(old[name], w, rtol=0, atol=1e-3), name  # lr 3e-4
+
+
 def test_checkpoint_from_three_workers_resumes_with_one_or_two(
     tmp_path: Path, arena_dir: Path
 ) -> None:

@@ -76,6 +76,11 @@ from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import weight_copies
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
 from roundpipe.coordinator.training.progress_log import ProgressLog
+from roundpipe.coordinator.training.quantized_state import (
+    SIGNED_MAP,
+    UNSIGNED_MAP,
+    square_to_root_,
+)
 from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints, LayerState
 from roundpipe.shared.model import LayeredModel
 
@@ -162,6 +167,16 @@ class Checkpointer:
             raise JobFailed(f"cannot read {info.path / STATE_FILE}: {exc}") from None
         with state:
             keys = set(state.keys())
+            # 8-bit states written before Note [8-bit second moment] (in
+            # roundpipe.coordinator.training.optimizer) hold v's codes: read under the
+            # new kinds' names, converted once loaded.
+            stored_names: dict[str, str] = {}
+            if "exp_avg_sqrt" in self.optimizer.kinds:
+                for k in [k for k in keys if k.startswith(("exp_avg_sq/", "exp_avg_sq_absmax/"))]:
+                    new = "exp_avg_sqrt" + k[len("exp_avg_sq") :]
+                    stored_names[new] = k
+                    keys.remove(k)
+                    keys.add(new)
             # Masters are in the model files (checkpoint_name keys); checkpoints written
             # before that hold them as master/<name> too.
             masters_in_state = any(k.startswith("master/") for k in keys)
@@ -180,7 +195,7 @@ class Checkpointer:
                 )
 
             def load(key: str, like: torch.Tensor) -> torch.Tensor:
-                t = state.get_tensor(key)
+                t = state.get_tensor(stored_names.get(key, key))
                 if t.shape != like.shape:
                     raise JobFailed(
                         f"{where}: {key} has shape {tuple(t.shape)}, this job's model "
@@ -208,6 +223,15 @@ class Checkpointer:
                 layer_and_name, kind = key.rsplit(".", 1)
                 name = layer_and_name.split(".", 1)[1]
                 buf.copy_(load(f"{kind}/{name}", buf))
+            if stored_names:
+                log.info("[trainer] %s: 8-bit second moments converted to their roots", where)
+                for key, buf in targets.items():
+                    if key.endswith(".exp_avg_sqrt"):
+                        square_to_root_(buf, targets[key + "_absmax"], UNSIGNED_MAP)
+                        # A second moment stored as 0 beside a first that is not: the
+                        # old rounding this repairs (m / eps at the next step otherwise).
+                        first = targets[key.removesuffix("_sqrt")]
+                        first.masked_fill_(buf == UNSIGNED_MAP.zero_code, SIGNED_MAP.zero_code)
             optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
             self.optimizer.load_state_dict(optimizer_state)  # step counts (buffers in place)
             c = layout.counters

@@ -77,7 +77,8 @@ from roundpipe.coordinator.spec.choices import (
 from roundpipe.coordinator.training import adamw_kernel
 from roundpipe.coordinator.training.quantized_state import (
     BLOCK,
-    CodeMap,
+    SIGNED_MAP,
+    UNSIGNED_MAP,
     absmax_numel,
     dequantize_,
     quantize_,
@@ -105,10 +106,10 @@ __all__ = [
 ]
 
 IMPLS = ("fused", "foreach", "for-loop")
-INT8_KINDS = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")
+INT8_KINDS = ("exp_avg", "exp_avg_absmax", "exp_avg_sqrt", "exp_avg_sqrt_absmax")
+"""The 8-bit state: the first moment's codes and scales, and the second moment's square
+root's (Note [8-bit second moment])."""
 """State tensors per parameter with ``state_dtype="int8"`` (Note [8-bit states])."""
-_SIGNED_MAP = CodeMap(signed=True)
-_UNSIGNED_MAP = CodeMap(signed=False)
 ALGORITHMS = ("adamw", "sgd")
 _STATE_VERSION = 1
 
@@ -266,6 +267,18 @@ def clip_coefficient(total_norm: torch.Tensor | float, max_norm: float) -> torch
 # scratch, stepped by the same fused kernel and quantized back, so the update differs
 # from fp32 states only by the rounding of the stored moments. Codes and scales are the
 # whole state (``state_dict`` kinds ``INT8_KINDS``): a checkpoint resumes bit for bit.
+
+# Note [8-bit second moment]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The second moment is stored as its square root. Stored as itself it needs twice the
+# first moment's range in orders of magnitude (it is the gradient squared): an element
+# whose v was below ~1.4e-7 of its block's largest rounded to code 0 while its m kept a
+# value, and every later step divided m by sqrt((1 - beta2) g^2) alone: updates of up to
+# ~100x the learning rate (an embedding row of a rare token beside a frequent one, 707%
+# off fp32 states after 20 steps of a tiny model). sqrt(v) spans the same range as m.
+# An element whose sqrt(v) still rounds to 0 gets m = 0 too (its update is then 0, not
+# m / eps). A checkpoint written before this holds v's codes (kind ``exp_avg_sq``):
+# restoring converts them (``square_to_root_``), so an upgrade does not break a resume.
 
 # Note [chunked fused AdamW]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -857,12 +870,14 @@ class LayerwiseOptimizer:
         start, first_block = j * CHUNK_NUMEL, j * (CHUNK_NUMEL // BLOCK)
         state, packed = [], []
         for kind, scratch, code_map in (
-            ("exp_avg", self._scratch8[0][:n], _SIGNED_MAP),
-            ("exp_avg_sq", self._scratch8[1][:n], _UNSIGNED_MAP),
+            ("exp_avg", self._scratch8[0][:n], SIGNED_MAP),
+            ("exp_avg_sqrt", self._scratch8[1][:n], UNSIGNED_MAP),
         ):
             codes = entry.state[kind][i][start : start + n]
             absmax = entry.state[f"{kind}_absmax"][i][first_block : first_block + absmax_numel(n)]
             dequantize_(codes, absmax, code_map, scratch)
+            if kind == "exp_avg_sqrt":
+                scratch.square_()  # Note [8-bit second moment]
             state.append(scratch)
             packed.append((scratch, codes, absmax, code_map))
         return state, packed
@@ -874,9 +889,10 @@ class LayerwiseOptimizer:
         was already zero (m / inf, as with fp32 states), and keeping its huge first
         moment beside a finite second moment would move its weight by ~1e6 a step."""
         (m, m_codes, m_absmax, m_map), (v, v_codes, v_absmax, v_map) = packed
-        overflowed = quantize_(v, v_codes, v_absmax, v_map)
+        overflowed = quantize_(v.sqrt_(), v_codes, v_absmax, v_map)  # Note [8-bit second moment]
         if overflowed is not None:
             m.masked_fill_(overflowed, 0.0)
+        m.masked_fill_(v_codes == 0, 0.0)  # no second moment left: no first either
         quantize_(m, m_codes, m_absmax, m_map)
 
     def _step_reference(

@@ -7,7 +7,8 @@ Quantization", 2022):
 
 * each block of ``BLOCK`` consecutive elements is scaled by its largest magnitude
   (``absmax``), so one outlier spoils only its own block;
-* the scaled values in [-1, 1] (``exp_avg``) or [0, 1] (``exp_avg_sq``) are rounded to
+* the scaled values in [-1, 1] (``exp_avg``) or [0, 1] (the square root of
+  ``exp_avg_sq``: Note [8-bit second moment] in roundpipe.coordinator.training.optimizer) are rounded to
   the nearest of 256 code values spread over several orders of magnitude (a *dynamic*
   code map: for each power of ten, a number of linear steps that shrinks with the
   exponent), so small moments keep relative precision where a linear 8-bit grid would
@@ -30,7 +31,16 @@ import math
 
 import torch
 
-__all__ = ["BLOCK", "CodeMap", "absmax_numel", "dequantize_", "quantize_"]
+__all__ = [
+    "BLOCK",
+    "SIGNED_MAP",
+    "UNSIGNED_MAP",
+    "CodeMap",
+    "absmax_numel",
+    "dequantize_",
+    "quantize_",
+    "square_to_root_",
+]
 
 BLOCK = 256
 """Elements per scale. Divides the optimizer's CHUNK_NUMEL, so chunks never split a block."""
@@ -49,6 +59,8 @@ class CodeMap:
         self.signed = signed
         self.values = _dynamic_map(signed)
         self.midpoints = (self.values[1:] + self.values[:-1]) / 2
+        self.zero_code = int((self.values == 0).nonzero()[0])
+        """The code of 0."""
 
     def encode(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
         """Nearest code index of each element of ``scaled`` (in the map's range) into
@@ -91,6 +103,12 @@ def _dynamic_map(signed: bool) -> torch.Tensor:
         values.append(-1.0)  # 256th code: a duplicate of -1 keeps the table full
         values.sort()
     return torch.tensor(values, dtype=torch.float32)
+
+
+SIGNED_MAP = CodeMap(signed=True)
+"""The first moment's code map."""
+UNSIGNED_MAP = CodeMap(signed=False)
+"""The second moment's (its square root's) code map."""
 
 
 def dequantize_(
@@ -141,3 +159,17 @@ def _zero_infinities(values: torch.Tensor) -> torch.Tensor:
     infinite = torch.isinf(values)
     values.masked_fill_(infinite, 0.0)
     return infinite
+
+
+def square_to_root_(codes: torch.Tensor, absmax: torch.Tensor, code_map: CodeMap) -> None:
+    """In place: codes and scales of values ``v`` (unsigned) become those of ``sqrt(v)``,
+    a block-aligned piece at a time (a second moment stored before Note [8-bit second
+    moment] in roundpipe.coordinator.training.optimizer)."""
+    piece = BLOCK * 4096
+    scratch = torch.empty(min(piece, codes.numel()), dtype=torch.float32)
+    for start in range(0, codes.numel(), piece):
+        c = codes[start : start + piece]
+        a = absmax[start // BLOCK : start // BLOCK + absmax_numel(c.numel())]
+        values = scratch[: c.numel()]
+        dequantize_(c, a, code_map, values)
+        quantize_(values.sqrt_(), c, a, code_map)
