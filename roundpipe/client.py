@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
@@ -90,6 +91,7 @@ from roundpipe.shared.keys import ConnectKeys, apply_connect_keys, connect_keys
 __all__ = [
     "FINAL_STATES",
     "Client",
+    "ConnectionLost",
     "CoordinatorUnavailable",
     "JobHandle",
     "JobRejected",
@@ -163,16 +165,29 @@ class StillChecking(CoordinatorUnavailable):
         )
 
 
+class ConnectionLost(CoordinatorUnavailable):
+    """The connection to the coordinator dropped while it handled a request (it crashed
+    or was restarted): the reply will never come."""
+
+
 class NotAuthorized(RoundPipeError):
     """The coordinator refused this client's handshake (no key, or a key it has not
     authorised) or its role (code ``"forbidden"``)."""
 
 
-_HANDSHAKE_FAILED = (
+_MONITORED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_DISCONNECTED
 )
+"""What the client's socket monitor reports. A refusal by the coordinator's key check
+is ``_AUTH``; a client without a key meets ``_PROTOCOL`` (the wrong mechanism);
+``_NO_DETAIL`` is a peer that closed mid-handshake: the wrong coordinator key, a
+crashed or overloaded coordinator, or no coordinator at all."""
+HANDSHAKE_DROPS = 3
+"""Handshakes closed without a word, in a row, after which the client gives up (libzmq
+reconnects after each): one may be a coordinator restarting, three are not."""
 
 
 class UnknownJob(RoundPipeError):
@@ -260,7 +275,9 @@ class Client:
         sock.setsockopt(zmq.LINGER, 0)
         apply_connect_keys(sock, self._keys)
         # A refused handshake is silent on the socket itself; its monitor tells.
-        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._monitor = sock.get_monitor_socket(_MONITORED)
+        self._drops = 0  # handshakes closed without a word, in a row
+        self._after_failure = False  # a DISCONNECTED event ends that failed handshake
         try:
             sock.connect(self._address)
         except zmq.ZMQError as exc:
@@ -280,10 +297,39 @@ class Client:
         self._socket = None
         self._connect()
 
-    def _wait_reply(self, sock: zmq.Socket[bytes] | None, timeout_s: float) -> list[bytes] | None:
+    def _monitor_event(self, *, sent: bool) -> None:
+        """Act on one event of the socket's monitor: raise for a refused handshake, for
+        HANDSHAKE_DROPS silent ones in a row, and (``sent``: a request is awaited on a
+        connection that had finished its handshake) for a dropped connection."""
+        assert self._monitor is not None
+        kind = recv_monitor_message(self._monitor)["event"]
+        if kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            raise NotAuthorized(self._refused_text())
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._drops += 1
+            self._after_failure = True
+            if self._drops >= HANDSHAKE_DROPS:
+                raise NotAuthorized(self._dropped_text())
+        elif kind == zmq.EVENT_DISCONNECTED:
+            if self._after_failure:  # the end of the failed handshake just reported
+                self._after_failure = False
+            elif sent:
+                raise ConnectionLost(
+                    self._address,
+                    0,
+                    message=f"the connection to the RoundPipe coordinator at "
+                    f"{self._address} dropped while it handled this request (it stopped, "
+                    "crashed or was restarted); its answer is lost. Look at `roundpipe "
+                    "jobs` (or the coordinator's log) before sending it again",
+                )
+
+    def _wait_reply(
+        self, sock: zmq.Socket[bytes] | None, timeout_s: float, *, lost: bool = False
+    ) -> list[bytes] | None:
         """The reply frames on ``sock`` within ``timeout_s``; None on timeout. Raises
-        NotAuthorized as soon as the coordinator refuses the handshake. ``sock`` None:
-        nothing was sent, only a refusal is waited for."""
+        NotAuthorized as soon as the coordinator refuses the handshake, and with ``lost``
+        ConnectionLost as soon as the connection drops. ``sock`` None: nothing was sent,
+        only a refusal is waited for."""
         poller = zmq.Poller()
         if sock is not None:
             poller.register(sock, zmq.POLLIN)
@@ -293,11 +339,34 @@ class Client:
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(timeout=max(1, int(left * 1000))))
             if sock is not None and sock in ready:
+                self._drops = 0
                 return sock.recv_multipart(flags=zmq.NOBLOCK)
             if self._monitor is not None and self._monitor in ready:
-                self._monitor.recv_multipart()  # a handshake-failed event
-                raise NotAuthorized(self._refused_text())
+                self._monitor_event(sent=lost and sock is not None)
         return None
+
+    def _stale_events(self) -> None:
+        """Before a request: act on the monitor's queued events (a refusal raises now);
+        a drop reported before this request concerns an earlier connection."""
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor_event(sent=False)
+        self._after_failure = False
+
+    def _dropped_text(self) -> str:
+        said = (
+            f"the peer at {self._address} closed the connection during the handshake "
+            f"{self._drops} times in a row without saying why"
+        )
+        if self._keys is None:  # a coordinator with keys may close a keyless one so
+            return (
+                f"{self._refused_text()}. ({said}: if it needs no key, it is not a "
+                "RoundPipe coordinator, or it is out of file descriptors: see its log)"
+            )
+        return (
+            f"{said}: most likely {self._keys.server_key_path} is not that coordinator's "
+            "public key (copy its coordinator.key again); else it is not a RoundPipe "
+            "coordinator, or it is out of file descriptors (see its log)"
+        )
 
     def _refused_text(self) -> str:
         if self._keys is None:
@@ -357,6 +426,7 @@ class Client:
             sock = self._socket
             assert sock is not None
             try:
+                self._stale_events()
                 sent = True
                 try:
                     sock.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -367,7 +437,7 @@ class Client:
                     # load the refusal can come before this send. Its monitor tells.
                     reply_frames = self._wait_reply(None, timeout_s)
                 else:
-                    reply_frames = self._wait_reply(sock, timeout_s)
+                    reply_frames = self._wait_reply(sock, timeout_s, lost=True)
             except BaseException:
                 # Interrupted (Ctrl-C) or failed between request and reply: the reply may
                 # still come, so this socket must not be used for another request.
@@ -413,7 +483,7 @@ class Client:
         try:
             return self._request(request, expected, timeout_s=wait_s)
         except CoordinatorUnavailable as exc:
-            if not exc.sent:
+            if not exc.sent or isinstance(exc, ConnectionLost):
                 raise
             raise StillChecking(self._address, wait_s, what) from None
 
