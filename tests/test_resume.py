@@ -226,6 +226,34 @@ def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
         assert torch.allclose(old[name], w, rtol=0, atol=1e-3), name  # lr 3e-4
 
 
+def test_a_resumed_jobs_figures_are_its_own_run_s(tmp_path: Path, arena_dir: Path) -> None:
+    """After a resume the progress log starts with the checkpoint's events: the time
+    between the last of them and the run's first step (the downtime) was reported as
+    a step's seconds (roundpipe_job_step_seconds), and the old run's figures until then."""
+    from roundpipe.coordinator.service.figures import job_figures
+
+    spec = make_spec(tmp_path / "out", staleness=1)
+    assert train(spec, arena_dir, stop_after=2) is None
+    trainer = Trainer(
+        "job-r", spec, arena_dir=arena_dir, namespace="resumefig", output_dir=tmp_path / "out"
+    )
+    try:
+        trainer.prepare(1)
+        assert trainer.start_step == 2 and len(trainer.recent_progress(2)) == 2
+        before = job_figures(trainer)
+        assert before.step_s is None and before.tokens_per_s is None and before.lr is None
+        pool = InProcessWorkers(trainer, 1)
+        try:
+            trainer.run(pool)
+        finally:
+            pool.close()
+        after = job_figures(trainer)
+        newest = trainer.recent_progress(2)
+        assert after.step_s == newest[1].time - newest[0].time  # steps 4 and 5: this run's
+    finally:
+        trainer.close()
+
+
 def test_checkpoint_from_three_workers_resumes_with_one_or_two(
     tmp_path: Path, arena_dir: Path
 ) -> None:

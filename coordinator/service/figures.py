@@ -51,7 +51,9 @@ def job_figures(trainer: Trainer) -> JobFigures:
     """Read a trainer's figures (any thread; no locks held long)."""
     spec = trainer.spec
     figures = JobFigures(step=trainer.step, total_steps=spec.train.steps, loss=trainer.last_loss)
-    last_two = trainer.recent_progress(2)
+    # This run's steps only: a resumed trainer's log starts with the checkpoint's events,
+    # and the time between the last of them and its first step is the job's downtime.
+    last_two = [e for e in trainer.recent_progress(2) if e.step > trainer.start_step]
     if last_two:
         figures.lr = last_two[-1].lr
         figures.tokens_per_s = last_two[-1].tokens_per_s
