@@ -226,3 +226,26 @@ def test_a_server_whose_imports_start_a_thread_refuses_and_clusters_start_daemon
         assert isinstance(cluster.add_worker("w1").proc, ForkedProcess)
     finally:
         cluster.stop()
+
+
+def test_daemons_of_a_dead_server_are_still_stopped(
+    worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The server killed (an OOM kill, its own 60 s "wedged" kill) while its daemon ran:
+    polling and signalling it raised ForkServerError, so LocalCluster.stop left every
+    daemon running. They are now reached by pid and start time."""
+    s = ForkServer()
+    args = ["--cpu", "--coordinator", f"ipc://{tmp_path}/none.sock", "--handshake-timeout", "600"]
+    proc = s.start(WORKER, args, env=worker_env, log_path=tmp_path / "w.log")
+    s._proc.kill()
+    s._proc.wait()
+    assert proc.poll() is None  # orphaned, running on
+    proc.terminate()
+    deadline = time.monotonic() + 60
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the orphaned daemon did not stop"
+        time.sleep(0.05)
+    assert proc.returncode == forkserver.UNKNOWN_STATUS  # its parent, which knew, is gone
+    assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == "zombie"
+    proc.kill()  # gone: not signalled again
+    s.close()
