@@ -280,6 +280,13 @@ class Trainer:
             rank=0 if self.group is None else self.group.rank,
         )
         layout, why = self.planner.first_layout(model)
+        if self.compute_dtype == torch.float16:
+            log.warning(
+                "[trainer] job %s: train.dtype float16 runs without loss scaling: its "
+                "gradients lose precision as the tokens per step and the vocabulary grow "
+                "(small ones flush to zero); bfloat16 does not (docs/job-spec.md)",
+                self.job_id,
+            )
         log.info(
             "[trainer] job %s: this node (rank %d of %d) needs %s",
             self.job_id,
