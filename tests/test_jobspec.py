@@ -286,6 +286,20 @@ def test_validate_against_model(files: dict[str, Path]) -> None:
     assert "token ids (inputs or labels) up to 299" in errs["data"]
 
 
+def test_a_bitsandbytes_moe_checkpoint_is_refused_at_submit(files: dict[str, Path]) -> None:
+    """bitsandbytes leaves a mixture of experts' fused expert tensors unquantised: the
+    job used to be accepted, then fail at start blaming llm_int8_skip_modules."""
+    d = good(files)
+    d["lora"] = {"r": 4, "alpha": 8}
+    spec = JobSpec.from_dict(d)
+    bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    config = {"max_position_embeddings": 128, "vocab_size": 512, "quantization_config": bnb}
+    validate_against_model(spec, config)  # a dense model's checkpoint is the base
+    with pytest.raises(JobSpecError) as exc:
+        validate_against_model(spec, {**config, "num_experts": 4})
+    assert "mixture-of-experts" in errors_of(exc)["model.path"]
+
+
 def test_yaml_file(files: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     shutil.copy(files["data"], tmp_path / "sub" / "d.jsonl")

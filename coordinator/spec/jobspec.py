@@ -498,7 +498,7 @@ def _model_errors(
             "documents packing needs every layer to keep packed documents apart; this "
             "model's linear-attention layers cannot: expected none or concat",
         )
-    _check_quantised_checkpoint(e, spec, _config_get(model_config, "quantization_config"))
+    _check_quantised_checkpoint(e, spec, model_config)
     vocab = _config_get(model_config, "vocab_size")
     if vocab_size_needed is not None and is_int(vocab) and vocab_size_needed > vocab:
         e.add(
@@ -509,16 +509,31 @@ def _model_errors(
     return e.items
 
 
-def _check_quantised_checkpoint(e: Problems, spec: JobSpec, quant: Any) -> None:
+def _check_quantised_checkpoint(e: Problems, spec: JobSpec, model_config: Any) -> None:
     """A checkpoint that bitsandbytes quantised (``load_in_4bit`` / ``load_in_8bit``)
     cannot be fully fine-tuned: its weights are frozen codes. A LoRA job takes its codes
     as the quantised base (Note [bitsandbytes checkpoint] in
     roundpipe.shared.bnb_checkpoint), unless ``lora.base_quantization`` asks for another
-    quantisation or the checkpoint's has no parts here (fp4)."""
+    quantisation or the checkpoint's has no parts here (fp4), or the model is a mixture
+    of experts (bitsandbytes leaves its fused expert tensors unquantised)."""
     from roundpipe.shared.bnb_checkpoint import bnb_format, is_bnb
     from roundpipe.shared.model import LoraSettings
 
+    quant = _config_get(model_config, "quantization_config")
     if not is_bnb(quant):
+        return
+    experts = _config_get(model_config, "num_experts") or _config_get(
+        model_config, "num_local_experts"
+    )
+    if is_int(experts) and experts > 0:
+        e.add(
+            "model.path",
+            "this bitsandbytes checkpoint is of a mixture-of-experts model: bitsandbytes "
+            "quantises linear layers only and leaves the fused expert tensors (most of "
+            "the model) unquantised, which a quantised base here cannot take; point "
+            "model.path at the unquantised checkpoint and set lora.base_quantization: "
+            "nf4 (the experts are quantised too)",
+        )
         return
     if spec.lora is None:
         e.add(
