@@ -176,3 +176,26 @@ def test_a_conversation_opening_with_the_assistant_says_what_to_do(tmp_path: Pat
     assert build_dataset(data, chat_template=str(TEMPLATE), **kw).num_rows == 1
     everything = build_dataset(data, chat_template=str(plain), loss_on="all", **kw)
     assert everything.num_rows == 1
+
+
+def test_an_unforeseen_error_reading_the_data_still_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spec check caught DataError only: any other exception a library raised on odd
+    input reached the client as "internal error", naming nothing."""
+    from runtime_helpers import tiny_spec
+
+    from roundpipe.coordinator.service import admission
+    from roundpipe.coordinator.spec import data
+    from roundpipe.coordinator.spec.errors import JobSpecError
+
+    def odd(spec):
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+
+    monkeypatch.setattr(data, "build_dataset_from_spec", odd)
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    with pytest.raises(JobSpecError) as err:
+        admission.validate_spec(spec)
+    (problem,) = err.value.errors
+    assert problem.path == "data", problem
+    assert f"cannot read {spec['data']['path']}: TypeError: TextEncodeInput" in problem.message

@@ -60,7 +60,7 @@ def validate_spec(
     ``hardware`` describes connected GPU workers, whether any plan fits their memory.
     Raises JobSpecError."""
     from roundpipe.coordinator.spec.data import build_dataset_from_spec
-    from roundpipe.coordinator.spec.errors import DataError
+    from roundpipe.coordinator.spec.errors import DataError, host_shortage
     from roundpipe.coordinator.spec.jobspec import model_config_from_spec, validate_against_model
 
     job = JobSpec.from_dict(spec)
@@ -68,6 +68,16 @@ def validate_spec(
         dataset = build_dataset_from_spec(job)
     except DataError as exc:
         raise JobSpecError([FieldError("data", str(exc))]) from None
+    except Exception as exc:
+        if host_shortage(exc) is not None:
+            raise
+        # A library's own error on input nobody foresaw: the submitter still learns
+        # which file, not "internal error"; the log keeps the traceback for a bug report.
+        log.warning("[admission] reading %s failed unexpectedly", job.data.path, exc_info=True)
+        detail = " ".join(str(exc).split())[:500]
+        raise JobSpecError(
+            [FieldError("data", f"cannot read {job.data.path}: {type(exc).__name__}: {detail}")]
+        ) from None
     try:
         config = model_config_from_spec(job.model)
     except Exception as exc:  # transformers raises several types for a bad config
