@@ -66,24 +66,30 @@ class ModelExporter:
         return (self.output.output_dir / "base_model").resolve()
 
     def weights_with(
-        self, masters: Mapping[int, Mapping[str, torch.Tensor]]
+        self, masters: Mapping[int, Mapping[str, torch.Tensor]], *, placeholders: bool = False
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Every layer's weights: ``masters`` for trainable ones (no copy), the params
-        arena's for frozen ones (they never change)."""
+        arena's for frozen ones (they never change), or with ``placeholders`` tensors of
+        their shapes on the meta device (no data, nothing dequantised)."""
+        qb = self.model.quantized_base
         out: dict[int, dict[str, torch.Tensor]] = {}
         for layer, names in self.layout.params.items():
             out[layer] = {}
             for name, (even, _odd) in names.items():
                 if name in self.masters.get(layer, {}):
                     out[layer][name] = masters[layer][name]
+                elif placeholders:  # a quantised weight's parts: the weight's shape, once
+                    weight = name.split(PART_SEP)[0]
+                    shape = qb.shapes[weight] if weight != name else self.layout.view(even).shape
+                    out[layer][weight] = torch.empty(shape, dtype=torch.float32, device="meta")
                 elif PART_SEP in name:  # a part of a quantised weight, as stored
                     out[layer][name] = self.layout.view(even)
                 else:
                     out[layer][name] = self.layout.view(even).to(torch.float32)
-        if self.model.quantized_base is not None:
+        if qb is not None and not placeholders:
             # The parts back into weights, what the workers computed with: an exported
             # base model is the dequantised one (Note [quantised base]).
-            self.model.quantized_base.dequantize_weights(out, torch.float32)
+            qb.dequantize_weights(out, torch.float32)
         return out
 
     def adapter_only(self) -> bool:
@@ -96,26 +102,11 @@ class ModelExporter:
     def file_weights(
         self, masters: Mapping[int, Mapping[str, torch.Tensor]]
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """The weights ``write_hf_model`` needs: every one (``weights_with``), or when
-        only the adapter is written (``adapter_only``) the adapters and, for the frozen
-        base, placeholders on the meta device: peft writes the adapters alone, and
-        dequantising a quantised base to fp32 for each checkpoint cost 8x its arena."""
-        if not self.adapter_only():
-            return self.weights_with(masters)
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, names in self.layout.params.items():
-            out[layer] = {}
-            for name, (even, _odd) in names.items():
-                if name in self.masters.get(layer, {}):
-                    out[layer][name] = masters[layer][name]
-                    continue
-                shape = self.layout.view(even).shape
-                if PART_SEP in name:  # a quantised weight, by its parts: the weight's shape
-                    name = name.split(PART_SEP)[0]
-                    assert self.model.quantized_base is not None
-                    shape = torch.Size(self.model.quantized_base.shapes[name])
-                out[layer][name] = torch.empty(shape, dtype=torch.float32, device="meta")
-        return out
+        """The weights ``write_hf_model`` needs: every one, or when only the adapter is
+        written (``adapter_only``) placeholders for the frozen base: peft writes the
+        adapters alone, and dequantising a quantised base to fp32 for each checkpoint
+        cost 8x its arena."""
+        return self.weights_with(masters, placeholders=self.adapter_only())
 
     def write_hf_model(
         self, directory: Path, weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None
