@@ -306,3 +306,78 @@ def test_checkpoint_whose_tokenizer_cannot_be_read_pauses_the_job(
         assert part in message, message
     assert len(exports) == 1 + 3  # step 1, then step 2's three tries
     assert (tmp_path / "out" / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_final_model_safetensors_short_of_descriptors_is_tried_again(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports EMFILE in an error type of its own ("... (os error 24)"): the
+    final model's JobPaused was chained to that, not to the OSError it stands for, so
+    the retry (Note [out of descriptors]) did not see the errno and the job paused."""
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import SafetensorError
+
+    real = modeling_utils.safe_save_file
+    calls = []
+
+    def once_short(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SafetensorError(
+                "Error while serializing: I/O error: Too many open files (os error 24)"
+            )
+        return real(*args, **kwargs)
+
+    counting = _NoDescriptorsAt(PathPolicy.for_coordinator(tmp_path / "s", [], [tmp_path]), 0, 0)
+    from roundpipe.coordinator.training import trainer as trainer_module
+
+    real_export = trainer_module.Trainer.export
+
+    def export(self, directory=None):  # the checkpoints' own writes go through unharmed
+        monkeypatch.setattr(modeling_utils, "safe_save_file", once_short)
+        return real_export(self, directory)
+
+    monkeypatch.setattr(trainer_module.Trainer, "export", export)
+    _train_with_paths(tmp_path, arena_dir, monkeypatch, counting, 0, "job-st-once")
+    assert len(calls) == 2  # the first try failed, the second wrote the model
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_cancel_ends_a_retry_wait(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drained checkpoint short of descriptors waits before its next try: a cancel then
+    ended the job only after every wait (15.5 s), as "paused". Now at once, cancelled."""
+    from roundpipe.coordinator.training import job_output
+    from roundpipe.coordinator.training import trainer as trainer_module
+    from roundpipe.coordinator.training.job_errors import JobCancelled
+
+    policy = _NoDescriptorsAt(
+        PathPolicy.for_coordinator(tmp_path / "state", [], [tmp_path]), 3, times=float("inf")
+    )
+    monkeypatch.setattr(job_output, "DESCRIPTOR_RETRY_WAITS_S", (600.0,))  # only a cancel ends it
+    real_retry = job_output.JobOutput.retry_short_of_descriptors
+
+    def retry(self, what, write, wait=None):
+        def write_then_cancel():
+            try:
+                return write()
+            except JobPaused:  # short of descriptors: the job is cancelled meanwhile
+                self.cancelled.set()
+                raise
+
+        return real_retry(self, what, write_then_cancel, wait)
+
+    monkeypatch.setattr(job_output.JobOutput, "retry_short_of_descriptors", retry)
+    d = tiny_spec(tmp_path / "out", steps=3, staleness=1).to_dict()
+    d["output"].update(checkpoint_every=1, keep_last=0, checkpoint_staging=0)
+    real_init = trainer_module.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs["paths"] = policy
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", init)
+    with pytest.raises(JobCancelled):
+        with trained_in_process(JobSpec.from_dict(d), arena_dir, 2, job_id="job-cancel-wait"):
+            pass

@@ -140,6 +140,10 @@ def test_a_shard_folder_of_several_splits_reads_only_the_split_asked(tmp_path: P
     assert _rows(build_dataset(folder, seq_len=4, split="test")) == [[9, 9, 9]]
     with pytest.raises(DataError, match="holds the shards of splits test, train but not 'dev'"):
         build_dataset(folder, seq_len=4, split="dev")
+    # datasets 2 added a fingerprint to the names: train-00000-of-00001-<hex>.parquet
+    for shard in folder.iterdir():
+        shard.rename(shard.with_name(shard.stem + "-0b1c2d3e4f506172.parquet"))
+    assert _rows(build_dataset(folder, seq_len=4)) == [[1, 1, 1]]
 
 
 @pytest.mark.parametrize("fmt", ["torch", "numpy"])

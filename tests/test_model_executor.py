@@ -433,3 +433,25 @@ def test_an_interrupted_moe_task_leaves_no_router_logits_behind(kind: str) -> No
                 1, 4, w, fwd.saved[1], grads, router_counts=counts, batch_tokens=ids.numel()
             )
     assert getattr(executor_module._ROUTER_LOGITS, "captured", None) is None
+
+
+def test_dynamic_rotary_keyed_by_layer_type_depends_on_its_own_microbatch_only() -> None:
+    """Note [dynamic rotary], Gemma 3's rotary (one table per layer type): growing adds
+    ``full_attention_max_seq_len_cached``, which the reset left behind, so a later
+    microbatch between the model's maximum and that length got the unscaled table."""
+    config = tiny_config(
+        "gemma3_text",
+        max_position_embeddings=32,
+        rope_parameters={
+            "full_attention": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    model = LayeredModel.from_config(config)
+    w = model.range_weights(model.init_weights(seed=3), 0, 3)
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    fresh = StageExecutor(model).forward(0, 3, w, [ids[:1]], position_ids=[_packed(36, 4)])
+    used = StageExecutor(model)
+    used.forward(0, 3, w, [ids[1:]], position_ids=[_packed(40)])  # a longer row first
+    again = used.forward(0, 3, w, [ids[:1]], position_ids=[_packed(36, 4)])
+    assert torch.equal(fresh.outputs[0], again.outputs[0])

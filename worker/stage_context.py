@@ -46,6 +46,13 @@ def rotary_reset(rotary: torch.nn.Module) -> Callable[[], None] | None:
     }
 
     def reset() -> None:
+        # What the update added (a layer type's ``<type>_max_seq_len_cached``) goes too:
+        # left, it would stop the next growth or reset of that layer type's table.
+        for name in [n for n, _ in rotary.named_buffers(recurse=False) if n not in buffers]:
+            delattr(rotary, name)
+        for name in [n for n in vars(rotary) if not n.startswith("_") and n not in attributes]:
+            if isinstance(vars(rotary)[name], (int, float, torch.Tensor)):
+                delattr(rotary, name)
         for name, b in buffers.items():
             rotary.register_buffer(name, b.clone(), persistent=False)
         for name, value in attributes.items():

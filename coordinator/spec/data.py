@@ -629,6 +629,14 @@ class DataLoader:
                 f"the data cursor does not match {self.dataset.source} as loaded now ("
                 + "; ".join(diffs)
                 + "); resuming would not reproduce the batches"
+                + (
+                    ". If neither the data nor its settings changed, this RoundPipe reads "
+                    "the data differently from the one that wrote the checkpoint (since "
+                    "November 2026 a UTF-8 byte-order mark is not read as text, and a shard "
+                    "folder of several splits gives data.split's rows only)"
+                    if any(d.startswith(("num_rows", "fingerprint")) for d in diffs)
+                    else ""
+                )
             )
         step = state.get("next_step")
         if not isinstance(step, int) or step < 1:

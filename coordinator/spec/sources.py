@@ -183,9 +183,10 @@ def parse_json_object(line: str, path: str, lineno: int, first: bool = False) ->
 # ------------------------------------------------------------------------ tables
 
 
-_SPLIT_SHARD = re.compile(r"(?P<split>.+?)-\d+-of-\d+\.[^.]+")
+_SPLIT_SHARD = re.compile(r"(?P<split>.+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.[^.]+")
 """A shard named for its split, as ``push_to_hub`` writes them:
-``train-00000-of-00002.parquet``."""
+``train-00000-of-00002.parquet`` (``datasets`` 2 added a fingerprint:
+``train-00000-of-00002-0b1c2d3e4f506172.parquet``)."""
 
 
 def _shards(folder: str, split: str | None = None) -> list[str]:

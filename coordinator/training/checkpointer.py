@@ -333,7 +333,11 @@ class Checkpointer:
         if streamed is not None:  # gathered as written: never again (Note [out of descriptors])
             path = write_once()
         else:
-            wait = background.wait_unless_closed if background is not None else time.sleep
+            wait = (
+                background.wait_unless_closed
+                if background is not None
+                else self.output.wait_unless_cancelled
+            )
             path = self.output.retry_short_of_descriptors(what, write_once, wait)
         log.info(
             "[trainer] job %s: checkpoint step %d written to %s in %.2fs%s",

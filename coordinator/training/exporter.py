@@ -202,5 +202,7 @@ class ModelExporter:
                 os_error = as_os_error(exc, target)
                 if os_error is None:
                     raise
-                raise JobPaused(self.output.io_error_message(what, os_error)) from exc
+                # Chained to the OSError, not the library's error that carried it: the
+                # retry (Note [out of descriptors]) reads the errno from the chain.
+                raise JobPaused(self.output.io_error_message(what, os_error)) from os_error
         return directory

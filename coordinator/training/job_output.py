@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -26,7 +25,7 @@ from roundpipe.coordinator.spec.checkpoint_format import step_name
 from roundpipe.coordinator.spec.errors import host_shortage
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused, pinned_dir
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
-from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 
 __all__ = ["DESCRIPTOR_RETRY_WAITS_S", "JobOutput"]
 
@@ -60,6 +59,9 @@ class JobOutput:
 
     def __init__(self, job_id: str, output_dir: Path, paths: PathPolicy | None):
         self.job_id = job_id
+        self.cancelled = threading.Event()
+        """Set when the job is cancelled (``Trainer.cancel``): a retry's wait ends in
+        JobCancelled."""
         self.output_dir = output_dir
         self.paths = paths
         """The coordinator's allowed roots: checked again before every write into the
@@ -139,11 +141,13 @@ class JobOutput:
         return getattr(self._pins, "root", None) or self.output_dir
 
     def retry_short_of_descriptors(
-        self, what: str, write: Callable[[], T], wait: Callable[[float], None] = time.sleep
+        self, what: str, write: Callable[[], T], wait: Callable[[float], None] | None = None
     ) -> T:
         """``write()``, tried again after each of DESCRIPTOR_RETRY_WAITS_S (``wait``
-        waits; it may raise to give up) while it raises JobPaused for EMFILE or ENFILE
-        (Note [out of descriptors]); any other error, or the last one, propagates."""
+        waits; it may raise to give up; by default ``wait_unless_cancelled``) while it
+        raises JobPaused for EMFILE or ENFILE (Note [out of descriptors]); any other
+        error, or the last one, propagates."""
+        wait = self.wait_unless_cancelled if wait is None else wait
         for wait_s in (*DESCRIPTOR_RETRY_WAITS_S, None):
             try:
                 return write()
@@ -161,6 +165,11 @@ class JobOutput:
                 )
             wait(wait_s)
         raise AssertionError("unreachable")
+
+    def wait_unless_cancelled(self, seconds: float) -> None:
+        """Wait ``seconds``; JobCancelled at once if the job is cancelled meanwhile."""
+        if self.cancelled.wait(seconds):
+            raise JobCancelled(f"job {self.job_id} was cancelled")
 
     def shown(self, text: object) -> str:
         """``text`` (a path, a message) as the user knows it: the output directory's pin

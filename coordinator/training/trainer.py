@@ -162,10 +162,10 @@ class Trainer:
         self.progress_log = ProgressLog()
         self.step = 0
         self.last_loss: float | None = None
+        self._cancel = threading.Event()  # also set when a run ends: its threads stop
         self.output = JobOutput(job_id, self.output_dir, paths)
         self.start_step = 0
         """Step the run starts after: 0, or the step of the checkpoint it resumed from."""
-        self._cancel = threading.Event()
         self.member = (
             None
             if group is None
@@ -493,6 +493,7 @@ class Trainer:
 
     def cancel(self) -> None:
         self._cancel.set()
+        self.output.cancelled.set()  # ends a write's retry wait (Note [out of descriptors])
         self.inbox.put(Wakeup("cancel"))
 
     def _emit(self, event: JobEvent) -> None:
