@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roundpipe.client import JobRejected
+from roundpipe.client import JobRejected, RoundPipeError
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
@@ -576,7 +576,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
         return _error(str(exc), 2)
     except KeyboardInterrupt:
+        if not args.workdir:  # nothing was found: nothing worth keeping in /tmp
+            shutil.rmtree(root, ignore_errors=True)
         return _error("interrupted", 130)
+    except (RoundPipeError, RuntimeError, TimeoutError) as exc:
+        # The run itself broke (the reference run failed, a coordinator vanished
+        # between trials): its logs are the evidence, kept and named.
+        return _error(
+            f"{exc}\nchaos: FAIL: the run could not go on (seed {seed}; work dir {root}, "
+            "the daemons' logs are in it)",
+            1,
+        )
     finally:
         for f in arena_dir.iterdir():
             f.unlink()

@@ -240,7 +240,9 @@ def _stop(daemons: Sequence[_Daemon], grace_s: float) -> list[str]:
             d.process.wait()
             problems.append(f"{d.name} did not stop within {grace_s:g} s of SIGTERM; killed")
             continue
-        if d.process.returncode != 0:
+        # -SIGTERM: our SIGTERM reached it before its handler was set (still starting up,
+        # e.g. a Ctrl-C during the start): stopped as asked, not a problem.
+        if d.process.returncode not in (0, -signal.SIGTERM):
             problems.append(f"{d.name} exited with status {d.process.returncode}")
     return problems
 

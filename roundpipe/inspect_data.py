@@ -49,7 +49,11 @@ def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) ->
     from roundpipe.coordinator.spec.data import build_dataset_from_spec
     from roundpipe.coordinator.spec.errors import DataError, JobSpecError
     from roundpipe.coordinator.spec.formats import columns_of, resolve_format
-    from roundpipe.coordinator.spec.jobspec import load_job_spec
+    from roundpipe.coordinator.spec.jobspec import (
+        load_job_spec,
+        model_config_from_spec,
+        validate_against_model,
+    )
     from roundpipe.coordinator.spec.tokenizers import load_tokenizer
 
     stream = sys.stdout if out is None else out
@@ -59,8 +63,16 @@ def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) ->
         d = spec.data
         assert d.path is not None
         fmt = resolve_format(d.path, d.format, d.text_field, columns=columns_of(d), split=d.split)
+        # What the coordinator checks at submit against the model (token ids within its
+        # vocabulary, seq_len within its positions): data it would refuse is not "fine".
+        validate_against_model(
+            spec, model_config_from_spec(spec.model), vocab_size_needed=ds.vocab_size_needed
+        )
     except (JobSpecError, DataError) as exc:
         print(f"roundpipe data inspect: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a library's own error on odd input (transformers, pyarrow)
+        print(f"roundpipe data inspect: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if not 0 <= row < ds.num_rows:
         print(

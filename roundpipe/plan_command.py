@@ -358,7 +358,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         raise ValueError("give --seq-len TOKENS, or --max-seq-len to find the longest that fits")
     if args.workers < 1 or (args.seq_len or 1) < 1 or args.microbatch_size < 1:
         raise ValueError("--workers, --seq-len and --microbatch-size must be >= 1")
-    m = args.microbatches or args.workers + 1
+    m = args.workers + 1 if args.microbatches is None else args.microbatches
     if m < 1:
         raise ValueError("--microbatches must be >= 1")
     speeds = None

@@ -221,3 +221,37 @@ def test_a_producer_killed_between_counter_at_issue_and_landing_changes_nothing(
     )
     print(report.table())
     assert report.injected >= 1 and report.ok, f"seed {seed}\n{report.table()}"
+
+
+@pytest.mark.parametrize(
+    "raised, status, kept",
+    [(KeyboardInterrupt(), 130, False), (RuntimeError("the reference run failed"), 1, True)],
+    ids=["ctrl-c", "broken-run"],
+)
+def test_chaos_cleans_up_after_ctrl_c_and_names_a_broken_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, raised, status, kept
+) -> None:
+    """Ctrl-C left the work directory (tens of MB) in /tmp; a run that broke (the
+    reference run failed, a coordinator vanished) ended in a traceback. Now an interrupt
+    removes it, and a broken run is one FAIL line naming the kept directory."""
+    import yaml
+
+    from roundpipe import chaos
+
+    def broken(*args, **kwargs):
+        (kwargs["root"] / "coordinator.log").write_text("evidence")
+        raise raised
+
+    import tempfile
+
+    monkeypatch.setattr(chaos, "run_chaos", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes it
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(tmp_path / "out", steps=2).to_dict()))
+    assert chaos.main([str(spec), "--trials", "1", "--seed", "3"]) == status
+    err = capsys.readouterr().err
+    left = list(tmp_path.glob("roundpipe-chaos-*"))
+    assert bool(left) == kept, (left, err)
+    if kept:
+        assert f"chaos: FAIL: the run could not go on (seed 3; work dir {left[0]}" in err
+        assert "Traceback" not in err

@@ -203,3 +203,20 @@ def test_unknown_job_id(cluster: LocalCluster) -> None:
                  ["logs", "job-nope"], ["timeline", "job-nope"]):  # fmt: skip
         assert_user_error(roundpipe(*argv, env=env), 1, LINE, "unknown job 'job-nope'")
     assert roundpipe("jobs", env=env).returncode == 0  # the same connection works
+
+
+def test_demo_stop_counts_only_real_problems(tmp_path: Path) -> None:
+    """A Ctrl-C while the daemons still start: the demo's own SIGTERM ends them before
+    their handlers are set (status -15), which was then printed as an error."""
+
+    from roundpipe import demo
+
+    starting = subprocess.Popen(["sleep", "60"])  # SIGTERM's default action: -15
+    crashed = subprocess.Popen(["sh", "-c", "exit 3"])
+    crashed.wait()
+    daemons = [
+        demo._Daemon("w0", starting, tmp_path / "w0.log"),
+        demo._Daemon("w1", crashed, tmp_path / "w1.log"),
+    ]
+    assert demo._stop(daemons, grace_s=30) == ["w1 exited with status 3"]
+    assert starting.returncode == -15

@@ -328,6 +328,15 @@ def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) ->
     assert "bad.jsonl:1: the conversation has no assistant turn" in err
     assert "Traceback" not in err
 
+    # Data the coordinator would refuse against the model is not shown as fine: the chat
+    # tokenizer's ids pass a vocabulary of 500.
+    d = spec.to_dict()
+    d["model"]["config"] = {**d["model"]["config"], "vocab_size": 500}
+    (tmp_path / "small.yaml").write_text(json.dumps(d))
+    assert cli.main(["data", "inspect", str(tmp_path / "small.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "but the model's vocab_size is 500" in err and "Traceback" not in err
+
 
 def test_chat_demo_spec_is_valid_and_sized_to_its_tokenizer(tmp_path: Path) -> None:
     from roundpipe import cli

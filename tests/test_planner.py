@@ -420,6 +420,9 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "does not fit one GPU" in err
     assert plan_main(["--workers", "2", "--seq-len", "8"]) == 2  # no model given
+    capsys.readouterr()
+    assert plan_main(args + ["--microbatches", "0"]) == 2  # not N + 1 in silence
+    assert "--microbatches must be >= 1" in capsys.readouterr().err
 
 
 def test_plan_command_prints_the_host_memory_admission_checks(capsys) -> None:
