@@ -92,6 +92,21 @@ def test_submit_run_cancel_resume(tmp_path: Path) -> None:
     assert book.take_next(stop) is None
 
 
+def test_a_resume_while_a_cancel_is_stopping_the_job_is_refused(tmp_path: Path) -> None:
+    """cancel then resume of a running job: the resume was acknowledged as "already
+    running" and lost, and the job ended cancelled. It is refused, with what to do."""
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    assert book.take_next(threading.Event()) is a
+    book.cancel(a)
+    assert a.state == "running" and a.cancel_requested
+    with pytest.raises(BadState, match="is being cancelled; resume it once it is cancelled"):
+        book.resume(a)
+    book.finish(a, *outcome(a, JobCancelled("cancelled"), stopping=False))
+    assert a.state == "cancelled"
+    assert book.resume(a) is not None and a.state == "queued"
+
+
 def test_outcome_of_a_run(tmp_path: Path) -> None:
     book = book_in(tmp_path / "state")
     job = submit(book, tmp_path / "a")
@@ -164,3 +179,66 @@ def test_a_checkpoint_finished_during_a_clean_stop_is_shown_after_the_restart(
     (tmp_path / "a" / "checkpoints" / LATEST).write_text(step_name(4) + "\n")
     job = book_in(tmp_path / "state").jobs[a.job_id]
     assert job.state == "queued" and job.checkpoint_step == 4 and job.status().step == 4
+
+
+def test_a_stop_while_the_job_thread_builds_a_job_leaves_it_queued(
+    tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM while the job thread built a new job's spec (its data read: minutes)
+    found no trainer to cancel; with a worker connected the job then prepared and
+    trained after the I/O loop had ended, and the coordinator hung until killed. Now the
+    job thread sees the stop when it hands over its trainer: the job stays queued."""
+    import zmq
+
+    from roundpipe.coordinator.service.job_runner import JobRunner
+    from roundpipe.coordinator.training import trainer as trainer_module
+
+    class OneWorker:  # a worker is connected: the wait for one does not see the stop
+        def live(self):
+            return [0]
+
+        def hardware(self):
+            return None
+
+        def forget_job(self, job_id):
+            pass
+
+        def identities(self):
+            return []  # nothing to send the teardown to
+
+    def prepare(self, *args, **kwargs):
+        raise AssertionError("a job prepared after the coordinator was told to stop")
+
+    monkeypatch.setattr(trainer_module.Trainer, "prepare", prepare)
+    book = book_in(tmp_path / "state")
+    job = submit(book, tmp_path / "out")
+    ctx = zmq.Context()
+    outbox = ctx.socket(zmq.PULL)
+    outbox.bind("inproc://outbox")
+    stopping = threading.Event()
+    runner = JobRunner(
+        book,
+        OneWorker(),
+        threading.RLock(),
+        ctx=ctx,
+        outbox="inproc://outbox",
+        stopping=stopping,
+        on_group_lost=lambda why: None,
+        group=None,
+        paths=PathPolicy.create(read=["/"], write=["/"]),
+        arena_dir=arena_dir,
+        namespace="stopbuild",
+        wait_timeout_s=10,
+    )
+    push = ctx.socket(zmq.PUSH)
+    push.connect("inproc://outbox")
+    try:
+        assert book.take_next(threading.Event()) is job
+        stopping.set()  # the SIGTERM lands while the job thread is still at its start
+        runner._run_job(job, push)
+    finally:
+        push.close(linger=0)
+        outbox.close(linger=0)
+        ctx.term()
+    assert job.state == "queued", job.message  # continues after the restart
+    assert book_in(tmp_path / "state").queue == [job.job_id]

@@ -411,10 +411,11 @@ class Coordinator:
                         log.exception("[coordinator] checking the workers failed")
         finally:
             notifier.stopping()
-            self._stop.set()
-            active = self.book.active
-            if active is not None and active.trainer is not None:
-                active.trainer.cancel()
+            with self._lock:  # against the job thread's start (job_runner, _run_job)
+                self._stop.set()
+                active = self.book.active
+                if active is not None and active.trainer is not None:
+                    active.trainer.cancel()
             self.admissions.wake()  # the admission thread exits
             admission_thread.join(timeout=60)
             if validator is not None:

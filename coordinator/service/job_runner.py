@@ -229,12 +229,16 @@ class JobRunner:
             on_event=on_event,
             group=job_group,
         )
-        job.trainer = trainer
         # Replaced by None when the run finishes, or by what it raised.
         error: BaseException | None = RuntimeError("the job thread stopped unexpectedly")
         try:
+            # Under the lock the daemon's stop takes too: a stop (SIGTERM) while the spec
+            # was built (its data read: minutes) either sees this trainer and cancels it,
+            # or is seen here. Before, the job trained on after the I/O loop had ended,
+            # and the coordinator hung on its socket until systemd killed it.
             with self._lock:
-                if job.cancel_requested:
+                job.trainer = trainer
+                if job.cancel_requested or self._stop.is_set():
                     raise JobCancelled("cancelled")
             if not self.workers.live():
                 log.info("[coordinator] job %s waits for a worker to connect", job.job_id)

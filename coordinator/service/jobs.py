@@ -367,6 +367,13 @@ class JobBook:
         """Queue a stopped job again; returns where it continues (None: it is queued or
         running already, nothing to do). Raises BadState for a succeeded job."""
         with self._lock:
+            if job.state == "running" and job.cancel_requested:
+                # Stopping, not going on: acknowledged, the resume was lost and the job
+                # ended cancelled.
+                raise BadState(
+                    f"job {job.job_id} is being cancelled; resume it once it is cancelled "
+                    f"(roundpipe status {job.job_id})"
+                )
             if job.state in ("queued", "running"):
                 # What the caller wants is already happening: a no-op, not an error (a
                 # job resumed automatically after a coordinator restart is "queued" or
