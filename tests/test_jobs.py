@@ -242,3 +242,56 @@ def test_a_stop_while_the_job_thread_builds_a_job_leaves_it_queued(
         ctx.term()
     assert job.state == "queued", job.message  # continues after the restart
     assert book_in(tmp_path / "state").queue == [job.job_id]
+
+
+def test_a_cancel_or_resume_the_store_refuses_changes_nothing(tmp_path: Path) -> None:
+    """The store could not record a cancel (locked, a full disk): memory said cancelled,
+    the store queued, and after a restart the job its owner cancelled ran. Now the
+    request fails (store_error) and nothing changes; the same for a resume."""
+    import sqlite3
+
+    from roundpipe.coordinator.service.jobstore import JobStoreError
+
+    book = book_in(tmp_path / "state")
+    a = submit(book, tmp_path / "a")
+    b = submit(book, tmp_path / "b")
+    book.cancel(b)
+    assert book.store is not None
+    book.store._db.execute("PRAGMA busy_timeout = 100")  # fail fast, not after 10 s
+    blocker = sqlite3.connect(book.store.path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+    try:
+        with pytest.raises(JobStoreError):
+            book.cancel(a)
+        assert a.state == "queued" and not a.cancel_requested and book.queue == [a.job_id]
+        with pytest.raises(JobStoreError):
+            book.resume(b)
+        assert b.state == "cancelled" and b.job_id not in book.queue
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    again = book_in(tmp_path / "state")
+    assert {j.job_id: j.state for j in again.jobs.values()} == {
+        a.job_id: "queued",
+        b.job_id: "cancelled",
+    }
+
+
+def test_after_a_restart_the_queue_keeps_its_order(tmp_path: Path) -> None:
+    """The queue was rebuilt in submission order: an old job resumed behind newer ones
+    jumped ahead of them, and ahead of the job a shutdown had cut off, which the docs
+    say goes first."""
+    book = book_in(tmp_path / "state")
+    stop = threading.Event()
+    a = submit(book, tmp_path / "a")
+    assert book.take_next(stop) is a
+    book.finish(a, "paused", "disk full")
+    x, y = submit(book, tmp_path / "x"), submit(book, tmp_path / "y")
+    book.resume(a)
+    assert book.queue == [x.job_id, y.job_id, a.job_id]
+    assert [*book_in(tmp_path / "state").queue] == [x.job_id, y.job_id, a.job_id]
+    # x runs, a coordinator shutdown cuts it off: it goes first after the restart.
+    assert book.take_next(stop) is x
+    book.finish(x, *outcome(x, JobCancelled("stopping"), stopping=True))
+    assert x.state == "queued"
+    assert [*book_in(tmp_path / "state").queue] == [x.job_id, y.job_id, a.job_id]

@@ -187,10 +187,15 @@ class JobBook:
     # -- loading ----------------------------------------------------------------------
 
     def load(self) -> None:
-        """Jobs from the store: interrupted ones queued again, queued ones in order."""
+        """Jobs from the store: the one a restart or a stop cut off queued first, then
+        the queued ones in the order they were queued (submitted, or resumed: a job's
+        latest change of state is its move to the queue)."""
         assert self.store is not None
         interrupted = self.store.recover()
-        for stored in self.store.all():
+        order: dict[str, tuple[bool, float, int]] = {}
+        for seq, stored in enumerate(self.store.all()):
+            cut_off = stored.job_id in interrupted or stored.message.startswith(SHUT_DOWN)
+            order[stored.job_id] = (not cut_off, stored.updated_at, seq)
             job = self._record_from_store(stored)
             if job.state == "queued":
                 # Interrupted by a crash, or stopped (SIGTERM) while a background
@@ -206,6 +211,7 @@ class JobBook:
                     self.set_state(job, "failed", job.message)
                 else:
                     self.queue.append(job.job_id)
+        self.queue.sort(key=order.__getitem__)
         if self.jobs:
             log.info(
                 "[coordinator] job store %s: %d job(s), %d queued (%d interrupted by a restart)",
@@ -274,8 +280,12 @@ class JobBook:
 
     # -- transitions ------------------------------------------------------------------
 
-    def set_state(self, job: JobRecord, state: JobState, message: str, **extra) -> None:
-        """Change a job's state in the store, then in memory."""
+    def set_state(
+        self, job: JobRecord, state: JobState, message: str, *, strict: bool = False, **extra
+    ) -> None:
+        """Change a job's state in the store, then in memory. ``strict`` (a change a
+        client asked for): if the store refuses it, JobStoreError and nothing changes;
+        else the run goes on with the change logged as unrecorded."""
         t = job.trainer
         if t is not None and t.prepared:  # before, its step is 0, not the job's
             job.step, job.loss = t.step, t.last_loss
@@ -285,6 +295,8 @@ class JobBook:
                     job.job_id, state=state, message=message, step=job.step, loss=job.loss, **extra
                 )
             except JobStoreError as exc:
+                if strict:
+                    raise
                 log.error("[coordinator] cannot record job %s as %s: %s", job.job_id, state, exc)
         job.state, job.message = state, message
 
@@ -346,13 +358,16 @@ class JobBook:
         with self._lock:
             if job.state in FINAL_JOB_STATES:
                 return
-            job.cancel_requested = True
             if job.state in ("queued", "paused"):
+                where = "before it started" if job.state == "queued" else "while paused"
+                # The store first (JobStoreError: nothing changed): recorded queued, it
+                # would run after a restart though its owner was told it was cancelled.
+                self.set_state(job, "cancelled", f"cancelled {where}", strict=True)
+                job.cancel_requested = True
                 if job.job_id in self.queue:
                     self.queue.remove(job.job_id)
-                where = "before it started" if job.state == "queued" else "while paused"
-                self.set_state(job, "cancelled", f"cancelled {where}")
                 return
+            job.cancel_requested = True
             trainer = job.trainer
         if trainer is not None:
             trainer.cancel()
@@ -389,10 +404,15 @@ class JobBook:
                 if job.checkpoint_step
                 else "from the start (it has no checkpoint)"
             )
+            before = (job.cancel_requested, job.trainer, job.step)
             job.cancel_requested = False
             job.trainer = None
             job.step = job.checkpoint_step or 0  # where it continues, until it runs
-            self.set_state(job, "queued", f"resume requested; continues {where}")
+            try:  # the store first, as for a cancel
+                self.set_state(job, "queued", f"resume requested; continues {where}", strict=True)
+            except JobStoreError:
+                job.cancel_requested, job.trainer, job.step = before
+                raise
             self.queue.append(job.job_id)
             self._wakeup.notify_all()
         log.info("[coordinator] job %s queued again; it continues %s", job.job_id, where)
@@ -453,6 +473,10 @@ class JobBook:
                 self.active = None
 
 
+SHUT_DOWN = "interrupted by a coordinator shutdown"
+"""How the message of a job a shutdown cut off begins (it runs first after the restart)."""
+
+
 def outcome(job: JobRecord, error: BaseException | None, *, stopping: bool) -> tuple[JobState, str]:
     """The state a run of ``job`` ends in, and why: ``error`` is what the run raised
     (None: it finished), ``stopping`` whether the coordinator is shutting down."""
@@ -467,7 +491,7 @@ def outcome(job: JobRecord, error: BaseException | None, *, stopping: bool) -> t
             if job.checkpoint_step
             else "from the start"
         )
-        return "queued", f"interrupted by a coordinator shutdown; resumes {where} on restart"
+        return "queued", f"{SHUT_DOWN}; resumes {where} on restart"
     if isinstance(error, JobPaused):
         return "paused", str(error)
     if isinstance(error, JobFailed):

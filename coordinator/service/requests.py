@@ -295,7 +295,10 @@ class ClientRequests:
         if job is None:
             return _unknown(job_id)
         log.info("[coordinator] %s asks to cancel job %s", peer.name, job_id)
-        self.book.cancel(job)
+        try:
+            self.book.cancel(job)
+        except JobStoreError as exc:
+            return ErrorReply(code="store_error", message=f"the job was not cancelled: {exc}")
         return Ack()
 
     def _resume(self, job_id: str, peer: Peer) -> Message:
@@ -318,6 +321,8 @@ class ClientRequests:
             self.book.resume(job)
         except BadState as exc:
             return ErrorReply(code="bad_state", message=str(exc))
+        except JobStoreError as exc:
+            return ErrorReply(code="store_error", message=f"the job was not resumed: {exc}")
         return Ack()
 
 
