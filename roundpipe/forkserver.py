@@ -54,6 +54,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NoReturn, TextIO
 
+import psutil
+
 ENTRY_POINTS = {
     "roundpipe.worker.daemon": "run",
     "roundpipe.coordinator.service.main": "main",
@@ -107,41 +109,44 @@ UNKNOWN_STATUS = 255
 server, so nobody can tell how it exited."""
 
 
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot; /proc/PID/stat field 22), or
-    None if there is no such process: with the pid, it names one process for ever."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
-    return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
-
-
 class ForkedProcess:
     """A daemon forked by a :class:`ForkServer`: the ``Popen`` methods LocalCluster
     uses. Its exit status comes from the server, which is its parent. Should the server
-    die first, the daemon is still polled and signalled, by its pid and start time (so
-    a reused pid is never hit); its exit status is then UNKNOWN_STATUS."""
+    die first, the daemon is still polled and signalled through psutil, which checks the
+    pid's start time (a reused pid is never hit); its exit status is then UNKNOWN_STATUS."""
 
     def __init__(self, server: ForkServer, pid: int, args: list[str]):
         self._server = server
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        # Read while the pid is surely this daemon's: the server reaps it only when asked.
-        self._started = _start_time(pid)
+        # Taken while the pid is surely this daemon's: the server reaps it only when asked.
+        try:
+            self._process: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self._process = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 self.returncode = self._server.exit_status(self.pid)
             except ForkServerError:
-                if self._started is not None and _start_time(self.pid) == self._started:
-                    return None  # runs on, orphaned
+                if self._orphan_runs():
+                    return None
                 self.returncode = UNKNOWN_STATUS
         return self.returncode
+
+    def _orphan_runs(self) -> bool:
+        """Whether this daemon runs on without its server (is_running compares the
+        pid's start time: a reused pid is another process)."""
+        try:
+            return (
+                self._process is not None
+                and self._process.is_running()
+                and self._process.status() != psutil.STATUS_ZOMBIE
+            )
+        except psutil.Error:
+            return False
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

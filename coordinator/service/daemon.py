@@ -678,7 +678,7 @@ class Coordinator:
         with self._lock:
             workers = len(self.workers.live())
             active = self.book.active
-            queued = sum(j.state == "queued" for j in self.book.jobs.values())
+            queued = len(self.book.queue)
         parts = [f"{workers} worker{'s' if workers != 1 else ''}"]
         if active is not None:
             t = active.trainer
