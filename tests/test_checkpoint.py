@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 from roundpipe.coordinator.spec.checkpoint_format import (
     LATEST,
     MANIFEST,
+    MANIFEST_DIGEST,
     CheckpointError,
+    sealed,
     step_name,
 )
 from roundpipe.coordinator.training.checkpoint import (
@@ -167,6 +169,35 @@ def test_library_io_errors_become_os_errors(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_pointer_that_cannot_be_written_leaves_no_new_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at ``latest``: the write fails as a whole. The complete directory it
+    had renamed into place goes (a later run would have resumed from a checkpoint the
+    job reported as not written), and a checkpoint of the same step it was replacing
+    comes back."""
+    from roundpipe.coordinator.training import checkpoint as checkpoint_module
+
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 1)
+    write(ckpts, 2, job="old-job")
+    real = checkpoint_module._write_synced
+
+    def full_at_latest(path: Path, data: bytes) -> None:
+        if path.name.startswith(f".tmp-{LATEST}-"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint_module, "_write_synced", full_at_latest)
+    with pytest.raises(OSError):
+        write(ckpts, 3)
+    with pytest.raises(OSError):
+        write(ckpts, 2, job="new-job")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, step_name(1), step_name(2)]
+    assert ckpts.find_latest().job_id == "old-job"
+
+
 def test_same_step_is_replaced(tmp_path: Path) -> None:
     ckpts = CheckpointDir(tmp_path)
     write(ckpts, 4, job="old-job")
@@ -198,6 +229,34 @@ def test_damaged_latest_falls_back_to_previous(tmp_path: Path) -> None:
     # Manifest gone: not a checkpoint at all.
     (tmp_path / step_name(1) / MANIFEST).unlink()
     assert ckpts.find_latest() is None
+
+
+def test_a_damaged_manifest_is_not_trusted(tmp_path: Path) -> None:
+    """One bit flipped in a manifest ("step": 3 -> 2, or any field) fails its own digest,
+    and the previous checkpoint is found; a manifest whose step is not its directory's
+    is damaged too (before, a flipped step resumed past the data and the job finished
+    at once with the old weights as its model). A manifest without a digest (written
+    before there was one) is still read."""
+    ckpts = CheckpointDir(tmp_path)
+    for step in (1, 2, 3):
+        write(ckpts, step)
+    manifest = tmp_path / step_name(3) / MANIFEST
+    text = manifest.read_text()
+    assert '"step": 3' in text
+    manifest.write_text(text.replace('"step": 3', '"step": 2'))
+    with pytest.raises(CheckpointError, match="checkpoint.json fails its SHA-256 check"):
+        verify_checkpoint(tmp_path / step_name(3))
+    assert ckpts.find_latest().step == 2
+    # Resealed by hand: the digest holds, the directory's name does not.
+    body = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(sealed(body)))
+    with pytest.raises(CheckpointError, match="says step 2, its name step 3"):
+        verify_checkpoint(tmp_path / step_name(3))
+    old = tmp_path / step_name(2) / MANIFEST
+    body = json.loads(old.read_text())
+    del body[MANIFEST_DIGEST]
+    old.write_text(json.dumps(body))
+    assert verify_checkpoint(tmp_path / step_name(2)).step == 2
 
 
 def test_missing_or_garbage_pointer_scans_directories(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from runtime_helpers import (
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
-from roundpipe.coordinator.spec.checkpoint_format import LATEST, step_name
+from roundpipe.coordinator.spec.checkpoint_format import LATEST, MANIFEST, sealed, step_name
 from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training import checkpointer as checkpointer_module
@@ -52,7 +52,7 @@ from roundpipe.coordinator.training.checkpoint import (
     verify_checkpoint,
 )
 from roundpipe.coordinator.training.hold_point import hold_env
-from roundpipe.coordinator.training.job_errors import JobCancelled, JobPaused
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
@@ -182,7 +182,6 @@ def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
 
     from safetensors import safe_open
 
-    from roundpipe.coordinator.spec.checkpoint_format import MANIFEST
     from roundpipe.coordinator.training.checkpoint import STATE_FILE, save_tensors
     from roundpipe.coordinator.training.quantized_state import (
         UNSIGNED_MAP,
@@ -214,7 +213,7 @@ def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
                 "size": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
-            (path / MANIFEST).write_text(json.dumps(manifest))
+            (path / MANIFEST).write_text(json.dumps(sealed(manifest)))
         caplog.clear()
         with caplog.at_level("INFO"):
             results[kind] = train(spec, arena_dir)
@@ -332,6 +331,16 @@ def test_new_job_continues_from_another_jobs_checkpoint(tmp_path: Path, arena_di
     d["model"]["resume_from"] = str(tmp_path / "first")  # an output dir will do
     d["output"]["dir"] = str(tmp_path / "second")
     assert_resume_refused_at_validation(d, tmp_path)
+    # A checkpoint whose data cursor is not at its step (a manifest sealed after the
+    # damage) is refused by name, not resumed into the wrong batches.
+    manifest_file = tmp_path / "first" / "checkpoints" / step_name(3) / MANIFEST
+    good_manifest = manifest_file.read_text()
+    damaged = json.loads(good_manifest)
+    damaged["data_cursor"]["next_step"] = 6
+    manifest_file.write_text(json.dumps(sealed(damaged)))
+    with pytest.raises(JobFailed, match=r"is damaged: it is at step 3, but its data cursor"):
+        train(JobSpec.from_dict(d), arena_dir, job_id="job-second")
+    manifest_file.write_text(good_manifest)
     second = train(JobSpec.from_dict(d), arena_dir, job_id="job-second")
     assert_bitwise(second, reference(1, 2))
     info = CheckpointDir(tmp_path / "second" / "checkpoints").find_latest("job-second")
@@ -391,6 +400,13 @@ def assert_resume_refused_at_validation(good: dict, tmp_path: Path) -> None:
     assert "holds a fully fine-tuned model" in errs["model.resume_from"]
     assert problems(data={"packing": "documents"}) == {}  # the same as true
     assert "trained with 'documents'" in problems(data={"packing": "concat"})["data.packing"]
+    # Another optimizer state is named at submission (it failed once the model was
+    # loaded, saying the checkpoint did not fit the model).
+    held = "holds AdamW's moments in float32"
+    assert held in problems(optimizer={"state_dtype": "int8"})["optimizer"]
+    errs = problems(optimizer={"name": "sgd", "momentum": 0.9})
+    assert "keeps SGD's momentum buffers" in errs["optimizer"] and held in errs["optimizer"]
+    assert problems(optimizer={"lr": 1e-2, "weight_decay": 0.5}) == {}  # the spec's own
 
     bad = copy.deepcopy(good)
     bad["batch"]["num_microbatches"] = 4

@@ -4,16 +4,19 @@ The spec room reads a checkpoint's manifest when it checks ``model.resume_from``
 model, data and batch settings must be those the checkpoint was written with), before
 any training code runs; :mod:`roundpipe.coordinator.training.checkpoint` writes, verifies
 and prunes checkpoints with the same names (the layout is drawn there, Note [atomic
-checkpoint]). Nothing here checks file sizes or checksums.
+checkpoint]). Nothing here checks the files' sizes or checksums; the manifest's own
+digest (``MANIFEST_DIGEST``) is checked whenever it is read.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,17 +26,21 @@ __all__ = [
     "FORMAT_VERSION",
     "LATEST",
     "MANIFEST",
+    "MANIFEST_DIGEST",
     "CheckpointError",
     "CheckpointInfo",
     "parse_step",
+    "manifest_digest",
     "read_manifest",
     "read_pointer",
+    "sealed",
     "step_name",
 ]
 
 FORMAT = "roundpipe-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "checkpoint.json"
+MANIFEST_DIGEST = "manifest_sha256"
 LATEST = "latest"
 
 _STEP_RE = re.compile(r"step-(\d{8,})\Z")
@@ -85,11 +92,34 @@ def read_manifest(path: Path) -> CheckpointInfo:
             f"{file} has checkpoint format version {manifest.get('version')!r}; this "
             f"RoundPipe reads version {FORMAT_VERSION}"
         )
+    digest = manifest.get(MANIFEST_DIGEST)
+    if digest is not None and digest != manifest_digest(manifest):
+        # (A manifest written before the digest existed has none: it is read unchecked.)
+        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} fails its SHA-256 check")
     step = manifest.get("step")
     files = manifest.get("files")
     if not isinstance(step, int) or step < 0 or not isinstance(files, dict):
         raise CheckpointError(f"{file} lacks a valid step or file list")
+    named = parse_step(path.name)
+    if named is not None and named != step:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its {MANIFEST} says step {step}, its name step {named}"
+        )
     return CheckpointInfo(path, step, manifest)
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """SHA-256 of a manifest's content but its own digest (``MANIFEST_DIGEST``), in a
+    canonical JSON form: every file of a checkpoint is checked against the manifest, and
+    the manifest against this."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sealed(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its digest, as written."""
+    return {**manifest, MANIFEST_DIGEST: manifest_digest(manifest)}
 
 
 def read_pointer(root: Path) -> str | None:

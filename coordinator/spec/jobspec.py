@@ -426,6 +426,20 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
             f"the shuffle seed is {spec.data_seed} (data.seed, else train.seed), but {ckpt} "
             f"shuffled with {before_seed}; set data.seed: {before_seed} to resume its order",
         )
+    old_opt = old.get("optimizer")
+    if isinstance(old_opt, dict):
+        before = optimizer_state_kind(
+            old_opt.get("name", "adamw"), old_opt.get("momentum", 0), old_opt.get("state_dtype")
+        )
+        now = optimizer_state_kind(
+            spec.optimizer.name, spec.optimizer.momentum, spec.optimizer.state_dtype
+        )
+        if before != now:
+            e.add(
+                "optimizer",
+                f"this spec keeps {now}, but {ckpt} holds {before}; resume with the "
+                "checkpoint's optimizer.name, momentum and state_dtype",
+            )
     old_lora = old.get("lora")
     if (old_lora is None) != (spec.lora is None):
         has = "LoRA adapters" if old_lora is not None else "a fully fine-tuned model"
@@ -447,6 +461,14 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
                     f"lora.{key}",
                     f"got {now!r}, but the adapters of {ckpt} have {before!r}",
                 )
+
+
+def optimizer_state_kind(name: Any, momentum: Any, state_dtype: Any) -> str:
+    """The optimizer state a checkpoint holds under these settings, in words: a resume
+    needs the same (AdamW's moments in float32 or 8 bits, SGD's momentum or none)."""
+    if name == "sgd":
+        return "SGD's momentum buffers" if momentum else "no optimizer state (plain SGD)"
+    return f"AdamW's moments in {'8 bits' if state_dtype == 'int8' else 'float32'}"
 
 
 # --------------------------------------------------------------------------- model config

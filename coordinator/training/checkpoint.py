@@ -76,6 +76,7 @@ from roundpipe.coordinator.spec.checkpoint_format import (
     parse_step,
     read_manifest,
     read_pointer,
+    sealed,
     step_name,
 )
 from roundpipe.coordinator.spec.paths import modes
@@ -498,7 +499,7 @@ class CheckpointDir:
                 written_at=time.time(),
                 files=files,
             )
-            _write_synced(tmp / MANIFEST, json.dumps(body, indent=1).encode())
+            _write_synced(tmp / MANIFEST, json.dumps(sealed(body), indent=1).encode())
             fsync_dir(tmp)
             target = self.root / name
             if os.path.lexists(target):
@@ -511,7 +512,16 @@ class CheckpointDir:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._write_pointer(name)
+        try:
+            self._write_pointer(name)
+        except BaseException:
+            # No pointer, no checkpoint: the caller reports this write as failed, so the
+            # directory goes too (and the one it replaced comes back), or a later run
+            # would resume from a checkpoint the job never announced.
+            self.remove(target)
+            if trash is not None:
+                os.rename(trash, target)
+            raise
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         return target

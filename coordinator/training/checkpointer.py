@@ -57,7 +57,7 @@ import torch
 from roundpipe.coordinator.spec.checkpoint_format import CheckpointError, CheckpointInfo
 from roundpipe.coordinator.spec.data import DataLoader
 from roundpipe.coordinator.spec.errors import DataError
-from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.spec.jobspec import JobSpec, optimizer_state_kind
 from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
@@ -159,6 +159,13 @@ class Checkpointer:
                 f"({steps}); set train.steps above {s} to train further"
             )
         where = f"checkpoint {info.path}"
+        cursor = manifest.get("data_cursor")
+        if not isinstance(cursor, dict) or cursor.get("next_step") != s + 1:
+            got = cursor.get("next_step") if isinstance(cursor, dict) else None
+            raise JobFailed(
+                f"{where} is damaged: it is at step {s}, but its data cursor continues at "
+                f"step {got!r} (expected {s + 1}); resume from another checkpoint"
+            )
         from safetensors import safe_open
 
         try:
@@ -188,6 +195,23 @@ class Checkpointer:
             if saved != expected:
                 missing = sorted(expected - saved)[:3]
                 extra = sorted(saved - expected)[:3]
+                kinds_differ = {k.split("/", 1)[0] for k in (expected ^ saved)}
+                if not kinds_differ & {"master", "prev"}:  # the model fits: the optimizer not
+                    old = manifest.get("spec", {}).get("optimizer", {})
+                    raise JobFailed(
+                        f"{where} holds "
+                        + optimizer_state_kind(
+                            old.get("name", "adamw"), old.get("momentum"), old.get("state_dtype")
+                        )
+                        + ", but this job keeps "
+                        + optimizer_state_kind(
+                            self.spec.optimizer.name,
+                            self.spec.optimizer.momentum,
+                            self.spec.optimizer.state_dtype,
+                        )
+                        + "; resume with the checkpoint's optimizer.name, momentum and "
+                        "state_dtype"
+                    )
                 raise JobFailed(
                     f"{where} does not fit this job's model (missing {missing}, unexpected "
                     f"{extra}); it was written for model {manifest.get('spec', {}).get('model')}"
