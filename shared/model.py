@@ -816,12 +816,21 @@ class LayeredModel:
         buffers (rotary tables) stay on the meta device: for saving, not for running."""
         from transformers import AutoModelForCausalLM
 
+        # transformers builds a model under its config's dtype by setting torch's
+        # default dtype, for the whole process, for the while: a background checkpoint
+        # would make the training threads' tensors bfloat16 meanwhile. dtype=None builds
+        # it under the default (the parameters are meta placeholders, replaced below) on
+        # a copy of the config, whose dtype comes back for the files written.
+        config = copy.deepcopy(self.config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                self.config, attn_implementation=self.attn_implementation
+                config, dtype=None, attn_implementation=self.attn_implementation
             )
             if self.lora is not None:
                 model = self._wrap_lora(model)
+        for sub in (model.config, *(getattr(model.config, k) for k in model.config.sub_configs)):
+            if sub is not None:
+                sub.dtype = self.config.dtype
         missing, unexpected = model.load_state_dict(
             self.flat_weights(weights), strict=False, assign=True
         )

@@ -194,6 +194,33 @@ def test_load_weights_with_lora(tmp_path: Path) -> None:
     assert not torch.equal(other[1][name], b[1][name])
 
 
+@pytest.mark.parametrize("lora", [None, LORA_SPEC])
+def test_the_hf_model_for_saving_leaves_torch_default_dtype_alone(
+    monkeypatch: pytest.MonkeyPatch, lora
+) -> None:
+    """Building the transformers model a checkpoint saves (a background thread) set
+    torch's process-wide default dtype to the config's (bfloat16) for the while: the
+    training threads' float tensors made meanwhile were bfloat16. The saved config still
+    names the config's dtype."""
+    config = tiny_config("qwen3")
+    config.dtype = torch.bfloat16
+    model = LayeredModel.from_config(config, lora)
+    weights = model.init_weights(seed=1)
+    defaults = []
+    real = torch.set_default_dtype
+
+    def record(dtype: torch.dtype) -> None:
+        defaults.append(dtype)
+        real(dtype)
+
+    monkeypatch.setattr(torch, "set_default_dtype", record)
+    hf = model.hf_model_of(weights)
+    assert set(defaults) <= {torch.float32}, defaults
+    assert torch.get_default_dtype() == torch.float32
+    base = hf if lora is None else hf.base_model.model
+    assert base.config.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
+
+
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LayeredModel.from_hf_dir(tmp_path / "missing")

@@ -88,7 +88,9 @@ def _chunked_lm_head_loss(
             continue
         # d(loss)/d(logits) = (softmax - onehot(label)) / N, still in place.
         logits.div_(sumexp.mul_(num_label_tokens))
-        logits.scatter_add_(1, y, torch.full(y.shape, -1.0 / num_label_tokens, device=dev))
+        logits.scatter_add_(
+            1, y, torch.full(y.shape, -1.0 / num_label_tokens, dtype=logits.dtype, device=dev)
+        )
         g = logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype)
         if grad_h is not None:
             grad_h.index_copy_(0, idx, torch.matmul(g, weight))
