@@ -163,12 +163,26 @@ class JobSetup(Message):
     arenas: list[ArenaInfo]
     #: weight and gradient layout of every layer, in layer order
     layers: list[LayerLayout]
-    #: microbatches per iteration; with len(layers) it fixes the layout of the event
-    #: table's counters (roundpipe.shared.events.Counters), which EventWait and
+    #: microbatches per iteration on this node; with len(layers) it fixes the layout of
+    #: the event table's counters (roundpipe.shared.events.Counters), which EventWait and
     #: EventSignal refer to by index and timeout errors name
     num_microbatches: PosInt
+    #: microbatches of the global batch, over every node of a data-parallel group
+    #: (num_microbatches on one node): the router auxiliary loss weighs a microbatch by
+    #: its share of the global batch's tokens
+    global_microbatches: PosInt
+    #: the global index of this node's first microbatch (0 on one node): dropout seeds
+    #: follow the global index, so a group draws the masks one coordinator would
+    microbatch_offset: NonNegInt
 
     def _check(self) -> None:
+        if self.microbatch_offset + self.num_microbatches > self.global_microbatches:
+            raise invalid_field(
+                "microbatch_offset",
+                f"at most global_microbatches - num_microbatches "
+                f"({self.global_microbatches} - {self.num_microbatches})",
+                describe(self.microbatch_offset),
+            )
         names = [a.name for a in self.arenas]
         if len(set(names)) != len(names):
             raise invalid_field("arenas", "arenas with distinct names", describe(names))

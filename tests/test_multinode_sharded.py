@@ -91,6 +91,11 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
         ),
         "stale": tiny_spec(tmp_path / "x", steps=4, staleness=1, num_microbatches=4),
         "lora": tiny_spec(tmp_path / "x", steps=4, num_microbatches=4, lora=LORA),
+        # Plain SGD keeps no optimizer state: its training-state file holds none (before,
+        # the sharded checkpoint gathered the masters a second time and stored them there).
+        "sgd": tiny_spec(
+            tmp_path / "x", steps=4, num_microbatches=4, optimizer={"name": "sgd", "momentum": 0}
+        ),
     }
     specs = {}
     for name, spec in base.items():

@@ -282,7 +282,14 @@ def _job_setups(draw: st.DrawFn) -> JobSetup:
                 max_size=3,
             )
         )
-    base = draw(_builds_fields(JobSetup, skip={"arenas", "layers"}))
+    counts = {"num_microbatches", "microbatch_offset", "global_microbatches"}
+    base = draw(_builds_fields(JobSetup, skip={"arenas", "layers"} | counts))
+    # This node's microbatches lie inside the global batch's.
+    base["num_microbatches"] = draw(st.integers(1, 2**40))
+    base["microbatch_offset"] = draw(st.integers(0, 2**40))
+    base["global_microbatches"] = (
+        base["num_microbatches"] + base["microbatch_offset"] + draw(st.integers(0, 2**40))
+    )
     return JobSetup(**base, arenas=arenas, layers=layers)
 
 
@@ -566,6 +573,8 @@ def test_nested_records_travel_as_arrays() -> None:
             arenas=[],
             layers=[layout],
             num_microbatches=1,
+            global_microbatches=1,
+            microbatch_offset=0,
         )
     )
     body = _body(frames)
@@ -742,7 +751,22 @@ def test_cross_field_rules() -> None:
                 arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
                 layers=[LayerLayout(**{"layer": 0, "params": [], key: stray})],
                 num_microbatches=1,
+                global_microbatches=1,
+                microbatch_offset=0,
             )
+    # A node's microbatches must lie inside the global batch's.
+    with pytest.raises(ProtocolError, match=r"field microbatch_offset: expected at most"):
+        JobSetup(
+            job_id="j",
+            model_config={},
+            lora=None,
+            compute_dtype="bfloat16",
+            arenas=[],
+            layers=[],
+            num_microbatches=2,
+            global_microbatches=4,
+            microbatch_offset=3,
+        )
 
 
 def _swap_mb(task: StageTask, **changes: Any) -> StageTask:

@@ -114,7 +114,7 @@ WIRE_CATALOGUE = {
         "sent_at: float",
     ],
     "Hello": [
-        "protocol_version: int(ge=0, le=65535) = 12",
+        "protocol_version: int(ge=0, le=65535) = 13",
         "worker_name: str(min_length=1)",
         "hostname: str",
         "pid: int(ge=0)",
@@ -150,6 +150,8 @@ WIRE_CATALOGUE = {
         "arenas: list[ArenaInfo]",
         "layers: list[LayerLayout]",
         "num_microbatches: int(ge=1)",
+        "global_microbatches: int(ge=1)",
+        "microbatch_offset: int(ge=0)",
     ],
     "JobStatus": [
         "job_id: str(min_length=1)",
@@ -308,16 +310,16 @@ WIRE_CATALOGUE = {
 
 # sha256 of the frame of each sample message below.
 FRAME_SHA256 = {
-    "Heartbeat": "2dd64c984dff04f684f80ca185168181289047258de7c8b517fe0790dab7e57d",
-    "Hello": "ee6dcc863bc1aeffc70eb3e3dc044350812d24c55b781527089df3c2125f44a5",
-    "JobSetup": "edae562913c2cd8b07c7a62dfb6b8bf135af58f839f630a182ddf62f5a178436",
-    "StageTask": "69c337c45746d0ab044c7d4ac1ea0cd98a5be3f4dfb4652601e330028ca346ce",
-    "TaskDone": "34a0d54cf02218cff509116f094b0649264e2acb49b195add23dd178bc5c1ff1",
-    "JobList": "6b568191b82a0f3055bbd19d7552480cbb1ac0b0140a934b9be2b13ed77333df",
-    "WorkerList": "e206064b732dbc266d2766f803aa549dcdb0e4510e54d9acd2760bc477955d80",
-    "Progress": "d56367c4cca2499a0520411bf99d9ff96e174b56a4f31ea7c04fd4345012546b",
-    "ErrorReply": "0bbf397899275593264bac46a1a9b64c3de56ab7ff1c6c52f0b981cd557e19c4",
-    "Ack": "318bcc619fe308c4b5e67053dda9b22483328d0dd246c83ce8ede54f2392b382",
+    "Heartbeat": "b496bc0a4221cecd114ecf03f92bcd93b15808f93d111d08dc2407b8f982e7cb",
+    "Hello": "9c520fe84134ed589d11ad2e6fdfc6e8ebd4cc7c8a1e3dba8a796728adc9fdad",
+    "JobSetup": "120e9db8d24d9de8371dd5846d16bbe143d6a278a09226009f0910941ec01b43",
+    "StageTask": "f09a9785985b2e94663a5632b7cdf132035c4c2029edb4e0c402952df27024bb",
+    "TaskDone": "5112fcc73616cb585a0701b4685e508b19cbda9db95e62b90d3c10d4385f487c",
+    "JobList": "4c51125274a66a9df9c8aa930eee360e7a839682a1b1722f3c7b5850fa433f59",
+    "WorkerList": "5f07647443b7adb4bb814c2980470a1756f4f5125b087117f6245fe11bb4f8bc",
+    "Progress": "b0951a242f1d3664933c8a1371c21b7af85a1e2d65383ea57fe187b79f499c1f",
+    "ErrorReply": "961164789ab07cf8d7c5c6cbf92cecdeaa784edae3092574fe530be9f05f9aff",
+    "Ack": "f3e6cb706c1c6611ef4562ac358ae861c6fcdf5aa292189bfaca99e1aaa252a9",
 }
 
 
@@ -379,7 +381,7 @@ def _catalogue() -> dict[str, list[str]]:
 
 
 def test_protocol_version_is_unchanged() -> None:
-    assert PROTOCOL_VERSION == 12
+    assert PROTOCOL_VERSION == 13
 
 
 def test_message_types_and_their_fields_are_unchanged() -> None:
@@ -425,6 +427,8 @@ def _samples() -> Iterator[Message]:
             )
         ],
         num_microbatches=2,
+        global_microbatches=4,
+        microbatch_offset=2,
     )
     yield StageTask(
         job_id="j",

@@ -317,7 +317,10 @@ class WorkerCore:
         rng = RngKey(
             seed=task.seed,
             iteration=task.iteration,
-            microbatches=tuple(mb.index for mb in task.microbatches),
+            # The global index: a group's nodes draw the masks one coordinator would.
+            microbatches=tuple(
+                state.setup.microbatch_offset + mb.index for mb in task.microbatches
+            ),
         )
         feed = _MicrobatchFeed(self, state, task, copies)
         ex = state.executor
@@ -719,11 +722,11 @@ class _MicrobatchFeed:
         return _LazyInputs(self, "router_in")
 
     def batch_tokens(self) -> int:
-        """Tokens of the global batch: every microbatch slot has the same shape, and a
-        task holds all of them or, split (Note [microbatch-split stages] in
-        roundpipe.shared.plan), some."""
+        """Tokens of the global batch, over every node of a group: every microbatch slot
+        has the same shape, and a task holds all of this node's or, split (Note
+        [microbatch-split stages] in roundpipe.shared.plan), some."""
         shape = self.task.microbatches[0].input.shape
-        return self.state.setup.num_microbatches * shape[0] * shape[1]
+        return self.state.setup.global_microbatches * shape[0] * shape[1]
 
     def write_router(self, m: int, tensor: torch.Tensor) -> None:
         """Microbatch m's router statistics / counts travel with its output (so they

@@ -129,13 +129,39 @@ class JobRunner:
                     return
                 if announcement is None:
                     return
-                job = self._follower_job(announcement)
+                try:
+                    job = self._follower_job(announcement)
+                except Exception as exc:  # e.g. its directory cannot be made
+                    log.exception("[coordinator] job %s cannot run here", announcement.job_id)
+                    self._refuse_announcement(announcement, exc)
+                    continue
                 with self._lock:
                     self.book.jobs[job.job_id] = job
                     self.book.active = job
-                self._run_job(job, push, announcement)
+                try:
+                    self._run_job(job, push, announcement)
+                except Exception as exc:  # this thread must outlive any one job
+                    log.exception("[coordinator] running job %s failed", job.job_id)
+                    if job.state == "running":
+                        self.book.finish(job, *_stopped_by(job, exc))
         finally:
             push.close(linger=1000)
+
+    def _refuse_announcement(self, announcement: JobAnnouncement, exc: BaseException) -> None:
+        """A job this node cannot even start: it still joins the job's group, then leaves
+        it. Every node must create each job's process groups in the same order (torch
+        pairs them by count): a node that skipped one would pair every later job's groups
+        with the wrong ones, and every later job would pause."""
+        assert self.group is not None
+        try:
+            job_group = self.group.join_job(announcement)
+        except (GroupError, RuntimeError) as join_exc:
+            log.error(
+                "[coordinator] job %s: cannot join its group: %s", announcement.job_id, join_exc
+            )
+            return
+        job_group.leave(f"failed: node {self.group.rank} cannot run it: {exc}")
+        job_group.close()
 
     def _follower_job(self, announcement: JobAnnouncement) -> JobRecord:
         """The record of a job rank 0 announced: its outputs (none but the log: rank 0
@@ -185,17 +211,20 @@ class JobRunner:
         """Run one job on the job thread: build its trainer, prepare, train, export; the
         book (coordinator.jobs) records the state it ends in. ``announcement``: a job
         rank 0 of the data-parallel group announced (this node is a follower)."""
-        try:
-            handler = _job_log_handler(job)
-        except OSError as exc:  # e.g. out of descriptors: the job never started
-            self.book.finish(job, *_stopped_by(job, exc))
-            return
+        # The group first: every node creates each job's process groups in the same
+        # order, whatever happens to the job on this node (_refuse_announcement).
         try:
             job_group = self._job_group(job, announcement)
         except (GroupError, RuntimeError) as exc:
             self.book.finish(job, "paused", f"the data-parallel group cannot run it: {exc}")
-            logging.getLogger("roundpipe").removeHandler(handler)
-            handler.close()
+            return
+        try:
+            handler = _job_log_handler(job)
+        except OSError as exc:  # e.g. out of descriptors: the job never started
+            self.book.finish(job, *_stopped_by(job, exc))
+            if job_group is not None:  # the other nodes stop waiting for this one
+                job_group.leave(f"{job.state}: {job.message}")
+                job_group.close()
             return
         if job.spec is None:
             # Validated at submission, in the admission child; built (and so checked

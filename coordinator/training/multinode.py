@@ -378,7 +378,16 @@ class NodeGroup:
         seq = int(self.store.add("rp/jobs", 1))
         self.store.set(f"rp/job/{seq}", json.dumps({"job_id": job_id, "spec": spec}))
         log.info("[multinode] job %s announced to %d other node(s)", job_id, self.world_size - 1)
-        return JobGroup(self, seq, job_id, sharded=_sharded(spec))
+        try:
+            return JobGroup(self, seq, job_id, sharded=_sharded(spec))
+        except Exception as exc:
+            # torch pairs process groups by the order they were created: after one that
+            # failed here, every later job's would pair with the wrong ones elsewhere.
+            self.broken = (
+                f"job {job_id}'s process group could not be formed ({exc}); later jobs run "
+                "on this node alone until the coordinators are restarted"
+            )
+            raise
 
     def next_job(self, stopping: Callable[[], bool]) -> JobAnnouncement | None:
         """Other ranks: wait for rank 0's next job (None once ``stopping()``). Raises

@@ -82,7 +82,7 @@ class ShardedCheckpoints:
         masters = {
             layer: {f"master/{n}": m for n, m in per.items()} for layer, per in self.masters.items()
         }
-        pieces = self._pieces(masters, kinds=())
+        pieces = self._pieces(masters, ("master",))
         full = dict(self._gathered(self.shards.gather_layers(pieces, name, what)))
         return full if self.leader else None
 
@@ -127,23 +127,28 @@ class ShardedCheckpoints:
         """Gather the masters whole, then stream the optimizer states a layer at a time
         into rank 0's training-state file (Note [streamed checkpoint state])."""
         shards, kinds = self.shards, self.optimizer.kinds
-        state_pieces = self._pieces(state, kinds=kinds)
+        # Plain SGD keeps no state: nothing to gather beyond the masters.
+        state_pieces = self._pieces(state, kinds) if kinds else {}
         masters = self._gathered(
             shards.gather_layers(
-                self._pieces(state, kinds=()),
+                self._pieces(state, ("master",)),
                 f"checkpoint/{step}",
                 f"every node's masters of step {step}",
                 background=background,
             )
         )
         whole = dict(masters)
-        states = self._gathered(
-            shards.gather_layers(
-                state_pieces,
-                f"checkpoint/{step}/states",
-                f"every node's optimizer states of step {step}",
-                background=background,
+        states = (
+            self._gathered(
+                shards.gather_layers(
+                    state_pieces,
+                    f"checkpoint/{step}/states",
+                    f"every node's optimizer states of step {step}",
+                    background=background,
+                )
             )
+            if state_pieces
+            else iter(())
         )
         if not self.leader:
             for _ in states:  # rank 0 writes each layer as it comes
@@ -163,15 +168,14 @@ class ShardedCheckpoints:
         return path
 
     def _pieces(self, state: Mapping[int, Mapping[str, torch.Tensor]], kinds: tuple) -> Pieces:
-        """From ``state`` (live or staged pieces): the masters' (``kinds`` empty) or the
-        optimizer states of ``kinds``, with each whole tensor's shape, for a gather."""
+        """From ``state`` (live or staged pieces): the tensors of ``kinds`` (``master``
+        or the optimizer's states), with each whole tensor's shape, for a gather."""
         out: Pieces = {}
         for layer, per in self.masters.items():
             entries = out[layer] = []
             for n in per:
                 shape = self.layout.view(self.layout.params[layer][n][0]).shape
-                keys = [f"{kind}/{n}" for kind in kinds] if kinds else [f"master/{n}"]
-                entries += [(key, state[layer][key], shape) for key in keys]
+                entries += [(f"{kind}/{n}", state[layer][f"{kind}/{n}"], shape) for kind in kinds]
         return out
 
     def _gathered(self, layers: Iterator[GatheredLayer]) -> Iterator[GatheredLayer]:

@@ -258,9 +258,12 @@ class Trainer:
             weights = model.init_weights(spec.init_seed)
         self.node_microbatches = spec.batch.num_microbatches
         """Microbatches this node trains per step: the global batch's, or its share."""
+        self._microbatch_offset = 0
+        """The global index of this node's first microbatch."""
         if self.group is not None:
             try:
-                self.node_microbatches = len(self.group.microbatches(spec.batch.num_microbatches))
+                share = self.group.microbatches(spec.batch.num_microbatches)
+                self.node_microbatches, self._microbatch_offset = len(share), share.start
             except ValueError as exc:
                 raise JobFailed(str(exc)) from None
         self.dataset = build_dataset_from_spec(spec)
@@ -487,6 +490,8 @@ class Trainer:
             arenas=self.layout.arena_infos(),
             layers=self.layout.layer_layouts(),
             num_microbatches=self.layout.num_microbatches,
+            global_microbatches=self.spec.batch.num_microbatches,
+            microbatch_offset=self._microbatch_offset,
         )
 
     # -- running ----------------------------------------------------------------------
