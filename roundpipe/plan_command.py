@@ -21,12 +21,13 @@ from roundpipe.coordinator.planning.data_parallel import (
     predict_data_parallel,
 )
 from roundpipe.coordinator.planning.gpus import GPUS
-from roundpipe.coordinator.planning.hardware import HardwareSpec
+from roundpipe.coordinator.planning.hardware import GPU_TASK_OVERHEAD_S, HardwareSpec
 from roundpipe.coordinator.planning.search import (
     PlanResult,
     evaluate_plan,
     pinned_grain,
     plan_stages,
+    runnable_grain,
 )
 from roundpipe.coordinator.planning.sequence import longest_sequence
 from roundpipe.coordinator.planning.shape_costs import estimate_costs_on_gpu
@@ -370,11 +371,20 @@ def run_plan_command(args: argparse.Namespace) -> int:
         bandwidth_bytes_per_s=parse_quantity(args.bandwidth, what="--bandwidth"),
         speeds=speeds,
         reserved_bytes=int(parse_quantity(args.reserve, what="--reserve")),
+        # as the coordinator prices GPU workers (planning.hardware.gpu_hardware)
+        task_overhead_s=GPU_TASK_OVERHEAD_S,
         optimizer_params_per_s=parse_quantity(args.optimizer_rate, what="--optimizer-rate")
         if args.optimizer_rate
         else None,
     )
     model = _build_model(args)
+    recompute = runnable_grain(model, args.recompute)
+    if args.recompute == "layer" and recompute != "layer":
+        raise ValueError(
+            "--recompute layer: a model with the router auxiliary loss "
+            "(output_router_logits) recomputes whole stages only; use stage or auto"
+        )
+    args.recompute = recompute
     flops = parse_quantity(args.flops, what="--flops")
     if args.fp16_accumulation and (args.gpu is None or args.dtype != "float16"):
         raise ValueError("--fp16-accumulation needs --gpu and --dtype float16")
@@ -559,7 +569,14 @@ def _print_longest_sequence(
         raise ValueError("--max-seq-len needs a finite --memory-limit")
     top = getattr(model.config, "max_position_embeddings", None) or (1 << 20)
     fit = longest_sequence(
-        costs_for, hw, m, rows=args.microbatch_size, hi=int(top), recompute=args.recompute
+        costs_for,
+        hw,
+        m,
+        rows=args.microbatch_size,
+        hi=int(top),
+        recompute=pinned_grain(args.recompute) if args.plan else args.recompute,
+        plan=Plan.parse(args.plan) if args.plan else None,
+        staleness=args.staleness,
     )
     print(
         f"SIMULATED PREDICTION (cost model, not a measurement): {model.architecture}, "

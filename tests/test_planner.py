@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -544,6 +545,16 @@ def test_plan_command_max_seq_len(capsys) -> None:
     assert "the longest sequence that fits is" in out and "working memory" in out
     assert plan_main(args) == 2
     assert "give --seq-len TOKENS, or --max-seq-len" in capsys.readouterr().err
+    # With --plan, the longest sequence that plan fits (it searched for its own plan,
+    # and the given one did not fit the length it printed).
+    tight = ["--architecture", "qwen3", "--workers", "2", "--memory-limit", "1.05GiB"]
+    tight += [*args[6:], "--set", "num_hidden_layers=2"]
+    assert plan_main([*tight, "--max-seq-len", "--plan", "F[] T[0:4] B[]"]) == 0
+    out = capsys.readouterr().out
+    tokens = int(out.split("the longest sequence that fits is ")[1].split()[0].replace(",", ""))
+    assert "F[] T[0:4] B[]" in out
+    assert plan_main([*tight, "--seq-len", str(tokens), "--plan", "F[] T[0:4] B[]"]) == 0
+    assert "over the" not in capsys.readouterr().out
 
 
 def test_the_whole_model_as_one_stage_must_fit_beside_its_prefetched_copy() -> None:
@@ -648,3 +659,100 @@ def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path) -> Non
     doc = json.loads(out.getvalue())
     assert doc["plan"] == str(layout.plan)
     assert doc["host_memory"]["total"] == admitted.total, (doc["host_memory"], admitted)
+
+
+def test_a_model_with_the_router_auxiliary_loss_is_planned_at_stage_grain(capsys) -> None:
+    """Its backward tasks recompute whole stages (the router counts are a stage's), so a
+    layer-grain plan, chosen by auto where it fits a tight limit, needed more memory than
+    its prediction on the GPU; an asked-for layer grain is refused by roundpipe plan."""
+    from roundpipe.coordinator.planning.search import initial_plan
+
+    moe = {
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 1000,
+        "num_hidden_layers": 12,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1024,
+    }
+    args = ["--architecture", "qwen3_moe", "--workers", "2", "--seq-len", "16384"]
+    args += ["--bandwidth", "1GB/s", "--memory-limit", "2.8GiB", "--json"]
+    for key, value in moe.items():
+        args += ["--set", f"{key}={value}"]
+    assert plan_main(args) == 0  # without the auxiliary loss, layer grain fits best
+    assert json.loads(capsys.readouterr().out)["recompute"] == "layer"
+    with_aux = [*args, "--set", "output_router_logits=true"]
+    if plan_main(with_aux) == 0:
+        assert json.loads(capsys.readouterr().out)["recompute"] == "stage"
+    else:  # or nothing fits at stage grain: said so, not a layer-grain plan
+        assert "no plan fits" in capsys.readouterr().err
+    assert plan_main([*with_aux, "--recompute", "layer"]) == 2
+    assert "recomputes whole stages only" in capsys.readouterr().err
+    model = LayeredModel.from_config(
+        {"model_type": "qwen3_moe", **moe, "output_router_logits": True}
+    )
+    hw = HardwareSpec(num_workers=2, memory_limit_bytes=64 * GiB)
+    for asked in ("auto", "layer"):
+        result = initial_plan(
+            model, hw, microbatch_rows=1, seq_len=256, num_microbatches=3, recompute=asked
+        )
+        assert result.recompute == "stage", asked
+
+
+def test_split_variants_fit_beside_the_largest_resident_stage() -> None:
+    """A split (staleness 0) variant was checked against its workers' peaks only, where
+    every other plan's stages must fit beside the largest resident stage: one was chosen
+    whose own table said a stage was over the limit."""
+    import random
+
+    rng = random.Random(7)
+    n = rng.randint(3, 10)
+    costs = []
+    for _ in range(n):
+        p, f = rng.randint(1, 200) * MiB, rng.uniform(0.001, 0.05)
+        costs.append(
+            LayerCost(
+                forward_s=f,
+                backward_s=3 * f,
+                param_bytes=p,
+                grad_bytes=2 * p,
+                activation_bytes=rng.randint(1, 20) * MiB,
+                work_bytes=rng.randint(0, 300) * MiB,
+                forward_work_bytes=rng.randint(0, 100) * MiB,
+            )
+        )
+    workers, limit = rng.randint(2, 3), rng.randint(500, 3000) * MiB
+    hw = HardwareSpec(num_workers=workers, memory_limit_bytes=limit, reserved_bytes=0)
+    result = plan_stages(
+        costs, hw, rng.randint(2, 5), staleness=0, recompute="stage", sim_iterations=3
+    )
+    assert max(result.per_stage_memory) <= limit, (str(result.plan), result.notes)
+    assert not [note for note in result.notes if "over the" in note]
+    assert len(set(result.notes)) == len(result.notes)
+
+
+def test_roundpipe_plan_prices_tasks_as_the_coordinator_does(capsys) -> None:
+    """The same model and workers give the coordinator's plan (GPU workers' per-task
+    overhead): roundpipe plan priced tasks at no overhead and showed another plan."""
+    from roundpipe.coordinator.planning.hardware import gpu_hardware
+    from roundpipe.coordinator.planning.search import initial_plan
+
+    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
+    cfg |= {"num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "num_hidden_layers": 4}
+    model = LayeredModel.from_config({"model_type": "qwen3", **cfg})
+    coordinator = initial_plan(
+        model, gpu_hardware(2, 24 * GiB), microbatch_rows=1, seq_len=128, num_microbatches=3
+    )
+    args = ["--architecture", "qwen3", "--workers", "2", "--seq-len", "128", "--json"]
+    for key, value in cfg.items():
+        args += ["--set", f"{key}={value}"]
+    assert plan_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["plan"] == str(coordinator.plan)
+    # Qwen3-MoE's config declares no head_dim, though its model reads it.
+    moe = ["--architecture", "qwen3_moe", "--workers", "2", "--seq-len", "128"]
+    assert plan_main([*moe, "--set", "head_dim=64", "--set", "num_attention_heads=4"]) == 0
+    capsys.readouterr()

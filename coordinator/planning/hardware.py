@@ -127,6 +127,11 @@ def cpu_hardware(
     )
 
 
+GPU_TASK_OVERHEAD_S = 2e-4
+"""What a GPU worker's task costs beyond its compute and copies (launches, events,
+Python), as the coordinator and ``roundpipe plan`` both price it."""
+
+
 def gpu_hardware(
     num_workers: int, memory_bytes: int, bandwidth_bytes_per_s: float | None = None
 ) -> HardwareSpec:
@@ -137,5 +142,8 @@ def gpu_hardware(
         {} if bandwidth_bytes_per_s is None else {"bandwidth_bytes_per_s": bandwidth_bytes_per_s}
     )
     return HardwareSpec(
-        num_workers=num_workers, memory_limit_bytes=memory_bytes, task_overhead_s=2e-4, **extra
+        num_workers=num_workers,
+        memory_limit_bytes=memory_bytes,
+        task_overhead_s=GPU_TASK_OVERHEAD_S,
+        **extra,
     )

@@ -120,7 +120,8 @@ def _evaluate(
     slowest = max(times)
     if objective is None:
         objective = max(len(ests), cm.hw.num_workers) * slowest / cm.hw.min_speed
-    all_notes = list(notes) + _auto_notes(cm, ests, sims, sim)
+    # (a split variant passes its base's notes, automatic ones included: once each)
+    all_notes = list(dict.fromkeys([*notes, *_auto_notes(cm, ests, sims, sim)]))
     return PlanResult(
         plan=plan,
         predicted_iteration_s=iteration_s,
@@ -548,6 +549,14 @@ def _check_single_layers(cm: CostModel) -> None:
             )
 
 
+def runnable_grain(model: LayeredModel, recompute: str) -> str:
+    """``recompute`` as ``model``'s backward tasks can run: a model with a router
+    auxiliary loss recomputes whole stages only (its router counts are a stage's: Note
+    [recompute grain] in roundpipe.worker.executor), so a plan priced at layer grain for
+    it would need more memory than predicted. Anything else: ``recompute``."""
+    return "stage" if model.router_aux is not None else recompute
+
+
 def pinned_grain(recompute: str) -> str:
     """The recompute grain of a plan the planner did not choose (a pinned train.plan):
     ``train.recompute``, with "auto" meaning stage grain. Admission prices such a plan
@@ -798,8 +807,11 @@ def _best_split(
                 notes=(*base.notes, "stages split by microbatch for staleness 0"),
                 objective=base.objective_s,
             )
-            if max(res.per_worker_memory) > cm.hw.memory_limit_bytes:
-                continue  # a merged backward stage that does not fit
+            limit = cm.hw.memory_limit_bytes
+            if max(res.per_worker_memory) > limit or max(res.per_stage_memory) > limit:
+                # A merged stage that does not fit, beside the largest resident stage
+                # as every other candidate is checked (a lost worker moves the turns).
+                continue
             if res.predicted_iteration_s < winner.predicted_iteration_s:
                 winner = res
     if winner.predicted_iteration_s < best.predicted_iteration_s * (1 - _SPLIT_MIN_GAIN):
@@ -906,6 +918,7 @@ def initial_plan(
         flops_per_s=hardware.flops_per_s,
         on_gpu=hardware.gpu_workers,  # CPU workers chunk the LM head differently
     )
+    recompute = runnable_grain(model, recompute)
     return plan_stages(
         costs,
         hardware,

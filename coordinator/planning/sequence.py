@@ -59,10 +59,11 @@ def longest_sequence(
     hi: int,
     recompute: str = "auto",
     plan: Plan | None = None,
+    staleness: int = 1,
 ) -> SequenceFit | None:
     """The longest sequence in ``[lo, hi]`` whose costs (``costs_for(seq_len)``) have a
     plan on ``hw`` (``plan``: whose every worker fits with that plan; ``recompute`` then
-    ``stage`` or ``layer``), or None when not even ``lo`` fits."""
+    ``stage`` or ``layer``) at ``staleness``, or None when not even ``lo`` fits."""
     if not 1 <= lo <= hi:
         raise ValueError(f"need 1 <= lo <= hi, got {lo} and {hi}")
 
@@ -74,6 +75,7 @@ def longest_sequence(
                 costs_for(seq_len),
                 hw,
                 num_microbatches,
+                staleness=staleness,
                 tokens_per_iteration=tokens,
                 recompute=recompute,
             )
@@ -84,6 +86,7 @@ def longest_sequence(
             costs_for(seq_len),
             hw,
             num_microbatches,
+            staleness=staleness,
             tokens_per_iteration=tokens,
             recompute=recompute,
             select=select,

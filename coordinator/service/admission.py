@@ -131,7 +131,12 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
     import torch
 
     from roundpipe.coordinator.planning.costs import estimate_costs
-    from roundpipe.coordinator.planning.search import evaluate_plan, pinned_grain, plan_stages
+    from roundpipe.coordinator.planning.search import (
+        evaluate_plan,
+        pinned_grain,
+        plan_stages,
+        runnable_grain,
+    )
     from roundpipe.shared.plan import Plan
     from roundpipe.shared.units import format_bytes
 
@@ -155,7 +160,7 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
             hardware,
             m,
             staleness=job.train.staleness,
-            recompute=pinned_grain(job.train.recompute),
+            recompute=pinned_grain(runnable_grain(model, job.train.recompute)),
         )
         need = max(result.per_worker_memory)
         if need > limit:
@@ -172,7 +177,11 @@ def _check_gpu_memory(job: JobSpec, model: LayeredModel, hardware: HardwareSpec)
         return
     try:
         plan_stages(
-            costs, hardware, m, staleness=job.train.staleness, recompute=job.train.recompute
+            costs,
+            hardware,
+            m,
+            staleness=job.train.staleness,
+            recompute=runnable_grain(model, job.train.recompute),
         )
     except ValueError as exc:
         raise JobSpecError([FieldError("", f"cannot run on {where}: {exc}")]) from None

@@ -72,8 +72,10 @@ __all__ = [
 ]
 
 # Keys a transformers config accepts without their being dataclass fields: older names
-# that transformers 5 still folds into the new ones (rope_theta -> rope_parameters).
-_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype"})
+# that transformers 5 still folds into the new ones (rope_theta -> rope_parameters), and
+# head_dim, which some configs do not declare though their models read it (Qwen3-MoE:
+# Qwen3-30B-A3B's heads are 128 wide, not hidden_size / heads = 64).
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "head_dim"})
 
 
 def is_int(v: Any) -> bool:

@@ -32,7 +32,12 @@ import torch
 
 from roundpipe.coordinator.planning.hardware import HardwareSpec
 from roundpipe.coordinator.planning.profile import PROFILE_FILE, ProfileAggregator, save_profile
-from roundpipe.coordinator.planning.search import initial_plan, pinned_grain, replan_if_better
+from roundpipe.coordinator.planning.search import (
+    initial_plan,
+    pinned_grain,
+    replan_if_better,
+    runnable_grain,
+)
 from roundpipe.coordinator.spec.choices import optimizer_state_sharded
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.sections import staging_limit_bytes
@@ -196,7 +201,14 @@ class JobPlanner:
         spec, hw = self.spec, self.hardware
         # A given plan, or a planner asked for one grain, runs at that grain; "auto" is
         # the planner's to choose.
-        self.recompute = pinned_grain(spec.train.recompute)
+        if spec.train.recompute == "layer" and runnable_grain(model, "layer") != "layer":
+            log.warning(
+                "[trainer] job %s: train.recompute %s is not possible with the router "
+                "auxiliary loss; backward tasks recompute whole stages",
+                self.job_id,
+                spec.train.recompute,
+            )
+        self.recompute = pinned_grain(runnable_grain(model, spec.train.recompute))
         if spec.train.plan:
             plan = Plan.parse(spec.train.plan)
             try:
