@@ -756,3 +756,41 @@ def test_roundpipe_plan_prices_tasks_as_the_coordinator_does(capsys) -> None:
     moe = ["--architecture", "qwen3_moe", "--workers", "2", "--seq-len", "128"]
     assert plan_main([*moe, "--set", "head_dim=64", "--set", "num_attention_heads=4"]) == 0
     capsys.readouterr()
+
+
+def test_a_layer_grain_backward_is_re_priced_at_what_it_measured() -> None:
+    """A layer-grain backward task's times hold one more forward of its layers, which
+    the cost model adds itself: re-pricing the plan from its own measurements counted
+    that forward twice (60 s for a 48 s task here), so re-planning misjudged it."""
+    from roundpipe.coordinator.planning.costs import CostModel
+
+    m = 4
+    prior = [
+        LayerCost(
+            forward_s=1.0,
+            backward_s=3.0,
+            param_bytes=0,
+            grad_bytes=0,
+            activation_bytes=0,
+            work_bytes=0,
+        )
+    ] * 4
+    hw = HardwareSpec(num_workers=2, memory_limit_bytes=1 << 40, reserved_bytes=0)
+    model = CostModel(prior, hw, m, "layer")
+    backward, tail, forward = (
+        model.parts(k, a, b)[0] for k, a, b in (("B", 0, 3), ("T", 3, 4), ("F", 0, 3))
+    )
+    profile = ProfileAggregator(prior, m, warmup_iterations=0)
+    for iteration in range(3):  # as the worker reports them (worker/runtime.py)
+        profile.record(iteration, "forward", {f"{layer}.fwd": forward / 3 for layer in range(3)})
+        profile.record(
+            iteration,
+            "backward",
+            {f"{layer}": backward / 3 for layer in range(3)},
+            extra_forward=True,
+        )
+        profile.record(iteration, "tail", {"3": tail})
+        profile.end_iteration(iteration)
+    again = CostModel(profile.costs(), hw, m, "layer")
+    assert again.parts("B", 0, 3)[0] == pytest.approx(backward)
+    assert [c.backward_s for c in profile.costs()] == pytest.approx([3.0] * 4)

@@ -29,6 +29,10 @@ def _parse_key(key: str) -> tuple[int, str] | None:
 _KINDS = {"forward": "F", "F": "F", "backward": "B", "B": "B", "tail": "T", "T": "T"}
 
 
+_BWD_WITH_FORWARD = "bwd+fwd"
+"""A layer-grain backward sample, one forward more than a backward (``record``)."""
+
+
 class ProfileAggregator:
     """Measured per-layer times -> ``LayerCost``s for re-planning.
 
@@ -95,8 +99,13 @@ class ProfileAggregator:
         *,
         worker_speed: float = 1.0,
         num_microbatches: int | None = None,
+        extra_forward: bool = False,
     ) -> None:
-        """One task's measurements (kind: forward/backward/tail or F/B/T)."""
+        """One task's measurements (kind: forward/backward/tail or F/B/T).
+        ``extra_forward``: a backward task at layer grain, whose times hold one more
+        forward of each layer than a backward's cost does (the cost model adds that
+        forward itself: Note [recompute grain] in roundpipe.worker.executor); it is
+        taken off with the layer's forward time of the same iteration."""
         if kind not in _KINDS:
             raise ValueError(f"unknown task kind {kind!r}: expected forward, tail or backward")
         k = _KINDS[kind]
@@ -119,11 +128,13 @@ class ProfileAggregator:
                 total[layer] = total.get(layer, 0.0) + float(seconds)
         total.update(bare)  # a bare "<layer>" key is the layer's total
         bucket = self._pending.setdefault(iteration, {})
-        phase_name = "fwd" if k == "F" else "bwd"
+        phase_name = "fwd" if k == "F" else _BWD_WITH_FORWARD if extra_forward else "bwd"
         for layer, seconds in total.items():
             bucket.setdefault((layer, phase_name), []).append(seconds * scale)
 
-    def record_done(self, task: Any, done: Any, *, worker_speed: float = 1.0) -> None:
+    def record_done(
+        self, task: Any, done: Any, *, worker_speed: float = 1.0, extra_forward: bool = False
+    ) -> None:
         """Convenience: a ``StageTask`` and its ``TaskDone``."""
         self.record(
             task.iteration,
@@ -131,12 +142,14 @@ class ProfileAggregator:
             done.layer_times,
             worker_speed=worker_speed,
             num_microbatches=task.num_microbatches,
+            extra_forward=extra_forward,
         )
 
     def end_iteration(self, iteration: int) -> None:
         """Fold the samples of ``iteration`` (and any earlier ones still pending)."""
         for k in sorted(i for i in self._pending if i <= iteration):
             samples = self._pending.pop(k)
+            self._take_off_extra_forwards(samples)
             assert self._first_iteration is not None
             if k < self._first_iteration + self.warmup_iterations:
                 continue
@@ -165,6 +178,19 @@ class ProfileAggregator:
             self.folded_iterations += 1
             self.last_change = change
             self._calm = self._calm + 1 if change < self.settle_tolerance else 0
+
+    def _take_off_extra_forwards(self, samples: dict[tuple[int, str], list[float]]) -> None:
+        """Layer-grain backward samples become backward samples: less the layer's
+        forward, as measured this iteration (else its average, else the prior's)."""
+        for layer, phase in [key for key in samples if key[1] == _BWD_WITH_FORWARD]:
+            values = samples.pop((layer, phase))
+            forwards = samples.get((layer, "fwd"))
+            forward = (
+                sum(forwards) / len(forwards)
+                if forwards
+                else self.ema.get((layer, "fwd"), self.prior[layer].forward_s)
+            )
+            samples.setdefault((layer, "bwd"), []).extend(max(v - forward, 0.0) for v in values)
 
     @property
     def covered(self) -> bool:

@@ -801,7 +801,9 @@ class Trainer:
                 task.iteration, len(tracker.live_workers())
             )  # observability
         if planner.profile is not None:
-            planner.profile.record_done(task, msg)
+            # A layer-grain backward ran one more forward than a backward's cost holds.
+            extra_forward = task.kind == "backward" and planner.recompute == "layer"
+            planner.profile.record_done(task, msg, extra_forward=extra_forward)
             if pending[task.iteration] == 0:
                 planner.profile.end_iteration(task.iteration)
                 planner.write_profile(self.held_output, self.plan)  # roundpipe plan --profile
