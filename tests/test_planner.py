@@ -156,6 +156,15 @@ def test_no_fit_with_prefetch_is_explained() -> None:
     costs = [layer(1.0, p=3 * GiB, g=5 * GiB)] * 4
     with pytest.raises(ValueError, match="no plan fits 12.0 GiB per GPU.*prefetched"):
         plan_stages(costs, hw(2, mem=12 * GiB), 3)
+    # The layer named is the one that binds, its need counted with the prefetched
+    # stage: here the tail (it named layer 0, whose need was under the limit).
+    heavy_tail = [layer(1.0, p=GiB, g=GiB)] * 3 + [layer(1.0, p=GiB, g=GiB, work=8 * GiB)]
+    with pytest.raises(ValueError) as e:
+        plan_stages(heavy_tail, hw(2, mem=10 * GiB, reserved_bytes=0), 3)
+    text = str(e.value)
+    assert "the tail's layer 3" in text, text
+    need = parse_quantity(text.split("alone needs about ")[1].split(" that way")[0])
+    assert need > 10 * GiB, text
 
 
 def test_transfer_time_counts() -> None:

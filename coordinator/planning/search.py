@@ -692,12 +692,24 @@ def plan_stages(
         if keep:
             best_obj = min(best_obj, min(-c.objective for c in keep))
     if not keep:
-        worst = max(range(n - 1), key=lambda i: search.run_b[i][i + 1] + search.res_b[i][i + 1])
-        need = search.run_b[worst][worst + 1] + search.res_b[worst][worst + 1] + hw.reserved_bytes
+        # The least any plan needs: its largest one-layer stage running (the tail's last
+        # layer included) beside the largest one-layer stage prefetched.
+        singles = [
+            (
+                max(search.run_b[i][i + 1], search.run_f[i][i + 1]),
+                search.res_b[i][i + 1],
+                cm.name(i),
+            )
+            for i in range(n - 1)
+        ]
+        *_, last_res, last_run = cm.parts("T", n - 1, n)
+        singles.append((last_run, last_res, f"the tail's {cm.name(n - 1)}"))
+        run, _, worst = max(singles, key=lambda single: single[0] + single[1])
+        need = run + max(res for _, res, _ in singles) + hw.reserved_bytes
         raise ValueError(
             f"no plan fits {format_bytes(hw.memory_limit_bytes)} per GPU: every stage must "
             "hold its own weights, gradients and working memory plus the prefetched next "
-            f"stage's weights and gradients; {cm.name(worst)} alone needs about "
+            f"stage's weights and gradients; {worst} alone needs about "
             f"{format_bytes(need)} that way. Use a shorter sequence or smaller microbatches, "
             "LoRA, or GPUs with more memory"
         )
