@@ -40,6 +40,37 @@ def oracle(spec, lora: bool) -> dict[str, torch.Tensor]:
     return {n: t for n, t in out.items() if "lora_" in n} if lora else out
 
 
+def test_a_heartbeat_that_fails_once_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed heartbeat (a connection reset) stopped this node's beats for good: the
+    others found it silent and paused its jobs. It is tried again; the store is lost
+    only once no beat has gone through for the group's timeout."""
+    from roundpipe.coordinator.training import multinode
+
+    monkeypatch.setattr(multinode, "HEARTBEAT_INTERVAL_S", 0.001)
+
+    class Store:
+        def __init__(self, failures: int) -> None:
+            self.failures, self.beats = failures, 0
+
+        def add(self, key: str, amount: int) -> int:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("Connection reset by peer")
+            self.beats += amount
+            if self.beats == 3:
+                group._stop.set()
+            return self.beats
+
+    settings = multinode.GroupSettings(host="h", port=1, rank=1, world_size=2, timeout_s=600)
+    group = multinode.NodeGroup(settings, Store(failures=2))
+    group._beat()  # returns once the store counted three beats
+    assert group.store_lost is None and group.store.beats == 3
+    settings = multinode.GroupSettings(host="h", port=1, rank=1, world_size=2, timeout_s=0.05)
+    group = multinode.NodeGroup(settings, Store(failures=10**9))
+    group._beat()  # returns once no beat went through for 0.05 s
+    assert "rank 0's store at h:1 stopped answering: Connection reset" in group.store_lost
+
+
 def test_settings_from_flags_and_torchrun_environment() -> None:
     s = settings_from_args("tcp://10.0.0.1:29500", 1, 2, 30.0, environ={})
     assert (s.host, s.port, s.rank, s.world_size, s.timeout_s) == ("10.0.0.1", 29500, 1, 2, 30.0)

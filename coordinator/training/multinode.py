@@ -345,14 +345,29 @@ class NodeGroup:
     # -- liveness ---------------------------------------------------------------------
 
     def _beat(self) -> None:
+        """Count this node's heartbeat in rank 0's store. A failed beat is tried again
+        at the next one: the store is lost only once none has gone through for
+        ``timeout_s`` (a single hiccup, e.g. a connection reset, stopped the beats for
+        good, and the node looked silent to the others or left the group)."""
         key = f"rp/alive/{self.rank}"
+        last_ok = time.monotonic()
+        failing = False
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
                 self.store.add(key, 1)
-            except Exception as exc:  # rank 0 (the store) is gone or frozen
-                self.store_lost = f"rank 0's store at {self.settings.host}:{self.settings.port} stopped answering: {exc}"
-                log.error("[multinode] %s", self.store_lost)
-                return
+            except Exception as exc:  # rank 0 (the store) is gone, frozen, or hiccuped
+                if time.monotonic() - last_ok > self.timeout_s:
+                    self.store_lost = (
+                        f"rank 0's store at {self.settings.host}:{self.settings.port} "
+                        f"stopped answering: {exc}"
+                    )
+                    log.error("[multinode] %s", self.store_lost)
+                    return
+                if not failing:
+                    log.warning("[multinode] a heartbeat failed (%s); trying again", exc)
+                failing = True
+                continue
+            last_ok, failing = time.monotonic(), False
 
     def silent_nodes(self) -> list[int]:
         """Ranks whose heartbeat has not advanced for ``timeout_s`` (compared on this
