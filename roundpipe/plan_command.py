@@ -578,14 +578,31 @@ def _print_longest_sequence(
         plan=Plan.parse(args.plan) if args.plan else None,
         staleness=args.staleness,
     )
+    if fit is None:
+        raise ValueError(
+            "not even a 2-token sequence fits: a single layer is too large for one worker"
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "max_seq_len": fit.seq_len,
+                    "plan": str(fit.result.plan),
+                    "recompute": fit.result.recompute,
+                    "fullest_stage": fit.stage,
+                    "needed_bytes": fit.needed,
+                    "memory_parts": fit.parts,
+                    "memory_limit_bytes": fit.limit,
+                    "predicted_tokens_per_s": fit.result.predicted_tokens_per_s,
+                }
+            )
+        )
+        return 0
     print(
         f"SIMULATED PREDICTION (cost model, not a measurement): {model.architecture}, "
         f"{hw.num_workers} workers x {format_bytes(hw.memory_limit_bytes)}, "
         f"{args.microbatch_size} row(s) per microbatch, {m} microbatches, {args.dtype}"
     )
-    if fit is None:
-        print("not even a 2-token sequence fits: a single layer is too large for one worker")
-        return 1
     print(fit.describe())
     if fit.seq_len >= top:
         print(f"(the model's max_position_embeddings, {top:,}, is the limit here)")

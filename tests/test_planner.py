@@ -564,6 +564,12 @@ def test_plan_command_max_seq_len(capsys) -> None:
     assert "F[] T[0:4] B[]" in out
     assert plan_main([*tight, "--seq-len", str(tokens), "--plan", "F[] T[0:4] B[]"]) == 0
     assert "over the" not in capsys.readouterr().out
+    # --json is JSON here too; nothing fitting is exit 2 with the reason (it was 1).
+    assert plan_main([*tight, "--max-seq-len", "--plan", "F[] T[0:4] B[]", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["max_seq_len"] == tokens and printed["plan"] == "F[] T[0:4] B[]"
+    assert plan_main([*tight[:5], "1MiB", *tight[6:], "--max-seq-len"]) == 2
+    assert "not even a 2-token sequence fits" in capsys.readouterr().err
 
 
 def test_the_whole_model_as_one_stage_must_fit_beside_its_prefetched_copy() -> None:
