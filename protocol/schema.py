@@ -192,6 +192,8 @@ def describe(value: object) -> str:
 _META_KEYS = ("ge", "gt", "le", "min_length")
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""A value an event-table counter (a signed 64-bit integer) can hold."""
 UInt16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 from msgspec import field
 
 from roundpipe.protocol.schema import (
+    Int64,
     Name,
     NonNegFloat,
     NonNegInt,
@@ -251,7 +252,7 @@ class EventWait(Struct):
     #: index of the 64-bit counter in the events arena
     counter: NonNegInt
     #: wait until counter >= at_least
-    at_least: int
+    at_least: Int64
 
 
 @declare_struct
@@ -261,7 +262,7 @@ class EventSignal(Struct):
     #: index of the 64-bit counter in the events arena (this task is its single writer)
     counter: NonNegInt
     #: value to store
-    value: int
+    value: Int64
 
 
 # --------------------------------------------------------------------------- stage tasks

@@ -607,16 +607,17 @@ class Arena:
         return cls(path, mapping, header, owner=False)
 
     def close(self) -> None:
-        """Unmap (as far as no tensor view still uses the mapping). Idempotent."""
+        """Let go of the mapping: it is unmapped at once if no tensor view of it is
+        left, else when the last one goes. Idempotent.
+
+        Never ``mmap.close()``: ``torch.frombuffer`` holds a reference to the mmap
+        object, not a buffer export, so closing it unmapped the memory under live views
+        (a transfer or compute thread still finishing its task segfaulted)."""
         if self._closed:
             return
         self._closed = True
         self._bytes = None  # type: ignore[assignment]
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Tensor views still reference the mapping; it is released when they are.
-            pass
+        self._mmap = None  # type: ignore[assignment]
 
     def destroy(self) -> None:
         """Owner only: unlink the file and unmap. Attached processes keep their mapping."""

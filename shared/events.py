@@ -102,6 +102,13 @@ def _poll_window_s() -> float:
 _POLL_S = _poll_window_s()
 
 
+def _check_value(value: int) -> None:
+    """A counter is a signed 64-bit integer: ctypes would store a larger value wrapped
+    around (2**63 became -2**63, and the counter went backwards)."""
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"event counter value {value} does not fit a signed 64-bit counter")
+
+
 def table_nbytes(num_counters: int) -> int:
     """Bytes an event table of ``num_counters`` counters occupies."""
     return COUNTERS_START + 8 * num_counters
@@ -253,6 +260,7 @@ class EventTable:
         no-op, which makes a re-executed (idempotent) task's signals harmless.
         """
         self._check_index(index)
+        _check_value(value)
         if value <= self._counters[index]:
             return
         memory_barrier()  # data writes before the counter store: Note [event-table barriers]
@@ -264,6 +272,7 @@ class EventTable:
     def reset(self, index: int, value: int = 0) -> None:
         """Owner-only: set a counter backwards (new job on a reused table). Not for workers."""
         self._check_index(index)
+        _check_value(value)
         self._counters[index] = value
         memory_barrier()
 

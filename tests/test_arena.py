@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,23 @@ def test_pid_reuse_is_not_mistaken_for_a_live_owner(arena_dir: Path) -> None:
     fake = arena_dir / f"rp.reuse.{os.getpid()}.12345.params0"
     fake.write_bytes(b"\0" * DATA_START)
     assert remove_stale_arenas(arena_dir, "reuse") == [fake]
+
+
+def test_a_view_outlives_the_arena_it_came_from(arena_dir: Path) -> None:
+    """close() while a tensor view is alive (a transfer or compute thread finishing its
+    task): the view still reads and writes the memory, which is unmapped when the view
+    goes. close() unmapped it at once, and the next read segfaulted (in a child here)."""
+    code = f"""
+import gc, torch
+from roundpipe.shared.arena import Arena
+arena = Arena.create("outlive", 1 << 20, directory={str(arena_dir)!r})
+view = arena.view(arena.ref(4096, torch.float32, (1024,)))
+view.fill_(2.0)
+arena.destroy()
+gc.collect()
+view += 1
+print(float(view.sum()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3072.0"

@@ -73,6 +73,15 @@ def test_counters_never_go_backwards(arena_dir: Path) -> None:
         assert table.wait_at_least(0, 5, timeout_s=0.1) == 7
         with pytest.raises(IndexError):
             table.signal(64, 1)
+        # A value past a signed 64-bit counter is refused: stored, it wrapped around to
+        # a negative value and the counter went backwards. The wire refuses it too.
+        with pytest.raises(ValueError, match="signed 64-bit"):
+            table.signal(0, 2**63)
+        assert table.read(0) == 7
+        from roundpipe.protocol import EventSignal, ProtocolError
+
+        with pytest.raises(ProtocolError, match="value"):
+            EventSignal(counter=0, value=2**63)
     finally:
         arena.destroy()
 

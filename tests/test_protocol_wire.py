@@ -91,11 +91,11 @@ WIRE_CATALOGUE = {
     ],
     "EventSignal": [
         "counter: int(ge=0)",
-        "value: int",
+        "value: int(ge=-9223372036854775808, le=9223372036854775807)",
     ],
     "EventWait": [
         "counter: int(ge=0)",
-        "at_least: int",
+        "at_least: int(ge=-9223372036854775808, le=9223372036854775807)",
     ],
     "GetJobLog": [
         "job_id: str(min_length=1)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,28 @@ def test_a_stale_prefetch_is_discarded(tmp_path: Path, arena_dir: Path) -> None:
         core.run_task(tasks[1])  # arms task 2, then the job goes away
         core.teardown_job("job-tx")
         assert core.prefetcher.discarded == 2
+    finally:
+        core.close()
+        trainer.close()
+
+
+def test_a_teardown_waits_for_a_prefetch_dropped_before(tmp_path: Path, arena_dir: Path) -> None:
+    """A prefetch dropped without waiting (another task ran first) may still be copying
+    from the job's arenas: the job's teardown waits for it too (it returned at once and
+    unmapped the arenas under the copy: the transfer thread segfaulted)."""
+    trainer, tasks = _prepared(tmp_path, arena_dir, "txdropped")
+    core = WorkerCore(1, transfer=EmulatedEngine(1e6, latency_s=1e-5))  # a slow bus
+    try:
+        core.setup_job(trainer.job_setup())
+        core.prefetcher.arm(tasks[1])
+        deadline = time.monotonic() + 60
+        while (dropped := core.prefetcher.last) is None:  # issued once its weights are
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert core.prefetcher.take(tasks[0]) is None  # another task first: dropped
+        assert not dropped.done()
+        core.teardown_job("job-tx")
+        assert dropped.done()
     finally:
         core.close()
         trainer.close()

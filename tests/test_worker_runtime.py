@@ -122,6 +122,40 @@ def test_rerun_completes_what_a_dead_worker_left_unpublished(prepared) -> None:
     assert first.task_id == tasks[-1].task_id
 
 
+def test_a_job_set_up_again_with_other_arenas_runs_on_the_new_ones(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """The same job id resumed with new arenas, this worker having missed the old run's
+    teardown: the new setup replaces the old (it was ignored, and the worker ran the new
+    run's tasks on the old run's arenas and counters)."""
+    old, _ = first_iteration(tmp_path / "old", arena_dir, "job-x", "again", 5)
+    new, tasks = first_iteration(tmp_path / "new", arena_dir, "job-x", "again", 5)
+    core = WorkerCore(1)
+    try:
+        core.setup_job(old.job_setup())
+        core.setup_job(new.job_setup())
+        core.setup_job(new.job_setup())  # a true repeat changes nothing
+        core.run_task(tasks[0])
+        counter = tasks[0].microbatches[0].signals[0].counter
+        assert new.layout.events.read(counter) >= 1
+        assert old.layout.events.read(counter) == 0
+    finally:
+        core.close()
+        new.close()
+        old.close()
+
+
+def test_the_running_task_stops_when_the_session_ends(prepared) -> None:
+    """The coordinator lost (or the worker stopping): the running task stops at its next
+    layer, as on a teardown, so the session's end never unmaps its job under it."""
+    from roundpipe.worker.runtime import TaskInterrupted
+
+    _, core, tasks = prepared
+    core.session_ended = lambda: True
+    with pytest.raises(TaskInterrupted, match="the session with the coordinator is over"):
+        core.run_task(tasks[0])
+
+
 def test_worker_timeout_names_the_counter_as_the_coordinator_does(prepared) -> None:
     """Tasks refer to counters by index only; the worker names them from JobSetup."""
     trainer, core, tasks = prepared

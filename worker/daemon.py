@@ -279,6 +279,7 @@ class WorkerDaemon:
         core.should_abort = lambda: (
             self._stop.is_set() or session_over.is_set() or queue_.has_lower_than_running()
         )
+        core.session_ended = lambda: self._stop.is_set() or session_over.is_set()
         core.peek_next = queue_.peek_task
         outbox_address = f"inproc://rp-worker-outbox-{id(self)}-{welcome.worker_id}"
         outbox = self.ctx.socket(zmq.PULL)
@@ -327,10 +328,22 @@ class WorkerDaemon:
         finally:
             session_over.set()
             queue_.close()
-            compute.join(timeout=30)
+            # The running task stops at its next layer (core.session_ended).
+            compute.join(timeout=COMPUTE_STOP_TIMEOUT_S)
             outbox.close()
             self.sock.close()
-            core.close()
+            if compute.is_alive():
+                # Stuck inside one layer: unmapping its job, or a new session's compute
+                # thread beside it, would corrupt both. Only the process's end frees it;
+                # the coordinator re-runs its tasks as for any lost worker.
+                self.exit_code = 3
+                self.stop()
+                _exit_when_broken(
+                    f"the compute thread did not stop within {COMPUTE_STOP_TIMEOUT_S:.0f}s "
+                    "of the session's end"
+                )
+            else:
+                core.close()
             self.core = None
 
     def _on_message(self, frames: list[bytes], queue_: _TaskQueue) -> bool:
@@ -720,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return daemon.exit_code
 
+
+COMPUTE_STOP_TIMEOUT_S = 30.0
+"""How long a session's end waits for its running task to stop (at its next layer)."""
 
 BROKEN_EXIT_GRACE_S = 1.0
 """How long a worker whose engine broke waits for its own orderly stop before it exits."""

@@ -28,6 +28,12 @@ __all__ = ["WeightPrefetcher"]
 log = logging.getLogger(__name__)
 
 
+def _over(dropped: tuple[str, threading.Thread | None, Upload | None]) -> bool:
+    """Whether a dropped prefetch no longer touches its job's arenas."""
+    _job, thread, upload = dropped
+    return (thread is None or not thread.is_alive()) and (upload is None or upload.done())
+
+
 def _task_key(task: StageTask) -> tuple:
     """What a prefetched upload is for: exactly this attempt of this task, at this weight
     version over these layers (Note [weight prefetch])."""
@@ -71,6 +77,11 @@ class WeightPrefetcher:
         # The most recent prefetched upload issued, weakly: held, it would keep a whole
         # stage's device weights alive on an idle worker after the task or job ended.
         self._last: weakref.ref[Upload] | None = None
+        # Prefetches dropped without waiting (another task came first, or another was
+        # armed), still maybe copying from their job's arenas: a teardown of that job
+        # waits for them too (discard(job, wait=True)), or it unmapped the arenas under
+        # a running copy.
+        self._dropped: list[tuple[str, threading.Thread | None, Upload | None]] = []
 
     def arm(self, task: StageTask) -> None:
         engine = self.engine
@@ -139,17 +150,27 @@ class WeightPrefetcher:
         thread has stopped waiting on the event table, its copy has landed): a job's
         arenas are unmapped right after."""
         with self._lock:
-            if self._key is None or (job_id is not None and self._key[0] != job_id):
-                return
-            self._cancel.set()
-            upload, self._key, self._upload = self._upload, None, None
-            thread, self._thread = self._thread, None
-            self.discarded += 1
+            pending = []
+            if wait:  # what was dropped earlier still counts until it is over
+                pending = [d for d in self._dropped if job_id is None or d[0] == job_id]
+                self._dropped = [d for d in self._dropped if d not in pending]
+            armed = self._key is not None and (job_id is None or self._key[0] == job_id)
+            if armed:
+                assert self._key is not None
+                self._cancel.set()
+                upload, key, self._key, self._upload = self._upload, self._key, None, None
+                thread, self._thread = self._thread, None
+                self.discarded += 1
+                if not wait:
+                    self._dropped = [d for d in self._dropped if not _over(d)]
+                    self._dropped.append((key[0], thread, upload))
+                pending.append((key[0], thread, upload))
         # No upload can be issued any more: _fetch issues under the lock, if not cancelled.
-        if wait:
-            if thread is not None:
-                thread.join()
-            if upload is not None:
-                upload.wait_landed()
-        if upload is not None:
+        for _job, thread, upload in pending:
+            if wait:
+                if thread is not None:
+                    thread.join()
+                if upload is not None:
+                    upload.wait_landed()
+        if armed and upload is not None:
             upload.then(upload.discard, always=True)

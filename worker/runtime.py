@@ -136,6 +136,9 @@ class WorkerCore:
         self.engine = transfer if transfer is not None else make_engine(self.device)
         self.jobs: dict[str, JobState] = {}
         self.should_abort: Callable[[], bool] = lambda: False
+        self.session_ended: Callable[[], bool] = lambda: False
+        """True once the daemon's session with its coordinator is over (lost, or the
+        worker stops): the running task stops at its next layer, as on a teardown."""
         self.peek_next: Callable[[], StageTask | None] = lambda: None
         """The task queued after the running one (the daemon's queue), for prefetch."""
         # should_abort is looked up at each call: the daemon sets it after construction.
@@ -157,8 +160,18 @@ class WorkerCore:
     # -- jobs -------------------------------------------------------------------------
 
     def setup_job(self, setup: JobSetup) -> None:
-        if setup.job_id in self.jobs:
-            return  # a repeated setup (e.g. after a reconnect) changes nothing
+        old = self.jobs.get(setup.job_id)
+        if old is not None:
+            if old.setup == setup:
+                return  # a repeated setup (e.g. after a reconnect) changes nothing
+            # The job resumed with new arenas while this worker missed the old run's
+            # teardown: kept, the old run's mapping would take the new run's tasks.
+            log.info(
+                "[worker %d] job %s set up again with other arenas: the old run's go",
+                self.worker_id,
+                setup.job_id,
+            )
+            self.teardown_job(setup.job_id)
         state = JobState.open(setup, self.device, self.engine)
         self.jobs[setup.job_id] = state
         log.info(
@@ -194,10 +207,14 @@ class WorkerCore:
 
     def _check_interrupted(self, task: StageTask) -> None:
         if task.job_id in self._interrupted:
-            raise TaskInterrupted(
-                f"task {task.task_id} ({task.kind} {task.layer_start}:{task.layer_stop}) "
-                f"stopped: job {task.job_id} was torn down"
-            )
+            why = f"job {task.job_id} was torn down"
+        elif self.session_ended():
+            why = "the session with the coordinator is over"
+        else:
+            return
+        raise TaskInterrupted(
+            f"task {task.task_id} ({task.kind} {task.layer_start}:{task.layer_stop}) stopped: {why}"
+        )
 
     def close(self) -> None:
         self.prefetcher.discard(wait=True)
