@@ -117,6 +117,9 @@ class _Pool:
     def fence(self, worker_id: int, reason: str) -> None:
         raise RuntimeError(f"worker {worker_id} fenced: {reason}")
 
+    def stalled_s(self) -> float:
+        return 0.0
+
     def _loop(self, i: int) -> None:
         while (task := self.queues[i].get()) is not None:
             self.cores[i].start_task(task, self.trainer.inbox.put)

@@ -249,6 +249,9 @@ class InProcessWorkers:
     def fence(self, worker_id: int, reason: str) -> None:
         raise AssertionError(f"in-process worker {worker_id} fenced: {reason}")
 
+    def stalled_s(self) -> float:
+        return 0.0
+
     def _failed(self, task: StageTask, i: int, exc: BaseException) -> TaskFailed:
         return TaskFailed(
             job_id=task.job_id,

@@ -94,6 +94,11 @@ def test_progress_deadline_finds_a_hung_worker() -> None:
     tracker.completed(done(1, 2, seconds=1.0))  # slowest task 1 s -> deadline 10 s
     assert tracker.hung_workers(start + 9) == []
     assert tracker.hung_workers(start + 11) == [1]
+    # The coordinator stalled (frozen, paused) for 6 s meanwhile: completions waited
+    # unread, so that is no worker's hang (every busy worker was SIGKILLed for it).
+    tracker.excuse(6.0, now=start + 11)
+    assert tracker.hung_workers(start + 11) == []
+    assert tracker.hung_workers(start + 17) == [1]  # a real hang still is one
 
 
 def test_the_only_worker_retries_its_own_failed_task() -> None:

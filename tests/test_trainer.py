@@ -373,6 +373,9 @@ def test_a_job_with_no_worker_waits_for_one_instead_of_failing(tmp_path, arena_d
         def fence(self, worker_id, reason):
             pass
 
+        def stalled_s(self):
+            return 0.0
+
     spec = tiny_spec(tmp_path / "out", steps=2)
     trainer = Trainer(
         "job-parked",
@@ -402,3 +405,45 @@ def test_a_job_with_no_worker_waits_for_one_instead_of_failing(tmp_path, arena_d
         assert len(outcome) == 1 and isinstance(outcome[0], JobCancelled), outcome
     finally:
         trainer.close()
+
+
+def test_the_coordinators_own_stall_is_no_workers_hang() -> None:
+    """The progress deadline gets the credit the I/O loop gives its workers' heartbeats
+    for its stalls (WorkerPort.stalled_s): a coordinator paused past --task-deadline
+    SIGKILLed every busy worker, their completions waiting unread in the socket. The
+    trainer's check alone, on a task in flight for 11 s of which 6 were a stall."""
+    import time
+
+    from protocol_helpers import sample_stage_task
+
+    from roundpipe.coordinator.training.recovery import RecoveryPolicy, TaskTracker
+
+    fenced: list[int] = []
+
+    class Port:
+        stalled = 0.0
+
+        def send_task(self, task, worker_id):
+            pass
+
+        def live_workers(self):
+            return [1]
+
+        def fence(self, worker_id, reason):
+            fenced.append(worker_id)
+
+        def stalled_s(self):
+            return self.stalled
+
+    port = Port()
+    tracker = TaskTracker(port.send_task, port.live_workers, RecoveryPolicy(deadline_floor_s=10))
+    tracker.dispatch(sample_stage_task(job_id="j", task_id=0))
+    tracker._last_progress[1] = time.monotonic() - 11  # its last completion
+    trainer = Trainer.__new__(Trainer)  # only the progress check's parts
+    trainer.tracker, trainer._port, trainer._stall_seen = tracker, port, 0.0
+    port.stalled = 6.0
+    trainer._check_progress()
+    assert fenced == []
+    tracker._last_progress[1] -= 6  # 17 s, 6 of them excused: a hang
+    trainer._check_progress()
+    assert fenced == [1]

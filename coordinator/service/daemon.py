@@ -147,7 +147,11 @@ LOOP_STALL_S = 0.5
 # than LOOP_STALL_S credits every worker with its excess over LOOP_STALL_S (not its
 # whole length: were every turn slow, a whole credit would keep a frozen worker alive).
 # A worker that really died meanwhile is found one stall later by its heartbeats, or at
-# once by its process (on this host).
+# once by its process (on this host). The stall is measured again right before the
+# workers are judged (the once-a-second checks wait for the shared lock and read the
+# keys from disk: a stall there declared a healthy worker lost in the same turn), and the
+# jobs' progress deadline gets the same credit (WorkerTable.stalled_s): a coordinator
+# paused past --task-deadline SIGKILLed every busy worker, its completions unread.
 WORKER_LOST_AFTER_S = 5.0  # default --worker-timeout: heartbeats missed before "lost"
 _OUTBOX = "inproc://rp-coordinator-outbox"
 
@@ -381,19 +385,8 @@ class Coordinator:
                 # Before any check: a turn this long was a stall of the loop, heard
                 # nothing, and is not the workers' silence (Note [a stalled loop hears
                 # no heartbeat]).
-                now = time.monotonic()
-                if now - turn_at > LOOP_STALL_S:
-                    # Only the excess: under a sustained load where every turn is a little
-                    # slow, heartbeats are still heard each turn, and a frozen worker must
-                    # still be found (a little later).
-                    self.workers.excuse_silence(now - turn_at - LOOP_STALL_S)
-                    if now - turn_at > 1.0:
-                        log.info(
-                            "[coordinator] this loop stalled for %.1fs: the workers' silence "
-                            "during it is not counted against them",
-                            now - turn_at,
-                        )
-                turn_at = now
+                turn_at = self._excuse_stall(turn_at)
+                now = turn_at
                 if now >= next_check:
                     next_check = time.monotonic() + HEARTBEAT_INTERVAL_S
                     status = self.status_line()
@@ -405,6 +398,9 @@ class Coordinator:
                         self.auth.reload()  # a removed key is refused from now on
                     except Exception:  # e.g. out of descriptors: the workers still count
                         log.exception("[coordinator] re-reading the authorised keys failed")
+                    # The status line waits for the shared lock and the keys are read
+                    # from disk: a stall there is excused too, before anyone is judged.
+                    turn_at = self._excuse_stall(turn_at)
                     try:
                         self._check_workers()
                     except Exception:
@@ -651,6 +647,24 @@ class Coordinator:
             return
         if active is not None and active.trainer is not None and active.job_id == msg.job_id:
             active.trainer.inbox.put(msg)
+
+    def _excuse_stall(self, since: float) -> float:
+        """Excuse the workers' silence for what of the time since ``since`` (the last
+        time the loop read its socket, or was last excused) was a stall of this loop
+        (Note [a stalled loop hears no heartbeat]); return now."""
+        now = time.monotonic()
+        if now - since > LOOP_STALL_S:
+            # Only the excess: under a sustained load where every turn is a little slow,
+            # heartbeats are still heard each turn, and a frozen worker must still be
+            # found (a little later).
+            self.workers.excuse_silence(now - since - LOOP_STALL_S)
+            if now - since > 1.0:
+                log.info(
+                    "[coordinator] this loop stalled for %.1fs: the workers' silence "
+                    "during it is not counted against them",
+                    now - since,
+                )
+        return now
 
     def _check_workers(self) -> None:
         """Declare workers lost (coordinator.workers: process gone, or no heartbeat for

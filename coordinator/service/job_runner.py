@@ -363,6 +363,9 @@ class _SocketPort:
     def fence(self, worker_id: int, reason: str) -> None:
         self.workers.fence(worker_id, reason)
 
+    def stalled_s(self) -> float:
+        return self.workers.stalled_s
+
 
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT}
 """I/O errors that say the coordinator's host ran out of something (descriptors, memory,

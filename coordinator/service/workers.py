@@ -77,6 +77,9 @@ class WorkerTable:
         self._workers: dict[int, WorkerEntry] = {}
         self._by_identity: dict[bytes, int] = {}
         self._worker_ids = itertools.count(1)
+        self.stalled_s = 0.0
+        """Seconds the coordinator's loop has stalled so far (``excuse_silence``): the
+        job's progress deadline does not count them either."""
         # Which worker each dispatched task went to: (job id, task id) -> worker id. A
         # TaskDone/TaskFailed is accepted only from that worker.
         self._assigned: dict[tuple[str, int], int] = {}
@@ -192,6 +195,7 @@ class WorkerTable:
         hears no heartbeat])."""
         now = time.monotonic()
         with self._lock:
+            self.stalled_s += seconds
             for entry in self._workers.values():
                 entry.last_seen = min(now, entry.last_seen + seconds)
 

@@ -116,6 +116,10 @@ class WorkerPort(Protocol):
     def fence(self, worker_id: int, reason: str) -> None:
         """Make sure a worker that stopped making progress is dead and no longer listed."""
 
+    def stalled_s(self) -> float:
+        """Seconds the owner's message loop has stalled so far (frozen, paused, starved):
+        the trainer does not count them as its workers' lack of progress."""
+
 
 def progress_page(
     events: Sequence[ProgressEvent], after_seq: int, limit: int

@@ -202,6 +202,14 @@ class TaskTracker:
         self.in_flight[task.task_id] = _Entry(task, worker_id, now)
         self.send(task, worker_id)
 
+    def excuse(self, seconds: float, now: float | None = None) -> None:
+        """The coordinator stalled for ``seconds`` (Note [a stalled loop hears no
+        heartbeat] in roundpipe.coordinator.service.daemon): completions waiting unread
+        meanwhile are no worker's hang, so that time does not count against them."""
+        now = time.monotonic() if now is None else now
+        for worker, last in self._last_progress.items():
+            self._last_progress[worker] = min(now, last + seconds)
+
     def hung_workers(self, now: float | None = None) -> list[int]:
         """Workers with tasks in flight that have not completed one within the deadline."""
         now = time.monotonic() if now is None else now

@@ -86,6 +86,9 @@ from roundpipe.shared.plan import Plan
 
 __all__ = ["Trainer", "default_plan"]
 
+_STALL_S = 1.0
+"""A wait for the inbox this much longer than asked: this process stalled."""
+
 log = logging.getLogger(__name__)
 
 
@@ -157,6 +160,8 @@ class Trainer:
         """Results and events for the run loop (roundpipe.coordinator.training.job_events)."""
         self.recovery_policy = recovery_policy or RecoveryPolicy()
         self._port: WorkerPort | None = None
+        self._stall_seen = 0.0
+        """The port's stalled seconds already credited to the progress deadline."""
         self.tracker: TaskTracker | None = None
         """The tasks in flight and the workers that hold them; None until ``run``."""
         self.progress_log = ProgressLog()
@@ -559,6 +564,7 @@ class Trainer:
         tracker = TaskTracker(port.send_task, port.live_workers, self.recovery_policy)
         self.tracker = tracker
         self._port = port
+        self._stall_seen = port.stalled_s()
         unfinished: dict[int, StageTask] = {}  # dispatched, in flight or parked, not done
         pending_per_iteration: dict[int, int] = {}
         tail_task: dict[int, int] = {}
@@ -749,9 +755,15 @@ class Trainer:
             self._check_running()
             if self._cancel.is_set():
                 raise JobCancelled(f"job {self.job_id} was cancelled")
+            asked = time.monotonic()
             try:
                 return self.inbox.get(timeout=0.5)
             except queue.Empty:
+                if time.monotonic() - asked > 0.5 + _STALL_S:
+                    # This process stalled (frozen, paused): completions may wait unread
+                    # in the socket. The I/O loop turns, reads them and measures the
+                    # stall before progress is judged.
+                    continue
                 self._check_progress()
 
     def _check_progress(self) -> None:
@@ -759,6 +771,11 @@ class Trainer:
         tracker = self.tracker
         if tracker is None:
             return
+        if self._port is not None:  # the coordinator's stalls are no worker's hang
+            stalled = self._port.stalled_s()
+            if stalled > self._stall_seen:
+                tracker.excuse(stalled - self._stall_seen)
+                self._stall_seen = stalled
         for worker_id in tracker.hung_workers():
             reason = "no task completed within the progress deadline"
             if self._port is not None:
