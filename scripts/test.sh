@@ -38,7 +38,8 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   python -m pytest -q -m "not slow" "${QUICK_FILES[@]}" "$@"
 else
-  python -m pytest -q -n "${ROUNDPIPE_TEST_PROCS:-2}" --dist worksteal "$@"
+  # --durations: CI's log says where the suite's time goes (its guide: ~15 minutes)
+  python -m pytest -q -n "${ROUNDPIPE_TEST_PROCS:-2}" --dist worksteal --durations=25 "$@"
 fi
 status=$?
 if [ "$status" -eq 5 ]; then
