@@ -612,7 +612,9 @@ class Arena:
 
         Never ``mmap.close()``: ``torch.frombuffer`` holds a reference to the mmap
         object, not a buffer export, so closing it unmapped the memory under live views
-        (a transfer or compute thread still finishing its task segfaulted)."""
+        (a transfer or compute thread still finishing its task segfaulted). Views in
+        reference cycles go when the cycle collector runs: the coordinator collects
+        after each job (``release_freed_memory``)."""
         if self._closed:
             return
         self._closed = True

@@ -295,3 +295,36 @@ def test_after_a_restart_the_queue_keeps_its_order(tmp_path: Path) -> None:
     book.finish(x, *outcome(x, JobCancelled("stopping"), stopping=True))
     assert x.state == "queued"
     assert [*book_in(tmp_path / "state").queue] == [x.job_id, y.job_id, a.job_id]
+
+
+def test_a_stopped_jobs_error_lets_go_of_its_frames() -> None:
+    """The error a job ended with is kept until its end is recorded; its traceback's
+    frames (the trainer's, with its tensors and arena views) are cut before the memory
+    is released, down the chain of causes, or a failed job's arenas stayed mapped."""
+    import gc
+    import weakref
+
+    from roundpipe.coordinator.service.job_runner import _drop_tracebacks
+
+    class Big:
+        pass
+
+    def fail(held: Big) -> None:
+        try:
+            raise OSError("disk full")
+        except OSError as exc:
+            raise JobPaused("paused") from exc
+
+    held = Big()
+    ref = weakref.ref(held)
+    try:
+        fail(held)
+    except JobPaused as exc:
+        error = exc
+    del held
+    gc.collect()
+    assert ref() is not None  # the frame of fail() holds it
+    _drop_tracebacks(error)
+    gc.collect()
+    assert ref() is None
+    assert error.__traceback__ is None and error.__cause__.__traceback__ is None

@@ -16,19 +16,11 @@ def test_a_stalled_coordinator_does_not_declare_its_workers_lost(tmp_path: Path)
     """The coordinator is frozen for longer than --worker-timeout (as an overloaded host
     or a paused VM would freeze it) while its worker keeps sending heartbeats: they wait
     unread in the socket. Once it runs again it must count that time as its own stall,
-    not the worker's silence: the worker stays, and is not killed. Nor is it killed for
-    the job's progress deadline (--task-deadline, shorter than the stall): its task's
-    completion waited unread too (every busy worker was SIGKILLed for it)."""
-    from runtime_helpers import tiny_spec
-
-    args = ["--worker-timeout", str(TIMEOUT_S), "--task-deadline", str(TIMEOUT_S - 1)]
-    with cpu_cluster(tmp_path, "stall", args, num_workers=1) as cluster:
+    not the worker's silence: the worker stays, and is not killed."""
+    with cpu_cluster(
+        tmp_path, "stall", ["--worker-timeout", str(TIMEOUT_S)], num_workers=1
+    ) as cluster:
         worker = cluster.workers["w1"]
-        job = cluster.client.submit(tiny_spec(tmp_path / "out", steps=10_000))
-        deadline = time.monotonic() + 120
-        while job.status().step < 2:  # training: a task in flight
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.05)
         cluster.coordinator.proc.send_signal(signal.SIGSTOP)
         try:
             time.sleep(1.5 * TIMEOUT_S)  # the stall itself (not a wait for an outcome)
@@ -42,14 +34,7 @@ def test_a_stalled_coordinator_does_not_declare_its_workers_lost(tmp_path: Path)
         # excuse, before this request is answered.
         assert [w.name for w in cluster.client.workers()] == ["w1"], cluster.logs()
         assert worker.alive(), cluster.logs()
-        step = job.status().step
-        while job.status().step < step + 2:  # and the job trains on
-            assert time.monotonic() < deadline + 120, cluster.logs()
-            time.sleep(0.05)
-        log_text = cluster.coordinator.tail(100_000)
-        assert "lost:" not in log_text and "fenced" not in log_text, cluster.logs()
-        assert worker.alive(), cluster.logs()
-        job.cancel()
+        assert "lost:" not in cluster.coordinator.tail(100_000), cluster.logs()
 
 
 def test_waiting_for_named_workers_waits_out_the_one_replaced(tmp_path: Path) -> None:

@@ -335,12 +335,15 @@ class WorkerDaemon:
             if compute.is_alive():
                 # Stuck inside one layer: unmapping its job, or a new session's compute
                 # thread beside it, would corrupt both. Only the process's end frees it;
-                # the coordinator re-runs its tasks as for any lost worker.
-                self.exit_code = 3
+                # the coordinator re-runs its tasks as for any lost worker. A stop that
+                # was asked for still exits 0 (a supervisor restarts a failure).
+                if not self._stop.is_set():
+                    self.exit_code = 3
                 self.stop()
                 _exit_when_broken(
                     f"the compute thread did not stop within {COMPUTE_STOP_TIMEOUT_S:.0f}s "
-                    "of the session's end"
+                    "of the session's end",
+                    self.exit_code,
                 )
             else:
                 core.close()
@@ -741,14 +744,14 @@ BROKEN_EXIT_GRACE_S = 1.0
 """How long a worker whose engine broke waits for its own orderly stop before it exits."""
 
 
-def _exit_when_broken(why: str) -> None:
+def _exit_when_broken(why: str, code: int = 3) -> None:
     """The transfer engine broke (Note [dead producers and imported events] in
     roundpipe.shared.handoff): give the orderly stop (the task's failure reported, exit
     status 3) a moment, then exit anyway. Threads stuck on the CUDA stream that waits for
     a dead process's event can never finish, so only the process's end frees them; the
     coordinator re-runs this worker's tasks as for any lost worker."""
     log.error("[worker] exiting in %.0f s: %s", BROKEN_EXIT_GRACE_S, why)
-    timer = threading.Timer(BROKEN_EXIT_GRACE_S, _exit_now, (3,))
+    timer = threading.Timer(BROKEN_EXIT_GRACE_S, _exit_now, (code,))
     timer.daemon = True
     timer.start()
 

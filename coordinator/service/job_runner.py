@@ -318,6 +318,7 @@ class JobRunner:
             # the memory given back too. Only its step, loss and progress events stay.
             self.book.let_go(job)
             trainer = None
+            _drop_tracebacks(error)  # their frames hold the job's tensors and arena views
             release_freed_memory()
             self.book.finish(job, state, message)
             self.workers.forget_job(job.job_id)
@@ -365,6 +366,17 @@ class _SocketPort:
 
     def stalled_s(self) -> float:
         return self.workers.stalled_s
+
+
+def _drop_tracebacks(error: BaseException | None) -> None:
+    """Cut the tracebacks of ``error`` and the exceptions it chains: their frames hold a
+    failed job's trainer, its tensors and its arenas' views, which would otherwise stay
+    (the arenas' pages in /dev/shm too) while the error is kept for the job's end."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT}
