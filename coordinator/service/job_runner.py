@@ -226,19 +226,6 @@ class JobRunner:
                 job_group.leave(f"{job.state}: {job.message}")
                 job_group.close()
             return
-        if job.spec is None:
-            # Validated at submission, in the admission child; built (and so checked
-            # again: its files may have changed since) here, off the I/O thread.
-            try:
-                job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
-            except JobSpecError as exc:
-                self.book.finish(job, "failed", f"the job's spec is no longer valid: {exc}")
-                if job_group is not None:  # the other nodes stop waiting for this one
-                    job_group.leave(f"failed: {job.message}")
-                    job_group.close()
-                logging.getLogger("roundpipe").removeHandler(handler)
-                handler.close()
-                return
 
         def on_event(event: JobEvent) -> None:
             if isinstance(event, PlanChosen):
@@ -246,18 +233,35 @@ class JobRunner:
             elif isinstance(event, CheckpointWritten):
                 self.book.record_checkpoint(job, event.step, event.loss)
 
-        trainer = Trainer(
-            job.job_id,
-            job.spec,
-            arena_dir=self.arena_dir,
-            namespace=self.namespace,
-            output_dir=Path(job.output_dir or "."),
-            wait_timeout_s=self.wait_timeout_s,
-            recovery_policy=RecoveryPolicy(deadline_floor_s=self.task_deadline_s),
-            paths=self.paths,
-            on_event=on_event,
-            group=job_group,
-        )
+        try:
+            if job.spec is None:
+                # Validated at submission, in the admission child; built (and so checked
+                # again: its files may have changed since) here, off the I/O thread.
+                job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
+            trainer = Trainer(
+                job.job_id,
+                job.spec,
+                arena_dir=self.arena_dir,
+                namespace=self.namespace,
+                output_dir=Path(job.output_dir or "."),
+                wait_timeout_s=self.wait_timeout_s,
+                recovery_policy=RecoveryPolicy(deadline_floor_s=self.task_deadline_s),
+                paths=self.paths,
+                on_event=on_event,
+                group=job_group,
+            )
+        except Exception as exc:  # the job never started
+            if isinstance(exc, JobSpecError):
+                self.book.finish(job, "failed", f"the job's spec is no longer valid: {exc}")
+            else:
+                log.exception("[coordinator] job %s could not start", job.job_id)
+                self.book.finish(job, *_stopped_by(job, exc))
+            if job_group is not None:  # the other nodes stop waiting for this one
+                job_group.leave(f"{job.state}: {job.message}")
+                job_group.close()
+            logging.getLogger("roundpipe").removeHandler(handler)
+            handler.close()
+            return
         # Replaced by None when the run finishes, or by what it raised.
         error: BaseException | None = RuntimeError("the job thread stopped unexpectedly")
         try:
