@@ -3,11 +3,11 @@
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
 #
-#   scripts/test.sh            everything (what CI runs; about 15 minutes on 2 cores), in
+#   scripts/test.sh            everything (what CI runs; about 17 minutes on 2 cores), in
 #                              ROUNDPIPE_TEST_PROCS pytest processes (default 2,
 #                              pytest-xdist; 0 runs them in this one): one process at a
-#                              time left a third of two cores idle, and 4 took longer than
-#                              2 (the suite is CPU-bound: each test slowed 2-3x). Daemons
+#                              time left a third of two cores idle, and 3 or 4 took longer
+#                              than 2 (the suite is CPU-bound: each test slowed 2-3x). Daemons
 #                              start forked from a process that has imported torch and
 #                              transformers (roundpipe/forkserver.py): 21 minutes before
 #   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes):

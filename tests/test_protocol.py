@@ -740,33 +740,28 @@ def test_cross_field_rules() -> None:
         _hello(device="cpu", device_index=0)
     with pytest.raises(ProtocolError, match=r"field device_index: expected an int for a cuda"):
         _hello(device_index=None)
-    stray = [NamedTensorRef(name="w", ref=sample_ref(arena="nope"))]
-    for key in ("params", "grads"):
-        with pytest.raises(ProtocolError, match=rf"layers\[0\]\.{key}\[0\]\.ref\.arena"):
-            JobSetup(
-                job_id="j",
-                model_config={},
-                lora=None,
-                compute_dtype="bfloat16",
-                arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
-                layers=[LayerLayout(**{"layer": 0, "params": [], key: stray})],
-                num_microbatches=1,
-                global_microbatches=1,
-                microbatch_offset=0,
-            )
-    # A node's microbatches must lie inside the global batch's.
-    with pytest.raises(ProtocolError, match=r"field microbatch_offset: expected at most"):
-        JobSetup(
+
+    def job_setup(**fields: Any) -> JobSetup:
+        base: dict[str, Any] = dict(
             job_id="j",
             model_config={},
             lora=None,
             compute_dtype="bfloat16",
-            arenas=[],
+            arenas=[ArenaInfo(name="acts", path="/dev/shm/x", nbytes=10)],
             layers=[],
-            num_microbatches=2,
-            global_microbatches=4,
-            microbatch_offset=3,
+            num_microbatches=1,
+            global_microbatches=1,
+            microbatch_offset=0,
         )
+        return JobSetup(**(base | fields))
+
+    stray = [NamedTensorRef(name="w", ref=sample_ref(arena="nope"))]
+    for key in ("params", "grads"):
+        with pytest.raises(ProtocolError, match=rf"layers\[0\]\.{key}\[0\]\.ref\.arena"):
+            job_setup(layers=[LayerLayout(**{"layer": 0, "params": [], key: stray})])
+    # A node's microbatches must lie inside the global batch's.
+    with pytest.raises(ProtocolError, match=r"field microbatch_offset: expected at most"):
+        job_setup(num_microbatches=2, global_microbatches=4, microbatch_offset=3)
 
 
 def _swap_mb(task: StageTask, **changes: Any) -> StageTask:
