@@ -146,6 +146,35 @@ def test_a_shard_folder_of_several_splits_reads_only_the_split_asked(tmp_path: P
     assert _rows(build_dataset(folder, seq_len=4)) == [[1, 1, 1]]
 
 
+def test_a_shard_folder_of_split_named_files_reads_only_the_split_asked(tmp_path: Path) -> None:
+    """``train.parquet`` beside ``test.parquet`` (and ``datasets``' other split names)
+    are splits too: before, only push_to_hub's shard names were, and both files were
+    read. Shards named for no split beside named ones are refused, not mixed in."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def shard(path: Path, token: int) -> None:
+        path.parent.mkdir(exist_ok=True)
+        pq.write_table(pa.table({"input_ids": [[token] * 3]}), path)
+
+    folder = tmp_path / "data"
+    for name, token in (("train.parquet", 1), ("test_0.parquet", 9), ("dev-set.parquet", 5)):
+        shard(folder / name, token)
+    assert _rows(build_dataset(folder, seq_len=4)) == [[1, 1, 1]]
+    assert _rows(build_dataset(folder, seq_len=4, split="test")) == [[9, 9, 9]]
+    assert _rows(build_dataset(folder, seq_len=4, split="validation")) == [[5, 5, 5]]
+    shard(folder / "extra.parquet", 7)
+    with pytest.raises(DataError, match=r"beside shards named for none \(extra\.parquet\)"):
+        build_dataset(folder, seq_len=4)
+    # One split by a loose name is a folder of one dataset: read whatever it is called.
+    shard(tmp_path / "one" / "training_data.parquet", 3)
+    assert _rows(build_dataset(tmp_path / "one", seq_len=4, split="test")) == [[3, 3, 3]]
+    # push_to_hub's names say the split beyond doubt: another split asked is refused.
+    shard(tmp_path / "hub" / "train-00000-of-00001.parquet", 4)
+    with pytest.raises(DataError, match="holds the shards of split train but not 'test'"):
+        build_dataset(tmp_path / "hub", seq_len=4, split="test")
+
+
 @pytest.mark.parametrize("fmt", ["torch", "numpy"])
 def test_a_dataset_saved_with_a_tensor_format_reads_as_lists(tmp_path: Path, fmt: str) -> None:
     """``set_format("torch")`` before ``save_to_disk`` is a common step after tokenizing:

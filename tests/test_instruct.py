@@ -201,6 +201,11 @@ def test_auto_detection_refuses_ambiguous_records(tmp_path: Path) -> None:
             r":2: the conversation has no assistant turn.*set data.loss_on: all",
         ),
         ({"messages": [{"content": "x"}]}, r":2: messages\[0\] must be an object with a string"),
+        # the tokenizer's TypeError blamed the chat template
+        (
+            {"messages": [{"role": "user", "content": "a \ud83d"}, CHATS[0][1]]},
+            r":2: messages\[0\] \(user\) content holds an unpaired UTF-16 surrogate",
+        ),
     ],
 )
 def test_bad_chat_records_name_file_line_and_fix(
@@ -209,6 +214,15 @@ def test_bad_chat_records_name_file_line_and_fix(
     f = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHATS[0]}, record])
     with pytest.raises(DataError, match=r"bad\.jsonl" + message):
         build_dataset(f, seq_len=256, tokenizer=chat_tokenizer(), format="chat")
+
+
+@pytest.mark.parametrize("completion", ["", "   "])
+def test_an_empty_completion_is_refused(tmp_path: Path, completion: str) -> None:
+    """EOS was appended to an empty completion before the check for one, so the record
+    trained "prompt -> EOS" without a word (only a tokenizer without EOS refused it)."""
+    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Hi", "completion": completion}])
+    with pytest.raises(DataError, match=r"pc\.jsonl:1: the completion is empty"):
+        build_dataset(f, seq_len=64, tokenizer=chat_tokenizer(), format="prompt_completion")
 
 
 def test_a_tokenizer_without_chat_template_asks_for_one(tmp_path: Path) -> None:
@@ -280,7 +294,7 @@ def test_packed_documents_equal_the_unpacked_run(tmp_path: Path) -> None:
     assert abs(loss_p - loss_u) <= 1e-5 * abs(loss_u)
     assert_params_match(grads_p, grads_u, rtol=1e-5)
     loss_c, _ = _step(layered, weights, concat, plan)
-    assert abs(loss_c - loss_u) > 1e-3 * abs(loss_u)
+    assert abs(loss_c - loss_u) > 1e-4 * abs(loss_u)  # 10x the tolerance above
 
 
 @pytest.mark.slow

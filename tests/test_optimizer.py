@@ -626,6 +626,36 @@ def test_one_overflowing_gradient_element_costs_one_update_not_a_block() -> None
     assert torch.allclose(w[block], clean[block], atol=2e-3), float((w - clean)[block].abs().max())
 
 
+@pytest.mark.parametrize("numel", [1024, 1000])  # whole blocks; a partial last block
+def test_one_nan_gradient_element_costs_one_weight_not_a_block(numel: int) -> None:
+    """A NaN gradient element makes its weight NaN, with fp32 states as with
+    torch.optim.AdamW: one weight. With 8-bit states its NaN moments made its block's
+    scale NaN, and the next step all 256 weights of the block were NaN."""
+
+    def run(state_dtype: str, bad: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        w = torch.randn(numel)
+        opt = LayerwiseOptimizer(
+            {0: {"w": w}}, schedule=LRSchedule(lr=1e-3), state_dtype=state_dtype, weight_decay=0.0
+        )
+        for step in range(1, 6):
+            g = torch.randn(numel) * 1e-3
+            if bad and step == 1:
+                g[3] = float("nan")
+                g[numel - 2] = float("nan")  # in the last block, partial when numel is 1000
+            opt.step_layer(0, {"w": g}, step)
+        return w
+
+    for state_dtype in ("float32", "int8"):
+        w = run(state_dtype, bad=True)
+        nan = torch.isnan(w).nonzero().flatten().tolist()
+        assert nan == [3, numel - 2], (state_dtype, len(nan))
+        clean = run(state_dtype, bad=False)
+        others = torch.ones(numel, dtype=torch.bool)
+        others[[3, numel - 2]] = False
+        assert torch.allclose(w[others], clean[others], atol=2e-3), state_dtype
+
+
 def test_int8_states_keep_updates_near_the_learning_rate_across_gradient_scales() -> None:
     """Note [8-bit second moment]: gradients whose scales spread over a few orders of
     magnitude in one block (exp(1.5 x randn)). Stored as itself, an element's second

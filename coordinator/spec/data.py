@@ -24,7 +24,8 @@ Packing (``packing``):
   gets no label, since the token before it belongs to another document. A packed run
   therefore equals the unpacked run of the same documents.
 * ``concat``: the old behaviour: one token stream, attention across document boundaries,
-  positions 0..seq_len-1 in every row.
+  positions 0..seq_len-1 in every row; a whole record that does not fit in the rest of
+  a row pads it and starts the next.
 * ``none`` (``false``): every document starts a new row; a text document longer than
   ``seq_len`` continues in further rows; the last row of each is padded.
 The final partial row is kept, right-padded with the pad id (EOS if the tokenizer has no
@@ -347,25 +348,25 @@ class _Packer:
         # device-side assert on CUDA) as an input id does. IGNORE_INDEX is below both.
         self.max_id = max(self.max_id, max(doc.ids), max(doc.labels, default=-1))
         s = self.seq_len
-        if self.mode == "concat":
-            self.ids.extend(doc.ids)
-            self.labels.extend(doc.labels)
-            return  # positions: 0..s-1 in every row, set in finish
+        # One stream (concat): documents join inside a row, the token before a document
+        # predicts its first, and positions run 0..s-1 in every row.
+        concat = self.mode == "concat"
         if self.mode == "none" or (doc.whole and self._used + len(doc.ids) > s):
-            self._close_row()
+            self._close_row()  # a whole record straddles no rows, concat's neither
         start = 0
         while start < len(doc.ids):
-            take = min(s - self._used, len(doc.ids) - start)
+            used = self._used
+            take = min(s - used, len(doc.ids) - start)
             ids = doc.ids[start : start + take]
             labels = doc.labels[start : start + take]
-            if self._used > 0:
+            if used > 0 and not concat:
                 # The token before this one belongs to another document: nothing of it
                 # may predict this one (labels are unshifted: labels[t] is what t-1
                 # predicts).
                 labels = [IGNORE_INDEX, *labels[1:]]
             self.ids.extend(ids)
             self.labels.extend(labels)
-            self.positions.extend(range(take))
+            self.positions.extend(range(used, used + take) if concat else range(take))
             start += take
             if self._used == s:
                 self.lengths.append(s)  # a long document continues in the next row
@@ -391,18 +392,7 @@ class _Packer:
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         s = self.seq_len
-        if self.mode == "concat":
-            full, rem = divmod(len(self.ids), s)
-            self.lengths.extend([s] * full)
-            if rem >= 2:
-                self.ids.extend([self.pad] * (s - rem))
-                self.labels.extend([IGNORE_INDEX] * (s - rem))
-                self.lengths.append(rem)
-            else:
-                del self.ids[full * s :], self.labels[full * s :]
-            self.positions = array.array("i", list(range(s)) * len(self.lengths))
-        else:
-            self._close_row()
+        self._close_row()
         rows = len(self.lengths)
         return (
             _tensor(self.ids, (rows, s)),
@@ -619,9 +609,12 @@ class DataLoader:
                 f"data cursor version {state.get('version')!r} is not supported (expected {_STATE_VERSION})"
             )
         mine = self.state_dict()
+        # Without a shuffle the seed orders nothing (the spec check says the same): a
+        # resume may change train.seed, e.g. for other dropout.
+        keys = ("seed", "shuffle") if self.shuffle or state.get("shuffle") else ("shuffle",)
         diffs = [
             f"{k}: checkpoint {state.get(k)!r}, now {mine[k]!r}"
-            for k in ("seed", "shuffle", "global_batch_size", "num_rows", "fingerprint")
+            for k in (*keys, "global_batch_size", "num_rows", "fingerprint")
             if state.get(k) != mine[k]
         ]
         if diffs:

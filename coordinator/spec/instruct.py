@@ -91,6 +91,12 @@ def _check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any
             )
         if "content" not in m:
             raise InstructError(f"{where}: {field}[{i}] ({m['role']}) has no 'content'")
+        if isinstance(m["content"], str) and not is_unicode_text(m["content"]):
+            # else the tokenizer's TypeError blamed the chat template
+            raise InstructError(
+                f"{where}: {field}[{i}] ({m['role']}) content holds an unpaired UTF-16 "
+                "surrogate (a broken \\ud83d-style escape); fix or drop the record"
+            )
     return messages
 
 
@@ -198,6 +204,12 @@ def render_prompt_completion(
                 0
             ]
         ]
+        if not completion.strip():
+            # checked before EOS is appended: "prompt -> EOS" is no answer to train
+            raise InstructError(
+                f"{where}: the completion is empty (or only whitespace); nothing would be "
+                "trained; fix or drop the record"
+            )
         if eos_token_id is not None and (not tail or tail[-1] != eos_token_id):
             tail.append(eos_token_id)
         ids = head + tail

@@ -188,24 +188,64 @@ _SPLIT_SHARD = re.compile(r"(?P<split>.+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.[^.]+")
 ``train-00000-of-00002.parquet`` (``datasets`` 2 added a fingerprint:
 ``train-00000-of-00002-0b1c2d3e4f506172.parquet``)."""
 
+_SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+"""Names that ``datasets`` reads as a split when a file's name starts with one, followed
+by a separator (``-._`` , a space or a digit) or nothing: ``train.parquet``,
+``test_0.parquet``, ``dev-set.parquet``."""
+_SPLIT_WORD = re.compile(
+    r"(?P<word>" + "|".join(w for ws in _SPLIT_WORDS.values() for w in ws) + r")(?:[-._ 0-9].*)?",
+    re.IGNORECASE,
+)
+
+
+def _split_of(name: str) -> tuple[str | None, bool]:
+    """The split ``name`` (a shard's file name) is named for, and whether by the shard
+    pattern ``push_to_hub`` writes (which says so beyond doubt); ``(None, False)``: none."""
+    if m := _SPLIT_SHARD.fullmatch(name):
+        return m["split"], True
+    if m := _SPLIT_WORD.fullmatch(Path(name).stem):
+        word = m["word"].lower()
+        return next(split for split, ws in _SPLIT_WORDS.items() if word in ws), False
+    return None, False
+
 
 def _shards(folder: str, split: str | None = None) -> list[str]:
     """The shards of ``folder`` to read, in name order. Shards named for more than one
-    split (``train-...``, ``test-...``) are a dataset's splits side by side: only
-    ``split``'s are read (None: all of them)."""
+    split (``train-00000-of-00001.parquet`` beside ``test-...``, or ``train.parquet``
+    beside ``test.parquet``) are a dataset's splits side by side: only ``split``'s are
+    read (None: all of them). A folder mixing such shards with shards named for no
+    split is refused: which are ``split``'s rows cannot be told."""
     names = sorted(os.listdir(folder))
     parquet = [n for n in names if Path(n).suffix.lower() in PARQUET_EXTS]
     arrow = [n for n in names if n.endswith(".arrow")]
     shards = parquet or arrow
-    splits = {m["split"] if (m := _SPLIT_SHARD.fullmatch(n)) else None for n in shards}
-    if split is not None and len(splits) > 1 and None not in splits:
-        if split not in splits:
-            raise SourceError(
-                f"{folder} holds the shards of splits {', '.join(sorted(splits))} but not "
-                f"{split!r}; set data.split to one of them"
-            )
-        shards = [n for n in shards if _SPLIT_SHARD.fullmatch(n)["split"] == split]
-    return [os.path.join(folder, n) for n in shards]
+    named = {n: _split_of(n) for n in shards}
+    splits = {name for name, _ in named.values()}
+    if split is None or splits == {None}:
+        return [os.path.join(folder, n) for n in shards]
+    if None in splits:
+        unnamed = [n for n in shards if named[n][0] is None]
+        raise SourceError(
+            f"{folder} holds shards named for splits {', '.join(sorted(splits - {None}))} "
+            f"beside shards named for none ({', '.join(unnamed[:3])}"
+            f"{', ...' if len(unnamed) > 3 else ''}), so data.split {split!r} cannot be "
+            "told apart; move each split's shards to a folder of its own and point "
+            "data.path at the one to train on"
+        )
+    if len(splits) == 1 and not all(sure for _, sure in named.values()):
+        # One split by a loose name (``training_data.parquet``, ``dev.parquet``): a
+        # folder of one dataset, whatever its files are called.
+        return [os.path.join(folder, n) for n in shards]
+    if split not in splits:
+        raise SourceError(
+            f"{folder} holds the shards of split{'s' if len(splits) > 1 else ''} "
+            f"{', '.join(sorted(splits))} but not {split!r}; set data.split to one of them"
+        )
+    return [os.path.join(folder, n) for n in shards if named[n][0] == split]
 
 
 def _parquet(path: str, label: str) -> Iterator[SourceRow]:

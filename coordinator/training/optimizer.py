@@ -887,7 +887,9 @@ class LayerwiseOptimizer:
         """Store the chunk's moments back. An element whose second moment overflowed (a
         gradient above ~6e20) restarts both its moments at zero: this step its update
         was already zero (m / inf, as with fp32 states), and keeping its huge first
-        moment beside a finite second moment would move its weight by ~1e6 a step."""
+        moment beside a finite second moment would move its weight by ~1e6 a step. An
+        element whose gradient was NaN does the same: its weight is NaN from this step's
+        update, as with fp32 states, and its NaN moments must not reach its block's scale."""
         (m, m_codes, m_absmax, m_map), (v, v_codes, v_absmax, v_map) = packed
         overflowed = quantize_(v.sqrt_(), v_codes, v_absmax, v_map)  # Note [8-bit second moment]
         if overflowed is not None:

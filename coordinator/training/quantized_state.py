@@ -129,9 +129,10 @@ def quantize_(
 ) -> torch.Tensor | None:
     """Block scales of ``src`` (fp32, flat) into ``absmax`` and its codes into ``codes``.
     ``src`` is scaled in place (it is scratch). Returns None, or, when some elements were
-    infinite, where they were: they are stored as 0 (see ``_pack_int8`` in
-    coordinator/training/optimizer.py), since an infinite element made its block's scale
-    inf and inf / inf turned all 256 of the block's moments, then weights, into NaN.
+    not finite, where they were: they are stored as 0 (see ``_pack_int8`` in
+    coordinator/training/optimizer.py). An infinite element made its block's scale inf,
+    a NaN one (a NaN gradient) made it NaN, and either turned all 256 of the block's
+    moments, then weights, into NaN, where fp32 states lose only that one weight.
     Checked on the scales, so the common case costs nothing."""
     n = src.numel()
     full = n // BLOCK
@@ -139,26 +140,26 @@ def quantize_(
     if full:
         blocks = src[: full * BLOCK].view(full, BLOCK)
         torch.amax(blocks.abs(), dim=1, out=absmax[:full])
-        if torch.isinf(absmax[:full]).any():
-            overflowed = _zero_infinities(src)
+        if not torch.isfinite(absmax[:full]).all():
+            overflowed = _zero_nonfinite(src)
             torch.amax(blocks.abs(), dim=1, out=absmax[:full])
         scale = torch.where(absmax[:full] > 0, absmax[:full], 1.0)
         blocks.div_(scale.unsqueeze(1))
     if n > full * BLOCK:
         tail = src[full * BLOCK :]
         absmax[full] = tail.abs().max()
-        if torch.isinf(absmax[full]):
-            overflowed = _zero_infinities(src) if overflowed is None else overflowed
+        if not torch.isfinite(absmax[full]):
+            overflowed = _zero_nonfinite(src) if overflowed is None else overflowed
             absmax[full] = tail.abs().max()
         tail.div_(absmax[full] if absmax[full] > 0 else 1.0)
     code_map.encode(src, codes)
     return overflowed
 
 
-def _zero_infinities(values: torch.Tensor) -> torch.Tensor:
-    infinite = torch.isinf(values)
-    values.masked_fill_(infinite, 0.0)
-    return infinite
+def _zero_nonfinite(values: torch.Tensor) -> torch.Tensor:
+    nonfinite = ~torch.isfinite(values)
+    values.masked_fill_(nonfinite, 0.0)
+    return nonfinite
 
 
 def square_to_root_(codes: torch.Tensor, absmax: torch.Tensor, code_map: CodeMap) -> None:
