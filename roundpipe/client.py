@@ -337,7 +337,8 @@ class Client:
             poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(timeout=max(1, int(left * 1000))))
+            # In slices: a timeout of a month (or inf: no limit) is no C int of ms.
+            ready = dict(poller.poll(timeout=max(1, int(min(left, 60.0) * 1000))))
             if sock is not None and sock in ready:
                 self._drops = 0
                 return sock.recv_multipart(flags=zmq.NOBLOCK)

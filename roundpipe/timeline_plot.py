@@ -228,6 +228,19 @@ def measured_title(job: str, steps: tuple[int, int], info: dict[int, dict]) -> s
     return " | ".join(parts)
 
 
+def picture_path(out: Path) -> Path:
+    """The file a picture asked for as ``out`` is written to: matplotlib adds ``.png``
+    to a name without a suffix (``-o t`` wrote ``t.png``, and ``-o dir/`` wrote
+    ``dir.png`` beside the directory, while the command named ``out``). ValueError for
+    a directory."""
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(
+            f"{out} is a directory; name the picture's file, e.g. {out / 'timeline.png'}"
+        )
+    return out if out.suffix else out.with_name(out.name + ".png")
+
+
 def draw_job_timeline(
     output_dir: Path, out: Path, *, job: str, steps: tuple[int, int] | None = None
 ) -> tuple[Path, tuple[int, int], dict[int, dict]]:
@@ -236,6 +249,7 @@ def draw_job_timeline(
     FileNotFoundError (no trace) or ValueError (no such steps)."""
     from roundpipe.coordinator.training.timeline import TRACE_DIR, read_trace
 
+    out = picture_path(out)
     directory = Path(output_dir) / TRACE_DIR
     if steps is None:
         recorded = sorted(read_trace(directory, newest_segments=2).steps)
@@ -260,4 +274,4 @@ def draw_plan_timeline(result, out: Path, *, describe: str) -> Path:
     if not getattr(sim, "optimizer_events", None):
         title += " | optimizer not modelled (--optimizer-rate)"
     lanes = [f"worker {w}" for w in range(sim.num_workers)] + [OPTIMIZER_LANE]
-    return draw_timeline(boxes_from_simulation(sim), out, title=title, lanes=lanes)
+    return draw_timeline(boxes_from_simulation(sim), picture_path(out), title=title, lanes=lanes)

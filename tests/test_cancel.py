@@ -57,3 +57,27 @@ def test_cancel_interrupts_the_running_task(tmp_path: Path, arena_dir: Path) -> 
         assert cluster.workers["w1"].alive()
     finally:
         cluster.stop()
+
+
+def test_a_job_waiting_for_its_first_worker_says_so(tmp_path: Path) -> None:
+    """Submitted where no worker has connected, a job showed "running 0/N" and nothing
+    more (`submit --wait` sat silent). Its status says what it waits for; cancelled, it
+    ends at once; a job that has ended is not cancelled again, and the caller is told."""
+    from runtime_helpers import coordinator_only
+
+    from roundpipe.client import RoundPipeError
+
+    with coordinator_only(tmp_path / "c", "no-workers") as cluster:
+        job = cluster.client.submit(tiny_spec(tmp_path / "out", steps=2))
+        _wait_for(
+            lambda: job.status().message == "waiting for a worker to connect",
+            60,
+            "the job's status to say it waits for a worker",
+            cluster,
+        )
+        assert job.status().state == "running"
+        job.cancel()
+        assert job.wait(timeout_s=60).state == "cancelled"
+        with pytest.raises(RoundPipeError, match="has already ended \\(cancelled\\)") as info:
+            job.cancel()
+        assert info.value.code == "bad_state"

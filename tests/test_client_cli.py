@@ -495,6 +495,16 @@ def test_timeout_raises_unavailable_then_recovers(tmp_path: Path) -> None:
             fake.stop()
 
 
+@pytest.mark.parametrize("timeout_s", [1e9, float("inf")])
+def test_a_very_long_timeout_waits_instead_of_overflowing(
+    fake: FakeCoordinator, timeout_s: float
+) -> None:
+    """`--timeout 1e9` (or inf, no limit) overflowed the poll's C int of milliseconds:
+    every request raised OverflowError."""
+    with Client(fake.address, timeout_s=timeout_s) as c:
+        assert len(c.workers()) == 2
+
+
 def test_a_submission_still_being_checked_is_not_reported_as_a_dead_coordinator(
     fake: FakeCoordinator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -78,7 +78,8 @@ def test_submit_run_cancel_resume(tmp_path: Path) -> None:
     assert a.state == "succeeded" and a.checkpoint_step == 2 and a.message.startswith("model")
     with pytest.raises(BadState, match="already succeeded"):
         book.resume(a)
-    book.cancel(a)  # a job that has ended stays as it is
+    with pytest.raises(BadState, match=r"already ended \(succeeded\); nothing to cancel"):
+        book.cancel(a)  # a job that has ended stays as it is, and the caller is told
     assert a.state == "succeeded"
 
     # Every change went to the store first: a new book reads the same states back.

@@ -223,6 +223,19 @@ def test_model_needs_exactly_one_source(files: dict[str, Path]) -> None:
     assert "neither" in errs["model"] and "missing" in errs["data.path"]
 
 
+def test_the_output_directory_cannot_be_the_model_directory(files: dict[str, Path]) -> None:
+    """The export writes the trained model over the output directory's model files: in
+    the base model's directory, over the base (a symlink to it as well)."""
+    d = good(files)
+    d["output"]["dir"] = str(files["model"]) + "/"
+    assert "is model.path" in spec_errors(d)["output.dir"]
+    (files["root"] / "link").symlink_to(files["model"])
+    d["output"]["dir"] = str(files["root"] / "link")
+    assert "is model.path" in spec_errors(d)["output.dir"]
+    d["output"]["dir"] = str(files["model"] / "finetuned")  # a folder of its own inside: fine
+    JobSpec.from_dict(d)
+
+
 def test_model_directory_checks(files: dict[str, Path]) -> None:
     d = good(files)
     (files["model"] / "config.json").unlink()

@@ -240,3 +240,20 @@ def test_timeline_command_draws_a_trace(tmp_path: Path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli_main(["timeline", str(tmp_path), "--steps", "7:9", "-o", str(png)]) == 1
     assert "holds no task of steps 7-9" in capsys.readouterr().err
+
+
+def test_timeline_command_names_the_file_it_wrote(tmp_path: Path, capsys) -> None:
+    """matplotlib adds .png to a name without a suffix: `-o t` wrote t.png while the
+    command said t, and `-o some/dir` wrote some/dir.png beside the directory."""
+    recorder = TimelineRecorder("j", tmp_path / "timeline")
+    recorder.start(1, PLAN, num_optimizer_layers=3)
+    feed(recorder, range(1, 3), t0=1000.0)
+    recorder.close()
+    assert cli_main(["timeline", str(tmp_path), "-o", str(tmp_path / "t")]) == 0
+    assert f"drawn to {tmp_path / 't.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pictures = tmp_path / "pictures"
+    pictures.mkdir()
+    assert cli_main(["timeline", str(tmp_path), "-o", str(pictures)]) == 1
+    assert "is a directory; name the picture's file" in capsys.readouterr().err
+    assert not (tmp_path / "pictures.png").exists()

@@ -16,6 +16,7 @@ from runtime_helpers import (
     TINY_QWEN3,
     InProcessWorkers,
     assert_params_match,
+    load_output,
     oracle_train,
     tiny_spec,
     trained_in_process,
@@ -72,6 +73,32 @@ def test_lora_matches_peft_oracle(tmp_path, arena_dir) -> None:
     oracle = oracle_train(spec)
     assert any(".lora_A." in n for n in runtime)
     assert_params_match(runtime, oracle)
+
+
+def test_a_model_of_the_other_kind_in_the_output_directory_is_replaced(tmp_path, arena_dir) -> None:
+    """A full fine-tune exported where a LoRA job had exported: the adapter's files
+    stayed beside the new weights, and from_pretrained (peft installed) loaded the old
+    base and adapter instead. An adapter exported after a full model leaves no stale
+    model.safetensors beside it either."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    for i, lora in enumerate(({"r": 4, "target_modules": ["q_proj"]}, None, {"r": 4})):
+        spec = tiny_spec(out, steps=2, lora=lora)
+        with trained_in_process(spec, arena_dir, job_id=f"job-{i}") as trainer:
+            trainer.export()
+        names = {p.name for p in out.iterdir()}
+        if lora is None:
+            assert not names & {"adapter_config.json", "adapter_model.safetensors", "base_model"}
+            loaded = AutoModelForCausalLM.from_pretrained(str(out))
+            assert not hasattr(loaded, "peft_config")
+            saved = safetensors.torch.load_file(str(out / "model.safetensors"))
+            params = dict(loaded.named_parameters())
+            assert all(torch.equal(params[n], t) for n, t in saved.items() if n in params)
+        else:
+            assert not names & {"model.safetensors", "config.json"}, names
+            assert load_output(out, lora=True)  # the adapter of this job, on its base
 
 
 # Tiny configs of the other architectures, shaped like TINY_QWEN3 (runtime_helpers).

@@ -275,6 +275,9 @@ class JobRunner:
                     raise JobCancelled("cancelled")
             if not self.workers.live():
                 log.info("[coordinator] job %s waits for a worker to connect", job.job_id)
+                # Its status says so (it showed "running 0/N" and nothing more); cleared,
+                # or replaced by where it resumed from, once it starts.
+                self.book.set_state(job, "running", "waiting for a worker to connect")
                 if job_group is not None:  # the other nodes wait for this one: say why
                     job_group.set_note("no worker connected to its coordinator")
                 while not self.workers.live():

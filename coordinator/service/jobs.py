@@ -354,10 +354,13 @@ class JobBook:
     def cancel(self, job: JobRecord) -> None:
         """Cancel: at once if the job waits (queued, paused); a running job's trainer is
         asked to stop and the job ends ``cancelled`` when it has. A job that has ended
-        stays as it is."""
+        stays as it is, and BadState says so (docs/client.md: the caller is told, not
+        answered as if a running job were stopping)."""
         with self._lock:
             if job.state in FINAL_JOB_STATES:
-                return
+                raise BadState(
+                    f"job {job.job_id} has already ended ({job.state}); nothing to cancel"
+                )
             if job.state in ("queued", "paused"):
                 where = "before it started" if job.state == "queued" else "while paused"
                 # The store first (JobStoreError: nothing changed): recorded queued, it

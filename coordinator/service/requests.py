@@ -297,6 +297,8 @@ class ClientRequests:
         log.info("[coordinator] %s asks to cancel job %s", peer.name, job_id)
         try:
             self.book.cancel(job)
+        except BadState as exc:
+            return ErrorReply(code="bad_state", message=str(exc))
         except JobStoreError as exc:
             return ErrorReply(code="store_error", message=f"the job was not cancelled: {exc}")
         return Ack()

@@ -313,12 +313,28 @@ def _validate(spec: JobSpec) -> list[FieldError]:
     check_optimizer(e, spec.optimizer, spec.train.steps if train_ok else None)
     check_sharding(e, spec.train, spec.optimizer)
     check_output(e, spec.output)
+    _check_output_is_not_the_model(e, spec)
     if model_config is not None and is_int(spec.data.seq_len):
         e.items.extend(_model_errors(spec, model_config, None))
     if spec.model.resume_from is not None and not e.items:
         # Only on an otherwise valid spec: the comparisons below assume valid values.
         _check_resume(e, spec)
     return e.items
+
+
+def _check_output_is_not_the_model(e: Problems, spec: JobSpec) -> None:
+    """The final model is written over the output directory's model files (those of
+    the other kind removed first, roundpipe.coordinator.training.exporter): into the
+    base model's own directory, that overwrote the base, or put an adapter over it."""
+    out, base = spec.output.dir, spec.model.path
+    if not (isinstance(out, str) and out and isinstance(base, str) and base):
+        return
+    if os.path.realpath(out) == os.path.realpath(base):
+        e.add(
+            "output.dir",
+            f"{out!r} is model.path, the base model's directory: the trained model would "
+            "be written over it; set output.dir to a directory of its own",
+        )
 
 
 def _check_data_format(e: Problems, spec: JobSpec) -> None:

@@ -33,6 +33,16 @@ from roundpipe.shared.quantized_base import PART_SEP
 
 __all__ = ["ModelExporter"]
 
+_FULL_MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+)
+"""What ``save_pretrained`` writes for a full model (beside its shards, model-*-of-*)."""
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+"""What peft's ``save_pretrained`` writes for an adapter."""
+
 
 class ModelExporter:
     """Writes one prepared job's model: trainable weights from ``masters`` (fp32),
@@ -188,12 +198,30 @@ class ModelExporter:
             what, lambda: self._export_pinned(what, output_dir, directory)
         )
 
+    def _remove_the_other_kind(self, target: Path) -> None:
+        """Remove from ``target`` a model of the other kind that an earlier job left
+        there. A LoRA job's ``adapter_config.json`` beside a later full fine-tune's
+        weights made ``from_pretrained`` load the old base and adapter (peft installed),
+        and a full model's weights beside a later adapter were read by tools that take
+        ``model.safetensors``. Only the files ``save_pretrained`` writes for that kind
+        (and the random base a LoRA job wrote beside its adapter) go; validation keeps
+        ``output.dir`` off ``model.path``, so no base model is in ``target``."""
+        if self.model.lora is not None:
+            names = [*_FULL_MODEL_FILES, *(p.name for p in target.glob("model-*.safetensors"))]
+        else:
+            names = list(_ADAPTER_FILES)
+        for name in names:
+            (target / name).unlink(missing_ok=True)
+        if self.model.lora is None and (target / "base_model").is_dir():
+            shutil.rmtree(target / "base_model")
+
     def _export_pinned(self, what: str, output_dir: Path, directory: Path) -> Path:
         """One try of ``export``."""
         with self.output.pinned(what) as output:
             target = output if directory == output_dir else directory
             try:
                 target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+                self._remove_the_other_kind(target)
                 self.write_hf_model(target)
                 # On disk before the job is recorded as succeeded: save_pretrained
                 # writes in place and syncs nothing.
