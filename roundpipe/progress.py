@@ -78,15 +78,37 @@ class ProgressPrinter:
         self._last_printed_step: int | None = None
         self.events_seen = 0
 
-    def eta_s(self) -> float | None:
-        """Seconds left at the recent pace, or None before two steps are known."""
-        if len(self._recent) < 2 or self.total_steps <= 0:
+    PAUSE_FACTOR = 10.0
+    """A step this many times slower than the recent pace ends the pace's window."""
+
+    def _pace_s(self) -> float | None:
+        """Seconds per step over the recent window, or None before two steps are known."""
+        if len(self._recent) < 2:
             return None
         (step0, t0), (step1, t1) = self._recent[0], self._recent[-1]
-        if step1 <= step0:
+        return (t1 - t0) / (step1 - step0) if step1 > step0 else None
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the recent pace, or None before two steps are known."""
+        per_step = self._pace_s()
+        if per_step is None or self.total_steps <= 0:
             return None
-        per_step = (t1 - t0) / (step1 - step0)
-        return max(0.0, per_step * (self.total_steps - step1))
+        return max(0.0, per_step * (self.total_steps - self._recent[-1][0]))
+
+    def _note_time(self, step: int, time: float) -> None:
+        """Add a step to the pace's window, after a pause (``resume --wait`` replays
+        the steps before the checkpoint with their old times, then the run goes on
+        hours later) or a step that went back (re-done after a resume) afresh: the
+        pause is no step's time, and counted in, the ETA read hours for minutes left."""
+        if self._recent:
+            last_step, last_time = self._recent[-1]
+            pace = self._pace_s() if len(self._recent) >= 3 else None
+            if step <= last_step or (
+                pace is not None
+                and time - last_time > self.PAUSE_FACTOR * pace * (step - last_step)
+            ):
+                self._recent.clear()
+        self._recent.append((step, time))
 
     def format(self, event: ProgressEvent) -> str:
         """The progress text for `event` (without bar on a non-terminal)."""
@@ -108,7 +130,7 @@ class ProgressPrinter:
     def update(self, event: ProgressEvent) -> None:
         """Show one event."""
         self.events_seen += 1
-        self._recent.append((event.step, event.time))
+        self._note_time(event.step, event.time)
         text = self.format(event)
         if self.tty:
             pad = max(0, self._line_len - len(text))

@@ -787,6 +787,23 @@ def test_progress_printer_tty_and_eta() -> None:
     assert progress.format_duration(math.nan) == "--:--"
 
 
+def test_the_eta_after_a_resume_counts_no_pause() -> None:
+    """`resume --wait` replays the steps before the checkpoint with their old times, and
+    the resumed run goes on an hour later: the pace spanned the pause, and the ETA read
+    about two days for 15 minutes left. A step re-done after the resume (step went
+    back) starts the pace afresh too."""
+    printer = progress.ProgressPrinter(io.StringIO(), 1000, tty=True)
+    for step in range(1, 101):
+        printer.update(_event(step, float(step)))  # 1 s per step
+    for step in (101, 102, 103):
+        printer.update(_event(step, 3600.0 + step))
+        assert printer.eta_s() in (None, pytest.approx(1000 - step))
+    assert printer.eta_s() == pytest.approx(897)
+    printer.update(_event(50, 9000.0))
+    printer.update(_event(51, 9002.0))
+    assert printer.eta_s() == pytest.approx(2 * 949)
+
+
 def test_progress_printer_plain_every_n() -> None:
     stream = io.StringIO()
     printer = progress.ProgressPrinter(stream, 100, tty=False)

@@ -245,6 +245,27 @@ def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
         assert logged == pytest.approx(expected, rel=1e-4), clip
 
 
+def test_a_resumed_runs_tensorboard_steps_replace_the_ones_it_repeats(tmp_path: Path) -> None:
+    """A run stopped after step 5, its checkpoint at step 3: the resumed run logs steps
+    4.. again into the same directory. TensorBoard showed both (two points per step, the
+    curve going back); the resumed run's writer now hides the old ones past its start."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from roundpipe.coordinator.training.timeline import TimelineRecorder
+
+    directory = tmp_path / "tensorboard"
+    for first, last, scale in ((1, 5, 1.0), (4, 6, 10.0)):
+        recorder = TimelineRecorder("j", None, directory, first_step=first)
+        assert recorder._tensorboard is not None
+        for step in range(first, last + 1):
+            recorder._tensorboard.scalar("train/loss", step * scale, step)
+        recorder.close()
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert logged == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
 def test_the_metrics_endpoint_holds_few_connections_and_drops_idle_ones(monkeypatch) -> None:
     """Note [bounded metrics endpoint]: idle connections to the metrics port (no key
     needed) each held a thread and a descriptor of the coordinator for ever. Now at most

@@ -257,3 +257,22 @@ def test_timeline_command_names_the_file_it_wrote(tmp_path: Path, capsys) -> Non
     assert cli_main(["timeline", str(tmp_path), "-o", str(pictures)]) == 1
     assert "is a directory; name the picture's file" in capsys.readouterr().err
     assert not (tmp_path / "pictures.png").exists()
+
+
+def test_closing_settles_no_step_the_run_stopped_inside() -> None:
+    """A run cancelled inside step 3 (two of its tasks done): closing gave step 3 a
+    bubble fraction from those two tasks, a figure of no real step, beside the resumed
+    run's own for step 3. The steps that completed are settled."""
+    recorder = TimelineRecorder("j")
+    recorder.start(1, PLAN, num_optimizer_layers=3)
+    t = feed(recorder, range(1, 3), t0=1000.0)
+    for task_id, (kind, a, b) in enumerate(STAGES[:2], start=100):
+        done = TaskDone(
+            job_id="j", task_id=task_id, attempt=0, worker_id=0, seconds=0.1,
+            layer_times={}, compute_s=0.08, started_at=t + task_id,
+        )  # fmt: skip
+        task = SimpleNamespace(iteration=3, kind=kind, layer_start=a, layer_stop=b, task_id=task_id)
+        recorder.task_done(done, task)
+    recorder.close()
+    assert recorder._steps[2].bubble is not None
+    assert recorder._steps[3].bubble is None

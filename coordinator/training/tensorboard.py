@@ -28,11 +28,18 @@ log = logging.getLogger(__name__)
 class ScalarWriter:
     """Scalars to one TensorBoard event file directory."""
 
-    def __init__(self, directory: Path, flush_secs: float = 5.0) -> None:
+    def __init__(self, directory: Path, flush_secs: float = 5.0, first_step: int = 1) -> None:
+        """``first_step``: the run's first step. A resumed run starts after its
+        checkpoint, and the run before logged steps past it: TensorBoard hides those
+        (SummaryWriter's ``purge_step``), else each showed twice and curves went back."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
-        self._writer = SummaryWriter(log_dir=str(directory), flush_secs=int(flush_secs))
+        self._writer = SummaryWriter(
+            log_dir=str(directory),
+            flush_secs=int(flush_secs),
+            purge_step=first_step if first_step > 1 else None,
+        )
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self._writer.add_scalar(tag, float(value), global_step=step)

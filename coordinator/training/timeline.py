@@ -168,6 +168,8 @@ class _StepFigures:
     """What the recorder knows of one step, for metrics and TensorBoard."""
 
     iteration_end: float | None = None
+    complete: bool = False
+    """Every task of the step completed (``iteration_done``)."""
     reported: ProgressEvent | None = None
     optimizer_end: float | None = None
     bubble: float | None = None
@@ -187,9 +189,11 @@ class TimelineRecorder:
         keep_steps: int = 64,
         segment_steps: int = 1000,
         keep_segments: int = 10,
+        first_step: int = 1,
     ) -> None:
         """Without ``trace_dir`` nothing is written, only the figures are kept; without
-        ``tensorboard_dir`` no TensorBoard scalars are written."""
+        ``tensorboard_dir`` no TensorBoard scalars are written. ``first_step``: the
+        run's first step (a resumed job's: after its checkpoint)."""
         self.job_id = job_id
         self.keep_steps = keep_steps
         self.segment_steps = segment_steps
@@ -226,7 +230,7 @@ class TimelineRecorder:
             from roundpipe.coordinator.training.tensorboard import ScalarWriter
 
             try:
-                self._tensorboard = ScalarWriter(Path(tensorboard_dir))
+                self._tensorboard = ScalarWriter(Path(tensorboard_dir), first_step=first_step)
             except OSError as exc:  # an aid, like the trace: the job goes on without it
                 log.warning(
                     "[timeline] job %s: cannot write TensorBoard scalars to %s (%s); the job "
@@ -244,6 +248,7 @@ class TimelineRecorder:
             trainer.job_id,
             trainer.held_output / TRACE_DIR if output.timeline else None,
             trainer.held_output / TENSORBOARD_DIR if output.tensorboard else None,
+            first_step=trainer.start_step + 1,
         )
         recorder.start(trainer.start_step + 1, trainer.plan, num_optimizer_layers)
         return recorder
@@ -334,6 +339,7 @@ class TimelineRecorder:
         with self._lock:
             if num_workers:
                 self._live_workers = num_workers
+            self._steps.setdefault(k, _StepFigures()).complete = True
             self._settle(k - 1)
             self._forget_before(k - self.keep_steps)
 
@@ -363,7 +369,9 @@ class TimelineRecorder:
             if self._writer is not None:
                 self._writer.stay_in_segment()  # what is left belongs to the last one
             for k in sorted(self._steps):
-                if self._steps[k].bubble is None and self._steps[k].iteration_end is not None:
+                # Not a step the run stopped inside (cancelled, paused): its bubble from
+                # the tasks it had done was no step's, and the resumed run measures it.
+                if self._steps[k].bubble is None and self._steps[k].complete:
                     self._settle(k)
             if self._writer is not None:
                 self._writer.close()

@@ -464,6 +464,9 @@ class Trainer:
         (Note [checkpoint cut])."""
         self.step = self.start_step = step
         self.last_loss = self.progress_log.last_loss
+        # Every step up to it is applied: until run() starts its recorder, the optimizer
+        # lag (metrics, status) read step - 0, the whole run's steps.
+        self.timeline.optimizer_step = step
 
     def _plan_chosen(self, iteration: int, why: str) -> None:
         self.plan_history.append((iteration, str(self.plan), why))
