@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.spec.data import DataLoader, build_dataset_from_spec
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
@@ -228,7 +229,11 @@ def run_job(
             if on_progress is not None:
                 on_progress(event)
             if stop_after is not None and event.step >= stop_after:
-                job.cancel()
+                try:
+                    job.cancel()
+                except RoundPipeError as exc:  # it ended meanwhile (its last step)
+                    if exc.code != "bad_state":
+                        raise
                 break
         status = job.wait(timeout_s=600)
     ended_well = {"succeeded", "cancelled"} if stop_after is not None else {"succeeded"}
