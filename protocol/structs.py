@@ -41,6 +41,7 @@ from roundpipe.protocol.schema import (
     NonNegFloat,
     NonNegInt,
     PosFloat,
+    PosInt,
     ProtocolError,
     Struct,
     declare_struct,
@@ -323,6 +324,10 @@ class MicrobatchIO(Struct):
     #: tail: every forward stage's statistics ([2, experts] each); backward: the tail's
     #: counts ([experts]). Empty without a router auxiliary loss.
     router_in: list[TensorRef] = field(default_factory=list)
+    #: router auxiliary loss only: the real (not padding) tokens at the start of each of
+    #: the microbatch's rows, which alone the loss counts (as transformers does given the
+    #: attention mask). Empty: every token is real.
+    row_tokens: list[PosInt] = field(default_factory=list)
 
     def _check(self) -> None:
         if self.loss is not None and self.loss.dtype != "float32":

@@ -273,6 +273,9 @@ class StageTask(Message):
     #: LayerLayout.grads_part (the second task of a microbatch-split backward stage; the
     #: optimizer adds the two); 0 for a forward task
     grad_part: NonNegInt = 0
+    #: router auxiliary loss only: the real (not padding) tokens of the global batch,
+    #: over every node of a group (MicrobatchIO.row_tokens); 0: every token is real
+    router_tokens: NonNegInt = 0
 
     @property
     def num_microbatches(self) -> int:

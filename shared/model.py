@@ -120,7 +120,11 @@ class RouterAux:
         Forward stages return each microbatch's partial (C, P) of their layers; the
         fused tail adds its own, so it has the loss and the complete C; backward
         stages receive C and add ``coef * w_m * E * C / R^2`` as the gradient of their
-        layers' P. C is a count (no gradient), as in transformers.
+        layers' P. C is a count (no gradient), as in transformers. Padding is no token
+        here: transformers, given a padded batch's attention mask, leaves it out of C, P
+        and R, and so do the executors given each row's real tokens (the data's row
+        lengths; padding is always at a row's end), tokens_m and the batch's counting
+        real tokens only.
     """
 
     coef: float

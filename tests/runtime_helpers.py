@@ -103,6 +103,21 @@ def tiny_spec(
     return JobSpec.from_dict(spec)
 
 
+def _real_token_aux(model, out, lengths: list[int], seq: int) -> torch.Tensor:
+    """transformers' load-balancing loss of ``out``'s router logits over the real tokens
+    of rows ``lengths`` long (padding after them), as its model forms it given the
+    attention mask of a padded batch. (Not by passing that mask to the model: with one,
+    transformers no longer finds packed documents in the position ids.)"""
+    import importlib
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = importlib.import_module(type(base).__module__)
+    mask = (torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    return module.load_balancing_loss_func(
+        out.router_logits, base.num_experts, base.num_experts_per_tok, mask
+    )
+
+
 def oracle_train(
     spec: JobSpec,
     grad_norms: list[float] | None = None,
@@ -175,20 +190,22 @@ def oracle_train(
         grad_model.zero_grad(set_to_none=True)
         batch = loader.batch_for_step(k)
         total = batch.num_label_tokens
-        batch_tokens = sum(ids.numel() for ids, _ in batch.microbatches)
+        batch_tokens = batch.num_real_tokens
         step_loss = 0.0
-        for (ids, labels), pos in zip(batch.microbatches, batch.microbatch_position_ids):
+        for (ids, labels), pos, lengths in zip(
+            batch.microbatches, batch.microbatch_position_ids, batch.microbatch_row_lengths
+        ):
             # Position ids restart per packed document: transformers then masks
             # attention block-diagonally, as the runtime does.
             out = grad_model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False)
             loss = out.loss * (count_label_tokens(labels) / total)
             if getattr(out, "aux_loss", None) is not None:
                 # transformers' loss holds coef * aux; a microbatch's aux counts with its
-                # share of the batch's tokens (Note [router auxiliary loss]).
+                # share of the batch's real tokens (Note [router auxiliary loss]).
                 coef = grad_model.config.router_aux_loss_coef
-                weighted = coef * out.aux_loss
-                loss = (out.loss - weighted) * (count_label_tokens(labels) / total)
-                loss = loss + weighted * (ids.numel() / batch_tokens)
+                aux = _real_token_aux(grad_model, out, lengths, ids.shape[1])
+                loss = (out.loss - coef * out.aux_loss) * (count_label_tokens(labels) / total)
+                loss = loss + coef * aux * (sum(lengths) / batch_tokens)
             loss.backward()
             step_loss += float(loss.detach())
         if losses is not None:

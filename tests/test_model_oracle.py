@@ -266,26 +266,32 @@ def test_lora_all_linear_default_matches_peft(arch: str) -> None:
 
 
 def _hf_router_reference(
-    model: LayeredModel, weights, microbatches
+    model: LayeredModel, weights, microbatches, row_tokens=None
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """transformers with output_router_logits, one forward per microbatch: each adds its
     summed token losses / N and coef * (its tokens / batch tokens) * its aux loss.
-    Note [router auxiliary loss]."""
+    Note [router auxiliary loss]. ``row_tokens[m]``: the real tokens of each row of
+    microbatch m; the rest is padding, given to transformers as its attention mask."""
     from roundpipe.shared.model import count_label_tokens, shift_labels
 
     hf = model.to_hf_model(weights)
     n = sum(count_label_tokens(y) for _, y in microbatches)
-    batch_tokens = sum(x.numel() for x, _ in microbatches)
+    masks = [
+        None if row_tokens is None else _attention_mask(x, lengths)
+        for (x, _), lengths in zip(microbatches, row_tokens or [None] * len(microbatches))
+    ]
+    real = [x.numel() if a is None else int(a.sum()) for (x, _), a in zip(microbatches, masks)]
+    batch_tokens = sum(real)
     coef = model.config.router_aux_loss_coef
     total = 0.0
-    for x, y in microbatches:
-        out = hf(input_ids=x, output_router_logits=True)
+    for (x, y), mask, tokens in zip(microbatches, masks, real):
+        out = hf(input_ids=x, attention_mask=mask, output_router_logits=True)
         ce = torch.nn.functional.cross_entropy(
             out.logits.reshape(-1, out.logits.shape[-1]).float(),
             shift_labels(y).reshape(-1),
             reduction="sum",
         )
-        loss = ce / n + coef * (x.numel() / batch_tokens) * out.aux_loss
+        loss = ce / n + coef * (tokens / batch_tokens) * out.aux_loss
         loss.backward()
         total += float(loss.detach())
     grads = {
@@ -294,6 +300,41 @@ def _hf_router_reference(
         if p.requires_grad
     }
     return total, grads
+
+
+def _attention_mask(ids: torch.Tensor, lengths) -> torch.Tensor:
+    return (torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
+def test_router_aux_loss_leaves_padding_out_as_transformers_does(arch: str, m: int) -> None:
+    """Right-padded rows (every data.packing mode pads some): transformers, given the
+    attention mask a padded batch has, counts only real tokens in the load-balancing
+    loss. The padding's routing was counted here: router gradients 100-170% off."""
+    config = tiny_config(arch, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = LayeredModel.from_config(config)
+    weights = model.init_weights(seed=11)
+    ids, labels = batch(seed=3)
+    lengths = [12, 5, 9, 12, 2, 7, 12]
+    for row, n in enumerate(lengths):
+        ids[row, n:] = 0
+        labels[row, n:] = -100
+    mbs = split_rows(ids, labels, m)
+    row_tokens, r = [], 0
+    for x, _ in mbs:
+        row_tokens.append(lengths[r : r + x.shape[0]])
+        r += x.shape[0]
+    ref_loss, ref_grads = _hf_router_reference(model, weights, mbs, row_tokens)
+    plan = make_plan("random1", model.num_layers, f"aux-pad-{arch}-{m}")
+    res = run_iteration(model, plan, weights, mbs, StageExecutor(model), row_tokens=row_tokens)
+    ctx = f"aux padded {arch} M={m} {plan}"
+    assert abs(res.loss - ref_loss) <= TOL * abs(ref_loss), f"{ctx}: {res.loss} vs {ref_loss}"
+    assert_grads_close(res.grads, ref_grads, TOL, ctx)
+    # The mask matters: counted in, the padding moves the router gradient.
+    _, counted = _hf_router_reference(model, weights, mbs)
+    router = next(n for n in ref_grads if ".mlp.gate.weight" in n or ".mlp.router.weight" in n)
+    assert rel_err(counted[router], ref_grads[router]) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["whole", "single", "random0", "random1"])

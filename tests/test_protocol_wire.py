@@ -1,5 +1,5 @@
 """The wire is pinned: every message type, every field of every struct, and the exact
-bytes of sample frames, as they were at PROTOCOL_VERSION 12.
+bytes of sample frames, as they were at PROTOCOL_VERSION 14.
 
 Moving code around in roundpipe.protocol must leave these tests passing unchanged. A
 deliberate change to the protocol bumps PROTOCOL_VERSION (see "Version rule" in
@@ -114,7 +114,7 @@ WIRE_CATALOGUE = {
         "sent_at: float",
     ],
     "Hello": [
-        "protocol_version: int(ge=0, le=65535) = 13",
+        "protocol_version: int(ge=0, le=65535) = 14",
         "worker_name: str(min_length=1)",
         "hostname: str",
         "pid: int(ge=0)",
@@ -200,6 +200,7 @@ WIRE_CATALOGUE = {
         "position_ids: TensorRef | None = None",
         "router_out: TensorRef | None = None",
         "router_in: list[TensorRef] = []",
+        "row_tokens: list[int(ge=1)] = []",
     ],
     "NamedTensorRef": [
         "name: str(min_length=1)",
@@ -247,6 +248,7 @@ WIRE_CATALOGUE = {
         "wait_timeout_s: float(gt=0.0)",
         "options: dict[str, Any] = {}",
         "grad_part: int(ge=0) = 0",
+        "router_tokens: int(ge=0) = 0",
     ],
     "SubmitJob": [
         "spec: dict[str, Any]",
@@ -310,16 +312,16 @@ WIRE_CATALOGUE = {
 
 # sha256 of the frame of each sample message below.
 FRAME_SHA256 = {
-    "Heartbeat": "b496bc0a4221cecd114ecf03f92bcd93b15808f93d111d08dc2407b8f982e7cb",
-    "Hello": "9c520fe84134ed589d11ad2e6fdfc6e8ebd4cc7c8a1e3dba8a796728adc9fdad",
-    "JobSetup": "120e9db8d24d9de8371dd5846d16bbe143d6a278a09226009f0910941ec01b43",
-    "StageTask": "f09a9785985b2e94663a5632b7cdf132035c4c2029edb4e0c402952df27024bb",
-    "TaskDone": "5112fcc73616cb585a0701b4685e508b19cbda9db95e62b90d3c10d4385f487c",
-    "JobList": "4c51125274a66a9df9c8aa930eee360e7a839682a1b1722f3c7b5850fa433f59",
-    "WorkerList": "5f07647443b7adb4bb814c2980470a1756f4f5125b087117f6245fe11bb4f8bc",
-    "Progress": "b0951a242f1d3664933c8a1371c21b7af85a1e2d65383ea57fe187b79f499c1f",
-    "ErrorReply": "961164789ab07cf8d7c5c6cbf92cecdeaa784edae3092574fe530be9f05f9aff",
-    "Ack": "f3e6cb706c1c6611ef4562ac358ae861c6fcdf5aa292189bfaca99e1aaa252a9",
+    "Heartbeat": "64a6cde29e7f16eb5fd0e06afbee658071c29319f01f0b29245d6b121df5cbf9",
+    "Hello": "0f7166bd853b959092817296851a32f57cfbe0e1b1c9c2abde93d1abfc81ad8f",
+    "JobSetup": "21936621f078a6369fdcb71be9d55b6b8f1370dee30f784fd4d9473f984d12d8",
+    "StageTask": "85c9be619faf33114f7cb2d5ce0905b3f34c8a1998730e589cfff5ca1850748d",
+    "TaskDone": "c72292ea479badc4dddbc972e9dcad81b788edf686e22fd47a286bd2d6640f21",
+    "JobList": "90a29a18f6a562495dbae0595aa132e8e1ff16918b240c845cc0b8253cab454e",
+    "WorkerList": "ed71d9e07fd99c0a42b461428612801a3e84695ab0314cd395b30eebf707faa2",
+    "Progress": "0ef001051c5399269cfe951fe5d6b106cdb5b85eb82979fd096b19c60ba3256a",
+    "ErrorReply": "f0cd3de9d3e06df1aeca8542bf89b09d99e540056a974942ff1e77f846fd229f",
+    "Ack": "5ecafd6264d277d2fa27cac1d55d7b60a22619db49e27775460fac182a6c668b",
 }
 
 
@@ -381,7 +383,7 @@ def _catalogue() -> dict[str, list[str]]:
 
 
 def test_protocol_version_is_unchanged() -> None:
-    assert PROTOCOL_VERSION == 13
+    assert PROTOCOL_VERSION == 14
 
 
 def test_message_types_and_their_fields_are_unchanged() -> None:

@@ -287,6 +287,7 @@ class StageExecutor:
         on_output: Callable[[int, torch.Tensor], None] | None = None,
         on_saved: Callable[[int, int, torch.Tensor], None] | None = None,
         on_router_stats: Callable[[int, torch.Tensor], None] | None = None,
+        row_tokens: Sequence[Sequence[int]] | None = None,
     ) -> ForwardResult:
         """Run layers [start, stop) over every microbatch, without autograd.
 
@@ -296,7 +297,9 @@ class StageExecutor:
         m, t)`` tensors are handed over as soon as they exist instead of being returned.
         ``position_ids[m]`` are microbatch m's position ids (Note [packed documents]).
         ``on_router_stats(m, t)`` receives microbatch m's router statistics (before its
-        output) instead of ``router_stats``.
+        output) instead of ``router_stats``; ``row_tokens[m]`` are the real tokens of
+        each of its rows, the padding after them left out of those statistics (None:
+        every token is real).
         """
         self._check_range(start, stop, tail=False)
         keep = sorted(layer for layer in set(save_layers) if start <= layer < stop)
@@ -305,6 +308,7 @@ class StageExecutor:
         with self._task_scope(), torch.no_grad():
             for m, x in enumerate(inputs):
                 x = self._input(x, start)
+                real = self._real_tokens(row_tokens, m, x)
                 ctx: StageContext | None = None
                 self._start_capture()
                 for layer in range(start, stop):
@@ -314,7 +318,7 @@ class StageExecutor:
                         else:
                             result.saved[layer].append(x)
                     x, ctx = self._run_layer(layer, x, bound, ctx, rng, m, position_ids)
-                stats = self._router_stats()
+                stats = self._router_stats(real)
                 if stats is not None:
                     packed = torch.stack([stats[0], stats[1]])
                     if on_router_stats is not None:
@@ -342,6 +346,7 @@ class StageExecutor:
         on_grad_input: Callable[[int, torch.Tensor], None] | None = None,
         router_counts: Sequence[torch.Tensor] | None = None,
         batch_tokens: int | None = None,
+        row_tokens: Sequence[Sequence[int]] | None = None,
         recompute: str = "stage",
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
@@ -352,8 +357,9 @@ class StageExecutor:
         With ``on_grad_input(m, t)`` each input gradient is handed over as soon as it
         exists (so the previous stage can start) and ``grad_inputs`` comes back empty.
         With a router auxiliary loss, ``router_counts[m]`` (the tail's) and
-        ``batch_tokens`` (tokens of the global batch) give its gradient. Note [router
-        auxiliary loss] (roundpipe.shared.model). ``recompute="layer"`` keeps only each
+        ``batch_tokens`` (real tokens of the global batch; ``row_tokens`` as in
+        ``forward``) give its gradient. Note [router auxiliary loss]
+        (roundpipe.shared.model). ``recompute="layer"`` keeps only each
         layer's input and recomputes one layer at a time (Note [recompute grain]); the
         same gradients, bitwise.
         """
@@ -385,13 +391,14 @@ class StageExecutor:
         with self._task_scope(), torch.enable_grad():
             for m, (x, g) in enumerate(zip(saved_inputs, grad_outputs)):
                 g = self._hidden(g, "grad_outputs")
+                real = self._real_tokens(row_tokens, m, x)
                 x, out = self._run_with_grad(x, start, stop, bound, rng, m, position_ids)
                 extra = None
-                stats = self._router_stats()
+                stats = self._router_stats(real)
                 if stats is not None:
                     assert router_counts is not None and batch_tokens is not None
                     counts = router_counts[m].to(self.device, torch.float32)
-                    scale = self._aux_scale(x, batch_tokens)
+                    scale = self._aux_scale(x, batch_tokens, real)
                     extra = scale * (counts * stats[1]).sum()
                 gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
                 _emit(grad_inputs, on_grad_input, m, gx)
@@ -413,6 +420,7 @@ class StageExecutor:
         router_stats: Sequence[torch.Tensor] | None = None,
         batch_tokens: int | None = None,
         on_router_counts: Callable[[int, torch.Tensor], None] | None = None,
+        row_tokens: Sequence[Sequence[int]] | None = None,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
@@ -423,7 +431,8 @@ class StageExecutor:
         ``on_grad_input`` streams input gradients as in ``backward``. With a router
         auxiliary loss, ``router_stats[m]`` (the forward stages' summed
         ``ForwardResult.router_stats``; None when the tail starts at layer 0) and
-        ``batch_tokens`` (tokens of the global batch) complete it here;
+        ``batch_tokens`` (real tokens of the global batch; ``row_tokens`` as in
+        ``forward``) complete it here;
         ``on_router_counts(m, t)`` receives microbatch m's complete counts before its
         input gradient (they are in ``router_counts`` either way). Note [router
         auxiliary loss] (roundpipe.shared.model).
@@ -454,9 +463,10 @@ class StageExecutor:
         grad_inputs: list[torch.Tensor] | None = [] if start > 0 else None
         with self._task_scope(), torch.enable_grad():
             for m, (x, y) in enumerate(zip(inputs, labels)):
+                real = self._real_tokens(row_tokens, m, x)
                 x, h = self._run_with_grad(x, start, norm_layer, bound, rng, m, position_ids)
                 extra = None
-                stats = self._router_stats()
+                stats = self._router_stats(real)
                 if stats is not None:
                     assert batch_tokens is not None
                     counts, probs = stats
@@ -466,7 +476,7 @@ class StageExecutor:
                         total_probs = probs.detach() + upstream[1]
                     else:
                         total_probs = probs.detach()
-                    scale = self._aux_scale(x, batch_tokens)
+                    scale = self._aux_scale(x, batch_tokens, real)
                     aux_losses.append(scale * (counts * total_probs).sum())
                     router_counts.append(counts)
                     if on_router_counts is not None:
@@ -806,10 +816,32 @@ class StageExecutor:
         if self.model.router_aux is not None:
             _ROUTER_LOGITS.captured = []
 
-    def _router_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _real_tokens(
+        self, row_tokens: Sequence[Sequence[int]] | None, m: int, x: torch.Tensor
+    ) -> tuple[torch.Tensor, int] | None:
+        """Microbatch m's real-token mask (fp32 ``[rows * seq]``, row-major like the
+        router's logits) and count, its stage input being ``x``; None when every token
+        is real or the model has no router auxiliary loss."""
+        if self.model.router_aux is None or row_tokens is None:
+            return None
+        rows, seq = x.shape[0], x.shape[1]
+        lengths = row_tokens[m]
+        if len(lengths) != rows or not all(1 <= n <= seq for n in lengths):
+            raise ValueError(
+                f"microbatch {m}: real tokens per row {list(lengths)} do not fit its "
+                f"{rows} rows of {seq} tokens"
+            )
+        mask = torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        return mask.reshape(-1).to(self.device, torch.float32), sum(lengths)
+
+    def _router_stats(
+        self, real: tuple[torch.Tensor, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(top-k counts, router-probability sums), fp32 ``[experts]`` each, over the
         logits captured since ``_start_capture``, as transformers' load-balancing loss
-        forms them; the sums keep their autograd graph."""
+        forms them; the sums keep their autograd graph. ``real`` (``_real_tokens``):
+        padding counts in neither, as transformers leaves out what its attention mask
+        does."""
         aux = self.model.router_aux
         if aux is None:
             return None
@@ -820,16 +852,26 @@ class StageExecutor:
         for logits in captured:
             p = torch.softmax(logits.reshape(-1, aux.num_experts), dim=-1)
             picked = torch.topk(p, aux.top_k, dim=-1).indices.reshape(-1)
-            # A scatter of ones, not bincount: no device sync for the output size.
-            counts = counts.index_add(0, picked, torch.ones_like(picked, dtype=torch.float32))
-            probs = probs + p.float().sum(dim=0)
+            # A scatter of ones (or of the mask), not bincount: no device sync for the
+            # output size.
+            if real is None:
+                ones = torch.ones_like(picked, dtype=torch.float32)
+                counts = counts.index_add(0, picked, ones)
+                probs = probs + p.float().sum(dim=0)
+            else:
+                mask = real[0]
+                counts = counts.index_add(0, picked, mask.repeat_interleave(aux.top_k))
+                probs = probs + (p.float() * mask.unsqueeze(1)).sum(dim=0)
         return counts, probs
 
-    def _aux_scale(self, x: torch.Tensor, batch_tokens: int) -> float:
-        """``coef * w_m * E / R^2`` of the microbatch whose stage input is ``x``."""
+    def _aux_scale(
+        self, x: torch.Tensor, batch_tokens: int, real: tuple[torch.Tensor, int] | None = None
+    ) -> float:
+        """``coef * w_m * E / R^2`` of the microbatch whose stage input is ``x``: its real
+        tokens (``real``, else all) over ``batch_tokens``, and R layers x its tokens."""
         aux = self.model.router_aux
         assert aux is not None
-        tokens = x.shape[0] * x.shape[1]
+        tokens = x.shape[0] * x.shape[1] if real is None else real[1]
         rows = len(aux.moe_layers) * tokens
         return aux.coef * (tokens / batch_tokens) * aux.num_experts / rows**2
 

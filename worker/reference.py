@@ -38,6 +38,7 @@ def run_iteration(
     *,
     rng: RngKey | None = None,
     position_ids: Sequence[torch.Tensor] | None = None,
+    row_tokens: Sequence[Sequence[int]] | None = None,
 ) -> IterationResult:
     """Reference driver: one iteration's F stages, T, then B stages, in order.
 
@@ -45,7 +46,9 @@ def run_iteration(
     inputs (plus the hidden states handed to the next stage), backward stages start from
     those, and each task gets only its range's weights (cast to the compute dtype, as the
     params arena holds them). Tied gradients are summed into their owner.
-    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]).
+    ``position_ids[m]``: microbatch m's position ids (Note [packed documents]);
+    ``row_tokens[m]``: the real tokens of each of its rows, the padding after them left
+    out of the router auxiliary loss (None: every token is real).
     """
     rng = rng if rng is not None else RngKey()
     plan.validate(model.num_layers)
@@ -62,12 +65,24 @@ def run_iteration(
     # Router auxiliary loss: forward stages' (counts, prob sums) summed per microbatch for
     # the tail; the tail's counts for the backward stages.
     aux = model.router_aux is not None
-    batch_tokens = sum(t.numel() for t in ids) if aux else None
+    if not aux:
+        batch_tokens = None
+    elif row_tokens is None:
+        batch_tokens = sum(t.numel() for t in ids)
+    else:
+        batch_tokens = sum(sum(rows) for rows in row_tokens)
     router_stats: list[torch.Tensor] | None = None
     x: list[torch.Tensor] = ids
     for a, b in plan.forward:
         res = executor.forward(
-            a, b, model.range_weights(cast, a, b), x, boundaries, rng=rng, position_ids=position_ids
+            a,
+            b,
+            model.range_weights(cast, a, b),
+            x,
+            boundaries,
+            rng=rng,
+            position_ids=position_ids,
+            row_tokens=row_tokens,
         )
         acts.update(res.saved)
         x = res.outputs
@@ -96,6 +111,7 @@ def run_iteration(
         position_ids=position_ids,
         router_stats=router_stats,
         batch_tokens=batch_tokens,
+        row_tokens=row_tokens,
     )
     collect(tail.weight_grads)
     dx = tail.grad_inputs
@@ -112,6 +128,7 @@ def run_iteration(
             position_ids=position_ids,
             router_counts=tail.router_counts if aux else None,
             batch_tokens=batch_tokens,
+            row_tokens=row_tokens,
         )
         collect(res.weight_grads)
         dx = res.grad_inputs

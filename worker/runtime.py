@@ -355,6 +355,7 @@ class WorkerCore:
                 on_output=feed.write_output,
                 on_saved=feed.write_saved,
                 on_router_stats=feed.write_router,
+                row_tokens=feed.row_tokens(),
             )
             grads: dict[str, torch.Tensor] = {}
         elif task.kind == "backward":
@@ -369,6 +370,7 @@ class WorkerCore:
                 on_grad_input=feed.write_output,
                 router_counts=feed.router_inputs(),
                 batch_tokens=feed.batch_tokens(),
+                row_tokens=feed.row_tokens(),
                 recompute=_recompute_grain(task),
             )
             feed.write_grad_inputs(result.grad_inputs)
@@ -386,6 +388,7 @@ class WorkerCore:
                 on_grad_input=feed.write_output,
                 router_stats=feed.router_inputs(),
                 batch_tokens=feed.batch_tokens(),
+                row_tokens=feed.row_tokens(),
                 on_router_counts=feed.write_router,
             )
             feed.write_grad_inputs(result.grad_inputs)
@@ -739,11 +742,21 @@ class _MicrobatchFeed:
         return _LazyInputs(self, "router_in")
 
     def batch_tokens(self) -> int:
-        """Tokens of the global batch, over every node of a group: every microbatch slot
-        has the same shape, and a task holds all of this node's or, split (Note
-        [microbatch-split stages] in roundpipe.shared.plan), some."""
+        """Tokens of the global batch, over every node of a group: padding left out
+        (StageTask.router_tokens) or, without padding, every microbatch slot has the same
+        shape, and a task holds all of this node's or, split (Note [microbatch-split
+        stages] in roundpipe.shared.plan), some."""
+        if self.task.router_tokens:
+            return self.task.router_tokens
         shape = self.task.microbatches[0].input.shape
         return self.state.setup.global_microbatches * shape[0] * shape[1]
+
+    def row_tokens(self) -> list[list[int]] | None:
+        """Real tokens of each row of each microbatch (MicrobatchIO.row_tokens); None:
+        every token is real."""
+        if not any(mb.row_tokens for mb in self.task.microbatches):
+            return None
+        return [list(mb.row_tokens) for mb in self.task.microbatches]
 
     def write_router(self, m: int, tensor: torch.Tensor) -> None:
         """Microbatch m's router statistics / counts travel with its output (so they

@@ -100,8 +100,9 @@ class PackedDataset:
     lengths: torch.Tensor
     """int32 ``[num_rows]``: real tokens at the start of each row (>= 2)."""
     pad_token_id: int
-    """Id written into padding (its label is IGNORE_INDEX, so its value never matters
-    for the loss; it must only be a valid embedding index)."""
+    """Id written into padding (its label is IGNORE_INDEX, and the router auxiliary loss
+    leaves padding out by ``lengths``, so its value never matters for the loss; it must
+    only be a valid embedding index)."""
     eos_token_id: int | None
     """Separator appended after each text document; ``None``: token data without a
     tokenizer."""
@@ -431,6 +432,31 @@ class GlobalBatch:
     position_ids: torch.Tensor | None = None
     """int64 ``[G, seq_len]``: position ids (restarting per document with packing
     ``documents``); ``None``: 0..seq_len-1 in every row."""
+    row_lengths: torch.Tensor | None = None
+    """int64 ``[G]``: real tokens of each row, the padding after them; ``None``: no
+    padding. The router auxiliary loss counts real tokens only, as transformers does
+    given the attention mask (Note [router auxiliary loss] in roundpipe.shared.model)."""
+
+    @property
+    def has_padding(self) -> bool:
+        return self.row_lengths is not None and bool(
+            (self.row_lengths < self.input_ids.shape[1]).any()
+        )
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the batch that are not padding."""
+        if self.row_lengths is None:
+            return self.input_ids.numel()
+        return int(self.row_lengths.sum())
+
+    @property
+    def microbatch_row_lengths(self) -> list[list[int]]:
+        """Real tokens of each row, per microbatch."""
+        lengths = self.row_lengths
+        if lengths is None:
+            lengths = torch.full((self.input_ids.shape[0],), self.input_ids.shape[1])
+        return [part.tolist() for part in lengths.split(self.microbatch_size)]
 
     @property
     def microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -466,6 +492,7 @@ class GlobalBatch:
             input_ids=self.input_ids[rows],
             labels=self.labels[rows],
             position_ids=None if self.position_ids is None else self.position_ids[rows],
+            row_lengths=None if self.row_lengths is None else self.row_lengths[rows],
         )
 
 
@@ -568,6 +595,7 @@ class DataLoader:
             labels=labels,
             microbatch_size=self.microbatch_size,
             position_ids=self.dataset.position_ids(index),
+            row_lengths=self.dataset.lengths[index].long(),
         )
 
     def next_batch(self) -> GlobalBatch:

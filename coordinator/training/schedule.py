@@ -54,6 +54,7 @@ from roundpipe.protocol import (
     LayerTensorRef,
     MicrobatchIO,
     StageTask,
+    replace,
 )
 
 __all__ = ["ScheduleBuilder", "weight_version_for"]
@@ -74,7 +75,31 @@ class ScheduleBuilder:
     seed: int
     wait_timeout_s: float
 
-    def tasks(self, iteration: int, loss_denominator: int, first_task_id: int) -> list[StageTask]:
+    def tasks(
+        self,
+        iteration: int,
+        loss_denominator: int,
+        first_task_id: int,
+        *,
+        real_tokens: tuple[int, list[list[int]]] | None = None,
+    ) -> list[StageTask]:
+        """The tasks of iteration ``iteration``. ``real_tokens``: with a router
+        auxiliary loss and padding in the batch, the global batch's real tokens and
+        those of each row of this node's microbatches (MicrobatchIO.row_tokens)."""
+        tasks = self._tasks(iteration, loss_denominator, first_task_id)
+        if real_tokens is None:
+            return tasks
+        total, rows = real_tokens
+        return [
+            replace(
+                t,
+                router_tokens=total,
+                microbatches=[replace(mb, row_tokens=rows[mb.index]) for mb in t.microbatches],
+            )
+            for t in tasks
+        ]
+
+    def _tasks(self, iteration: int, loss_denominator: int, first_task_id: int) -> list[StageTask]:
         tasks: list[StageTask] = []
         for stage in self.layout.plan.stages():
             for part, mbs in enumerate(self._parts(stage.split)):

@@ -637,11 +637,18 @@ class Trainer:
                     background.begin(k, checkpointer.context())
                 # With a group: this node's share; the loss is still normalised over
                 # the global batch (batch.num_label_tokens below).
-                layout.write_batch(parity, self._node_share(batch))
+                share = self._node_share(batch)
+                layout.write_batch(parity, share)
                 assert layout.events is not None
                 for m in range(layout.num_microbatches):
                     layout.events.signal(layout.counters.act(0, m), k)
-                tasks = self.schedule.tasks(k, batch.num_label_tokens, next_task_id)
+                real_tokens = None
+                if layout.model.router_aux is not None and batch.has_padding:
+                    # Note [router auxiliary loss]: padding is no token it counts.
+                    real_tokens = (batch.num_real_tokens, share.microbatch_row_lengths)
+                tasks = self.schedule.tasks(
+                    k, batch.num_label_tokens, next_task_id, real_tokens=real_tokens
+                )
                 optimizer_thread.split_layers(
                     k, self.plan.split_gradient_layers() & set(layout.grads_part)
                 )
