@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import math
 import sys
+import time
 from typing import IO
 
 from roundpipe.client import JobHandle
@@ -65,8 +66,12 @@ class ProgressPrinter:
         *,
         tty: bool | None = None,
         every: int | None = None,
+        started_at: float | None = None,
     ) -> None:
+        """``started_at``: when watching began (``time.time()``; default now); events
+        before it are a replay of the job's history."""
         self.stream = stream
+        self.started_at = time.time() if started_at is None else started_at
         self.total_steps = max(0, int(total_steps))
         if tty is None:
             isatty = getattr(stream, "isatty", None)
@@ -77,9 +82,6 @@ class ProgressPrinter:
         self._line_len = 0  # length of the line currently drawn (tty)
         self._last_printed_step: int | None = None
         self.events_seen = 0
-
-    PAUSE_FACTOR = 10.0
-    """A step this many times slower than the recent pace ends the pace's window."""
 
     def _pace_s(self) -> float | None:
         """Seconds per step over the recent window, or None before two steps are known."""
@@ -95,20 +97,17 @@ class ProgressPrinter:
             return None
         return max(0.0, per_step * (self.total_steps - self._recent[-1][0]))
 
-    def _note_time(self, step: int, time: float) -> None:
-        """Add a step to the pace's window, after a pause (``resume --wait`` replays
-        the steps before the checkpoint with their old times, then the run goes on
-        hours later) or a step that went back (re-done after a resume) afresh: the
-        pause is no step's time, and counted in, the ETA read hours for minutes left."""
+    def _note_time(self, step: int, at: float) -> None:
+        """Add a step to the pace's window, afresh at the first step that happened after
+        this printer started watching while the one before it happened earlier (``resume
+        --wait`` replays the steps before the checkpoint with their old times, then the
+        run goes on, maybe hours later: counted in, that pause made the ETA read hours
+        for minutes left), or when the step went back (re-done after a resume)."""
         if self._recent:
             last_step, last_time = self._recent[-1]
-            pace = self._pace_s() if len(self._recent) >= 3 else None
-            if step <= last_step or (
-                pace is not None
-                and time - last_time > self.PAUSE_FACTOR * pace * (step - last_step)
-            ):
+            if step <= last_step or last_time < self.started_at <= at:
                 self._recent.clear()
-        self._recent.append((step, time))
+        self._recent.append((step, at))
 
     def format(self, event: ProgressEvent) -> str:
         """The progress text for `event` (without bar on a non-terminal)."""

@@ -791,17 +791,21 @@ def test_the_eta_after_a_resume_counts_no_pause() -> None:
     """`resume --wait` replays the steps before the checkpoint with their old times, and
     the resumed run goes on an hour later: the pace spanned the pause, and the ETA read
     about two days for 15 minutes left. A step re-done after the resume (step went
-    back) starts the pace afresh too."""
-    printer = progress.ProgressPrinter(io.StringIO(), 1000, tty=True)
-    for step in range(1, 101):
-        printer.update(_event(step, float(step)))  # 1 s per step
-    for step in (101, 102, 103):
-        printer.update(_event(step, 3600.0 + step))
-        assert printer.eta_s() in (None, pytest.approx(1000 - step))
-    assert printer.eta_s() == pytest.approx(897)
-    printer.update(_event(50, 9000.0))
-    printer.update(_event(51, 9002.0))
-    assert printer.eta_s() == pytest.approx(2 * 949)
+    back) starts the pace afresh too; a slow step in a run (a checkpoint's) does not."""
+    for replayed in (100, 2):  # a checkpoint at step 2 replays two steps only
+        printer = progress.ProgressPrinter(io.StringIO(), 1000, tty=True, started_at=3000.0)
+        for step in range(1, replayed + 1):
+            printer.update(_event(step, float(step)))  # 1 s per step, before watching
+        live = [replayed + 1, replayed + 2, replayed + 3]
+        for step in live:
+            printer.update(_event(step, 3600.0 + step))
+            assert printer.eta_s() in (None, pytest.approx(1000 - step))
+        assert printer.eta_s() == pytest.approx(1000 - live[-1])
+    printer.update(_event(3, 9000.0))  # back from step 5
+    printer.update(_event(4, 9002.0))
+    assert printer.eta_s() == pytest.approx(2 * 996)
+    printer.update(_event(5, 9100.0))  # a checkpoint's step: part of the pace
+    assert printer.eta_s() == pytest.approx(50 * 995)
 
 
 def test_progress_printer_plain_every_n() -> None:

@@ -173,6 +173,10 @@ def test_a_shard_folder_of_split_named_files_reads_only_the_split_asked(tmp_path
     shard(tmp_path / "hub" / "train-00000-of-00001.parquet", 4)
     with pytest.raises(DataError, match="holds the shards of split train but not 'test'"):
         build_dataset(tmp_path / "hub", seq_len=4, split="test")
+    # ... but a name that is no split's is one dataset's shards, read whole.
+    for i in range(2):
+        shard(tmp_path / "plain" / f"data-0000{i}-of-00002.parquet", 6 + i)
+    assert _rows(build_dataset(tmp_path / "plain", seq_len=4)) == [[6, 6, 6, 7], [7, 7]]
 
 
 @pytest.mark.parametrize("fmt", ["torch", "numpy"])

@@ -254,7 +254,8 @@ def test_a_resumed_runs_tensorboard_steps_replace_the_ones_it_repeats(tmp_path: 
     from roundpipe.coordinator.training.timeline import TimelineRecorder
 
     directory = tmp_path / "tensorboard"
-    for first, last, scale in ((1, 5, 1.0), (4, 6, 10.0)):
+    # ... and a run resumed without a checkpoint (from step 1) replaces them all.
+    for first, last, scale in ((1, 5, 0.5), (1, 5, 1.0), (4, 6, 10.0)):
         recorder = TimelineRecorder("j", None, directory, first_step=first)
         assert recorder._tensorboard is not None
         for step in range(first, last + 1):

@@ -202,14 +202,19 @@ _SPLIT_WORD = re.compile(
 )
 
 
+def _split_word(word: str) -> str | None:
+    """The split a ``datasets`` split name stands for (``dev`` -> ``validation``)."""
+    word = word.lower()
+    return next((split for split, ws in _SPLIT_WORDS.items() if word in ws), None)
+
+
 def _split_of(name: str) -> tuple[str | None, bool]:
     """The split ``name`` (a shard's file name) is named for, and whether by the shard
     pattern ``push_to_hub`` writes (which says so beyond doubt); ``(None, False)``: none."""
     if m := _SPLIT_SHARD.fullmatch(name):
         return m["split"], True
     if m := _SPLIT_WORD.fullmatch(Path(name).stem):
-        word = m["word"].lower()
-        return next(split for split, ws in _SPLIT_WORDS.items() if word in ws), False
+        return _split_word(m["word"]), False
     return None, False
 
 
@@ -236,10 +241,14 @@ def _shards(folder: str, split: str | None = None) -> list[str]:
             "told apart; move each split's shards to a folder of its own and point "
             "data.path at the one to train on"
         )
-    if len(splits) == 1 and not all(sure for _, sure in named.values()):
-        # One split by a loose name (``training_data.parquet``, ``dev.parquet``): a
-        # folder of one dataset, whatever its files are called.
-        return [os.path.join(folder, n) for n in shards]
+    if len(splits) == 1:
+        # One dataset's shards, whatever they are called (``data-00000-of-00002``,
+        # ``training_data.parquet``), unless push_to_hub's names say they are another
+        # split than the one asked (only ``test-...`` shards, split train).
+        (only,) = splits
+        other = _split_word(only) not in (None, _split_word(split) or split)
+        if not (other and all(sure for _, sure in named.values())):
+            return [os.path.join(folder, n) for n in shards]
     if split not in splits:
         raise SourceError(
             f"{folder} holds the shards of split{'s' if len(splits) > 1 else ''} "

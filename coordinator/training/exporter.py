@@ -204,16 +204,14 @@ class ModelExporter:
         weights made ``from_pretrained`` load the old base and adapter (peft installed),
         and a full model's weights beside a later adapter were read by tools that take
         ``model.safetensors``. Only the files ``save_pretrained`` writes for that kind
-        (and the random base a LoRA job wrote beside its adapter) go; validation keeps
-        ``output.dir`` off ``model.path``, so no base model is in ``target``."""
+        go, from ``target`` itself; validation keeps ``output.dir`` off ``model.path``.
+        (A ``base_model`` folder stays: it may be the model this job trained from.)"""
         if self.model.lora is not None:
             names = [*_FULL_MODEL_FILES, *(p.name for p in target.glob("model-*.safetensors"))]
         else:
             names = list(_ADAPTER_FILES)
         for name in names:
             (target / name).unlink(missing_ok=True)
-        if self.model.lora is None and (target / "base_model").is_dir():
-            shutil.rmtree(target / "base_model")
 
     def _export_pinned(self, what: str, output_dir: Path, directory: Path) -> Path:
         """One try of ``export``."""

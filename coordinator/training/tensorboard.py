@@ -30,15 +30,16 @@ class ScalarWriter:
 
     def __init__(self, directory: Path, flush_secs: float = 5.0, first_step: int = 1) -> None:
         """``first_step``: the run's first step. A resumed run starts after its
-        checkpoint, and the run before logged steps past it: TensorBoard hides those
-        (SummaryWriter's ``purge_step``), else each showed twice and curves went back."""
+        checkpoint (or at 1 without one; a new job may write where an old one did), and
+        the run before logged steps from there: TensorBoard hides those (SummaryWriter's
+        ``purge_step``), else each showed twice and curves went back."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
         self._writer = SummaryWriter(
             log_dir=str(directory),
             flush_secs=int(flush_secs),
-            purge_step=first_step if first_step > 1 else None,
+            purge_step=first_step,
         )
 
     def scalar(self, tag: str, value: float, step: int) -> None:
