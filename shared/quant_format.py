@@ -166,6 +166,16 @@ def _absmax_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows.abs().amax(dim=1)
 
 
+def _mean_of(values: torch.Tensor) -> torch.Tensor:
+    """``values.mean()`` as fp32 ``[1]``, the same whatever the thread count or device:
+    torch's mean of 262,144 or more values on the CPU changed in the last bit with
+    ``torch.get_num_threads()``, which moved every block's absmax, so a resumed job (or
+    another node of a group) quantised another base. A float64 sum on the host (numpy's:
+    one thread, one order) rounded once."""
+    total = values.detach().to("cpu", torch.float64).numpy().sum()
+    return torch.tensor([total / values.numel()], dtype=torch.float32, device=values.device)
+
+
 def _safe(scale: torch.Tensor) -> torch.Tensor:
     # An all-zero block has absmax 0; dividing by 1 instead keeps its codes at 0.
     return torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -263,7 +273,7 @@ class QuantFormat:
         if not self.double_quant:
             out["absmax"] = absmax
             return out
-        offset = absmax.mean().reshape(1)
+        offset = _mean_of(absmax)
         nested = _padded_blocks(absmax - offset, NESTED_BLOCK)
         scale = _absmax_rows(nested)
         near = torch.bucketize(nested / _safe(scale).unsqueeze(1), _table("dyn_mid", w.device))
