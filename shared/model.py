@@ -710,10 +710,14 @@ class LayeredModel:
         *,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        quantize_base: bool = False,
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Weights from a local HF directory's safetensors (``source_dir`` by default).
 
-        Reads tensor by tensor (no whole-model copy). Accepts both the per-expert MoE
+        Reads tensor by tensor (no whole-model copy). ``quantize_base``: a quantised
+        base's weights come as their parts (``QuantizedBase.quantize_weights``), each
+        quantised as it is read, so loading never holds the base in ``dtype`` (fp32: 8x
+        NF4's bytes). Accepts both the per-expert MoE
         layout HF writes by default and the fused 3-D expert tensors. With LoRA the base
         weights come from the directory and the adapters are freshly initialised as peft
         does by default (A: Kaiming-uniform from a generator seeded with ``seed``, B: 0).
@@ -767,6 +771,10 @@ class LayeredModel:
                         raise ValueError(
                             f"{path}: {key} has shape {tuple(t.shape)}, the config implies {s.shape}"
                         )
+                    if quantize_base and qb is not None and bnb is None and s.name in qb.shapes:
+                        parts = qb.format.quantize(t.to(dtype))
+                        out[layer].update((part_name(s.name, p), q) for p, q in parts.items())
+                        continue
                 out[layer][s.name] = t.to(dtype)
         if missing:
             raise ValueError(

@@ -205,3 +205,52 @@ def test_checkpoints_and_export_write_the_adapter_without_dequantising_the_base(
         assert (files / "adapter_model.safetensors").is_file()
     lora_b = [n for n in final if ".lora_B." in n]
     assert lora_b and any(final[n].abs().sum() > 0 for n in lora_b)  # it trained
+
+
+def test_a_quantised_base_is_quantised_as_it_is_read(tmp_path, arena_dir, monkeypatch):
+    """A job on a model directory read the whole base in fp32 (4 bytes a parameter),
+    then quantised it: a QLoRA job admitted for its NF4 base (about 0.9 bytes a
+    parameter in all) ran out of host memory while it started. Each weight is now
+    quantised as it is read: no two of the base's fp32 weights are alive at once, and
+    the arena holds the same parts as quantising afterwards."""
+    import gc
+    import weakref
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.shared import model as model_module
+    from roundpipe.shared.model import LayeredModel
+
+    layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
+    layered.to_hf_model(layered.init_weights(0)).save_pretrained(str(tmp_path / "model"))
+    raw = tiny_spec(tmp_path / "out", steps=2, lora={"r": 4, "base_quantization": "nf4"})
+    spec_dict = raw.to_dict()
+    spec_dict["model"] = {"path": str(tmp_path / "model"), "tokenizer": raw.model.tokenizer}
+    spec = JobSpec.from_dict(spec_dict)
+
+    read = model_module._SafetensorsDir.get
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def get(self, key):
+        nonlocal most
+        t = read(self, key)
+        if t is not None and t.dim() == 2 and "proj" in key:  # a decoder matrix: the base
+            gc.collect()
+            alive[:] = [r for r in alive if r() is not None]
+            most = max(most, len(alive) + 1)
+            alive.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(model_module._SafetensorsDir, "get", get)
+    with trained_in_process(spec, arena_dir, 2) as trainer:
+        qb = trainer.model.quantized_base
+        assert qb is not None and len(qb.shapes) > 8
+        assert most <= 2  # the one read now, and the one before it at most
+        # The same parts as reading the whole base, then quantising it.
+        monkeypatch.setattr(model_module._SafetensorsDir, "get", read)
+        whole = trainer.model.load_weights(dtype=torch.float32, seed=spec.init_seed)
+        qb.quantize_weights(whole)
+        for layer, names in trainer.layout.params.items():
+            for name, (even, _odd) in names.items():
+                if PART_SEP in name:
+                    assert torch.equal(trainer.layout.view(even), whole[layer][name]), name

@@ -257,7 +257,10 @@ class Trainer:
             model = LayeredModel.from_hf_dir(
                 spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
             )
-            weights = model.load_weights(dtype=torch.float32, seed=spec.init_seed)
+            # A quantised base is quantised as it is read (no fp32 copy of it at once).
+            weights = model.load_weights(
+                dtype=torch.float32, seed=spec.init_seed, quantize_base=True
+            )
         else:
             model = LayeredModel(config, lora)
             weights = model.init_weights(spec.init_seed)
