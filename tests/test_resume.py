@@ -172,27 +172,6 @@ def test_stopped_and_resumed_job_equals_uninterrupted_bitwise(
     assert [c.step for c in ckpts.complete("job-r")] == [4, 5]
 
 
-def test_a_resumed_job_shows_no_optimizer_lag_before_its_run_starts(
-    tmp_path: Path, arena_dir: Path
-) -> None:
-    """Between prepare() and run() (the broadcast of its setup, TensorBoard's import)
-    a resumed job's status and metrics showed an optimizer lag of its checkpoint's step
-    (thousands, for a long job): the recorder had seen no step applied."""
-    from roundpipe.coordinator.service.figures import job_figures
-
-    spec = make_spec(tmp_path / "out", staleness=1)
-    assert train(spec, arena_dir, stop_after=2) is None
-    trainer = Trainer(
-        "job-r", spec, arena_dir=arena_dir, namespace="resumetest", output_dir=tmp_path / "out"
-    )
-    try:
-        trainer.prepare(2)
-        assert trainer.start_step == 2
-        assert job_figures(trainer).optimizer_lag_steps == 0
-    finally:
-        trainer.close()
-
-
 def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
     tmp_path: Path, arena_dir: Path, caplog
 ) -> None:
@@ -249,7 +228,9 @@ def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
 def test_a_resumed_jobs_figures_are_its_own_run_s(tmp_path: Path, arena_dir: Path) -> None:
     """After a resume the progress log starts with the checkpoint's events: the time
     between the last of them and the run's first step (the downtime) was reported as
-    a step's seconds (roundpipe_job_step_seconds), and the old run's figures until then."""
+    a step's seconds (roundpipe_job_step_seconds), and the old run's figures until then.
+    Nor is the optimizer lag its checkpoint's step (thousands, for a long job) between
+    prepare() and run(): the run's recorder had seen no step applied."""
     from roundpipe.coordinator.service.figures import job_figures
 
     spec = make_spec(tmp_path / "out", staleness=1)
@@ -262,6 +243,7 @@ def test_a_resumed_jobs_figures_are_its_own_run_s(tmp_path: Path, arena_dir: Pat
         assert trainer.start_step == 2 and len(trainer.recent_progress(2)) == 2
         before = job_figures(trainer)
         assert before.step_s is None and before.tokens_per_s is None and before.lr is None
+        assert before.optimizer_lag_steps == 0
         pool = InProcessWorkers(trainer, 1)
         try:
             trainer.run(pool)
