@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import assert_params_match, oracle_train, tiny_spec, trained_in_process
+from runtime_helpers import (
+    TINY_QWEN3,
+    assert_params_match,
+    oracle_train,
+    tiny_spec,
+    trained_in_process,
+)
 
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
@@ -332,3 +338,18 @@ def test_sharded_background_checkpoints_stage_each_ranks_pieces(tmp_path) -> Non
         assert sum(per) == whole
         assert per[0] == 12 * sharded_elements(model, nodes, 0) + prev
         assert all(p == 12 * sharded_elements(model, nodes, r) for r, p in enumerate(per) if r)
+
+
+def test_a_tied_weights_gradient_sum_is_counted(tmp_path, arena_dir) -> None:
+    """The optimizer thread adds a tied embedding's two gradients in an fp32 tensor of
+    its own, as large as the embedding (0.58 GiB for a Qwen3-0.6B shape): it was in no
+    figure of host_memory_needed. What the running job holds is what is counted."""
+    spec = tiny_spec(tmp_path / "out", steps=2, config={**TINY_QWEN3, "tie_word_embeddings": True})
+    with trained_in_process(spec, arena_dir, 2, job_id="job-tied", namespace="tied") as trainer:
+        held = sum(
+            t.numel() * t.element_size() for t in trainer.optimizer_thread._tied_scratch.values()
+        )
+        need = host_memory_needed(trainer.layout, trainer.spec)
+    embedding = TINY_QWEN3["vocab_size"] * TINY_QWEN3["hidden_size"]
+    assert held == 4 * embedding
+    assert need.split_sums == held  # no stage is split here

@@ -101,9 +101,10 @@ class HostMemory:
     (Note [streamed checkpoint state] in roundpipe.coordinator.training.sharded_optimizer);
     0 on the other ranks and unsharded."""
     split_sums: int = 0
-    """Where the optimizer adds the two parts of a microbatch-split stage's gradient
-    (coordinator memory, as large as the second parts: Note [microbatch-split stages] in
-    roundpipe.shared.plan); 0 when no stage is split."""
+    """Where the optimizer adds the two parts of a gradient (coordinator memory, fp32):
+    a microbatch-split stage's (as large as the second parts: Note [microbatch-split
+    stages] in roundpipe.shared.plan) and a trainable tied weight's two uses (as large as
+    the weight: the embedding of a tied-embedding model); 0 when there are none."""
     collectives: int = 0
     """A node's scratch buffers for its collectives with the other nodes of a group: the
     largest bucket's gradient packed in the transport dtype (Note [one layout for both
@@ -205,8 +206,25 @@ def host_memory_needed(
         gathered=gathered,
         split_sums=sum(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
-        ),
+        )
+        + _tied_sums_nbytes(layout),
         collectives=collectives,
+    )
+
+
+def _tied_sums_nbytes(layout: JobLayout) -> int:
+    """The optimizer thread's scratch where a tied weight's two gradients are added (its
+    ``_tied_scratch``): one fp32 tensor per owner whose alias has a gradient slot."""
+    model = layout.model
+    owners = {
+        owner
+        for alias, owner in model.tied_params.items()
+        if alias in layout.grads[model.layer_of(alias)]
+    }
+    return sum(
+        4 * layout.grads[model.layer_of(owner)][owner].numel
+        for owner in owners
+        if owner in layout.grads[model.layer_of(owner)]
     )
 
 
