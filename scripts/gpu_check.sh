@@ -7,8 +7,8 @@
 # Steps, each under its own timeout, each writing a log (and JSON where it has figures)
 # under DIR (default: $OUT, else ./gpu-check-out):
 #   env         nvidia-smi, torch / transformers versions, /dev/shm, ulimit -l, cores, memory
-#   cuda-tests  pytest tests/test_cuda.py tests/test_transfer.py tests/test_handoff.py
-#               tests/test_long_rows.py (its CUDA case: fp32 grouped heads without the math kernel)
+#   cuda-tests  pytest -m cuda tests/test_cuda.py tests/test_long_rows.py (its CUDA case:
+#               fp32 grouped heads without the math kernel)
 #   ipc-exit    scripts/ipc_event_after_exit.py: what an imported CUDA IPC event does once
 #               its exporter was SIGKILLed (ipc_event_after_exit.json; docs/runtime.md)
 #   bandwidth   benchmarks/bandwidth.py: pinned vs pageable copies, the engine's start-up test
@@ -43,8 +43,9 @@
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
-# The qlora steps also need bitsandbytes, which that image lacks (43 MB of the 64 MiB a
-# call may carry): `../shared/tools/device-wheels.sh bitsandbytes==0.50.2` adds it.
+# The qlora steps need no bitsandbytes (the tests build its layout themselves, and nothing
+# the steps run imports it): carry no bitsandbytes wheel (43 MB of the 64 MiB a call may
+# carry).
 # On the GPU machine, run it as
 #   bash scripts/gpu_check.sh --out /tmp/gpu-check --pack $OUT/gpu-check.tgz --steps ...
 # --pack archives DIR into FILE after every step (the device tool brings back at most 8
@@ -212,8 +213,10 @@ if [ $smoke -eq 1 ]; then
   [ $quick -eq 1 ] || step long-context 300 python3 "$repo"/benchmarks/long_context_gpu.py \
     --smoke --workdir "$out/long-context-work"
 else
-  step cuda-tests 600 python3 -m pytest -q "$repo"/tests/test_cuda.py "$repo"/tests/test_transfer.py \
-    "$repo"/tests/test_handoff.py "$repo"/tests/test_long_rows.py
+  # The CUDA cases only: test_transfer's and test_handoff's other tests are CPU work the
+  # suite runs anyway, and test_handoff's ipc-exit probe is the ipc-exit step's.
+  step cuda-tests 600 python3 -m pytest -q -m cuda "$repo"/tests/test_cuda.py \
+    "$repo"/tests/test_long_rows.py
   step ipc-exit 300 python3 "$repo"/scripts/ipc_event_after_exit.py --out "$out"
   step bandwidth 120 python3 "$repo"/benchmarks/bandwidth.py
   step parity 600 python3 "$repo"/scripts/gpu_parity.py --json "$out/parity.json"

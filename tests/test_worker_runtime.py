@@ -185,3 +185,21 @@ def test_memory_limit_arguments_are_checked(args: list[str], message: str) -> No
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+
+
+def test_a_worker_computes_where_its_transfer_engine_copies() -> None:
+    """In-process GPU workers (the qlora-cuda checks, benchmarks/qlora.py) were made with
+    a CUDA engine and no device: they computed on the CPU, reading host copies of the
+    uploads that nothing waited for. The device now comes from the engine; a device
+    that contradicts it is refused."""
+    from roundpipe.worker.transfer import CpuEngine
+
+    engine = CpuEngine()
+    engine.device = torch.device("cuda", 0)  # as a CudaEngine's (no CUDA call here)
+    assert WorkerCore(0, transfer=engine).device == torch.device("cuda", 0)
+    assert WorkerCore(0, "cuda", transfer=engine).device == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="device cpu but its transfer engine copies to cuda:0"):
+        WorkerCore(0, "cpu", transfer=engine)
+    with pytest.raises(ValueError, match="device cuda:1 but"):
+        WorkerCore(0, "cuda:1", transfer=engine)
+    assert WorkerCore(0).device == torch.device("cpu")

@@ -127,11 +127,27 @@ class WorkerCore:
     def __init__(
         self,
         worker_id: int,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         transfer: TransferEngine | None = None,
     ):
+        """``device``: where tasks compute; default the engine's (``transfer``), else the
+        CPU. A CUDA engine given without its device computed on the CPU, reading copies
+        to the host that nothing waited for."""
         self.worker_id = worker_id
+        if device is None:
+            device = transfer.device if transfer is not None else "cpu"
         self.device = torch.device(device)
+        if transfer is not None:
+            engine_device = torch.device(transfer.device)  # a CUDA engine's has its index
+            if engine_device.type != self.device.type or self.device.index not in (
+                None,
+                engine_device.index,
+            ):
+                raise ValueError(
+                    f"worker {worker_id}: device {self.device} but its transfer engine "
+                    f"copies to {engine_device}"
+                )
+            self.device = engine_device
         self._owns_engine = transfer is None
         self.engine = transfer if transfer is not None else make_engine(self.device)
         self.jobs: dict[str, JobState] = {}
