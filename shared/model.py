@@ -39,7 +39,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -711,6 +711,7 @@ class LayeredModel:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         quantize_base: bool = False,
+        sink: Callable[[int, str, torch.Tensor], None] | None = None,
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Weights from a local HF directory's safetensors (``source_dir`` by default).
 
@@ -723,6 +724,9 @@ class LayeredModel:
         does by default (A: Kaiming-uniform from a generator seeded with ``seed``, B: 0).
         A bitsandbytes checkpoint's quantised base comes as its parts, not cast to
         ``dtype`` (Note [bitsandbytes checkpoint] in roundpipe.shared.bnb_checkpoint).
+        ``sink(layer, name, tensor)``: each weight (or part) is handed over as it is read
+        instead of kept, and the dict comes back empty: the trainer copies it into its
+        arena at once, so loading holds one weight at a time.
         """
         path = Path(hf_dir) if hf_dir is not None else self.source_dir
         if path is None:
@@ -733,6 +737,13 @@ class LayeredModel:
         gen = torch.Generator().manual_seed(seed)
         out: dict[int, dict[str, torch.Tensor]] = {}
         missing: list[str] = []
+
+        def put(layer: int, name: str, t: torch.Tensor) -> None:
+            if sink is None:
+                out[layer][name] = t
+            else:
+                sink(layer, name, t)
+
         for layer, specs in enumerate(self._specs):
             out[layer] = {}
             for s in specs:
@@ -745,12 +756,13 @@ class LayeredModel:
                     if bnb is not None:  # Note [bitsandbytes checkpoint]
                         if s.name in bnb.shapes:
                             parts = read_parts(reader.raw, key, bnb.format, s.shape)
-                            out[layer].update((part_name(s.name, p), t) for p, t in parts.items())
+                            for p, part in parts.items():
+                                put(layer, part_name(s.name, p), part)
                             continue
                         if is_quantised(reader.raw, key):
                             parts = read_parts(reader.raw, key, bnb.format, s.shape)
                             t = bnb.format.dequantize(parts, s.shape, torch.float32)
-                            out[layer][s.name] = t.to(dtype)
+                            put(layer, s.name, t.to(dtype))
                             continue
                     t = reader.get(key)
                     if t is None and self.dequantize_mxfp4:
@@ -773,9 +785,10 @@ class LayeredModel:
                         )
                     if quantize_base and qb is not None and bnb is None and s.name in qb.shapes:
                         parts = qb.format.quantize(t.to(dtype))
-                        out[layer].update((part_name(s.name, p), q) for p, q in parts.items())
+                        for p, part in parts.items():
+                            put(layer, part_name(s.name, p), part)
                         continue
-                out[layer][s.name] = t.to(dtype)
+                put(layer, s.name, t.to(dtype))
         if missing:
             raise ValueError(
                 f"{path}: checkpoint lacks {len(missing)} weight(s) the config needs, e.g. {missing[:5]}"

@@ -207,12 +207,15 @@ def test_checkpoints_and_export_write_the_adapter_without_dequantising_the_base(
     assert lora_b and any(final[n].abs().sum() > 0 for n in lora_b)  # it trained
 
 
-def test_a_quantised_base_is_quantised_as_it_is_read(tmp_path, arena_dir, monkeypatch):
-    """A job on a model directory read the whole base in fp32 (4 bytes a parameter),
-    then quantised it: a QLoRA job admitted for its NF4 base (about 0.9 bytes a
-    parameter in all) ran out of host memory while it started. Each weight is now
-    quantised as it is read: no two of the base's fp32 weights are alive at once, and
-    the arena holds the same parts as quantising afterwards."""
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_a_base_goes_into_the_arena_as_it_is_read(tmp_path, arena_dir, monkeypatch, quant):
+    """A job on a model directory read the whole base in fp32 (4 bytes a parameter)
+    before anything was checked: a QLoRA job admitted for its NF4 base (about 0.9 bytes
+    a parameter in all) ran out of host memory while it started, and a LoRA job on a
+    bf16 base peaked at ~6 bytes a parameter for a prediction of ~2 (Note [loading into
+    the arena] in roundpipe.coordinator.training.trainer). Each weight now goes into
+    the arena (quantised first) as it is read: no two of the base's fp32 weights are
+    alive at once, and the arena holds what reading the whole base gave."""
     import gc
     import weakref
 
@@ -222,7 +225,7 @@ def test_a_quantised_base_is_quantised_as_it_is_read(tmp_path, arena_dir, monkey
 
     layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
     layered.to_hf_model(layered.init_weights(0)).save_pretrained(str(tmp_path / "model"))
-    raw = tiny_spec(tmp_path / "out", steps=2, lora={"r": 4, "base_quantization": "nf4"})
+    raw = tiny_spec(tmp_path / "out", steps=2, lora={"r": 4, "base_quantization": quant})
     spec_dict = raw.to_dict()
     spec_dict["model"] = {"path": str(tmp_path / "model"), "tokenizer": raw.model.tokenizer}
     spec = JobSpec.from_dict(spec_dict)
@@ -243,14 +246,19 @@ def test_a_quantised_base_is_quantised_as_it_is_read(tmp_path, arena_dir, monkey
 
     monkeypatch.setattr(model_module._SafetensorsDir, "get", get)
     with trained_in_process(spec, arena_dir, 2) as trainer:
-        qb = trainer.model.quantized_base
-        assert qb is not None and len(qb.shapes) > 8
         assert most <= 2  # the one read now, and the one before it at most
-        # The same parts as reading the whole base, then quantising it.
+        # What reading the whole base, then quantising it, gives.
         monkeypatch.setattr(model_module._SafetensorsDir, "get", read)
         whole = trainer.model.load_weights(dtype=torch.float32, seed=spec.init_seed)
-        qb.quantize_weights(whole)
+        qb = trainer.model.quantized_base
+        if quant == "nf4":
+            assert qb is not None and len(qb.shapes) > 8
+            qb.quantize_weights(whole)
+        checked = 0
         for layer, names in trainer.layout.params.items():
             for name, (even, _odd) in names.items():
-                if PART_SEP in name:
-                    assert torch.equal(trainer.layout.view(even), whole[layer][name]), name
+                if ".lora_" not in name:  # the frozen base: as loaded, never trained
+                    view = trainer.layout.view(even)
+                    assert torch.equal(view, whole[layer][name].to(view.dtype)), name
+                    checked += 1
+        assert checked > 8

@@ -132,9 +132,10 @@ class ModelExporter:
         from transformers.utils import logging as hf_logging
 
         if weights is None:
-            weights = (
-                self.file_weights(self.masters) if self.adapter_only() else self.final_weights()
-            )
+            # The masters themselves, not copies (final_weights): the export comes after
+            # the last update, and a copy was one more fp32 model while all the training
+            # state is still held.
+            weights = self.file_weights(self.masters)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:

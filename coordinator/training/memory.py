@@ -24,8 +24,10 @@ the arenas; the coordinator's admission child checks the least any plan needs
 (:func:`least_host_memory`) at submit, so a hopeless job is refused at once.
 
 Not counted: a CPU worker's working memory while it runs a task (autograd's saved
-tensors, in the worker process), the coordinator's own heap (~100 MB per job), and the
-weights the trainer loads once at start (they become the masters, or are freed).
+tensors, in the worker process), the coordinator's own heap (~100 MB per job), the
+dataset's rows, and the weights the trainer loads once at start (after this check: a
+weight at a time from a model directory, a random model whole; they become the masters,
+or go into the arena and are freed).
 """
 
 from __future__ import annotations

@@ -111,6 +111,17 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     )
 
 
+# Note [loading into the arena]
+#     The weights are loaded after the job's host memory was checked and its arenas were
+#     created, and each weight read from model.path goes into the params arena (and, if
+#     it trains, becomes its fp32 master) as it is read. Loading the whole model first
+#     held it in fp32 beside everything else: a LoRA job on a bf16 base peaked at ~6
+#     bytes a parameter for a prediction of ~2, and a full fine-tune's check, taken with
+#     the fp32 weights already held, counted its masters twice and refused jobs that
+#     fit. A random base is still made whole by transformers, then placed: the peak is
+#     one fp32 model beside the arenas (docs/memory.md).
+
+
 def _as_master(w: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a freshly loaded weight: the tensor itself when it is an fp32
     tensor that owns exactly its storage (the loaders' output, dropped after loading),
@@ -257,13 +268,8 @@ class Trainer:
             model = LayeredModel.from_hf_dir(
                 spec.model.path, lora, dequantize_mxfp4=spec.model.dequantize
             )
-            # A quantised base is quantised as it is read (no fp32 copy of it at once).
-            weights = model.load_weights(
-                dtype=torch.float32, seed=spec.init_seed, quantize_base=True
-            )
         else:
             model = LayeredModel(config, lora)
-            weights = model.init_weights(spec.init_seed)
         self.node_microbatches = spec.batch.num_microbatches
         """Microbatches this node trains per step: the global batch's, or its share."""
         self._microbatch_offset = 0
@@ -307,20 +313,8 @@ class Trainer:
         )
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
-        if model.quantized_base is not None:
-            # The frozen base goes into the arena as its quantised parts (Note [quantised
-            # base] in roundpipe.shared.quantized_base).
-            model.quantized_base.quantize_weights(weights)
-        # fp32 masters (coordinator memory) and W_0 in params parity 0.
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, names in layout.params.items():
-            trainable = {s.name for s in model.layer_params(layer) if s.trainable}
-            for name, (even, _odd) in names.items():
-                w = weights[layer][name]
-                layout.view(even).copy_(w)
-                if name in trainable:
-                    self.masters.setdefault(layer, {})[name] = _as_master(w)
-        del weights
+        self._place_initial_weights(model, layout)
         full_masters = self._shard_masters()
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
@@ -461,6 +455,50 @@ class Trainer:
                 job_id=self.job_id,
                 paused=self.member.paused,
             )
+
+    def _place_initial_weights(self, model: LayeredModel, layout: JobLayout) -> None:
+        """W_0 into params parity 0 and the fp32 masters (coordinator memory), after the
+        arenas exist and host memory was checked (Note [loading into the arena])."""
+        trainable = {
+            (layer, s.name)
+            for layer in range(model.num_layers)
+            for s in model.layer_params(layer)
+            if s.trainable
+        }
+        placed: set[tuple[int, str]] = set()
+
+        def place(layer: int, name: str, w: torch.Tensor) -> None:
+            refs = layout.params.get(layer, {}).get(name)
+            if refs is None:
+                return
+            layout.view(refs[0]).copy_(w)
+            if (layer, name) in trainable:
+                self.masters.setdefault(layer, {})[name] = _as_master(w)
+            placed.add((layer, name))
+
+        spec = self.spec
+        if spec.model.path is not None:
+            # A quantised base is quantised as it is read (Note [quantised base] in
+            # roundpipe.shared.quantized_base): its parts go into the arena.
+            model.load_weights(
+                dtype=torch.float32, seed=spec.init_seed, quantize_base=True, sink=place
+            )
+        else:  # transformers builds a random model whole, in fp32
+            weights = model.init_weights(spec.init_seed)
+            if model.quantized_base is not None:
+                model.quantized_base.quantize_weights(weights)
+            for layer, per in weights.items():
+                for name in list(per):
+                    place(layer, name, per.pop(name))
+            del weights
+        unset = [
+            f"{layer}:{name}"
+            for layer, names in layout.params.items()
+            for name in names
+            if (layer, name) not in placed
+        ]
+        if unset:
+            raise JobFailed(f"the model's weights left {len(unset)} unset, e.g. {unset[:5]}")
 
     def _start_after(self, step: int) -> None:
         """Start the run after ``step``, whose state (and progress) was just restored
