@@ -353,3 +353,19 @@ def test_a_tied_weights_gradient_sum_is_counted(tmp_path, arena_dir) -> None:
     embedding = TINY_QWEN3["vocab_size"] * TINY_QWEN3["hidden_size"]
     assert held == 4 * embedding
     assert need.split_sums == held  # no stage is split here
+
+
+def test_the_data_rows_are_counted(tmp_path, arena_dir) -> None:
+    """The coordinator holds the job's rows (ids, labels, positions: 12 bytes a padded
+    token) for the whole job, and the admission child builds them too: with
+    ``packing: none`` at a long seq_len, gigabytes that no figure counted."""
+    spec = tiny_spec(tmp_path / "out", steps=2, packing="none")
+    with trained_in_process(spec, arena_dir, 2, job_id="job-rows", namespace="rows") as trainer:
+        ds = trainer.dataset
+        held = sum(
+            t.numel() * t.element_size() for t in (ds.tokens, ds.labels, ds.positions, ds.lengths)
+        )
+        need = trainer.planner.host_memory(trainer.layout)
+    assert held == ds.nbytes > 12 * ds.num_rows * spec.data.seq_len - 1
+    assert need.dataset == held
+    assert need.total == need.arenas + need.masters + need.moments + need.split_sums + held

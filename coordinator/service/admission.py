@@ -101,15 +101,18 @@ def validate_spec(
             Plan.parse(job.train.plan).validate(model.num_layers)
         except ValueError as exc:
             raise JobSpecError([FieldError("train.plan", str(exc))]) from None
-    _check_least_memory(job, model, arena_dir)
+    _check_least_memory(job, model, arena_dir, dataset.nbytes)
     if hardware is not None and hardware.gpu_memory_limited:
         _check_gpu_memory(job, model, hardware)
     return job
 
 
-def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None) -> None:
-    """Refuse a job that cannot fit this machine under any plan (``least_host_memory``).
-    The trainer checks the real plan's figure before it allocates."""
+def _check_least_memory(
+    job: JobSpec, model: LayeredModel, arena_dir: str | None, dataset_bytes: int
+) -> None:
+    """Refuse a job that cannot fit this machine under any plan (``least_host_memory``,
+    its data rows included). The trainer checks the real plan's figure before it
+    allocates."""
     from roundpipe.coordinator.training.memory import (
         InsufficientMemory,
         check_host_memory,
@@ -118,7 +121,9 @@ def _check_least_memory(job: JobSpec, model: LayeredModel, arena_dir: str | None
 
     try:
         check_host_memory(
-            least_host_memory(model, job), arena_dir, what="this job, whatever its plan,"
+            least_host_memory(model, job, dataset_bytes),
+            arena_dir,
+            what="this job, whatever its plan,",
         )
     except InsufficientMemory as exc:
         raise JobSpecError([FieldError("", str(exc))]) from None

@@ -121,6 +121,12 @@ class PackedDataset:
     packing: str = "concat"
     """How the rows were packed (``PACKING``)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows the dataset holds (ids, labels, positions, lengths)."""
+        tensors = (self.tokens, self.labels, self.positions, self.lengths)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def __post_init__(self) -> None:
         if self.labels is None:
             pad = torch.arange(self.seq_len).unsqueeze(0) >= self.lengths.unsqueeze(1)

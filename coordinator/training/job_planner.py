@@ -96,6 +96,8 @@ class JobPlanner:
     """Nodes of the job's data-parallel group (1: none)."""
     rank: int = 0
     """This node's rank in it: what it holds of sharded optimizer state (``memory``)."""
+    dataset_bytes: int = 0
+    """Bytes of the job's data rows, counted in its host memory."""
     profile: ProfileAggregator | None = field(default=None, init=False)
     """Measured layer times, when the planner may re-plan (Note [re-planning])."""
     replan_attempts: int = field(default=0, init=False)
@@ -190,7 +192,12 @@ class JobPlanner:
         """This node's host memory for ``layout`` with ``staging`` bytes of checkpoint
         staging (its share of sharded optimizer state: ``host_memory_needed``)."""
         return host_memory_needed(
-            layout, self.spec, checkpoint_staging=staging, nodes=self.nodes, rank=self.rank
+            layout,
+            self.spec,
+            checkpoint_staging=staging,
+            nodes=self.nodes,
+            rank=self.rank,
+            dataset=self.dataset_bytes,
         )
 
     def _initial_plan(

@@ -11,6 +11,7 @@ out. By component (:class:`HostMemory`, docs/memory.md):
 * the fp32 master weights of its trainable parameters (4 bytes each) and the optimizer
   states (AdamW: 8 bytes, ~2.03 with ``optimizer.state_dtype: int8``), in the
   coordinator's own memory;
+* the job's data rows (token ids, labels, position ids), held for the whole job;
 * the staging copy of one checkpoint's training state, when checkpoints are written in
   the background (:func:`checkpoint_staging_needed`; Note [background checkpoint] in
   roundpipe.coordinator.training.snapshot).
@@ -24,8 +25,8 @@ the arenas; the coordinator's admission child checks the least any plan needs
 (:func:`least_host_memory`) at submit, so a hopeless job is refused at once.
 
 Not counted: a CPU worker's working memory while it runs a task (autograd's saved
-tensors, in the worker process), the coordinator's own heap (~100 MB per job), the
-dataset's rows, and the weights the trainer loads once at start (after this check: a
+tensors, in the worker process), the coordinator's own heap (~100 MB per job), and the
+weights the trainer loads once at start (after this check: a
 weight at a time from a model directory, a random model whole; they become the masters,
 or go into the arena and are freed).
 """
@@ -107,6 +108,9 @@ class HostMemory:
     a microbatch-split stage's (as large as the second parts: Note [microbatch-split
     stages] in roundpipe.shared.plan) and a trainable tied weight's two uses (as large as
     the weight: the embedding of a tied-embedding model); 0 when there are none."""
+    dataset: int = 0
+    """The data's rows (token ids, labels and position ids, int32), which the coordinator
+    holds for the whole job (``PackedDataset.nbytes``; 0 where not known)."""
     collectives: int = 0
     """A node's scratch buffers for its collectives with the other nodes of a group: the
     largest bucket's gradient packed in the transport dtype (Note [one layout for both
@@ -128,6 +132,7 @@ class HostMemory:
             + self.checkpoint_staging
             + self.gathered
             + self.split_sums
+            + self.dataset
             + self.collectives
         )
 
@@ -142,6 +147,7 @@ class HostMemory:
             f"state gathered for checkpoints {_gib(self.gathered)}, " if self.gathered else ""
         )
         collectives = f"collective buffers {_gib(self.collectives)}, " if self.collectives else ""
+        collectives += f"data rows {_gib(self.dataset)}, " if self.dataset else ""
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
             f"{_gib(self.weights)}, gradient buffer {_gib(self.grads)}, activations "
@@ -159,6 +165,7 @@ def host_memory_needed(
     checkpoint_staging: int = 0,
     nodes: int = 1,
     rank: int = 0,
+    dataset: int = 0,
 ) -> HostMemory:
     """What a job with this (planned, not yet created) layout takes in host memory.
     ``spec``: the job's optimizer settings (default: AdamW with fp32 states);
@@ -167,7 +174,7 @@ def host_memory_needed(
     ``rank``: this node's place in a data-parallel group; with
     ``train.optimizer_sharding: sharded`` it holds only its pieces of the masters and
     optimizer states, and rank 0 also the whole masters (and a layer's states) while it
-    writes a checkpoint."""
+    writes a checkpoint. ``dataset``: bytes of the job's data rows (``HostMemory.dataset``)."""
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
@@ -210,6 +217,7 @@ def host_memory_needed(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         )
         + _tied_sums_nbytes(layout),
+        dataset=dataset,
         collectives=collectives,
     )
 
@@ -336,13 +344,14 @@ def planned_layout(model: LayeredModel, plan: Plan, spec: JobSpec) -> JobLayout:
     )
 
 
-def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
+def least_host_memory(model: LayeredModel, spec: JobSpec, dataset: int = 0) -> HostMemory:
     """The least host memory ``spec`` needs under any plan (what admission checks at
     submit): the activation slots of the plan with the fewest (the whole model as one
     tail stage) and the gradient buffer of the plan with the narrowest stages (one layer
     each), sized, not created; with the checkpoint staging an explicit
     ``output.checkpoint_staging`` commits the job to ("auto" takes staging only if the
-    machine has it to spare when the job starts, so it adds nothing here)."""
+    machine has it to spare when the job starts, so it adds nothing here); ``dataset``:
+    bytes of its data rows."""
     import dataclasses
 
     from roundpipe.shared.plan import Plan
@@ -351,7 +360,7 @@ def least_host_memory(model: LayeredModel, spec: JobSpec) -> HostMemory:
     one_stage = Plan(forward=(), tail=(0, n), backward=())
     layout = planned_layout(model, one_stage, spec)
     staging = committed_checkpoint_staging(layout, spec)
-    fewest_slots = host_memory_needed(layout, spec, checkpoint_staging=staging)
+    fewest_slots = host_memory_needed(layout, spec, checkpoint_staging=staging, dataset=dataset)
     if n < 2:
         return fewest_slots
     narrowest = Plan.uniform(n, num_forward=1, num_backward=n - 1, tail_layers=1)

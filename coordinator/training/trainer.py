@@ -295,6 +295,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             nodes=1 if self.group is None else self.group.world_size,
             rank=0 if self.group is None else self.group.rank,
+            dataset_bytes=self.dataset.nbytes,
         )
         layout, why = self.planner.first_layout(model)
         if self.compute_dtype == torch.float16:
