@@ -788,7 +788,11 @@ class LayeredModel:
                         for p, part in parts.items():
                             put(layer, part_name(s.name, p), part)
                         continue
-                put(layer, s.name, t.to(dtype))
+                # A copy even in the same dtype: safetensors' tensor is a copy-on-write
+                # view of the file's mapping, and a trained weight's master kept it (a
+                # model file rewritten in place before the first step changed it, or
+                # SIGBUS).
+                put(layer, s.name, t.to(dtype, copy=True))
         if missing:
             raise ValueError(
                 f"{path}: checkpoint lacks {len(missing)} weight(s) the config needs, e.g. {missing[:5]}"

@@ -369,3 +369,22 @@ def test_the_data_rows_are_counted(tmp_path, arena_dir) -> None:
     assert held == ds.nbytes > 12 * ds.num_rows * spec.data.seq_len - 1
     assert need.dataset == held
     assert need.total == need.arenas + need.masters + need.moments + need.split_sums + held
+
+
+def test_the_check_leaves_out_the_data_rows_already_held(monkeypatch) -> None:
+    """Every check runs after the data rows were built: the memory available then is
+    already without them, and counting them again refused jobs that fit (gigabytes
+    with packing none at a long seq_len)."""
+    from roundpipe.coordinator.training import memory
+    from roundpipe.coordinator.training.memory import HostMemory, InsufficientMemory
+
+    need = HostMemory(weights=100, grads=50, activations=10, masters=40, moments=80, dataset=900)
+    for available, fits in ((need.total - 900, True), (need.total - 901, False)):
+        monkeypatch.setattr(
+            memory.psutil, "virtual_memory", lambda a=available: type("VM", (), {"available": a})()
+        )
+        if fits:
+            memory.check_host_memory(need, None)
+        else:
+            with pytest.raises(InsufficientMemory, match="data rows"):
+                memory.check_host_memory(need, None)

@@ -474,3 +474,33 @@ def test_the_coordinators_own_stall_is_no_workers_hang() -> None:
     tracker._last_progress[1] -= 6  # 17 s, 6 of them excused: a hang
     trainer._check_progress()
     assert fenced == [1]
+
+
+def test_no_master_is_a_view_of_the_model_file(tmp_path, arena_dir) -> None:
+    """A full fine-tune from an fp32 model directory kept safetensors' tensors as its
+    masters: copy-on-write views of the file's mapping, so the model file rewritten in
+    place before the first optimizer step changed the job's weights (or SIGBUS)."""
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.shared.model import LayeredModel
+
+    layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
+    layered.to_hf_model(layered.init_weights(0)).save_pretrained(str(tmp_path / "model"))
+    raw = tiny_spec(tmp_path / "out", steps=2).to_dict()
+    raw["model"] = {"path": str(tmp_path / "model"), "tokenizer": raw["model"]["tokenizer"]}
+    trainer = new_trainer(JobSpec.from_dict(raw), arena_dir)
+    try:
+        trainer.prepare(2)
+        files = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                files.append((lo, hi))
+        masters = [t for per in trainer.masters.values() for t in per.values()]
+        assert len(masters) > 10
+        inside = [
+            t for t in masters if any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in files)
+        ]
+        assert not inside, f"{len(inside)} of {len(masters)} masters map the model file"
+    finally:
+        trainer.close()

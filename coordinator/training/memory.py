@@ -448,13 +448,15 @@ def check_host_memory(
     need: HostMemory, arena_dir: str | os.PathLike[str] | None, *, what: str = "this job"
 ) -> None:
     """Raise InsufficientMemory unless ``need`` fits the memory available now and its
-    arenas fit the free space of ``arena_dir`` (None: not checked)."""
+    arenas fit the free space of ``arena_dir`` (None: not checked). Its data rows are
+    held already (every caller checks after building them, so ``available`` is without
+    them), and only the rest is compared."""
     available = psutil.virtual_memory().available
     fix = (
         "use a shorter data.seq_len, a smaller batch.microbatch_size or fewer "
         "batch.num_microbatches, LoRA, or a machine with more memory"
     )
-    if need.total > available:
+    if need.total - need.dataset > available:
         raise InsufficientMemory(
             f"{what} needs {need.describe()}, but only {_gib(available)} is available on "
             f"this machine; {fix}"
