@@ -255,12 +255,16 @@ def test_a_resumed_runs_tensorboard_steps_replace_the_ones_it_repeats(tmp_path: 
 
     directory = tmp_path / "tensorboard"
     # ... and a run resumed without a checkpoint (from step 1) replaces them all.
-    for first, last, scale in ((1, 5, 0.5), (1, 5, 1.0), (4, 6, 10.0)):
+    for run, (first, last, scale) in enumerate(((1, 5, 0.5), (1, 5, 1.0), (4, 6, 10.0))):
         recorder = TimelineRecorder("j", None, directory, first_step=first)
         assert recorder._tensorboard is not None
         for step in range(first, last + 1):
             recorder._tensorboard.scalar("train/loss", step * scale, step)
         recorder.close()
+        # TensorBoard reads event files in name order: the second and a writer count
+        # name them, so within one second a count of 9 then 10 would misorder the runs.
+        (made,) = [f for f in directory.iterdir() if not f.name.startswith("events.run")]
+        made.rename(directory / f"events.run{run}.tfevents")
     acc = EventAccumulator(str(directory))
     acc.Reload()
     logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
