@@ -132,3 +132,33 @@ def test_idle_time_between_tasks_is_not_a_hang(monkeypatch: pytest.MonkeyPatch) 
     assert tracker.hung_workers(clock[0] + 0.5) == []
     assert tracker.hung_workers(clock[0] + 4) == []
     assert sorted(tracker.hung_workers(clock[0] + 6)) == [1, 2]  # a real hang still is one
+
+
+def test_failures_its_workers_call_retryable_do_not_use_up_the_tasks_attempts() -> None:
+    """A worker stopping under its task (a rolling restart of the workers), a dead
+    producer's input, a failed copy: the worker marks such a failure retryable. Three of
+    them under one task failed the job as if the task itself had failed three times.
+    They count apart, against a bound that only stops a loop; the task's own failures
+    still end it after max_attempts."""
+    from roundpipe.protocol import replace
+
+    tracker, pool = make([1, 2], max_attempts=3, max_retryable_attempts=6)
+    tracker.dispatch(task(7))
+
+    def fail(retryable: bool) -> None:
+        attempt, worker = pool.sent[-1][1], pool.sent[-1][2]
+        msg = task_failed("j", 7, attempt, worker, "TaskAborted", "the worker is stopping")
+        tracker.failed(replace(msg, retryable=retryable))
+
+    for _ in range(5):
+        fail(retryable=True)
+    fail(retryable=False)
+    fail(retryable=False)
+    with pytest.raises(TaskGaveUp, match="failed 3 times; last on worker"):
+        fail(retryable=False)
+    tracker, pool = make([1, 2], max_retryable_attempts=6)
+    tracker.dispatch(task(7))
+    for _ in range(5):
+        fail(retryable=True)
+    with pytest.raises(TaskGaveUp, match="failed 6 times in ways its workers called retryable"):
+        fail(retryable=True)

@@ -20,7 +20,11 @@ Three separate signals decide that a worker is gone (docs/fault-tolerance.md):
 A task that *fails* (the worker reports an exception) is retried on another worker (on
 the same one when it is the only one) up to ``max_attempts`` times in all; then the job
 fails with the task's error (e.g. out of memory for its stage), instead of retrying
-forever.
+forever. A failure the worker marks retryable is not the task's own: its worker was
+stopping (a rolling restart of the workers), an input's producer died, a copy failed and
+the worker exits. Those count against ``max_retryable_attempts`` instead, a bound against
+a loop, not a verdict: three such in a row (a worker restarted under the same task three
+times) failed a job that only waited on its workers.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class TaskGaveUp(RuntimeError):
 class RecoveryPolicy:
     max_attempts: int = 3
     """Attempts per task when it *fails* (raises). Re-dispatch after worker loss is free."""
+    max_retryable_attempts: int = 20
+    """Failures per task that its worker marked retryable (TaskFailed.retryable: not the
+    task's fault), counted apart from ``max_attempts``."""
     deadline_floor_s: float = 60.0
     """A worker with tasks in flight must complete one at least this often."""
     deadline_factor: float = 20.0
@@ -68,6 +75,7 @@ class TaskTracker:
     in_flight: dict[int, _Entry] = field(default_factory=dict)
     parked: list[StageTask] = field(default_factory=list)
     failures: dict[int, int] = field(default_factory=dict)
+    retryable_failures: dict[int, int] = field(default_factory=dict)
     slowest_task_s: float = 0.0
     recoveries: list[dict] = field(default_factory=list)
     _round_robin: int = 0
@@ -124,23 +132,27 @@ class TaskTracker:
         entry = self.in_flight.pop(msg.task_id, None)
         if entry is None:
             return
-        count = self.failures.get(msg.task_id, 0) + 1
-        self.failures[msg.task_id] = count
+        counts = self.retryable_failures if msg.retryable else self.failures
+        limit = self.policy.max_retryable_attempts if msg.retryable else self.policy.max_attempts
+        count = counts.get(msg.task_id, 0) + 1
+        counts[msg.task_id] = count
         task = entry.task
-        if count >= self.policy.max_attempts:
+        if count >= limit:
+            kind = " in ways its workers called retryable" if msg.retryable else ""
             raise TaskGaveUp(
                 f"task {task.task_id} ({task.kind} layers {task.layer_start}:{task.layer_stop}, "
-                f"iteration {task.iteration}) failed {count} times; last on worker "
+                f"iteration {task.iteration}) failed {count} times{kind}; last on worker "
                 f"{msg.worker_id}: {msg.error_type}: {msg.message}"
             )
         log.warning(
-            "[recovery] task %d failed on worker %d (%s: %s); retry %d of %d",
+            "[recovery] task %d failed on worker %d (%s: %s%s); retry %d of %d",
             task.task_id,
             msg.worker_id,
             msg.error_type,
             msg.message,
+            ", retryable" if msg.retryable else "",
             count,
-            self.policy.max_attempts - 1,
+            limit - 1,
         )
         # Another worker if there is one; the same one if it is the only one left (a
         # one-GPU job must still retry, or the task would wait for a worker that never
