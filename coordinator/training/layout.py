@@ -338,6 +338,16 @@ class JobLayout:
         """Whether some layers take turns in one gradient slot (Note [gradient buffer])."""
         return len(set(self.grad_slot.values())) < len(self.grad_slot)
 
+    def tied_gradients(self) -> list[tuple[str, str]]:
+        """(alias, owner) of each tied weight whose alias has a gradient slot of its own
+        (Note [tied embeddings]): the optimizer adds the two before it updates the owner."""
+        layer_of = self.model.layer_of
+        return [
+            (alias, owner)
+            for alias, owner in self.model.tied_params.items()
+            if alias in self.grads[layer_of(alias)]
+        ]
+
     def grad_sharers(self, layer: int) -> list[int]:
         """Other layers whose gradients use ``layer``'s slot (Note [gradient buffer])."""
         slot = self.grad_slot.get(layer)

@@ -224,18 +224,9 @@ def host_memory_needed(
 
 def _tied_sums_nbytes(layout: JobLayout) -> int:
     """The optimizer thread's scratch where a tied weight's two gradients are added (its
-    ``_tied_scratch``): one fp32 tensor per owner whose alias has a gradient slot."""
-    model = layout.model
-    owners = {
-        owner
-        for alias, owner in model.tied_params.items()
-        if alias in layout.grads[model.layer_of(alias)]
-    }
-    return sum(
-        4 * layout.grads[model.layer_of(owner)][owner].numel
-        for owner in owners
-        if owner in layout.grads[model.layer_of(owner)]
-    )
+    ``_tied_scratch``): one fp32 tensor per owner, as large as the owner's slot."""
+    owners = {owner for _, owner in layout.tied_gradients()}
+    return sum(4 * layout.grads[layout.model.layer_of(o)][o].numel for o in owners)
 
 
 def collective_buffer_nbytes(

@@ -86,11 +86,10 @@ class OptimizerThread:
         self._background: BackgroundCheckpoints | None = None
         # Tied aliases: owner layer -> [(tail layer, alias name, owner name)].
         self._tied: dict[int, list[tuple[int, str, str]]] = {}
-        for alias, owner in model.tied_params.items():
-            if alias in layout.grads[model.layer_of(alias)]:
-                self._tied.setdefault(model.layer_of(owner), []).append(
-                    (model.layer_of(alias), alias, owner)
-                )
+        for alias, owner in layout.tied_gradients():
+            self._tied.setdefault(model.layer_of(owner), []).append(
+                (model.layer_of(alias), alias, owner)
+            )
         # Whole-tensor scratch, shaped as the gradient slots (a sharded node's masters
         # are pieces).
         self._tied_scratch = {

@@ -54,10 +54,13 @@ from roundpipe.protocol import (
     LayerTensorRef,
     MicrobatchIO,
     StageTask,
-    replace,
 )
 
 __all__ = ["ScheduleBuilder", "weight_version_for"]
+
+_Real = tuple[int, list[list[int]]] | None
+"""ScheduleBuilder.tasks' ``real_tokens``: the global batch's real tokens and those of
+each row of this node's microbatches, or None (no padding, or no router loss)."""
 
 
 def weight_version_for(iteration: int, staleness: int) -> int:
@@ -81,36 +84,24 @@ class ScheduleBuilder:
         loss_denominator: int,
         first_task_id: int,
         *,
-        real_tokens: tuple[int, list[list[int]]] | None = None,
+        real_tokens: _Real = None,
     ) -> list[StageTask]:
         """The tasks of iteration ``iteration``. ``real_tokens``: with a router
         auxiliary loss and padding in the batch, the global batch's real tokens and
-        those of each row of this node's microbatches (MicrobatchIO.row_tokens)."""
-        tasks = self._tasks(iteration, loss_denominator, first_task_id)
-        if real_tokens is None:
-            return tasks
-        total, rows = real_tokens
-        return [
-            replace(
-                t,
-                router_tokens=total,
-                microbatches=[replace(mb, row_tokens=rows[mb.index]) for mb in t.microbatches],
-            )
-            for t in tasks
-        ]
-
-    def _tasks(self, iteration: int, loss_denominator: int, first_task_id: int) -> list[StageTask]:
+        those of each row of this node's microbatches (StageTask.router_tokens,
+        MicrobatchIO.row_tokens)."""
+        k, real = iteration, real_tokens
         tasks: list[StageTask] = []
         for stage in self.layout.plan.stages():
             for part, mbs in enumerate(self._parts(stage.split)):
                 task_id = first_task_id + len(tasks)
                 if stage.kind == "F":
-                    tasks.append(self._forward(iteration, task_id, stage.start, stage.stop, mbs))
+                    tasks.append(self._forward(k, task_id, stage.start, stage.stop, mbs, real))
                 elif stage.kind == "T":
-                    tasks.append(self._tail(iteration, task_id, loss_denominator))
+                    tasks.append(self._tail(k, task_id, loss_denominator, real))
                 else:
                     tasks.append(
-                        self._backward(iteration, task_id, stage.start, stage.stop, mbs, part)
+                        self._backward(k, task_id, stage.start, stage.stop, mbs, part, real)
                     )
         return tasks
 
@@ -122,9 +113,12 @@ class ScheduleBuilder:
 
     # -- pieces shared by all kinds ---------------------------------------------------
 
-    def _common(self, iteration: int, task_id: int, kind: str, start: int, stop: int) -> dict:
+    def _common(
+        self, iteration: int, task_id: int, kind: str, start: int, stop: int, real: _Real
+    ) -> dict:
         version = weight_version_for(iteration, self.staleness)
         return dict(
+            router_tokens=real[0] if real else 0,
             job_id=self.job_id,
             task_id=task_id,
             attempt=0,
@@ -195,6 +189,11 @@ class ScheduleBuilder:
             return self.layout.input_ids[(parity, mb)]
         return self.layout.acts[(layer, parity, mb)]
 
+    @staticmethod
+    def _row_tokens(real: _Real, m: int) -> list[int]:
+        """MicrobatchIO.row_tokens of microbatch m (empty: every token is real)."""
+        return real[1][m] if real else []
+
     def _wait(self, index: int, at_least: int) -> EventWait:
         return EventWait(counter=index, at_least=at_least)
 
@@ -204,7 +203,7 @@ class ScheduleBuilder:
     # -- the three kinds --------------------------------------------------------------
 
     def _forward(
-        self, k: int, task_id: int, start: int, stop: int, microbatches: range
+        self, k: int, task_id: int, start: int, stop: int, microbatches: range, real: _Real
     ) -> StageTask:
         c, p = self.layout.counters, k % 2
         inner = sorted(b for b in self.layout.plan.backward_boundaries() if start < b < stop)
@@ -226,17 +225,18 @@ class ScheduleBuilder:
                     signals=signals,
                     position_ids=self.layout.position_ids[(p, m)],
                     router_out=self.layout.router_stats.get((start, p, m)),
+                    row_tokens=self._row_tokens(real, m),
                 )
             )
         return StageTask(
-            **self._common(k, task_id, "forward", start, stop),
+            **self._common(k, task_id, "forward", start, stop, real),
             microbatches=mbs,
             grad_waits=[],
             grad_signals=[],
             loss_denominator=0,
         )
 
-    def _tail(self, k: int, task_id: int, loss_denominator: int) -> StageTask:
+    def _tail(self, k: int, task_id: int, loss_denominator: int, real: _Real) -> StageTask:
         c, p = self.layout.counters, k % 2
         start, stop = self.layout.plan.tail
         mbs = []
@@ -266,17 +266,25 @@ class ScheduleBuilder:
                         if (a, p, m) in self.layout.router_stats
                     ],
                     router_out=self.layout.router_counts.get((p, m)) if start else None,
+                    row_tokens=self._row_tokens(real, m),
                 )
             )
         return StageTask(
-            **self._common(k, task_id, "tail", start, stop),
+            **self._common(k, task_id, "tail", start, stop, real),
             microbatches=mbs,
             **self._grad_order(k, start, stop),
             loss_denominator=loss_denominator,
         )
 
     def _backward(
-        self, k: int, task_id: int, start: int, stop: int, microbatches: range, part: int
+        self,
+        k: int,
+        task_id: int,
+        start: int,
+        stop: int,
+        microbatches: range,
+        part: int,
+        real: _Real,
     ) -> StageTask:
         c, p = self.layout.counters, k % 2
         mbs = []
@@ -296,10 +304,11 @@ class ScheduleBuilder:
                     router_in=[self.layout.router_counts[(p, m)]]
                     if (p, m) in self.layout.router_counts
                     else [],
+                    row_tokens=self._row_tokens(real, m),
                 )
             )
         return StageTask(
-            **self._common(k, task_id, "backward", start, stop),
+            **self._common(k, task_id, "backward", start, stop, real),
             microbatches=mbs,
             **self._grad_order(k, start, stop, part),
             loss_denominator=0,
