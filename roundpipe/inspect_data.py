@@ -9,6 +9,7 @@ read off directly. A trained token here is one a shifted causal-LM loss predicts
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import IO, Any
 
@@ -21,26 +22,43 @@ def render_row(tokens: list[int], labels: list[int], positions: list[int], decod
     """The row as text: trained tokens in ``[[...]]``, ``|`` where a packed document
     starts. ``decode(ids) -> str`` (a tokenizer's decode, or str of the ids)."""
     out: list[str] = []
-    run: list[int] = []
-    run_trained = False
+    document: list[int] = []
+    runs: list[tuple[int, bool]] = []  # (where in the document a run starts, trained)
 
     def flush() -> None:
-        if run:
-            text = decode(run)
-            out.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if run_trained else text)
-            run.clear()
+        if document:
+            out.append(_render_document(document, runs, decode))
+            document.clear()
+            runs.clear()
 
     for t, tok in enumerate(tokens):
         trained = labels[t] != -100 and t > 0  # labels[0] is never predicted
         if t > 0 and positions[t] == 0:
             flush()
             out.append(" | ")
-        if trained != run_trained:
-            flush()
-            run_trained = trained
-        run.append(tok)
+        if not runs or trained != runs[-1][1]:
+            runs.append((len(document), trained))
+        document.append(tok)
     flush()
     return "".join(out)
+
+
+def _render_document(ids: list[int], runs: list[tuple[int, bool]], decode: Any) -> str:
+    """One packed document's text with its trained runs marked. The document is decoded
+    whole and cut where each run's prefix stops agreeing with it: a character whose
+    bytes span two tokens on either side of a run's edge (byte-level BPE) shows once, in
+    the later run, not as a replacement character in each."""
+    text = decode(ids)
+    cuts = []
+    for start, _ in runs:
+        agree = len(os.path.commonprefix([decode(ids[:start]), text])) if start else 0
+        cuts.append(max(agree, cuts[-1] if cuts else 0))
+    cuts.append(len(text))
+    parts = []
+    for (_, trained), begin, end in zip(runs, cuts, cuts[1:], strict=False):
+        piece = text[begin:end]
+        parts.append(f"{TRAINED_OPEN}{piece}{TRAINED_CLOSE}" if trained else piece)
+    return "".join(parts)
 
 
 def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) -> int:

@@ -88,6 +88,29 @@ def test_pretokenised_and_text_formats(tmp_path: Path) -> None:
     assert list(read_documents(t)) == [(1, "first para\nstill first"), (5, "second")]
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_text_documents_are_kept_as_written(tmp_path: Path, newline: str) -> None:
+    """A text file's documents keep their indentation and the lines of spaces inside
+    them (a code file, an indented Markdown block, a full-width indent), as ``datasets``'
+    text reader keeps them; only empty lines separate documents, and Windows or classic
+    Mac OS line breaks read as ``\\n``. (Each document was stripped, and a line of spaces
+    cut a function in two.)"""
+    docs = [
+        "    def f(x):\n        y = x\n    \n        return y",
+        "Example:",
+        "    pip install foo\n    foo --help   ",
+        "\u3000吾輩は猫である。",
+    ]
+    t = tmp_path / "code.txt"
+    t.write_bytes(("\n\n".join(docs) + "\n\n \n\n").replace("\n", newline).encode())
+    assert [doc for _, doc in read_documents(t)] == docs  # the lone " " line: no document
+    assert [line for line, _ in read_documents(t)] == (
+        [1, 6, 8, 11] if newline != "\r" else [1, 1, 1, 1]  # \r alone: one line for Python
+    )
+    ds = build_dataset(t, seq_len=64, tokenizer=CharTokenizer(), packing="none")
+    assert rows_of(ds)[0] == [ord(c) for c in docs[0]] + [EOS]
+
+
 def test_token_data_with_a_model_dir_without_tokenizer_files(tmp_path: Path) -> None:
     """No tokenizer files next to the model: no tokenizer at all, so documents of token
     data are concatenated without a separator (transformers 5 would otherwise hand out

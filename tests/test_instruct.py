@@ -314,6 +314,27 @@ def test_training_on_chat_rows_through_the_runtime_matches_a_plain_loop(
 # ------------------------------------------------------------------ CLI and demo
 
 
+def test_data_inspect_shows_a_character_split_over_a_labels_edge_once() -> None:
+    """A byte-level tokenizer splits a CJK character over several tokens; where a
+    trained run starts inside one, the row shows the character once, in the trained
+    run (each run decoded apart showed replacement characters on both sides)."""
+    from transformers import AutoTokenizer
+
+    from roundpipe.inspect_data import render_row
+
+    tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    ids = tok("吾輩は猫である。")["input_ids"]
+    assert tok.decode(ids[:1]) == "\ufffd"  # 吾 takes several byte tokens
+    labels = [-100] + ids[1:]  # trained from the second byte of 吾 on
+    positions = list(range(len(ids)))
+    assert render_row(ids, labels, positions, tok.decode) == "[[吾輩は猫である。]]"
+    labels = [-100] * 4 + ids[4:]  # 輩's bytes: ids 3..5
+    assert render_row(ids, labels, positions, tok.decode) == "吾[[輩は猫である。]]"
+    # a packed document's edge is kept, each document decoded on its own
+    positions = [0, 1, 2, 0, *range(1, len(ids) - 3)]
+    assert render_row(ids, [-100] * len(ids), positions, tok.decode) == "吾 | 輩は猫である。"
+
+
 def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) -> None:
     from roundpipe import cli
     from roundpipe.demo import CHAT_DEMO_SPEC_PATH, demo_spec

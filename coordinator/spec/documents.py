@@ -12,7 +12,8 @@ names from ``Columns``:
   (``loss_on: assistant``) or everything (``all``); roundpipe.coordinator.spec.instruct;
 * ``prompt_completion``: ``prompt`` and ``completion`` (strings or message lists), loss
   on the completion (or everything with ``loss_on: all``);
-* ``text``: UTF-8 text; documents are separated by one or more blank lines.
+* ``text``: UTF-8 text; documents are separated by one or more empty lines and kept as
+  written (indentation included).
 Blank lines in JSONL files are skipped; empty documents are skipped.
 
 Labelled records (chat, prompt_completion, token records with labels) are *whole*
@@ -105,6 +106,12 @@ def _token_list(row: SourceRow, name: str, *, labels: bool = False) -> list[int]
 
 
 def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
+    r"""The documents of a text file, each with the line it starts on. A document is
+    the text between empty lines, as it is in the file: its indentation and a line of
+    spaces inside it kept (code, indented Markdown blocks), without the line break that
+    ends it. Line breaks are read as ``\n`` whether the file has ``\r\n`` (Windows) or
+    ``\r`` (classic Mac OS), as Python's and ``datasets``' text readers read them: a
+    ``\r`` trained as a token of every line break teaches the model to write one."""
     try:
         f = open_for_read(path)  # no symbolic link followed in the coordinator
     except OSError as exc:
@@ -116,18 +123,37 @@ def _read_paragraphs(path: str) -> Iterator[tuple[int, str]]:
     with f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = decode_line(raw, path, lineno)
+                text = decode_line(raw, path, lineno)
             except SourceError as exc:
                 raise DataError(str(exc)) from None
-            if line.strip():
-                if not lines:
-                    start = lineno
-                lines.append(line)
-            elif lines:
-                yield start, "".join(lines).strip()
-                lines = []
-    if lines:
-        yield start, "".join(lines).strip()
+            for line in _universal_lines(text):
+                if line != "\n":
+                    if not lines:
+                        start = lineno
+                    lines.append(line)
+                elif lines:
+                    yield from _paragraph(start, lines)
+                    lines = []
+    yield from _paragraph(start, lines)
+
+
+def _paragraph(start: int, lines: list[str]) -> Iterator[tuple[int, str]]:
+    """The document of ``lines``, without its last line break; none if it is only
+    whitespace (an empty document is skipped)."""
+    text = "".join(lines)
+    if text.strip():
+        yield start, text.removesuffix("\n")
+
+
+def _universal_lines(text: str) -> list[str]:
+    r"""``text`` (one line read up to ``\n``) as lines ending in ``\n``, its ``\r\n``
+    and lone ``\r`` line breaks read as ``\n``; the last one may have no line break."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if "\n" not in text[:-1]:
+        return [text]
+    lines = [line + "\n" for line in text.split("\n")]  # not splitlines(): \f is no break
+    lines[-1] = lines[-1][:-1]
+    return lines if lines[-1] else lines[:-1]
 
 
 @dataclass
