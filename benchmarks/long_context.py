@@ -152,7 +152,11 @@ class Bench:
             allow_write=[root],
         )
         device = ["--cpu", "--threads", "1", "--memory-limit", str(cap)]
-        self.workers = [self.cluster.add_worker(f"w{i}", device=device) for i in range(WORKERS)]
+        # Started afresh, not forked: a forked worker's VmData (what the cap counts) and
+        # RSS would include what the fork server imported for the coordinator.
+        self.workers = [
+            self.cluster.add_worker(f"w{i}", device=device, fork=False) for i in range(WORKERS)
+        ]
         self.cluster.wait_for_workers(WORKERS, timeout_s=300)
         self.pids = [w.proc.pid for w in self.workers]
         self.runs = 0

@@ -180,6 +180,7 @@ class LocalCluster:
         """Start ``python -m <module> ...`` (``args``), forked from the fork server
         where allowed, else as a new interpreter."""
         log_path = self.root / f"{name}.log"
+        args = [os.fspath(a) for a in args]  # a Path among them: the fork server takes JSON
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(env or {})}
         proc = self._fork(name, args, env, log_path) if forkable else None
         if proc is None:
@@ -237,9 +238,13 @@ class LocalCluster:
         fault: str | None = None,
         threads: int = 1,
         device: Sequence[str] | None = None,
+        fork: bool | None = None,
     ) -> Daemon:
         """Start a worker: a CPU worker of ``threads`` threads, or on ``device`` given as
-        worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``)."""
+        worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``). ``fork``:
+        fork it from the fork server (by default a CPU worker is forked; a GPU worker
+        starts as deployed, a new interpreter, so that its CUDA path is measured as users
+        run it)."""
         env = {"ROUNDPIPE_FAULT": fault} if fault else {}
         env.update(self.key_env("worker"))
         where = (
@@ -259,8 +264,7 @@ class LocalCluster:
                 name,
             ],
             env,
-            # A GPU worker starts as deployed: its CUDA path is measured as users run it.
-            forkable=device is None,
+            forkable="--gpu" not in where if fork is None else fork,
         )
         self.workers[name] = daemon
         return daemon

@@ -144,6 +144,13 @@ def test_a_cluster_forks_its_cpu_daemons_unless_their_environment_forbids(
     cluster = LocalCluster(tmp_path / "a", arena_dir, start=False)
     try:
         assert isinstance(cluster.add_worker("w1", fault="kill@when=start").proc, ForkedProcess)
+        # a CPU worker given as device options (as benchmarks give them) too; a GPU
+        # worker, or one asked not to, starts afresh
+        cpu = ["--cpu", "--threads", "1", "--memory-limit", "1GiB"]
+        assert isinstance(cluster.add_worker("w2", device=cpu).proc, ForkedProcess)
+        assert isinstance(cluster.add_worker("w3", device=cpu, fork=False).proc, subprocess.Popen)
+        gpu = ["--gpu", "0"]  # exits at once without a GPU: only how it started matters
+        assert isinstance(cluster.add_worker("w4", device=gpu).proc, subprocess.Popen)
     finally:
         cluster.stop()
     cluster = LocalCluster(tmp_path / "b", arena_dir, env={"OMP_NUM_THREADS": "2"}, start=False)
