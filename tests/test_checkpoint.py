@@ -318,6 +318,32 @@ def test_prune_keeps_last_n_of_the_job_and_never_latest(tmp_path: Path) -> None:
     assert ckpts.prune(0, "job-a") == []  # 0 keeps all
 
 
+def test_prune_counts_only_intact_checkpoints_and_removes_damaged_ones(tmp_path: Path) -> None:
+    """A damaged checkpoint (a file cut short) counted toward ``keep_last``: a good one
+    was removed in its place, leaving fewer to resume from than asked for. A damaged
+    ``latest`` is kept (it is never removed), and a directory whose manifest cannot be
+    read is left alone (whose it is is unknown)."""
+    ckpts = CheckpointDir(tmp_path)
+    for step in (2, 4, 6):
+        write(ckpts, step)
+    with open(tmp_path / step_name(4) / STATE_FILE, "r+b") as f:
+        f.truncate(10)
+    write(ckpts, 8)
+    removed = ckpts.prune(3, "job-a")
+    assert [p.name for p in removed] == [step_name(4)]
+    assert [c.step for c in ckpts.complete()] == [2, 6, 8]  # three intact ones kept
+
+    with open(tmp_path / step_name(8) / STATE_FILE, "r+b") as f:  # the latest, damaged
+        f.truncate(10)
+    (tmp_path / step_name(6) / MANIFEST).write_text("{")
+    removed = ckpts.prune(1, "job-a")
+    assert [p.name for p in removed] == []  # 2: the one intact checkpoint; 6: unreadable
+    assert ckpts.find_latest().step == 2
+    write(ckpts, 10)
+    assert sorted(p.name for p in ckpts.prune(1, "job-a")) == [step_name(2), step_name(8)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, step_name(6), step_name(10)]
+
+
 def test_prune_removes_checkpoints_newer_than_latest(tmp_path: Path) -> None:
     """A run killed after renaming step 6 but before moving the pointer, resumed from
     step 4: once step 5 is the latest, the stale step 6 goes (it is rewritten later)."""

@@ -340,6 +340,15 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> CheckpointInfo:
     return info
 
 
+def _damage(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path`` by its files' sizes, or None."""
+    try:
+        verify_checkpoint(path, checksums=False)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def resolve_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     """A verified checkpoint from what a user points at: a ``step-*`` directory, a
     ``checkpoints`` directory (its newest good checkpoint), or a job's output directory
@@ -543,19 +552,33 @@ class CheckpointDir:
         shutil.rmtree(trash, ignore_errors=True)
 
     def prune(self, keep_last: int, job_id: str | None) -> list[Path]:
-        """Keep ``job_id``'s newest ``keep_last`` checkpoints up to ``latest`` (0: keep
-        all); remove its older ones and any newer than ``latest`` (left by a run that
-        was interrupted before its pointer moved, and superseded by the resumed run).
-        Never removes what ``latest`` names, nor other jobs' checkpoints."""
+        """Keep ``job_id``'s newest ``keep_last`` intact checkpoints up to ``latest`` (0:
+        keep all); remove its older ones, its damaged ones, and any newer than ``latest``
+        (left by a run that was interrupted before its pointer moved, and superseded by
+        the resumed run). Never removes what ``latest`` names, nor other jobs'
+        checkpoints, nor a directory whose manifest cannot be read (whose it is is not
+        known). Intact: every file the manifest lists has its recorded size (checksums
+        are not read here: that is every byte of every checkpoint, at every save). A
+        damaged one counted toward ``keep_last`` left fewer checkpoints to resume from
+        than asked for, while it can never be loaded."""
         latest = self.pointer()
         latest_step = parse_step(latest) if latest else None
         mine = self.complete(job_id)
         if latest_step is None:
             return []
         doomed = [c for c in mine if c.step > latest_step]
-        kept = [c for c in mine if c.step <= latest_step]
-        if keep_last > 0:
-            doomed += kept[:-keep_last]
+        intact = 0
+        for c in reversed([c for c in mine if c.step <= latest_step]):
+            if keep_last <= 0:
+                break
+            damage = _damage(c.path)
+            if damage is not None and c.path.name != latest:
+                log.warning("[checkpoint] removing a damaged checkpoint: %s", damage)
+                doomed.append(c)
+            elif damage is None and intact < keep_last:
+                intact += 1
+            else:
+                doomed.append(c)
         removed = []
         for c in doomed:
             if c.path.name == latest:
