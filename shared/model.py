@@ -263,6 +263,21 @@ class LoraSettings:
             out["base_layout"] = self.base_layout
         return out
 
+    def base_record(self) -> dict[str, Any]:
+        """The frozen base these adapters train against, as a checkpoint records it (its
+        manifest's ``model.base``): how it is stored and where its codes came from. A
+        resume needs the same: adapters trained on one base continue on another
+        without an error, but not as the same model."""
+        fmt = self.quant_format()
+        if fmt is None:
+            return {"quantization": "none"}
+        record: dict[str, Any] = {"quantization": fmt.kind, "layout": fmt.layout}
+        if fmt.kind == "nf4":
+            record["double_quantization"] = fmt.double_quant
+        else:
+            record["int8_scales"] = fmt.int8_scales
+        return record
+
     def peft_config(self) -> Any:
         from peft import LoraConfig
 

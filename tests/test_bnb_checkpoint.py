@@ -197,3 +197,57 @@ def test_the_spec_accepts_lora_and_refuses_the_rest(tmp_path, checkpoints):
     (fp4 / "model.safetensors").write_bytes(b"")
     text = refusal(path_spec(tmp_path, fp4, {"r": 4, "alpha": 8}))
     assert "model.path" in text and "fp4" in text
+
+
+def test_a_resume_is_checked_against_the_base_the_adapters_trained_on(
+    tmp_path, arena_dir, checkpoints
+):
+    """The adapters of a job on a bitsandbytes checkpoint (its quantisation unnamed: the
+    checkpoint decides) continue on that checkpoint however the spec spells it, and on
+    no other base. The specs' spellings were compared: naming the checkpoint's own nf4
+    was refused ("the adapters have 'none'"), and the unquantised model it came from
+    was accepted and trained another model."""
+    from roundpipe.coordinator.training.job_errors import JobFailed
+    from roundpipe.coordinator.training.trainer import Trainer
+
+    nf4, plain = checkpoints["nf4-dq"], checkpoints["nf4-dq"].parent / "plain"
+    lora = {"r": 4, "alpha": 8}
+    first = path_spec(tmp_path / "first", nf4, lora)
+    first["train"]["steps"], first["optimizer"]["warmup_steps"] = 1, 0
+    spec = validate_spec(first)
+    with trained_in_process(spec, arena_dir, 1, job_id="job-first"):
+        pass
+    manifest = next((tmp_path / "first" / "out" / "checkpoints").glob("step-*/checkpoint.json"))
+    assert json.loads(manifest.read_text())["model"]["base"] == {
+        "quantization": "nf4",
+        "layout": "bitsandbytes",
+        "double_quantization": True,
+    }
+
+    def resumed(directory: Path, **settings) -> dict:
+        d = path_spec(tmp_path / "second", directory, dict(lora, **settings))
+        d["model"]["resume_from"] = str(tmp_path / "first" / "out")
+        d["train"]["steps"], d["optimizer"]["warmup_steps"] = 2, 0
+        return d
+
+    validate_spec(resumed(nf4))
+    validate_spec(resumed(nf4, base_quantization="nf4"))
+    for settings in ({}, {"base_quantization": "nf4"}):
+        text = refusal(resumed(plain, **settings))
+        assert "lora.base_quantization" in text and "bitsandbytes checkpoint's own codes" in text
+    # The job's own checkpoint, resumed after its model.path changed under it (here: the
+    # unquantised model), is refused by the trainer, naming both bases.
+    again = path_spec(tmp_path / "first", plain, lora)
+    again["train"]["steps"], again["optimizer"]["warmup_steps"] = 2, 0
+    trainer = Trainer(
+        "job-first",
+        validate_spec(again),
+        arena_dir=arena_dir,
+        namespace="job-again",
+        output_dir=tmp_path / "first" / "out",
+    )
+    try:
+        with pytest.raises(JobFailed, match="trained on a bitsandbytes checkpoint's own codes"):
+            trainer.prepare(1)
+    finally:
+        trainer.close()

@@ -28,6 +28,7 @@ See docs/job-spec.md for every field with its default and an example.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from roundpipe.coordinator.spec.choices import (
 )
 from roundpipe.coordinator.spec.errors import DataError, FieldError, JobSpecError, Problems
 from roundpipe.coordinator.spec.formats import columns_of, resolve_format
+from roundpipe.coordinator.spec.paths import open_for_read
 from roundpipe.coordinator.spec.section_checks import (
     check_data,
     check_int,
@@ -318,7 +320,7 @@ def _validate(spec: JobSpec) -> list[FieldError]:
         e.items.extend(_model_errors(spec, model_config, None))
     if spec.model.resume_from is not None and not e.items:
         # Only on an otherwise valid spec: the comparisons below assume valid values.
-        _check_resume(e, spec)
+        _check_resume(e, spec, model_config)
     return e.items
 
 
@@ -388,10 +390,10 @@ def _resume_manifest(e: Problems, path: str) -> tuple[str, int, dict[str, Any]] 
         except CheckpointError:
             return None
     spec = info.manifest.get("spec")
-    return (str(info.path), info.step, spec) if isinstance(spec, dict) else None
+    return (str(info.path), info.step, info.manifest) if isinstance(spec, dict) else None
 
 
-def _check_resume(e: Problems, spec: JobSpec) -> None:
+def _check_resume(e: Problems, spec: JobSpec, model_config: Any) -> None:
     """Refuse, before submit, a resume the trainer could not continue: a checkpoint past
     ``train.steps``, another global batch size, other rows or row order, another kind of
     model. The trainer checks the same when it loads the checkpoint; this only moves
@@ -400,7 +402,8 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
     found = _resume_manifest(e, spec.model.resume_from)
     if found is None:
         return
-    where, step, old = found
+    where, step, manifest = found
+    old = manifest["spec"]
     ckpt = f"checkpoint {where!r} (step {step})"
 
     def old_value(section: str, key: str) -> Any:
@@ -462,14 +465,7 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
         want = "LoRA (a lora section)" if spec.lora is not None else "full fine-tuning"
         e.add("model.resume_from", f"{ckpt} holds {has}, but this spec asks for {want}")
     elif isinstance(old_lora, dict) and spec.lora is not None:
-        # A quantised base changes the model the adapters were trained against, and so
-        # does how its scales are stored (nf4's double quantisation, int8's scales).
-        keys = ["r", "target_modules", "base_quantization"]
-        if spec.lora.base_quantization == "nf4":
-            keys.append("double_quantization")
-        elif spec.lora.base_quantization == "int8":
-            keys.append("int8_scales")
-        for key in keys:
+        for key in ("r", "target_modules"):
             before = old_lora.get(key)
             now = plain(getattr(spec.lora, key))
             if before is not None and before != now:
@@ -477,6 +473,70 @@ def _check_resume(e: Problems, spec: JobSpec) -> None:
                     f"lora.{key}",
                     f"got {now!r}, but the adapters of {ckpt} have {before!r}",
                 )
+        _check_resumed_base(e, spec, model_config, manifest, ckpt)
+
+
+def _check_resumed_base(
+    e: Problems, spec: JobSpec, model_config: Any, manifest: dict, ckpt: str
+) -> None:
+    """A LoRA resume continues on the base its adapters were trained on: stored the same
+    way (none, nf4 with or without double quantisation, int8 and its scales) and from
+    the same codes (quantised at load, or a bitsandbytes checkpoint's own). Compared as
+    each side loads it, not as the specs spell it: a spec may leave a bitsandbytes
+    checkpoint's quantisation unnamed (the checkpoint decides). The checkpoint's base is
+    its manifest's record; an older manifest's is worked out from its spec and, if it is
+    still there, its model's config."""
+    assert spec.lora is not None
+    now = _base_record(spec.lora.model_settings(), _config_get(model_config, "quantization_config"))
+    before = (manifest.get("model") or {}).get("base")
+    if not isinstance(before, dict):
+        old = manifest["spec"]
+        path = (old.get("model") or {}).get("path")
+        quant = _config_get(_read_config(path), "quantization_config") if path else None
+        before = _base_record(old["lora"], quant)
+    if now is None or before is None or now == before:
+        return  # an invalid setting is reported by the checks that read it
+    e.add(
+        "lora.base_quantization",
+        f"this spec trains on {describe_base(now)}, but the adapters of {ckpt} were "
+        f"trained on {describe_base(before)}; resume on that base (its model.path and "
+        "lora.base_quantization settings): on another, the adapters go on as another model",
+    )
+
+
+def _base_record(lora: Mapping[str, Any], quant_config: Any) -> dict[str, Any] | None:
+    """``LoraSettings.base_record`` of a spec's lora settings on a model whose
+    ``quantization_config`` is ``quant_config``; None if the settings are invalid."""
+    from roundpipe.shared.model import LoraSettings
+
+    try:
+        return LoraSettings.from_mapping(lora).with_checkpoint(quant_config).base_record()
+    except (ValueError, TypeError):
+        return None
+
+
+def describe_base(record: Mapping[str, Any]) -> str:
+    """A base record (``LoraSettings.base_record``) in words."""
+    kind = record.get("quantization")
+    if kind == "none":
+        return "an unquantised base"
+    if kind == "nf4":
+        how = f"nf4, double quantisation {'on' if record.get('double_quantization') else 'off'}"
+    else:
+        how = f"{kind}, {record.get('int8_scales')} scales"
+    if record.get("layout") == "bitsandbytes":
+        return f"a bitsandbytes checkpoint's own codes ({how})"
+    return f"a base quantised at load ({how})"
+
+
+def _read_config(path: Any) -> dict[str, Any] | None:
+    """A model directory's ``config.json``, or None if it cannot be read now."""
+    try:
+        with open_for_read(os.path.join(str(path), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def optimizer_state_kind(name: Any, momentum: Any, state_dtype: Any) -> str:

@@ -57,7 +57,7 @@ import torch
 from roundpipe.coordinator.spec.checkpoint_format import CheckpointError, CheckpointInfo
 from roundpipe.coordinator.spec.data import DataLoader
 from roundpipe.coordinator.spec.errors import DataError
-from roundpipe.coordinator.spec.jobspec import JobSpec, optimizer_state_kind
+from roundpipe.coordinator.spec.jobspec import JobSpec, describe_base, optimizer_state_kind
 from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
@@ -217,6 +217,15 @@ class Checkpointer:
                     f"{extra}); it was written for model {manifest.get('spec', {}).get('model')}"
                     f" with lora {manifest.get('spec', {}).get('lora')}"
                 )
+
+            before = (manifest.get("model") or {}).get("base")
+            if self.model.lora is not None and isinstance(before, dict):
+                now = self.model.lora.base_record()
+                if before != now:  # e.g. model.path's checkpoint replaced between runs
+                    raise JobFailed(
+                        f"{where}: its adapters were trained on {describe_base(before)}, "
+                        f"but this job's base is {describe_base(now)}; resume on that base"
+                    )
 
             def load(key: str, like: torch.Tensor) -> torch.Tensor:
                 t = state.get_tensor(stored_names.get(key, key))
@@ -516,6 +525,9 @@ class Checkpointer:
                 "architecture": self.model.architecture,
                 "kind": "lora" if self.model.lora is not None else "full",
                 "base_model": str(self.exporter.base_model_dir()) if self.model.lora else None,
+                # the base as loaded (a bitsandbytes checkpoint's own quantisation, which
+                # the spec need not name): what a resume is checked against
+                "base": self.model.lora.base_record() if self.model.lora else None,
                 "trainable_tensors": sum(len(v) for v in self.masters.values()),
             },
             "plan": context["plan"],
