@@ -344,6 +344,18 @@ def test_prune_counts_only_intact_checkpoints_and_removes_damaged_ones(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, step_name(6), step_name(10)]
 
 
+def test_a_pointer_that_cannot_be_replaced_is_named_in_the_error(tmp_path: Path) -> None:
+    """``latest`` made a directory: the write fails naming ``latest``, not the pointer's
+    temporary file (removed by then), and leaves no temporary behind."""
+    ckpts = CheckpointDir(tmp_path)
+    (tmp_path / LATEST).mkdir()
+    (tmp_path / LATEST / "something").write_text("x")
+    with pytest.raises(OSError) as info:
+        write(ckpts, 1)
+    assert info.value.filename == str(tmp_path / LATEST)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_prune_removes_checkpoints_newer_than_latest(tmp_path: Path) -> None:
     """A run killed after renaming step 6 but before moving the pointer, resumed from
     step 4: once step 5 is the latest, the stale step 6 goes (it is rewritten later)."""

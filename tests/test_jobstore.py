@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,35 @@ def test_damaged_or_newer_store_is_refused_clearly(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(JobStoreError, match="newer"):
         JobStore.in_state_dir(newer)
+
+
+def test_a_store_that_cannot_be_written_is_not_called_damaged(tmp_path: Path) -> None:
+    """A coordinator restarted on a state file system that cannot take a write (here
+    its file-size limit; a full disk alike) says so and keeps the jobs: it blamed damage
+    and advised moving the file aside, which drops every job, and a failing ROLLBACK
+    hid the error ("cannot rollback - no transaction is active")."""
+    store = JobStore.in_state_dir(tmp_path)
+    store.add("job-1", {"a": 1}, total_steps=5)
+    store.update("job-1", state="paused", step=3, checkpoint_step=2)
+    del store  # as a killed coordinator leaves it: its WAL not checkpointed
+    opener = (
+        "import resource, signal, sys\n"
+        "from roundpipe.coordinator.service.jobstore import JobStore, JobStoreError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        "    JobStore.in_state_dir(sys.argv[1])\n"
+        "except JobStoreError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", opener, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    message = out.stdout.strip()
+    assert "disk I/O error" in message and "the jobs in it are kept" in message, out
+    assert "move it aside" not in message and "rollback" not in message, out
+    reopened = JobStore.in_state_dir(tmp_path)
+    assert [(j.job_id, j.state, j.step) for j in reopened.all()] == [("job-1", "paused", 3)]
 
 
 # --------------------------------------------------------------------------- coordinator

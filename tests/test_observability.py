@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -243,6 +244,70 @@ def test_tensorboard_grad_norm_matches_the_oracle(tmp_path: Path) -> None:
         acc.Reload()
         logged = [s.value for s in acc.Scalars("train/grad_norm")]
         assert logged == pytest.approx(expected, rel=1e-4), clip
+
+
+def test_a_full_disk_under_tensorboard_stops_its_scalars_not_the_job(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """TensorBoard is an aid: a disk that fills under its files mid-run (SummaryWriter's
+    thread met ENOSPC and raises it at the next scalar and at close) is logged once and
+    the job trains on. It failed the job ("optimizer failed: No space left on device")
+    and, raising again in the trainer's close, left its arenas in /dev/shm."""
+    import errno
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    calls = {"n": 0}
+    real_add = SummaryWriter.add_scalar
+
+    def add_scalar(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 5:  # step 2 on: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, *args, **kwargs)
+
+    def close(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    monkeypatch.setattr(SummaryWriter, "close", close)
+    raw = tiny_spec(tmp_path / "out", steps=4).to_dict()
+    raw["output"]["tensorboard"] = True
+    spec = JobSpec.from_dict(raw)
+    arena_dir = Path("/dev/shm") / f"rp-tbfull-{os.getpid()}"
+    arena_dir.mkdir(exist_ok=True)
+    try:
+        with caplog.at_level("WARNING"):
+            progress = run_in_process(spec, arena_dir)
+        assert [e.step for e in progress] == [1, 2, 3, 4]  # it trained on
+        warned = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+        assert len(warned) == 1 and "No space left on device" in warned[0], warned
+        assert str(tmp_path / "out" / "tensorboard") in warned[0]  # the user's path
+        assert list(arena_dir.iterdir()) == []  # the arenas went with the job
+    finally:
+        shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def test_a_trainer_lets_go_of_its_arenas_when_a_part_fails_to_close(tmp_path: Path) -> None:
+    """Trainer.close gives back every part even when one before it raises (logged): an
+    exception from the timeline skipped the output directory and the arenas."""
+    from runtime_helpers import trained_in_process
+
+    spec = tiny_spec(tmp_path / "out", steps=2)
+    arena_dir = Path("/dev/shm") / f"rp-close-{os.getpid()}"
+    arena_dir.mkdir(exist_ok=True)
+    try:
+        with trained_in_process(spec, arena_dir, 1) as trainer:
+
+            def broken() -> None:
+                raise RuntimeError("the timeline could not close")
+
+            trainer.timeline.close = broken
+            assert list(arena_dir.iterdir())  # the job's arenas, until it closes
+        assert list(arena_dir.iterdir()) == []
+        assert trainer.layout is None
+    finally:
+        shutil.rmtree(arena_dir, ignore_errors=True)
 
 
 def test_a_resumed_runs_tensorboard_steps_replace_the_ones_it_repeats(tmp_path: Path) -> None:

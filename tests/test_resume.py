@@ -472,6 +472,33 @@ def test_a_paused_job_names_the_checkpoint_it_resumes_from_even_another_jobs(
     assert str(tmp_path / "b" / "checkpoints" / step_name(2)) not in message
 
 
+def test_a_disk_still_full_at_resume_names_the_checkpoint_kept(
+    tmp_path: Path, arena_dir: Path, monkeypatch
+) -> None:
+    """A job paused with checkpoint 2 kept, resumed while its disk is still full, pauses
+    again saying that it resumes from checkpoint 2 and naming its checkpoints directory:
+    it said "no checkpoint has been written yet, so the job resumes from the start"
+    (inviting the user to delete work) and named the write probe, gone by then."""
+    from roundpipe.coordinator.training import checkpoint as checkpoint_module
+
+    spec = make_spec(tmp_path / "out", steps=5, every=2)
+    assert train(spec, arena_dir, job_id="job-full", stop_after=2) is None
+    real_write = checkpoint_module._write_synced
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint_module, "_write_synced", full_disk)
+    with pytest.raises(JobPaused) as info:
+        train(spec, arena_dir, job_id="job-full")
+    monkeypatch.setattr(checkpoint_module, "_write_synced", real_write)
+    message = str(info.value)
+    kept = tmp_path / "out" / "checkpoints" / step_name(2)
+    assert f"checkpoint step 2 ({kept}) is kept and the job resumes from it" in message, message
+    assert f"{tmp_path / 'out' / 'checkpoints'}: No space left on device" in message, message
+    assert ".tmp-probe" not in message
+
+
 def test_unwritable_output_pauses_before_any_work(tmp_path: Path, arena_dir: Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the output directory should go")

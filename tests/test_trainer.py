@@ -341,6 +341,31 @@ def test_layer_grain_recompute_trains_bitwise_what_stage_grain_trains(
         assert torch.equal(t, runs["layer"][name]), name
 
 
+def test_a_profile_that_cannot_be_written_is_logged_once_and_leaves_nothing(
+    tmp_path, arena_dir, caplog
+) -> None:
+    """profile.json is observability: a write that fails at every step (here the name is
+    taken by a directory; a full disk alike) is logged once with its path, and leaves
+    no temporary file (28 warnings in a 30-step job, no path, and an empty
+    .profile.json.tmp)."""
+    from roundpipe.coordinator.planning.profile import PROFILE_FILE
+
+    spec = tiny_spec(tmp_path / "out", staleness=1, steps=6)
+    (tmp_path / "out" / PROFILE_FILE).mkdir(parents=True)
+    trainer = new_trainer(spec, arena_dir)
+    try:
+        with caplog.at_level("WARNING"):
+            trainer.prepare(2)
+            _run_with(trainer, 2)
+    finally:
+        trainer.close()
+    warned = [r.getMessage() for r in caplog.records if "profile" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "out" / PROFILE_FILE) in warned[0], warned
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if "profile" in p.name) == [
+        PROFILE_FILE
+    ]
+
+
 def test_the_measured_profile_is_written_and_roundpipe_plan_predicts_from_it(
     tmp_path, arena_dir, capsys
 ) -> None:

@@ -252,8 +252,12 @@ def save_profile(path: Path, costs: Sequence[LayerCost], about: Mapping[str, Any
         "layers": [asdict(c) for c in costs],
     }
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no empty temporary left behind
+        raise
 
 
 def load_profile(path: Path) -> tuple[list[LayerCost], dict[str, Any]]:

@@ -317,7 +317,10 @@ class JobRunner:
             if job_group is not None:
                 self._leave_job_group(job_group, state, message)
             self._broadcast(push, JobTeardown(job_id=job.job_id))
-            trainer.close()
+            try:  # it lets go of each part and logs what failed; nothing may skip the rest
+                trainer.close()
+            except Exception:
+                log.exception("[coordinator] job %s: closing its trainer failed", job.job_id)
             if job_group is not None:
                 job_group.close()
             # Release the job's memory (masters, AdamW moments, checkpoint staging, dataset,

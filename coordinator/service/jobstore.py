@@ -103,6 +103,28 @@ class StoredJob:
     owner: str = ""
 
 
+def _open_error(path: Path, exc: sqlite3.Error) -> str:
+    """Why the job store at ``path`` cannot be opened, and what to do. Moving the file
+    aside drops every job it holds: the advice for a damaged file only, not for a full
+    disk or an I/O error, which leave the file as it was."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    full = code == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+    if full or code == sqlite3.SQLITE_IOERR or "disk I/O error" in str(exc):
+        fix = (
+            "free space on that file system"
+            if full
+            else "check that file system (free space, permissions, the disk)"
+        )
+        return (
+            f"cannot open the job store {path}: {exc}; {fix} and start the coordinator again "
+            "(the jobs in it are kept)"
+        )
+    return (
+        f"cannot open the job store {path}: {exc}; if the file is damaged, move it aside "
+        "(the coordinator then starts with no jobs)"
+    )
+
+
 class JobStore:
     """Jobs and their states in ``<state_dir>/jobs.sqlite3``."""
 
@@ -126,13 +148,11 @@ class JobStore:
                 self._create_or_migrate()
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLite rolls back itself on a full disk
+                    self._db.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            raise JobStoreError(
-                f"cannot open the job store {self.path}: {exc}; if the file is damaged, "
-                "move it aside (the coordinator then starts with no jobs)"
-            ) from exc
+            raise JobStoreError(_open_error(self.path, exc)) from exc
 
     def _create_or_migrate(self) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]

@@ -400,6 +400,8 @@ class CheckpointDir:
         probe = self._temp_path("tmp", "probe")
         try:
             _write_synced(probe, b"roundpipe write probe\n")
+        except OSError as exc:  # named by the directory: the probe is gone when it is read
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.root)) from exc
         finally:
             probe.unlink(missing_ok=True)
 
@@ -539,7 +541,10 @@ class CheckpointDir:
         tmp = self._temp_path("tmp", LATEST)
         try:
             _write_synced(tmp, (name + "\n").encode())
-            os.replace(tmp, self.root / LATEST)
+            try:
+                os.replace(tmp, self.root / LATEST)
+            except OSError as exc:  # named by `latest` (its filename is the temporary)
+                raise OSError(exc.errno, exc.strerror or str(exc), str(self.root / LATEST)) from exc
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

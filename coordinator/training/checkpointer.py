@@ -47,7 +47,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,14 +141,15 @@ class Checkpointer:
         info: CheckpointInfo,
         *,
         masters: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-        moments: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
+        stream_moments: bool = False,
+    ) -> CheckpointMoments | None:
         """Load checkpoint ``info`` into the job's state: masters, optimizer, both weight
         parities and their versions, data cursor, RNG and progress. The caller then
-        starts the run after ``info.step``. ``masters`` and ``moments`` (keyed as the
-        optimizer's ``state_dict``), if given, receive the whole tensors instead of the
-        job's own (a sharded node's are pieces: roundpipe.coordinator.training.
-        sharded_optimizer); the optimizer then gets only the step count."""
+        starts the run after ``info.step``. ``masters``, if given, receive the whole
+        tensors instead of the job's own (a sharded node's are pieces: roundpipe.
+        coordinator.training.sharded_optimizer). ``stream_moments``: the optimizer's
+        states are not loaded but returned as a reader of them, one tensor at a time
+        (Note [sharded start-up]); the optimizer gets only the step count."""
         assert self.layout.events is not None
         masters = self.masters if masters is None else masters
         layout, s, manifest = self.layout, info.step, info.manifest
@@ -251,11 +252,23 @@ class Checkpointer:
                         f"this job's model, e.g. {lacking[:3]}"
                     )
             optimizer_state = self.optimizer.state_dict()  # live buffers
-            targets = optimizer_state["tensors"] if moments is None else moments
-            for key, buf in targets.items():
-                layer_and_name, kind = key.rsplit(".", 1)
-                name = layer_and_name.split(".", 1)[1]
-                buf.copy_(load(f"{kind}/{name}", buf))
+            streamed = None
+            if stream_moments:
+                assert not stored_names, "8-bit states are never sharded"
+                streamed = CheckpointMoments(
+                    info.path / STATE_FILE,
+                    where,
+                    {
+                        f"{layer}.{name}.{kind}": tuple(master.shape)
+                        for layer, per in masters.items()
+                        for name, master in per.items()
+                        for kind in self.optimizer.kinds
+                    },
+                )
+            else:
+                for key, buf in optimizer_state["tensors"].items():
+                    buf.copy_(load(_state_key(key), buf))
+            targets = optimizer_state["tensors"]
             if stored_names:
                 log.info("[trainer] %s: 8-bit second moments converted to their roots", where)
                 for key, buf in targets.items():
@@ -306,6 +319,7 @@ class Checkpointer:
             steps,
             "" if info.job_id == self.job_id else f", written by job {info.job_id}",
         )
+        return streamed
 
     # -- writing ----------------------------------------------------------------------
 
@@ -553,3 +567,45 @@ class Checkpointer:
             "progress": progress,
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from.path),
         }
+
+
+def _state_key(key: str) -> str:
+    """The training-state file's key of optimizer state ``key`` (``layer.name.kind``,
+    as the optimizer's ``state_dict`` names it): ``kind/name``."""
+    layer_and_name, kind = key.rsplit(".", 1)
+    return f"{kind}/{layer_and_name.split('.', 1)[1]}"
+
+
+class CheckpointMoments(Mapping[str, torch.Tensor]):
+    """A checkpoint's optimizer states, each read from its training-state file when it
+    is asked for (keyed as the optimizer's ``state_dict``) and checked against the
+    model's shape: a sharded job's rank 0 sends them a layer at a time as the nodes get
+    in sync, never holding them whole (Note [sharded start-up]). ``close`` when done."""
+
+    def __init__(self, path: Path, where: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        from safetensors import safe_open
+
+        self._where, self._shapes = where, dict(shapes)
+        try:
+            self._file = safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise JobFailed(f"cannot read {path}: {exc}") from None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shape = self._shapes[key]
+        t = self._file.get_tensor(_state_key(key))
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise JobFailed(
+                f"{self._where}: {_state_key(key)} is {t.dtype} {tuple(t.shape)}, this job's "
+                f"model float32 {shape}"
+            )
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def close(self) -> None:
+        self._file = None

@@ -246,16 +246,19 @@ class GroupMember:
         live = optimizer.state_dict()["tensors"]
         for i, layer in enumerate(sorted(full_masters)):
             names = list(full_masters[layer])
-            tensors = [full_masters[layer][name] for name in names]
+            # rank 0's whole masters; elsewhere their shapes, received into this layer's
+            # buffers (Note [sharded start-up] in roundpipe.coordinator.training.initial_weights)
+            whole = {name: _buffer(full_masters[layer][name]) for name in names}
+            tensors = list(whole.values())
             moments: list[tuple[str, torch.Tensor]] = []
             if resumed:
                 for name in names:
                     for kind in optimizer.kinds:
                         key = f"{layer}.{name}.{kind}"
                         t = (
-                            full_moments[key]
+                            full_moments[key]  # read from the checkpoint now
                             if self.group.leader and full_moments is not None
-                            else torch.empty_like(full_masters[layer][name])
+                            else torch.empty(whole[name].shape, dtype=torch.float32)
                         )
                         moments.append((key, t))
             tensors += [t for _, t in moments]
@@ -263,6 +266,12 @@ class GroupMember:
                 tensors += [layout.view(ref) for ref in layout.params[layer][name] if ref]
             self.group.broadcast(tensors, "rank 0's training state", "state", i + 1)
             for name in names:
-                masters[layer][name].copy_(shards.own(full_masters[layer][name]))
+                masters[layer][name].copy_(shards.own(whole[name]))
             for key, t in moments:
                 live[key].copy_(shards.own(t))
+            del whole, tensors, moments
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a new tensor of its shape and dtype if ``t`` is a shape alone (meta)."""
+    return torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t

@@ -98,6 +98,14 @@ class JobOutput:
         try:
             CheckpointDir(self.held / self.checkpoints.root.name).ensure_writable()
         except OSError as exc:
+            if self.checkpoint_step is None:  # checked before any is restored: the message
+                # says which one the job resumes from
+                try:
+                    kept = self.checkpoints.find_latest(job_id=self.job_id)
+                except OSError:  # not even readable: the message says where
+                    kept = None
+                if kept is not None:
+                    self.checkpoint_step, self.checkpoint_path = kept.step, kept.path
             message = self.io_error_message("the output directory is not writable", exc)
             raise JobPaused(message) from exc
 

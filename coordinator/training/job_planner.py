@@ -107,6 +107,8 @@ class JobPlanner:
     staging_bytes: int = field(default=0, init=False)
     """Host memory set aside for background checkpoints (0: checkpoints drain the
     pipeline); decided with the layout (Note [background checkpoint])."""
+    _profile_unwritable: bool = field(default=False, init=False)
+    """The last profile write failed (and was logged)."""
 
     def first_layout(self, model: LayeredModel) -> tuple[JobLayout, str]:
         """The job's first plan's layout (sized, not created) and why that plan. Raises
@@ -251,12 +253,15 @@ class JobPlanner:
             f"{result.recompute} grain"
         )
 
-    def write_profile(self, output_dir: Path, plan: Plan) -> None:
+    def write_profile(
+        self, output_dir: Path, plan: Plan, shown: Callable[[object], str] = str
+    ) -> None:
         """Write the measured profile, once every layer has a measurement, to
         ``output_dir/profile.json`` with what it was measured on: `roundpipe plan
         --profile` predicts a step from it (measured times against the cold-start
         model's). Only the group's rank 0 writes (one output). A write that fails is
-        logged, not fatal: the file is observability."""
+        logged once (it is tried again at each step; ``shown``: its path as the user
+        knows it), not fatal: the file is observability."""
         profile, hw = self.profile, self.hardware
         if profile is None or not profile.covered or self.rank != 0:
             return
@@ -285,7 +290,17 @@ class JobPlanner:
         try:
             save_profile(output_dir / PROFILE_FILE, profile.costs(), about)
         except OSError as exc:
-            log.warning("[planner] job %s: could not write its profile: %s", self.job_id, exc)
+            if not self._profile_unwritable:
+                log.warning(
+                    "[planner] job %s: could not write its profile %s: %s (tried again at "
+                    "each step, without saying so again)",
+                    self.job_id,
+                    shown(output_dir / PROFILE_FILE),
+                    shown(exc.strerror or exc),
+                )
+            self._profile_unwritable = True
+        else:
+            self._profile_unwritable = False
 
     def replan_candidate(self, layout: JobLayout) -> tuple[Plan, str] | None:
         """A better plan than ``layout``'s under the measured layer times, if they have

@@ -103,6 +103,11 @@ class HostMemory:
     checkpoint: the whole fp32 masters, and the optimizer states one layer at a time
     (Note [streamed checkpoint state] in roundpipe.coordinator.training.sharded_optimizer);
     0 on the other ranks and unsharded."""
+    start_up: int = 0
+    """A node of a group with sharded optimizer state other than rank 0, while the nodes
+    get in sync: one layer's whole masters and optimizer states, as rank 0 sends them
+    (Note [sharded start-up] in roundpipe.coordinator.training.initial_weights; rank 0's whole
+    masters and a layer's states are in ``gathered``); 0 elsewhere."""
     split_sums: int = 0
     """Where the optimizer adds the two parts of a gradient (coordinator memory, fp32):
     a microbatch-split stage's (as large as the second parts: Note [microbatch-split
@@ -131,6 +136,7 @@ class HostMemory:
             + self.staging
             + self.checkpoint_staging
             + self.gathered
+            + self.start_up
             + self.split_sums
             + self.dataset
             + self.collectives
@@ -147,6 +153,8 @@ class HostMemory:
             f"state gathered for checkpoints {_gib(self.gathered)}, " if self.gathered else ""
         )
         collectives = f"collective buffers {_gib(self.collectives)}, " if self.collectives else ""
+        if self.start_up:
+            collectives += f"a layer of rank 0's state at start-up {_gib(self.start_up)}, "
         collectives += f"data rows {_gib(self.dataset)}, " if self.dataset else ""
         return (
             f"{_gib(self.total)} of host memory (arenas {_gib(self.arenas)}: weights "
@@ -178,7 +186,7 @@ def host_memory_needed(
     trainable = layout.model.parameter_count(trainable_only=True)
     sizes = layout.sizes
     moments = optimizer_state_nbytes(layout, spec)
-    masters, gathered, collectives = 4 * trainable, 0, 0
+    masters, gathered, start_up, collectives = 4 * trainable, 0, 0, 0
     sharded = spec is not None and nodes > 1 and _sharded(spec)
     if nodes > 1:
         from roundpipe.coordinator.training.sharded_optimizer import bucket_cap_mb
@@ -202,6 +210,9 @@ def host_memory_needed(
     if sharded:
         if rank == 0:
             gathered = checkpoint_gather_nbytes(layout.model, masters, moments)
+        else:  # masters and states of the largest layer (Note [sharded start-up])
+            largest = _largest_layer(layout.model)
+            start_up = 4 * largest + moments * largest // max(trainable, 1)
         held = sharded_elements(layout.model, nodes, rank)
         # fp32 moments and SGD's momentum are per element (int8 states are refused)
         moments, masters = moments * held // max(trainable, 1), 4 * held
@@ -213,6 +224,7 @@ def host_memory_needed(
         moments=moments,
         checkpoint_staging=checkpoint_staging,
         gathered=gathered,
+        start_up=start_up,
         split_sums=sum(
             4 * ref.numel for slots in layout.grads_part.values() for ref in slots.values()
         )
@@ -278,14 +290,18 @@ def checkpoint_gather_nbytes(model: LayeredModel, masters: int, moments: int) ->
     the states are written a layer at a time: Note [streamed checkpoint state] in
     roundpipe.coordinator.training.sharded_optimizer)."""
     trainable = max(1, model.parameter_count(trainable_only=True))
-    largest = max(
+    return masters + 2 * (moments * _largest_layer(model) // trainable)
+
+
+def _largest_layer(model: LayeredModel) -> int:
+    """Trainable elements of the layer that has the most (a tied weight counted once)."""
+    return max(
         (
             sum(s.numel for s in model.layer_params(layer) if s.trainable and s.tied_to is None)
             for layer in range(model.num_layers)
         ),
         default=0,
     )
-    return masters + 2 * (moments * largest // trainable)
 
 
 def sharded_elements(model: LayeredModel, nodes: int, rank: int) -> int:

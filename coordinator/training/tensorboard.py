@@ -16,6 +16,7 @@ nothing here blocks the training loop on the disk.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from roundpipe.protocol import ProgressEvent
@@ -26,24 +27,44 @@ log = logging.getLogger(__name__)
 
 
 class ScalarWriter:
-    """Scalars to one TensorBoard event file directory."""
+    """Scalars to one TensorBoard event file directory. An aid, like the trace: a write
+    that fails (a full disk) is logged once and the scalars stop; the job goes on (its
+    checkpoints report a full disk themselves)."""
 
-    def __init__(self, directory: Path, flush_secs: float = 5.0, first_step: int = 1) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        flush_secs: float = 5.0,
+        first_step: int = 1,
+        *,
+        job_id: str = "",
+        shown: Callable[[object], str] = str,
+    ) -> None:
         """``first_step``: the run's first step. A resumed run starts after its
         checkpoint (or at 1 without one; a new job may write where an old one did), and
         the run before logged steps from there: TensorBoard hides those (SummaryWriter's
-        ``purge_step``), else each showed twice and curves went back."""
+        ``purge_step``), else each showed twice and curves went back. ``shown``: a path
+        or message as the user knows it (JobOutput.shown)."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
-        self._writer = SummaryWriter(
+        self.job_id = job_id
+        self._shown = shown
+        self._writer: SummaryWriter | None = SummaryWriter(
             log_dir=str(directory),
             flush_secs=int(flush_secs),
             purge_step=first_step,
         )
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        self._writer.add_scalar(tag, float(value), global_step=step)
+        if self._writer is None:
+            return
+        try:
+            # SummaryWriter writes in a thread of its own; the OSError it met there is
+            # raised here, at the next scalar (or at close)
+            self._writer.add_scalar(tag, float(value), global_step=step)
+        except OSError as exc:
+            self._stop(exc)
 
     def progress(self, event: ProgressEvent) -> None:
         self.scalar("train/loss", event.loss, event.step)
@@ -51,4 +72,27 @@ class ScalarWriter:
         self.scalar("train/tokens_per_s", event.tokens_per_s, event.step)
 
     def close(self) -> None:
-        self._writer.close()
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except OSError as exc:
+            self._warn(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        self._warn(exc)
+        writer, self._writer = self._writer, None
+        try:
+            writer.close()  # its thread's error again, or the last events' flush
+        except OSError:
+            pass
+
+    def _warn(self, exc: OSError) -> None:
+        log.warning(
+            "[timeline] job %s: cannot write TensorBoard scalars to %s (%s); the job goes on "
+            "without them",
+            self.job_id,
+            self._shown(self.directory),
+            self._shown(exc),
+        )

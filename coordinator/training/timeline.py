@@ -54,7 +54,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,10 +190,13 @@ class TimelineRecorder:
         segment_steps: int = 1000,
         keep_segments: int = 10,
         first_step: int = 1,
+        shown: Callable[[object], str] = str,
     ) -> None:
         """Without ``trace_dir`` nothing is written, only the figures are kept; without
         ``tensorboard_dir`` no TensorBoard scalars are written. ``first_step``: the
-        run's first step (a resumed job's: after its checkpoint)."""
+        run's first step (a resumed job's: after its checkpoint). ``shown``: a path or
+        message as the user knows it, in warnings (the output directory is written
+        through a pin: JobOutput.shown)."""
         self.job_id = job_id
         self.keep_steps = keep_steps
         self.segment_steps = segment_steps
@@ -223,6 +226,7 @@ class TimelineRecorder:
                 self._t0,
                 segment_steps=segment_steps,
                 keep_segments=keep_segments,
+                shown=shown,
             )
         self._tensorboard = None
         self._grad_sq: dict[int, float] = {}  # step -> sum of squared gradient norms so far
@@ -230,14 +234,16 @@ class TimelineRecorder:
             from roundpipe.coordinator.training.tensorboard import ScalarWriter
 
             try:
-                self._tensorboard = ScalarWriter(Path(tensorboard_dir), first_step=first_step)
+                self._tensorboard = ScalarWriter(
+                    Path(tensorboard_dir), first_step=first_step, job_id=job_id, shown=shown
+                )
             except OSError as exc:  # an aid, like the trace: the job goes on without it
                 log.warning(
                     "[timeline] job %s: cannot write TensorBoard scalars to %s (%s); the job "
                     "runs without them",
                     job_id,
-                    tensorboard_dir,
-                    exc,
+                    shown(tensorboard_dir),
+                    shown(exc),
                 )
 
     @classmethod
@@ -249,6 +255,7 @@ class TimelineRecorder:
             trainer.held_output / TRACE_DIR if output.timeline else None,
             trainer.held_output / TENSORBOARD_DIR if output.tensorboard else None,
             first_step=trainer.start_step + 1,
+            shown=trainer.output.shown,
         )
         recorder.start(trainer.start_step + 1, trainer.plan, num_optimizer_layers)
         return recorder
@@ -434,9 +441,17 @@ class _TraceWriter:
     """Streams Chrome-trace events into segment files (Note [trace segments])."""
 
     def __init__(
-        self, directory: Path, job_id: str, t0: float, *, segment_steps: int, keep_segments: int
+        self,
+        directory: Path,
+        job_id: str,
+        t0: float,
+        *,
+        segment_steps: int,
+        keep_segments: int,
+        shown: Callable[[object], str] = str,
     ):
         self.directory = directory
+        self._shown = shown
         self.job_id = job_id
         self.t0 = t0
         self.segment_steps = segment_steps
@@ -659,7 +674,9 @@ class _TraceWriter:
             self._file.write("]}\n")
             self._file.close()
         except OSError as exc:
-            log.warning("[timeline] job %s: closing the trace failed: %s", self.job_id, exc)
+            log.warning(
+                "[timeline] job %s: closing the trace failed: %s", self.job_id, self._shown(exc)
+            )
         self._file = None
 
     def close(self) -> None:
@@ -672,8 +689,8 @@ class _TraceWriter:
             log.warning(
                 "[timeline] job %s: cannot write the trace in %s (%s); timeline recording stops",
                 self.job_id,
-                self.directory,
-                exc,
+                self._shown(self.directory),
+                self._shown(exc),
             )
         self._failed = True
         if self._file is not None:

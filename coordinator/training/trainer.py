@@ -51,10 +51,11 @@ from roundpipe.coordinator.spec.jobspec import (
     validate_against_model,
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
-from roundpipe.coordinator.training.checkpointer import Checkpointer
+from roundpipe.coordinator.training.checkpointer import Checkpointer, CheckpointMoments
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
 from roundpipe.coordinator.training.hold_point import held
+from roundpipe.coordinator.training.initial_weights import place_initial_weights
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed
 from roundpipe.coordinator.training.job_events import (
     CheckpointSettled,
@@ -109,32 +110,6 @@ def default_plan(num_layers: int, num_workers: int) -> Plan:
     return Plan.uniform(
         num_layers, num_forward=num_forward, num_backward=num_backward, tail_layers=tail_layers
     )
-
-
-# Note [loading into the arena]
-#     The weights are loaded after the job's host memory was checked and its arenas were
-#     created, and each weight read from model.path goes into the params arena (and, if
-#     it trains, becomes its fp32 master) as it is read. Loading the whole model first
-#     held it in fp32 beside everything else: a LoRA job on a bf16 base peaked at ~6
-#     bytes a parameter for a prediction of ~2, and a full fine-tune's check, taken with
-#     the fp32 weights already held, counted its masters twice and refused jobs that
-#     fit. A random base is still made whole by transformers, then placed: the peak is
-#     one fp32 model beside the arenas (docs/memory.md).
-
-
-def _as_master(w: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of a freshly loaded weight: the tensor itself when it is an fp32
-    tensor that owns exactly its storage (the loaders' output, dropped after loading),
-    else a copy. Taking it over instead of copying keeps the loading peak at one fp32
-    model, not two (docs/memory.md)."""
-    owns = (
-        w.dtype == torch.float32
-        and w.is_contiguous()
-        and w.storage_offset() == 0
-        and w.untyped_storage().nbytes() == w.numel() * w.element_size()
-        and not w.requires_grad
-    )
-    return w if owns else w.to(torch.float32).clone()
 
 
 class Trainer:
@@ -315,8 +290,17 @@ class Trainer:
         layout.create(self.arena_dir, self.namespace)
         self.layout = layout
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
-        self._place_initial_weights(model, layout)
-        full_masters = self._shard_masters()
+        self.shards = self._make_shards()
+        # Sharded, every node but rank 0 keeps only its pieces of the masters as they are
+        # read (rank 0 keeps the whole ones until the nodes are in sync: it restores and
+        # broadcasts them); the others' are the shapes alone (Note [sharded start-up]).
+        self.masters, full_masters = place_initial_weights(
+            model,
+            layout,
+            self.spec,
+            pieces_of=self.shards if self.group is not None and not self.group.leader else None,
+        )
+        full_masters = self._shard_masters(full_masters)
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.schedule = ScheduleBuilder(
@@ -340,17 +324,14 @@ class Trainer:
         source = (
             self.checkpointer.resume_source() if self.group is None or self.group.leader else None
         )
-        full_moments: dict[str, torch.Tensor] | None = None
+        full_moments: CheckpointMoments | None = None
         if source is not None:
-            if self.shards is not None:  # whole tensors first; sync keeps the pieces
+            if self.shards is not None:  # whole masters; sync keeps the pieces
                 assert full_masters is not None
-                full_moments = {
-                    f"{layer}.{name}.{kind}": torch.zeros_like(t)
-                    for layer, per in full_masters.items()
-                    for name, t in per.items()
-                    for kind in self.optimizer.kinds
-                }
-                self.checkpointer.restore(source, masters=full_masters, moments=full_moments)
+                # the states stay in the file, read a layer at a time as sync sends them
+                full_moments = self.checkpointer.restore(
+                    source, masters=full_masters, stream_moments=True
+                )
             else:
                 self.checkpointer.restore(source)
             self._start_after(source.step)
@@ -369,18 +350,40 @@ class Trainer:
             )
             if leader_step is not None:
                 self._start_after(leader_step)
+        if full_moments is not None:
+            full_moments.close()
         del full_masters, full_moments
         release_freed_memory()
         self._plan_chosen(self.start_step + 1, why)
         self.prepared = True
 
-    def _shard_masters(self) -> dict[int, dict[str, torch.Tensor]] | None:
-        """With ``train.optimizer_sharding: sharded`` in a group: keep only this node's
-        pieces as ``masters`` (roundpipe.coordinator.training.sharded_optimizer) and
-        return the whole ones, which ``prepare`` drops once the nodes are in sync. None:
-        replicated, or one node (whose shard is the whole state)."""
+    def _make_shards(self) -> ZeroShards | None:
+        """With ``train.optimizer_sharding: sharded`` in a group: how this node's pieces
+        of the masters and optimizer states are cut (roundpipe.coordinator.training.
+        sharded_optimizer). None: replicated, or one node (whose shard is the whole
+        state)."""
         spec = self.spec
         if not optimizer_state_sharded(spec.train.optimizer_sharding, spec.optimizer.state_dtype):
+            return None
+        if self.group is None:
+            if spec.train.optimizer_sharding == "sharded":  # asked for, not the default
+                log.info(
+                    "[trainer] job %s: optimizer_sharding 'sharded' on one node: its shard "
+                    "is the whole optimizer state (as 'replicated')",
+                    self.job_id,
+                )
+            return None
+        return ZeroShards(
+            self.group, self.group.rank, self.group.world_size, spec.train.grad_transport
+        )
+
+    def _shard_masters(
+        self, full: dict[int, dict[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Sharded: keep only this node's pieces as ``masters`` and return the whole
+        masters ``full`` as placed (rank 0's tensors, the others' shapes), which
+        ``prepare`` drops once the nodes are in sync. None: not sharded."""
+        if self.shards is None:
             if self.group is not None:
                 log.info(  # benchmarks/multinode.py reads it
                     "[trainer] job %s: optimizer state replicated on %d nodes: rank %d holds "
@@ -391,19 +394,9 @@ class Trainer:
                     *(sum(t.numel() for per in self.masters.values() for t in per.values()),) * 2,
                 )
             return None
-        if self.group is None:
-            if spec.train.optimizer_sharding == "sharded":  # asked for, not the default
-                log.info(
-                    "[trainer] job %s: optimizer_sharding 'sharded' on one node: its shard "
-                    "is the whole optimizer state (as 'replicated')",
-                    self.job_id,
-                )
-            return None
-        self.shards = ZeroShards(
-            self.group, self.group.rank, self.group.world_size, spec.train.grad_transport
-        )
-        full = self.masters
-        self.masters = self.shards.shard_masters(full)
+        assert self.group is not None
+        if self.group.leader:
+            self.masters = self.shards.shard_masters(full)
         log.info(  # benchmarks/multinode.py reads it
             "[trainer] job %s: optimizer state sharded over %d nodes: rank %d holds the "
             "masters and moments of %d of %d trainable elements",
@@ -456,50 +449,6 @@ class Trainer:
                 job_id=self.job_id,
                 paused=self.member.paused,
             )
-
-    def _place_initial_weights(self, model: LayeredModel, layout: JobLayout) -> None:
-        """W_0 into params parity 0 and the fp32 masters (coordinator memory), after the
-        arenas exist and host memory was checked (Note [loading into the arena])."""
-        trainable = {
-            (layer, s.name)
-            for layer in range(model.num_layers)
-            for s in model.layer_params(layer)
-            if s.trainable
-        }
-        placed: set[tuple[int, str]] = set()
-
-        def place(layer: int, name: str, w: torch.Tensor) -> None:
-            refs = layout.params.get(layer, {}).get(name)
-            if refs is None:
-                return
-            layout.view(refs[0]).copy_(w)
-            if (layer, name) in trainable:
-                self.masters.setdefault(layer, {})[name] = _as_master(w)
-            placed.add((layer, name))
-
-        spec = self.spec
-        if spec.model.path is not None:
-            # A quantised base is quantised as it is read (Note [quantised base] in
-            # roundpipe.shared.quantized_base): its parts go into the arena.
-            model.load_weights(
-                dtype=torch.float32, seed=spec.init_seed, quantize_base=True, sink=place
-            )
-        else:  # transformers builds a random model whole, in fp32
-            weights = model.init_weights(spec.init_seed)
-            if model.quantized_base is not None:
-                model.quantized_base.quantize_weights(weights)
-            for layer, per in weights.items():
-                for name in list(per):
-                    place(layer, name, per.pop(name))
-            del weights
-        unset = [
-            f"{layer}:{name}"
-            for layer, names in layout.params.items()
-            for name in names
-            if (layer, name) not in placed
-        ]
-        if unset:
-            raise JobFailed(f"the model's weights left {len(unset)} unset, e.g. {unset[:5]}")
 
     def _start_after(self, step: int) -> None:
         """Start the run after ``step``, whose state (and progress) was just restored
@@ -875,7 +824,9 @@ class Trainer:
             planner.profile.record_done(task, msg, extra_forward=extra_forward)
             if pending[task.iteration] == 0:
                 planner.profile.end_iteration(task.iteration)
-                planner.write_profile(self.held_output, self.plan)  # roundpipe plan --profile
+                planner.write_profile(
+                    self.held_output, self.plan, self.output.shown
+                )  # roundpipe plan --profile
 
     # -- data parallelism across nodes (group_member) ---------------------------------
 
@@ -989,11 +940,28 @@ class Trainer:
         return self.exporter.export(directory)
 
     def close(self) -> None:
+        """Stop the job's threads and give back what it holds: its output directory and
+        its arenas. Every part is let go even if one before it fails (logged): one that
+        raised left the arenas in /dev/shm and the job's log handler catching later
+        jobs' lines."""
         self._cancel.set()
+        parts: list[tuple[str, Callable[[], None]]] = [
+            ("the background checkpoint", self._stop_background),
+            ("the timeline", self.timeline.close),  # settle the last step, finish the trace
+            ("the output directory", self.output.release),
+            ("the arenas", self._destroy_layout),
+        ]
+        for what, close in parts:
+            try:
+                close()
+            except Exception:
+                log.exception("[trainer] job %s: letting go of %s failed", self.job_id, what)
+
+    def _stop_background(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.stop_background()
-        self.timeline.close()  # observability: settle the last step, finish the trace
-        self.output.release()
+
+    def _destroy_layout(self) -> None:
         if self.layout is not None:
-            self.layout.destroy()
-            self.layout = None
+            layout, self.layout = self.layout, None
+            layout.destroy()
