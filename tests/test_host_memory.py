@@ -308,6 +308,10 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
         )
         assert per_rank[0].gathered == 4 * trainable + 2 * 8 * largest < 12 * trainable
         assert all(m.gathered == 0 for m in per_rank[1:])
+        # The others, starting: the layer rank 0 sends them (Note [sharded start-up])
+        assert per_rank[0].start_up == 0
+        assert all(m.start_up == (4 + 8) * largest for m in per_rank[1:])
+        assert "a layer of rank 0's state at start-up" in per_rank[1].describe()
         for m in per_rank:
             assert m.arenas == whole.arenas
             # 1/W, but for each tensor's piece rounded up to 256 elements
@@ -316,6 +320,38 @@ def test_sharded_optimizer_state_counts_each_ranks_pieces(tmp_path) -> None:
         # what sharding saves on it; Note [gradient buckets] caps it on real models)
         assert per_rank[1].total - per_rank[1].collectives < whole.total
         assert "state gathered for checkpoints" in per_rank[0].describe()
+
+
+def test_a_sharded_node_other_than_rank_0_keeps_only_its_pieces_as_it_loads(
+    tmp_path, arena_dir
+) -> None:
+    """Note [sharded start-up]: rank 1 of 2 holds its pieces of the fp32 masters (about
+    half) and the whole ones' shapes only, never the whole masters; rank 0 (and a node
+    alone) the whole masters, which are its masters too."""
+    from roundpipe.coordinator.training.initial_weights import place_initial_weights
+    from roundpipe.coordinator.training.sharded_optimizer import ZeroShards
+
+    spec = tiny_spec(tmp_path, plan=NARROW)
+    model = LayeredModel(model_config_from_spec(spec.model))
+    layout = _layout(model, NARROW)
+    layout.create(arena_dir, "pieces")
+    try:
+        masters, whole = place_initial_weights(model, layout, spec)
+        assert masters is whole and all(
+            not t.is_meta for per in whole.values() for t in per.values()
+        )
+        shards = ZeroShards(None, 1, 2, "float32")
+        pieces, shapes = place_initial_weights(model, layout, spec, pieces_of=shards)
+        assert all(t.is_meta for per in shapes.values() for t in per.values())
+        for layer, per in masters.items():
+            for name, t in per.items():
+                assert shapes[layer][name].shape == t.shape
+                assert torch.equal(pieces[layer][name], shards.own(t)), name
+        held = sum(t.numel() for per in pieces.values() for t in per.values())
+        total = sum(t.numel() for per in masters.values() for t in per.values())
+        assert held < 0.6 * total
+    finally:
+        layout.destroy()
 
 
 def test_sharded_background_checkpoints_stage_each_ranks_pieces(tmp_path) -> None:
