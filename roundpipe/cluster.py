@@ -242,9 +242,9 @@ class LocalCluster:
     ) -> Daemon:
         """Start a worker: a CPU worker of ``threads`` threads, or on ``device`` given as
         worker options (e.g. ``["--gpu", "0", "--memory-limit", "24GiB"]``). ``fork``:
-        fork it from the fork server (by default a CPU worker is forked; a GPU worker
-        starts as deployed, a new interpreter, so that its CUDA path is measured as users
-        run it)."""
+        fork it from the fork server (by default a CPU worker, ``--cpu``, is forked;
+        a GPU worker starts as deployed, a new interpreter, so that its CUDA path is
+        measured as users run it)."""
         env = {"ROUNDPIPE_FAULT": fault} if fault else {}
         env.update(self.key_env("worker"))
         where = (
@@ -264,7 +264,7 @@ class LocalCluster:
                 name,
             ],
             env,
-            forkable="--gpu" not in where if fork is None else fork,
+            forkable="--cpu" in where if fork is None else fork,
         )
         self.workers[name] = daemon
         return daemon

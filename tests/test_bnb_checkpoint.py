@@ -207,10 +207,14 @@ def test_a_resume_is_checked_against_the_base_the_adapters_trained_on(
     no other base. The specs' spellings were compared: naming the checkpoint's own nf4
     was refused ("the adapters have 'none'"), and the unquantised model it came from
     was accepted and trained another model."""
+    import shutil
+
+    from roundpipe.coordinator.spec.checkpoint_format import MANIFEST_DIGEST, sealed
     from roundpipe.coordinator.training.job_errors import JobFailed
     from roundpipe.coordinator.training.trainer import Trainer
 
-    nf4, plain = checkpoints["nf4-dq"], checkpoints["nf4-dq"].parent / "plain"
+    plain = checkpoints["nf4-dq"].parent / "plain"
+    nf4 = shutil.copytree(checkpoints["nf4-dq"], tmp_path / "nf4")  # moved at the end
     lora = {"r": 4, "alpha": 8}
     first = path_spec(tmp_path / "first", nf4, lora)
     first["train"]["steps"], first["optimizer"]["warmup_steps"] = 1, 0
@@ -251,3 +255,11 @@ def test_a_resume_is_checked_against_the_base_the_adapters_trained_on(
             trainer.prepare(1)
     finally:
         trainer.close()
+    # A checkpoint written before manifests recorded the base, whose model has moved
+    # since: what it was quantised as is unknown, so the resume is not refused for it.
+    doc = json.loads(manifest.read_text())
+    del doc["model"]["base"]
+    manifest.write_text(json.dumps(sealed({k: v for k, v in doc.items() if k != MANIFEST_DIGEST})))
+    moved = nf4.rename(tmp_path / "nf4-moved")
+    validate_spec(resumed(moved))
+    validate_spec(resumed(moved, base_quantization="nf4"))

@@ -149,8 +149,8 @@ def test_a_cluster_forks_its_cpu_daemons_unless_their_environment_forbids(
         cpu = ["--cpu", "--threads", "1", "--memory-limit", "1GiB"]
         assert isinstance(cluster.add_worker("w2", device=cpu).proc, ForkedProcess)
         assert isinstance(cluster.add_worker("w3", device=cpu, fork=False).proc, subprocess.Popen)
-        gpu = ["--gpu", "0"]  # exits at once without a GPU: only how it started matters
-        assert isinstance(cluster.add_worker("w4", device=gpu).proc, subprocess.Popen)
+        for i, gpu in enumerate((["--gpu", "0"], ["--gpu=0"])):  # exit at once without one
+            assert isinstance(cluster.add_worker(f"w{4 + i}", device=gpu).proc, subprocess.Popen)
     finally:
         cluster.stop()
     cluster = LocalCluster(tmp_path / "b", arena_dir, env={"OMP_NUM_THREADS": "2"}, start=False)

@@ -492,8 +492,11 @@ def _check_resumed_base(
     if not isinstance(before, dict):
         old = manifest["spec"]
         path = (old.get("model") or {}).get("path")
-        quant = _config_get(_read_config(path), "quantization_config") if path else None
-        before = _base_record(old["lora"], quant)
+        config = _read_config(path) if path else {}
+        # its model moved or gone: what it was quantised as is not known here
+        before = (
+            None if config is None else _base_record(old["lora"], config.get("quantization_config"))
+        )
     if now is None or before is None or now == before:
         return  # an invalid setting is reported by the checks that read it
     e.add(
