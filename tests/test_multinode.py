@@ -221,9 +221,10 @@ def test_two_coordinators_equal_one_with_the_global_batch(tmp_path: Path) -> Non
 
 def spec_checkers(node) -> int:
     """How many spec-checking processes (coordinator.service.admission) ``node``'s
-    coordinator runs: its multiprocessing children other than the resource tracker."""
+    coordinator runs: its children other than multiprocessing's resource tracker (a
+    checker is forked, Note [forked spec checker], or spawned)."""
     children = psutil.Process(node.coordinator.proc.pid).children()
-    return sum("spawn_main" in " ".join(c.cmdline()) for c in children)
+    return sum("resource_tracker" not in " ".join(c.cmdline()) for c in children)
 
 
 def wait_for_state(node, job_id: str, state: str, timeout_s: float = 30) -> None:

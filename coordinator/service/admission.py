@@ -7,10 +7,21 @@ some of it holds the GIL for the whole of one C call (``json.load`` of a large c
 a 60 MB data file of blank lines delayed replies and heartbeats by seconds. In its own
 process it delays nothing but the submission it belongs to.
 
-:class:`SpecValidator` keeps one spawned child (started on first use, reused, replaced
-when it dies or overruns its time limit). ``validate(spec)`` returns the normalised spec
-dict (``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.spec.jobspec.JobSpecError`
+:class:`SpecValidator` keeps one child (started on first use, reused, replaced when it
+dies or overruns its time limit). ``validate(spec)`` returns the normalised spec dict
+(``JobSpec.to_dict()``) or raises :class:`~roundpipe.coordinator.spec.jobspec.JobSpecError`
 with every problem the child found, exactly as ``JobSpec.from_dict`` would have.
+
+Note [forked spec checker]
+    A spawned child imports torch and transformers afresh, 3-5 s of CPU for each
+    coordinator (the test suite starts hundreds), and the first submission waited for
+    it. So ``roundpipe-coordinator`` forks its first child instead (``start(fork=True)``),
+    early in ``main``, before the Coordinator exists: forking is safe only while the
+    process has a single thread (a lock held by another thread at the fork stays held in
+    the child forever), and the coordinator's threads and ZeroMQ context come later.
+    Whenever the process is not single-threaded then, and for every replacement (the
+    coordinator has threads by then), the child is spawned. ``_forked_child_init`` undoes
+    what a forked child inherits that a spawned one would not have.
 """
 
 from __future__ import annotations
@@ -34,7 +45,13 @@ if TYPE_CHECKING:
     from roundpipe.coordinator.planning.hardware import HardwareSpec
     from roundpipe.shared.model import LayeredModel
 
-__all__ = ["SpecValidator", "ValidationUnavailable", "check_spec", "validate_spec"]
+__all__ = [
+    "SpecValidator",
+    "ValidationUnavailable",
+    "check_spec",
+    "single_threaded",
+    "validate_spec",
+]
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +256,69 @@ def _child_init(strict_reads: bool, coordinator_pid: int) -> None:
         pass
 
 
+def _open_fds() -> list[int]:
+    """The descriptors above stdio open in this process now (the listing's own, closed
+    when it returns, is not among them)."""
+    listed = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
+    still_open = []
+    for fd in listed:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        still_open.append(fd)
+    return still_open
+
+
+def single_threaded() -> bool:
+    """Whether this process runs one thread, as the kernel counts them (a library's
+    native threads, an OpenMP pool, included) and as ``threading`` does."""
+    try:
+        tasks = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    return tasks == 1 and threading.active_count() == 1
+
+
+def _forked_child_init(strict_reads: bool, coordinator_pid: int, inherited_fds: list[int]) -> None:
+    """A forked child's start (Note [forked spec checker]): made what a spawned one was,
+    then ``_child_init`` as for a spawned one."""
+    # A spawned child starts with the default SIGTERM and SIGINT (KeyboardInterrupt)
+    # behaviour; a forked one keeps the handlers of the coordinator's main(), which would
+    # act on the coordinator's objects here. main() sets them after the fork, but reset
+    # any Python handler found, whoever set it. SIGHUP runs main's request_reload until
+    # _child_init ignores it, as a spawned child does: it only counts, in this copy.
+    for sig, default in (
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGINT, signal.default_int_handler),
+    ):
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, default)
+    # A spawned child has stdio and multiprocessing's own pipes only (close_fds); a
+    # forked one holds every descriptor the coordinator had at the fork: nothing of its
+    # own (the fork precedes its sockets, files and sd_notify socket), but whatever its
+    # launcher leaked into it, such as a pipe whose reader waits for end-of-file. They
+    # are pointed at /dev/null rather than closed: a number left free could be reused
+    # and then closed by a stale Python object owning the old one.
+    if inherited_fds:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in inherited_fds:
+            if fd != devnull:
+                try:
+                    os.dup2(devnull, fd)
+                except OSError:
+                    pass
+        os.close(devnull)
+    # Logging keeps the coordinator's configuration: the same stderr as a spawned child's
+    # last-resort handler, in the coordinator's format. atexit hooks registered by the
+    # coordinator never run here: a forked multiprocessing child ends with os._exit.
+    # Module state main set before the fork (file modes, strict reads, HF_HUB_OFFLINE,
+    # the raised open-files limit) is what this child sets or inherits anyway.
+    threading.current_thread().name = "MainThread"  # main() renamed it
+    _child_init(strict_reads, coordinator_pid)
+
+
 def _warm_up() -> None:
     # What every validation imports (seconds on a small machine): done once, when the
     # coordinator starts, not inside the first client's submission.
@@ -274,7 +354,8 @@ class SpecValidator:
             log.warning("[admission] the spec-checking process died; starting a new one")
             self._discard()
         if self._pool is None:
-            # spawn, never fork: the coordinator has threads and a ZeroMQ context.
+            # spawn, never fork: the coordinator has threads and a ZeroMQ context by now
+            # (only main's first start forks: Note [forked spec checker]).
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
@@ -300,15 +381,47 @@ class SpecValidator:
             proc.kill()  # an overrunning child would otherwise keep running
         pool.shutdown(wait=False, cancel_futures=True)
 
-    def start(self) -> None:
-        """Start the child and its imports now (without waiting for them)."""
+    def start(self, *, fork: bool = False) -> bool:
+        """Start the child and its imports now (without waiting for them), unless it runs
+        already. ``fork``: fork it from this process if that is safe now (Note [forked
+        spec checker]), else spawn it. Returns whether the child was forked."""
         with self._lock:
+            if self._pool is not None and self._alive(self._pool):
+                return False
+            forked = False
             try:
-                self._executor().submit(_warm_up)
+                if fork and self._pool is None:
+                    forked = self._fork_pool()
+                if not forked:
+                    self._executor().submit(_warm_up)
             except (BrokenProcessPool, RuntimeError, OSError) as exc:
                 # The first validation tries again (and says why if it fails too).
                 log.warning("[admission] cannot start the spec-checking process: %s", exc)
                 self._discard()
+                return False
+            return forked
+
+    def _fork_pool(self) -> bool:
+        """Fork the child now, if this process is single-threaded; False if not."""
+        if not single_threaded():
+            log.info("[admission] this process runs threads: the spec checker is spawned")
+            return False
+        inherited = _open_fds()  # before the pool's own pipes exist
+        pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_forked_child_init,
+            initargs=(self.strict_reads, os.getpid(), inherited),
+        )
+        # Python 3.11's pool, with the fork context, forks its children inside the first
+        # submit(), before it starts its management thread (_start_executor_manager_thread:
+        # _launch_processes, then the thread); should a later Python not say so, spawn.
+        if getattr(pool, "_safe_to_dynamically_spawn_children", None) is not False:
+            pool.shutdown(wait=False)
+            return False
+        self._pool = pool
+        pool.submit(_warm_up)  # the fork, on this thread, the only one
+        return True
 
     def _submit(self, *args: Any) -> concurrent.futures.Future:
         """Submit to the pool; a pool found broken (its child died while idle, after the

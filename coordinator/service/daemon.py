@@ -183,8 +183,13 @@ class Coordinator:
         keys_dir: str | Path | None = None,
         group: NodeGroup | None = None,
         max_jobs_per_owner: int | None = None,
+        spec_validator: SpecValidator | None = None,
     ):
         self.address = address
+        self._spec_validator = spec_validator
+        """The spec checker ``main`` started before this object existed, while the process
+        was single-threaded and could fork it (Note [forked spec checker] in
+        coordinator.service.admission); None: serve() spawns one. Owned from now on."""
         self.group = group
         """The data-parallel group this coordinator is a node of (coordinator.multinode):
         rank 0 takes jobs and runs them on every node; the others run what it announces."""
@@ -331,10 +336,16 @@ class Coordinator:
         # A follower of a data-parallel group takes no submissions (rank 0 checks every
         # spec and announces the job to the others): it starts no checking process, so
         # pays neither its imports (seconds of CPU) nor its memory.
-        validator = None
+        validator, self._spec_validator = self._spec_validator, None
         if self.group is None or self.group.leader:
-            validator = self.requests.validator = SpecValidator(self.arena_dir, strict_reads=True)
-            validator.start()
+            if validator is None:
+                validator = SpecValidator(strict_reads=True)
+            validator.arena_dir = os.fspath(self.arena_dir)
+            self.requests.validator = validator
+            validator.start()  # nothing to do if main forked it already
+        elif validator is not None:
+            validator.close()
+            validator = None
         admission_thread = threading.Thread(
             target=self.admissions.run,
             args=(self.ctx, self._outbox_address, self._stop),

@@ -2,7 +2,8 @@
 
 ``main`` parses the options, sets the process up (file modes, torch threads, logging,
 the open-files limit: Note [connection budget] in roundpipe.coordinator.service.connections),
-binds the Coordinator (roundpipe.coordinator.service.daemon), joins the data-parallel
+forks the spec checker while the process has one thread (Note [forked spec checker] in
+roundpipe.coordinator.service.admission), binds the Coordinator (roundpipe.coordinator.service.daemon), joins the data-parallel
 group if asked, starts the metrics server if asked, and serves until SIGTERM/SIGINT.
 Exit status: 0 stopped; 2 cannot start (the message says why); 3 a follower lost the
 group's rank 0 (systemd restarts it to join the new group: docs/multi-node.md).
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import zmq
 
+from roundpipe.coordinator.service.admission import SpecValidator
 from roundpipe.coordinator.service.auth import AuthSetupError, request_reload
 from roundpipe.coordinator.service.connections import raise_open_files_limit
 from roundpipe.coordinator.service.daemon import (
@@ -39,6 +41,7 @@ from roundpipe.coordinator.spec.paths import (
 from roundpipe.coordinator.training.multinode import (
     DEFAULT_DIST_TIMEOUT_S,
     GroupError,
+    GroupSettings,
     NodeGroup,
     settings_from_args,
 )
@@ -49,7 +52,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.shared.defaults import DEFAULT_ADDRESS, default_state_dir
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS
 
     # SIGHUP: re-read the authorised keys (only counted here; the I/O loop's next key
     # check re-reads). Set first, so a SIGHUP while starting up does not end the process.
@@ -194,6 +197,28 @@ def main(argv: list[str] | None = None) -> int:
     # inside the first client request, which would then miss the client's timeout.
     import transformers  # noqa: F401
 
+    # The spec checker is forked now, while this process may still be single-threaded:
+    # the Coordinator below starts the ZeroMQ context and threads. Forked, it has every
+    # import already (a spawned one re-imports torch and transformers: seconds of CPU).
+    # start() spawns it instead where another thread already runs (Note [forked spec
+    # checker] in roundpipe.coordinator.service.admission). A data-parallel follower takes
+    # no submissions, so it runs no checker at all.
+    validator = None
+    if group_settings is None or group_settings.rank == 0:
+        validator = SpecValidator(strict_reads=True)
+        validator.start(fork=True)
+    try:
+        return _serve(args, group_settings, validator)
+    finally:
+        if validator is not None:
+            validator.close()  # serve() closed it already, unless it never got that far
+
+
+def _serve(
+    args: argparse.Namespace, group_settings: GroupSettings | None, validator: SpecValidator | None
+) -> int:
+    from roundpipe.shared.defaults import default_state_dir
+
     state_dir = args.state_dir or default_state_dir()
     keys_dir = args.keys_dir or os.environ.get("ROUNDPIPE_KEYS_DIR") or Path(state_dir) / "keys"
     coordinator = Coordinator(
@@ -206,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         paths=PathPolicy.for_coordinator(state_dir, args.allow_read, args.allow_write),
         keys_dir=keys_dir,
         max_jobs_per_owner=args.max_jobs_per_owner,
+        spec_validator=validator,
     )
     try:
         coordinator.bind()
