@@ -14,9 +14,11 @@ import threading
 from pathlib import Path
 
 import psutil
+import pytest
 from runtime_helpers import tiny_spec
 
 from roundpipe import forkserver
+from roundpipe.client import JobRejected
 from roundpipe.cluster import LocalCluster
 from roundpipe.coordinator.service.admission import SpecValidator
 
@@ -46,6 +48,16 @@ def test_a_forked_coordinator_forks_its_checker_and_spawns_a_replacement(
         # Forked from the fork server: single-threaded when its main() starts.
         assert isinstance(cluster.coordinator.proc, forkserver.ForkedProcess)
         coordinator = psutil.Process(cluster.coordinator.proc.pid)
+        # A spec the checker refuses after reading its data (a token id the model lacks):
+        # the checker logs as a spawned one does, warnings only, not into the
+        # coordinator's log at its level (its data summary, as if a job had read it).
+        bad = tmp_path / "ids.jsonl"
+        bad.write_text('{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, 700, 6]}\n')
+        spec = tiny_spec(tmp_path / "out0").to_dict()
+        spec["data"].update(path=str(bad), format="jsonl_tokens")
+        with pytest.raises(JobRejected, match="vocab_size is"):
+            cluster.client.submit(spec)
+        assert "[data]" not in cluster.coordinator.tail(100_000), cluster.logs()
         _submit_and_cancel(cluster, tmp_path / "out1")
         checkers = _checkers(coordinator)
         assert len(checkers) == 1, (checkers, cluster.logs())

@@ -30,7 +30,7 @@ NODES = 2
 
 def _coordinators(launcher: subprocess.Popen) -> list[psutil.Process]:
     """The coordinator processes under torchrun's agent, by rank."""
-    found = {}
+    matches = []
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
             cmdline = child.cmdline()
@@ -38,9 +38,15 @@ def _coordinators(launcher: subprocess.Popen) -> list[psutil.Process]:
         except psutil.Error:
             continue
         if "roundpipe.coordinator.service.main" in cmdline and "RANK" in env:
-            # Rank 0 joined the agent's store rather than hosting one (multinode.py).
-            assert env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", env
-            found[int(env["RANK"])] = child
+            matches.append((child, env))
+    found = {}
+    pids = {child.pid for child, _ in matches}
+    for child, env in matches:
+        if child.ppid() in pids:
+            continue  # a coordinator's forked spec checker (Note [forked spec checker])
+        # Rank 0 joined the agent's store rather than hosting one (multinode.py).
+        assert env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", env
+        found[int(env["RANK"])] = child
     return [found[r] for r in sorted(found)]
 
 

@@ -14,13 +14,15 @@ with every problem the child found, exactly as ``JobSpec.from_dict`` would have.
 
 Note [forked spec checker]
     A spawned child imports torch and transformers afresh, 3-5 s of CPU for each
-    coordinator (the test suite starts hundreds), and the first submission waited for
-    it. So ``roundpipe-coordinator`` forks its first child instead (``start(fork=True)``),
+    coordinator (the test suite starts hundreds, single-threaded: OMP_NUM_THREADS=1
+    and --threads 1), and the first submission waited for it. So ``roundpipe-coordinator`` forks its first child instead (``start(fork=True)``),
     early in ``main``, before the Coordinator exists: forking is safe only while the
     process has a single thread (a lock held by another thread at the fork stays held in
     the child forever), and the coordinator's threads and ZeroMQ context come later.
     Whenever the process is not single-threaded then, and for every replacement (the
-    coordinator has threads by then), the child is spawned. ``_forked_child_init`` undoes
+    coordinator has threads by then), the child is spawned: so a coordinator started
+    with more than one torch thread (as deployed: importing torch starts OpenMP's
+    threads) spawns it, as before. ``_forked_child_init`` undoes
     what a forked child inherits that a spawned one would not have.
 """
 
@@ -310,9 +312,15 @@ def _forked_child_init(strict_reads: bool, coordinator_pid: int, inherited_fds: 
                 except OSError:
                     pass
         os.close(devnull)
-    # Logging keeps the coordinator's configuration: the same stderr as a spawned child's
-    # last-resort handler, in the coordinator's format. atexit hooks registered by the
-    # coordinator never run here: a forked multiprocessing child ends with os._exit.
+    # A spawned child has no logging set up: only warnings reach stderr (logging's
+    # last resort). A forked one would log at the coordinator's level into its log, e.g.
+    # every checked spec's data summary as if the coordinator had read it; so the same.
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    # atexit hooks registered by the coordinator never run here: a forked
+    # multiprocessing child ends with os._exit.
     # Module state main set before the fork (file modes, strict reads, HF_HUB_OFFLINE,
     # the raised open-files limit) is what this child sets or inherits anyway.
     threading.current_thread().name = "MainThread"  # main() renamed it
