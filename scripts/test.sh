@@ -3,14 +3,16 @@
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
 #
-#   scripts/test.sh            everything (what CI runs; about 17 minutes on 2 cores), in
+#   scripts/test.sh            everything (what CI runs; about 19 minutes on 2 cores), in
 #                              ROUNDPIPE_TEST_PROCS pytest processes (default 2,
 #                              pytest-xdist; 0 runs them in this one): one process at a
 #                              time left a third of two cores idle, and 3 or 4 took longer
 #                              than 2 (the suite is CPU-bound: each test slowed 2-3x). Daemons
 #                              start forked from a process that has imported torch and
-#                              transformers (roundpipe/forkserver.py): 21 minutes before
-#   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes):
+#                              transformers (roundpipe/forkserver.py), and a coordinator's
+#                              spec checker forked from it: 22 minutes before
+#   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes, in the
+#                              same pytest processes):
 #                              units, the model against transformers, the trainer with
 #                              in-process workers, the wire, the layering and the docs.
 #                              The system tests (daemons, clusters, kills, the CLI, the
@@ -36,7 +38,9 @@ QUICK_FILES=(
 
 if [ "${1:-}" = "--quick" ]; then
   shift
-  python -m pytest -q -m "not slow" "${QUICK_FILES[@]}" "$@"
+  # in ROUNDPIPE_TEST_PROCS processes too: one took about 7 minutes, two about 2.5
+  python -m pytest -q -n "${ROUNDPIPE_TEST_PROCS:-2}" --dist worksteal -m "not slow" \
+    "${QUICK_FILES[@]}" "$@"
 else
   # --durations: CI's log says where the suite's time goes (its guide: ~15 minutes)
   python -m pytest -q -n "${ROUNDPIPE_TEST_PROCS:-2}" --dist worksteal --durations=25 "$@"
