@@ -16,6 +16,7 @@ nothing here blocks the training loop on the disk.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class ScalarWriter:
         self.directory = directory
         self.job_id = job_id
         self._shown = shown
+        self._lock = threading.Lock()
         self._writer: SummaryWriter | None = SummaryWriter(
             log_dir=str(directory),
             flush_secs=int(flush_secs),
@@ -57,14 +59,17 @@ class ScalarWriter:
         )
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        if self._writer is None:
-            return
-        try:
-            # SummaryWriter writes in a thread of its own; the OSError it met there is
-            # raised here, at the next scalar (or at close)
-            self._writer.add_scalar(tag, float(value), global_step=step)
-        except OSError as exc:
-            self._stop(exc)
+        # The run loop and the optimizer thread both write: one lock, so that one of them
+        # failing stops the writer once, under the other too.
+        with self._lock:
+            if self._writer is None:
+                return
+            try:
+                # SummaryWriter writes in a thread of its own; the OSError it met there is
+                # raised here, at the next scalar (or at close)
+                self._writer.add_scalar(tag, float(value), global_step=step)
+            except OSError as exc:
+                self._stop(exc)
 
     def progress(self, event: ProgressEvent) -> None:
         self.scalar("train/loss", event.loss, event.step)
@@ -72,17 +77,21 @@ class ScalarWriter:
         self.scalar("train/tokens_per_s", event.tokens_per_s, event.step)
 
     def close(self) -> None:
+        with self._lock:
+            writer, self._writer = self._writer, None
+            if writer is None:
+                return
+            try:
+                writer.close()
+            except OSError as exc:
+                self._warn(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        """Under the lock: log once, and stop writing."""
+        self._warn(exc)
         writer, self._writer = self._writer, None
         if writer is None:
             return
-        try:
-            writer.close()
-        except OSError as exc:
-            self._warn(exc)
-
-    def _stop(self, exc: OSError) -> None:
-        self._warn(exc)
-        writer, self._writer = self._writer, None
         try:
             writer.close()  # its thread's error again, or the last events' flush
         except OSError:
