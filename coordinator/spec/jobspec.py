@@ -28,7 +28,6 @@ See docs/job-spec.md for every field with its default and an example.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,8 +48,8 @@ from roundpipe.coordinator.spec.choices import (
 )
 from roundpipe.coordinator.spec.errors import DataError, FieldError, JobSpecError, Problems
 from roundpipe.coordinator.spec.formats import columns_of, resolve_format
-from roundpipe.coordinator.spec.paths import open_for_read
 from roundpipe.coordinator.spec.section_checks import (
+    ModelConfigError,
     check_data,
     check_int,
     check_lora,
@@ -62,6 +61,7 @@ from roundpipe.coordinator.spec.section_checks import (
     check_train,
     config_class,
     is_int,
+    read_model_config,
 )
 from roundpipe.coordinator.spec.sections import (
     SECTIONS,
@@ -492,7 +492,10 @@ def _check_resumed_base(
     if not isinstance(before, dict):
         old = manifest["spec"]
         path = (old.get("model") or {}).get("path")
-        config = _read_config(path) if path else {}
+        try:
+            config: dict[str, Any] | None = read_model_config(str(path)) if path else {}
+        except ModelConfigError:
+            config = None
         # its model moved or gone: what it was quantised as is not known here
         before = (
             None if config is None else _base_record(old["lora"], config.get("quantization_config"))
@@ -530,16 +533,6 @@ def describe_base(record: Mapping[str, Any]) -> str:
     if record.get("layout") == "bitsandbytes":
         return f"a bitsandbytes checkpoint's own codes ({how})"
     return f"a base quantised at load ({how})"
-
-
-def _read_config(path: Any) -> dict[str, Any] | None:
-    """A model directory's ``config.json``, or None if it cannot be read now."""
-    try:
-        with open_for_read(os.path.join(str(path), "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
 
 
 def optimizer_state_kind(name: Any, momentum: Any, state_dtype: Any) -> str:

@@ -219,6 +219,28 @@ def unknown_config_keys(config_cls: type, keys: Iterable[str]) -> dict[str, str]
     return out
 
 
+class ModelConfigError(ValueError):
+    """A model directory's config.json is missing, unreadable or not a JSON object."""
+
+
+def read_model_config(path: str) -> dict[str, Any]:
+    """A model directory's ``config.json`` as a dict; :class:`ModelConfigError` names the
+    file and what is wrong with it otherwise."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ModelConfigError(
+            f"{path!r} has no config.json; expected a Hugging Face model directory"
+        )
+    try:
+        with open_for_read(cfg_file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read {cfg_file!r}: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{cfg_file!r} does not hold a JSON object")
+    return cfg
+
+
 def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:
     """Check the model section; return its config (dict or transformers config) if known."""
     if m.init_seed is not None:
@@ -265,23 +287,11 @@ def check_model(e: Problems, m: ModelSpec) -> Mapping[str, Any] | Any | None:
         check_bool(e, "model.dequantize", m.dequantize)
         if not check_dir(e, "model.path", m.path, "a model directory"):
             return None
-        cfg_file = os.path.join(m.path, "config.json")
-        if not os.path.isfile(cfg_file):
-            e.add(
-                "model.path",
-                f"{m.path!r} has no config.json; expected a Hugging Face model directory",
-            )
-            return None
         try:
-            with open_for_read(cfg_file) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as exc:
-            e.add("model.path", f"cannot read {cfg_file!r}: {exc}")
+            return read_model_config(m.path)
+        except ModelConfigError as exc:
+            e.add("model.path", str(exc))
             return None
-        if not isinstance(cfg, dict):
-            e.add("model.path", f"{cfg_file!r} does not hold a JSON object")
-            return None
-        return cfg
     if not check_choice(e, "model.architecture", m.architecture, ARCHITECTURES):
         return None
     config_cls = config_class(m.architecture)
