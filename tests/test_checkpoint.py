@@ -293,6 +293,25 @@ def test_find_latest_only_returns_the_jobs_own(tmp_path: Path) -> None:
     assert ckpts.find_latest(job_id="nobody") is None
 
 
+def test_likely_resume_agrees_with_find_latest_without_reading_checksums(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint a paused job's message names: ``latest`` if it is the job's and
+    intact, else the newest intact one, as ``find_latest`` picks; a file cut short is
+    seen by its size (no checksum is read)."""
+    ckpts = CheckpointDir(tmp_path)
+    write(ckpts, 2)
+    write(ckpts, 4)
+    write(ckpts, 6)
+    write(ckpts, 8, job="other")
+    (tmp_path / LATEST).write_text(step_name(4) + "\n")  # 6: written, pointer not moved
+    assert ckpts.likely_resume("job-a").step == ckpts.find_latest("job-a").step == 4
+    with open(tmp_path / step_name(4) / STATE_FILE, "r+b") as f:
+        f.truncate(10)
+    assert ckpts.likely_resume("job-a").step == ckpts.find_latest("job-a").step == 6
+    assert ckpts.likely_resume("nobody") is None
+
+
 def test_resolve_checkpoint_accepts_step_checkpoints_or_output_dir(tmp_path: Path) -> None:
     ckpts = CheckpointDir(tmp_path / "out" / "checkpoints")
     write(ckpts, 1)

@@ -432,6 +432,19 @@ class CheckpointDir:
                 out.append(info)
         return out
 
+    def likely_resume(self, job_id: str | None = None) -> CheckpointInfo | None:
+        """The checkpoint a resume most likely loads (``find_latest``'s order: ``latest``
+        first, then the newest), judged by file sizes only: for a message, where
+        ``find_latest`` would read every byte to verify checksums. None if none is
+        intact."""
+        name = self.pointer()
+        mine = self.complete(job_id)
+        pointed = [c for c in mine if c.path.name == name]
+        for c in pointed + mine[::-1]:
+            if _damage(c.path) is None:
+                return c
+        return None
+
     def find_latest(self, job_id: str | None = None) -> CheckpointInfo | None:
         """The newest complete, undamaged checkpoint (of ``job_id`` if given), or None.
 

@@ -101,7 +101,7 @@ class JobOutput:
             if self.checkpoint_step is None:  # checked before any is restored: the message
                 # says which one the job resumes from
                 try:
-                    kept = self.checkpoints.find_latest(job_id=self.job_id)
+                    kept = self.checkpoints.likely_resume(job_id=self.job_id)
                 except OSError:  # not even readable: the message says where
                     kept = None
                 if kept is not None:
