@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from roundpipe.protocol import ProgressEvent
@@ -59,22 +59,32 @@ class ScalarWriter:
         )
 
     def scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars({tag: value}, step)
+
+    def progress(self, event: ProgressEvent) -> None:
+        self.scalars(
+            {
+                "train/loss": event.loss,
+                "train/learning_rate": event.lr,
+                "train/tokens_per_s": event.tokens_per_s,
+            },
+            event.step,
+        )
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        """Several scalars of one step, under one taking of the lock."""
         # The run loop and the optimizer thread both write: one lock, so that one of them
         # failing stops the writer once, under the other too.
         with self._lock:
-            if self._writer is None:
-                return
-            try:
-                # SummaryWriter writes in a thread of its own; the OSError it met there is
-                # raised here, at the next scalar (or at close)
-                self._writer.add_scalar(tag, float(value), global_step=step)
-            except OSError as exc:
-                self._stop(exc)
-
-    def progress(self, event: ProgressEvent) -> None:
-        self.scalar("train/loss", event.loss, event.step)
-        self.scalar("train/learning_rate", event.lr, event.step)
-        self.scalar("train/tokens_per_s", event.tokens_per_s, event.step)
+            for tag, value in values.items():
+                if self._writer is None:
+                    return
+                try:
+                    # SummaryWriter writes in a thread of its own; the OSError it met
+                    # there is raised here, at the next scalar (or at close)
+                    self._writer.add_scalar(tag, float(value), global_step=step)
+                except OSError as exc:
+                    self._stop(exc)
 
     def close(self) -> None:
         with self._lock:
