@@ -68,6 +68,7 @@ from roundpipe.coordinator.training.checkpoint import (
     save_tensor_stream,
     save_tensors,
 )
+from roundpipe.coordinator.training.divergence import check_masters
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
@@ -369,6 +370,11 @@ class Checkpointer:
         written (Note [streamed checkpoint state] in
         roundpipe.coordinator.training.sharded_optimizer). Raises JobPaused if it cannot
         be written, JobFailed if the output directory is refused."""
+        masters = {
+            layer: {key: t for key, t in per.items() if key.startswith("master/")}
+            for layer, per in state.items()
+        }
+        check_masters(step, masters, self.spec, self.output.kept())  # Note [diverged training]
         started = time.perf_counter()
         background = self.background
         check = background.check_abort if background is not None else (lambda: None)

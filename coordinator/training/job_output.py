@@ -109,6 +109,14 @@ class JobOutput:
             message = self.io_error_message("the output directory is not writable", exc)
             raise JobPaused(message) from exc
 
+    def kept(self) -> tuple[int, Path] | None:
+        """The checkpoint this job can continue from (step, path): the newest it wrote or
+        resumed from; None before any."""
+        if not self.checkpoint_step:
+            return None
+        step = self.checkpoint_step
+        return step, self.checkpoint_path or self.checkpoints.root / step_name(step)
+
     def release(self) -> None:
         """Close the directory ``hold`` holds open."""
         if self._held_fd is not None:
@@ -202,12 +210,9 @@ class JobOutput:
             fix = "see the coordinator's log for what holds its files (a flood of connections?)"
         else:
             fix = "fix the problem"
-        if self.checkpoint_step:
-            path = self.checkpoint_path or self.checkpoints.root / step_name(self.checkpoint_step)
-            kept = (
-                f"checkpoint step {self.checkpoint_step} ({path}) is kept and the job "
-                "resumes from it"
-            )
+        if (checkpoint := self.kept()) is not None:
+            step, path = checkpoint
+            kept = f"checkpoint step {step} ({path}) is kept and the job resumes from it"
         else:
             kept = "no checkpoint has been written yet, so the job resumes from the start"
         return (

@@ -160,6 +160,13 @@ class BackgroundCheckpoints:
         with self._cv:
             return self._step is not None or self._next is not None
 
+    def busy_before(self, step: int) -> bool:
+        """Whether a checkpoint of a step before ``step`` is begun and not yet written (or
+        failed): a job that stops at ``step`` lets it finish (Note [diverged training])."""
+        with self._cv:
+            steps = (self._step, self._next[0] if self._next is not None else None)
+            return any(s is not None and s < step for s in steps)
+
     @property
     def can_begin(self) -> bool:
         """Whether ``begin`` may be called: no begun checkpoint is waiting for staging."""

@@ -33,6 +33,7 @@ The trainer composes the parts of a job, each in a module of its own, built in
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ from roundpipe.coordinator.spec.jobspec import (
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
 from roundpipe.coordinator.training.checkpointer import Checkpointer, CheckpointMoments
+from roundpipe.coordinator.training.divergence import Diverged, check_loss
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
 from roundpipe.coordinator.training.hold_point import held
@@ -568,12 +570,14 @@ class Trainer:
         started = time.perf_counter()
         last_time = started
         completed_iterations = self.start_step
+        diverged = False  # a loss that is not finite was reported: report no more
 
         def report_through(k: int) -> None:
             """Report every iteration up to ``k`` whose tail has finished."""
             nonlocal completed_iterations, last_time
             while (
-                completed_iterations < k
+                not diverged
+                and completed_iterations < k
                 and completed_iterations + 1 in tail_task
                 and tail_task[completed_iterations + 1] not in unfinished
                 and self._loss_known(completed_iterations + 1)
@@ -689,6 +693,12 @@ class Trainer:
                         layer: {key[len("master/") :]: t for key, t in per.items()}
                         for layer, per in full.items()
                     }
+        except Diverged as failure:  # Note [diverged training]
+            diverged = True
+            while checkpointer.background and checkpointer.background.busy_before(failure.step):
+                handle_next()
+            checkpointer.settle_background()
+            raise JobFailed(failure.message(spec, self.output.kept())) from None
         finally:
             self._cancel.set()
             # Abandons an unfinished checkpoint and wakes a capture waiting for it; a
@@ -742,12 +752,14 @@ class Trainer:
             optimizer_s=self.optimizer_thread.latest_busy_s(),
         )
         self.progress_log.append(event)
-        if self.checkpointer.background is not None:
+        finite = math.isfinite(loss)  # else the job stops below (Note [diverged training])
+        if self.checkpointer.background is not None and finite:
             self.checkpointer.background.reported(k)
         self.timeline.step_reported(event)  # observability
         if on_progress is not None:
             on_progress(event)
         log.info("[trainer] job %s step %d loss %.4f", self.job_id, k, loss)
+        check_loss(k, loss)
         return now
 
     def _next_message(self) -> TaskDone | TaskFailed | InboxEvent:

@@ -1,0 +1,98 @@
+"""A job whose training diverged stops, keeping the checkpoints from before it.
+
+Note [diverged training]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A loss or a weight that is not finite (nan, inf) never comes back: every later step
+trains on it. Unchecked, a diverged job (a learning rate too high, an overflow) ran on to
+its last step, wrote each later checkpoint with nan weights, pruned the good ones to
+``output.keep_last``, exported a nan model and reported success; on a run of days, all
+of it after the step that diverged was lost, the last good checkpoint included. So the
+job fails at the first sign, and the checkpoints it keeps are all finite:
+
+* a step whose loss is not finite fails the job as it is reported (the loss is the
+  group's: every node stops at the same step), before the background writer may write
+  that step's checkpoint (it waits for the report), and after one of an earlier step
+  that it is writing (``Diverged``);
+* a checkpoint whose fp32 masters are not all finite is not written: a gradient that
+  overflowed while the loss stayed finite (``float16`` has no loss scaling; or one
+  outsized batch) is found at the next checkpoint at the latest, and the final
+  checkpoint comes before the export. Its cost is one read of the masters per
+  checkpoint, which writes them anyway.
+
+The message names the step, the checkpoint kept (the newest this run wrote or resumed
+from) and what to change before continuing from it with ``model.resume_from``, where the
+learning rate and clipping may differ from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.job_errors import JobFailed
+
+__all__ = ["Diverged", "check_loss", "check_masters"]
+
+
+class Diverged(Exception):
+    """Step ``step``'s loss is not finite. Raised as the step is reported; the run loop
+    lets a checkpoint of an earlier step that is being written finish (the newest good
+    state), then fails the job with ``message``."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"step {step}'s loss is {loss}")
+        self.step, self.loss = step, loss
+
+    def message(self, spec: JobSpec, kept: tuple[int, Path] | None) -> str:
+        """The job's failure: ``kept`` is the checkpoint it can continue from (step,
+        path), or None."""
+        return (
+            f"step {self.step}'s loss is {self.loss}: training diverged, and every later "
+            "step would train on weights that are not finite. The job stops here; "
+            + _continue_from(spec, kept)
+        )
+
+
+def check_loss(step: int, loss: float) -> None:
+    """Raise Diverged if ``step``'s reported loss is not finite."""
+    if not math.isfinite(loss):
+        raise Diverged(step, loss)
+
+
+def check_masters(
+    step: int,
+    masters: Mapping[int, Mapping[str, torch.Tensor]],
+    spec: JobSpec,
+    kept: tuple[int, Path] | None,
+) -> None:
+    """Raise JobFailed, naming the first tensor, if the fp32 masters that checkpoint
+    ``step`` would hold are not all finite (layer -> name -> tensor)."""
+    for layer in sorted(masters):
+        for name, tensor in masters[layer].items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise JobFailed(
+                    f"the weights after step {step} are not finite (layer {layer}, {name}) "
+                    "though every loss so far was: a gradient overflowed, so the job stops "
+                    f"without writing checkpoint step {step}; " + _continue_from(spec, kept)
+                )
+
+
+def _continue_from(spec: JobSpec, kept: tuple[int, Path] | None) -> str:
+    """What is kept and what to change before going on."""
+    fixes = [f"lower optimizer.lr (now {spec.optimizer.lr:g})"]
+    if spec.optimizer.grad_clip is None:
+        fixes.append("set optimizer.grad_clip (1.0 is usual)")
+    if spec.train.dtype == "float16":
+        fixes.append("train in bfloat16 (float16 runs without loss scaling)")
+    fix = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    if kept is None:
+        return f"no checkpoint was written before it. {fix[0].upper()}{fix[1:]}, and start again"
+    step, path = kept
+    return (
+        f"checkpoint step {step} ({path}) is kept, from before it. {fix[0].upper()}{fix[1:]}, "
+        f"and continue from it with model.resume_from: {path}"
+    )

@@ -1,0 +1,137 @@
+"""A diverged job stops and keeps only finite checkpoints (Note [diverged training] in
+roundpipe.coordinator.training.divergence).
+
+The oracle is the job itself: at lr 1e6 the tiny model's weights stop being finite after
+step 3 (its loss is still finite there) and its loss at step 4. Unchecked, the job ran on
+to its last step, wrote nan checkpoints, pruned the good ones and succeeded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import tiny_spec, trained_in_process
+
+from roundpipe.cluster import LocalCluster
+from roundpipe.coordinator.spec.checkpoint_format import step_name
+from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.checkpoint import CheckpointDir, load_tensors
+from roundpipe.coordinator.training.job_errors import JobFailed
+
+DIVERGING_LR = 1e6
+
+
+def diverging_spec(out: Path, *, every: int, staging: str | int, **kw) -> JobSpec:
+    d = tiny_spec(out, steps=8, lr=DIVERGING_LR, **kw).to_dict()
+    d["output"].update(checkpoint_every=every, keep_last=2, checkpoint_staging=staging)
+    return JobSpec.from_dict(d)
+
+
+def finite_checkpoints(root: Path) -> list[int]:
+    """Steps of the checkpoints under ``root``; each must hold finite tensors only."""
+    steps = []
+    for info in CheckpointDir(root).complete():
+        for name, tensor in load_tensors(info.path / "model.safetensors"):
+            assert torch.isfinite(tensor).all(), (info.step, name)
+        steps.append(info.step)
+    return steps
+
+
+@pytest.mark.parametrize("staging", ["auto", 0], ids=["background", "drained"])
+def test_a_nan_loss_stops_the_job_keeping_the_checkpoint_before_it(
+    tmp_path: Path, arena_dir: Path, staging
+) -> None:
+    """Checkpoints every 2 steps: step 4's loss is nan. The job fails at step 4 naming
+    the checkpoint of step 2 and what to change; no nan checkpoint is written (the
+    background writer's step-4 checkpoint waited for a report that never came), and
+    step 2 is not pruned."""
+    spec = diverging_spec(tmp_path / "out", every=2, staging=staging)
+    with pytest.raises(JobFailed) as failed:
+        with trained_in_process(spec, arena_dir, 2, job_id="job-nan"):
+            pass
+    message = str(failed.value)
+    kept = tmp_path / "out" / "checkpoints" / step_name(2)
+    assert message.startswith("step 4's loss is nan: training diverged"), message
+    assert f"checkpoint step 2 ({kept}) is kept" in message, message
+    assert "lower optimizer.lr (now 1e+06) or set optimizer.grad_clip" in message.lower()
+    assert f"model.resume_from: {kept}" in message
+    assert finite_checkpoints(tmp_path / "out" / "checkpoints") == [2]
+    assert CheckpointDir(tmp_path / "out" / "checkpoints").pointer() == step_name(2)
+
+
+@pytest.mark.parametrize("staging", ["auto", 0], ids=["background", "drained"])
+def test_weights_that_overflowed_under_a_finite_loss_are_never_checkpointed(
+    tmp_path: Path, arena_dir: Path, staging
+) -> None:
+    """Checkpoints every step: step 3's loss is finite but its update leaves nan
+    weights. Checkpoint step 3 is not written and the job fails there, keeping step 2;
+    float16 adds its own advice."""
+    spec = diverging_spec(tmp_path / "out", every=1, staging=staging, grad_clip=1.0)
+    with pytest.raises(JobFailed) as failed:
+        with trained_in_process(spec, arena_dir, 2, job_id="job-inf"):
+            pass
+    message = str(failed.value)
+    kept = tmp_path / "out" / "checkpoints" / step_name(2)
+    assert message.startswith("the weights after step 3 are not finite (layer "), message
+    assert "though every loss so far was" in message
+    assert f"without writing checkpoint step 3; checkpoint step 2 ({kept}) is kept" in message
+    assert "grad_clip" not in message  # it is set
+    assert finite_checkpoints(tmp_path / "out" / "checkpoints") == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_diverged_job_fails_in_the_cli_and_its_advice_continues_it(tmp_path: Path) -> None:
+    """Through the daemons and the CLI, as a user meets it: at lr 1000 the tiny model's
+    losses stay finite (its predictions collapse to uniform) but its last update leaves
+    weights that are not: ``roundpipe submit --wait`` exits 1 with the message, the
+    final checkpoint and model are not written, and a new job that follows the advice (a
+    lower learning rate, ``model.resume_from`` the checkpoint named) trains on from it."""
+    arena = Path(tempfile.mkdtemp(prefix="rp-diverge-", dir="/dev/shm"))
+    cluster = LocalCluster(tmp_path / "cluster", arena, allow_write=[tmp_path])
+    try:
+        cluster.add_worker("w1", device=["--cpu", "--threads", "1"])
+        cluster.wait_for_workers(1)
+        d = tiny_spec(tmp_path / "out", steps=12, lr=1000.0).to_dict()
+        d["output"].update(checkpoint_every=2, keep_last=2)
+        spec_file = tmp_path / "diverging.json"
+        spec_file.write_text(json.dumps(d))
+        submitted = subprocess.run(
+            [sys.executable, "-m", "roundpipe.cli", "submit", str(spec_file), "--wait"]
+            + ["--address", cluster.address],
+            env={**os.environ, **cluster.key_env("admin")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert submitted.returncode == 1, submitted.stderr + cluster.logs()
+        kept = tmp_path / "out" / "checkpoints" / step_name(10)
+        assert "failed at 12/12 steps: the weights after step 12 are not finite" in (
+            submitted.stderr
+        ), submitted.stderr
+        assert f"checkpoint step 10 ({kept}) is kept" in submitted.stderr
+        assert f"model.resume_from: {kept}" in submitted.stderr
+        assert finite_checkpoints(tmp_path / "out" / "checkpoints") == [8, 10]
+        assert not (tmp_path / "out" / "model.safetensors").exists()
+
+        d["optimizer"]["lr"] = 3e-4
+        d["model"]["resume_from"] = str(kept)
+        d["output"]["dir"] = str(tmp_path / "again")
+        d["train"]["steps"] = 14
+        job = cluster.client.submit(JobSpec.from_dict(d))
+        status = job.wait(timeout_s=300)
+        assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+        losses = {e.step: e.loss for e in job.progress(timeout_s=30)}
+        assert list(losses)[-4:] == [11, 12, 13, 14]
+        assert all(math.isfinite(losses[step]) for step in (11, 12, 13, 14)), losses
+        assert finite_checkpoints(tmp_path / "again" / "checkpoints") == [12, 14]
+    finally:
+        cluster.stop()
+        shutil.rmtree(arena, ignore_errors=True)
