@@ -210,7 +210,7 @@ def test_explicit_staging_is_counted_at_submit(tmp_path: Path, monkeypatch) -> N
 
 
 def test_writer_fault_point_setting_is_parsed_strictly() -> None:
-    """ROUNDPIPE_CHECKPOINT_FAULT: stall/kill, optional step, marker last (its path may
+    """ROUNDPIPE_CHECKPOINT_FAULT: stall/hold/kill, optional step, marker last (its path may
     hold commas); anything else is refused with the setting's name."""
     from roundpipe.coordinator.training.snapshot import WriterFault, parse_writer_fault
 
@@ -220,7 +220,16 @@ def test_writer_fault_point_setting_is_parsed_strictly() -> None:
     assert parse_writer_fault("stall@step=2,marker=/tmp/a,b") == WriterFault(
         "stall", step=2, marker=Path("/tmp/a,b")
     )
-    for bad in ("raise@step=1", "stall@step=x", "stall@iteration=1", "kill@step=1,when=end"):
+    assert parse_writer_fault("hold@step=2,marker=/tmp/m") == WriterFault(
+        "hold", step=2, marker=Path("/tmp/m")
+    )
+    for bad in (
+        "raise@step=1",
+        "stall@step=x",
+        "stall@iteration=1",
+        "kill@step=1,when=end",
+        "hold@step=2",  # held until its marker is removed: it needs one
+    ):
         with pytest.raises(ValueError, match="ROUNDPIPE_CHECKPOINT_FAULT"):
             parse_writer_fault(bad)
 

@@ -14,17 +14,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from runtime_helpers import tiny_spec, trained_in_process
 
-from roundpipe.cluster import LocalCluster
+from roundpipe.cluster import LocalCluster, local_group
 from roundpipe.coordinator.spec.checkpoint_format import step_name
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.checkpoint import CheckpointDir, load_tensors
 from roundpipe.coordinator.training.job_errors import JobFailed
+from roundpipe.coordinator.training.snapshot import CHECKPOINT_FAULT_ENV
 
 DIVERGING_LR = 1e6
 
@@ -135,3 +137,54 @@ def test_a_diverged_job_fails_in_the_cli_and_its_advice_continues_it(tmp_path: P
     finally:
         cluster.stop()
         shutil.rmtree(arena, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_every_node_of_a_group_fails_after_rank_0_finishes_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Two nodes: rank 0's background writer is held in the middle of checkpoint step 2
+    (``hold`` fault point) while both nodes train on to step 4, whose loss (the group's)
+    is nan. Every node waits for rank 0's write before leaving: a node that left at
+    once made rank 0 pause the job ("the data-parallel group stopped"), telling the user
+    to resume (to diverge again), and abandon checkpoint 2. Every node fails naming rank
+    0's checkpoint 2, which is written."""
+    marker = tmp_path / "writing-2"
+    # Replicated state: only rank 0 writes (with sharded state the others take part in
+    # its gathers, so they are held as long as it is, up to its last file)
+    spec = diverging_spec(
+        tmp_path / "out",
+        every=2,
+        staging="auto",
+        num_microbatches=4,
+        train={"optimizer_sharding": "replicated"},
+    )
+    hold = {CHECKPOINT_FAULT_ENV: f"hold@step=2,marker={marker}"}
+    with local_group(tmp_path, "diverge", env={0: hold}, check_exit=False) as (rank0, rank1):
+        job = rank0.client.submit(spec)
+        leader = status_when(rank0, job.job_id, lambda s: s.step >= 4)
+        assert marker.exists() and leader.step == 4 and math.isnan(leader.loss), leader
+        follower = status_when(rank1, job.job_id, lambda s: s.step >= 4)  # nan there too
+        time.sleep(2)  # a follower that did not wait has left by now (about 1 s)
+        assert rank1.client.status(job.job_id).state == "running", rank1.logs()
+        marker.unlink()  # rank 0's write goes on
+        kept = tmp_path / "out" / "checkpoints" / step_name(2)
+        status = job.wait(timeout_s=120)
+        assert status.state == "failed", f"{status.message}\n{rank0.logs()}"
+        assert status.message.startswith("step 4's loss is nan"), status.message
+        assert f"checkpoint step 2 ({kept}) is kept" in status.message
+        follower = status_when(rank1, job.job_id, lambda s: s.state != "running")
+        assert follower.state == "failed", follower
+        assert f"checkpoint step 2 ({kept}) is kept" in follower.message, follower.message
+    assert finite_checkpoints(tmp_path / "out" / "checkpoints") == [2]
+
+
+def status_when(node: LocalCluster, job_id: str, predicate, timeout_s: float = 240):
+    """``node``'s status of ``job_id`` once ``predicate`` holds for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = {j.job_id: j for j in node.client.jobs()}
+        if job_id in jobs and predicate(jobs[job_id]):
+            return jobs[job_id]
+        assert time.monotonic() < deadline, node.logs()
+        time.sleep(0.05)

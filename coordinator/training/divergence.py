@@ -26,16 +26,22 @@ learning rate and clipping may differ from the checkpoint's.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
-from roundpipe.coordinator.training.job_errors import JobFailed
+from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
 
-__all__ = ["Diverged", "check_loss", "check_masters"]
+if TYPE_CHECKING:
+    from roundpipe.coordinator.training.checkpointer import Checkpointer
+    from roundpipe.coordinator.training.multinode import JobGroup
+
+__all__ = ["Diverged", "check_loss", "check_masters", "kept_after_divergence"]
 
 
 class Diverged(Exception):
@@ -61,6 +67,41 @@ def check_loss(step: int, loss: float) -> None:
     """Raise Diverged if ``step``'s reported loss is not finite."""
     if not math.isfinite(loss):
         raise Diverged(step, loss)
+
+
+def kept_after_divergence(
+    step: int,
+    checkpointer: Checkpointer,
+    handle_next: Callable[[], None],
+    group: JobGroup | None,
+) -> tuple[int, Path] | None:
+    """In the run loop, once step ``step``'s loss diverged: let a checkpoint of an earlier
+    step that is being written finish (``handle_next`` drives the pipeline and the
+    optimizer meanwhile), and return the checkpoint the job keeps (step, path).
+
+    With a group, every node stops at this step (the loss is the group's) and the nodes
+    wait for each other here before any leaves: a node that left at once would stop
+    rank 0 in the middle of writing its checkpoint (the group pauses when a node
+    leaves). Rank 0 writes the checkpoints, so every node names rank 0's. The job fails
+    whatever happens meanwhile (a full disk, a lost node): resumed, it would diverge
+    again."""
+    background = checkpointer.background
+    try:
+        while background is not None and background.busy_before(step):
+            handle_next()
+        checkpointer.settle_background()
+    except (JobPaused, JobFailed):  # logged where raised; the divergence is the failure
+        pass
+    kept = checkpointer.output.kept()
+    if group is None:
+        return kept
+    mine = json.dumps(None if kept is None else [kept[0], str(kept[1])])
+    try:
+        told = group.exchange(f"diverged/{step}", mine, f"every node stopping at step {step}")
+    except Exception:  # a node lost meanwhile: this node's own record
+        return kept
+    leader = json.loads(told[0])
+    return None if leader is None else (int(leader[0]), Path(leader[1]))
 
 
 def check_masters(

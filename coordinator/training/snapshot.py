@@ -40,10 +40,12 @@ writer stop in the middle of a write, between the model files and the training s
 (the ``check_abort`` call), with the temporary directory on disk and nothing renamed::
 
     ROUNDPIPE_CHECKPOINT_FAULT="stall@step=3,marker=/tmp/reached"   # wait until closed
+    ROUNDPIPE_CHECKPOINT_FAULT="hold@step=3,marker=/tmp/reached"    # until it is removed
     ROUNDPIPE_CHECKPOINT_FAULT="kill@step=3"                        # SIGKILL the process
 
 ``stall`` waits until the job stops (``close``: the write is then abandoned as any
-other); ``kill`` is a crash at that point. ``step`` (optional) picks the checkpoint;
+other); ``hold`` waits until its marker is removed (or the job stops), then the write
+goes on: a write that takes as long as a test needs; ``kill`` is a crash at that point. ``step`` (optional) picks the checkpoint;
 ``marker`` (optional, last: the rest of the value is its path) is created when the
 point is reached, before the action, so a test can act on a write that is provably in
 flight. It fires once per writer (one job run); drained checkpoints have no such point.
@@ -90,7 +92,7 @@ CHECKPOINT_FAULT_ENV = "ROUNDPIPE_CHECKPOINT_FAULT"
 class WriterFault:
     """The writer's fault point (module docstring): ``action`` at ``step`` (any if None)."""
 
-    action: str  # "stall" or "kill"
+    action: str  # "stall", "hold" or "kill"
     step: int | None = None
     marker: Path | None = None
     fired: bool = False
@@ -101,8 +103,8 @@ def parse_writer_fault(text: str | None) -> WriterFault | None:
     if not text:
         return None
     action, _, rest = text.partition("@")
-    if action not in ("stall", "kill"):
-        raise ValueError(f"{CHECKPOINT_FAULT_ENV}: action {action!r} must be stall or kill")
+    if action not in ("stall", "hold", "kill"):
+        raise ValueError(f"{CHECKPOINT_FAULT_ENV}: action {action!r} must be stall, hold or kill")
     fault = WriterFault(action)
     while rest:
         if rest.startswith("marker="):
@@ -115,6 +117,8 @@ def parse_writer_fault(text: str | None) -> WriterFault | None:
                 f"{CHECKPOINT_FAULT_ENV}: {part!r} must be step=N or (last) marker=PATH"
             )
         fault.step = int(value)
+    if action == "hold" and fault.marker is None:
+        raise ValueError(f"{CHECKPOINT_FAULT_ENV}: hold needs marker=PATH (it holds until removed)")
     return fault
 
 
@@ -271,9 +275,10 @@ class BackgroundCheckpoints:
             os.replace(part, fault.marker)
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        held = fault.action == "hold"  # until the marker is removed, then the write goes on
         with self._cv:
-            while not self._closed:
-                self._cv.wait()
+            while not self._closed and not (held and not fault.marker.exists()):
+                self._cv.wait(timeout=0.05 if held else None)
 
     def close(self) -> None:
         """Stop the writer: an unfinished checkpoint is abandoned at its next file (its

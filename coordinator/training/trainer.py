@@ -53,7 +53,11 @@ from roundpipe.coordinator.spec.jobspec import (
 )
 from roundpipe.coordinator.spec.paths import PathPolicy, PathRefused
 from roundpipe.coordinator.training.checkpointer import Checkpointer, CheckpointMoments
-from roundpipe.coordinator.training.divergence import Diverged, check_loss
+from roundpipe.coordinator.training.divergence import (
+    Diverged,
+    check_loss,
+    kept_after_divergence,
+)
 from roundpipe.coordinator.training.exporter import ModelExporter
 from roundpipe.coordinator.training.group_member import GroupMember
 from roundpipe.coordinator.training.hold_point import held
@@ -695,10 +699,8 @@ class Trainer:
                     }
         except Diverged as failure:  # Note [diverged training]
             diverged = True
-            while checkpointer.background and checkpointer.background.busy_before(failure.step):
-                handle_next()
-            checkpointer.settle_background()
-            raise JobFailed(failure.message(spec, self.output.kept())) from None
+            kept = kept_after_divergence(failure.step, checkpointer, handle_next, self.group)
+            raise JobFailed(failure.message(spec, kept)) from None
         finally:
             self._cancel.set()
             # Abandons an unfinished checkpoint and wakes a capture waiting for it; a
