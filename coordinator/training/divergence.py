@@ -30,15 +30,16 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
+from roundpipe.coordinator.training.job_output import JobOutput
+from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints
 
 if TYPE_CHECKING:
-    from roundpipe.coordinator.training.checkpointer import Checkpointer
     from roundpipe.coordinator.training.multinode import JobGroup
 
 __all__ = ["Diverged", "check_loss", "check_masters", "kept_after_divergence"]
@@ -69,9 +70,19 @@ def check_loss(step: int, loss: float) -> None:
         raise Diverged(step, loss)
 
 
+class Settling(Protocol):
+    """What ``kept_after_divergence`` needs of the Checkpointer (which calls
+    ``check_masters``: typed here without importing it)."""
+
+    background: BackgroundCheckpoints | None
+    output: JobOutput
+
+    def settle_background(self) -> None: ...
+
+
 def kept_after_divergence(
     step: int,
-    checkpointer: Checkpointer,
+    checkpointer: Settling,
     handle_next: Callable[[], None],
     group: JobGroup | None,
 ) -> tuple[int, Path] | None:
