@@ -251,9 +251,9 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     return _print_listing(args.json, workers, none_text, headers, _worker_row)
 
 
-def _watch(handle: JobHandle, total_steps: int | None = None) -> int:
+def _watch(handle: JobHandle, total_steps: int | None = None, after_seq: int = 0) -> int:
     try:
-        result = watch_job(handle, total_steps=total_steps)
+        result = watch_job(handle, total_steps=total_steps, after_seq=after_seq)
     except KeyboardInterrupt:
         print(
             f"\n{PROG}: stopped watching; job {handle.job_id} keeps running "
@@ -272,7 +272,9 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         print(f"job {args.job} {status.state}: {status.message}", file=sys.stderr)
         if not args.wait:
             return EXIT_OK
-        return _watch(handle)
+        # from its checkpoint's step (status.step until it runs): the steps before it are
+        # history, already shown when they were trained
+        return _watch(handle, after_seq=status.step)
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

@@ -174,9 +174,11 @@ def watch_job(
     tty: bool | None = None,
     poll_s: float = 0.2,
     timeout_s: float | None = None,
+    after_seq: int = 0,
 ) -> WatchResult:
     """Show a job's progress on `stream` (default stderr) until it ends; return how it
-    ended. ``total_steps`` defaults to the job's own ``total_steps``."""
+    ended. ``total_steps`` defaults to the job's own ``total_steps``; ``after_seq``: show
+    the events after it only (a resumed job's, after its checkpoint)."""
     out = sys.stderr if stream is None else stream
     if total_steps is None:
         total_steps = handle.status().total_steps
@@ -184,7 +186,7 @@ def watch_job(
     first: ProgressEvent | None = None
     last: ProgressEvent | None = None
     try:
-        for event in handle.progress(poll_s=poll_s, timeout_s=timeout_s):
+        for event in handle.progress(poll_s=poll_s, timeout_s=timeout_s, after_seq=after_seq):
             if first is None:
                 first = event
             last = event

@@ -28,7 +28,7 @@ A client or worker finds its keys in ``--key`` / ``$ROUNDPIPE_KEY`` (its own
 ``*.key_secret``; default ``~/.config/roundpipe/client.key_secret``) and
 ``--coordinator-key`` / ``$ROUNDPIPE_COORDINATOR_KEY`` (the coordinator's public
 ``coordinator.key``; default ``~/.config/roundpipe/coordinator.key``, else
-``/etc/roundpipe/coordinator.key``, else the one in ``$ROUNDPIPE_KEYS_DIR``).
+``/etc/roundpipe/coordinator.key``, else the one in the keys directory: ``default_keys_dir``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -731,6 +732,35 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     assert job.wait(timeout_s=240).state == "succeeded", cluster.logs()
     steps = [e.step for e in job.progress(timeout_s=30)]
     assert steps == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_cli_resume_wait_shows_the_steps_after_the_checkpoint(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A job cancelled while held before step HOLD_STEP (step 11 trained, checkpoint 10
+    written or being written) and resumed with `roundpipe resume JOB --wait`: the
+    progress shown starts at the step after its checkpoint, trained again; it replayed the history from step 1 as if training had
+    started over, and a client watching from step 10 missed the new step 11 (its old
+    event stood in its place until the run began)."""
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    (tmp_path / "go").unlink()  # held before iteration HOLD_STEP
+    spec = make_spec(tmp_path / "out", every=2, steps=HOLD_STEP + 2, staleness=0)
+    job = cluster.client.submit(spec)
+    wait_for(cluster, "step 11", lambda: job.status().step == HOLD_STEP - 1)
+    cluster.client.cancel(job.job_id)
+    assert job.wait(timeout_s=60).state == "cancelled", cluster.logs()
+    (tmp_path / "go").touch()
+    result = roundpipe_resume(cluster, job.job_id, "--wait", timeout=240)
+    assert result.returncode == 0, result.stderr + cluster.logs()
+    # checkpoint 10, or 8 where 10 was still being written in the background
+    kept = re.search(r"continues from checkpoint step (\d+)", result.stderr)
+    assert kept and int(kept.group(1)) >= 8, result.stderr
+    shown = [int(m) for m in re.findall(r"^step (\d+)/", result.stderr, re.MULTILINE)]
+    assert shown and shown[0] == int(kept.group(1)) + 1, result.stderr
+    assert shown[-1] == HOLD_STEP + 2, result.stderr
+    assert [e.step for e in job.progress(timeout_s=30)] == list(range(1, HOLD_STEP + 3))
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])

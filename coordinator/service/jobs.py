@@ -407,14 +407,18 @@ class JobBook:
                 if job.checkpoint_step
                 else "from the start (it has no checkpoint)"
             )
-            before = (job.cancel_requested, job.trainer, job.step)
+            before = (job.cancel_requested, job.trainer, job.step, job.progress)
             job.cancel_requested = False
             job.trainer = None
             job.step = job.checkpoint_step or 0  # where it continues, until it runs
+            # The steps after it are trained again: their old events are gone (the run
+            # reports them anew, under the same seq), so that a client watching from the
+            # checkpoint's step sees the new ones (roundpipe resume --wait).
+            job.progress = [e for e in job.progress if e.step <= job.step]
             try:  # the store first, as for a cancel
                 self.set_state(job, "queued", f"resume requested; continues {where}", strict=True)
             except JobStoreError:
-                job.cancel_requested, job.trainer, job.step = before
+                job.cancel_requested, job.trainer, job.step, job.progress = before
                 raise
             self.queue.append(job.job_id)
             self._wakeup.notify_all()
