@@ -25,6 +25,7 @@ from roundpipe.cluster import LocalCluster, local_group
 from roundpipe.coordinator.spec.checkpoint_format import step_name
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.checkpoint import CheckpointDir, load_tensors
+from roundpipe.coordinator.training.divergence import Diverged
 from roundpipe.coordinator.training.job_errors import JobFailed
 from roundpipe.coordinator.training.snapshot import CHECKPOINT_FAULT_ENV
 
@@ -47,6 +48,33 @@ def finite_checkpoints(root: Path) -> list[int]:
     return steps
 
 
+def failure_of(spec: JobSpec, arena_dir: Path) -> str:
+    """The message of the JobFailed that training ``spec`` in process ends with."""
+    with pytest.raises(JobFailed) as failed:
+        with trained_in_process(spec, arena_dir, 2, job_id="job-diverging"):
+            pass
+    return str(failed.value)
+
+
+def test_the_advice_fits_the_spec(tmp_path: Path) -> None:
+    """Clipping is suggested only where it is off, bfloat16 only to a float16 job; with
+    no checkpoint the job starts again."""
+    fp16 = tiny_spec(tmp_path, lr=0.5, dtype="float16")
+    message = Diverged(7, float("inf")).message(fp16, None)
+    assert message.startswith("step 7's loss is inf: training diverged"), message
+    assert message.endswith(
+        "no checkpoint was written before it. Lower optimizer.lr (now 0.5), set "
+        "optimizer.grad_clip (1.0 is usual) or train in bfloat16 (float16 runs without "
+        "loss scaling), and start again"
+    ), message
+    clipped = tiny_spec(tmp_path, grad_clip=1.0)
+    message = Diverged(7, float("nan")).message(clipped, (6, Path("/out/step-6")))
+    assert message.endswith(
+        "checkpoint step 6 (/out/step-6) is kept, from before it. Lower optimizer.lr (now "
+        "0.0003), and continue from it with model.resume_from: /out/step-6"
+    ), message
+
+
 @pytest.mark.parametrize("staging", ["auto", 0], ids=["background", "drained"])
 def test_a_nan_loss_stops_the_job_keeping_the_checkpoint_before_it(
     tmp_path: Path, arena_dir: Path, staging
@@ -56,10 +84,7 @@ def test_a_nan_loss_stops_the_job_keeping_the_checkpoint_before_it(
     background writer's step-4 checkpoint waited for a report that never came), and
     step 2 is not pruned."""
     spec = diverging_spec(tmp_path / "out", every=2, staging=staging)
-    with pytest.raises(JobFailed) as failed:
-        with trained_in_process(spec, arena_dir, 2, job_id="job-nan"):
-            pass
-    message = str(failed.value)
+    message = failure_of(spec, arena_dir)
     kept = tmp_path / "out" / "checkpoints" / step_name(2)
     assert message.startswith("step 4's loss is nan: training diverged"), message
     assert f"checkpoint step 2 ({kept}) is kept" in message, message
@@ -75,12 +100,9 @@ def test_weights_that_overflowed_under_a_finite_loss_are_never_checkpointed(
 ) -> None:
     """Checkpoints every step: step 3's loss is finite but its update leaves nan
     weights. Checkpoint step 3 is not written and the job fails there, keeping step 2;
-    float16 adds its own advice."""
+    the advice leaves out clipping, which is set."""
     spec = diverging_spec(tmp_path / "out", every=1, staging=staging, grad_clip=1.0)
-    with pytest.raises(JobFailed) as failed:
-        with trained_in_process(spec, arena_dir, 2, job_id="job-inf"):
-            pass
-    message = str(failed.value)
+    message = failure_of(spec, arena_dir)
     kept = tmp_path / "out" / "checkpoints" / step_name(2)
     assert message.startswith("the weights after step 3 are not finite (layer "), message
     assert "though every loss so far was" in message
