@@ -55,6 +55,7 @@ from roundpipe.coordinator.training.checkpoint import (
 from roundpipe.coordinator.training.hold_point import hold_env
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
+from roundpipe.coordinator.training.snapshot import CHECKPOINT_FAULT_ENV
 from roundpipe.coordinator.training.trainer import Trainer
 from roundpipe.shared.model import LayeredModel
 
@@ -735,32 +736,42 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
 
 
 @pytest.mark.slow
-def test_cli_resume_wait_shows_the_steps_after_the_checkpoint(
-    cluster: LocalCluster, tmp_path: Path
-) -> None:
-    """A job cancelled while held before step HOLD_STEP (step 11 trained, checkpoint 10
-    written or being written) and resumed with `roundpipe resume JOB --wait`: the
-    progress shown starts at the step after its checkpoint, trained again; it replayed the history from step 1 as if training had
-    started over, and a client watching from step 10 missed the new step 11 (its old
-    event stood in its place until the run began)."""
-    cluster.add_worker("w1")
-    cluster.wait_for_workers(1)
-    (tmp_path / "go").unlink()  # held before iteration HOLD_STEP
-    spec = make_spec(tmp_path / "out", every=2, steps=HOLD_STEP + 2, staleness=0)
-    job = cluster.client.submit(spec)
-    wait_for(cluster, "step 11", lambda: job.status().step == HOLD_STEP - 1)
-    cluster.client.cancel(job.job_id)
-    assert job.wait(timeout_s=60).state == "cancelled", cluster.logs()
-    (tmp_path / "go").touch()
-    result = roundpipe_resume(cluster, job.job_id, "--wait", timeout=240)
-    assert result.returncode == 0, result.stderr + cluster.logs()
-    # checkpoint 10, or 8 where 10 was still being written in the background
-    kept = re.search(r"continues from checkpoint step (\d+)", result.stderr)
-    assert kept and int(kept.group(1)) >= 8, result.stderr
-    shown = [int(m) for m in re.findall(r"^step (\d+)/", result.stderr, re.MULTILINE)]
-    assert shown and shown[0] == int(kept.group(1)) + 1, result.stderr
-    assert shown[-1] == HOLD_STEP + 2, result.stderr
-    assert [e.step for e in job.progress(timeout_s=30)] == list(range(1, HOLD_STEP + 3))
+def test_cli_resume_wait_shows_the_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    """A job whose background checkpoint 10 finished only once the run was held before
+    step HOLD_STEP (the writer's ``hold`` fault point; step 11 trained, no task in
+    flight, so the run loop never heard of it) is cancelled, then resumed with
+    `roundpipe resume JOB --wait`: it continues from checkpoint 10, as the trainer does,
+    and the progress shown starts at step 11, trained again. It said checkpoint 8 and
+    showed steps 9 and 10 as trained again; before that it replayed the history from
+    step 1 as if training had started over, and a client watching from the checkpoint
+    missed the new step 11 (its old event stood in its place until the run began)."""
+    release, writing = tmp_path / "go", tmp_path / "writing-10"
+    arena_dir = Path("/dev/shm") / f"rp-resume-wait-{os.getpid()}"
+    arena_dir.mkdir()
+    env = {**hold_env(HOLD_STEP, release), CHECKPOINT_FAULT_ENV: f"hold@step=10,marker={writing}"}
+    cluster = LocalCluster(tmp_path / "cluster", arena_dir, env=env)
+    try:
+        cluster.add_worker("w1")
+        cluster.wait_for_workers(1)
+        spec = make_spec(tmp_path / "out", every=2, steps=HOLD_STEP + 2, staleness=0)
+        job = cluster.client.submit(spec)
+        wait_for(cluster, "step 11", lambda: job.status().step == HOLD_STEP - 1)
+        assert writing.exists()
+        writing.unlink()  # checkpoint 10's write goes on, and ends on disk
+        checkpoints = CheckpointDir(tmp_path / "out" / "checkpoints")
+        wait_for(cluster, "checkpoint 10", lambda: checkpoints.pointer() == step_name(10))
+        cluster.client.cancel(job.job_id)
+        assert job.wait(timeout_s=60).state == "cancelled", cluster.logs()
+        release.touch()
+        result = roundpipe_resume(cluster, job.job_id, "--wait", timeout=240)
+        assert result.returncode == 0, result.stderr + cluster.logs()
+        assert "continues from checkpoint step 10" in result.stderr, result.stderr
+        shown = [int(m) for m in re.findall(r"^step (\d+)/", result.stderr, re.MULTILINE)]
+        assert shown and shown[0] == 11 and shown[-1] == HOLD_STEP + 2, result.stderr
+        assert [e.step for e in job.progress(timeout_s=30)] == list(range(1, HOLD_STEP + 3))
+    finally:
+        cluster.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])

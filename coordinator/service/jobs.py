@@ -222,29 +222,31 @@ class JobBook:
             )
 
     def _catch_up_checkpoint(self, job: JobRecord) -> None:
-        """A crash can fall between a checkpoint's completion on disk and its step
-        reaching the store: take the checkpoint the trainer will resume from, by its rule
-        (``CheckpointDir.find_latest``: the one ``latest`` names if it is this job's, else
-        the newest of this job's), reading manifests only (the trainer verifies the
-        files), so that the status and message name the step the job really resumes
-        from. (A checkpoint renamed into place whose pointer never moved is not it.)"""
+        """Take the checkpoint the trainer will resume from as the job's, where the record
+        may be behind or ahead of the disk: a crash can fall between a checkpoint's
+        completion and its step reaching the store, a cancel can come before a finished
+        background write is announced, and the newest can be damaged. By the trainer's
+        rule (``CheckpointDir.find_latest``: the one ``latest`` names if it is this
+        job's and intact, else the newest intact one of this job's), with files checked
+        by size only (``likely_resume``; the trainer verifies checksums), so that the
+        status and message name the step the job really resumes from, and a resumed
+        job's progress is cut there (``resume``)."""
         if not job.output_dir:
             return
         checkpoints = CheckpointDir(Path(job.output_dir) / "checkpoints")
         try:
-            found = checkpoints.complete(job.job_id)
-            pointed = checkpoints.pointer()
+            chosen = checkpoints.likely_resume(job.job_id)
         except OSError as exc:
             log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
             return
-        chosen = next((c for c in found if c.path.name == pointed), found[-1] if found else None)
-        newest = chosen.step if chosen is not None else None
-        if newest is None or newest <= (job.checkpoint_step or 0):
+        if chosen is None or chosen.step == job.checkpoint_step:
             return
-        job.checkpoint_step = newest
-        job.message = interrupted_message(newest)
+        job.checkpoint_step = chosen.step
+        job.message = interrupted_message(chosen.step)
+        if self.store is None:
+            return
         try:
-            self.store.update(job.job_id, checkpoint_step=newest, message=job.message)
+            self.store.update(job.job_id, checkpoint_step=chosen.step, message=job.message)
         except JobStoreError as exc:
             log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
 
@@ -402,6 +404,7 @@ class JobBook:
                     f"job {job.job_id} has already succeeded; to train further, submit a "
                     f"new job with model.resume_from: {job.output_dir} and a larger train.steps"
                 )
+            self._catch_up_checkpoint(job)
             where = (
                 f"from checkpoint step {job.checkpoint_step}"
                 if job.checkpoint_step
