@@ -222,31 +222,41 @@ class JobBook:
             )
 
     def _catch_up_checkpoint(self, job: JobRecord) -> None:
-        """Take the checkpoint the trainer will resume from as the job's, where the record
-        may be behind or ahead of the disk: a crash can fall between a checkpoint's
-        completion and its step reaching the store, a cancel can come before a finished
-        background write is announced, and the newest can be damaged. By the trainer's
-        rule (``CheckpointDir.find_latest``: the one ``latest`` names if it is this
-        job's and intact, else the newest intact one of this job's), with files checked
-        by size only (``likely_resume``; the trainer verifies checksums), so that the
-        status and message name the step the job really resumes from, and a resumed
-        job's progress is cut there (``resume``)."""
+        """Take the checkpoint the trainer will resume from as the job's
+        (``_checkpoint_on_disk``, then ``_take_checkpoint``)."""
+        self._take_checkpoint(job, self._checkpoint_on_disk(job))
+
+    def _checkpoint_on_disk(self, job: JobRecord) -> int | None:
+        """The step of the checkpoint the trainer will resume ``job`` from, where the
+        record may be behind or ahead of the disk: a crash can fall between a
+        checkpoint's completion and its step reaching the store, a cancel can come
+        before a finished background write is announced, and the newest can be damaged.
+        By the trainer's rule (``CheckpointDir.find_latest``: the one ``latest`` names if
+        it is this job's and intact, else the newest intact one of this job's), with
+        files checked by size only (``likely_resume``; the trainer verifies checksums),
+        so that the status and message name the step the job really resumes from, and a
+        resumed job's progress is cut there (``resume``). None if none is found. Reads
+        the disk: not under the lock, which the I/O thread shares."""
         if not job.output_dir:
-            return
+            return None
         checkpoints = CheckpointDir(Path(job.output_dir) / "checkpoints")
         try:
             chosen = checkpoints.likely_resume(job.job_id)
         except OSError as exc:
             log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
+            return None
+        return None if chosen is None else chosen.step
+
+    def _take_checkpoint(self, job: JobRecord, step: int | None) -> None:
+        """Record checkpoint ``step`` (from ``_checkpoint_on_disk``) as ``job``'s."""
+        if step is None or step == job.checkpoint_step:
             return
-        if chosen is None or chosen.step == job.checkpoint_step:
-            return
-        job.checkpoint_step = chosen.step
-        job.message = interrupted_message(chosen.step)
+        job.checkpoint_step = step
+        job.message = interrupted_message(step)
         if self.store is None:
             return
         try:
-            self.store.update(job.job_id, checkpoint_step=chosen.step, message=job.message)
+            self.store.update(job.job_id, checkpoint_step=step, message=job.message)
         except JobStoreError as exc:
             log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
 
@@ -386,6 +396,7 @@ class JobBook:
     def resume(self, job: JobRecord) -> str | None:
         """Queue a stopped job again; returns where it continues (None: it is queued or
         running already, nothing to do). Raises BadState for a succeeded job."""
+        on_disk = self._checkpoint_on_disk(job)  # before the lock: it reads the disk
         with self._lock:
             if job.state == "running" and job.cancel_requested:
                 # Stopping, not going on: acknowledged, the resume was lost and the job
@@ -404,7 +415,7 @@ class JobBook:
                     f"job {job.job_id} has already succeeded; to train further, submit a "
                     f"new job with model.resume_from: {job.output_dir} and a larger train.steps"
                 )
-            self._catch_up_checkpoint(job)
+            self._take_checkpoint(job, on_disk)
             where = (
                 f"from checkpoint step {job.checkpoint_step}"
                 if job.checkpoint_step
