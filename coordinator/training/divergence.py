@@ -12,7 +12,9 @@ job fails at the first sign, and the checkpoints it keeps are all finite:
 * a step whose loss is not finite fails the job as it is reported (the loss is the
   group's: every node stops at the same step), before the background writer may write
   that step's checkpoint (it waits for the report), and after one of an earlier step
-  that it is writing (``Diverged``);
+  that it is writing (``Diverged``); with a group, every node waits there until rank 0
+  has written it (``kept_after_divergence``: a node that left at once made rank 0 pause
+  the job and abandon that write);
 * a checkpoint whose fp32 masters are not all finite is not written: a gradient that
   overflowed while the loss stayed finite (``float16`` has no loss scaling; or one
   outsized batch) is found at the next checkpoint at the latest, and the final
