@@ -206,18 +206,19 @@ def test_every_plan_enumerates_each_partition_once() -> None:
 def test_run_all_tables_each_benchmarks_result(tmp_path: Path) -> None:
     """`run_all.py` runs the named benchmarks one by one and writes their RESULT figures as
     JSON and as a markdown table; a GPU-only default is a skipped row without a GPU."""
+    # two quick ones (packing's smoke, run here before, is tested on its own)
     out = _run_benchmark(
-        "run_all.py", "--only", "plan_sim,packing", "--smoke", "--out", str(tmp_path / "s")
+        "run_all.py", "--only", "plan_sim,paper_table", "--smoke", "--out", str(tmp_path / "s")
     )
     assert out.strip().splitlines()[-1] == "RESULT benchmarks=2 ok=2 failed=0 skipped=0", out
     rows = json.loads((tmp_path / "s" / "results.json").read_text())
-    assert [(r["name"], r["status"]) for r in rows] == [("plan_sim", "ok"), ("packing", "ok")]
+    assert [(r["name"], r["status"]) for r in rows] == [("plan_sim", "ok"), ("paper_table", "ok")]
     assert rows[0]["command"] == "python benchmarks/plan_sim.py"  # its default is short
-    assert rows[1]["command"] == "python benchmarks/packing.py --smoke"
-    assert set(rows[1]["result"]) == {"documents_over_none_step_time"}
+    assert rows[1]["command"] == "python benchmarks/paper_table.py --only Qwen3-1.7B,GPT-OSS-20B"
+    assert set(rows[1]["result"]) == {"worst", "rows"}
     table = (tmp_path / "s" / "results.md").read_text().splitlines()
     assert table[0].startswith("| benchmark |") and len(table) == 4
-    assert "documents_over_none_step_time=" in table[3]
+    assert "worst=" in table[3]
     if not torch.cuda.is_available():
         out = _run_benchmark("run_all.py", "--only", "bandwidth", "--out", str(tmp_path / "g"))
         assert "RESULT benchmarks=1 ok=0 failed=0 skipped=1" in out, out
