@@ -89,6 +89,39 @@ def test_signals_reach_the_daemon_and_its_status_comes_back(
     proc.kill()  # reaped: not signalled again (its pid may belong to another process)
 
 
+def test_a_coordinator_stopped_as_its_socket_appears_exits_cleanly(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """SIGTERM the moment the socket file exists (systemd stopping a coordinator that is
+    still starting up): it exits 0 and removes the file. Its handler was set only after
+    bind() returned, so half of such stops killed it with the default action (status
+    -15, the socket left behind)."""
+    for trial in range(6):
+        sock = f"/tmp/rp-fs-stop-{os.getpid()}-{trial}.sock"
+        proc = server.start(
+            COORD,
+            ["--address", f"ipc://{sock}", "--state-dir", str(tmp_path / f"state{trial}")]
+            + ["--arena-dir", str(tmp_path)],
+            env=server.env,
+            log_path=tmp_path / f"c{trial}.log",
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(sock) and proc.poll() is None:
+                assert time.monotonic() < deadline, (tmp_path / f"c{trial}.log").read_text()
+                time.sleep(0.001)
+        finally:
+            proc.terminate()
+            code = proc.wait(timeout=60)
+            left_behind = os.path.exists(sock)
+            Path(sock).unlink(missing_ok=True)
+        assert code == 0 and not left_behind, (
+            trial,
+            code,
+            (tmp_path / f"c{trial}.log").read_text(),
+        )
+
+
 def test_a_forked_coordinator_runs_in_the_working_directory_it_was_given(
     server: ForkServer, tmp_path: Path
 ) -> None:

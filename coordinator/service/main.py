@@ -233,6 +233,12 @@ def _serve(
         max_jobs_per_owner=args.max_jobs_per_owner,
         spec_validator=validator,
     )
+    # Before bind: from then on a stop ends serve() at once and cleans up (an ipc://
+    # socket file). Set after, a SIGTERM that came once the socket existed (systemd
+    # stopping a coordinator still starting up) ended the process with the default
+    # action, the file left behind (test_forkserver saw it: status -15).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: coordinator.stop())
     try:
         coordinator.bind()
     except (
@@ -248,11 +254,18 @@ def _serve(
         return 2
     group = None
     if group_settings is not None:
+        # Joining waits for the other nodes (up to --dist-timeout): a stop meanwhile
+        # ends the process at once, as it always has, rather than after the wait.
+        handlers = {
+            sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             group = NodeGroup.join(group_settings)
         except GroupError as exc:
             print(f"roundpipe-coordinator: {exc}", file=sys.stderr)
             return 2
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         coordinator.join_group(group)
     metrics = None
     if args.metrics_address:  # observability (coordinator.metrics)
@@ -261,8 +274,6 @@ def _serve(
         except (ValueError, OSError) as exc:
             print(f"roundpipe-coordinator: --metrics-address: {exc}", file=sys.stderr)
             return 2
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: coordinator.stop())
     coordinator.serve()
     if metrics is not None:
         metrics.close()
