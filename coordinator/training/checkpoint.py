@@ -440,10 +440,8 @@ class CheckpointDir:
         name = self.pointer()
         mine = self.complete(job_id)
         pointed = [c for c in mine if c.path.name == name]
-        for c in pointed + mine[::-1]:
-            if _damage(c.path) is None:
-                return c
-        return None
+        rest = [c for c in reversed(mine) if c.path.name != name]
+        return next((c for c in pointed + rest if _damage(c.path) is None), None)
 
     def find_latest(self, job_id: str | None = None) -> CheckpointInfo | None:
         """The newest complete, undamaged checkpoint (of ``job_id`` if given), or None.

@@ -370,11 +370,7 @@ class Checkpointer:
         written (Note [streamed checkpoint state] in
         roundpipe.coordinator.training.sharded_optimizer). Raises JobPaused if it cannot
         be written, JobFailed if the output directory is refused."""
-        masters = {
-            layer: {key: t for key, t in per.items() if key.startswith("master/")}
-            for layer, per in state.items()
-        }
-        check_masters(step, masters, self.spec, self.output.kept())  # Note [diverged training]
+        check_masters(step, state, self.spec, self.output.kept())  # Note [diverged training]
         started = time.perf_counter()
         background = self.background
         check = background.check_abort if background is not None else (lambda: None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,7 +39,8 @@ import torch
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.job_errors import JobFailed, JobPaused
 from roundpipe.coordinator.training.job_output import JobOutput
-from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints
+from roundpipe.coordinator.training.multinode import GroupError
+from roundpipe.coordinator.training.snapshot import BackgroundCheckpoints, LayerState
 
 if TYPE_CHECKING:
     from roundpipe.coordinator.training.multinode import JobGroup
@@ -111,23 +112,20 @@ def kept_after_divergence(
     mine = json.dumps(None if kept is None else [kept[0], str(kept[1])])
     try:
         told = group.exchange(f"diverged/{step}", mine, f"every node stopping at step {step}")
-    except Exception:  # a node lost meanwhile: this node's own record
+    except (GroupError, InterruptedError):  # a node lost meanwhile: this node's own record
         return kept
     leader = json.loads(told[0])
     return None if leader is None else (int(leader[0]), Path(leader[1]))
 
 
 def check_masters(
-    step: int,
-    masters: Mapping[int, Mapping[str, torch.Tensor]],
-    spec: JobSpec,
-    kept: tuple[int, Path] | None,
+    step: int, state: LayerState, spec: JobSpec, kept: tuple[int, Path] | None
 ) -> None:
-    """Raise JobFailed, naming the first tensor, if the fp32 masters that checkpoint
-    ``step`` would hold are not all finite (layer -> name -> tensor)."""
-    for layer in sorted(masters):
-        for name, tensor in masters[layer].items():
-            if not bool(torch.isfinite(tensor).all()):
+    """Raise JobFailed, naming the first tensor, if the fp32 masters (``master/NAME``)
+    of checkpoint ``step``'s ``state`` are not all finite."""
+    for layer in sorted(state):
+        for name, tensor in state[layer].items():
+            if name.startswith("master/") and not bool(torch.isfinite(tensor).all()):
                 raise JobFailed(
                     f"the weights after step {step} are not finite (layer {layer}, {name}) "
                     "though every loss so far was: a gradient overflowed, so the job stops "
@@ -143,10 +141,11 @@ def _continue_from(spec: JobSpec, kept: tuple[int, Path] | None) -> str:
     if spec.train.dtype == "float16":
         fixes.append("train in bfloat16 (float16 runs without loss scaling)")
     fix = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    fix = fix[0].upper() + fix[1:]
     if kept is None:
-        return f"no checkpoint was written before it. {fix[0].upper()}{fix[1:]}, and start again"
+        return f"no checkpoint was written before it. {fix}, and start again"
     step, path = kept
     return (
-        f"checkpoint step {step} ({path}) is kept, from before it. {fix[0].upper()}{fix[1:]}, "
+        f"checkpoint step {step} ({path}) is kept, from before it. {fix}, "
         f"and continue from it with model.resume_from: {path}"
     )

@@ -45,8 +45,9 @@ writer stop in the middle of a write, between the model files and the training s
 
 ``stall`` waits until the job stops (``close``: the write is then abandoned as any
 other); ``hold`` waits until its marker is removed (or the job stops), then the write
-goes on: a write that takes as long as a test needs; ``kill`` is a crash at that point. ``step`` (optional) picks the checkpoint;
-``marker`` (optional, last: the rest of the value is its path) is created when the
+goes on: a write that takes as long as a test needs; ``kill`` is a crash at that point.
+``step`` (optional) picks the checkpoint; ``marker`` (optional, last: the rest of the
+value is its path; ``hold`` needs one) is created when the
 point is reached, before the action, so a test can act on a write that is provably in
 flight. It fires once per writer (one job run); drained checkpoints have no such point.
 """
