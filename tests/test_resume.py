@@ -756,7 +756,7 @@ def test_cli_resume_wait_shows_the_steps_after_the_checkpoint(tmp_path: Path) ->
         spec = make_spec(tmp_path / "out", every=2, steps=HOLD_STEP + 2, staleness=0)
         job = cluster.client.submit(spec)
         wait_for(cluster, "step 11", lambda: job.status().step == HOLD_STEP - 1)
-        assert writing.exists()
+        wait_for(cluster, "checkpoint 10's held write", writing.exists)  # in its own time
         writing.unlink()  # checkpoint 10's write goes on, and ends on disk
         checkpoints = CheckpointDir(tmp_path / "out" / "checkpoints")
         wait_for(cluster, "checkpoint 10", lambda: checkpoints.pointer() == step_name(10))
