@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from roundpipe.coordinator.service.jobstore import JobStore
 from roundpipe.coordinator.service.workers import MAX_NAME_CHARS
 from roundpipe.coordinator.spec.errors import MAX_LISTED_PROBLEMS
 from roundpipe.coordinator.spec.jobspec import MAX_SPEC_BYTES
+from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.protocol import (
     MAX_REPLY_BYTES,
     ErrorReply,
@@ -266,6 +268,34 @@ def test_long_job_history_is_listed_page_by_page(tmp_path: Path, arena_dir: Path
         cluster.stop()
 
 
+def test_a_finished_jobs_history_costs_the_coordinator_under_64_bytes_a_step() -> None:
+    """Note [compact progress history]: a coordinator keeps every finished job's
+    history until it restarts; as ProgressEvent objects that was ~260 bytes a step
+    (1 GB after 4 million steps trained). Read back, the events are the ones appended."""
+    steps = 100_000
+    tracemalloc.start()
+    try:
+        log = ProgressLog()
+        for k in range(1, steps + 1):
+            log.append(
+                ProgressEvent(seq=k, step=k, loss=1.0 / k, tokens_per_s=1e6, lr=3e-4, time=k + 0.5)
+            )
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 64 * steps, f"{held / steps:.0f} bytes a step"
+    assert len(log) == steps and log.last_loss == 1.0 / steps
+    page, more = log.page(after_seq=41_999, limit=3)
+    assert [(e.seq, e.step, e.loss, e.time) for e in page] == [
+        (k, k, 1.0 / k, k + 0.5) for k in (42_000, 42_001, 42_002)
+    ]
+    assert more and log.page(after_seq=steps, limit=3) == ([], False)
+    assert log.loss_at(77_777) == 1.0 / 77_777 and log.loss_at(steps + 1) is None
+    cut = log.up_to(500)
+    assert len(cut) == 500 and len(log) == steps
+    assert cut.recent(1)[0].step == 500 and cut.table().shape == (500, 6)
+
+
 def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) -> None:
     """GetProgress on a job of 300,000 steps: a reply of ~15 MB before, one page now. The
     coordinator runs in this process (a real socket) so the test can hand it a history
@@ -275,10 +305,7 @@ def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) 
     c.bind()
     steps = 300_000
     job = JobRecord("job-long", None, state="succeeded", total_steps=steps, step=steps)
-    job.progress = [
-        ProgressEvent(seq=k, step=k, loss=1.0 / k, tokens_per_s=1e6, lr=3e-4, time=float(k))
-        for k in range(1, steps + 1)
-    ]
+    job.progress = ProgressLog([k, 1.0 / k, 1e6, 3e-4, float(k), 0.0] for k in range(1, steps + 1))
     c.book.jobs[job.job_id] = job
     with serving(c), Client(address, timeout_s=30) as client:
         first = client.get_progress(job.job_id)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from roundpipe.cluster import local_group
 from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.checkpoint import PROGRESS_FILE
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -42,9 +43,12 @@ def resumed(spec: JobSpec, checkpoint: Path, out: Path, **train) -> JobSpec:
 
 
 def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (model files and training state) but the RNG's."""
+    """Every tensor of a checkpoint (model files and training state) but the RNG's and
+    the progress history's (its times and tokens/s are the run's own)."""
     out = {}
     for f in sorted(step_dir.rglob("*.safetensors")):
+        if f.relative_to(step_dir).as_posix() == PROGRESS_FILE:
+            continue
         for key, t in load_file(str(f)).items():
             if not key.startswith("rng/"):
                 out[f"{f.relative_to(step_dir)}:{key}"] = t

@@ -39,6 +39,7 @@ from runtime_helpers import (
     oracle_train,
     tiny_spec,
 )
+from safetensors.torch import load_file
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import LocalCluster
@@ -47,6 +48,7 @@ from roundpipe.coordinator.spec.errors import JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, model_config_from_spec
 from roundpipe.coordinator.training import checkpointer as checkpointer_module
 from roundpipe.coordinator.training.checkpoint import (
+    PROGRESS_FILE,
     STATE_FILE,
     CheckpointDir,
     load_tensors,
@@ -57,6 +59,7 @@ from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, J
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.snapshot import CHECKPOINT_FAULT_ENV
 from roundpipe.coordinator.training.trainer import Trainer
+from roundpipe.protocol import ProgressEvent
 from roundpipe.shared.model import LayeredModel
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -91,9 +94,11 @@ def train(
     job_id: str = "job-r",
     workers: int = 2,
     stop_after: int | None = None,
+    events: list[ProgressEvent] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]] | None:
     """Run the job through a Trainer; with ``stop_after``, cancel it right after the
-    checkpoint of that step and return None. Else (weights by name, [(step, loss)])."""
+    checkpoint of that step and return None. Else (weights by name, [(step, loss)]),
+    and its progress events appended to ``events``."""
 
     def on_event(event: JobEvent) -> None:
         if isinstance(event, CheckpointWritten):
@@ -120,6 +125,8 @@ def train(
             assert stop_after is not None
             return None
         weights = {n: t for layer in trainer.final_weights().values() for n, t in layer.items()}
+        if events is not None:
+            events.extend(trainer.progress)
         return weights, [(e.step, e.loss) for e in trainer.progress]
     finally:
         if pool is not None:
@@ -172,6 +179,46 @@ def test_stopped_and_resumed_job_equals_uninterrupted_bitwise(
     assert_bitwise(resumed, reference(staleness, 2))
     # Final checkpoint written, pruned to keep_last = 2.
     assert [c.step for c in ckpts.complete("job-r")] == [4, 5]
+
+
+def test_the_progress_history_is_a_file_of_its_own_and_resumes_exactly(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """Note [compact progress history]: every save reads every manifest of the
+    directory (to prune), so the history is not in the manifest, which stays the same
+    size however long the job has run; a resumed job's events up to its checkpoint are
+    the ones written, every field."""
+    spec = make_spec(tmp_path / "out", steps=8)
+    assert train(spec, arena_dir, stop_after=6) is None
+    root = tmp_path / "out" / "checkpoints"
+    sizes = [len((root / step_name(s) / MANIFEST).read_bytes()) for s in (4, 6)]
+    assert abs(sizes[1] - sizes[0]) < 40, sizes  # two more steps: ~300 bytes in the manifest
+    manifest = json.loads((root / step_name(6) / MANIFEST).read_text())
+    assert "progress" not in manifest and manifest["progress_file"] == PROGRESS_FILE
+    table = load_file(root / step_name(6) / PROGRESS_FILE)["progress"]
+    assert table.dtype == torch.float64 and table[:, 0].tolist() == [1, 2, 3, 4, 5, 6]
+    events: list[ProgressEvent] = []
+    train(spec, arena_dir, events=events)
+    assert [e.step for e in events] == list(range(1, 9))
+    fields = [[e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s] for e in events]
+    assert fields[:6] == table.tolist()
+
+
+def test_a_checkpoint_with_its_history_in_the_manifest_resumes_exactly(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """Checkpoints written before the progress file held the history in the manifest
+    (``progress``: a list of rows); they still resume, history included."""
+    spec = make_spec(tmp_path / "out", staleness=1)
+    assert train(spec, arena_dir, stop_after=4) is None
+    step_dir = tmp_path / "out" / "checkpoints" / step_name(4)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    rows = load_file(step_dir / PROGRESS_FILE)["progress"].tolist()
+    manifest["progress"] = [row[:5] for row in rows]  # the oldest lacked optimizer_s
+    del manifest["progress_file"], manifest["files"][PROGRESS_FILE]
+    (step_dir / PROGRESS_FILE).unlink()
+    (step_dir / MANIFEST).write_text(json.dumps(sealed(manifest)))
+    assert_bitwise(train(spec, arena_dir), reference(1, 2))
 
 
 def test_an_int8_checkpoint_from_before_root_second_moments_resumes(
@@ -432,7 +479,8 @@ def test_failed_save_pauses_keeps_previous_and_resumes_exactly(
     calls = []
 
     def full_disk(path, tensors, metadata=None):
-        calls.append(path)
+        if path.name == Path(STATE_FILE).name:  # not the progress file beside it
+            calls.append(path)
         if len(calls) == 2:  # the checkpoint of step 4
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_save(path, tensors, metadata)

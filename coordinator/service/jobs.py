@@ -40,7 +40,7 @@ from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
-from roundpipe.coordinator.training.job_events import progress_page
+from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     MAX_REPLY_BYTES,
@@ -108,8 +108,9 @@ class JobRecord:
     # The identity that submitted it: only it (and admins) may see or change the job.
     owner: str = ""
     # The events of the job's last run, kept when its trainer is dropped at the end (the
-    # trainer's own list while it runs). Empty after a coordinator restart.
-    progress: list[ProgressEvent] = field(default_factory=list)
+    # trainer's own log while it runs; Note [compact progress history]). Empty after a
+    # coordinator restart.
+    progress: ProgressLog = field(default_factory=ProgressLog)
     # False for a job another node announced (coordinator.multinode): rank 0's store
     # holds it; this node shows it while it lives and never queues it on a restart.
     stored: bool = True
@@ -153,7 +154,7 @@ class JobRecord:
         t = self.trainer
         if t is not None:
             return t.progress_page(after_seq, limit)
-        return progress_page(self.progress, after_seq, limit)
+        return self.progress.page(after_seq, limit)
 
 
 class BadState(Exception):
@@ -428,7 +429,7 @@ class JobBook:
             # The steps after it are trained again: their old events are gone (the run
             # reports them anew, under the same seq), so that a client watching from the
             # checkpoint's step sees the new ones (roundpipe resume --wait).
-            job.progress = [e for e in job.progress if e.step <= job.step]
+            job.progress = job.progress.up_to(job.step)
             try:  # the store first, as for a cancel
                 self.set_state(job, "queued", f"resume requested; continues {where}", strict=True)
             except JobStoreError:
@@ -482,7 +483,7 @@ class JobBook:
             if trainer is not None:
                 if trainer.prepared:
                     job.step, job.loss = trainer.step, trainer.last_loss
-                job.progress = trainer.progress
+                job.progress = trainer.progress_log
             job.trainer = None
 
     def finish(self, job: JobRecord, state: JobState, message: str) -> None:

@@ -11,9 +11,10 @@ A job's checkpoints live under ``<output>/checkpoints``::
                                     fp32 masters, AdamW moments, the compute-dtype weights
                                     of the previous version, RNG state (keys by parameter
                                     name: nothing depends on the plan or the workers)
+        training_state/progress.safetensors
+                                    the progress history so far (``PROGRESS_FILE``)
         checkpoint.json             the manifest, written last: step, job, spec, data
-                                    cursor, progress so far, and every file's size and
-                                    SHA-256
+                                    cursor, and every file's size and SHA-256
     .tmp-step-00000006-<pid>-<hex>/ a write in progress (or one a dead process left)
     .trash-step-00000002-<pid>-<hex>/
                                     a checkpoint being removed
@@ -97,6 +98,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_FILE = "training_state/state.safetensors"
+PROGRESS_FILE = "training_state/progress.safetensors"
+"""The progress history up to the checkpoint's step: one float64 tensor ``progress``,
+``[steps, 6]`` (roundpipe.coordinator.training.progress_log.COLUMNS). Its own file, not
+the manifest: every save reads every manifest of the directory to prune, and a history
+of a long run is megabytes (checkpoints written before it hold the history in the
+manifest, as ``progress``; they still load)."""
 
 _TEMP_RE = re.compile(r"\.(?:tmp|trash)-.+-(\d+)-[0-9a-f]+\Z")
 _CHUNK = 1 << 22

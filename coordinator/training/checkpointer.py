@@ -60,6 +60,7 @@ from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.jobspec import JobSpec, describe_base, optimizer_state_kind
 from roundpipe.coordinator.spec.paths import modes
 from roundpipe.coordinator.training.checkpoint import (
+    PROGRESS_FILE,
     STATE_FILE,
     CheckpointDir,
     StreamedTensors,
@@ -76,7 +77,7 @@ from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.coordinator.training.memory import weight_copies
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
-from roundpipe.coordinator.training.progress_log import ProgressLog
+from roundpipe.coordinator.training.progress_log import COLUMNS, ProgressLog
 from roundpipe.coordinator.training.quantized_state import (
     SIGNED_MAP,
     UNSIGNED_MAP,
@@ -308,7 +309,7 @@ class Checkpointer:
             self.loader.load_state_dict(manifest["data_cursor"])
         except (DataError, KeyError) as exc:
             raise JobFailed(f"cannot resume from {where}: {exc}") from None
-        self.progress.replace(p for p in manifest.get("progress", []) if p[0] <= s)
+        self.progress.replace(self._history(info))
         self.output.checkpoint_step = s
         self.output.checkpoint_path = info.path
         self.resumed_from = info
@@ -321,6 +322,26 @@ class Checkpointer:
             "" if info.job_id == self.job_id else f", written by job {info.job_id}",
         )
         return streamed
+
+    def _history(self, info: CheckpointInfo) -> torch.Tensor | list:
+        """The progress history of checkpoint ``info``: its ``PROGRESS_FILE``, or the
+        manifest's rows (a checkpoint written before that file existed)."""
+        if "progress_file" not in info.manifest:
+            return [p for p in info.manifest.get("progress", []) if p[0] <= info.step]
+        from safetensors import safe_open
+
+        path = info.path / PROGRESS_FILE
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                table = f.get_tensor("progress")
+        except Exception as exc:
+            raise JobFailed(f"cannot read {path}: {exc}") from None
+        if table.dim() != 2 or table.shape[1] != len(COLUMNS):
+            raise JobFailed(
+                f"{path} is damaged: its progress is {list(table.shape)}, not [steps, "
+                f"{len(COLUMNS)}]"
+            )
+        return table[table[:, 0] <= info.step]
 
     # -- writing ----------------------------------------------------------------------
 
@@ -408,12 +429,15 @@ class Checkpointer:
         streamed: StreamedTensors | None,
     ) -> Path:
         """One try of ``write``: the checkpoint, then the pruning."""
+        # A background checkpoint is written after later steps ran: the history up to its
+        # own step.
+        history = self.progress.table(up_to=step)
         with self.output.pinned(what) as output:
             checkpoints = CheckpointDir(output / self.output.checkpoints.root.name)
             try:
                 written = checkpoints.write(
                     step,
-                    lambda d: self._fill(d, state, context["rng"], check, streamed),
+                    lambda d: self._fill(d, state, context["rng"], history, check, streamed),
                     self._manifest(step, context),
                 )
             except OSError as exc:
@@ -496,12 +520,14 @@ class Checkpointer:
         directory: Path,
         state: LayerState,
         rng: torch.Tensor,
+        history: torch.Tensor,
         check_abort: Callable[[], None],
         streamed: StreamedTensors | None = None,
     ) -> None:
-        """The model files, then the training state. The fp32 masters are stored once,
-        in the model files (read back by ``checkpoint_name``); the training state holds
-        the rest (docs/checkpoints.md, "What is on disk"), ``streamed`` after it."""
+        """The model files, then the progress ``history``, then the training state. The
+        fp32 masters are stored once, in the model files (read back by
+        ``checkpoint_name``); the training state holds the rest (docs/checkpoints.md,
+        "What is on disk"), ``streamed`` after it."""
         masters = {
             layer: {key[len("master/") :]: t for key, t in per.items() if key.startswith("master/")}
             for layer, per in state.items()
@@ -516,6 +542,11 @@ class Checkpointer:
         }
         tensors["rng/torch_cpu"] = rng
         (directory / STATE_FILE).parent.mkdir(mode=modes().dir, parents=True, exist_ok=True)
+        save_tensors(
+            directory / PROGRESS_FILE,
+            {"progress": history},
+            {"format": "roundpipe-progress", "columns": ",".join(COLUMNS)},
+        )
         metadata = {"format": "roundpipe-training-state", "masters": "model files"}
         if streamed is None:
             save_tensors(directory / STATE_FILE, tensors, metadata)
@@ -531,7 +562,6 @@ class Checkpointer:
     def _manifest(self, step: int, context: dict) -> dict:
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
-        progress = self.progress.rows(up_to=step)  # a background checkpoint: later steps ran
         return {
             "job_id": self.job_id,
             "total_steps": self.spec.train.steps,
@@ -566,7 +596,7 @@ class Checkpointer:
                 "init_seed": self.spec.init_seed,
                 "data_seed": self.spec.data_seed,
             },
-            "progress": progress,
+            "progress_file": PROGRESS_FILE,
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from.path),
         }
 

@@ -19,14 +19,12 @@ and benchmarks implement it with in-process workers.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from roundpipe.protocol import ProgressEvent, StageTask
+    from roundpipe.protocol import StageTask
     from roundpipe.shared.plan import Plan
 
 __all__ = [
@@ -39,7 +37,6 @@ __all__ = [
     "WorkerJoined",
     "WorkerLost",
     "WorkerPort",
-    "progress_page",
 ]
 
 
@@ -119,14 +116,3 @@ class WorkerPort(Protocol):
     def stalled_s(self) -> float:
         """Seconds the owner's message loop has stalled so far (frozen, paused, starved):
         the trainer does not count them as its workers' lack of progress."""
-
-
-def progress_page(
-    events: Sequence[ProgressEvent], after_seq: int, limit: int
-) -> tuple[list[ProgressEvent], bool]:
-    """Up to ``limit`` of ``events`` (in seq order) after ``after_seq``, and whether more
-    follow. By bisection: a poll must not scan a history of maybe hundreds of thousands
-    of steps."""
-    first = bisect.bisect_right(events, after_seq, key=lambda e: e.seq)
-    page = list(events[first : first + limit])
-    return page, first + len(page) < len(events)

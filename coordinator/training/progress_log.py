@@ -2,86 +2,169 @@
 read them.
 
 The run loop appends; the service pages through them from its own threads; a checkpoint
-stores them in its manifest as rows (``rows``) and a resumed job, or a node of a group
-starting from rank 0's state, reads them back (``replace``)."""
+stores them beside its training state as a table (``table``) and a resumed job, or a
+node of a group starting from rank 0's state, reads them back (``replace``).
+
+Note [compact progress history]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A coordinator keeps a finished job's history until it restarts (``roundpipe logs`` and
+``progress()`` replay it), and a job may run for hundreds of thousands of steps. So the
+events are not kept as ``ProgressEvent`` objects (about 260 bytes a step) but as six
+float64 columns in one ``array`` (48 bytes a step); an event is made when it is read.
+A step is its own ``seq`` (every event is one step, numbered from 1), and steps only
+grow, so a page is found by bisection. float64 holds every field exactly (a step up to
+2**53, a ``time.time()``), so a history read back from a checkpoint is the one written.
+"""
 
 from __future__ import annotations
 
+import bisect
 import threading
+from array import array
 from collections.abc import Iterable, Sequence
 
-from roundpipe.coordinator.training.job_events import progress_page
+import torch
+
 from roundpipe.protocol import ProgressEvent
 
-__all__ = ["ProgressLog"]
+__all__ = ["COLUMNS", "ProgressLog"]
+
+COLUMNS = ("step", "loss", "tokens_per_s", "lr", "time", "optimizer_s")
+"""One row of the history, in this order (``rows``, ``table``)."""
+_WIDTH = len(COLUMNS)
 
 
 class ProgressLog:
-    """The progress events of one job, in step order; every method is thread-safe."""
+    """The progress events of one job, in step order; every method is thread-safe
+    (Note [compact progress history])."""
 
-    def __init__(self) -> None:
-        self.events: list[ProgressEvent] = []
-        """Appended under the lock; read with ``page`` / ``recent`` from other threads."""
+    def __init__(self, rows: Iterable[Sequence[float]] = ()) -> None:
         self._lock = threading.Lock()
+        self._cells = _cells(rows)
+        """Appended under the lock, ``_WIDTH`` cells a step."""
 
     def append(self, event: ProgressEvent) -> None:
+        row = [event.step, event.loss, event.tokens_per_s, event.lr, event.time]
+        row.append(event.optimizer_s)
         with self._lock:
-            self.events.append(event)
+            self._cells.extend(row)
 
-    def replace(self, rows: Iterable[Sequence[float]]) -> None:
-        """Start over from ``rows`` (as ``rows`` gives them: a checkpoint's, rank 0's)."""
-        events = _events_from_rows(rows)
+    def replace(self, rows: Iterable[Sequence[float]] | torch.Tensor) -> None:
+        """Start over from ``rows`` (as ``rows`` or ``table`` gives them: a
+        checkpoint's, rank 0's)."""
+        cells = _cells(rows)
         with self._lock:
-            self.events = events
+            self._cells = cells
+
+    def up_to(self, step: int) -> ProgressLog:
+        """A copy of the events of steps up to ``step`` (a resumed job's, cut at its
+        checkpoint)."""
+        with self._lock:
+            n = bisect.bisect_right(_Steps(self._cells), step)
+            copy = ProgressLog()
+            copy._cells = self._cells[: n * _WIDTH]
+        return copy
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cells) // _WIDTH
+
+    def events(self) -> list[ProgressEvent]:
+        """Every event, as objects (for tests and small jobs: a page is cheaper)."""
+        with self._lock:
+            return _events(self._cells, 0, len(self._cells) // _WIDTH)
 
     @property
     def last_loss(self) -> float | None:
         """The loss of the newest event (None: no step reported yet)."""
         with self._lock:
-            return self.events[-1].loss if self.events else None
+            return self._cells[-_WIDTH + 1] if self._cells else None
 
     def page(self, after_seq: int, limit: int) -> tuple[list[ProgressEvent], bool]:
         """Up to ``limit`` events after ``after_seq``, in seq order, and whether more
-        follow."""
+        follow. By bisection: a poll must not scan a history of maybe hundreds of
+        thousands of steps."""
         with self._lock:
-            return progress_page(self.events, after_seq, limit)
+            n = len(self._cells) // _WIDTH
+            first = bisect.bisect_right(_Steps(self._cells), after_seq)
+            stop = min(n, first + max(limit, 0))
+            return _events(self._cells, first, stop), stop < n
 
     def recent(self, n: int) -> list[ProgressEvent]:
         """The newest ``n`` events."""
         with self._lock:
-            return self.events[-n:]
+            total = len(self._cells) // _WIDTH
+            return _events(self._cells, max(0, total - n), total)
 
     def loss_at(self, step: int) -> float | None:
         """The loss reported for ``step`` (a background checkpoint is announced after
         later steps have run)."""
         with self._lock:
-            for event in reversed(self.events):
-                if event.step == step:
-                    return event.loss
+            steps = _Steps(self._cells)
+            i = bisect.bisect_left(steps, step)
+            if i < len(steps) and steps[i] == step:
+                return self._cells[i * _WIDTH + 1]
         return None
 
     def rows(self, up_to: int | None = None) -> list[list[float]]:
-        """The events (of steps up to ``up_to``) as a checkpoint manifest stores them
-        (one list per step)."""
+        """The events (of steps up to ``up_to``) as lists of ``COLUMNS``."""
+        return self.table(up_to).tolist()
+
+    def table(self, up_to: int | None = None) -> torch.Tensor:
+        """The events (of steps up to ``up_to``) as a float64 ``[steps, COLUMNS]``
+        tensor (a checkpoint's ``progress`` file)."""
         with self._lock:
-            return [
-                [e.step, e.loss, e.tokens_per_s, e.lr, e.time, e.optimizer_s]
-                for e in self.events
-                if up_to is None or e.step <= up_to
-            ]
+            n = len(self._cells) // _WIDTH
+            if up_to is not None:
+                n = bisect.bisect_right(_Steps(self._cells), up_to)
+            cells = self._cells[: n * _WIDTH]  # a copy: the log may grow meanwhile
+        if not cells:
+            return torch.empty(0, _WIDTH, dtype=torch.float64)
+        return torch.frombuffer(cells, dtype=torch.float64).clone().reshape(n, _WIDTH)
 
 
-def _events_from_rows(rows: Iterable[Sequence[float]]) -> list[ProgressEvent]:
-    """``ProgressLog.rows`` read back (from a checkpoint, or from rank 0)."""
-    return [
-        ProgressEvent(
-            seq=int(p[0]),
-            step=int(p[0]),
-            loss=p[1],
-            tokens_per_s=p[2],
-            lr=p[3],
-            time=p[4],
-            optimizer_s=p[5] if len(p) > 5 else 0.0,  # older checkpoints: not recorded
+class _Steps(Sequence[float]):
+    """The step column of a cell array, for bisection (no copy)."""
+
+    def __init__(self, cells: array) -> None:
+        self._cells = cells
+
+    def __len__(self) -> int:
+        return len(self._cells) // _WIDTH
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._cells[i * _WIDTH]
+
+
+def _cells(rows: Iterable[Sequence[float]] | torch.Tensor) -> array:
+    """``rows`` (lists of ``COLUMNS``, a ``table``; an older checkpoint's rows lack
+    ``optimizer_s``: 0.0) as one flat float64 array."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 2 or rows.shape[1] != _WIDTH:
+            raise ValueError(f"a progress table is [steps, {_WIDTH}], not {list(rows.shape)}")
+        cells = array("d")
+        cells.frombytes(rows.to(torch.float64).contiguous().numpy().tobytes())
+        return cells
+    cells = array("d")
+    for row in rows:
+        cells.extend(float(x) for x in row[:_WIDTH])
+        cells.extend([0.0] * (_WIDTH - len(row)))
+    return cells
+
+
+def _events(cells: array, first: int, stop: int) -> list[ProgressEvent]:
+    out = []
+    for i in range(first, stop):
+        step, loss, tokens_per_s, lr, when, optimizer_s = cells[i * _WIDTH : (i + 1) * _WIDTH]
+        out.append(
+            ProgressEvent(
+                seq=int(step),
+                step=int(step),
+                loss=loss,
+                tokens_per_s=tokens_per_s,
+                lr=lr,
+                time=when,
+                optimizer_s=optimizer_s,
+            )
         )
-        for p in rows
-    ]
+    return out

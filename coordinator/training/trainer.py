@@ -199,9 +199,9 @@ class Trainer:
 
     @property
     def progress(self) -> list[ProgressEvent]:
-        """The progress events so far (read from other threads with ``progress_page`` /
-        ``recent_progress``)."""
-        return self.progress_log.events
+        """The progress events so far, as objects (read from other threads with
+        ``progress_page`` / ``recent_progress``)."""
+        return self.progress_log.events()
 
     @property
     def checkpoint_step(self) -> int | None:
