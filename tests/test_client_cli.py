@@ -963,7 +963,7 @@ def test_cli_resume_of_a_job_whose_spec_is_now_refused_is_a_usage_error(
     """Exit 2 means "invalid job spec", from the client or as ``bad_spec`` from the
     coordinator (docs/client.md): resume's ``bad_spec`` exited 1."""
     answer = fake.handle
-    refusal = ErrorReply(code="bad_spec", message="job-0001 cannot run again: data.path: gone")
+    refusal = ErrorReply(code="bad_spec", message="it cannot run again: data.path: gone")
     monkeypatch.setattr(
         fake, "handle", lambda m: refusal if isinstance(m, ResumeJob) else answer(m)
     )

@@ -13,6 +13,7 @@ from runtime_helpers import tiny_spec
 from roundpipe.coordinator.service.auth import Peer
 from roundpipe.coordinator.service.daemon import Coordinator
 from roundpipe.coordinator.service.jobstore import JobStore, JobStoreError
+from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.protocol import (
     Ack,
     CancelJob,
@@ -236,6 +237,11 @@ def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_
     job_id = c.requests.handle(SubmitJob(spec=spec), OWNER).job_id
     stop(c)
     data.unlink()
+    # With a checkpoint of its own, the reason was replaced by "interrupted by a
+    # coordinator restart; resumes from checkpoint step 2".
+    CheckpointDir(tmp_path / "out" / "checkpoints").write(
+        2, lambda d: (d / "weights").write_bytes(b"w"), {"job_id": job_id}
+    )
     c = start(state, arena_dir, tmp_path)
     try:
         job = c.book.jobs[job_id]

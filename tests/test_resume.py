@@ -784,6 +784,49 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
 
 
 @pytest.mark.slow
+def test_a_continuation_with_checkpoints_of_its_own_outlives_its_source(
+    cluster: LocalCluster, tmp_path: Path, arena_dir: Path
+) -> None:
+    """Jobs that started from job A's checkpoint (``model.resume_from``) and have written
+    checkpoints of their own resume from those; once A's output is removed, a coordinator
+    restart failed the running one ("interrupted by a coordinator restart; resumes from
+    checkpoint step 10", the real reason hidden) and `roundpipe resume` refused the
+    cancelled one ("model.resume_from ... does not exist"), though neither reads A's
+    checkpoint again."""
+    assert train(make_spec(tmp_path / "a", steps=4), arena_dir, job_id="job-a") is not None
+    source = tmp_path / "a" / "checkpoints" / step_name(4)
+
+    def continuation(name: str) -> JobSpec:
+        d = make_spec(tmp_path / name, steps=14).to_dict()
+        d["model"]["resume_from"] = str(source)
+        return JobSpec.from_dict(d)
+
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    release = tmp_path / "go"
+    release.unlink()  # each job is held before step HOLD_STEP
+    cancelled = cluster.client.submit(continuation("cancelled"))
+    mine = CheckpointDir(tmp_path / "cancelled" / "checkpoints")
+    wait_for(cluster, "its checkpoint 10", lambda: (mine.pointer() or "") >= step_name(10))
+    cancelled.cancel()
+    wait_for(cluster, "the cancel", lambda: cancelled.status().state == "cancelled")
+    running = cluster.client.submit(continuation("running"))
+    mine = CheckpointDir(tmp_path / "running" / "checkpoints")
+    wait_for(cluster, "its checkpoint 10", lambda: (mine.pointer() or "") >= step_name(10))
+    shutil.rmtree(tmp_path / "a")
+    cluster.coordinator.proc.send_signal(signal.SIGTERM)  # the running job stays queued
+    assert cluster.coordinator.proc.wait(timeout=60) == 0
+    release.touch()
+    cluster.start_coordinator()
+    status = running.wait(timeout_s=240)
+    assert status.state == "succeeded", f"{status.message}\n{cluster.logs()}"
+    result = roundpipe_resume(cluster, cancelled.job_id, "--wait", timeout=240)
+    assert result.returncode == 0, result.stderr + cluster.logs()
+    assert cancelled.status().state == "succeeded"
+    assert_params_match(load_output(tmp_path / "running"), load_output(tmp_path / "cancelled"))
+
+
+@pytest.mark.slow
 def test_cli_resume_wait_shows_the_steps_after_the_checkpoint(tmp_path: Path) -> None:
     """A job whose background checkpoint 10 finished only once the run was held before
     step HOLD_STEP (the writer's ``hold`` fault point; step 11 trained, no task in

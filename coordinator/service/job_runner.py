@@ -30,7 +30,6 @@ import zmq
 from roundpipe.coordinator.service.jobs import JobBook, JobRecord, outcome
 from roundpipe.coordinator.service.workers import WorkerTable
 from roundpipe.coordinator.spec.errors import JobSpecError
-from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import PathPolicy, modes
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_events import (
@@ -237,7 +236,7 @@ class JobRunner:
             if job.spec is None:
                 # Validated at submission, in the admission child; built (and so checked
                 # again: its files may have changed since) here, off the I/O thread.
-                job.spec = JobSpec.from_dict(self.paths.confine_spec(job.spec_dict))
+                job.spec = self.book.build_spec(job.job_id, job.spec_dict, job.output_dir)
             trainer = Trainer(
                 job.job_id,
                 job.spec,

@@ -198,7 +198,9 @@ class JobBook:
             cut_off = stored.job_id in interrupted or stored.message.startswith(SHUT_DOWN)
             order[stored.job_id] = (not cut_off, stored.updated_at, seq)
             job = self._record_from_store(stored)
-            if job.state == "queued":
+            # (A queued job whose spec no longer validates fails below, with that reason;
+            # a resume catches its checkpoint up.)
+            if job.state == "queued" and job.spec is not None:
                 # Interrupted by a crash, or stopped (SIGTERM) while a background
                 # checkpoint was being written: that write may have completed after the
                 # store last heard of one.
@@ -225,9 +227,43 @@ class JobBook:
     def _catch_up_checkpoint(self, job: JobRecord) -> None:
         """Take the checkpoint the trainer will resume from as the job's
         (``_checkpoint_on_disk``, then ``_take_checkpoint``)."""
-        self._take_checkpoint(job, self._checkpoint_on_disk(job))
+        self._take_checkpoint(job, self._checkpoint_on_disk(job.job_id, job.output_dir))
 
-    def _checkpoint_on_disk(self, job: JobRecord) -> int | None:
+    def build_spec(self, job_id: str, spec_dict: dict, output_dir: str | None) -> JobSpec:
+        """A stored job's spec, built (its files checked again, as they may have changed
+        since it was accepted); JobSpecError if it no longer validates. A job that has
+        a checkpoint of its own is built without its spent ``model.resume_from``
+        (``spent_resume_from``) if that is what fails."""
+        try:
+            return JobSpec.from_dict(self.paths.confine_spec(spec_dict))
+        except JobSpecError:
+            spent = self.spent_resume_from(job_id, spec_dict, output_dir)
+            if spent is None:
+                raise
+        spec = JobSpec.from_dict(self.paths.confine_spec(spent))
+        log.warning(
+            "[coordinator] job %s: its model.resume_from no longer validates, but it "
+            "resumes from a checkpoint of its own and never reads that one again",
+            job_id,
+        )
+        return spec
+
+    def spent_resume_from(
+        self, job_id: str, spec_dict: dict, output_dir: str | None
+    ) -> dict | None:
+        """``spec_dict`` without ``model.resume_from``, for a job that has a checkpoint of
+        its own: the trainer resumes from that first (``Checkpointer.resume_source``), so
+        the checkpoint the job started from was read and may have been removed or
+        replaced since; its checks no longer apply. None: the spec has no
+        ``resume_from``, or the job no checkpoint of its own. Reads the disk."""
+        model = spec_dict.get("model")
+        if not isinstance(model, dict) or not model.get("resume_from"):
+            return None
+        if self._checkpoint_on_disk(job_id, output_dir) is None:
+            return None
+        return {**spec_dict, "model": {**model, "resume_from": None}}
+
+    def _checkpoint_on_disk(self, job_id: str, output_dir: str | None) -> int | None:
         """The step of the checkpoint the trainer will resume ``job`` from, where the
         record may be behind or ahead of the disk: a crash can fall between a
         checkpoint's completion and its step reaching the store, a cancel can come
@@ -238,13 +274,13 @@ class JobBook:
         so that the status and message name the step the job really resumes from, and a
         resumed job's progress is cut there (``resume``). None if none is found. Reads
         the disk: not under the lock, which the I/O thread shares."""
-        if not job.output_dir:
+        if not output_dir:
             return None
-        checkpoints = CheckpointDir(Path(job.output_dir) / "checkpoints")
+        checkpoints = CheckpointDir(Path(output_dir) / "checkpoints")
         try:
-            chosen = checkpoints.likely_resume(job.job_id)
+            chosen = checkpoints.likely_resume(job_id)
         except OSError as exc:
-            log.warning("[coordinator] cannot look at %s's checkpoints: %s", job.job_id, exc)
+            log.warning("[coordinator] cannot look at %s's checkpoints: %s", job_id, exc)
             return None
         return None if chosen is None else chosen.step
 
@@ -268,7 +304,7 @@ class JobBook:
         # long history cost minutes at every start.
         if stored.state not in FINAL_JOB_STATES:
             try:
-                spec = JobSpec.from_dict(self.paths.confine_spec(stored.spec))
+                spec = self.build_spec(stored.job_id, stored.spec, stored.output_dir)
             except JobSpecError as exc:
                 message = f"the job's spec is no longer valid: {exc}"
         return JobRecord(
@@ -397,7 +433,8 @@ class JobBook:
     def resume(self, job: JobRecord) -> str | None:
         """Queue a stopped job again; returns where it continues (None: it is queued or
         running already, nothing to do). Raises BadState for a succeeded job."""
-        on_disk = self._checkpoint_on_disk(job)  # before the lock: it reads the disk
+        on_disk = self._checkpoint_on_disk(job.job_id, job.output_dir)  # reads the disk:
+        # before the lock
         with self._lock:
             if job.state == "running" and job.cancel_requested:
                 # Stopping, not going on: acknowledged, the resume was lost and the job
