@@ -427,6 +427,41 @@ def test_resume_from_refuses_another_storage_of_the_quantised_base(
     ), err.value
 
 
+def test_a_lora_resume_on_a_random_base_refuses_another_base(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A LoRA checkpoint holds only the adapters; a random base is made again from its
+    architecture, config and seed. A continuation with another seed (a changed
+    train.seed, where the init seed follows it), config or lora.alpha was accepted and
+    trained the adapters on as another model, rewriting the base_model the first job's
+    checkpoints name."""
+    spec = make_spec(tmp_path / "first", every=1, steps=3, lora=LORA)
+    assert train(spec, arena_dir, job_id="job-first", stop_after=1) is None
+    good = spec.to_dict()
+    good["model"]["resume_from"] = str(tmp_path / "first")
+    good["output"]["dir"] = str(tmp_path / "second")
+
+    def problems(section: str, **fields) -> dict[str, str]:
+        d = copy.deepcopy(good)
+        d[section].update(fields)
+        try:
+            JobSpec.from_dict(d)
+        except JobSpecError as exc:
+            return {e.path: e.message for e in exc.errors}
+        return {}
+
+    assert problems("train", seed=4) == {}  # another dropout; the init seed is set
+    assert problems("lora", dropout=0.1) == {}
+    errs = problems("model", init_seed=None)  # the seed is train.seed's now: 3
+    assert "set model.init_seed: 1234" in errs["model.init_seed"], errs
+    assert "seed 999" in problems("model", init_seed=999)["model.init_seed"]
+    config = dict(good["model"]["config"], intermediate_size=256)
+    assert "intermediate_size differ" in problems("model", config=config)["model.config"]
+    assert "got 64.0, but the adapters" in problems("lora", alpha=64.0)["lora.alpha"]
+    base = str(tmp_path / "first" / "base_model")  # the random base, written out: the same
+    assert problems("model", architecture=None, config={}, init_seed=None, path=base) == {}
+
+
 def assert_resume_refused_at_validation(good: dict, tmp_path: Path) -> None:
     """A resume that cannot continue the checkpoint (step 3 of 2 x 3 rows, shuffled with
     seed 7, full fine-tuning) is refused by validation, so `roundpipe submit`

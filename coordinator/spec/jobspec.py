@@ -465,7 +465,8 @@ def _check_resume(e: Problems, spec: JobSpec, model_config: Any) -> None:
         want = "LoRA (a lora section)" if spec.lora is not None else "full fine-tuning"
         e.add("model.resume_from", f"{ckpt} holds {has}, but this spec asks for {want}")
     elif isinstance(old_lora, dict) and spec.lora is not None:
-        for key in ("r", "target_modules"):
+        # (alpha scales every adapter's output: another is another model, as another r)
+        for key in ("r", "alpha", "target_modules"):
             before = old_lora.get(key)
             now = plain(getattr(spec.lora, key))
             if before is not None and before != now:
@@ -474,6 +475,7 @@ def _check_resume(e: Problems, spec: JobSpec, model_config: Any) -> None:
                     f"got {now!r}, but the adapters of {ckpt} have {before!r}",
                 )
         _check_resumed_base(e, spec, model_config, manifest, ckpt)
+        _check_resumed_random_base(e, spec, old, ckpt)
 
 
 def _check_resumed_base(
@@ -508,6 +510,48 @@ def _check_resumed_base(
         f"trained on {describe_base(before)}; resume on that base (its model.path and "
         "lora.base_quantization settings): on another, the adapters go on as another model",
     )
+
+
+def _check_resumed_random_base(e: Problems, spec: JobSpec, old: dict, ckpt: str) -> None:
+    """A LoRA checkpoint holds only the adapters; a randomly initialised base is made
+    again by every run, from its architecture, config and seed. Another of any of them
+    is another base (one whose adapters' shapes still fit trains on without an error),
+    and the job would rewrite ``<output>/base_model``, which the checkpoint's
+    ``adapter_config.json`` names, under the checkpoint. ``old``: the checkpoint's spec.
+    (A base on disk on either side is not compared: that ``base_model`` directory, as
+    ``model.path``, is the very base.)"""
+    m = spec.model
+    before = old.get("model")
+    if not isinstance(before, dict) or m.architecture is None or not before.get("architecture"):
+        return
+    if before["architecture"] != m.architecture:
+        e.add(
+            "model.architecture",
+            f"got {m.architecture!r}, but the adapters of {ckpt} were trained on a random "
+            f"{before['architecture']!r} base",
+        )
+    old_config = before.get("config") or {}
+    if isinstance(old_config, dict) and old_config != m.config:
+        keys = sorted(
+            k
+            for k in old_config.keys() | m.config.keys()
+            if old_config.get(k, None) != m.config.get(k, None)
+        )
+        e.add(
+            "model.config",
+            f"{', '.join(keys)} differ from the config of the random base the adapters of "
+            f"{ckpt} were trained on ({old_config!r}); resume with that model.config",
+        )
+    old_train = old.get("train") if isinstance(old.get("train"), dict) else {}
+    old_seed = before.get("init_seed")
+    old_seed = old_train.get("seed") if old_seed is None else old_seed
+    if is_int(old_seed) and old_seed != spec.init_seed:
+        e.add(
+            "model.init_seed",
+            f"the base is initialised with seed {spec.init_seed} (model.init_seed, else "
+            f"train.seed), but the adapters of {ckpt} were trained on the base of seed "
+            f"{old_seed}; set model.init_seed: {old_seed}",
+        )
 
 
 def _base_record(lora: Mapping[str, Any], quant_config: Any) -> dict[str, Any] | None:
