@@ -46,6 +46,7 @@ it must not be used across ``fork()``: create a new one in the child.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -55,7 +56,7 @@ from typing import Any, TypeVar
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from roundpipe.coordinator.spec.errors import JobSpecError
+from roundpipe.coordinator.spec.errors import FieldError, JobSpecError
 from roundpipe.coordinator.spec.jobspec import JobSpec, load_job_spec
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
@@ -510,11 +511,14 @@ class Client:
         is sent) and :class:`JobRejected` if the coordinator refuses it.
         """
         job_spec = _as_job_spec(spec)
+        try:  # before anything is sent: a value the protocol cannot carry
+            request = SubmitJob(spec=job_spec.to_dict())
+            encode(request)
+        except ProtocolError as exc:
+            raise _unsendable_spec(exc) from None
         self._ping()
         # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
-        reply = self._checked_request(
-            SubmitJob(spec=job_spec.to_dict()), JobAccepted, what="submission"
-        )
+        reply = self._checked_request(request, JobAccepted, what="submission")
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
@@ -598,6 +602,17 @@ class Client:
         reply = self._checked_request(ResumeJob(job_id=job_id), Ack, what=f"resume of {job_id}")
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
+
+
+def _unsendable_spec(exc: ProtocolError) -> JobSpecError:
+    """A spec that validated but holds a value the protocol cannot carry (an integer past
+    64 bits where any number is accepted, as in ``model.config``), as the spec's own
+    error, naming its field: ``spec['model']['config']['x']`` is ``model.config.x``."""
+    field = exc.field or ""
+    path = ".".join(re.findall(r"\['([^']*)'\]", field)) or field.removeprefix("spec")
+    return JobSpecError(
+        [FieldError(path, f"cannot be sent to the coordinator: {exc}; use a smaller value")]
+    )
 
 
 def _as_job_spec(spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str]) -> JobSpec:

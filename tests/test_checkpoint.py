@@ -25,6 +25,7 @@ from roundpipe.coordinator.spec.checkpoint_format import (
     sealed,
     step_name,
 )
+from roundpipe.coordinator.training import checkpoint as checkpoint_module
 from roundpipe.coordinator.training.checkpoint import (
     STATE_FILE,
     CheckpointDir,
@@ -414,6 +415,24 @@ def test_unwritable_directory_fails_the_probe(tmp_path: Path) -> None:
         CheckpointDir(blocker / "checkpoints").ensure_writable()
 
 
+def test_a_read_only_file_system_is_named_by_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a read-only mount the probe cannot be created, and unlinking it (though it is
+    not there) fails with EROFS too: that second error replaced the first, naming the
+    probe file, which never existed, instead of the directory."""
+
+    def read_only(*_args, **_kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", "(the probe)")
+
+    ckpts = CheckpointDir(tmp_path / "checkpoints")
+    monkeypatch.setattr(checkpoint_module, "_write_synced", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(OSError) as err:
+        ckpts.ensure_writable()
+    assert err.value.errno == errno.EROFS and err.value.filename == str(ckpts.root)
+
+
 def test_the_final_model_is_on_disk_before_the_job_succeeds(
     tmp_path: Path, arena_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -438,6 +457,7 @@ def test_the_final_model_is_on_disk_before_the_job_succeeds(
     left = out / f".tmp-base_model-{int(dead.stdout)}-abcd1234"
     left.mkdir()
     (left / "model.safetensors").write_text("partial")
+    (out / "base_model").write_text("a file where the base goes: replaced, not left as trash")
     spec = tiny_spec(out, steps=2, lora={"r": 4})
     monkeypatch.setattr(os, "fsync", recording_fsync)
     with trained_in_process(spec, arena_dir, 1) as trainer:
@@ -450,4 +470,4 @@ def test_the_final_model_is_on_disk_before_the_job_succeeds(
     # The base's files are synced before their directory is renamed into place; then
     # the rename itself, in the output directory.
     assert (out / "base_model" / "model.safetensors").is_file() and str(out) in synced
-    assert not left.exists()
+    assert not left.exists() and not list(out.glob(".trash-*"))

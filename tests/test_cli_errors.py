@@ -8,6 +8,7 @@ Each case runs the installed ``roundpipe`` executable, as a user would.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from roundpipe.cluster import LocalCluster
 
@@ -99,6 +101,25 @@ def test_bad_spec_files(verb: list[str], specs: dict[str, Path]) -> None:
     assert_user_error(roundpipe(*verb, str(specs["malformed"])), 2, SPEC, "not valid YAML")
     assert_user_error(roundpipe(*verb, str(specs["list"])), 2, SPEC, "expected a mapping")
     assert_user_error(roundpipe(*verb, str(specs["list"].parent)), 2, SPEC, "Is a directory")
+
+
+def test_numbers_past_64_bits_are_spec_errors(tmp_path: Path) -> None:
+    """An integer the protocol (msgpack) cannot carry passed validation and `roundpipe
+    submit` died with a traceback as it encoded the request: it is a spec problem
+    naming its field (validation's, where the field is an integer; else the client's,
+    before anything is sent)."""
+    good = yaml.safe_load(DEMO_SPEC.read_text())
+    good["model"]["tokenizer"] = str(DEMO_SPEC.parent / good["model"]["tokenizer"])
+    good["data"]["path"] = str(DEMO_SPEC.parent / good["data"]["path"])
+    for section, key, needles in (
+        ("output", "keep_last", ["output.keep_last", "fits in 64 bits"]),
+        ("optimizer", "grad_clip", ["optimizer.grad_clip", "cannot be sent", "smaller value"]),
+    ):
+        d = copy.deepcopy(good)
+        d.setdefault(section, {})[key] = 2**64
+        spec_file = tmp_path / f"{key}.yaml"
+        spec_file.write_text(yaml.safe_dump(d))
+        assert_user_error(roundpipe("submit", str(spec_file)), 2, SPEC, *needles)
 
 
 def test_demo_bad_spec(specs: dict[str, Path]) -> None:

@@ -52,6 +52,7 @@ checks ``model.resume_from``; this module writes, verifies and prunes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -408,9 +409,12 @@ class CheckpointDir:
         try:
             _write_synced(probe, b"roundpipe write probe\n")
         except OSError as exc:  # named by the directory: the probe is gone when it is read
+            # (A read-only file system refuses even to unlink a file that is not there;
+            # that must not replace the error that says so.)
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
             raise OSError(exc.errno, exc.strerror or str(exc), str(self.root)) from exc
-        finally:
-            probe.unlink(missing_ok=True)
+        probe.unlink()
 
     # -- reading --
 

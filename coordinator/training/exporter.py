@@ -184,7 +184,10 @@ class ModelExporter:
             fsync_dir(base_dir.parent)  # the renames
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(trash, ignore_errors=True)
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash, ignore_errors=True)
+            else:  # what stood in its place was a file or a link
+                trash.unlink(missing_ok=True)
         self._base_model_written = True
 
     def export(self, directory: Path | None = None) -> Path:
