@@ -606,13 +606,13 @@ class Client:
 
 def _unsendable_spec(exc: ProtocolError) -> JobSpecError:
     """A spec that validated but holds a value the protocol cannot carry (an integer past
-    64 bits where any number is accepted, as in ``model.config``), as the spec's own
+    64 bits where any number is accepted, as in ``model.config``; a path that is not
+    UTF-8), as the spec's own
     error, naming its field: ``spec['model']['config']['x']`` is ``model.config.x``."""
     field = exc.field or ""
     path = ".".join(re.findall(r"\['([^']*)'\]", field)) or field.removeprefix("spec")
-    return JobSpecError(
-        [FieldError(path, f"cannot be sent to the coordinator: {exc}; use a smaller value")]
-    )
+    advice = "; use a smaller value" if "msgpack's range" in str(exc) else ""
+    return JobSpecError([FieldError(path, f"cannot be sent to the coordinator: {exc}{advice}")])
 
 
 def _as_job_spec(spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str]) -> JobSpec:

@@ -251,3 +251,64 @@ def test_stored_job_whose_spec_went_invalid_fails_on_load(tmp_path: Path, arena_
         assert isinstance(reply, ErrorReply) and reply.code == "bad_spec"
     finally:
         stop(c)
+
+
+def test_a_spent_resume_from_is_dropped_only_for_an_intact_checkpoint_of_the_jobs_own(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """A job whose model.resume_from no longer validates is built without it only if a
+    checkpoint of its own passes its checksums, as the trainer judges it: judged by
+    file sizes, a damaged one let the job train from step 0 and succeed."""
+    out = tmp_path / "out"
+    spec = tiny_spec(out).to_dict()
+    spec["model"]["resume_from"] = str(tmp_path / "gone")
+    c = start(tmp_path / "state", arena_dir, tmp_path)
+    try:
+        book = c.book
+        assert book.spent_resume_from("job-b", spec, str(out)) is None  # none of its own
+        ckpts = CheckpointDir(out / "checkpoints")
+        ckpts.write(2, lambda d: (d / "weights").write_bytes(b"good"), {"job_id": "job-b"})
+        spent = book.spent_resume_from("job-b", spec, str(out))
+        assert spent is not None and spent["model"]["resume_from"] is None
+        assert spec["model"]["resume_from"] == str(tmp_path / "gone")  # not changed in place
+        assert book.spent_resume_from("job-c", spec, str(out)) is None  # another job's
+        (out / "checkpoints" / "step-00000002" / "weights").write_bytes(b"evil")  # same size
+        assert book.spent_resume_from("job-b", spec, str(out)) is None
+    finally:
+        stop(c)
+
+
+def test_a_follower_node_builds_an_announced_job_without_its_resume_from(
+    tmp_path: Path, arena_dir: Path
+) -> None:
+    """Rank 0 alone restores a checkpoint and sends the other nodes its state; a
+    follower that checked model.resume_from refused a job whose source was gone (though
+    rank 0 resumes it from its own checkpoints) or is on rank 0's disk only."""
+    import threading
+
+    from roundpipe.coordinator.service.job_runner import JobRunner
+    from roundpipe.coordinator.training.multinode import JobAnnouncement
+
+    spec = tiny_spec(tmp_path / "out").to_dict()
+    spec["model"]["resume_from"] = str(tmp_path / "gone")
+    c = start(tmp_path / "state", arena_dir, tmp_path)
+    try:
+        runner = JobRunner(
+            c.book,
+            c.workers,
+            threading.RLock(),
+            ctx=c.ctx,
+            outbox="inproc://unused",
+            stopping=threading.Event(),
+            on_group_lost=lambda why: None,
+            group=None,
+            paths=c.paths,
+            arena_dir=arena_dir,
+            namespace="t",
+            wait_timeout_s=1,
+        )
+        job = runner._follower_job(JobAnnouncement(1, "job-x", spec))
+        built = c.book.build_spec(job.job_id, job.spec_dict, job.output_dir)
+        assert built.model.resume_from is None and built.train.steps == spec["train"]["steps"]
+    finally:
+        stop(c)

@@ -457,6 +457,8 @@ def test_a_lora_resume_on_a_random_base_refuses_another_base(
     assert "seed 999" in problems("model", init_seed=999)["model.init_seed"]
     config = dict(good["model"]["config"], intermediate_size=256)
     assert "intermediate_size differ" in problems("model", config=config)["model.config"]
+    same = dict(good["model"]["config"], hidden_act="silu", rope_scaling=None)  # defaults
+    assert problems("model", config=same) == {}
     assert "got 64.0, but the adapters" in problems("lora", alpha=64.0)["lora.alpha"]
     base = str(tmp_path / "first" / "base_model")  # the random base, written out: the same
     assert problems("model", architecture=None, config={}, init_seed=None, path=base) == {}

@@ -170,6 +170,10 @@ class JobRunner:
         output = Path(os.path.realpath(job_dir)) / "node-output"
         spec = dict(announcement.spec)
         spec["output"] = {**dict(spec.get("output") or {}), "dir": str(output)}
+        # Rank 0 alone restores a checkpoint and sends the others its state
+        # (Trainer.prepare): a follower never reads model.resume_from, which need not
+        # be on this node (or anywhere, once the job has checkpoints of its own).
+        spec["model"] = {**dict(spec.get("model") or {}), "resume_from": None}
         steps = int(spec.get("train", {}).get("steps", 0))
         return JobRecord(
             announcement.job_id,

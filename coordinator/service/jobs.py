@@ -255,11 +255,20 @@ class JobBook:
         its own: the trainer resumes from that first (``Checkpointer.resume_source``), so
         the checkpoint the job started from was read and may have been removed or
         replaced since; its checks no longer apply. None: the spec has no
-        ``resume_from``, or the job no checkpoint of its own. Reads the disk."""
+        ``resume_from``, or the job no intact checkpoint of its own. Reads every byte of
+        its newest checkpoint: called only for a spec that failed to validate."""
         model = spec_dict.get("model")
-        if not isinstance(model, dict) or not model.get("resume_from"):
+        if not isinstance(model, dict) or not model.get("resume_from") or not output_dir:
             return None
-        if self._checkpoint_on_disk(job_id, output_dir) is None:
+        # By the trainer's own rule, checksums read (not ``likely_resume``'s sizes): with
+        # every checkpoint of its own damaged, a job built without its source would
+        # train from step 0 and succeed; it fails on that source instead.
+        try:
+            own = CheckpointDir(Path(output_dir) / "checkpoints").find_latest(job_id)
+        except OSError as exc:
+            log.warning("[coordinator] cannot look at %s's checkpoints: %s", job_id, exc)
+            return None
+        if own is None:
             return None
         return {**spec_dict, "model": {**model, "resume_from": None}}
 

@@ -530,17 +530,13 @@ def _check_resumed_random_base(e: Problems, spec: JobSpec, old: dict, ckpt: str)
             f"got {m.architecture!r}, but the adapters of {ckpt} were trained on a random "
             f"{before['architecture']!r} base",
         )
-    old_config = before.get("config") or {}
-    if isinstance(old_config, dict) and old_config != m.config:
-        keys = sorted(
-            k
-            for k in old_config.keys() | m.config.keys()
-            if old_config.get(k, None) != m.config.get(k, None)
-        )
+    differ = _config_differences(m.architecture, before.get("config"), m.config)
+    if differ:
         e.add(
             "model.config",
-            f"{', '.join(keys)} differ from the config of the random base the adapters of "
-            f"{ckpt} were trained on ({old_config!r}); resume with that model.config",
+            f"{', '.join(differ)} differ from the config of the random base the adapters "
+            f"of {ckpt} were trained on ({before.get('config')!r}); resume with that "
+            "model.config",
         )
     old_train = old.get("train") if isinstance(old.get("train"), dict) else {}
     old_seed = before.get("init_seed")
@@ -552,6 +548,21 @@ def _check_resumed_random_base(e: Problems, spec: JobSpec, old: dict, ckpt: str)
             f"train.seed), but the adapters of {ckpt} were trained on the base of seed "
             f"{old_seed}; set model.init_seed: {old_seed}",
         )
+
+
+def _config_differences(architecture: str, before: Any, now: Mapping[str, Any]) -> list[str]:
+    """The keys in which two ``model.config`` overrides of ``architecture`` give other
+    configs, compared as built (a default spelt out, or left out, is the same config);
+    [] if the checkpoint's cannot be built (its spec was checked when it was written)."""
+    if not isinstance(before, dict) or before == now:
+        return []
+    try:
+        old_config = config_class(architecture)(**before).to_dict()
+        new_config = config_class(architecture)(**now).to_dict()
+    except Exception:  # an invalid override is the model checks' to report
+        return []
+    keys = old_config.keys() | new_config.keys()
+    return sorted(k for k in keys if old_config.get(k) != new_config.get(k))
 
 
 def _base_record(lora: Mapping[str, Any], quant_config: Any) -> dict[str, Any] | None:

@@ -99,14 +99,15 @@ def bad_number(e: Problems, path: str, v: Any, expected: str) -> None:
         e.add(path, f"got {show_value(v)}; expected {expected}: {hint}")
 
 
-MAX_SPEC_INT = 2**63 - 1
-"""The largest integer any spec field may hold: a spec travels in msgpack, which carries
-64-bit integers (a larger one failed in the client, as a traceback)."""
+MAX_SPEC_INT = 2**64 - 1
+MIN_SPEC_INT = -(2**63)
+"""The integers any spec field may hold: a spec travels in msgpack, which carries
+integers in [-2**63, 2**64 - 1] (a larger one failed in the client, as a traceback)."""
 
 
 def check_int(e: Problems, path: str, v: Any, lo: int | None = None, hi: int | None = None) -> bool:
     top = MAX_SPEC_INT if hi is None else hi
-    ok = is_int(v) and (lo is None or v >= lo) and v <= top and v >= -MAX_SPEC_INT - 1
+    ok = is_int(v) and (lo is None or v >= lo) and MIN_SPEC_INT <= v <= top
     if not ok:
         rng = (
             f"an integer >= {lo}"
@@ -115,8 +116,8 @@ def check_int(e: Problems, path: str, v: Any, lo: int | None = None, hi: int | N
             if lo is not None
             else "an integer"
         )
-        if hi is None and is_int(v) and abs(v) > MAX_SPEC_INT:
-            rng += " that fits in 64 bits (2**63 - 1 at most)"
+        if hi is None and is_int(v) and not MIN_SPEC_INT <= v <= MAX_SPEC_INT:
+            rng += " within 64 bits (at most 2**64 - 1)"
         e.bad(path, v, rng)
     return ok
 
