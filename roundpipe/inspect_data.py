@@ -61,6 +61,25 @@ def _render_document(ids: list[int], runs: list[tuple[int, bool]], decode: Any) 
     return "".join(parts)
 
 
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    """``ids`` as text, special tokens kept visible; an id the tokenizer does not have
+    (a model vocabulary padded past it, data tokenised with another) is shown as
+    ``<id N>``: the tokenizer's decode drops it, and the row would hide a trained token."""
+    known = len(tokenizer)
+    parts, run = [], []
+    for i in ids:
+        if 0 <= i < known:
+            run.append(i)
+            continue
+        if run:
+            parts.append(tokenizer.decode(run))
+            run = []
+        parts.append(f"<id {i}>")
+    if run:
+        parts.append(tokenizer.decode(run))
+    return "".join(parts)
+
+
 def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) -> int:
     """Print the data summary and row ``row`` of the job spec at ``spec_path``; an exit
     status (0 ok, 2 bad spec or data)."""
@@ -101,7 +120,7 @@ def inspect_data(spec_path: str, *, row: int = 0, out: IO[str] | None = None) ->
     decode: Any = lambda ids: " ".join(map(str, ids)) + " "  # noqa: E731 - token data
     if spec.tokenizer_path is not None:
         tok = load_tokenizer(spec.tokenizer_path)
-        decode = lambda ids: tok.decode(ids)  # noqa: E731 - keeps special tokens visible
+        decode = lambda ids: _decoded(tok, ids)  # noqa: E731
     real = ds.num_tokens
     trained = ds.num_trained_tokens
     lines = [

@@ -204,7 +204,17 @@ def test_auto_detection_refuses_ambiguous_records(tmp_path: Path) -> None:
         # the tokenizer's TypeError blamed the chat template
         (
             {"messages": [{"role": "user", "content": "a \ud83d"}, CHATS[0][1]]},
-            r":2: messages\[0\] \(user\) content holds an unpaired UTF-16 surrogate",
+            r":2: messages\[0\] \(user\) holds an unpaired UTF-16 surrogate",
+        ),
+        # the same in a content part (or any field a template renders)
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "a \ud83d"}]},
+                    CHATS[0][1],
+                ]
+            },
+            r":2: messages\[0\] \(user\) holds an unpaired UTF-16 surrogate",
         ),
     ],
 )
@@ -223,6 +233,37 @@ def test_an_empty_completion_is_refused(tmp_path: Path, completion: str) -> None
     f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Hi", "completion": completion}])
     with pytest.raises(DataError, match=r"pc\.jsonl:1: the completion is empty"):
         build_dataset(f, seq_len=64, tokenizer=chat_tokenizer(), format="prompt_completion")
+
+
+def test_a_completion_needs_a_tokenizer_with_eos(tmp_path: Path) -> None:
+    """A completion is trained with the EOS after it (docs/job-spec.md), so the model
+    learns to stop; a tokenizer without one trained it without, silently."""
+    tok = chat_tokenizer()
+    tok.eos_token = None
+    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Hi", "completion": "Moo."}])
+    with pytest.raises(DataError, match=r"pc\.jsonl:1: the tokenizer has no EOS token"):
+        build_dataset(f, seq_len=64, tokenizer=tok, format="prompt_completion")
+
+
+def test_records_all_dropped_by_truncation_are_named(tmp_path: Path) -> None:
+    """Chats whose answers all lie past seq_len are cut to nothing trained: the error
+    said the file "yields no documents", the reason only in a log line at submit."""
+    long = [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "ok"}]
+    f = write_jsonl(tmp_path / "long.jsonl", [{"messages": long}] * 3)
+    with pytest.raises(DataError, match=r"its 3 record\(s\) longer than data\.seq_len = 32"):
+        build_dataset(f, seq_len=32, tokenizer=chat_tokenizer(), format="chat", overlong="truncate")
+
+
+def test_a_long_chat_record_is_cut_without_transformers_warning(
+    tmp_path: Path, caplog, capfd
+) -> None:
+    """Longer than the tokenizer's model_max_length, a chat record is cut to seq_len: the
+    "will result in indexing errors" warning only misled (text records had it off)."""
+    tok = chat_tokenizer()
+    long = [{"role": "user", "content": "word " * (tok.model_max_length + 10)}, CHATS[0][1]]
+    f = write_jsonl(tmp_path / "long.jsonl", [{"messages": long}])
+    build_dataset(f, seq_len=256, tokenizer=tok, format="chat", overlong="truncate", loss_on="all")
+    assert "indexing errors" not in caplog.text + capfd.readouterr().err
 
 
 def test_a_tokenizer_without_chat_template_asks_for_one(tmp_path: Path) -> None:
@@ -371,6 +412,17 @@ def test_data_inspect_counts_and_marks_trained_tokens(capsys, tmp_path: Path) ->
     assert cli.main(["data", "inspect", str(tmp_path / "small.yaml")]) == 2
     err = capsys.readouterr().err
     assert "but the model's vocab_size is 500" in err and "Traceback" not in err
+
+
+def test_data_inspect_shows_ids_its_tokenizer_lacks() -> None:
+    """Token data may hold ids past the tokenizer's (a model vocabulary padded past it,
+    data tokenised with another): decode dropped them, so a row hid trained tokens."""
+    from roundpipe.inspect_data import _decoded
+
+    tok = chat_tokenizer()
+    past = len(tok) + 86
+    shown = _decoded(tok, [*tok("ab")["input_ids"], past, *tok("cd")["input_ids"], past + 1])
+    assert shown == f"ab<id {past}>cd<id {past + 1}>"
 
 
 def test_chat_demo_spec_is_valid_and_sized_to_its_tokenizer(tmp_path: Path) -> None:

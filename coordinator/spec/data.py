@@ -278,6 +278,11 @@ def build_dataset(
     tokens, labels, positions, lengths, max_id = packer.finish()
     if tokens.shape[0] == 0:
         what = "no documents" if num_docs == 0 else "fewer than 2 tokens"
+        if dropped:  # the records were there: seq_len (or the truncation) dropped them
+            what += (
+                f": its {dropped} record(s) longer than data.seq_len = {seq_len} kept no "
+                "trained token once truncated; raise seq_len"
+            )
         raise DataError(f"empty dataset: {p} yields {what}")
     ds = PackedDataset(
         tokens=tokens,

@@ -23,7 +23,7 @@ and line (or row) and what to change.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from roundpipe.coordinator.spec.errors import host_shortage
@@ -91,18 +91,36 @@ def _check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any
             )
         if "content" not in m:
             raise InstructError(f"{where}: {field}[{i}] ({m['role']}) has no 'content'")
-        if isinstance(m["content"], str) and not is_unicode_text(m["content"]):
-            # else the tokenizer's TypeError blamed the chat template
+        if not all(is_unicode_text(text) for text in _strings(m)):
+            # else the tokenizer's TypeError blamed the chat template (any field a
+            # template renders: content or its parts, name, tool-call arguments, ...)
             raise InstructError(
-                f"{where}: {field}[{i}] ({m['role']}) content holds an unpaired UTF-16 "
-                "surrogate (a broken \\ud83d-style escape); fix or drop the record"
+                f"{where}: {field}[{i}] ({m['role']}) holds an unpaired UTF-16 surrogate "
+                "(a broken \\ud83d-style escape); fix or drop the record"
             )
     return messages
 
 
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
 def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str, **kw: Any) -> Any:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+        # (verbose=False: a record longer than the tokenizer's model_max_length is cut to
+        # data.seq_len, not fed whole; the warning would only mislead)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, tokenizer_kwargs={"verbose": False}, **kw
+        )
     except Exception as exc:  # jinja2's TemplateError (raise_exception), TypeError, ...
         roles = ", ".join(sorted({str(m.get("role")) for m in messages}))
         raise InstructError(
@@ -210,7 +228,13 @@ def render_prompt_completion(
                 f"{where}: the completion is empty (or only whitespace); nothing would be "
                 "trained; fix or drop the record"
             )
-        if eos_token_id is not None and (not tail or tail[-1] != eos_token_id):
+        if eos_token_id is None:  # the model would never learn to stop
+            raise InstructError(
+                f"{where}: the tokenizer has no EOS token, which ends each completion; use "
+                "a tokenizer that has one (or give prompt and completion as messages, "
+                "which its chat template ends)"
+            )
+        if not tail or tail[-1] != eos_token_id:
             tail.append(eos_token_id)
         ids = head + tail
     elif isinstance(prompt, list) and isinstance(completion, list):
