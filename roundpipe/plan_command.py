@@ -378,6 +378,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
         else None,
     )
     model = _build_model(args)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if args.seq_len is not None and isinstance(max_pos, int) and args.seq_len > max_pos:
+        # As a job spec's data.seq_len is refused: no plan for a job that cannot run.
+        raise ValueError(
+            f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+            f"({max_pos}); a job with that data.seq_len is refused"
+        )
     recompute = runnable_grain(model, args.recompute)
     if args.recompute == "layer" and recompute != "layer":
         raise ValueError(
@@ -579,6 +586,11 @@ def _print_longest_sequence(
         staleness=args.staleness,
     )
     if fit is None:
+        if hw.reserved_bytes >= hw.memory_limit_bytes:
+            raise ValueError(
+                f"--reserve ({args.reserve}) leaves nothing of --memory-limit "
+                f"({args.memory_limit}) to the job: give a smaller --reserve"
+            )
         raise ValueError(
             "not even a 2-token sequence fits: a single layer is too large for one worker"
         )

@@ -568,8 +568,15 @@ def test_plan_command_max_seq_len(capsys) -> None:
     assert plan_main([*tight, "--max-seq-len", "--plan", "F[] T[0:4] B[]", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["max_seq_len"] == tokens and printed["plan"] == "F[] T[0:4] B[]"
-    assert plan_main([*tight[:5], "1MiB", *tight[6:], "--max-seq-len"]) == 2
+    assert plan_main([*tight[:5], "1MiB", *tight[6:], "--max-seq-len", "--reserve", "0"]) == 2
     assert "not even a 2-token sequence fits" in capsys.readouterr().err
+    # The default 1 GiB reserve above a limit leaves nothing: said so (it blamed a layer).
+    assert plan_main([*tight[:5], "64MiB", *tight[6:], "--max-seq-len"]) == 2
+    assert "--reserve (1GiB) leaves nothing of --memory-limit (64MiB)" in capsys.readouterr().err
+    # A sequence the model's positions cannot hold is refused, as a job spec's is (a
+    # plan was printed for it).
+    assert plan_main([*args, "--seq-len", str(1048576 + 1)]) == 2
+    assert "longer than the model's max_position_embeddings" in capsys.readouterr().err
 
 
 def test_the_whole_model_as_one_stage_must_fit_beside_its_prefetched_copy() -> None:

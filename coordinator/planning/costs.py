@@ -245,6 +245,10 @@ def estimate_costs(
                 + 8 * hidden
                 + (4 * (q_width + kv_width) if qk_norm else 0)
                 + (4 * experts.num_experts if moe else 0)
+                # Each token's top_k copies of the hidden state, routed to the experts:
+                # the gathered inputs and the expert outputs saved for backward, and
+                # their gradients (measured under a worker's memory cap: 4 such).
+                + (4 * d * experts.top_k * hidden if moe else 0)
             )
             fwork = mlp_fwork + tokens * (d * (q_width + 2 * kv_width + hidden) + 4 * hidden)
             work += dequantized
