@@ -18,7 +18,10 @@ Usage: python benchmarks/run_all.py [--out DIR] [--only a,b] [--smoke] [--scale 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,6 +88,26 @@ def parse_result(stdout: str) -> dict[str, str] | None:
     return {key: value for key, sep, value in pairs if sep}
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End every process of ``proc``'s group (it leads one of its own): SIGTERM (daemons
+    stop cleanly, removing their arenas), then SIGKILL whatever is left after
+    ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reaped, the script no longer counts as one of the group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_one(bench: Benchmark, *, smoke: bool, scale: float, has_gpu: bool) -> Outcome:
     args = bench.default
     limit = bench.limit_s * scale
@@ -94,23 +117,29 @@ def run_one(bench: Benchmark, *, smoke: bool, scale: float, has_gpu: bool) -> Ou
     if bench.needs_gpu and not has_gpu and not smoke:
         return Outcome(bench.name, command, "skipped: needs a GPU")
     started = time.monotonic()
+    # Its own process group: a benchmark starts daemons (a coordinator, workers), and
+    # on a timeout they go with it. Killing the script alone left them training on,
+    # taking the cores from every benchmark and test after it.
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / f"{bench.name}.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE.parent,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / f"{bench.name}.py"), *args],
-            capture_output=True,
-            text=True,
-            timeout=limit,
-            cwd=HERE.parent,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        stdout, _ = proc.communicate()
         return Outcome(
-            bench.name, command, f"timeout ({limit:.0f} s)", time.monotonic() - started, {}, out
+            bench.name, command, f"timeout ({limit:.0f} s)", time.monotonic() - started, {}, stdout
         )
+    stop_group(proc)  # anything a finished benchmark left running
     seconds = time.monotonic() - started
-    result = parse_result(proc.stdout)
-    tail = (proc.stdout + proc.stderr)[-2000:]
+    result = parse_result(stdout)
+    tail = (stdout + stderr)[-2000:]
     if proc.returncode != 0:
         return Outcome(bench.name, command, f"failed (exit {proc.returncode})", seconds, {}, tail)
     if result is None:

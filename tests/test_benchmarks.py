@@ -374,3 +374,32 @@ def test_long_context_benchmark_smoke() -> None:
     assert trained and any(f[1] == "CAP" for f in table), out
     for f in trained:
         assert float(f[9]) <= 1.1, f  # peak RssAnon / the planner's figure
+
+
+def test_run_all_stops_what_a_benchmark_left_running_past_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A benchmark past its limit was killed alone: the daemons it had started (a
+    coordinator and workers training a 10,000-step job) ran on for an hour, taking the
+    cores from every benchmark and test after it. Its whole process group goes now."""
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location("run_all", BENCHMARKS / "run_all.py")
+    run_all = importlib.util.module_from_spec(loaded)
+    monkeypatch.setitem(sys.modules, "run_all", run_all)  # its dataclasses look it up
+    loaded.loader.exec_module(run_all)
+    pid_file = tmp_path / "daemon.pid"
+    (tmp_path / "stuck.py").write_text(
+        "import subprocess, sys, time\n"
+        "daemon = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(daemon.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    bench = run_all.Benchmark("stuck", smoke=None, limit_s=5)
+    outcome = run_all.run_one(bench, smoke=False, scale=1.0, has_gpu=False)
+    assert outcome.status == "timeout (5 s)" and "started" in outcome.tail
+    daemon = Path(f"/proc/{pid_file.read_text()}/stat")
+    # gone, or a zombie waiting for init to reap it
+    assert not daemon.exists() or daemon.read_text().split(") ")[1].startswith("Z")
