@@ -24,9 +24,10 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from roundpipe.coordinator.service.figures import job_figures
 from roundpipe.coordinator.service.jobstore import (
@@ -60,6 +61,9 @@ __all__ = [
     "bounded_text",
     "outcome",
 ]
+
+# What a stored job's spec is validated into (JobBook.validate_stored).
+Validated = TypeVar("Validated")
 
 log = logging.getLogger("roundpipe.coordinator")
 
@@ -231,22 +235,39 @@ class JobBook:
 
     def build_spec(self, job_id: str, spec_dict: dict, output_dir: str | None) -> JobSpec:
         """A stored job's spec, built (its files checked again, as they may have changed
-        since it was accepted); JobSpecError if it no longer validates. A job that has
-        a checkpoint of its own is built without its spent ``model.resume_from``
-        (``spent_resume_from``) if that is what fails."""
+        since it was accepted); JobSpecError if it no longer validates. Built by
+        ``validate_stored``'s rule for a spent ``model.resume_from``."""
+        return self.validate_stored(
+            job_id,
+            spec_dict,
+            output_dir,
+            lambda spec: JobSpec.from_dict(self.paths.confine_spec(spec)),
+        )
+
+    def validate_stored(
+        self,
+        job_id: str,
+        spec_dict: dict,
+        output_dir: str | None,
+        validate: Callable[[dict], Validated],
+    ) -> Validated:
+        """``validate(spec_dict)`` for a stored job; if that raises JobSpecError and the
+        job has a checkpoint of its own, ``validate`` of the spec without its spent
+        ``model.resume_from`` (``spent_resume_from``) instead. The job thread builds a
+        job this way, and a resume checks one this way, so the two agree."""
         try:
-            return JobSpec.from_dict(self.paths.confine_spec(spec_dict))
+            return validate(spec_dict)
         except JobSpecError:
             spent = self.spent_resume_from(job_id, spec_dict, output_dir)
             if spent is None:
                 raise
-        spec = JobSpec.from_dict(self.paths.confine_spec(spent))
+        validated = validate(spent)
         log.warning(
             "[coordinator] job %s: its model.resume_from no longer validates, but it "
             "resumes from a checkpoint of its own and never reads that one again",
             job_id,
         )
-        return spec
+        return validated
 
     def spent_resume_from(
         self, job_id: str, spec_dict: dict, output_dir: str | None

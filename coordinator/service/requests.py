@@ -314,14 +314,12 @@ class ClientRequests:
                 return refusal
         if self.book.needs_spec_check_to_resume(job):  # outside the lock: reads its files
             try:
-                try:
-                    self._validated(job.spec_dict, job.owner, admin=peer.admin)
-                except JobSpecError:
-                    # As the job thread will build it (JobBook.build_spec).
-                    spent = self.book.spent_resume_from(job.job_id, job.spec_dict, job.output_dir)
-                    if spent is None:
-                        raise
-                    self._validated(spent, job.owner, admin=peer.admin)
+                self.book.validate_stored(
+                    job.job_id,
+                    job.spec_dict,
+                    job.output_dir,
+                    lambda spec: self._validated(spec, job.owner, admin=peer.admin),
+                )
             except JobSpecError as exc:
                 return ErrorReply(code="bad_spec", message=f"it cannot run again: {exc}")
             except ValidationUnavailable as exc:
