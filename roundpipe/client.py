@@ -407,15 +407,21 @@ class Client:
     # -- one request, one reply --
 
     def _request(
-        self, request: Message, *expected: type[_M], timeout_s: float | None = None
+        self,
+        request: Message,
+        *expected: type[_M],
+        timeout_s: float | None = None,
+        frames: list[bytes] | None = None,
     ) -> _M | ErrorReply:
         """Send `request`, return its reply (one of `expected`, or an ErrorReply) within
-        ``timeout_s`` (default: the client's)."""
+        ``timeout_s`` (default: the client's). ``frames``: `request` already encoded
+        (``submit`` encodes its spec first, to name a value the protocol cannot carry)."""
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        try:
-            frames = encode(request)
-        except ProtocolError as exc:  # e.g. a spec too large for one message
-            raise RoundPipeError(f"cannot send {type(request).__name__}: {exc}") from None
+        if frames is None:
+            try:
+                frames = encode(request)
+            except ProtocolError as exc:  # e.g. a spec too large for one message
+                raise RoundPipeError(f"cannot send {type(request).__name__}: {exc}") from None
         with self._lock:
             if self._closed:
                 raise RoundPipeError("this Client is closed")
@@ -476,14 +482,19 @@ class Client:
         )
 
     def _checked_request(
-        self, request: Message, expected: type[_M], *, what: str
+        self,
+        request: Message,
+        expected: type[_M],
+        *,
+        what: str,
+        frames: list[bytes] | None = None,
     ) -> _M | ErrorReply:
         """A SubmitJob or ResumeJob, which the coordinator answers once it has checked the
         spec: waited for at least SUBMIT_TIMEOUT_S, then StillChecking (it answered the
         ping just before, so it may yet accept the job)."""
         wait_s = max(self._timeout_s, SUBMIT_TIMEOUT_S)
         try:
-            return self._request(request, expected, timeout_s=wait_s)
+            return self._request(request, expected, timeout_s=wait_s, frames=frames)
         except CoordinatorUnavailable as exc:
             if not exc.sent or isinstance(exc, ConnectionLost):
                 raise
@@ -513,12 +524,12 @@ class Client:
         job_spec = _as_job_spec(spec)
         try:  # before anything is sent: a value the protocol cannot carry
             request = SubmitJob(spec=job_spec.to_dict())
-            encode(request)
+            frames = encode(request)
         except ProtocolError as exc:
             raise _unsendable_spec(exc) from None
         self._ping()
         # The coordinator checks the whole data file before it answers (SUBMIT_TIMEOUT_S).
-        reply = self._checked_request(request, JobAccepted, what="submission")
+        reply = self._checked_request(request, JobAccepted, what="submission", frames=frames)
         if isinstance(reply, ErrorReply):
             raise JobRejected(reply.message, code=reply.code)
         return JobHandle(self, reply.job_id)
