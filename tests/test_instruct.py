@@ -98,6 +98,89 @@ def test_template_without_generation_markers_masks_turn_by_turn(tmp_path: Path) 
     assert not ((a.labels != IGNORE_INDEX) & (b.labels == IGNORE_INDEX)).any()
 
 
+def _without_markers(template: str) -> str:
+    plain = template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    assert plain != template
+    return plain
+
+
+def _long_chat(turns: int, seed: int) -> list[dict[str, str]]:
+    import random
+
+    rng = random.Random(seed)
+    words = [w for m in CHATS for w in m[-1]["content"].split()]
+    chat = [{"role": "system", "content": "Answer briefly."}] if seed % 2 else []
+    for i in range(turns):
+        role = "user" if i % 2 == 0 else "assistant"
+        chat.append({"role": role, "content": " ".join(rng.choices(words, k=rng.randint(1, 40)))})
+    return chat
+
+
+@pytest.mark.parametrize("which", ["chat_tokenizer", "demo_tokenizer"])
+def test_turn_by_turn_masks_are_the_definitions_in_linear_time(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template without generation markers: the mask found from the turns' character
+    spans and one tokenisation of the text (Note [turn-by-turn masks]) is the one its
+    definition gives, prefix by tokenised prefix, on the shipped conversations and on
+    long random ones; and what is tokenised is the text twice, however many turns (the
+    definition tokenised every prefix: 2.2 s for one 200-turn record)."""
+    from roundpipe.coordinator.spec import instruct
+
+    tok = chat_tokenizer() if which == "chat_tokenizer" else demo_tokenizer_with_template()
+    tok.chat_template = _without_markers(tok.chat_template)
+    conversations = [*CHATS, *(_long_chat(turns, seed) for seed, turns in enumerate([2, 9, 60]))]
+    for chat in conversations:
+        expected = instruct._turn_by_turn_mask_by_tokens(tok, chat, "x")
+        assert instruct._turn_by_turn_mask(tok, chat, "x") == expected
+        assert any(expected[1])
+
+    tokenised: list[int] = []
+    real_call = type(tok).__call__
+    monkeypatch.setattr(
+        type(tok),
+        "__call__",
+        lambda self, text, **kw: tokenised.append(len(text)) or real_call(self, text, **kw),
+    )
+    monkeypatch.setattr(instruct, "_turn_by_turn_mask_by_tokens", None)  # not needed here
+    chat = _long_chat(200, seed=7)
+    ids, labels = instruct.render_chat(tok, chat, "x")
+    text = tok.apply_chat_template(chat, tokenize=False)
+    assert sum(tokenised) <= 2 * len(text) + 100, (sum(tokenised), len(text))
+    assert sum(1 for y in labels if y != IGNORE_INDEX) > len(ids) // 4
+
+
+def test_a_token_across_a_turns_edge_is_settled_by_the_definition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A generation prompt that ends inside a word ("...Answer: th" + "e cat"): one token
+    spans the edge of the turn, so the pieces cannot settle the mask and the definition
+    on tokens decides, here refusing the record as before (the prefix's tokens are not
+    the whole's)."""
+    from roundpipe.coordinator.spec import instruct
+
+    tok = demo_tokenizer_with_template()
+    tok.chat_template = (
+        "{%- for m in messages %}{{- m.role ~ ': ' ~ m.content ~ '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'assistant: th' }}{%- endif %}"
+    )
+    chat = [{"role": "user", "content": "what sat on the mat"}]
+    chat.append({"role": "assistant", "content": "e cat sat on the mat"})
+    whole = tok("assistant: the cat", add_special_tokens=False)["input_ids"]
+    cut = tok("assistant: th", add_special_tokens=False)["input_ids"]
+    assert whole[: len(cut)] != cut  # the edge falls inside a token
+    settled = []
+    by_tokens = instruct._turn_by_turn_mask_by_tokens
+    monkeypatch.setattr(
+        instruct,
+        "_turn_by_turn_mask_by_tokens",
+        lambda *a: settled.append(a) or by_tokens(*a),
+    )
+    with pytest.raises(instruct.InstructError, match="does not render this conversation turn"):
+        instruct.render_chat(tok, chat, "x")
+    assert len(settled) == 1
+
+
 def test_prompt_completion_strings_and_messages(tmp_path: Path) -> None:
     tok = chat_tokenizer()
     eos = tok.eos_token_id

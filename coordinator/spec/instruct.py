@@ -8,7 +8,8 @@ Two record shapes (``data.format``):
   labels. A template with ``{% generation %}`` markers gives the mask directly
   (``return_assistant_tokens_mask=True``, exactly transformers' mask); for one without,
   the mask is found by rendering the conversation turn by turn: the tokens an assistant
-  message adds after the rendered history with its generation prompt are the turn's.
+  message adds after the rendered history with its generation prompt are the turn's
+  (Note [turn-by-turn masks]).
 * ``prompt_completion``: ``{"prompt": ..., "completion": ...}``, both strings or both
   message lists. Strings: ``tokenizer(prompt)`` then ``completion`` without special
   tokens, then EOS; messages: the prompt rendered with its generation prompt, then the
@@ -114,8 +115,14 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str, **kw: Any) -> Any:
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], where: str, *, tokenize: bool = True, **kw: Any
+) -> Any:
+    """``messages`` through the chat template: its encoding, or with ``tokenize=False``
+    its text (which ``_tokens`` turns into the same ids)."""
     try:
+        if not tokenize:
+            return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
         # (verbose=False: a record longer than the tokenizer's model_max_length is cut to
         # data.seq_len, not fed whole; the warning would only mislead)
         return tokenizer.apply_chat_template(
@@ -131,6 +138,12 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str, **kw: An
 
 def _ids(enc: Any) -> list[int]:
     return [int(t) for t in enc["input_ids"]]
+
+
+def _tokens(tokenizer: Any, text: str) -> list[int]:
+    """``text`` (a rendered chat, or a piece of one) tokenised as ``apply_chat_template``
+    tokenises its rendering."""
+    return _ids(tokenizer(text, add_special_tokens=False, verbose=False))
 
 
 def render_chat(
@@ -166,33 +179,94 @@ def render_chat(
     return ids, labels
 
 
+# Note [turn-by-turn masks]
+# A template without {% generation %} markers says nothing of where a turn's tokens are,
+# so they are found by rendering: the assistant turn i is what the conversation's first
+# i + 1 messages add to its first i rendered with the generation prompt (the header that
+# opens an assistant turn), provided the template renders turn by turn: each of those
+# renderings is a prefix of the next. Defined on tokens, that costs a tokenisation of
+# every prefix, time quadratic in the turns: 2.2 s for one 200-turn record of 28K tokens,
+# hours for a set of agent traces. So the prefixes are rendered as text only (the
+# template alone is cheap), which gives each turn's span of characters, and the whole
+# text is tokenised once, as its pieces between those spans' edges: where the pieces'
+# tokens, put end to end, are the whole text's tokens, every edge falls between tokens
+# and a turn's tokens are its pieces'. These are the very tokens the definition gives (a
+# prefix whose tokens are a prefix of the whole's spells the same characters, so it
+# ends at the same token). Where a token straddles an edge, the definition on tokens
+# decides, at its cost (``_turn_by_turn_mask_by_tokens``), as it does where the texts
+# are not prefixes of each other.
+
+
 def _turn_by_turn_mask(
     tokenizer: Any, messages: list[dict[str, Any]], where: str
 ) -> tuple[list[int], list[int]]:
+    """``(ids, mask)`` of a conversation whose template has no generation markers: Note
+    [turn-by-turn masks]."""
+    text = _render(tokenizer, messages, where, tokenize=False)
+    edges = [0]
+    turns = []  # which pieces (between consecutive edges) are assistant turns
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise _opens_with_assistant(where)
+        before = _render(tokenizer, messages[:i], where, tokenize=False, add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1], where, tokenize=False)
+        if not (upto.startswith(before) and text.startswith(upto) and len(before) >= edges[-1]):
+            # the definition on tokens decides (and names the record if it fails)
+            return _turn_by_turn_mask_by_tokens(tokenizer, messages, where)
+        turns.append(len(edges))
+        edges += [len(before), len(upto)]
+    edges.append(len(text))
+    ids: list[int] = []
+    mask: list[int] = []
+    for piece, (a, b) in enumerate(zip(edges, edges[1:])):
+        tokens = _tokens(tokenizer, text[a:b]) if b > a else []
+        ids += tokens
+        mask += [int(piece in turns)] * len(tokens)
+    if ids != _tokens(tokenizer, text):  # a token straddles an edge
+        return _turn_by_turn_mask_by_tokens(tokenizer, messages, where)
+    return ids, mask
+
+
+def _turn_by_turn_mask_by_tokens(
+    tokenizer: Any, messages: list[dict[str, Any]], where: str
+) -> tuple[list[int], list[int]]:
+    """``_turn_by_turn_mask`` by its definition on tokens: a tokenisation of every
+    prefix, for a conversation the pieces cannot settle."""
     ids = _ids(_render(tokenizer, messages, where))
     mask = [0] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        if i == 0:  # nothing before it to render: where its tokens start is unknown
-            raise InstructError(
-                f"{where}: the conversation opens with an assistant turn, whose tokens "
-                "this chat template cannot locate (it has no {% generation %} markers); "
-                "use a template with them (data.chat_template), data.loss_on: all, or "
-                "drop the record"
-            )
+        if i == 0:
+            raise _opens_with_assistant(where)
         before = _ids(_render(tokenizer, messages[:i], where, add_generation_prompt=True))
         upto = _ids(_render(tokenizer, messages[: i + 1], where))
         if upto[: len(before)] != before or ids[: len(upto)] != upto:
-            raise InstructError(
-                f"{where}: the chat template does not render this conversation turn by "
-                "turn (an earlier turn changes once later ones follow), so the assistant "
-                "tokens cannot be found; use a template with {% generation %} markers "
-                "(data.chat_template) or data.loss_on: all"
-            )
+            raise _not_turn_by_turn(where)
         for t in range(len(before), len(upto)):
             mask[t] = 1
     return ids, mask
+
+
+def _opens_with_assistant(where: str) -> InstructError:
+    # nothing before the turn to render: where its tokens start is unknown
+    return InstructError(
+        f"{where}: the conversation opens with an assistant turn, whose tokens "
+        "this chat template cannot locate (it has no {% generation %} markers); "
+        "use a template with them (data.chat_template), data.loss_on: all, or "
+        "drop the record"
+    )
+
+
+def _not_turn_by_turn(where: str) -> InstructError:
+    return InstructError(
+        f"{where}: the chat template does not render this conversation turn by "
+        "turn (an earlier turn changes once later ones follow), so the assistant "
+        "tokens cannot be found; use a template with {% generation %} markers "
+        "(data.chat_template) or data.loss_on: all"
+    )
 
 
 def render_prompt_completion(
