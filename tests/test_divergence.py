@@ -202,7 +202,7 @@ def test_every_node_of_a_group_fails_after_rank_0_finishes_its_checkpoint(
         assert status.message.startswith("step 4's loss is nan"), status.message
         assert f"checkpoint step 2 ({kept}) is kept" in status.message
         follower = status_when(rank1, job.job_id, lambda s: s.state != "running")
-        assert follower.state == "failed", follower
+        assert follower.state == "failed", (follower.state, follower.message)
         assert f"checkpoint step 2 ({kept}) is kept" in follower.message, follower.message
     assert finite_checkpoints(tmp_path / "out" / "checkpoints") == [2]
 
@@ -216,3 +216,28 @@ def status_when(node: LocalCluster, job_id: str, predicate, timeout_s: float = 2
             return jobs[job_id]
         assert time.monotonic() < deadline, node.logs()
         time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["sharded", "replicated"])
+def test_every_node_fails_when_rank_0_finds_weights_that_are_not_finite(
+    tmp_path: Path, sharding: str
+) -> None:
+    """Two nodes; at lr 1000 the losses stay finite but the last update leaves weights
+    that are not (as in the CLI test above). Only rank 0 checks the whole masters, as it
+    writes the final checkpoint. Every node fails naming the checkpoint kept: the
+    follower was paused, telling the user to resume a job that would diverge again."""
+    d = tiny_spec(tmp_path / "out", steps=12, lr=1000.0, num_microbatches=4).to_dict()
+    d["output"].update(checkpoint_every=2, keep_last=2)
+    d["train"]["optimizer_sharding"] = sharding
+    with local_group(tmp_path, f"weights-{sharding}", check_exit=False) as (rank0, rank1):
+        job = rank0.client.submit(JobSpec.from_dict(d))
+        status = job.wait(timeout_s=300)
+        kept = tmp_path / "out" / "checkpoints" / step_name(10)
+        assert status.state == "failed", f"{status.message}\n{rank0.logs()}"
+        assert status.message.startswith("the weights after step 12 are not finite")
+        follower = status_when(rank1, job.job_id, lambda s: s.state != "running")
+        assert follower.state == "failed", (follower.state, follower.message)
+        assert "the weights after step 12 are not finite" in follower.message, follower
+        assert f"checkpoint step 10 ({kept}) is kept" in follower.message, follower.message
+        assert "resume" not in follower.message.replace("model.resume_from", ""), follower

@@ -304,6 +304,7 @@ class JobRunner:
             trainer.run(_SocketPort(self.workers, push))
             if job_group is None or job_group.leader:  # rank 0 alone writes the model
                 trainer.export(Path(job.output_dir or "."))
+            trainer.end_with_group()  # the others succeed once rank 0 has
             error = None
         except Exception as exc:
             error = exc

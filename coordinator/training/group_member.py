@@ -5,7 +5,19 @@ A ``GroupMember`` starts the node from rank 0's state (``sync``: only rank 0 rea
 checkpoints), trains the node's share of every global batch (``share``), runs the
 ``GradientReducer`` that sums each layer's gradient over the nodes while the job runs,
 and turns a stopped group into JobPaused (another node left, went silent or failed a
-collective) or JobCancelled (rank 0's job was cancelled)."""
+collective), JobCancelled or JobFailed (rank 0's job was cancelled or failed).
+
+Note [a group's job ends as rank 0's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Rank 0 owns the job: it was submitted there, it alone writes checkpoints and the model,
+and it alone checks the whole weights before each checkpoint (Note [diverged training]).
+So a job can fail at rank 0 where the other nodes see nothing wrong: weights that are
+not finite under finite losses (with sharded state each node holds a piece; replicated,
+the others never look), its model not written. The other nodes end as rank 0 does: a
+node that trained all its steps waits for rank 0 to say the job is done (``end``) and
+only then succeeds, and a node that sees rank 0 leave failed or cancelled fails or is
+cancelled with rank 0's reason (``stopped``). Before, such a node succeeded, or paused
+and told the user to resume a job that would fail the same way."""
 
 from __future__ import annotations
 
@@ -60,8 +72,15 @@ class GroupMember:
         they said (coordinator.multinode), else None."""
         return self.group.waiting
 
-    def paused(self, exc: BaseException) -> JobPaused:
-        """The JobPaused that says the group stopped (``exc`` says why)."""
+    def stopped(self, exc: BaseException) -> JobPaused | JobFailed | JobCancelled:
+        """What the group's stop (``exc`` says why) means for this node's job: cancelled
+        or failed as rank 0's was (Note [a group's job ends as rank 0's]), else paused."""
+        group = self.group
+        group.problem()  # who left, and how (it may not have been asked yet)
+        if group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+            return JobCancelled(f"job {self.job_id} was cancelled at rank 0")
+        if group.left_as == "failed" and group.left_by == 0:
+            return JobFailed(f"{group.nodes.describe(0)} failed the job: {group.left_why}")
         kept = (
             f"checkpoint step {self.output.checkpoint_step} is kept"
             if self.output.checkpoint_step
@@ -90,9 +109,27 @@ class GroupMember:
         if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
             raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
         if reducer is not None and reducer.error is not None:
-            raise self.paused(reducer.error)
+            raise self.stopped(reducer.error)
         if problem is not None:
-            raise self.paused(GroupError(problem))
+            raise self.stopped(GroupError(problem))
+
+    def end(self) -> None:
+        """The end of a run that trained all its steps. Rank 0, its model written, says
+        the job is done; another node waits for that, as the job may yet fail at rank 0
+        (it alone checks the whole weights at the last checkpoint), and ends as rank 0
+        does: succeeded, or failed, cancelled or paused by ``check_stopped``'s rules."""
+        if self.group.leader:
+            self.group.finished()
+            return
+        try:
+            self.group.wait_finished(
+                "rank 0 to finish the job (its last checkpoint and model)",
+                stopped=self.output.cancelled.is_set,
+            )
+        except InterruptedError:
+            raise JobCancelled(f"job {self.job_id} was stopped") from None
+        except GroupError as exc:
+            raise self.stopped(exc) from None
 
     def start_reducer(
         self,
@@ -212,7 +249,7 @@ class GroupMember:
                     layout, masters, optimizer, shards, full_masters, full_moments, resumed
                 )
         except GroupError as exc:
-            raise self.paused(exc) from None
+            raise self.stopped(exc) from None
         except InterruptedError:
             raise JobCancelled(f"job {self.job_id} was cancelled") from None
         if group.leader:

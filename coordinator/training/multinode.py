@@ -452,6 +452,10 @@ class JobGroup:
         """Set when a node died or went silent during this job (not when it left)."""
         self.left_as: str | None = None
         """The state another node left the job in (``cancelled``, ``failed``, ...)."""
+        self.left_by: int | None = None
+        """The rank of that node."""
+        self.left_why: str | None = None
+        """Why it left: its job's message there."""
         self.cancelled: Callable[[], bool] = lambda: False
         """Set by the trainer: the local job stopped, give up waiting."""
         self.timeline: TimelineRecorder | None = None
@@ -513,7 +517,8 @@ class JobGroup:
             for rank in range(self.world_size):
                 if rank != self.rank and self.store.check([f"stop/{rank}"]):
                     why = self.store.get(f"stop/{rank}").decode()
-                    self.left_as = why.split(":", 1)[0]
+                    self.left_as, _, self.left_why = (part.strip() for part in why.partition(":"))
+                    self.left_by = rank
                     return f"{nodes.describe(rank)} left the job: {why}"
             silent = nodes.silent_nodes()
         except (RuntimeError, OSError) as exc:
@@ -722,6 +727,40 @@ class JobGroup:
             time.sleep(0.2)
         self.lost = reason
         return GroupError(f"{what} failed: {reason}")
+
+    # -- the job's end ------------------------------------------------------------------
+
+    def finished(self) -> None:
+        """Rank 0: the job is done (its last checkpoint and the model written); the
+        other nodes, waiting in ``wait_finished``, succeed too."""
+        self.store.set("finished", "1")
+
+    def wait_finished(self, what: str, *, stopped: Callable[[], bool]) -> None:
+        """A node other than rank 0, its share trained: wait until rank 0 says the job is
+        done (``finished``). The job's outcome is rank 0's: it may yet fail there (weights
+        that are not finite at its last checkpoint, its model not written). Raises
+        GroupError if a node left the job or went silent (``left_as`` says how),
+        InterruptedError once ``stopped()`` (this node's job was cancelled or its
+        coordinator is stopping)."""
+        sleep = _POLL_S
+        self.waiting = f"waiting for {what}"
+        try:
+            while not self._says_finished(what):
+                if stopped():
+                    raise InterruptedError(f"stopped waiting for {what}")
+                if (problem := self.problem()) is not None:
+                    raise GroupError(f"while waiting for {what}: {problem}")
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _POLL_MAX_S)
+        finally:
+            self.waiting = None
+
+    def _says_finished(self, what: str) -> bool:
+        try:
+            return self.store.check(["finished"])
+        except (RuntimeError, OSError) as exc:
+            self.lost = f"rank 0's store stopped answering: {exc}"
+            raise GroupError(f"while waiting for {what}: {self.lost}") from None
 
     def exchange(self, name: str, value: str, what: str) -> list[str]:
         """Every node's ``value`` for ``name``, by rank (through the store)."""

@@ -52,7 +52,7 @@ class ShardedCheckpoints:
         checkpointer: Checkpointer,
         *,
         job_id: str,
-        paused: Callable[[BaseException], Exception],
+        stopped: Callable[[BaseException], Exception],
     ):
         self.shards = shards
         self.layout = layout
@@ -61,8 +61,8 @@ class ShardedCheckpoints:
         self.optimizer = optimizer
         self.checkpointer = checkpointer
         self.job_id = job_id
-        self._paused = paused
-        """The JobPaused for a lost node (``GroupMember.paused``)."""
+        self._stopped = stopped
+        """What a stopped group means for the job (``GroupMember.stopped``)."""
 
     @property
     def leader(self) -> bool:
@@ -184,6 +184,6 @@ class ShardedCheckpoints:
         try:
             yield from layers
         except GroupError as exc:
-            raise self._paused(exc) from None
+            raise self._stopped(exc) from None
         except InterruptedError:
             raise JobCancelled(f"job {self.job_id} was cancelled") from None

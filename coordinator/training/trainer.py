@@ -453,7 +453,7 @@ class Trainer:
                 self.optimizer,
                 self.checkpointer,
                 job_id=self.job_id,
-                paused=self.member.paused,
+                stopped=self.member.stopped,
             )
 
     def _start_after(self, step: int) -> None:
@@ -882,8 +882,15 @@ class Trainer:
         if error is None:
             return
         if isinstance(error, GroupError) and self.member is not None:
-            raise self.member.paused(error) from None
+            raise self.member.stopped(error) from None
         raise JobFailed(f"optimizer failed: {error}") from error
+
+    def end_with_group(self) -> None:
+        """After ``run`` (and rank 0's ``export``): with a group, rank 0 says the job is
+        done, and another node waits for that and ends as rank 0 did (GroupMember.end);
+        nothing without one."""
+        if self.member is not None:
+            self.member.end()
 
     def check_group(self) -> None:
         """Raise JobPaused if another node left the job, went silent or failed a
