@@ -117,12 +117,12 @@ def _long_chat(turns: int, seed: int) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("which", ["chat_tokenizer", "demo_tokenizer"])
-def test_turn_by_turn_masks_are_the_definitions_in_linear_time(
+def test_turn_by_turn_masks_agree_with_the_rule_on_tokens_in_linear_time(
     which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A template without generation markers: the mask found from the turns' character
-    spans and one tokenisation of the text (Note [turn-by-turn masks]) is the one its
-    definition gives, prefix by tokenised prefix, on the shipped conversations and on
+    spans and one tokenisation of the text (Note [turn-by-turn masks]) is the one the
+    rule on tokens gives, prefix by tokenised prefix, on the shipped conversations and on
     long random ones; and what is tokenised is the text twice, however many turns (the
     definition tokenised every prefix: 2.2 s for one 200-turn record)."""
     from roundpipe.coordinator.spec import instruct
@@ -150,13 +150,47 @@ def test_turn_by_turn_masks_are_the_definitions_in_linear_time(
     assert sum(1 for y in labels if y != IGNORE_INDEX) > len(ids) // 4
 
 
-def test_a_token_across_a_turns_edge_is_settled_by_the_definition(
+def test_a_prefix_that_merges_across_its_own_end_is_masked_by_its_spans() -> None:
+    """A tokenizer that merges " " and "\n" (as byte-level vocabularies do) and a
+    template that writes the contents one after another: "q:" "a " "\n" "b". The text
+    before the second assistant turn, tokenised alone, ends in " \n", a token the
+    whole text never has (there " " and "\n" are apart, "b" follows). The rule on
+    tokens refused the record for it; its spans give each assistant token."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from roundpipe.coordinator.spec import instruct
+
+    raw = json.loads((DEMO / "tokenizer" / "tokenizer.json").read_text())
+    raw["model"]["vocab"]["ĠĊ"] = max(raw["model"]["vocab"].values()) + 1
+    merges = raw["model"]["merges"]
+    merges.insert(0, ["Ġ", "Ċ"] if isinstance(merges[0], list) else "Ġ Ċ")
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(raw)))
+    tok.chat_template = "{%- for m in messages %}{{- m.content }}{%- endfor %}"
+    chat = [
+        {"role": "user", "content": "q:"},
+        {"role": "assistant", "content": "a "},
+        {"role": "user", "content": "\n"},
+        {"role": "assistant", "content": "b"},
+    ]
+    ids = tok("q:a \nb", add_special_tokens=False)["input_ids"]
+    cut = tok("q:a \n", add_special_tokens=False)["input_ids"]
+    assert cut != ids[: len(cut)] and len(ids) == 6  # q : a " " "\n" b
+    with pytest.raises(instruct.InstructError, match="does not render this conversation turn"):
+        instruct._turn_by_turn_mask_by_tokens(tok, chat, "x")
+    assert instruct.render_chat(tok, chat, "x") == (
+        ids,
+        [IGNORE_INDEX, IGNORE_INDEX, ids[2], ids[3], IGNORE_INDEX, ids[5]],
+    )
+
+
+def test_a_token_across_a_turns_edge_is_settled_by_the_rule_on_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A generation prompt that ends inside a word ("...Answer: th" + "e cat"): one token
-    spans the edge of the turn, so the pieces cannot settle the mask and the definition
-    on tokens decides, here refusing the record as before (the prefix's tokens are not
-    the whole's)."""
+    spans the edge of the turn, so the pieces cannot settle the mask and the rule on
+    tokens decides, here refusing the record as before (the prefix's tokens are not the
+    whole's)."""
     from roundpipe.coordinator.spec import instruct
 
     tok = demo_tokenizer_with_template()

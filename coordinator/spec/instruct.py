@@ -184,17 +184,23 @@ def render_chat(
 # so they are found by rendering: the assistant turn i is what the conversation's first
 # i + 1 messages add to its first i rendered with the generation prompt (the header that
 # opens an assistant turn), provided the template renders turn by turn: each of those
-# renderings is a prefix of the next. Defined on tokens, that costs a tokenisation of
-# every prefix, time quadratic in the turns: 2.2 s for one 200-turn record of 28K tokens,
-# hours for a set of agent traces. So the prefixes are rendered as text only (the
-# template alone is cheap), which gives each turn's span of characters, and the whole
-# text is tokenised once, as its pieces between those spans' edges: where the pieces'
-# tokens, put end to end, are the whole text's tokens, every edge falls between tokens
-# and a turn's tokens are its pieces'. These are the very tokens the definition gives (a
-# prefix whose tokens are a prefix of the whole's spells the same characters, so it
-# ends at the same token). Where a token straddles an edge, the definition on tokens
-# decides, at its cost (``_turn_by_turn_mask_by_tokens``), as it does where the texts
-# are not prefixes of each other.
+# renderings is a prefix of the next. This gives each assistant turn a span of the
+# text's characters, as the markers do, and its tokens are the whole text's tokens in
+# that span. To find them the text is tokenised once, as its pieces between the spans'
+# edges: where the pieces' tokens, put end to end, are the whole text's tokens, every
+# edge falls between two tokens and each token is its piece's. The prefixes are rendered
+# as text only (the template alone is cheap).
+#
+# The rule used before tokenised every prefix and took the tokens it added: time
+# quadratic in the turns (2.2 s for one 200-turn record of 28K tokens; hours for a set
+# of agent traces). Where that rule accepts a record the two agree (a prefix whose
+# tokens begin the whole's spells its characters with the same tokens). It also refused
+# records whose prefix, tokenised alone, merges across its own end what the whole text
+# keeps apart (" " and "\n" into " \n", with nothing after the prefix to split them):
+# a token the model never sees; these are masked by their spans now. Where a token of
+# the whole text straddles an edge, or the texts are not prefixes of each other, the
+# rule on tokens decides, at its cost (``_turn_by_turn_mask_by_tokens``), and names the
+# record if it fails.
 
 
 def _turn_by_turn_mask(
