@@ -87,6 +87,7 @@ IMPORT_TIME_ENV = (
     *("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMEXPR_"),  # thread pools
     *("CUDA_", "NVIDIA_", "NCCL_", "TORCH", "PYTORCH_"),  # torch and its libraries
     *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_"),
+    "BNB_",  # bitsandbytes (imported with peft) reads its CUDA version at import
 )
 """Prefixes of the variables read when the interpreter starts or a library is imported
 (a library's constants, its thread pool, its cache directory): a forked daemon's must be
@@ -319,6 +320,12 @@ def serve() -> None:
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)  # stderr stays the owner's: a server's own failure shows there
     os.close(devnull)
+    # Before a daemon configures logging, a library's warning goes to the owner's stderr
+    # (logging's last resort): bitsandbytes, imported with peft, warns on CPUs with
+    # AVX512-BF16 that an optional kernel package is missing, on the terminal of every
+    # `roundpipe chaos`. A handler of its own keeps it off; the daemons' logs, which
+    # their root handlers write, still get what bitsandbytes says once they run.
+    logging.getLogger("bitsandbytes").addHandler(logging.NullHandler())
     for name in PRELOAD:
         importlib.import_module(name)
 
