@@ -296,6 +296,30 @@ def test_a_finished_jobs_history_costs_the_coordinator_under_64_bytes_a_step() -
     assert cut.recent(1)[0].step == 500 and cut.table().shape == (500, 6)
 
 
+def test_a_stored_history_reads_as_the_one_written(tmp_path: Path) -> None:
+    """A finished run's history in its file (StoredProgress) pages, cuts and counts as
+    the log it was written from; a file cut inside a row reads as its whole rows, a
+    missing one as empty, and neither raises."""
+    from roundpipe.coordinator.training.progress_log import StoredProgress
+
+    steps = 100_000
+    log = ProgressLog([k, 1.0 / k, 1e6, 3e-4, k + 0.5, 0.25] for k in range(1, steps + 1))
+    stored = log.write(tmp_path / "progress.f64")
+    assert isinstance(stored, StoredProgress)
+    assert len(stored) == steps and (tmp_path / "progress.f64").stat().st_size == 48 * steps
+    for after, limit in ((0, 3), (41_999, 5), (steps - 2, 10), (steps, 3), (-5, 2)):
+        assert stored.page(after, limit) == log.page(after, limit)
+    assert stored.up_to(500).events() == log.up_to(500).events()
+    assert stored.up_to(0).events() == [] and len(stored.up_to(steps + 9)) == steps
+    with open(tmp_path / "progress.f64", "r+b") as f:
+        f.truncate(48 * 10 + 20)  # cut inside row 11
+    assert len(stored) == 10 and stored.page(0, 100) == (log.page(0, 10)[0], False)
+    (tmp_path / "progress.f64").unlink()
+    assert len(stored) == 0 and stored.page(0, 5) == ([], False)
+    assert stored.up_to(5).events() == []
+    assert not list(tmp_path.iterdir())  # no temporary file left
+
+
 def test_progress_of_a_long_job_comes_in_pages(tmp_path: Path, arena_dir: Path) -> None:
     """GetProgress on a job of 300,000 steps: a reply of ~15 MB before, one page now. The
     coordinator runs in this process (a real socket) so the test can hand it a history

@@ -820,6 +820,27 @@ def test_restarted_coordinator_shows_resumed_step_and_resume_is_a_no_op(
     assert steps == list(range(1, 11))
 
 
+def test_a_finished_jobs_history_is_in_its_directory_and_outlives_a_restart(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Note [compact progress history]: a finished job's history is written to its job
+    directory and read from there, so the coordinator holds none of it (a coordinator
+    held every finished job's history in memory until it restarted, and then lost it:
+    progress() replayed nothing). After a clean restart every event is the same."""
+    cluster.add_worker("w1")
+    cluster.wait_for_workers(1)
+    job = cluster.client.submit(make_spec(tmp_path / "out", every=3, steps=6, staleness=0))
+    assert job.wait(timeout_s=240).state == "succeeded", cluster.logs()
+    before = list(job.progress(timeout_s=30))
+    assert [e.step for e in before] == list(range(1, 7))
+    stored = cluster.state_dir / "jobs" / job.job_id / "progress.f64"
+    assert stored.stat().st_size == 6 * 6 * 8  # six float64 numbers a step
+    cluster.coordinator.proc.send_signal(signal.SIGTERM)
+    assert cluster.coordinator.proc.wait(timeout=60) == 0
+    cluster.start_coordinator()
+    assert list(job.progress(timeout_s=30)) == before
+
+
 @pytest.mark.slow
 def test_a_continuation_with_checkpoints_of_its_own_outlives_its_source(
     cluster: LocalCluster, tmp_path: Path, arena_dir: Path

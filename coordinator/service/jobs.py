@@ -41,7 +41,7 @@ from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.spec.paths import OwnedDir, PathPolicy, check_ownership, modes
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
-from roundpipe.coordinator.training.progress_log import ProgressLog
+from roundpipe.coordinator.training.progress_log import ProgressLog, StoredProgress
 from roundpipe.protocol import (
     FINAL_JOB_STATES,
     MAX_REPLY_BYTES,
@@ -66,6 +66,9 @@ __all__ = [
 Validated = TypeVar("Validated")
 
 log = logging.getLogger("roundpipe.coordinator")
+
+PROGRESS_FILE = "progress.f64"
+"""A job's history of its last run, in its job directory (``ProgressLog.write``)."""
 
 MAX_TEXT_CHARS = 16 * 1024
 """Longest free text (an error, a job's message) in a reply; the rest is cut, and the
@@ -111,10 +114,9 @@ class JobRecord:
     submitted_at: float = field(default_factory=time.time)
     # The identity that submitted it: only it (and admins) may see or change the job.
     owner: str = ""
-    # The events of the job's last run, kept when its trainer is dropped at the end (the
-    # trainer's own log while it runs; Note [compact progress history]). Empty after a
-    # coordinator restart.
-    progress: ProgressLog = field(default_factory=ProgressLog)
+    # The events of the job's last run (the trainer's own log while it runs), in its
+    # job directory once the run ended (PROGRESS_FILE; Note [compact progress history]).
+    progress: ProgressLog | StoredProgress = field(default_factory=ProgressLog)
     # False for a job another node announced (coordinator.multinode): rank 0's store
     # holds it; this node shows it while it lives and never queues it on a restart.
     stored: bool = True
@@ -352,6 +354,7 @@ class JobBook:
             log_path=self.job_dir(stored.job_id) / "job.log",
             submitted_at=stored.created_at,
             owner=stored.owner,
+            progress=StoredProgress(self.job_dir(stored.job_id) / PROGRESS_FILE),
         )
 
     def job_dir(self, job_id: str) -> Path:
@@ -542,6 +545,29 @@ class JobBook:
             except JobStoreError as exc:
                 log.error("[coordinator] cannot record checkpoint of %s: %s", job.job_id, exc)
 
+    def _store_progress(self, job: JobRecord) -> None:
+        """Move the history of the run that ended from memory to the job's directory
+        (Note [compact progress history]). If it cannot be written (a full disk), it
+        stays in memory: nothing is lost until a restart."""
+        history = job.progress
+        job_dir = self.job_dir(job.job_id)
+        if not isinstance(history, ProgressLog) or not job_dir.is_dir():
+            return
+        try:
+            stored = history.write(job_dir / PROGRESS_FILE)
+        except OSError as exc:
+            log.warning(
+                "[coordinator] job %s: cannot write its progress history to %s (%s); it "
+                "is kept in memory until the coordinator restarts",
+                job.job_id,
+                job_dir,
+                exc,
+            )
+            return
+        with self._lock:
+            if job.progress is history:
+                job.progress = stored
+
     def let_go(self, job: JobRecord) -> None:
         """Drop the job's trainer (and with it the run's memory); only its step, loss and
         progress events stay."""
@@ -554,8 +580,10 @@ class JobBook:
             job.trainer = None
 
     def finish(self, job: JobRecord, state: JobState, message: str) -> None:
-        """The end of a run: the trainer let go (``let_go``), then its final state."""
+        """The end of a run: the trainer let go (``let_go``), its history to its file
+        (``_store_progress``), then its final state."""
         self.let_go(job)
+        self._store_progress(job)
         self.set_state(job, state, message)
         with self._lock:
             if self.active is job:

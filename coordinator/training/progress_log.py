@@ -7,27 +7,36 @@ node of a group starting from rank 0's state, reads them back (``replace``).
 
 Note [compact progress history]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A coordinator keeps a finished job's history until it restarts (``roundpipe logs`` and
-``progress()`` replay it), and a job may run for hundreds of thousands of steps. So the
-events are not kept as ``ProgressEvent`` objects (about 260 bytes a step) but as six
-float64 columns in one ``array`` (48 bytes a step); an event is made when it is read.
-A step is its own ``seq`` (every event is one step, numbered from 1), and steps only
-grow, so a page is found by bisection. float64 holds every field exactly (a step up to
-2**53, a ``time.time()``), so a history read back from a checkpoint is the one written.
+A job may run for hundreds of thousands of steps, and ``roundpipe logs`` and
+``progress()`` replay its whole history. So the events are not kept as
+``ProgressEvent`` objects (about 260 bytes a step) but as six float64 columns in one
+``array`` (48 bytes a step); an event is made when it is read. A step is its own ``seq``
+(every event is one step, numbered from 1), and steps only grow, so a page is found by
+bisection. float64 holds every field exactly (a step up to 2**53, a ``time.time()``), so
+a history read back from a checkpoint is the one written.
+
+A coordinator runs for months and keeps every job it ran: held in memory, the histories
+of finished jobs grew with every step ever trained (1 GB after 20 million steps), and a
+restart lost them all. So when a run ends its history is written, those same cells, to
+a file in the job's directory (``write``), and the job keeps a ``StoredProgress`` that
+reads pages from the file (a bisection of ``pread`` calls): nothing in memory, and the
+history is there after a restart.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from array import array
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
 from roundpipe.protocol import ProgressEvent
 
-__all__ = ["COLUMNS", "ProgressLog"]
+__all__ = ["COLUMNS", "ProgressLog", "StoredProgress"]
 
 COLUMNS = ("step", "loss", "tokens_per_s", "lr", "time", "optimizer_s")
 """One row of the history, in this order (``rows``, ``table``)."""
@@ -121,6 +130,106 @@ class ProgressLog:
         if not cells:
             return torch.empty(0, _WIDTH, dtype=torch.float64)
         return torch.frombuffer(cells, dtype=torch.float64).clone().reshape(n, _WIDTH)
+
+    def write(self, path: Path) -> StoredProgress:
+        """Write the history to ``path`` (its cells, native float64), atomically: a
+        crash leaves the old file or the new one. OSError if it cannot be written."""
+        with self._lock:
+            data = self._cells.tobytes()
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        return StoredProgress(path)
+
+
+class StoredProgress:
+    """A finished run's history in its file (``ProgressLog.write``), read a page at a
+    time; read-only (Note [compact progress history]). The file is opened for each read:
+    a coordinator keeps thousands of these and no descriptor for any. A file that is
+    gone or cut reads as the whole rows that remain, and its reads never raise."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _read(self, fd: int, first: int, stop: int) -> array:
+        cells = array("d")
+        size = (stop - first) * _WIDTH * cells.itemsize
+        if size > 0:
+            data = os.pread(fd, size, first * _WIDTH * cells.itemsize)
+            cells.frombytes(data[: len(data) // (_WIDTH * 8) * _WIDTH * 8])
+        return cells
+
+    def _rows(self, fd: int) -> int:
+        return os.fstat(fd).st_size // (_WIDTH * 8)
+
+    def _step(self, fd: int, i: int) -> float:
+        return self._read(fd, i, i + 1)[0]
+
+    def _first_after(self, fd: int, n: int, step: float) -> int:
+        """The first row whose step is above ``step`` (bisection)."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._step(fd, mid) <= step:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _open(self) -> int | None:
+        try:
+            return os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+
+    def page(self, after_seq: int, limit: int) -> tuple[list[ProgressEvent], bool]:
+        """As ``ProgressLog.page``."""
+        fd = self._open()
+        if fd is None:
+            return [], False
+        try:
+            n = self._rows(fd)
+            first = self._first_after(fd, n, after_seq)
+            stop = min(n, first + max(limit, 0))
+            cells = self._read(fd, first, stop)
+        except OSError:
+            return [], False
+        finally:
+            os.close(fd)
+        return _events(cells, 0, len(cells) // _WIDTH), stop < n
+
+    def up_to(self, step: int) -> ProgressLog:
+        """The events of steps up to ``step``, in memory (a resumed job's, cut at its
+        checkpoint)."""
+        copy = ProgressLog()
+        fd = self._open()
+        if fd is None:
+            return copy
+        try:
+            n = self._rows(fd)
+            copy._cells = self._read(fd, 0, self._first_after(fd, n, step))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return copy
+
+    def __len__(self) -> int:
+        try:
+            return os.stat(self.path).st_size // (_WIDTH * 8)
+        except OSError:
+            return 0
+
+    def events(self) -> list[ProgressEvent]:
+        """Every event, as objects (for tests and small jobs: a page is cheaper)."""
+        return self.up_to(2**62).events()
 
 
 class _Steps(Sequence[float]):
