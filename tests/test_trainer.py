@@ -101,6 +101,59 @@ def test_a_model_of_the_other_kind_in_the_output_directory_is_replaced(tmp_path,
             assert load_output(out, lora=True)  # the adapter of this job, on its base
 
 
+def test_an_earlier_models_files_in_the_output_directory_all_go(tmp_path, arena_dir) -> None:
+    """A full fine-tune exported where an earlier job left a sharded model and a
+    tokenizer with a chat template: the shards' index stayed (transformers removes old
+    shards, not their index), naming files that were gone, and a job taking the output
+    as its ``model.path`` failed (this runtime reads the index first); the old chat
+    template stayed beside a tokenizer that has none."""
+    from transformers import AutoTokenizer
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.shared.model import LayeredModel
+
+    out = tmp_path / "out"
+    layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
+    layered.to_hf_model(layered.init_weights(1)).save_pretrained(str(out), max_shard_size="40KB")
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    assert (out / "model.safetensors.index.json").is_file()
+    with trained_in_process(tiny_spec(out, steps=2), arena_dir) as trainer:
+        trainer.export()
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and "chat_template.jinja" not in names, names
+    assert not {n for n in names if n.startswith("model-") or n.endswith(".index.json")}, names
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template is None
+    further = tiny_spec(tmp_path / "further", steps=2).to_dict()
+    further["model"] = {"path": str(out)}
+    with trained_in_process(JobSpec.from_dict(further), arena_dir, job_id="job-2") as trainer:
+        assert trainer.step == 2
+
+
+def test_a_full_fine_tune_keeps_its_models_generation_settings(tmp_path, arena_dir) -> None:
+    """The model trained from lists two stop tokens and sampling defaults in its
+    generation_config.json (as instruct models do); the export and each checkpoint
+    carry them. A model built from its config alone wrote one EOS id and no sampling
+    settings: the exported model generated past its turn's end."""
+    from transformers import GenerationConfig
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+    from roundpipe.shared.model import LayeredModel
+
+    base = tmp_path / "base"
+    layered = LayeredModel.from_config(dict(TINY_QWEN3, model_type="qwen3"))
+    layered.to_hf_model(layered.init_weights(1)).save_pretrained(str(base))
+    settings = dict(eos_token_id=[5, 7], do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    GenerationConfig(bos_token_id=1, **settings).save_pretrained(str(base))
+    spec = tiny_spec(tmp_path / "out", steps=2).to_dict()
+    spec["model"] = {"path": str(base), "tokenizer": spec["model"]["tokenizer"]}
+    spec["output"]["checkpoint_every"] = 1
+    with trained_in_process(JobSpec.from_dict(spec), arena_dir) as trainer:
+        out = trainer.export()
+    for directory in (out, out / "checkpoints" / "step-00000002"):
+        written = GenerationConfig.from_pretrained(str(directory))
+        assert {k: getattr(written, k) for k in settings} == settings, directory
+
+
 # Tiny configs of the other architectures, shaped like TINY_QWEN3 (runtime_helpers).
 _TINY = {
     "qwen3": TINY_QWEN3,

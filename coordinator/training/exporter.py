@@ -9,11 +9,13 @@ initialised base, ``<output>/base_model`` (written once per run); plus the token
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +33,12 @@ from roundpipe.coordinator.training.layout import JobLayout
 from roundpipe.shared.model import LayeredModel
 from roundpipe.shared.quantized_base import PART_SEP
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
 __all__ = ["ModelExporter"]
+
+log = logging.getLogger(__name__)
 
 _FULL_MODEL_FILES = (
     "model.safetensors",
@@ -42,6 +49,19 @@ _FULL_MODEL_FILES = (
 """What ``save_pretrained`` writes for a full model (beside its shards, model-*-of-*)."""
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 """What peft's ``save_pretrained`` writes for an adapter."""
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+"""What a tokenizer's ``save_pretrained`` writes, for the tokenizers transformers has."""
 
 
 class ModelExporter:
@@ -62,6 +82,9 @@ class ModelExporter:
         self.masters = masters
         self.output = output
         self._base_model_written = False
+        self._generation_config: GenerationConfig | None = None
+        self._generation_read = False
+        """Whether ``_generation`` has read the model directory's settings (once)."""
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
@@ -151,6 +174,9 @@ class ModelExporter:
                 model.save_pretrained(str(directory))
             else:
                 model = self.model.hf_model_of(weights)
+                generation = self._generation()
+                if generation is not None:
+                    model.generation_config = generation
                 model.save_pretrained(str(directory))
         finally:
             if bars:
@@ -167,6 +193,31 @@ class ModelExporter:
                 load_chat_template(tokenizer, self.spec.data.chat_template)
             tokenizer.save_pretrained(str(directory))
         restrict_tree(directory)  # whatever the umask: full weights are private
+
+    def _generation(self) -> GenerationConfig | None:
+        """The generation settings of the model trained from (``model.path``), which a
+        full model's files carry on: its stop tokens (an instruct model lists several)
+        and sampling defaults. A model built from its config alone derived them from
+        ``config.json``, one EOS id and no sampling settings, so an exported model
+        generated past its turn's end. None: no such file, or one transformers cannot
+        read (then the derived settings are written, as before)."""
+        path = self.spec.model.path
+        if self._generation_read or path is None:
+            return self._generation_config
+        self._generation_read = True
+        if (Path(path) / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            try:
+                self._generation_config = GenerationConfig.from_pretrained(path)
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "[trainer] cannot read %s/generation_config.json (%s); the model's "
+                    "files carry the settings its config implies",
+                    path,
+                    exc,
+                )
+        return self._generation_config
 
     def _write_base_model(self, base_model, base_dir: Path) -> None:
         remove_stale_temporaries(base_dir.parent)  # a copy left by a writer killed mid-way
@@ -202,18 +253,27 @@ class ModelExporter:
             what, lambda: self._export_pinned(what, output_dir, directory)
         )
 
-    def _remove_the_other_kind(self, target: Path) -> None:
-        """Remove from ``target`` a model of the other kind that an earlier job left
-        there. A LoRA job's ``adapter_config.json`` beside a later full fine-tune's
-        weights made ``from_pretrained`` load the old base and adapter (peft installed),
-        and a full model's weights beside a later adapter were read by tools that take
-        ``model.safetensors``. Only the files ``save_pretrained`` writes for that kind
-        go, from ``target`` itself; validation keeps ``output.dir`` off ``model.path``.
-        (A ``base_model`` folder stays: it may be the model this job trained from.)"""
-        if self.model.lora is not None:
-            names = [*_FULL_MODEL_FILES, *(p.name for p in target.glob("model-*.safetensors"))]
-        else:
-            names = list(_ADAPTER_FILES)
+    def _remove_an_earlier_model(self, target: Path) -> None:
+        """Remove from ``target`` the model files an earlier job's export left there,
+        whatever its kind, before this one is written (``save_pretrained`` overwrites
+        only the files it writes):
+
+        * a LoRA job's ``adapter_config.json`` beside a later full fine-tune's weights
+          made ``from_pretrained`` load the old base and adapter (peft installed), and a
+          full model's weights beside a later adapter were read by tools that take
+          ``model.safetensors``;
+        * a sharded model's ``model.safetensors.index.json`` beside a later single file
+          named shards that were gone (transformers deletes old shards, not the index),
+          and this runtime reads a model directory's index first: ``model.path: <output>``
+          failed;
+        * an earlier job's tokenizer files (its chat template) stayed beside a model
+          trained with another tokenizer, or with none.
+
+        Only the files those writers write go, from ``target`` itself; validation keeps
+        ``output.dir`` off ``model.path``. (A ``base_model`` folder stays: it may be the
+        model this job trained from.)"""
+        names = [*_FULL_MODEL_FILES, *_ADAPTER_FILES, *_TOKENIZER_FILES]
+        names += [p.name for p in target.glob("model-*-of-*.safetensors")]
         for name in names:
             (target / name).unlink(missing_ok=True)
 
@@ -223,7 +283,7 @@ class ModelExporter:
             target = output if directory == output_dir else directory
             try:
                 target.mkdir(mode=modes().dir, parents=True, exist_ok=True)
-                self._remove_the_other_kind(target)
+                self._remove_an_earlier_model(target)
                 self.write_hf_model(target)
                 # On disk before the job is recorded as succeeded: save_pretrained
                 # writes in place and syncs nothing.
