@@ -11,18 +11,27 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from runtime_helpers import TINY_QWEN3, assert_params_match, load_output, oracle_train, tiny_spec
 
 from roundpipe.client import RoundPipeError
 from roundpipe.cluster import local_group
 from roundpipe.coordinator.spec.jobspec import JobSpec
-from roundpipe.coordinator.training.multinode import node_microbatches, settings_from_args
+from roundpipe.coordinator.training.group_member import GroupMember
+from roundpipe.coordinator.training.job_errors import JobCancelled, JobPaused
+from roundpipe.coordinator.training.multinode import (
+    JobGroup,
+    node_microbatches,
+    settings_from_args,
+)
 from roundpipe.coordinator.training.timeline import NETWORK_TID, read_trace
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -482,3 +491,43 @@ def test_a_second_coordinator_with_a_rank_already_in_the_group_is_refused() -> N
         for proc in members:
             proc.stdin.close()
             proc.wait(timeout=60)
+
+
+def _follower_of_three(store) -> GroupMember:
+    """Rank 1 of a 3-node group over ``store`` (a real store; only the node group's
+    heartbeats and host names are stand-ins, and the job's process groups are not made)."""
+    nodes = types.SimpleNamespace(
+        store_lost=None, world_size=3, timeout_s=60, silent_nodes=lambda: [],
+        describe=lambda r: f"node {r} (host{r})",
+    )  # fmt: skip
+    group = object.__new__(JobGroup)
+    group.__dict__.update(
+        nodes=nodes, rank=1, world_size=3, job_id="job-x", lost=None, left_as=None,
+        left_by=None, left_why=None, _last_check=0.0, _problem_lock=threading.Lock(),
+        waiting=None, store=dist.PrefixStore("rp/job/1/", store),
+    )  # fmt: skip
+    output = types.SimpleNamespace(cancelled=threading.Event(), checkpoint_step=10)
+    return GroupMember("job-x", None, group, output=output, cancelled=threading.Event(), wake=print)
+
+
+@pytest.mark.parametrize("left_as", ["queued: interrupted by a coordinator shutdown", "cancelled"])
+def test_a_follower_waiting_for_rank_0_is_not_stopped_by_another_follower(left_as: str) -> None:
+    """Note [a group's job ends as rank 0's]: rank 1 of 3 has trained all its steps and
+    waits for rank 0's word while rank 0 writes its model; rank 2 leaves meanwhile (its
+    coordinator stopped, or an admin cancelled it there). Rank 0 waits for no one then
+    and succeeds, so rank 1 does too: it was paused (advising a resume that rank 0
+    refuses) or "cancelled at rank 0". Before the end, rank 2 leaving cancelled pauses
+    rank 1 naming node 2; only rank 0's cancel cancels it."""
+    store = dist.HashStore()
+    member = _follower_of_three(store)
+    member.group.store.set("stop/2", left_as)  # rank 2 left, before rank 0's word
+    answers = iter([False, False])  # rank 0 says "finished" at the third look
+    member.group._says_finished = lambda what: next(answers, True)
+    member.end()  # returns: rank 0 succeeded
+    member = _follower_of_three(store)
+    with pytest.raises(JobPaused, match="node 2 .host2. left the job"):
+        member.check_stopped()
+    member = _follower_of_three(store)
+    member.group.store.set("stop/0", "cancelled: cancelled by request")
+    with pytest.raises(JobCancelled, match="cancelled"):
+        member.check_stopped()

@@ -15,8 +15,9 @@ So a job can fail at rank 0 where the other nodes see nothing wrong: weights tha
 not finite under finite losses (with sharded state each node holds a piece; replicated,
 the others never look), its model not written. The other nodes end as rank 0 does: a
 node that trained all its steps waits for rank 0 to say the job is done (``end``) and
-only then succeeds, and a node that sees rank 0 leave failed or cancelled fails or is
-cancelled with rank 0's reason (``stopped``). Before, such a node succeeded, or paused
+only then succeeds (another node that leaves meanwhile changes nothing: rank 0 waits for
+none), and a node that sees rank 0 leave failed or cancelled fails or is cancelled with
+rank 0's reason (``stopped``). Before, such a node succeeded, or paused
 and told the user to resume a job that would fail the same way."""
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class GroupMember:
         or failed as rank 0's was (Note [a group's job ends as rank 0's]), else paused."""
         group = self.group
         group.problem()  # who left, and how (it may not have been asked yet)
-        if group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+        if group.left_by == 0 and group.left_as == "cancelled":  # so is ours
             return JobCancelled(f"job {self.job_id} was cancelled at rank 0")
-        if group.left_as == "failed" and group.left_by == 0:
+        if group.left_by == 0 and group.left_as == "failed":
             return JobFailed(f"{group.nodes.describe(0)} failed the job: {group.left_why}")
         kept = (
             f"checkpoint step {self.output.checkpoint_step} is kept"
@@ -106,7 +107,8 @@ class GroupMember:
         it."""
         reducer = self.reducer
         problem = self.group.problem()
-        if self.group.left_as == "cancelled":  # rank 0's job was cancelled: so is ours
+        if self.group.left_as == "cancelled" and self.group.left_by == 0:
+            # rank 0's job was cancelled: so is ours
             raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
         if reducer is not None and reducer.error is not None:
             raise self.stopped(reducer.error)

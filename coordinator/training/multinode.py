@@ -502,9 +502,10 @@ class JobGroup:
         """Why the job cannot go on as a group: a node left it or went silent. Asks the
         store at most once a second."""
         with self._problem_lock:  # asked by the run loop and the all-reduce thread
-            return self._problem()
+            return self._problem(range(self.world_size))
 
-    def _problem(self) -> str | None:
+    def _problem(self, ranks: range) -> str | None:
+        """``problem`` of the nodes ``ranks`` (this one is never its own problem)."""
         now = time.monotonic()
         if now - self._last_check < 1.0:
             return None
@@ -514,13 +515,13 @@ class JobGroup:
             self.lost = nodes.store_lost
             return nodes.store_lost
         try:
-            for rank in range(self.world_size):
+            for rank in ranks:
                 if rank != self.rank and self.store.check([f"stop/{rank}"]):
                     why = self.store.get(f"stop/{rank}").decode()
                     self.left_as, _, self.left_why = (part.strip() for part in why.partition(":"))
                     self.left_by = rank
                     return f"{nodes.describe(rank)} left the job: {why}"
-            silent = nodes.silent_nodes()
+            silent = [r for r in nodes.silent_nodes() if r in ranks]
         except (RuntimeError, OSError) as exc:
             self.lost = f"rank 0's store stopped answering: {exc}"
             return self.lost
@@ -739,16 +740,19 @@ class JobGroup:
         """A node other than rank 0, its share trained: wait until rank 0 says the job is
         done (``finished``). The job's outcome is rank 0's: it may yet fail there (weights
         that are not finite at its last checkpoint, its model not written). Raises
-        GroupError if a node left the job or went silent (``left_as`` says how),
-        InterruptedError once ``stopped()`` (this node's job was cancelled or its
-        coordinator is stopping)."""
+        GroupError if rank 0 left the job (``left_as`` says how) or went silent, or its
+        store is lost; another node that leaves now changes nothing (rank 0 no longer
+        waits for any). InterruptedError once ``stopped()`` (this node's job was
+        cancelled or its coordinator is stopping)."""
         sleep = _POLL_S
         self.waiting = f"waiting for {what}"
         try:
             while not self._says_finished(what):
                 if stopped():
                     raise InterruptedError(f"stopped waiting for {what}")
-                if (problem := self.problem()) is not None:
+                with self._problem_lock:
+                    problem = self._problem(range(1))
+                if problem is not None:
                     raise GroupError(f"while waiting for {what}: {problem}")
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _POLL_MAX_S)
