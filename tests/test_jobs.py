@@ -22,6 +22,7 @@ from roundpipe.coordinator.spec.checkpoint_format import (
 from roundpipe.coordinator.spec.paths import PathPolicy
 from roundpipe.coordinator.training.checkpoint import CheckpointDir
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
+from roundpipe.coordinator.training.progress_log import ProgressLog
 from roundpipe.protocol import FINAL_JOB_STATES, JOB_STATES, STOPPED_JOB_STATES
 
 
@@ -329,3 +330,58 @@ def test_a_stopped_jobs_error_lets_go_of_its_frames() -> None:
     gc.collect()
     assert ref() is None
     assert error.__traceback__ is None and error.__cause__.__traceback__ is None
+
+
+def _history(last: int, loss: float) -> ProgressLog:
+    return ProgressLog([k, loss, 1e6, 3e-4, k + 0.5, 0.25] for k in range(1, last + 1))
+
+
+def _shown(job) -> list[tuple[int, float]]:
+    events, _ = job.progress_page(0)
+    return [(e.step, e.loss) for e in events]
+
+
+@pytest.mark.parametrize("cut_off_by", ["a resume", "a shutdown"])
+def test_a_queued_jobs_stored_history_ends_at_its_checkpoint(tmp_path: Path, cut_off_by) -> None:
+    """Note [compact progress history]: a run that ended at step 10 (checkpoint 6) wrote
+    its history. Queued again (resumed, or cut off by a shutdown), the job trains 7-10
+    anew; after a restart its history showed the old 7-10, so a client following it from
+    step 10 missed the new ones."""
+    book = book_in(tmp_path / "state")
+    job = submit(book, tmp_path / "out")
+    book.take_next(threading.Event())
+    book.record_checkpoint(job, 6, 1.0)
+    job.progress = _history(10, 1.0)
+    if cut_off_by == "a resume":
+        book.finish(job, *outcome(job, JobPaused("a node was lost"), stopping=False))
+        book.resume(job)
+    else:
+        book.finish(job, *outcome(job, JobCancelled("stopping"), stopping=True))
+    assert job.state == "queued"
+    job = book_in(tmp_path / "state").jobs[job.job_id]
+    assert _shown(job) == [(k, 1.0) for k in range(1, 7)]
+
+
+def test_a_history_that_cannot_be_written_leaves_no_older_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's history that cannot be written (a full disk) stays in memory; the file of
+    the run before it was shown for the job after a restart, its losses and steps."""
+    import errno
+
+    book = book_in(tmp_path / "state")
+    job = submit(book, tmp_path / "out")
+    book.take_next(threading.Event())
+    job.progress = _history(10, 1.0)
+    book.finish(job, *outcome(job, JobPaused("the disk is full"), stopping=False))
+    book.resume(job)
+    book.take_next(threading.Event())
+    job.progress = _history(20, 2.0)
+
+    def full(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ProgressLog, "write", full)
+    book.finish(job, *outcome(job, JobPaused("the disk is full"), stopping=False))
+    assert _shown(job)[-1] == (20, 2.0)  # in memory
+    assert book_in(tmp_path / "state").jobs[job.job_id].progress_page(0) == ([], False)

@@ -19,6 +19,7 @@ it: it authenticates and validates requests, answers them, and runs the job thre
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -354,8 +355,18 @@ class JobBook:
             log_path=self.job_dir(stored.job_id) / "job.log",
             submitted_at=stored.created_at,
             owner=stored.owner,
-            progress=StoredProgress(self.job_dir(stored.job_id) / PROGRESS_FILE),
+            progress=self._stored_progress(stored),
         )
+
+    def _stored_progress(self, stored: StoredJob) -> ProgressLog | StoredProgress:
+        """The history of a stored job's last run (``_store_progress``). A queued job
+        will train again from its checkpoint (it was resumed, or a restart cut its run
+        off): its history is cut there, as ``resume`` cuts it, so that a client
+        following it sees the steps after it anew."""
+        history = StoredProgress(self.job_dir(stored.job_id) / PROGRESS_FILE)
+        if stored.state == "queued":
+            return history.up_to(stored.checkpoint_step or 0)
+        return history
 
     def job_dir(self, job_id: str) -> Path:
         return self.state_dir / "jobs" / job_id
@@ -563,6 +574,9 @@ class JobBook:
                 job_dir,
                 exc,
             )
+            # An earlier run's file would be shown for this one after a restart.
+            with contextlib.suppress(OSError):
+                (job_dir / PROGRESS_FILE).unlink(missing_ok=True)
             return
         with self._lock:
             if job.progress is history:
