@@ -129,6 +129,31 @@ def test_an_earlier_models_files_in_the_output_directory_all_go(tmp_path, arena_
         assert trainer.step == 2
 
 
+def test_a_tokenizer_and_template_in_the_output_directory_are_kept(tmp_path, arena_dir) -> None:
+    """The job's tokenizer and chat template files are in its output directory: they
+    were removed as an earlier model's before the export read them, and the job that had
+    trained to its end failed there (its tokenizer gone, so a resume failed too)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+
+    out = tmp_path / "out"
+    spec = tiny_spec(out, steps=2).to_dict()
+    shutil.copytree(spec["model"]["tokenizer"], out)
+    (out / "chat_template.jinja").write_text(
+        "{%- for m in messages %}{{- m.role ~ ': ' ~ m.content ~ '\\n' }}{%- endfor %}"
+    )
+    spec["model"]["tokenizer"] = str(out)
+    spec["data"]["chat_template"] = str(out / "chat_template.jinja")
+    with trained_in_process(JobSpec.from_dict(spec), arena_dir) as trainer:
+        trainer.export()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer.chat_template and "m.role" in tokenizer.chat_template
+    assert (out / "model.safetensors").is_file()
+
+
 def test_a_full_fine_tune_keeps_its_models_generation_settings(tmp_path, arena_dir) -> None:
     """The model trained from lists two stop tokens and sampling defaults in its
     generation_config.json (as instruct models do); the export and each checkpoint

@@ -270,12 +270,20 @@ class ModelExporter:
           trained with another tokenizer, or with none.
 
         Only the files those writers write go, from ``target`` itself; validation keeps
-        ``output.dir`` off ``model.path``. (A ``base_model`` folder stays: it may be the
-        model this job trained from.)"""
-        names = [*_FULL_MODEL_FILES, *_ADAPTER_FILES, *_TOKENIZER_FILES]
+        ``output.dir`` off ``model.path``. What this job reads stays: its tokenizer, where
+        ``target`` is the tokenizer's directory (re-saved over itself), and its data and
+        chat template files. (A ``base_model`` folder stays too: it may be the model this
+        job trained from.)"""
+        names = [*_FULL_MODEL_FILES, *_ADAPTER_FILES]
         names += [p.name for p in target.glob("model-*-of-*.safetensors")]
+        tokenizer_dir = self.spec.tokenizer_path
+        if tokenizer_dir is None or os.path.realpath(tokenizer_dir) != os.path.realpath(target):
+            names += _TOKENIZER_FILES
+        inputs = {self.spec.data.path, self.spec.data.chat_template} - {None}
+        read = {os.path.realpath(p) for p in inputs}
         for name in names:
-            (target / name).unlink(missing_ok=True)
+            if os.path.realpath(target / name) not in read:
+                (target / name).unlink(missing_ok=True)
 
     def _export_pinned(self, what: str, output_dir: Path, directory: Path) -> Path:
         """One try of ``export``."""
