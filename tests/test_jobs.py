@@ -346,20 +346,24 @@ def test_a_queued_jobs_stored_history_ends_at_its_checkpoint(tmp_path: Path, cut
     """Note [compact progress history]: a run that ended at step 10 (checkpoint 6) wrote
     its history. Queued again (resumed, or cut off by a shutdown), the job trains 7-10
     anew; after a restart its history showed the old 7-10, so a client following it from
-    step 10 missed the new ones."""
+    step 10 missed the new ones; and its status showed step 6 with step 10's loss."""
     book = book_in(tmp_path / "state")
     job = submit(book, tmp_path / "out")
     book.take_next(threading.Event())
     book.record_checkpoint(job, 6, 1.0)
-    job.progress = _history(10, 1.0)
+    job.progress = ProgressLog([k, 20.0 - k, 1e6, 3e-4, k + 0.5, 0.25] for k in range(1, 11))
+    job.step, job.loss = 10, 10.0
     if cut_off_by == "a resume":
         book.finish(job, *outcome(job, JobPaused("a node was lost"), stopping=False))
         book.resume(job)
+        assert (job.status().step, job.status().loss) == (6, 14.0)
     else:
         book.finish(job, *outcome(job, JobCancelled("stopping"), stopping=True))
     assert job.state == "queued"
     job = book_in(tmp_path / "state").jobs[job.job_id]
-    assert _shown(job) == [(k, 1.0) for k in range(1, 7)]
+    assert _shown(job) == [(k, 20.0 - k) for k in range(1, 7)]
+    # the checkpoint's step and its loss (a later step's loss was shown beside it)
+    assert (job.status().step, job.status().loss) == (6, 14.0)
 
 
 def test_a_history_that_cannot_be_written_leaves_no_older_one(

@@ -212,9 +212,8 @@ class JobBook:
                 # checkpoint was being written: that write may have completed after the
                 # store last heard of one.
                 self._catch_up_checkpoint(job)
-                # It resumes from its newest checkpoint: show that step until it runs
-                # (the stored step may be later, from a shutdown between checkpoints).
-                job.step = job.checkpoint_step or 0
+                # (the stored step may be later, from a shutdown between checkpoints)
+                self._back_to_checkpoint(job)
             self.jobs[job.job_id] = job
             if job.state == "queued":
                 if job.spec is None:
@@ -355,18 +354,18 @@ class JobBook:
             log_path=self.job_dir(stored.job_id) / "job.log",
             submitted_at=stored.created_at,
             owner=stored.owner,
-            progress=self._stored_progress(stored),
+            progress=StoredProgress(self.job_dir(stored.job_id) / PROGRESS_FILE),
         )
 
-    def _stored_progress(self, stored: StoredJob) -> ProgressLog | StoredProgress:
-        """The history of a stored job's last run (``_store_progress``). A queued job
-        will train again from its checkpoint (it was resumed, or a restart cut its run
-        off): its history is cut there, as ``resume`` cuts it, so that a client
-        following it sees the steps after it anew."""
-        history = StoredProgress(self.job_dir(stored.job_id) / PROGRESS_FILE)
-        if stored.state == "queued":
-            return history.up_to(stored.checkpoint_step or 0)
-        return history
+    def _back_to_checkpoint(self, job: JobRecord) -> None:
+        """A job queued to continue from its checkpoint (resumed, or cut off by a
+        restart): until it runs it shows that step and that step's loss (it showed a
+        later step's beside the checkpoint's step), and its history ends there: the
+        steps after it are trained again, and a client following the job from there
+        (``roundpipe resume --wait``) sees them anew, under the same seq."""
+        job.step = job.checkpoint_step or 0
+        job.progress = job.progress.up_to(job.step)
+        job.loss = job.progress.loss_at(job.step)
 
     def job_dir(self, job_id: str) -> Path:
         return self.state_dir / "jobs" / job_id
@@ -503,18 +502,14 @@ class JobBook:
                 if job.checkpoint_step
                 else "from the start (it has no checkpoint)"
             )
-            before = (job.cancel_requested, job.trainer, job.step, job.progress)
+            before = (job.cancel_requested, job.trainer, job.step, job.loss, job.progress)
             job.cancel_requested = False
             job.trainer = None
-            job.step = job.checkpoint_step or 0  # where it continues, until it runs
-            # The steps after it are trained again: their old events are gone (the run
-            # reports them anew, under the same seq), so that a client watching from the
-            # checkpoint's step sees the new ones (roundpipe resume --wait).
-            job.progress = job.progress.up_to(job.step)
+            self._back_to_checkpoint(job)
             try:  # the store first, as for a cancel
                 self.set_state(job, "queued", f"resume requested; continues {where}", strict=True)
             except JobStoreError:
-                job.cancel_requested, job.trainer, job.step, job.progress = before
+                job.cancel_requested, job.trainer, job.step, job.loss, job.progress = before
                 raise
             self.queue.append(job.job_id)
             self._wakeup.notify_all()
