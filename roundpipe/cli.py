@@ -418,6 +418,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _job_id(text: str) -> str:
+    """A JOB argument: a job id is never empty (``J=$(roundpipe submit bad.yaml)`` left
+    one empty, and the request failed with a traceback)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a job id is not empty (roundpipe jobs lists them)")
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -496,13 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = add("status", _cmd_status, "show one job's status", conn, as_json)
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
 
     add("jobs", _cmd_jobs, "list every job", conn, as_json)
     add("workers", _cmd_workers, "list every worker", conn, as_json)
 
     p = add("cancel", _cmd_cancel, "cancel a queued or running job", conn)
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
 
     p = add(
         "resume",
@@ -510,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
         "queue a paused, failed or cancelled job again; it continues from its newest checkpoint",
         conn,
     )
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
     p.add_argument(
         "--wait",
         action="store_true",
@@ -518,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = add("logs", _cmd_logs, "print a job's log", conn)
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
     p.add_argument(
         "--state-dir",
         default=None,
@@ -537,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # observability: the measured pipeline as a picture (roundpipe.timeline_plot)
     p = add("timeline", _cmd_timeline, "draw a job's measured pipeline timeline as a PNG", conn)
-    p.add_argument("job", metavar="JOB", help="job id, or a job's output directory")
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id, or a job's output directory")
     p.add_argument("--steps", default=None, metavar="A:B", help="steps A..B (default: last 3)")
     p.add_argument("-o", "--output", default="timeline.png", metavar="FILE.png")
 
@@ -794,8 +802,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    stdout = sys.stdout
+    sys.stdout = _Output(stdout)  # type: ignore[assignment]
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a full disk under `> file` fails here, not at exit
+        return status
+    except _OutputFailed as exc:
+        sys.stdout = open(os.devnull, "w")  # the exit's flush must not fail again
+        _error(f"cannot write the output: {exc}")
+        return EXIT_FAILURE
     except JobSpecError as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -825,6 +841,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         # no permission): the user's to fix.
         _error(_path_error(exc))
         return EXIT_FAILURE
+    finally:
+        if isinstance(sys.stdout, _Output):  # not replaced meanwhile (a closed pipe)
+            sys.stdout = stdout
+
+
+class _OutputFailed(Exception):
+    """Writing the command's output (its standard output) failed."""
+
+
+class _Output:
+    """The standard output, whose write failures (a full disk under ``roundpipe logs
+    JOB > job.log``) name themselves: they gave a traceback."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc.strerror or str(exc)) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc.strerror or str(exc)) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def _path_error(exc: OSError) -> str:

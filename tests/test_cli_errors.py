@@ -196,6 +196,29 @@ def test_no_coordinator_running() -> None:
     assert_user_error(result, 2, LINE, "invalid coordinator address 'nonsense'")
 
 
+def test_an_empty_job_id_is_a_usage_error() -> None:
+    """``J=$(roundpipe submit bad.yaml); roundpipe status "$J"``: an empty job id failed
+    with a traceback (the request refused it), in every verb that takes one."""
+    for verb in ("status", "cancel", "resume", "logs", "timeline"):
+        result = roundpipe(verb, "", "--timeout", "0.3")
+        assert_user_error(result, 2, USAGE, "a job id is not empty")
+
+
+def test_output_that_cannot_be_written_is_named() -> None:
+    """``roundpipe data inspect SPEC > /dev/full`` (as ``roundpipe logs JOB > job.log``
+    on a full disk): exit 1 naming the output, not a traceback."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [ROUNDPIPE, "data", "inspect", str(DEMO_SPEC)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    result.stdout = ""
+    assert_user_error(result, 1, LINE, "cannot write the output: No space left on device")
+
+
 def test_local_files_that_are_not_there(tmp_path: Path) -> None:
     result = roundpipe("logs", "job-x", "--state-dir", str(tmp_path / "nowhere"))
     assert_user_error(result, 1, LINE, "no log for job job-x")
