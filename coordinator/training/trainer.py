@@ -760,7 +760,13 @@ class Trainer:
         self.timeline.step_reported(event)  # observability
         if on_progress is not None:
             on_progress(event)
-        log.info("[trainer] job %s step %d loss %.4f", self.job_id, k, loss)
+        log.info(
+            "[trainer] job %s step %d loss %.4f optim %.0f ms",
+            self.job_id,
+            k,
+            loss,
+            event.optimizer_s * 1e3,
+        )
         check_loss(k, loss)
         return now
 
