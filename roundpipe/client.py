@@ -86,7 +86,13 @@ from roundpipe.protocol import (
     decode,
     encode,
 )
-from roundpipe.shared.defaults import CLIENT_TIMEOUT_S, SUBMIT_TIMEOUT_S, default_address
+from roundpipe.shared.defaults import (
+    CLIENT_TIMEOUT_S,
+    ENDPOINT_EXAMPLES,
+    SUBMIT_TIMEOUT_S,
+    default_address,
+    endpoint_problem,
+)
 from roundpipe.shared.keys import ConnectKeys, apply_connect_keys, connect_keys
 
 __all__ = [
@@ -111,8 +117,6 @@ STOPPED_STATES = STOPPED_JOB_STATES
 # ErrorReply codes the coordinator uses for "no such job" (the contract names the first;
 # the protocol docstring's example the second).
 _UNKNOWN_JOB_CODES = frozenset({"unknown_job", "not_found"})
-
-_SUPPORTED_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 _M = TypeVar("_M", bound=Message)
 
@@ -215,11 +219,13 @@ class JobRejected(RoundPipeError):
 
 
 def _check_address(address: str) -> str:
-    if not isinstance(address, str) or not address.startswith(_SUPPORTED_TRANSPORTS):
-        raise ValueError(
-            f"invalid coordinator address {address!r}: expected a ZeroMQ endpoint such as "
-            "tcp://127.0.0.1:7420 or ipc:///path/to/coordinator.sock"
-        )
+    problem = (
+        endpoint_problem(address)
+        if isinstance(address, str)
+        else f"expected a ZeroMQ endpoint such as {ENDPOINT_EXAMPLES}"
+    )
+    if problem is not None:
+        raise ValueError(f"invalid coordinator address {address!r}: {problem}")
     return address
 
 

@@ -28,11 +28,45 @@ __all__ = [
     "MAX_IPC_PATH",
     "default_address",
     "default_state_dir",
+    "endpoint_arg",
+    "endpoint_problem",
     "env_non_negative",
 ]
 
 FALLBACK_ADDRESS = "tcp://127.0.0.1:7420"
 """The coordinator's address when ``ROUNDPIPE_ADDRESS`` is not set."""
+
+
+ENDPOINT_EXAMPLES = "tcp://127.0.0.1:7420 or ipc:///path/to/coordinator.sock"
+"""What a coordinator address looks like, for messages."""
+
+
+def endpoint_problem(address: str) -> str | None:
+    """What is wrong with a coordinator address (a ZeroMQ endpoint: ``tcp://HOST:PORT``
+    with a port from 1 to 65535, ``ipc://PATH`` or ``inproc://NAME``), or None. The
+    client, the coordinator (``--address``) and the worker (``--coordinator``) check it
+    alike: ZeroMQ took port 99999 as 34463, and a worker died of "Invalid argument"."""
+    transport, sep, rest = address.partition("://")
+    if not sep or transport not in ("tcp", "ipc", "inproc") or not rest:
+        return f"expected a ZeroMQ endpoint such as {ENDPOINT_EXAMPLES}"
+    if transport == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host:
+            return "a tcp:// address is tcp://HOST:PORT"
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            return f"its port {port!r} is not a number from 1 to 65535"
+    return None
+
+
+def endpoint_arg(text: str) -> str:
+    """An address option of a daemon (argparse ``type``): a usage error naming what is
+    wrong with it (``endpoint_problem``)."""
+    import argparse
+
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r}: {problem}")
+    return text
 
 
 def default_address() -> str:

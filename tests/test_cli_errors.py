@@ -219,6 +219,27 @@ def test_output_that_cannot_be_written_is_named() -> None:
     assert_user_error(result, 1, LINE, "cannot write the output: No space left on device")
 
 
+def test_the_daemons_check_their_address_as_the_client_does(tmp_path: Path) -> None:
+    """A worker given a malformed coordinator address died with ZeroMQ's traceback
+    ("Invalid argument"), and port 99999 was taken as 34463 by every program; each now
+    refuses it as a usage error naming what is wrong."""
+    bin_dir = Path(sys.executable).parent
+    cases = [
+        ([str(bin_dir / "roundpipe-worker"), "--cpu", "--coordinator", "foo"], "'foo'"),
+        (
+            [str(bin_dir / "roundpipe-coordinator"), "--state-dir", str(tmp_path)]
+            + ["--address", "tcp://127.0.0.1:99999"],
+            "its port '99999' is not a number from 1 to 65535",
+        ),
+        ([ROUNDPIPE, "jobs", "--address", "tcp://127.0.0.1:99999"], "its port '99999'"),
+    ]
+    for argv, needle in cases:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        shape = LINE if argv[0] == ROUNDPIPE else USAGE
+        assert_user_error(result, 2, shape, "invalid", needle)
+    assert not list(tmp_path.iterdir())  # the coordinator stopped before anything
+
+
 def test_local_files_that_are_not_there(tmp_path: Path) -> None:
     result = roundpipe("logs", "job-x", "--state-dir", str(tmp_path / "nowhere"))
     assert_user_error(result, 1, LINE, "no log for job job-x")

@@ -563,7 +563,7 @@ class _TaskQueue:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.shared.defaults import DEFAULT_ADDRESS
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS, endpoint_arg
 
     parser = argparse.ArgumentParser(
         prog="roundpipe-worker", description="RoundPipe stateless worker (one per GPU)."
@@ -572,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--gpu", type=int, metavar="N", help="run on CUDA device N")
     where.add_argument("--cpu", action="store_true", help="run on the CPU")
     parser.add_argument(
-        "--coordinator", default=DEFAULT_ADDRESS, help="coordinator address (default %(default)s)"
+        "--coordinator",
+        default=DEFAULT_ADDRESS,
+        type=endpoint_arg,
+        help="coordinator address (default %(default)s)",
     )
     parser.add_argument("--name", default=None, help="worker name shown in `roundpipe workers`")
     parser.add_argument(

@@ -52,7 +52,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.shared.defaults import DEFAULT_ADDRESS
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS, endpoint_arg
 
     # SIGHUP: re-read the authorised keys (only counted here; the I/O loop's next key
     # check re-reads). Set first, so a SIGHUP while starting up does not end the process.
@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         description="RoundPipe coordinator: owns training state, schedules stage tasks.",
     )
     parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help="ZeroMQ address to bind (default %(default)s)"
+        "--address",
+        default=DEFAULT_ADDRESS,
+        type=endpoint_arg,
+        help="ZeroMQ address to bind (default %(default)s)",
     )
     parser.add_argument("--state-dir", default=None, help="jobs, logs, outputs")
     parser.add_argument(
