@@ -43,6 +43,7 @@ import msgspec
 from roundpipe.client import (
     STOPPED_STATES,
     Client,
+    CoordinatorUnavailable,
     JobHandle,
     RoundPipeError,
 )
@@ -53,6 +54,7 @@ from roundpipe.progress import (
     WatchResult,
     format_loss,
     format_rate,
+    said_of,
     watch_job,
 )
 from roundpipe.protocol import JobStatus, WorkerInfo
@@ -251,9 +253,11 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     return _print_listing(args.json, workers, none_text, headers, _worker_row)
 
 
-def _watch(handle: JobHandle, total_steps: int | None = None, after_seq: int = 0) -> int:
+def _watch(
+    handle: JobHandle, total_steps: int | None = None, after_seq: int = 0, shown: str | None = None
+) -> int:
     try:
-        result = watch_job(handle, total_steps=total_steps, after_seq=after_seq)
+        result = watch_job(handle, total_steps=total_steps, after_seq=after_seq, shown=shown)
     except KeyboardInterrupt:
         print(
             f"\n{PROG}: stopped watching; job {handle.job_id} keeps running "
@@ -261,6 +265,16 @@ def _watch(handle: JobHandle, total_steps: int | None = None, after_seq: int = 0
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
+    except CoordinatorUnavailable as exc:
+        # The job was accepted: only watching it failed (it said the request's answer
+        # was lost and to look before sending it again, as if the job might not exist).
+        _error(
+            f"lost the coordinator while watching job {handle.job_id} ({exc}). The job "
+            "is kept: a restarted coordinator resumes it from its newest checkpoint. "
+            f"`{PROG} status {handle.job_id}` shows it, `{PROG} resume "
+            f"{handle.job_id} --wait` follows it again"
+        )
+        return EXIT_FAILURE
     return _report_final(result)
 
 
@@ -269,12 +283,12 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         handle = client.job(args.job)
         handle.resume()
         status = handle.status()
-        print(f"job {args.job} {status.state}: {status.message}", file=sys.stderr)
+        print(f"job {args.job} {said_of(status)}", file=sys.stderr)
         if not args.wait:
             return EXIT_OK
         # from its checkpoint's step (status.step until it runs): the steps before it are
         # history, already shown when they were trained
-        return _watch(handle, after_seq=status.step)
+        return _watch(handle, after_seq=status.step, shown=said_of(status))
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import IO
 
-from roundpipe.client import JobHandle
+from roundpipe.client import STOPPED_STATES, JobHandle
 from roundpipe.protocol import JobStatus, ProgressEvent
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "format_duration",
     "format_loss",
     "format_rate",
+    "said_of",
     "watch_job",
 ]
 
@@ -175,13 +176,17 @@ def watch_job(
     poll_s: float = 0.2,
     timeout_s: float | None = None,
     after_seq: int = 0,
+    shown: str | None = None,
 ) -> WatchResult:
     """Show a job's progress on `stream` (default stderr) until it ends; return how it
     ended. ``total_steps`` defaults to the job's own ``total_steps``; ``after_seq``: show
-    the events after it only (a resumed job's, after its checkpoint)."""
+    the events after it only (a resumed job's, after its checkpoint). Until the job
+    trains, what it waits for is shown as it changes; ``shown``: the ``STATE: MESSAGE``
+    the caller printed already."""
     out = sys.stderr if stream is None else stream
+    status = _until_it_trains(handle, out, after_seq, timeout_s, shown)
     if total_steps is None:
-        total_steps = handle.status().total_steps
+        total_steps = status.total_steps
     printer = ProgressPrinter(out, total_steps, tty=tty)
     first: ProgressEvent | None = None
     last: ProgressEvent | None = None
@@ -194,3 +199,36 @@ def watch_job(
     finally:
         printer.finish()
     return WatchResult(handle.status(), first, last, printer.events_seen)
+
+
+WAITING_POLL_S = 1.0
+"""How often, at most, ``watch_job`` asks a job that has not started training what it
+waits for."""
+
+
+def _until_it_trains(
+    handle: JobHandle, out: IO[str], after_seq: int, timeout_s: float | None, shown: str | None
+) -> JobStatus:
+    """Before a job trains a step past ``after_seq``, say what it waits for each time
+    that changes (queued behind another job, waiting for a worker to connect): ``submit
+    --wait`` printed nothing at all meanwhile. Returns the job's status once it trains
+    or has stopped."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sleep = 0.05  # a job that starts at once is watched at once
+    while True:
+        status = handle.status()
+        if status.step > after_seq or status.state in STOPPED_STATES:
+            return status
+        said = said_of(status)
+        if said != shown:
+            print(f"job {handle.job_id} {said}", file=out, flush=True)
+            shown = said
+        if deadline is not None and time.monotonic() >= deadline:
+            return status  # the progress that follows times out, naming the job
+        time.sleep(sleep)
+        sleep = min(2 * sleep, WAITING_POLL_S)
+
+
+def said_of(status: JobStatus) -> str:
+    """``STATE: MESSAGE`` (or the state alone), as ``watch_job`` shows a waiting job."""
+    return status.state + (f": {status.message}" if status.message else "")

@@ -902,19 +902,26 @@ def _demo(tmp_path: Path, **kwargs: Any) -> tuple[int, str, str]:
 
 @contextlib.contextmanager
 def _no_new_demo_dirs() -> Iterator[None]:
-    """The demo removes its temporary and arena directories, whatever happens."""
+    """The demo removes its temporary and arena directories, whatever happens. The ones
+    it made are recorded as it makes them: a listing of /tmp and /dev/shm also saw the
+    directories of a real demo that another test process started meanwhile."""
     import tempfile
 
-    def listing() -> set[str]:
-        names = set()
-        for base in (tempfile.gettempdir(), "/dev/shm"):
-            with contextlib.suppress(OSError):
-                names |= {f"{base}/{n}" for n in os.listdir(base) if n.startswith("roundpipe-demo")}
-        return names
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
 
-    before = listing()
-    yield
-    assert listing() - before == set()
+    def recording(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    tempfile.mkdtemp = recording
+    try:
+        yield
+    finally:
+        tempfile.mkdtemp = mkdtemp
+    demo_dirs = [d for d in made if os.path.basename(d).startswith("roundpipe-demo")]
+    assert demo_dirs  # the demo made them here
+    assert [d for d in demo_dirs if os.path.exists(d)] == []
 
 
 def test_demo_with_fake_daemons(tmp_path: Path) -> None:

@@ -694,6 +694,49 @@ def cluster(tmp_path: Path):
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 
+def test_submit_wait_says_what_the_job_waits_for_and_survives_losing_the_coordinator(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """`roundpipe submit --wait` with no worker connected printed the job id and then
+    nothing until Ctrl-C; it says what the job waits for now. Once the job trains, the
+    coordinator is stopped: the watch ended with "its answer is lost. Look at `roundpipe
+    jobs` before sending it again", as if the job might not exist; it names the job,
+    kept, and how to follow it again."""
+    import threading
+
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(make_spec(tmp_path / "out", every=4, steps=20).to_dict()))
+    (tmp_path / "go").unlink()  # the job holds at HOLD_STEP
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "roundpipe.cli", "submit", str(spec_file), "--wait"]
+        + ["--address", cluster.address],
+        env={**os.environ, **cluster.key_env("admin"), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(watcher.stderr), daemon=True)
+    reader.start()
+    try:
+        job_id = watcher.stdout.readline().strip()
+        wait_for(cluster, "the watch to say why", lambda: "waiting for a worker" in "".join(said))
+        cluster.add_worker("w1")
+        job = cluster.client.job(job_id)
+        wait_for(cluster, f"step {HOLD_STEP}", lambda: job.status().step >= HOLD_STEP - 1)
+        cluster.coordinator.proc.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=120) == 1
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        (tmp_path / "go").touch()
+    reader.join(timeout=30)
+    shown = "".join(said)
+    assert f"job {job_id} running: waiting for a worker to connect" in shown, shown
+    assert f"lost the coordinator while watching job {job_id}" in shown, shown
+    assert f"roundpipe resume {job_id} --wait" in shown and "Traceback" not in shown, shown
+
+
 @pytest.mark.slow
 def test_coordinator_sigkill_resumes_running_job_and_runs_queued_one(
     cluster: LocalCluster, tmp_path: Path
