@@ -489,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="the coordinator's public key (default: $ROUNDPIPE_COORDINATOR_KEY, else "
-        "~/.config/roundpipe/coordinator.key)",
+        "~/.config/roundpipe/coordinator.key, else /etc/roundpipe/coordinator.key, else "
+        "coordinator.key in the keys directory)",
     )
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -520,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("status", _cmd_status, "show one job's status", conn, as_json)
     p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
 
-    add("jobs", _cmd_jobs, "list every job", conn, as_json)
+    add("jobs", _cmd_jobs, "list your jobs (an admin's key: every job)", conn, as_json)
     add("workers", _cmd_workers, "list every worker", conn, as_json)
 
     p = add("cancel", _cmd_cancel, "cancel a queued or running job", conn)
