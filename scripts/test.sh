@@ -3,14 +3,15 @@
 # CUDA tests skip themselves without a GPU. pytest exits 5 when it collected no test:
 # that is a broken suite here, never a pass, so it is reported as a failure.
 #
-#   scripts/test.sh            everything (what CI runs; about 19 minutes on 2 cores), in
+#   scripts/test.sh            everything (what CI runs; about 17 minutes on 2 idle cores), in
 #                              ROUNDPIPE_TEST_PROCS pytest processes (default 2,
 #                              pytest-xdist; 0 runs them in this one): one process at a
 #                              time left a third of two cores idle, and 3 or 4 took longer
 #                              than 2 (the suite is CPU-bound: each test slowed 2-3x). Daemons
 #                              start forked from a process that has imported torch and
-#                              transformers (roundpipe/forkserver.py), and a coordinator's
-#                              spec checker forked from it: 22 minutes before
+#                              transformers (and peft, for LoRA jobs: roundpipe/forkserver.py),
+#                              and a coordinator's spec checker forked from it: 22 minutes
+#                              before
 #   scripts/test.sh --quick    the in-process tests, for daily work (under 3 minutes, in the
 #                              same pytest processes):
 #                              units, the model against transformers, the trainer with
