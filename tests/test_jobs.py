@@ -389,3 +389,15 @@ def test_a_history_that_cannot_be_written_leaves_no_older_one(
     book.finish(job, *outcome(job, JobPaused("the disk is full"), stopping=False))
     assert _shown(job)[-1] == (20, 2.0)  # in memory
     assert book_in(tmp_path / "state").jobs[job.job_id].progress_page(0) == ([], False)
+
+
+def test_a_run_cut_off_by_a_crash_keeps_its_checkpoints_loss(tmp_path: Path) -> None:
+    """A crash writes no history of the run: after the restart the job shows its
+    checkpoint's step with the loss the store recorded for it (it showed none)."""
+    book = book_in(tmp_path / "state")
+    job = submit(book, tmp_path / "out")
+    book.take_next(threading.Event())
+    job.progress = ProgressLog([k, 20.0 - k, 1e6, 3e-4, k + 0.5, 0.25] for k in range(1, 8))
+    book.record_checkpoint(job, 6, 14.0)
+    job = book_in(tmp_path / "state").jobs[job.job_id]  # the crash, then a restart
+    assert (job.state, job.status().step, job.status().loss) == ("queued", 6, 14.0)

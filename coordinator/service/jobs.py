@@ -363,9 +363,14 @@ class JobBook:
         later step's beside the checkpoint's step), and its history ends there: the
         steps after it are trained again, and a client following the job from there
         (``roundpipe resume --wait``) sees them anew, under the same seq."""
-        job.step = job.checkpoint_step or 0
-        job.progress = job.progress.up_to(job.step)
-        job.loss = job.progress.loss_at(job.step)
+        step = job.checkpoint_step or 0
+        job.progress = job.progress.up_to(step)
+        loss = job.progress.loss_at(step)
+        if loss is None and job.step == step:
+            # No history of that run (a crash writes none): the store's loss is that
+            # step's when its step is (record_checkpoint)
+            loss = job.loss
+        job.step, job.loss = step, loss
 
     def job_dir(self, job_id: str) -> Path:
         return self.state_dir / "jobs" / job_id
