@@ -184,7 +184,10 @@ def watch_job(
     trains, what it waits for is shown as it changes; ``shown``: the ``STATE: MESSAGE``
     the caller printed already."""
     out = sys.stderr if stream is None else stream
-    status = _until_it_trains(handle, out, after_seq, timeout_s, shown)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    status = _until_it_trains(handle, out, after_seq, deadline, shown)
+    if deadline is not None:  # one limit for the wait and the progress after it
+        timeout_s = max(deadline - time.monotonic(), 0.0)
     if total_steps is None:
         total_steps = status.total_steps
     printer = ProgressPrinter(out, total_steps, tty=tty)
@@ -207,13 +210,12 @@ waits for."""
 
 
 def _until_it_trains(
-    handle: JobHandle, out: IO[str], after_seq: int, timeout_s: float | None, shown: str | None
+    handle: JobHandle, out: IO[str], after_seq: int, deadline: float | None, shown: str | None
 ) -> JobStatus:
     """Before a job trains a step past ``after_seq``, say what it waits for each time
     that changes (queued behind another job, waiting for a worker to connect): ``submit
     --wait`` printed nothing at all meanwhile. Returns the job's status once it trains
     or has stopped."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     sleep = 0.05  # a job that starts at once is watched at once
     while True:
         status = handle.status()
@@ -224,7 +226,7 @@ def _until_it_trains(
             print(f"job {handle.job_id} {said}", file=out, flush=True)
             shown = said
         if deadline is not None and time.monotonic() >= deadline:
-            return status  # the progress that follows times out, naming the job
+            return status  # the progress that follows times out at once, naming the job
         time.sleep(sleep)
         sleep = min(2 * sleep, WAITING_POLL_S)
 

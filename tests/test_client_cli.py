@@ -977,3 +977,27 @@ def test_cli_resume_of_a_job_whose_spec_is_now_refused_is_a_usage_error(
     rc, _, err = _run(capsys, "resume", "job-0001", "--address", fake.address)
     assert rc == 2 and "data.path: gone" in err, err
     _no_traceback(err)
+
+
+def test_watching_a_job_that_never_starts_keeps_to_one_time_limit() -> None:
+    """watch_job's wait for a job to start and the progress after it share its
+    ``timeout_s``: the progress got a whole ``timeout_s`` of its own (a demo job that
+    never started failed after twice its limit)."""
+    import types
+
+    from roundpipe.progress import watch_job
+
+    given = []
+
+    def progress(poll_s=0.2, timeout_s=None, after_seq=0):
+        given.append(timeout_s)
+        raise TimeoutError("job j did not finish")
+        yield  # a generator, as JobHandle.progress
+
+    status = JobStatus(
+        job_id="j", state="queued", step=0, total_steps=5, loss=None, message="", output_dir=None
+    )
+    handle = types.SimpleNamespace(job_id="j", status=lambda: status, progress=progress)
+    with pytest.raises(TimeoutError):
+        watch_job(handle, timeout_s=0.3, stream=io.StringIO())
+    assert given == [0.0]
