@@ -824,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a full disk under `> file` fails here, not at exit
         return status
     except _OutputFailed as exc:
-        sys.stdout = open(os.devnull, "w")  # the exit's flush must not fail again
+        _discard_output(stdout)
         _error(f"cannot write the output: {exc}")
         return EXIT_FAILURE
     except JobSpecError as exc:
@@ -844,10 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `roundpipe jobs | head`: the reader left; say nothing more.
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        _discard_output(stdout)
         return EXIT_FAILURE
     except OSError as exc:
         if exc.filename is None:  # not about a path the user named: show where it came from
@@ -857,8 +854,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(_path_error(exc))
         return EXIT_FAILURE
     finally:
-        if isinstance(sys.stdout, _Output):  # not replaced meanwhile (a closed pipe)
-            sys.stdout = stdout
+        sys.stdout = stdout
+
+
+def _discard_output(stream: IO[str]) -> None:
+    """Point ``stream``'s file at /dev/null once writing it failed (a closed pipe, a full
+    disk): what its buffer still holds is flushed at exit, and must not fail again there.
+    The stream itself stays ``sys.stdout``: a later ``main()`` in this process (tests)
+    writes where its caller set it."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no file under it (a test's capture)
+        return
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class _OutputFailed(Exception):

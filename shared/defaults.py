@@ -28,6 +28,7 @@ __all__ = [
     "MAX_IPC_PATH",
     "default_address",
     "default_state_dir",
+    "bind_endpoint_arg",
     "endpoint_arg",
     "endpoint_problem",
     "env_non_negative",
@@ -41,11 +42,13 @@ ENDPOINT_EXAMPLES = "tcp://127.0.0.1:7420 or ipc:///path/to/coordinator.sock"
 """What a coordinator address looks like, for messages."""
 
 
-def endpoint_problem(address: str) -> str | None:
+def endpoint_problem(address: str, *, connect: bool = True) -> str | None:
     """What is wrong with a coordinator address (a ZeroMQ endpoint: ``tcp://HOST:PORT``
     with a port from 1 to 65535, ``ipc://PATH`` or ``inproc://NAME``), or None. The
     client, the coordinator (``--address``) and the worker (``--coordinator``) check it
-    alike: ZeroMQ took port 99999 as 34463, and a worker died of "Invalid argument"."""
+    alike: ZeroMQ took port 99999 as 34463, and a worker died of "Invalid argument".
+    ``connect``: an address to connect to, where the host ``*`` (every interface, to
+    bind) means nothing."""
     transport, sep, rest = address.partition("://")
     if not sep or transport not in ("tcp", "ipc", "inproc") or not rest:
         return f"expected a ZeroMQ endpoint such as {ENDPOINT_EXAMPLES}"
@@ -53,20 +56,27 @@ def endpoint_problem(address: str) -> str | None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host:
             return "a tcp:// address is tcp://HOST:PORT"
-        if not (port.isdigit() and 1 <= int(port) <= 65535):
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             return f"its port {port!r} is not a number from 1 to 65535"
+        if connect and host == "*":
+            return "'*' (every interface) is for the coordinator to bind; name its host"
     return None
 
 
-def endpoint_arg(text: str) -> str:
-    """An address option of a daemon (argparse ``type``): a usage error naming what is
-    wrong with it (``endpoint_problem``)."""
+def endpoint_arg(text: str, *, connect: bool = True) -> str:
+    """An address option of a daemon (argparse ``type``: ``bind_endpoint_arg`` for the
+    coordinator's): a usage error naming what is wrong with it (``endpoint_problem``)."""
     import argparse
 
-    problem = endpoint_problem(text)
+    problem = endpoint_problem(text, connect=connect)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"invalid address {text!r}: {problem}")
     return text
+
+
+def bind_endpoint_arg(text: str) -> str:
+    """``endpoint_arg`` of an address to bind (``tcp://*:PORT`` allowed)."""
+    return endpoint_arg(text, connect=False)
 
 
 def default_address() -> str:

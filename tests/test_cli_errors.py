@@ -232,12 +232,35 @@ def test_the_daemons_check_their_address_as_the_client_does(tmp_path: Path) -> N
             "its port '99999' is not a number from 1 to 65535",
         ),
         ([ROUNDPIPE, "jobs", "--address", "tcp://127.0.0.1:99999"], "its port '99999'"),
+        # (to bind, the coordinator's; a worker that connected to it died of a traceback)
+        ([str(bin_dir / "roundpipe-worker"), "--cpu", "--coordinator", "tcp://*:7420"], "'*'"),
     ]
     for argv, needle in cases:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         shape = LINE if argv[0] == ROUNDPIPE else USAGE
         assert_user_error(result, 2, shape, "invalid", needle)
     assert not list(tmp_path.iterdir())  # the coordinator stopped before anything
+
+
+def test_addresses_are_checked_as_zeromq_takes_them() -> None:
+    from roundpipe.shared.defaults import endpoint_problem
+
+    for good in ("tcp://127.0.0.1:7420", "tcp://[::1]:7420", "tcp://eth0:1", "ipc://x.sock"):
+        assert endpoint_problem(good) is None, good
+    assert endpoint_problem("tcp://*:7420", connect=False) is None  # to bind
+    for bad in ("tcp://*:7420", "tcp://h:\u00b2", "tcp://h:\u0667\u0664", "tcp://h:0", "foo"):
+        assert endpoint_problem(bad) is not None, bad  # never raises
+
+
+def test_output_that_failed_leaves_the_callers_stdout(tmp_path: Path, monkeypatch) -> None:
+    """In one process (tests, a program calling main()): after output failed, the
+    caller's standard output is its own again (it was left pointing at /dev/null)."""
+    from roundpipe.cli import main
+
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert main(["keys", "new", "--out", str(tmp_path / "k1")]) == 1
+        assert sys.stdout is full
 
 
 def test_local_files_that_are_not_there(tmp_path: Path) -> None:

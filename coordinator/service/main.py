@@ -52,7 +52,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from roundpipe.shared.defaults import DEFAULT_ADDRESS, endpoint_arg
+    from roundpipe.shared.defaults import DEFAULT_ADDRESS, bind_endpoint_arg
 
     # SIGHUP: re-read the authorised keys (only counted here; the I/O loop's next key
     # check re-reads). Set first, so a SIGHUP while starting up does not end the process.
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--address",
         default=DEFAULT_ADDRESS,
-        type=endpoint_arg,
+        type=bind_endpoint_arg,
         help="ZeroMQ address to bind (default %(default)s)",
     )
     parser.add_argument("--state-dir", default=None, help="jobs, logs, outputs")
