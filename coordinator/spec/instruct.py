@@ -210,7 +210,7 @@ def _turn_by_turn_mask(
     [turn-by-turn masks]."""
     text = _render(tokenizer, messages, where, tokenize=False)
     edges = [0]
-    turns = []  # which pieces (between consecutive edges) are assistant turns
+    turns = set()  # which pieces (between consecutive edges) are assistant turns
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -221,7 +221,7 @@ def _turn_by_turn_mask(
         if not (upto.startswith(before) and text.startswith(upto) and len(before) >= edges[-1]):
             # the definition on tokens decides (and names the record if it fails)
             return _turn_by_turn_mask_by_tokens(tokenizer, messages, where)
-        turns.append(len(edges))
+        turns.add(len(edges))
         edges += [len(before), len(upto)]
     edges.append(len(text))
     ids: list[int] = []

@@ -9,6 +9,7 @@ initialised base, ``<output>/base_model`` (written once per run); plus the token
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -82,9 +83,6 @@ class ModelExporter:
         self.masters = masters
         self.output = output
         self._base_model_written = False
-        self._generation_config: GenerationConfig | None = None
-        self._generation_read = False
-        """Whether ``_generation`` has read the model directory's settings (once)."""
 
     def final_weights(self) -> dict[int, dict[str, torch.Tensor]]:
         """fp32 masters for trainable weights, params-arena copies for frozen ones."""
@@ -174,7 +172,7 @@ class ModelExporter:
                 model.save_pretrained(str(directory))
             else:
                 model = self.model.hf_model_of(weights)
-                generation = self._generation()
+                generation = self._generation
                 if generation is not None:
                     model.generation_config = generation
                 model.save_pretrained(str(directory))
@@ -194,6 +192,7 @@ class ModelExporter:
             tokenizer.save_pretrained(str(directory))
         restrict_tree(directory)  # whatever the umask: full weights are private
 
+    @functools.cached_property
     def _generation(self) -> GenerationConfig | None:
         """The generation settings of the model trained from (``model.path``), which a
         full model's files carry on: its stop tokens (an instruct model lists several)
@@ -202,22 +201,20 @@ class ModelExporter:
         generated past its turn's end. None: no such file, or one transformers cannot
         read (then the derived settings are written, as before)."""
         path = self.spec.model.path
-        if self._generation_read or path is None:
-            return self._generation_config
-        self._generation_read = True
-        if (Path(path) / "generation_config.json").is_file():
-            from transformers import GenerationConfig
+        if path is None or not (Path(path) / "generation_config.json").is_file():
+            return None
+        from transformers import GenerationConfig
 
-            try:
-                self._generation_config = GenerationConfig.from_pretrained(path)
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "[trainer] cannot read %s/generation_config.json (%s); the model's "
-                    "files carry the settings its config implies",
-                    path,
-                    exc,
-                )
-        return self._generation_config
+        try:
+            return GenerationConfig.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "[trainer] cannot read %s/generation_config.json (%s); the model's "
+                "files carry the settings its config implies",
+                path,
+                exc,
+            )
+            return None
 
     def _write_base_model(self, base_model, base_dir: Path) -> None:
         remove_stale_temporaries(base_dir.parent)  # a copy left by a writer killed mid-way

@@ -107,9 +107,6 @@ class GroupMember:
         it."""
         reducer = self.reducer
         problem = self.group.problem()
-        if self.group.left_as == "cancelled" and self.group.left_by == 0:
-            # rank 0's job was cancelled: so is ours
-            raise JobCancelled(problem or f"job {self.job_id} was cancelled at rank 0")
         if reducer is not None and reducer.error is not None:
             raise self.stopped(reducer.error)
         if problem is not None:

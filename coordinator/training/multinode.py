@@ -498,14 +498,14 @@ class JobGroup:
         except Exception:  # the store is gone: the others notice without us
             pass
 
-    def problem(self) -> str | None:
-        """Why the job cannot go on as a group: a node left it or went silent. Asks the
-        store at most once a second."""
+    def problem(self, ranks: range | None = None) -> str | None:
+        """Why the job cannot go on as a group: a node (of ``ranks``, default all; this
+        one is never its own problem) left it or went silent. Asks the store at most
+        once a second."""
         with self._problem_lock:  # asked by the run loop and the all-reduce thread
-            return self._problem(range(self.world_size))
+            return self._problem(range(self.world_size) if ranks is None else ranks)
 
     def _problem(self, ranks: range) -> str | None:
-        """``problem`` of the nodes ``ranks`` (this one is never its own problem)."""
         now = time.monotonic()
         if now - self._last_check < 1.0:
             return None
@@ -750,9 +750,7 @@ class JobGroup:
             while not self._says_finished(what):
                 if stopped():
                     raise InterruptedError(f"stopped waiting for {what}")
-                with self._problem_lock:
-                    problem = self._problem(range(1))
-                if problem is not None:
+                if (problem := self.problem(range(1))) is not None:  # rank 0's alone
                     raise GroupError(f"while waiting for {what}: {problem}")
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _POLL_MAX_S)

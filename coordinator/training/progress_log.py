@@ -26,10 +26,11 @@ history is there after a restart.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import threading
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ __all__ = ["COLUMNS", "ProgressLog", "StoredProgress"]
 COLUMNS = ("step", "loss", "tokens_per_s", "lr", "time", "optimizer_s")
 """One row of the history, in this order (``rows``, ``table``)."""
 _WIDTH = len(COLUMNS)
+_ROW_BYTES = _WIDTH * 8  # float64 cells
 
 
 class ProgressLog:
@@ -158,72 +160,45 @@ class StoredProgress:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def _read(self, fd: int, first: int, stop: int) -> array:
-        cells = array("d")
-        size = (stop - first) * _WIDTH * cells.itemsize
-        if size > 0:
-            data = os.pread(fd, size, first * _WIDTH * cells.itemsize)
-            cells.frombytes(data[: len(data) // (_WIDTH * 8) * _WIDTH * 8])
-        return cells
-
-    def _rows(self, fd: int) -> int:
-        return os.fstat(fd).st_size // (_WIDTH * 8)
-
-    def _step(self, fd: int, i: int) -> float:
-        return self._read(fd, i, i + 1)[0]
-
-    def _first_after(self, fd: int, n: int, step: float) -> int:
-        """The first row whose step is above ``step`` (bisection)."""
-        lo, hi = 0, n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._step(fd, mid) <= step:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    def _open(self) -> int | None:
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[_FileRows | None]:
+        """The file's rows, or None if it cannot be opened."""
         try:
-            return os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY)
         except OSError:
-            return None
+            yield None
+            return
+        try:
+            yield _FileRows(fd)
+        finally:
+            os.close(fd)
 
     def page(self, after_seq: int, limit: int) -> tuple[list[ProgressEvent], bool]:
         """As ``ProgressLog.page``."""
-        fd = self._open()
-        if fd is None:
-            return [], False
-        try:
-            n = self._rows(fd)
-            first = self._first_after(fd, n, after_seq)
-            stop = min(n, first + max(limit, 0))
-            cells = self._read(fd, first, stop)
-        except OSError:
-            return [], False
-        finally:
-            os.close(fd)
-        return _events(cells, 0, len(cells) // _WIDTH), stop < n
+        with self._opened() as rows:
+            if rows is None:
+                return [], False
+            try:
+                first = bisect.bisect_right(_Steps(rows), after_seq)
+                stop = min(len(rows), first + max(limit, 0))
+                cells = rows.cells(first, stop)
+            except OSError:
+                return [], False
+            return _events(cells, 0, len(cells) // _WIDTH), stop < len(rows)
 
     def up_to(self, step: int) -> ProgressLog:
         """The events of steps up to ``step``, in memory (a resumed job's, cut at its
         checkpoint)."""
         copy = ProgressLog()
-        fd = self._open()
-        if fd is None:
-            return copy
-        try:
-            n = self._rows(fd)
-            copy._cells = self._read(fd, 0, self._first_after(fd, n, step))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        with self._opened() as rows:
+            if rows is not None:
+                with contextlib.suppress(OSError):
+                    copy._cells = rows.cells(0, bisect.bisect_right(_Steps(rows), step))
         return copy
 
     def __len__(self) -> int:
         try:
-            return os.stat(self.path).st_size // (_WIDTH * 8)
+            return os.stat(self.path).st_size // _ROW_BYTES
         except OSError:
             return 0
 
@@ -232,14 +207,37 @@ class StoredProgress:
         return self.up_to(2**62).events()
 
 
-class _Steps(Sequence[float]):
-    """The step column of a cell array, for bisection (no copy)."""
+class _FileRows:
+    """The whole rows of an open history file, read with ``pread`` (no position kept):
+    ``cells`` of rows, and ``[i]`` the cell of flat index i, as ``_Steps`` reads it."""
 
-    def __init__(self, cells: array) -> None:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.rows = os.fstat(fd).st_size // _ROW_BYTES
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def cells(self, first: int, stop: int) -> array:
+        cells = array("d")
+        if stop > first:
+            data = os.pread(self.fd, (stop - first) * _ROW_BYTES, first * _ROW_BYTES)
+            cells.frombytes(data[: len(data) // _ROW_BYTES * _ROW_BYTES])
+        return cells
+
+    def __getitem__(self, i: int) -> float:
+        return self.cells(i // _WIDTH, i // _WIDTH + 1)[i % _WIDTH]
+
+
+class _Steps(Sequence[float]):
+    """The step column of a cell array (or of a file's rows: ``_FileRows``), for
+    bisection (no copy)."""
+
+    def __init__(self, cells: array | _FileRows) -> None:
         self._cells = cells
 
     def __len__(self) -> int:
-        return len(self._cells) // _WIDTH
+        return len(self._cells) // _WIDTH if isinstance(self._cells, array) else len(self._cells)
 
     def __getitem__(self, i):  # type: ignore[override]
         return self._cells[i * _WIDTH]
