@@ -27,5 +27,5 @@ from __future__ import annotations
 
 __all__ = ["PROTOCOL_VERSION"]
 
-PROTOCOL_VERSION: int = 14
+PROTOCOL_VERSION: int = 15
 """Bump on any change to any message (see "Version rule" above)."""

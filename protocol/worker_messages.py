@@ -276,6 +276,11 @@ class StageTask(Message):
     #: router auxiliary loss only: the real (not padding) tokens of the global batch,
     #: over every node of a group (MicrobatchIO.row_tokens); 0: every token is real
     router_tokens: NonNegInt = 0
+    #: float16 loss scaling (tail and backward tasks): the event counter holding this
+    #: iteration's loss scale, which the backward is seeded with
+    #: (Note [dynamic loss scaling] in roundpipe.coordinator.training.loss_scale);
+    #: None: no scaling
+    loss_scale_counter: NonNegInt | None = None
 
     @property
     def num_microbatches(self) -> int:

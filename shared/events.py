@@ -78,7 +78,11 @@ __all__ = [
     "Counters",
     "EventTable",
     "EventTimeout",
+    "LOSS_SCALE_EXP_MAX",
+    "LOSS_SCALE_EXP_MIN",
+    "loss_scale_value",
     "memory_barrier",
+    "read_loss_scale_value",
     "table_nbytes",
 ]
 
@@ -107,6 +111,27 @@ def _check_value(value: int) -> None:
     around (2**63 became -2**63, and the counter went backwards)."""
     if not -(2**63) <= value < 2**63:
         raise ValueError(f"event counter value {value} does not fit a signed 64-bit counter")
+
+
+# A loss-scale counter holds a step and the scale's exponent, so that it only grows
+# (counters never go backwards) and a reader can tell which step it is for.
+LOSS_SCALE_EXP_MIN = 0
+LOSS_SCALE_EXP_MAX = 64
+_EXP_CODES = 256
+
+
+def loss_scale_value(step: int, exponent: int) -> int:
+    """Counter value saying that step ``step`` uses the loss scale ``2 ** exponent``."""
+    if not LOSS_SCALE_EXP_MIN <= exponent <= LOSS_SCALE_EXP_MAX:
+        raise ValueError(
+            f"loss scale 2**{exponent} is outside 2**{LOSS_SCALE_EXP_MIN}..2**{LOSS_SCALE_EXP_MAX}"
+        )
+    return step * _EXP_CODES + exponent
+
+
+def read_loss_scale_value(value: int) -> tuple[int, int]:
+    """(step, exponent) of a loss-scale counter's value."""
+    return divmod(value, _EXP_CODES)
 
 
 def table_nbytes(num_counters: int) -> int:
@@ -376,9 +401,15 @@ class Counters:
         stage (Note [microbatch-split stages] in roundpipe.shared.plan)."""
         return 3 * self.handoff_counters + 2 * self.num_layers + layer
 
+    def loss_scale(self, step: int) -> int:
+        """The float16 loss scale that step ``step`` seeds its backward with, one counter
+        per step parity (Note [dynamic loss scaling] in
+        roundpipe.coordinator.training.loss_scale; its value: ``loss_scale_value``)."""
+        return 3 * self.handoff_counters + 3 * self.num_layers + step % 2
+
     @property
     def total(self) -> int:
-        return 3 * self.handoff_counters + 3 * self.num_layers
+        return 3 * self.handoff_counters + 3 * self.num_layers + 2
 
     def label(self, index: int) -> str:
         """Readable name of a counter, used in timeout errors."""
@@ -398,6 +429,8 @@ class Counters:
         if index < 2 * self.num_layers:
             return f"version[layer {index - self.num_layers}]"
         index -= 2 * self.num_layers
+        if index >= 2 * self.handoff_counters + self.num_layers:
+            return f"loss_scale[step parity {index - 2 * self.handoff_counters - self.num_layers}]"
         if index >= 2 * self.handoff_counters:
             return f"wgrad_part[layer {index - 2 * self.handoff_counters}]"
         return f"landed {self.label(index // 2)} (parity {index % 2})"

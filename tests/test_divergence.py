@@ -64,9 +64,13 @@ def test_the_advice_fits_the_spec(tmp_path: Path) -> None:
     assert message.startswith("step 7's loss is inf: training diverged"), message
     assert message.endswith(
         "no checkpoint was written before it. Lower optimizer.lr (now 0.5), set "
-        "optimizer.grad_clip (1.0 is usual) or train in bfloat16 (float16 runs without "
-        "loss scaling), and start again"
+        "optimizer.grad_clip (1.0 is usual) or train in bfloat16 (float32's range), and "
+        "start again"
     ), message
+    unscaled = tiny_spec(tmp_path, lr=0.5, dtype="float16", train={"loss_scale": "none"})
+    assert Diverged(7, float("inf")).message(unscaled, None).endswith(
+        "or set train.loss_scale to dynamic or train in bfloat16, and start again"
+    )
     clipped = tiny_spec(tmp_path, grad_clip=1.0)
     message = Diverged(7, float("nan")).message(clipped, (6, Path("/out/step-6")))
     assert message.endswith(

@@ -1,5 +1,5 @@
 """The wire is pinned: every message type, every field of every struct, and the exact
-bytes of sample frames, as they were at PROTOCOL_VERSION 14.
+bytes of sample frames, as they were at PROTOCOL_VERSION 15.
 
 Moving code around in roundpipe.protocol must leave these tests passing unchanged. A
 deliberate change to the protocol bumps PROTOCOL_VERSION (see "Version rule" in
@@ -114,7 +114,7 @@ WIRE_CATALOGUE = {
         "sent_at: float",
     ],
     "Hello": [
-        "protocol_version: int(ge=0, le=65535) = 14",
+        "protocol_version: int(ge=0, le=65535) = 15",
         "worker_name: str(min_length=1)",
         "hostname: str",
         "pid: int(ge=0)",
@@ -249,6 +249,7 @@ WIRE_CATALOGUE = {
         "options: dict[str, Any] = {}",
         "grad_part: int(ge=0) = 0",
         "router_tokens: int(ge=0) = 0",
+        "loss_scale_counter: int(ge=0) | None = None",
     ],
     "SubmitJob": [
         "spec: dict[str, Any]",
@@ -312,16 +313,16 @@ WIRE_CATALOGUE = {
 
 # sha256 of the frame of each sample message below.
 FRAME_SHA256 = {
-    "Heartbeat": "64a6cde29e7f16eb5fd0e06afbee658071c29319f01f0b29245d6b121df5cbf9",
-    "Hello": "0f7166bd853b959092817296851a32f57cfbe0e1b1c9c2abde93d1abfc81ad8f",
-    "JobSetup": "21936621f078a6369fdcb71be9d55b6b8f1370dee30f784fd4d9473f984d12d8",
-    "StageTask": "85c9be619faf33114f7cb2d5ce0905b3f34c8a1998730e589cfff5ca1850748d",
-    "TaskDone": "c72292ea479badc4dddbc972e9dcad81b788edf686e22fd47a286bd2d6640f21",
-    "JobList": "90a29a18f6a562495dbae0595aa132e8e1ff16918b240c845cc0b8253cab454e",
-    "WorkerList": "ed71d9e07fd99c0a42b461428612801a3e84695ab0314cd395b30eebf707faa2",
-    "Progress": "0ef001051c5399269cfe951fe5d6b106cdb5b85eb82979fd096b19c60ba3256a",
-    "ErrorReply": "f0cd3de9d3e06df1aeca8542bf89b09d99e540056a974942ff1e77f846fd229f",
-    "Ack": "5ecafd6264d277d2fa27cac1d55d7b60a22619db49e27775460fac182a6c668b",
+    "Heartbeat": "9ceeff77fe55a3a06f298a8f1542d23530c2753f230e4bd66167a61b7986f886",
+    "Hello": "7710783f6667d04135cee3f59d89f97bca868d1cf2d3ff249fb8ae5dd3e08003",
+    "JobSetup": "239665f55bd622dbe4566ebe416149def2c69256ffd114c87ceb885c16ed6f2d",
+    "StageTask": "198fe08a2a7e4cba378d485856b9169063be6895741a782a555a1d7bcb28e199",
+    "TaskDone": "3949f1ec15ec736b7821d5e09632a384bd6dbeed42fdb888d00aaca7f030c348",
+    "JobList": "c82a00f64b0961b3ea9bcf5e63d5fb8bc1be7f4d631a13b2527e922b47bef6a2",
+    "WorkerList": "21393961bbb42a6bde6eeb2602aaf50afd052e9ba72b9eed0d7f42a21b8eb7ce",
+    "Progress": "137bf20e2acedc218f5eba5d8020064655faea8838c1b339184b696eb3d3a6c1",
+    "ErrorReply": "aab87a33d215439721eefe28d7b533ee8ab8da413601d2261734021e04a810e1",
+    "Ack": "a6e01e4aac524e1933edd57d7556ea02a8e81171b2333c4d7bc75fbf38d5ea8b",
 }
 
 
@@ -383,7 +384,7 @@ def _catalogue() -> dict[str, list[str]]:
 
 
 def test_protocol_version_is_unchanged() -> None:
-    assert PROTOCOL_VERSION == 14
+    assert PROTOCOL_VERSION == 15
 
 
 def test_message_types_and_their_fields_are_unchanged() -> None:
@@ -464,6 +465,7 @@ def _samples() -> Iterator[Message]:
         wait_timeout_s=30.0,
         options={"k": [1, "x"]},
         grad_part=0,
+        loss_scale_counter=11,
     )
     yield TaskDone(
         job_id="j",

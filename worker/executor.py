@@ -348,6 +348,7 @@ class StageExecutor:
         batch_tokens: int | None = None,
         row_tokens: Sequence[Sequence[int]] | None = None,
         recompute: str = "stage",
+        loss_scale: float = 1.0,
     ) -> BackwardResult:
         """Recompute [start, stop) from its saved inputs and backpropagate ``grad_outputs``.
 
@@ -361,7 +362,9 @@ class StageExecutor:
         ``forward``) give its gradient. Note [router auxiliary loss]
         (roundpipe.shared.model). ``recompute="layer"`` keeps only each
         layer's input and recomputes one layer at a time (Note [recompute grain]); the
-        same gradients, bitwise.
+        same gradients, bitwise. ``loss_scale``: the float16 loss scale the tail seeded
+        ``grad_outputs`` with, which the router auxiliary loss's own seed takes too
+        (Note [dynamic loss scaling] in roundpipe.coordinator.training.loss_scale).
         """
         if recompute not in RECOMPUTE_GRAINS:
             raise ValueError(f"recompute must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
@@ -400,7 +403,9 @@ class StageExecutor:
                     counts = router_counts[m].to(self.device, torch.float32)
                     scale = self._aux_scale(x, batch_tokens, real)
                     extra = scale * (counts * stats[1]).sum()
-                gx = self._backprop(out, g, x if start > 0 else None, bound, acc, extra=extra)
+                gx = self._backprop(
+                    out, g, x if start > 0 else None, bound, acc, extra=extra, seed=loss_scale
+                )
                 _emit(grad_inputs, on_grad_input, m, gx)
                 del out, gx, g
         return BackwardResult(grad_inputs, acc)
@@ -421,6 +426,7 @@ class StageExecutor:
         batch_tokens: int | None = None,
         on_router_counts: Callable[[int, torch.Tensor], None] | None = None,
         row_tokens: Sequence[Sequence[int]] | None = None,
+        loss_scale: float = 1.0,
     ) -> TailResult:
         """Fused forward + loss + backward of the last range [start, num_layers).
 
@@ -435,7 +441,9 @@ class StageExecutor:
         ``forward``) complete it here;
         ``on_router_counts(m, t)`` receives microbatch m's complete counts before its
         input gradient (they are in ``router_counts`` either way). Note [router
-        auxiliary loss] (roundpipe.shared.model).
+        auxiliary loss] (roundpipe.shared.model). ``loss_scale`` multiplies the seed of
+        the backward (the float16 loss scale, a power of two: Note [dynamic loss scaling]
+        in roundpipe.coordinator.training.loss_scale); the losses come back unscaled.
         """
         self._check_range(start, stop, tail=True)
         if router_stats is not None or start > 0:
@@ -509,6 +517,7 @@ class StageExecutor:
                     need_hidden_grad=h.requires_grad,
                     need_weight_grad=head_trainable,
                     positions=positions,
+                    grad_scale=loss_scale,
                 )
                 losses.append(loss if extra is None else loss + aux_losses[-1].detach())
                 if watch is not None:
@@ -525,6 +534,7 @@ class StageExecutor:
                         acc,
                         skip=head_name,
                         extra=extra,
+                        seed=loss_scale,
                     )
                 elif start > 0:
                     gx = torch.zeros_like(x)
@@ -774,9 +784,11 @@ class StageExecutor:
         acc: dict[str, torch.Tensor],
         skip: str | None = None,
         extra: torch.Tensor | None = None,
+        seed: float = 1.0,
     ) -> torch.Tensor | None:
         """Backpropagate ``grad_out`` through ``out`` (plus the scalar loss term ``extra``:
-        the router auxiliary loss of this range) into ``x`` and the trainable weights."""
+        the router auxiliary loss of this range, seeded with ``seed``: the loss scale
+        ``grad_out`` carries) into ``x`` and the trainable weights."""
         leaves = [(n, t) for n, t in bound.trainable if n != skip]
         targets = ([x] if x is not None else []) + [t for _, t in leaves]
         if not targets:
@@ -784,7 +796,7 @@ class StageExecutor:
         outputs, grad_outputs = [out], [grad_out]
         if extra is not None and extra.requires_grad:
             outputs.append(extra)
-            grad_outputs.append(torch.ones_like(extra))
+            grad_outputs.append(torch.full_like(extra, seed))
         grads = torch.autograd.grad(
             outputs, targets, grad_outputs=grad_outputs, allow_unused=True, materialize_grads=True
         )

@@ -21,6 +21,7 @@ def chunked_lm_head_loss(
     need_hidden_grad: bool = True,
     need_weight_grad: bool = True,
     positions: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Cross-entropy of ``hidden @ weight.T`` against already shifted ``labels``.
 
@@ -29,6 +30,8 @@ def chunked_lm_head_loss(
     computed on the host, so that no ``nonzero()`` synchronises a GPU. Returns (fp32 loss = sum of token losses / num_label_tokens, d loss / d
     hidden in hidden's dtype or None, fp32 d loss / d weight or None). At most
     ``chunk_tokens`` rows of logits exist at a time. Note [chunked LM head].
+    The gradients are those of ``grad_scale`` times the loss (float16 loss scaling: a
+    power of two, so 1.0 and any other scale round alike); the loss is not scaled.
     """
     # Gradients are formed explicitly here; autograd would keep every chunk's logits.
     with torch.no_grad():
@@ -41,6 +44,7 @@ def chunked_lm_head_loss(
             need_hidden_grad,
             need_weight_grad,
             positions,
+            grad_scale,
         )
 
 
@@ -53,8 +57,12 @@ def _chunked_lm_head_loss(
     need_hidden_grad: bool,
     need_weight_grad: bool,
     positions: torch.Tensor | None,
+    grad_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     dev = hidden.device
+    # d(scaled loss)/d(logits) = (softmax - onehot) * grad_scale / N: the denominator
+    # below is N / grad_scale (exact: the scale is a power of two).
+    denominator = num_label_tokens if grad_scale == 1.0 else num_label_tokens / grad_scale
     rows = positions if positions is not None else (labels != IGNORE_INDEX).nonzero().squeeze(1)
     num_rows = rows.numel()
     loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -87,9 +95,9 @@ def _chunked_lm_head_loss(
         if not need_grad:
             continue
         # d(loss)/d(logits) = (softmax - onehot(label)) / N, still in place.
-        logits.div_(sumexp.mul_(num_label_tokens))
+        logits.div_(sumexp.mul_(denominator))
         logits.scatter_add_(
-            1, y, torch.full(y.shape, -1.0 / num_label_tokens, dtype=logits.dtype, device=dev)
+            1, y, torch.full(y.shape, -1.0 / denominator, dtype=logits.dtype, device=dev)
         )
         g = logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype)
         if grad_h is not None:

@@ -89,7 +89,11 @@ from roundpipe.protocol import (
     TaskDone,
     TensorRef,
 )
-from roundpipe.shared.events import memory_barrier
+from roundpipe.shared.events import (
+    loss_scale_value,
+    memory_barrier,
+    read_loss_scale_value,
+)
 from roundpipe.shared.handoff import Handoff, HandoffLost, IssueMark
 from roundpipe.shared.plan import RECOMPUTE_GRAINS
 from roundpipe.worker.executor import RngKey, TailLabels, tail_labels
@@ -358,6 +362,7 @@ class WorkerCore:
         feed = _MicrobatchFeed(self, state, task, copies)
         ex = state.executor
         start, stop = task.layer_start, task.layer_stop
+        loss_scale = self._loss_scale(state, task, timeout)
         if task.kind == "forward":
             save = {s.layer for mb in task.microbatches for s in mb.saved}
             ex.forward(
@@ -388,6 +393,7 @@ class WorkerCore:
                 batch_tokens=feed.batch_tokens(),
                 row_tokens=feed.row_tokens(),
                 recompute=_recompute_grain(task),
+                loss_scale=loss_scale,
             )
             feed.write_grad_inputs(result.grad_inputs)
             grads = result.weight_grads
@@ -406,6 +412,7 @@ class WorkerCore:
                 batch_tokens=feed.batch_tokens(),
                 row_tokens=feed.row_tokens(),
                 on_router_counts=feed.write_router,
+                loss_scale=loss_scale,
             )
             feed.write_grad_inputs(result.grad_inputs)
             # Losses come down once per task; the coordinator reads them after TaskDone,
@@ -527,6 +534,25 @@ class WorkerCore:
             raise TaskAborted(str(exc)) from None
         finally:
             self._waited_s += time.perf_counter() - started
+
+    def _loss_scale(self, state: JobState, task: StageTask, timeout_s: float) -> float:
+        """The float16 loss scale of the task's iteration (1.0 without scaling): the
+        coordinator's optimizer stores it once the step before has been decided (Note
+        [dynamic loss scaling] in roundpipe.coordinator.training.loss_scale)."""
+        counter = task.loss_scale_counter
+        if counter is None:
+            return 1.0
+        k = task.iteration
+        self._wait(state, EventWait(counter=counter, at_least=loss_scale_value(k, 0)), timeout_s)
+        step, exponent = read_loss_scale_value(state.events.read(counter))
+        if step != k and not self._landed(state, list(task.grad_signals)):
+            # A later step's scale, yet this step's gradients are not in: the counter is
+            # not this job's schedule's (a rerun after its step would find them landed).
+            raise RuntimeError(
+                f"{state.events.label(counter)} holds the loss scale of step {step}, "
+                f"not of this task's step {k}"
+            )
+        return float(2**exponent)
 
     def _signal(self, state: JobState, sig: EventSignal) -> None:
         state.events.signal(sig.counter, sig.value)

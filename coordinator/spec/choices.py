@@ -20,6 +20,7 @@ __all__ = [
     "DATA_OVERLONG",
     "DATA_PACKING",
     "DTYPES",
+    "LOSS_SCALINGS",
     "GRAD_TRANSPORTS",
     "HF_NO_DECAY",
     "INT8_SCALES",
@@ -47,6 +48,8 @@ PACKING_ALIASES: dict[Any, str] = {True: "documents", False: "none"}
 """``data.packing``'s booleans: ``true`` is ``documents``, ``false`` is ``none``."""
 DATA_COLUMNS = ("text", "messages", "prompt", "completion", "input_ids", "labels")
 DTYPES = ("float32", "bfloat16", "float16")
+LOSS_SCALINGS = ("auto", "dynamic", "none")
+"""``train.loss_scale``: ``auto`` is ``dynamic`` with float16, ``none`` otherwise."""
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
 STATE_DTYPES = ("float32", "int8")

@@ -122,6 +122,21 @@ class JobSpec:
     # -- derived values: one definition of each default that refers to another field --
 
     @property
+    def loss_scaling(self) -> bool:
+        """Whether the backward is seeded with a dynamic loss scale (``train.loss_scale``:
+        ``dynamic``, or ``auto`` with float16)."""
+        scale = self.train.loss_scale
+        return scale == "dynamic" or (scale == "auto" and self.train.dtype == "float16")
+
+    @property
+    def optimizer_waits_for_whole_step(self) -> bool:
+        """Whether the optimizer needs every gradient of a step before its first update:
+        for the global norm that clipping scales by, or that loss scaling tests for an
+        overflow (then each layer has a gradient slot of its own: Note [gradient
+        buffer] in roundpipe.coordinator.training.layout)."""
+        return self.optimizer.grad_clip is not None or self.loss_scaling
+
+    @property
     def global_batch_size(self) -> int:
         """Rows per optimizer step."""
         return self.batch.global_batch_size

@@ -27,6 +27,7 @@ from roundpipe.coordinator.spec.choices import (
     DTYPES,
     GRAD_TRANSPORTS,
     INT8_SCALES,
+    LOSS_SCALINGS,
     OPTIMIZER_KERNELS,
     OPTIMIZER_SHARDINGS,
     OPTIMIZERS,
@@ -176,6 +177,18 @@ def check_train(e: Problems, t: TrainSpec) -> bool:
     if not (is_int(t.staleness) and t.staleness in (0, 1)):
         e.bad("train.staleness", t.staleness, "0 (exact) or 1 (one step stale)")
     check_choice(e, "train.dtype", t.dtype, DTYPES)
+    check_choice(e, "train.loss_scale", t.loss_scale, LOSS_SCALINGS)
+    if t.loss_scale == "dynamic" and t.dtype in DTYPES and t.dtype != "float16":
+        e.bad(
+            "train.loss_scale",
+            t.loss_scale,
+            f"none or auto with train.dtype {t.dtype} (loss scaling keeps float16's small "
+            "gradients from flushing to zero; this dtype has float32's range)",
+        )
+    initial = t.loss_scale_initial
+    if not (is_int(initial) and 1 <= initial <= 2**32 and initial & (initial - 1) == 0):
+        e.bad("train.loss_scale_initial", initial, "a power of two from 1 to 4294967296 (2**32)")
+    check_int(e, "train.loss_scale_growth_interval", t.loss_scale_growth_interval, lo=1)
     check_int(e, "train.seed", t.seed, lo=0)
     check_bool(e, "train.replan", t.replan)
     check_int(e, "train.grad_buffer_stages", t.grad_buffer_stages, lo=0)

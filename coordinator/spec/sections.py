@@ -244,6 +244,16 @@ class TrainSpec:
     dtype: str = "bfloat16"
     """Compute dtype of the weight copies and activations: one of ``DTYPES``. Master
     weights and optimizer state are always float32."""
+    loss_scale: str = "auto"
+    """float16 loss scaling, one of ``LOSS_SCALINGS``: ``dynamic`` (the backward is
+    seeded with a power-of-two scale that halves, and the step is skipped, when a
+    gradient overflows, and doubles after ``loss_scale_growth_interval`` steps without
+    one, as torch's GradScaler does), ``none``, or ``auto`` (dynamic with float16, none
+    otherwise: bfloat16 and float32 do not need it). docs/job-spec.md."""
+    loss_scale_initial: int = 65536
+    """The first loss scale: a power of two from 1 to 2**32 (GradScaler's default)."""
+    loss_scale_growth_interval: int = 2000
+    """Steps without an overflow after which the loss scale doubles (>= 1)."""
     seed: int = 0
     """Seed for everything not given its own seed."""
     plan: str | None = None
@@ -257,7 +267,8 @@ class TrainSpec:
     """Host gradient buffer, in units of the plan's largest gradient-writing stage:
     layers of the same shape share this many stages' worth of fp32 gradient slots, and a
     backward task waits for a free slot (docs/memory.md). 0: one slot per trainable
-    layer. Ignored (one slot per layer) with ``optimizer.grad_clip``."""
+    layer. Ignored (one slot per layer) with ``optimizer.grad_clip`` or float16 loss
+    scaling (``loss_scale``)."""
     optimizer_sharding: str = "auto"
     """With several nodes (docs/multi-node.md), one of ``OPTIMIZER_SHARDINGS``:
     ``replicated`` (every node holds all fp32 masters and moments), ``sharded`` (each

@@ -75,6 +75,7 @@ from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, J
 from roundpipe.coordinator.training.job_events import CheckpointWritten, JobEvent
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.loss_scale import LossScaler
 from roundpipe.coordinator.training.memory import weight_copies
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
 from roundpipe.coordinator.training.progress_log import COLUMNS, ProgressLog
@@ -114,6 +115,12 @@ class Checkpointer:
     exporter: ModelExporter
     emit: Callable[[JobEvent], None]
     """Announces ``CheckpointWritten`` for background checkpoints (``settle_background``)."""
+    loss_scaler: LossScaler | None = None
+    """float16 loss scaling, whose state a checkpoint stores (Note [dynamic loss
+    scaling])."""
+    skipped_before: int = field(default=0, init=False)
+    """Steps skipped by the loss scaler before the step this run started after: the
+    optimizer's update count is the step less these (without a scaler in this run)."""
     resumed_from: CheckpointInfo | None = field(default=None, init=False)
     background: BackgroundCheckpoints | None = field(default=None, init=False)
     """The background writer while ``run`` uses one (Note [background checkpoint])."""
@@ -169,6 +176,7 @@ class Checkpointer:
                 f"{where} is damaged: it is at step {s}, but its data cursor continues at "
                 f"step {got!r} (expected {s + 1}); resume from another checkpoint"
             )
+        updates = self.restore_loss_scale(manifest.get("loss_scale"), s, where)
         from safetensors import safe_open
 
         try:
@@ -280,7 +288,7 @@ class Checkpointer:
                         # old rounding this repairs (m / eps at the next step otherwise).
                         first = targets[key.removesuffix("_sqrt")]
                         first.masked_fill_(buf == UNSIGNED_MAP.zero_code, SIGNED_MAP.zero_code)
-            optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
+            optimizer_state["steps"] = {layer: updates for layer in optimizer_state["steps"]}
             self.optimizer.load_state_dict(optimizer_state)  # step counts (buffers in place)
             c = layout.counters
             for layer, names in masters.items():
@@ -322,6 +330,34 @@ class Checkpointer:
             "" if info.job_id == self.job_id else f", written by job {info.job_id}",
         )
         return streamed
+
+    def restore_loss_scale(self, saved: object, s: int, where: str) -> int:
+        """Restore the loss scaler after step ``s`` from a manifest's ``loss_scale``
+        (None: the checkpoint was trained without one); returns the optimizer updates
+        applied by then (fewer than ``s`` after steps that were skipped)."""
+        try:
+            updates = s
+            if saved is not None:
+                if not isinstance(saved, dict):
+                    raise ValueError(f"it is {type(saved).__name__}, not a mapping")
+                updates = int(saved["updates"])
+                if not 0 <= updates <= s:
+                    raise ValueError(f"{updates} updates applied in {s} steps")
+            if self.loss_scaler is not None:
+                if saved is None or "scale" not in saved:  # trained without a scaler
+                    self.loss_scaler.restart_after(s, updates)
+                else:
+                    self.loss_scaler.load_state_dict(saved, s)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise JobFailed(f"{where} is damaged: its loss_scale state: {exc}") from None
+        self.skipped_before = s - updates
+        return updates
+
+    def updates_at(self, step: int) -> int:
+        """Optimizer updates applied by the end of ``step`` (a step that is decided)."""
+        if self.loss_scaler is not None:
+            return int(self.loss_scaler.checkpoint_state(step)["updates"])
+        return step - self.skipped_before
 
     def _history(self, info: CheckpointInfo) -> torch.Tensor | list:
         """The progress history of checkpoint ``info``: its ``PROGRESS_FILE``, or the
@@ -559,7 +595,16 @@ class Checkpointer:
             metadata,
         )
 
+    def loss_scale_state(self, step: int) -> dict[str, Any]:
+        """The manifest's ``loss_scale`` of checkpoint ``step``: the scaler's state, or,
+        without a scaler in this run, the updates count alone that a resumed
+        scaler's skips left behind."""
+        if self.loss_scaler is not None:
+            return self.loss_scaler.checkpoint_state(step)
+        return {"updates": step - self.skipped_before}
+
     def _manifest(self, step: int, context: dict) -> dict:
+        updates = self.updates_at(step)
         spec_dict = self.spec.to_dict()
         spec_json = json.dumps(spec_dict, sort_keys=True, separators=(",", ":"))
         return {
@@ -583,12 +628,21 @@ class Checkpointer:
             "prev_version": step - 1 if weight_copies(self.spec) == 2 else step,
             "compute_dtype": self.spec.train.dtype,
             "data_cursor": context["data_cursor"],
-            "lr_schedule": {"step": step, "lr": self.optimizer.lr_at(step) if step else 0.0},
+            "lr_schedule": {
+                "step": updates,
+                "lr": self.optimizer.lr_at(updates) if updates else 0.0,
+            },
             "optimizer": {
                 "impl": self.optimizer_impl,
-                # Every layer's step count is the checkpoint's (Note [checkpoint cut]).
-                "steps": {str(layer): step for layer in self.masters},
+                # Every layer's step count is the checkpoint's updates (Note [checkpoint
+                # cut]): its step, less the steps loss scaling skipped.
+                "steps": {str(layer): updates for layer in self.masters},
             },
+            **(
+                {}
+                if self.loss_scaler is None and not self.skipped_before
+                else {"loss_scale": self.loss_scale_state(step)}
+            ),
             "masters": "model files",
             "rng": {
                 "torch_cpu": f"{STATE_FILE}:rng/torch_cpu",

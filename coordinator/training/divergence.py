@@ -16,8 +16,8 @@ job fails at the first sign, and the checkpoints it keeps are all finite:
   has written it (``kept_after_divergence``: a node that left at once made rank 0 pause
   the job and abandon that write);
 * a checkpoint whose fp32 masters are not all finite is not written: a gradient that
-  overflowed while the loss stayed finite (``float16`` has no loss scaling; or one
-  outsized batch) is found at the next checkpoint at the latest, and the final
+  overflowed while the loss stayed finite (``float16`` with ``train.loss_scale: none``;
+  or one outsized batch) is found at the next checkpoint at the latest, and the final
   checkpoint comes before the export. Its cost is one read of the masters per
   checkpoint, which writes them anyway.
 
@@ -139,7 +139,11 @@ def _continue_from(spec: JobSpec, kept: tuple[int, Path] | None) -> str:
     if spec.optimizer.grad_clip is None:
         fixes.append("set optimizer.grad_clip (1.0 is usual)")
     if spec.train.dtype == "float16":
-        fixes.append("train in bfloat16 (float16 runs without loss scaling)")
+        fixes.append(
+            "train in bfloat16 (float32's range)"
+            if spec.loss_scaling
+            else "set train.loss_scale to dynamic or train in bfloat16"
+        )
     fix = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
     fix = fix[0].upper() + fix[1:]
     if kept is None:

@@ -34,6 +34,7 @@ import torch
 from roundpipe.coordinator.spec.data import DataLoader, GlobalBatch, PackedDataset
 from roundpipe.coordinator.spec.errors import DataError
 from roundpipe.coordinator.spec.jobspec import JobSpec
+from roundpipe.coordinator.training.checkpointer import Checkpointer
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed, JobPaused
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.layout import JobLayout
@@ -190,6 +191,7 @@ class GroupMember:
         shards: ZeroShards | None = None,
         full_masters: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
         full_moments: Mapping[str, torch.Tensor] | None = None,
+        checkpointer: Checkpointer,
     ) -> int | None:
         """Make every node start from rank 0's state (Note [checkpoint cut]): the nodes
         check that they prepared the same job, then rank 0 broadcasts its step, data
@@ -222,7 +224,13 @@ class GroupMember:
         state = ""
         if group.leader:
             state = json.dumps(
-                {"step": start_step, "cursor": loader.state_dict(), "progress": progress.rows()}
+                {
+                    "step": start_step,
+                    "cursor": loader.state_dict(),
+                    "progress": progress.rows(),
+                    # Note [dynamic loss scaling]: the scale, and the updates applied
+                    "loss_scale": checkpointer.loss_scale_state(start_step),
+                }
             )
         try:
             found = group.exchange("prepared", fingerprint, "every node to prepare the job")
@@ -258,8 +266,9 @@ class GroupMember:
             loader.load_state_dict(leader_state["cursor"])
         except DataError as exc:
             raise JobFailed(f"this node's data differs from rank 0's: {exc}") from None
+        updates = checkpointer.restore_loss_scale(leader_state["loss_scale"], s, "rank 0's state")
         optimizer_state = optimizer.state_dict()
-        optimizer_state["steps"] = {layer: s for layer in optimizer_state["steps"]}
+        optimizer_state["steps"] = {layer: updates for layer in optimizer_state["steps"]}
         optimizer.load_state_dict(optimizer_state)
         for layer in masters:
             layout.events.signal(layout.counters.version(layer), s)

@@ -67,8 +67,10 @@ writes two layers of the same slot would wait for itself, so every gradient-writ
 stage of a plan must map its layers to distinct slots (``fits``); ``grad_buffer_layers``
 at least the largest such stage guarantees it.
 
-Global-norm clipping needs every gradient of a step before the first update, so a job
-with ``optimizer.grad_clip`` keeps one slot per layer (``grad_buffer_layers=None``). A
+Global-norm clipping needs every gradient of a step before the first update, and so does
+float16 loss scaling's overflow test (Note [dynamic loss scaling] in
+roundpipe.coordinator.training.loss_scale), so a job with either keeps one slot per layer
+(``grad_buffer_layers=None``). A
 bucket of a group's gradient reduction needs all its layers' gradients at once too, so
 where slots are shared the reduction takes one layer at a time (Note [gradient buckets]
 in roundpipe.coordinator.training.sharded_optimizer).

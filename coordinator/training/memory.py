@@ -323,7 +323,7 @@ def grad_buffer_layers(spec: JobSpec, plan: Plan) -> int | None:
     """Gradient slots per shape class for ``spec`` under ``plan`` (Note [gradient
     buffer] in roundpipe.coordinator.training.layout); None: one slot per trainable layer."""
     stages = spec.train.grad_buffer_stages
-    if stages == 0 or spec.optimizer.grad_clip is not None:
+    if stages == 0 or spec.optimizer_waits_for_whole_step:
         return None
     return JobLayout.grad_buffer_layers_for(plan, stages)
 

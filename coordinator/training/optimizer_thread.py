@@ -23,6 +23,7 @@ import torch
 from roundpipe.coordinator.spec.jobspec import JobSpec
 from roundpipe.coordinator.training.job_errors import JobCancelled, JobFailed
 from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.loss_scale import LossScaler
 from roundpipe.coordinator.training.multinode import GradientReducer, GroupError
 from roundpipe.coordinator.training.optimizer import (
     LayerwiseOptimizer,
@@ -58,8 +59,14 @@ class OptimizerThread:
         cancelled: threading.Event,
         wake: Callable[[str], None],
         shards: ZeroShards | None = None,
+        loss_scaler: LossScaler | None = None,
+        checkpoint_due: Callable[[int], bool] = lambda step: False,
     ):
         self.job_id = job_id
+        self.loss_scaler = loss_scaler
+        """float16 loss scaling (Note [dynamic loss scaling]); None: none."""
+        self.checkpoint_due = checkpoint_due
+        """Whether a checkpoint is taken after a step (its loss scale state is kept)."""
         self.shards = shards
         """Sharded optimizer state: ``masters`` and the optimizer hold this node's pieces
         only; each layer's weights are all-gathered before its version is published
@@ -201,9 +208,9 @@ class OptimizerThread:
         assert timeline is not None
         remaining = sorted(self.masters, reverse=True)  # the last layers finish first
         clip = self.spec.optimizer.grad_clip
-        shards = self.shards
+        shards, scaler = self.shards, self.loss_scaler
         coef = None
-        if clip is not None:
+        if clip is not None or scaler is not None:
             # The global norm needs every gradient of the step before any update.
             for layer in remaining:
                 self._wait_grads(layer, k)
@@ -217,7 +224,14 @@ class OptimizerThread:
                     k - self._first_step + 1,
                     f"the gradient norm of step {k} from every node",
                 )
-            coef = clip_coefficient(norm, clip)
+            if scaler is not None:  # Note [dynamic loss scaling]
+                coef = self._unscale(k, norm, clip)
+                if coef is None:
+                    return self._skip(k)
+            else:
+                assert clip is not None
+                coef = clip_coefficient(norm, clip)
+        update = self._next_update
         busy_s = 0.0
         publish = self._publisher(k)
         # Sharded: the buckets whose weights are still to be gathered, in the reducer's
@@ -253,7 +267,7 @@ class OptimizerThread:
             started = time.perf_counter()
             self.optimizer.step_layers(
                 grads,
-                k,
+                update,
                 clip_coef=coef,
                 outs=outs if shards is None else pieces,
                 on_layer_done=publish if shards is None else None,
@@ -276,6 +290,58 @@ class OptimizerThread:
         # Every bucket's layers are stepped by now; one left over would never publish.
         assert not to_gather, f"buckets {to_gather} hold layers the optimizer does not step"
         return busy_s
+
+    @property
+    def _next_update(self) -> int:
+        """The optimizer update this step applies: one more than the last (the step
+        itself, unless loss scaling skipped steps: Note [dynamic loss scaling])."""
+        return self.optimizer.last_step(next(iter(self.masters))) + 1
+
+    def _unscale(self, k: int, norm: torch.Tensor, clip: float | None) -> torch.Tensor | None:
+        """Decide loss-scaled step k on the global ``norm`` of its scaled gradients: None
+        when it overflowed (skipped), else the coefficient that unscales (and clips)
+        them. The next step's scale is published at once (Note [dynamic loss
+        scaling])."""
+        scaler = self.loss_scaler
+        assert scaler is not None and self.layout.events is not None
+        scale = scaler.scale_of(k)
+        applied = scaler.decide(k, bool(torch.isfinite(norm)))
+        scaler.publish(self.layout.events, self.layout.counters)
+        if self.checkpoint_due(k):
+            scaler.snapshot(k)
+        if not applied:
+            log.info(
+                "[trainer] job %s: step %d's gradients overflowed at loss scale %g: "
+                "step skipped, loss scale now %g",
+                self.job_id,
+                k,
+                scale,
+                2.0**scaler.exponent,
+            )
+            return None
+        # GradScaler's unscale: a float32 reciprocal (exact: a power of two).
+        inverse = torch.tensor(1.0 / scale, dtype=torch.float32)
+        if clip is None:
+            return inverse
+        return inverse * clip_coefficient(norm * inverse, clip)
+
+    def _skip(self, k: int) -> float:
+        """Step k overflowed: every layer keeps its weights, published as version k (the
+        second weight copy, when there is one, gets version k-1's: Note [weight
+        copies] in roundpipe.coordinator.training.layout). Returns the busy seconds."""
+        started = time.perf_counter()
+        layout, publish = self.layout, self._publisher(k)
+        for layer in sorted(self.masters):
+            for name in self.masters[layer]:
+                current, previous = (
+                    layout.params[layer][name][k % 2],
+                    layout.params[layer][name][(k - 1) % 2],
+                )
+                assert current is not None and previous is not None
+                if current != previous:
+                    layout.view(current).copy_(layout.view(previous))
+            publish(layer)
+        return time.perf_counter() - started
 
     def _publisher(self, k: int) -> Callable[[int], None]:
         """Called as each layer's step-k update is written: publish its version at once

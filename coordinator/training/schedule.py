@@ -77,6 +77,10 @@ class ScheduleBuilder:
     staleness: int
     seed: int
     wait_timeout_s: float
+    loss_scaling: bool = False
+    """float16 loss scaling: tail and backward tasks name the counter holding their
+    step's loss scale (Note [dynamic loss scaling] in
+    roundpipe.coordinator.training.loss_scale)."""
 
     def tasks(
         self,
@@ -117,8 +121,10 @@ class ScheduleBuilder:
         self, iteration: int, task_id: int, kind: str, start: int, stop: int, real: _Real
     ) -> dict:
         version = weight_version_for(iteration, self.staleness)
+        scaled = self.loss_scaling and kind != "forward"
         return dict(
             router_tokens=real[0] if real else 0,
+            loss_scale_counter=self.layout.counters.loss_scale(iteration) if scaled else None,
             job_id=self.job_id,
             task_id=task_id,
             attempt=0,

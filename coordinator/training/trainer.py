@@ -77,6 +77,7 @@ from roundpipe.coordinator.training.job_events import (
 from roundpipe.coordinator.training.job_output import JobOutput
 from roundpipe.coordinator.training.job_planner import JobPlanner
 from roundpipe.coordinator.training.layout import JobLayout
+from roundpipe.coordinator.training.loss_scale import LossScaler
 from roundpipe.coordinator.training.memory import release_freed_memory
 from roundpipe.coordinator.training.multinode import GradientReducer, GroupError, JobGroup
 from roundpipe.coordinator.training.optimizer import LayerwiseOptimizer
@@ -279,13 +280,6 @@ class Trainer:
             dataset_bytes=self.dataset.nbytes,
         )
         layout, why = self.planner.first_layout(model)
-        if self.compute_dtype == torch.float16:
-            log.warning(
-                "[trainer] job %s: train.dtype float16 runs without loss scaling: its "
-                "gradients lose precision as the tokens per step and the vocabulary grow "
-                "(small ones flush to zero); bfloat16 does not (docs/job-spec.md)",
-                self.job_id,
-            )
         log.info(
             "[trainer] job %s: this node (rank %d of %d) needs %s",
             self.job_id,
@@ -309,12 +303,15 @@ class Trainer:
         full_masters = self._shard_masters(full_masters)
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
+        self.loss_scaler = LossScaler.from_spec(spec, self.job_id)
+        """float16 loss scaling (Note [dynamic loss scaling]); None: none."""
         self.schedule = ScheduleBuilder(
             layout=layout,
             job_id=self.job_id,
             staleness=spec.train.staleness,
             seed=spec.train.seed,
             wait_timeout_s=self.wait_timeout_s,
+            loss_scaling=self.loss_scaler is not None,
         )
         self._build_parts()
         log.info(
@@ -353,9 +350,12 @@ class Trainer:
                 shards=self.shards,
                 full_masters=full_masters,
                 full_moments=full_moments,
+                checkpointer=self.checkpointer,
             )
             if leader_step is not None:
                 self._start_after(leader_step)
+        if self.loss_scaler is not None:  # the first steps' scales, for the workers
+            self.loss_scaler.publish(layout.events, layout.counters)
         if full_moments is not None:
             full_moments.close()
         del full_masters, full_moments
@@ -432,6 +432,7 @@ class Trainer:
             output=self.output,
             exporter=self.exporter,
             emit=self._emit,
+            loss_scaler=self.loss_scaler,
         )
         self.optimizer_thread = OptimizerThread(
             self.job_id,
@@ -443,6 +444,8 @@ class Trainer:
             cancelled=self._cancel,
             wake=lambda why: self.inbox.put(Wakeup(why)),
             shards=self.shards,
+            loss_scaler=self.loss_scaler,
+            checkpoint_due=self.checkpointer.due,
         )
         if self.shards is not None:
             assert self.member is not None
