@@ -68,8 +68,10 @@ def test_the_advice_fits_the_spec(tmp_path: Path) -> None:
         "start again"
     ), message
     unscaled = tiny_spec(tmp_path, lr=0.5, dtype="float16", train={"loss_scale": "none"})
-    assert Diverged(7, float("inf")).message(unscaled, None).endswith(
-        "or set train.loss_scale to dynamic or train in bfloat16, and start again"
+    assert (
+        Diverged(7, float("inf"))
+        .message(unscaled, None)
+        .endswith("or set train.loss_scale to dynamic or train in bfloat16, and start again")
     )
     clipped = tiny_spec(tmp_path, grad_clip=1.0)
     message = Diverged(7, float("nan")).message(clipped, (6, Path("/out/step-6")))
