@@ -49,6 +49,30 @@ def test_states_are_one_closed_set() -> None:
     assert STOPPED_JOB_STATES - FINAL_JOB_STATES == {"paused"}
 
 
+def test_a_queued_job_says_which_job_it_waits_for(tmp_path: Path) -> None:
+    """A queued job's status said nothing (an empty message) while another job ran: it
+    names the job ahead of it and how many more are queued before it."""
+    book = book_in(tmp_path / "state")
+    a, b, c = (submit(book, tmp_path / name) for name in "abc")
+    assert book.status(a).message == "starts next"
+    assert book.status(b).message == (f"waits for job {a.job_id} (queued): one job runs at a time")
+    running = book.take_next(threading.Event())
+    assert running is a and book.status(a).message == ""
+    assert book.status(b).message == (f"waits for job {a.job_id} (running): one job runs at a time")
+    assert book.status(c).message == (
+        f"waits for job {a.job_id} (running) and 1 queued before it: one job runs at a time"
+    )
+    book.finish(a, "succeeded", "done")
+    assert book.status(b).message == "starts next"
+    # A queued job's own message (where a resumed job continues) stays, after it.
+    book.cancel(c)
+    book.resume(c)
+    assert book.status(c).message == (
+        f"waits for job {b.job_id} (queued): one job runs at a time; resume requested; "
+        "continues from the start (it has no checkpoint)"
+    )
+
+
 def test_submit_run_cancel_resume(tmp_path: Path) -> None:
     book = book_in(tmp_path / "state")
     a = submit(book, tmp_path / "a")

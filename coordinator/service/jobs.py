@@ -122,7 +122,8 @@ class JobRecord:
     # holds it; this node shows it while it lives and never queues it on a restart.
     stored: bool = True
 
-    def status(self) -> JobStatus:
+    def status(self, waits_for: str = "") -> JobStatus:
+        """``waits_for``: for a queued job, the jobs it waits for (JobBook.status)."""
         t = self.trainer
         # Until the trainer has restored its checkpoint, its step is 0: show the step the
         # job resumes from (kept in self.step) instead.
@@ -135,7 +136,7 @@ class JobRecord:
             step=t.step if live else self.step,
             total_steps=self.total_steps,
             loss=t.last_loss if live else self.loss,
-            message=bounded_text(self._live_message(live)),
+            message=bounded_text(self._live_message(live, waits_for)),
             output_dir=self.output_dir,
             plan=self.plan or "",
             tokens_per_s=figures.tokens_per_s if figures else None,
@@ -144,10 +145,12 @@ class JobRecord:
             worker_busy={str(w): b for w, b in figures.busy.items()} if figures else {},
         )
 
-    def _live_message(self, live: bool) -> str:
-        """The status message: what a running job waits for, if anything, else the
-        job's message."""
+    def _live_message(self, live: bool, waits_for: str) -> str:
+        """The status message: what a running or queued job waits for, if anything,
+        else the job's message."""
         t = self.trainer
+        if self.state == "queued" and waits_for:
+            return f"{waits_for}; {self.message}" if self.message else waits_for
         if t is None or self.state != "running":
             return self.message
         if live and t.waiting_for_workers:
@@ -191,6 +194,21 @@ class JobBook:
         self.queue: list[str] = []
         self.active: JobRecord | None = None
         """The job the job thread runs now."""
+
+    def status(self, job: JobRecord) -> JobStatus:
+        """``job.status()``, saying what a queued job waits for: one job runs at a time.
+        Under the lock."""
+        if job.state != "queued" or job.job_id not in self.queue:
+            return job.status()
+        ahead = self.queue.index(job.job_id)
+        running = self.active.job_id if self.active is not None else None
+        if running is None and not ahead:
+            return job.status("starts next")
+        first = running or self.queue[0]
+        others = ahead - (running is None)
+        also = f" and {others} queued before it" if others else ""
+        verb = "running" if running else "queued"
+        return job.status(f"waits for job {first} ({verb}){also}: one job runs at a time")
 
     # -- loading ----------------------------------------------------------------------
 
