@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,9 +155,37 @@ def _write_pair(directory: Path, name: str, role: str | None) -> Path:
     return directory / f"{name}.key_secret"
 
 
+_MAX_KEY_FILE_BYTES = 64 * 1024
+"""A certificate is a few hundred bytes; anything far larger is not one."""
+
+
+def _check_key_file(path: Path) -> None:
+    """Refuse what is not a small regular file before it is read: a FIFO blocked the
+    reader forever (a coordinator re-reading ``authorized/`` stalled with it), and
+    /dev/zero filled its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open blocks
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(
+            f"{path} is not a regular file (a device, a pipe or a directory): a key file "
+            "is the small text file `roundpipe keys` writes"
+        )
+    if st.st_size > _MAX_KEY_FILE_BYTES:
+        raise KeyFileError(
+            f"{path} is {st.st_size} bytes, not a key file (a few hundred bytes, written "
+            "by `roundpipe keys`)"
+        )
+
+
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     try:
+        _check_key_file(path)  # KeyFileError, not caught below: it names the path
         public, secret_key = zmq.auth.load_certificate(path)
+    except KeyFileError:
+        raise
     except (OSError, ValueError) as exc:
         raise KeyFileError(f"cannot read the key file {path}: {exc}") from None
     if (

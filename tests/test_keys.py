@@ -105,3 +105,41 @@ def test_connect_keys_say_what_is_missing(tmp_path: Path, monkeypatch) -> None:
         connect_keys(keys / "coordinator.key", keys / "coordinator.key")
     found = connect_keys(secret, keys / "coordinator.key")
     assert found is not None and found.server_key == coordinator_key_pair(keys)[0]
+
+
+def test_a_key_path_that_is_no_key_file_is_refused_at_once(tmp_path: Path) -> None:
+    """`--key /dev/zero` filled memory and a FIFO blocked forever (the coordinator, too,
+    re-reading an authorized/ directory that held one): anything but a small regular
+    file is refused before it is read, naming what it is."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    fifo = tmp_path / "pipe.key_secret"
+    os.mkfifo(fifo)
+    for path, said in [("/dev/zero", "is not a regular file"), (fifo, "is not a regular file")]:
+        done = subprocess.run(
+            [sys.executable, "-m", "roundpipe.cli", "jobs", "--key", str(path)]
+            + ["--address", f"ipc://{tmp_path}/none.sock"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+    big = tmp_path / "big.key_secret"
+    big.write_bytes(b"#" * (1 << 20))
+    with pytest.raises(KeyFileError, match="not a key file"):
+        connect_keys(big)
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    add_key(keys, "bob", "client", out_dir=tmp_path)
+    os.mkfifo(keys / "authorized" / "eve.key")
+    found: list = []
+    reader = threading.Thread(target=lambda: found.extend(authorized_keys(keys)), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "reading authorized/ blocked on a FIFO"
+    names = [k.name for k in found]
+    assert "bob" in names and "eve" not in names, names
