@@ -108,7 +108,18 @@ def demo_spec(
         raw["batch"]["num_microbatches"] = max(raw["batch"]["num_microbatches"], num_workers + 1)
     out = Path(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir).expanduser()
     raw["output"]["dir"] = str(out.resolve())
-    return JobSpec.from_dict(raw, source=str(spec_path or DEMO_SPEC_PATH))
+    try:
+        return JobSpec.from_dict(raw, source=str(spec_path or DEMO_SPEC_PATH))
+    except JobSpecError as exc:
+        # A problem with what the command line set is the option's, not the spec file's.
+        options = {"output.dir": "--output"} if output_dir is not None else {}
+        if steps is not None:
+            options["train.steps"] = "--steps"
+        if exc.errors and all(e.path in options for e in exc.errors):
+            raise DemoError(
+                "; ".join(f"{options[e.path]}: {e.message}" for e in exc.errors)
+            ) from None
+        raise
 
 
 def _cuda_device_count() -> int:

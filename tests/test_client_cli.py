@@ -751,7 +751,7 @@ def test_cli_unreachable_coordinator(capsys) -> None:
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cli_usage_errors(capsys) -> None:
+def test_cli_usage_errors(capsys, tmp_path: Path) -> None:
     assert (
         _run(
             capsys,
@@ -763,6 +763,12 @@ def test_cli_usage_errors(capsys) -> None:
     assert "invalid coordinator address 'nonsense'" in err
     assert _run(capsys, "status")[0] == 2  # missing JOB
     assert _run(capsys, "demo", "--workers", "0")[0] == 2
+    # An --output that is a file is the option's problem, not the shipped spec's.
+    afile = tmp_path / "afile"
+    afile.touch()
+    rc, _, err = _run(capsys, "demo", "--output", str(afile), "--steps", "1")
+    assert rc == 2 and f"--output: '{afile}' exists and is not a directory" in err, err
+    assert "demo_job.yaml" not in err, err
     rc, out, _ = _run(capsys, "--help")
     assert rc == 0 and "submit" in out
 
