@@ -140,7 +140,9 @@ def _build_model(args: argparse.Namespace) -> LayeredModel:
         config.update(overrides)
         for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
             config.pop(key, None)
-        return LayeredModel.from_config(config, lora)
+        return LayeredModel.from_config(config, lora, dequantize_mxfp4=args.dequantize)
+    if args.dequantize:
+        raise ValueError("--dequantize needs --model-config: it dequantises a checkpoint's config")
     _check_set_keys(args.architecture, overrides)
     return LayeredModel.from_config({"model_type": args.architecture, **overrides}, lora)
 
@@ -221,6 +223,12 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         choices=("none", "nf4", "int8"),
         help="with --lora-rank: the frozen base stored and uploaded as NF4 or int8 "
         "(the job spec's lora.base_quantization)",
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="with --model-config: plan an MXFP4-packed checkpoint (GPT-OSS) as the job "
+        "spec's model.dequantize: true trains it, its experts dequantised on load",
     )
     p.add_argument("--workers", type=int, required=True, metavar="N")
     p.add_argument(

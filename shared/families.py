@@ -125,7 +125,7 @@ def _gpt_oss_refusals(config: Any) -> list[str]:
         "checkpoint of the model (the layout transformers saves after "
         "`from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))` and "
         "`save_pretrained`), or dequantise on load: job spec model.dequantize: true "
-        "(LayeredModel dequantize_mxfp4=True)"
+        "(`roundpipe plan --dequantize`; LayeredModel dequantize_mxfp4=True)"
     ]
 
 

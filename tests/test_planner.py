@@ -816,3 +816,33 @@ def test_a_layer_grain_backward_is_re_priced_at_what_it_measured() -> None:
     again = CostModel(profile.costs(), hw, m, "layer")
     assert again.parts("B", 0, 3)[0] == pytest.approx(backward)
     assert [c.backward_s for c in profile.costs()] == pytest.approx([3.0] * 4)
+
+
+def test_plan_command_plans_an_mxfp4_checkpoint_dequantised(tmp_path, capsys) -> None:
+    """GPT-OSS's hub config declares MXFP4-packed experts: `roundpipe plan` refused it and
+    pointed at the job spec's model.dequantize, which it had no way to say. --dequantize
+    plans it as a job with model.dequantize: true trains it."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+    ).to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["--model-config", str(tmp_path), "--workers", "2", "--seq-len", "64"]
+    assert plan_main(args) == 2
+    assert "roundpipe plan --dequantize" in capsys.readouterr().err
+    assert plan_main([*args, "--dequantize"]) == 0
+    assert "SIMULATED PREDICTION" in capsys.readouterr().out
+    assert (
+        plan_main(["--architecture", "qwen3", "--workers", "2", "--seq-len", "8", "--dequantize"])
+        == 2
+    )
+    assert "--dequantize needs --model-config" in capsys.readouterr().err
