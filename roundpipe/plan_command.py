@@ -186,8 +186,11 @@ def _host_memory(
         microbatch_rows=args.microbatch_size,
         seq_len=args.seq_len,
         num_microbatches=num_microbatches,
-        # The job spec's default gradient buffer (Note [gradient buffer]).
-        grad_buffer_layers=JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
+        # The job spec's default gradient buffer (Note [gradient buffer]); float16 trains
+        # with loss scaling by default, whose overflow test needs every layer's slot.
+        grad_buffer_layers=None
+        if args.dtype == "float16"
+        else JobLayout.grad_buffer_layers_for(plan, TrainSpec().grad_buffer_stages),
         weight_copies=1 if args.staleness == 0 else 2,  # Note [weight copies]
         **capacity,
     )

@@ -632,10 +632,12 @@ def test_admission_prices_a_pinned_plan_at_the_grain_the_job_runs(tmp_path) -> N
         validate_spec(spec("stage").to_dict(), hardware=between)
 
 
-def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path, dtype) -> None:
     """`roundpipe plan` says how much host memory the coordinator will require. The
     trainer sizes a re-planning job's slot pools with headroom for more stages; plan
-    left it out and said 11% less here, so a job it said fits could be refused."""
+    left it out and said 11% less here, so a job it said fits could be refused. float16
+    trains with loss scaling, whose gradient buffer holds every layer: plan shared it."""
     import contextlib
     import io
     import json
@@ -651,11 +653,11 @@ def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path) -> Non
               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
               "vocab_size": 512, "max_position_embeddings": 8192}  # fmt: skip
     job = tiny_spec(tmp_path / "out", config=config, seq_len=4096, microbatch_size=1,
-                    num_microbatches=5, dtype="bfloat16", staleness=1)  # fmt: skip
+                    num_microbatches=5, dtype=dtype, staleness=1)  # fmt: skip
     assert job.train.replan and not job.train.plan
     model = LayeredModel(model_config_from_spec(job.model))
     planner = JobPlanner("j", job, hardware=gpu_hardware(4, 24 * GiB), arena_dir=tmp_path,
-                         node_microbatches=5, compute_dtype=torch.bfloat16)  # fmt: skip
+                         node_microbatches=5, compute_dtype=getattr(torch, dtype))  # fmt: skip
     layout, _ = planner.first_layout(model)
     admitted = planner.host_memory(layout)
     args = [
@@ -670,7 +672,7 @@ def test_roundpipe_plan_states_the_host_memory_admission_checks(tmp_path) -> Non
         "--microbatches",
         "5",
         "--dtype",
-        "bfloat16",
+        dtype,
         "--json",
     ]
     for key, value in config.items():
