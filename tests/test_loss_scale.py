@@ -12,6 +12,7 @@ are skipped, and grow it every few steps, so that it overflows again later.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -213,21 +214,44 @@ def test_bad_loss_scale_settings_are_refused(tmp_path: Path, train: dict, messag
 def test_a_float16_job_on_real_daemons_skips_its_overflowing_steps(
     tmp_path: Path, arena_dir: Path
 ) -> None:
-    """A user's float16 job through the coordinator and two CPU worker processes: it
+    """A user's float16 job through the coordinator and two CPU worker processes: its
+    metrics show the scale and the steps skipped while it runs (held before step 6), it
     succeeds, its job log names the skipped steps, and its checkpoint holds the scale."""
+    from test_observability import metrics_url, one, scrape
+
+    from roundpipe.coordinator.training.hold_point import hold_env
+
     spec = scaled_spec(tmp_path / "out", steps=8)
-    cluster = LocalCluster(tmp_path / "c", arena_dir)
+    release = tmp_path / "go"
+    cluster = LocalCluster(
+        tmp_path / "c",
+        arena_dir,
+        coordinator_args=["--metrics-address", "127.0.0.1:0"],
+        env=hold_env(6, release),
+    )
     try:
         cluster.add_worker("w1")
         cluster.add_worker("w2")
         job = cluster.client.submit(spec)
+        deadline = time.monotonic() + 240
+        while job.status().step < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        held = scrape(metrics_url(cluster))
+        release.touch()
         status = job.wait(timeout_s=240)
         assert status.state == "succeeded", cluster.logs()
         log_text = cluster.client.job_log(job.job_id).text
     finally:
         cluster.stop()
     assert "step 1's gradients overflowed at loss scale 1.67772e+07" in log_text, log_text
+    applied = applied_steps(log_text, 8)
+    # Held before step 6: steps 1-5 are decided (the optimizer of step 5 may still run).
+    skipped_by_5 = applied[:5].count(False)
+    assert one(held, "roundpipe_job_skipped_steps_total", job=job.job_id) in (
+        skipped_by_5 - 1,
+        skipped_by_5,
+    )
+    assert one(held, "roundpipe_job_loss_scale", job=job.job_id) < INITIAL
     latest = CheckpointDir(tmp_path / "out" / "checkpoints").find_latest(job.job_id)
     manifest = json.loads((latest.path / MANIFEST).read_text())
-    applied = applied_steps(log_text, 8)
     assert manifest["loss_scale"]["updates"] == sum(applied) < 8

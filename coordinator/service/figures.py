@@ -45,6 +45,10 @@ class JobFigures:
     download_bytes: dict[int, int] = field(default_factory=dict)
     task_retries: int = 0
     """Tasks sent again: after a failure or with a lost worker's tasks."""
+    loss_scale: float | None = None
+    """float16 loss scaling: the scale the next step is given (None: no scaling)."""
+    skipped_steps: int = 0
+    """Steps loss scaling skipped in this run (their gradients overflowed)."""
 
 
 def job_figures(trainer: Trainer) -> JobFigures:
@@ -71,6 +75,10 @@ def job_figures(trainer: Trainer) -> JobFigures:
     for worker, (_, up, down) in timeline.worker_totals().items():
         figures.upload_bytes[worker] = up
         figures.download_bytes[worker] = down
+    scaler = trainer.loss_scaler if trainer.prepared else None
+    if scaler is not None:  # read without a lock: two ints, each written whole
+        figures.loss_scale = float(2**scaler.exponent)
+        figures.skipped_steps = scaler.skipped
     tracker = trainer.tracker
     if tracker is not None:
         failures = list(tracker.failures.values())

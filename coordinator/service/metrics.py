@@ -163,6 +163,19 @@ class CoordinatorCollector:
                 "Measured share of worker time not computing, newest settled step",
                 figures.bubble_fraction,
             )
+            yield from gauge(
+                "roundpipe_job_loss_scale",
+                "float16 loss scaling: the scale the next step seeds its backward with",
+                figures.loss_scale,
+            )
+            if figures.loss_scale is not None:
+                skipped = CounterMetricFamily(
+                    "roundpipe_job_skipped_steps",
+                    "Steps float16 loss scaling skipped (gradients overflowed), this run",
+                    labels=["job"],
+                )
+                skipped.add_metric(job, figures.skipped_steps)
+                yield skipped
             retries = CounterMetricFamily(
                 "roundpipe_job_task_retries",
                 "Tasks sent again after a failure or a lost worker",

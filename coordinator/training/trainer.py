@@ -194,6 +194,8 @@ class Trainer:
         self.sharded_checkpoints: ShardedCheckpoints | None = None
         """Writes checkpoints with sharded optimizer state (Note [sharded checkpoint])."""
         self.prepared = False
+        self.loss_scaler: LossScaler | None = None
+        """float16 loss scaling (set by ``prepare``)."""
         """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
         # observability: replaced by a recording one when run() starts
         self.timeline = TimelineRecorder(job_id)
@@ -304,7 +306,6 @@ class Trainer:
         release_freed_memory()  # the fp32 weights loaded above, freed: off the RSS
         self.optimizer = LayerwiseOptimizer.from_spec(spec, self.masters, impl=self.optimizer_impl)
         self.loss_scaler = LossScaler.from_spec(spec, self.job_id)
-        """float16 loss scaling (Note [dynamic loss scaling]); None: none."""
         self.schedule = ScheduleBuilder(
             layout=layout,
             job_id=self.job_id,
