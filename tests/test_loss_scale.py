@@ -255,3 +255,51 @@ def test_a_float16_job_on_real_daemons_skips_its_overflowing_steps(
     latest = CheckpointDir(tmp_path / "out" / "checkpoints").find_latest(job.job_id)
     manifest = json.loads((latest.path / MANIFEST).read_text())
     assert manifest["loss_scale"]["updates"] == sum(applied) < 8
+
+
+@pytest.mark.slow
+def test_a_task_rerun_after_its_step_was_decided_runs_on(tmp_path: Path, arena_dir: Path) -> None:
+    """At staleness 1 a step's scale counter names a later step as soon as the step is
+    decided. A backward task that writes no gradient (B[0:1]: LoRA's frozen embedding)
+    can be rerun after that, its worker lost: the rerun refused that scale and failed
+    the job three times over; its results are read by nothing, so any scale does."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    spec = tiny_spec(
+        tmp_path / "out",
+        steps=6,
+        dtype="float16",
+        staleness=1,
+        lora=lora,
+        plan="F[0:2] T[2:6] B[1:2,0:1]",
+    )
+    fault = "kill@iteration=3,kind=backward,layer=0,when=end"
+    cluster = LocalCluster(tmp_path / "c", arena_dir)
+    try:
+        cluster.add_worker("w1", fault=fault)
+        cluster.add_worker("w2", fault=fault)
+        job = cluster.client.submit(spec)
+        status = job.wait(timeout_s=240)
+        log_text = cluster.client.job_log(job.job_id).text
+    finally:
+        cluster.stop()
+    assert status.state == "succeeded", status.message
+    assert "re-dispatching" in log_text, log_text
+
+
+def test_tensorboard_s_gradient_norm_is_the_unscaled_one(tmp_path: Path, arena_dir: Path) -> None:
+    """train/grad_norm was S times the true norm (65536 times at the default scale)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    norms = {}
+    for name, dtype in (("fp32", "float32"), ("fp16", "float16")):
+        raw = tiny_spec(
+            tmp_path / name, steps=3, dtype=dtype, train={"loss_scale_initial": 2**10}
+        ).to_dict()
+        raw["output"]["tensorboard"] = True
+        with trained_in_process(JobSpec.from_dict(raw), arena_dir, 1, job_id=f"job-{name}"):
+            pass
+        events = EventAccumulator(str(tmp_path / name / "tensorboard"))
+        events.Reload()
+        norms[name] = [s.value for s in events.Scalars("train/grad_norm")]
+    assert len(norms["fp16"]) == 3
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2), norms

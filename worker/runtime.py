@@ -544,14 +544,11 @@ class WorkerCore:
             return 1.0
         k = task.iteration
         self._wait(state, EventWait(counter=counter, at_least=loss_scale_value(k, 0)), timeout_s)
-        step, exponent = read_loss_scale_value(state.events.read(counter))
-        if step != k and not self._landed(state, list(task.grad_signals)):
-            # A later step's scale, yet this step's gradients are not in: the counter is
-            # not this job's schedule's (a rerun after its step would find them landed).
-            raise RuntimeError(
-                f"{state.events.label(counter)} holds the loss scale of step {step}, "
-                f"not of this task's step {k}"
-            )
+        # A later step's scale there means step k has been decided: every gradient of it
+        # was consumed, so this is a rerun whose results nothing reads any more (its
+        # gradients are not written again: Note [no rewrite after signal]). Any scale
+        # does for it.
+        _, exponent = read_loss_scale_value(state.events.read(counter))
         return float(2**exponent)
 
     def _signal(self, state: JobState, sig: EventSignal) -> None:

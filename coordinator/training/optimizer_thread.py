@@ -84,6 +84,8 @@ class OptimizerThread:
         (a node lost inside a collective), else JobFailed."""
         self._done_step = 0
         self._first_step = 1
+        self._first_update = 1
+        """The optimizer update the run's first step applies (unless it is skipped)."""
         self._cv = threading.Condition()
         self._last_busy_s = 0.0
         """Busy seconds (updating, not waiting for gradients) of step ``_done_step``."""
@@ -133,6 +135,7 @@ class OptimizerThread:
         update captured by ``background`` (Note [background checkpoint])."""
         self._done_step = first_step - 1
         self._first_step = first_step
+        self._first_update = self._next_update
         self._timeline, self._reducer, self._background = timeline, reducer, background
         self._thread = threading.Thread(
             target=self._loop,
@@ -209,7 +212,7 @@ class OptimizerThread:
         remaining = sorted(self.masters, reverse=True)  # the last layers finish first
         clip = self.spec.optimizer.grad_clip
         shards, scaler = self.shards, self.loss_scaler
-        coef = None
+        coef, scale = None, 1.0
         if clip is not None or scaler is not None:
             # The global norm needs every gradient of the step before any update.
             for layer in remaining:
@@ -225,6 +228,7 @@ class OptimizerThread:
                     f"the gradient norm of step {k} from every node",
                 )
             if scaler is not None:  # Note [dynamic loss scaling]
+                scale = scaler.scale_of(k)
                 coef = self._unscale(k, norm, clip)
                 if coef is None:
                     return self._skip(k)
@@ -232,6 +236,9 @@ class OptimizerThread:
                 assert clip is not None
                 coef = clip_coefficient(norm, clip)
         update = self._next_update
+        # The all-gathers' round: steps that loss scaling skipped gather nothing, on
+        # every node alike (the norm that decides is the group's).
+        gather_round = update - self._first_update + 1
         busy_s = 0.0
         publish = self._publisher(k)
         # Sharded: the buckets whose weights are still to be gathered, in the reducer's
@@ -263,7 +270,7 @@ class OptimizerThread:
                     for layer, per in outs.items()
                 }
             for layer in ready:  # observability: grad norm (TensorBoard; a shard's)
-                timeline.layer_grads(k, grads[layer])
+                timeline.layer_grads(k, grads[layer], scale=scale)
             started = time.perf_counter()
             self.optimizer.step_layers(
                 grads,
@@ -280,7 +287,7 @@ class OptimizerThread:
                     shards.all_gather(
                         [t for layer in bucket for t in stepped.pop(layer)],
                         bucket_name("weights", bucket),
-                        k - self._first_step + 1,
+                        gather_round,
                         f"{bucket_text(bucket)}'s weights of step {k} from every node",
                     )
                     for layer in bucket:
@@ -304,7 +311,7 @@ class OptimizerThread:
         scaling])."""
         scaler = self.loss_scaler
         assert scaler is not None and self.layout.events is not None
-        scale = scaler.scale_of(k)
+        scale = scaler.scale_of(k)  # before decide() forgets it
         applied = scaler.decide(k, bool(torch.isfinite(norm)))
         scaler.publish(self.layout.events, self.layout.counters)
         if self.checkpoint_due(k):

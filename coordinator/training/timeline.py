@@ -358,14 +358,15 @@ class TimelineRecorder:
         if self._tensorboard is not None:
             self._tensorboard.progress(event)
 
-    def layer_grads(self, step: int, grads: dict[str, torch.Tensor]) -> None:
+    def layer_grads(self, step: int, grads: dict[str, torch.Tensor], scale: float = 1.0) -> None:
         """One layer's gradients of ``step``, before the optimizer uses them: summed
         into the step's global gradient norm (only when TensorBoard is on: it reads every
-        gradient once more)."""
+        gradient once more). ``scale``: the float16 loss scale they carry, divided out."""
         if self._tensorboard is None:
             return
         sq = sum(
-            float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads.values()
+            (float(torch.linalg.vector_norm(g, dtype=torch.float32)) / scale) ** 2
+            for g in grads.values()
         )
         with self._lock:
             self._grad_sq[step] = self._grad_sq.get(step, 0.0) + sq
