@@ -319,10 +319,11 @@ class OptimizerThread:
         if not applied:
             log.info(
                 "[trainer] job %s: step %d's gradients overflowed at loss scale %g: "
-                "step skipped, loss scale now %g",
+                "step skipped; step %d on uses loss scale %g",
                 self.job_id,
                 k,
                 scale,
+                k + 1 + scaler.staleness,  # the next step to be given one
                 2.0**scaler.exponent,
             )
             return None
