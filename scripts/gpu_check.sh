@@ -35,6 +35,8 @@
 #   long-context benchmarks/long_context_gpu.py: the Qwen3-1.7B shape at 73,728 and 102,400
 #               tokens per row on one GPU worker under --memory-limit 24GiB, against the
 #               planner's figures (issue 36's GPU target: >= 73K, goal 100K)
+#   parity-fp16 scripts/gpu_parity.py --dtype float16: the same with float16 and its
+#               dynamic loss scaling (the scaled seed, fp16 kernels) on the GPU
 # summary.json lists every step with its exit status and seconds. The device tool allows
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,ipc-exit,bandwidth,parity`, then
@@ -81,7 +83,7 @@ done
 # Every step's name, in the order they run; --steps takes only these (a typo would
 # otherwise skip a step silently and spend a GPU call on nothing).
 all_steps="env cuda-tests ipc-exit bandwidth parity overlap throughput vs-paper optimizer moe
-  sync-mode checkpoint grad-buffer qlora-cuda qlora long-context"
+  sync-mode checkpoint grad-buffer qlora-cuda qlora long-context parity-fp16"
 for name in ${only//,/ }; do
   if [[ " $(echo $all_steps) " != *" $name "* ]]; then
     echo "gpu_check.sh: unknown step '$name' in --steps; steps: $(echo $all_steps)" >&2
@@ -237,6 +239,8 @@ else
   step qlora 300 python3 "$repo"/benchmarks/qlora.py --device cuda
   step long-context 540 python3 "$repo"/benchmarks/long_context_gpu.py \
     --workdir "$out/long-context-work"
+  step parity-fp16 600 python3 "$repo"/scripts/gpu_parity.py --dtype float16 --rtol 1e-2 \
+    --json "$out/parity-fp16.json" --workdir "$out/parity-fp16-work"
 fi
 
 write_summary

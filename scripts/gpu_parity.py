@@ -1,6 +1,6 @@
 """A tiny job trained on a device worker must give the losses of a CPU worker.
 
-Runs the same small Qwen3-shaped fp32 job twice through real daemons: once on one CPU
+Runs the same small Qwen3-shaped job (fp32; ``--dtype`` another) twice through real daemons: once on one CPU
 worker (the reference), once on the worker given by ``--device`` (default ``--gpu 0``;
 ``--smoke`` uses a CPU worker behind the emulated bus instead, so the script runs without
 a GPU). Prints both loss curves, writes them as JSON (``--json``), and exits 1 if any
@@ -11,7 +11,7 @@ under ``$GPU_CHECK_OUT`` when gpu_check.sh runs it, else a temp dir), so a faile
 stopped run brings its cause back; every wait is bounded by ``--wait-s``, under the
 step's own limit, and each curve is printed as soon as it is known.
 
-Usage: python scripts/gpu_parity.py [--device "--gpu 0"] [--json out.json] [--smoke]
+Usage: python scripts/gpu_parity.py [--device "--gpu 0"] [--json out.json] [--smoke] [--dtype D]
            [--workdir DIR] [--wait-s 120]
 """
 
@@ -33,7 +33,7 @@ from roundpipe.coordinator.spec.paths import DEMO_DATA_DIR  # the installed pack
 from roundpipe.scratch import work_dir
 
 
-def spec(out: Path, steps: int) -> JobSpec:
+def spec(out: Path, steps: int, dtype: str = "float32") -> JobSpec:
     return JobSpec.from_dict(
         {
             "model": {
@@ -53,14 +53,16 @@ def spec(out: Path, steps: int) -> JobSpec:
             },
             "data": {"path": str(DEMO_DATA_DIR / "demo_corpus.jsonl"), "seq_len": 128, "seed": 1},
             "batch": {"microbatch_size": 2, "num_microbatches": 3},
-            "train": {"steps": steps, "staleness": 0, "dtype": "float32", "seed": 0},
+            "train": {"steps": steps, "staleness": 0, "dtype": dtype, "seed": 0},
             "optimizer": {"lr": 1e-3, "schedule": "constant"},
             "output": {"dir": str(out)},
         }
     )
 
 
-def losses(root: Path, worker: list[str], steps: int, wait_s: float) -> list[float]:
+def losses(
+    root: Path, worker: list[str], steps: int, wait_s: float, dtype: str = "float32"
+) -> list[float]:
     """The job's loss curve on one worker started with ``worker``; raises with the
     daemons' logs when the job fails or a wait runs out."""
     shutil.rmtree(root, ignore_errors=True)  # a rerun's: the job's output dir starts empty
@@ -71,7 +73,7 @@ def losses(root: Path, worker: list[str], steps: int, wait_s: float) -> list[flo
         cluster.add_worker("w0", device=worker)
         try:
             cluster.wait_for_workers(1, timeout_s=wait_s)
-            handle = cluster.client.submit(spec(root / "out", steps))
+            handle = cluster.client.submit(spec(root / "out", steps, dtype))
             curve = [e.loss for e in handle.progress(timeout_s=wait_s)]
             status = handle.wait(timeout_s=wait_s)
         except (TimeoutError, RoundPipeError) as exc:  # a worker that never came, a refusal
@@ -92,6 +94,12 @@ def main() -> int:
     parser.add_argument("--device", default="--gpu 0", help="worker options of the device run")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rtol", type=float, default=1e-3)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype of both runs (float16 trains with its dynamic loss scaling)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU worker on an emulated bus")
     parser.add_argument("--workdir", default=None, help="daemon logs and job outputs")
@@ -113,9 +121,11 @@ def main() -> int:
 
 def compare(args: argparse.Namespace, device: list[str], root: Path) -> int:
     """Both loss curves, the table and the RESULT line; 0 when they agree."""
-    reference = losses(root / "cpu", ["--cpu", "--threads", "1"], args.steps, args.wait_s)
+    reference = losses(
+        root / "cpu", ["--cpu", "--threads", "1"], args.steps, args.wait_s, args.dtype
+    )
     try:
-        measured = losses(root / "device", device, args.steps, args.wait_s)
+        measured = losses(root / "device", device, args.steps, args.wait_s, args.dtype)
     except RuntimeError as exc:
         print(f"{exc}\nRESULT parity=FAIL error={str(exc).splitlines()[0]!r}", flush=True)
         if args.json:

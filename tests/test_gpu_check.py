@@ -184,3 +184,21 @@ def test_a_failed_install_is_packed_with_its_output(tmp_path: Path) -> None:
     assert [(s["step"], s["exit"]) for s in steps] == [("install", 2)]
     with tarfile.open(pack) as archive:
         assert {"install.log", "summary.json"} <= {Path(n).name for n in archive.getnames()}
+
+
+@pytest.mark.slow
+def test_the_float16_parity_run_of_gpu_check_runs(tmp_path: Path) -> None:
+    """gpu_check.sh's parity-fp16 step on the GPU machine, rehearsed with the CPU worker
+    behind the emulated bus: both float16 runs (loss scaling on) agree."""
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "scripts/gpu_parity.py", "--smoke", "--dtype", "float16"]
+        + ["--steps", "3", "--rtol", "1e-2", "--json", str(tmp_path / "p.json")]
+        + ["--workdir", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert json.loads((tmp_path / "p.json").read_text())["ok"] is True
