@@ -41,7 +41,8 @@
 # 10 minutes per command and the step limits add up to more: split a GPU session's checks
 # over several commands with --steps, e.g. `--steps env,cuda-tests,ipc-exit,bandwidth,parity`, then
 # `--steps throughput`, `--steps vs-paper`, `--steps overlap,optimizer,moe`, `--steps sync-mode`,
-# `--steps checkpoint,grad-buffer`, `--steps qlora-cuda,qlora`, `--steps long-context`.
+# `--steps checkpoint,grad-buffer`, `--steps qlora-cuda,qlora`, `--steps long-context`,
+# `--steps parity-fp16`.
 #
 # The GPU machine has no package registry: wheels fetched beforehand into .whl/
 # (../shared/tools/device-wheels.sh: pyzmq, msgspec) are installed into /tmp/site first.
