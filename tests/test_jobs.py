@@ -62,6 +62,11 @@ def test_a_queued_job_says_which_job_it_waits_for(tmp_path: Path) -> None:
     assert book.status(c).message == (
         f"waits for job {a.job_id} (running) and 1 queued before it: one job runs at a time"
     )
+    # Another owner's job is not named to a user (roundpipe jobs does not list it).
+    assert book.status(b, viewer="alice").message.startswith(f"waits for job {a.job_id}")
+    assert book.status(b, viewer="bob").message == (
+        "waits for another owner's job (running): one job runs at a time"
+    )
     book.finish(a, "succeeded", "done")
     assert book.status(b).message == "starts next"
     # A queued job's own message (where a resumed job continues) stays, after it.

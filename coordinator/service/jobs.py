@@ -195,20 +195,27 @@ class JobBook:
         self.active: JobRecord | None = None
         """The job the job thread runs now."""
 
-    def status(self, job: JobRecord) -> JobStatus:
+    def status(self, job: JobRecord, viewer: str | None = None) -> JobStatus:
         """``job.status()``, saying what a queued job waits for: one job runs at a time.
-        Under the lock."""
+        The job ahead is named only to ``viewer`` if it is theirs (None: an admin, who
+        sees every job); another owner's is "another owner's job", as ``roundpipe jobs``
+        does not list it to them either. Under the lock."""
         if job.state != "queued" or job.job_id not in self.queue:
             return job.status()
         ahead = self.queue.index(job.job_id)
-        running = self.active.job_id if self.active is not None else None
+        running = self.active
         if running is None and not ahead:
             return job.status("starts next")
-        first = running or self.queue[0]
+        first = running or self.jobs[self.queue[0]]
+        shown = (
+            f"job {first.job_id}"
+            if viewer is None or first.owner == viewer
+            else "another owner's job"
+        )
         others = ahead - (running is None)
         also = f" and {others} queued before it" if others else ""
         verb = "running" if running else "queued"
-        return job.status(f"waits for job {first} ({verb}){also}: one job runs at a time")
+        return job.status(f"waits for {shown} ({verb}){also}: one job runs at a time")
 
     # -- loading ----------------------------------------------------------------------
 

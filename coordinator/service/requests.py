@@ -125,7 +125,7 @@ class ClientRequests:
             if job is None:
                 return _unknown(msg.job_id)
             with self._lock:
-                return self.book.status(job)
+                return self.book.status(job, None if peer.admin else peer.name)
         if isinstance(msg, GetProgress):
             return self._progress(msg, peer)
         if isinstance(msg, GetJobLog):
@@ -138,7 +138,8 @@ class ClientRequests:
             with self._lock:
                 visible = [j for j in self.book.jobs.values() if peer.admin or j.owner == peer.name]
                 total = len(visible)
-                page, more = _page(self.book.status(j) for j in visible[msg.start :])
+                viewer = None if peer.admin else peer.name
+                page, more = _page(self.book.status(j, viewer) for j in visible[msg.start :])
             next_start = msg.start + len(page) if more else None
             return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
