@@ -106,13 +106,17 @@ def demo_spec(
         raw["optimizer"]["warmup_steps"] = min(raw["optimizer"]["warmup_steps"], steps)
     if num_workers is not None:
         raw["batch"]["num_microbatches"] = max(raw["batch"]["num_microbatches"], num_workers + 1)
-    out = Path(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir).expanduser()
+    try:
+        out = Path(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir).expanduser()
+    except RuntimeError as exc:  # ~user that does not exist
+        raise DemoError(f"--output {output_dir}: {exc}") from None
     raw["output"]["dir"] = str(out.resolve())
     try:
         return JobSpec.from_dict(raw, source=str(spec_path or DEMO_SPEC_PATH))
     except JobSpecError as exc:
-        # A problem with what the command line set is the option's, not the spec file's.
-        options = {"output.dir": "--output"} if output_dir is not None else {}
+        # A problem with what the command line set (or the demo's default output
+        # directory) is the option's, not the spec file's.
+        options = {"output.dir": "--output" if output_dir is not None else "the default --output"}
         if steps is not None:
             options["train.steps"] = "--steps"
         if exc.errors and all(e.path in options for e in exc.errors):

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.auth
 
 __all__ = [
     "ROLES",
@@ -159,35 +158,43 @@ _MAX_KEY_FILE_BYTES = 64 * 1024
 """A certificate is a few hundred bytes; anything far larger is not one."""
 
 
-def _check_key_file(path: Path) -> None:
-    """Refuse what is not a small regular file before it is read: a FIFO blocked the
-    reader forever (a coordinator re-reading ``authorized/`` stalled with it), and
-    /dev/zero filled its memory."""
+def _read_key_file(path: Path) -> str:
+    """The text of a key file, refused unless it is a small regular file, and read from
+    the descriptor that was checked: a FIFO blocked the reader forever (a coordinator
+    re-reading ``authorized/`` stalled with it), and /dev/zero or a /proc file (regular,
+    of size 0) filled its memory."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open blocks
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(st.st_mode):
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KeyFileError(
+                f"{path} is not a regular file (a device, a pipe or a directory): a key "
+                "file is the small text file `roundpipe keys` writes"
+            )
+        data = f.read(_MAX_KEY_FILE_BYTES + 1)
+    if len(data) > _MAX_KEY_FILE_BYTES:
         raise KeyFileError(
-            f"{path} is not a regular file (a device, a pipe or a directory): a key file "
-            "is the small text file `roundpipe keys` writes"
+            f"{path} holds more than {_MAX_KEY_FILE_BYTES} bytes: not a key file (a few "
+            "hundred bytes, written by `roundpipe keys`)"
         )
-    if st.st_size > _MAX_KEY_FILE_BYTES:
-        raise KeyFileError(
-            f"{path} is {st.st_size} bytes, not a key file (a few hundred bytes, written "
-            "by `roundpipe keys`)"
-        )
+    return data.decode("utf-8", errors="replace")
+
+
+_KEY_LINE = re.compile(r'^\s*(public-key|secret-key)\s*=\s*"([^"]*)"\s*$', re.MULTILINE)
+"""A key line of zmq.auth's certificate format, as ``_write_key_file`` writes it."""
 
 
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
+    """The public key and (``secret``: required) the secret key of a key file."""
     try:
-        _check_key_file(path)  # KeyFileError, not caught below: it names the path
-        public, secret_key = zmq.auth.load_certificate(path)
-    except KeyFileError:
-        raise
-    except (OSError, ValueError) as exc:
+        text = _read_key_file(path)  # KeyFileError, not caught below: it names the path
+    except OSError as exc:
         raise KeyFileError(f"cannot read the key file {path}: {exc}") from None
+    return _parse_key_file(path, text, secret=secret)
+
+
+def _parse_key_file(path: Path, text: str, *, secret: bool) -> tuple[bytes, bytes | None]:
+    found = {kind: value.encode() for kind, value in _KEY_LINE.findall(text)}
+    public, secret_key = found.get("public-key"), found.get("secret-key")
     if (
         public is None
         or len(public) != 40
@@ -316,10 +323,11 @@ def authorized_keys(keys_dir: Path) -> list[AuthorizedKey]:
     out = []
     for path in sorted((Path(keys_dir) / AUTHORIZED).glob("*.key")):
         try:
-            public, _ = _load(path, secret=False)
-            role_match = _ROLE_LINE.search(path.read_text(errors="replace"))
+            text = _read_key_file(path)  # once: the file may change between two reads
+            public, _ = _parse_key_file(path, text, secret=False)
         except (KeyFileError, OSError):
             continue
+        role_match = _ROLE_LINE.search(text)
         if role_match is None or role_match.group(1) not in ROLES or not _NAME.fullmatch(path.stem):
             continue
         out.append(AuthorizedKey(path.stem, role_match.group(1), public, path))

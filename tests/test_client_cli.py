@@ -769,6 +769,8 @@ def test_cli_usage_errors(capsys, tmp_path: Path) -> None:
     rc, _, err = _run(capsys, "demo", "--output", str(afile), "--steps", "1")
     assert rc == 2 and f"--output: '{afile}' exists and is not a directory" in err, err
     assert "demo_job.yaml" not in err, err
+    rc, _, err = _run(capsys, "demo", "--output", "~nosuchuser-rp/x", "--steps", "1")
+    assert rc == 2 and "--output ~nosuchuser-rp/x" in err and "Traceback" not in err, err
     rc, out, _ = _run(capsys, "--help")
     assert rc == 0 and "submit" in out
 

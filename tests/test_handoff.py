@@ -55,9 +55,12 @@ def test_tickets_and_landed_marks_sit_after_the_counters(board: HandoffBoard) ->
     assert not c.is_handoff(c.wgrad(0)) and not c.is_handoff(c.version(1))
     marks = {c.landed(i, v) for i in range(c.handoff_counters) for v in (1, 2)}
     assert len(marks) == 2 * c.handoff_counters and min(marks) > c.version(1)
-    # The landed marks, then one wgrad_part counter per layer (split stages) end it.
-    assert max(marks) == c.total - 1 - c.num_layers == c.wgrad_part(0) - 1
-    assert not c.is_handoff(c.wgrad_part(0)) and c.wgrad_part(c.num_layers - 1) == c.total - 1
+    # The landed marks, then one wgrad_part counter per layer (split stages), then the
+    # two loss-scale counters (float16 loss scaling, one per step parity) end it.
+    assert max(marks) == c.total - 3 - c.num_layers == c.wgrad_part(0) - 1
+    assert not c.is_handoff(c.wgrad_part(0)) and c.wgrad_part(c.num_layers - 1) == c.total - 3
+    assert {c.loss_scale(1), c.loss_scale(2)} == {c.total - 2, c.total - 1}
+    assert not c.is_handoff(c.loss_scale(1))
     assert board.table.label(c.landed(c.act(1, 0), 3)) == (
         f"landed act[layer 1][mb 0] (parity 1) (counter {c.landed(c.act(1, 0), 3)})"
     )

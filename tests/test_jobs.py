@@ -67,6 +67,9 @@ def test_a_queued_job_says_which_job_it_waits_for(tmp_path: Path) -> None:
     assert book.status(b, viewer="bob").message == (
         "waits for another owner's job (running): one job runs at a time"
     )
+    # Between a run's final state and its release, it is not said to run.
+    book.set_state(a, "succeeded", "done")
+    assert book.status(b).message == "starts next"
     book.finish(a, "succeeded", "done")
     assert book.status(b).message == "starts next"
     # A queued job's own message (where a resumed job continues) stays, after it.

@@ -71,7 +71,7 @@ def test_bad_names_roles_and_a_second_init_are_refused(tmp_path: Path) -> None:
         add_key(keys, "eve", "root", out_dir=tmp_path)
     with pytest.raises(KeyFileError, match="keys init"):
         add_key(tmp_path / "nowhere", "eve", "client", out_dir=tmp_path)
-    with pytest.raises(KeyFileError, match="No public key found"):
+    with pytest.raises(KeyFileError, match="is not a public key"):
         bad = tmp_path / "bad.key"
         bad.write_text("hello\n")
         add_key(keys, "eve", "client", public_key=bad)
@@ -132,6 +132,9 @@ def test_a_key_path_that_is_no_key_file_is_refused_at_once(tmp_path: Path) -> No
     big.write_bytes(b"#" * (1 << 20))
     with pytest.raises(KeyFileError, match="not a key file"):
         connect_keys(big)
+    # A /proc file is regular and says it is empty, yet reads on and on.
+    with pytest.raises(KeyFileError, match="not a key file"):
+        connect_keys("/proc/self/pagemap")
     keys = tmp_path / "keys"
     init_keys(keys)
     add_key(keys, "bob", "client", out_dir=tmp_path)

@@ -187,6 +187,7 @@ NON_PATH_STRINGS = {
     "data.overlong",
     "data.packing",
     "train.dtype",
+    "train.loss_scale",
     "train.plan",
     "optimizer.name",
     "optimizer.no_decay",

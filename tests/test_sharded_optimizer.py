@@ -118,7 +118,7 @@ class _Gloo:
     """The collectives ZeroShards needs, straight on the default gloo group (no arrival:
     every process of the test takes part in every one)."""
 
-    def all_gather(self, flat, name, count, what) -> None:  # gloo's own, as the reference
+    def all_gather(self, flat, name, count, what, step=None) -> None:  # gloo's own
         mine = flat.chunk(torch.distributed.get_world_size())[torch.distributed.get_rank()]
         torch.distributed.all_gather_into_tensor(flat, mine.clone())
 

@@ -46,7 +46,9 @@ class JobFigures:
     task_retries: int = 0
     """Tasks sent again: after a failure or with a lost worker's tasks."""
     loss_scale: float | None = None
-    """float16 loss scaling: the scale the next step is given (None: no scaling)."""
+    """float16 loss scaling: the newest scale, which the next step to be given one gets
+    (at staleness 1, the step after the next: Note [dynamic loss scaling]); None: no
+    scaling."""
     skipped_steps: int = 0
     """Steps loss scaling skipped in this run (their gradients overflowed)."""
 

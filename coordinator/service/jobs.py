@@ -203,7 +203,9 @@ class JobBook:
         if job.state != "queued" or job.job_id not in self.queue:
             return job.status()
         ahead = self.queue.index(job.job_id)
-        running = self.active
+        # Not the active job once it has ended (``finish`` sets its state first) or a
+        # shutdown put it back in the queue.
+        running = self.active if self.active and self.active.state == "running" else None
         if running is None and not ahead:
             return job.status("starts next")
         first = running or self.jobs[self.queue[0]]

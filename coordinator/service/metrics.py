@@ -165,7 +165,8 @@ class CoordinatorCollector:
             )
             yield from gauge(
                 "roundpipe_job_loss_scale",
-                "float16 loss scaling: the scale the next step seeds its backward with",
+                "float16 loss scaling: the newest scale (the steps assigned one from now on "
+                "seed their backward with it)",
                 figures.loss_scale,
             )
             if figures.loss_scale is not None:

@@ -638,10 +638,12 @@ class JobGroup:
         return True
 
     @contextlib.contextmanager
-    def _collective(self, name: str, count: int, what: str, nbytes: int) -> Iterator[None]:
+    def _collective(
+        self, name: str, count: int, what: str, nbytes: int, step: int | None = None
+    ) -> Iterator[None]:
         """Arrive at collective ``name`` (its ``count``-th time), then run the body: the
         collective itself. Its failure is named (``_collective_failed``); its times go to
-        the timeline."""
+        the timeline, under ``step`` (default: a per-step collective's from ``count``)."""
         began = time.time()
         self.arrive(name, count, what)
         entered = time.time()
@@ -652,7 +654,8 @@ class JobGroup:
         timeline = self.timeline
         if timeline is not None:  # observability
             kind = name.split("/", 1)[0]
-            step = self.first_step + count - 1 if kind in PER_STEP_COLLECTIVES else None
+            if step is None and kind in PER_STEP_COLLECTIVES:
+                step = self.first_step + count - 1
             timeline.collective(name, step, began, entered, time.time(), nbytes)
 
     def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None:
@@ -682,14 +685,18 @@ class JobGroup:
             for t in tensors:
                 dist.broadcast(t, src=0, group=self.pg)
 
-    def all_gather(self, flat: torch.Tensor, name: str, count: int, what: str) -> None:
+    def all_gather(
+        self, flat: torch.Tensor, name: str, count: int, what: str, step: int | None = None
+    ) -> None:
         """Chunk r of ``flat`` (W equal chunks, rank-major) from rank r into every node's
         ``flat``, in place (on ``pg_gather``): one broadcast per rank, not gloo's
         all-gather (Note [sharded collectives over gloo] in
-        roundpipe.coordinator.training.sharded_optimizer)."""
+        roundpipe.coordinator.training.sharded_optimizer). ``step``: the step it belongs
+        to, where that is not the ``count``-th of the run (steps that loss scaling
+        skipped gather nothing)."""
         assert self.pg_gather is not None
         chunks = flat.chunk(self.world_size)
-        with self._collective(name, count, what, _nbytes([flat])):
+        with self._collective(name, count, what, _nbytes([flat]), step):
             works = [
                 dist.broadcast(chunk, src=rank, group=self.pg_gather, async_op=True)
                 for rank, chunk in enumerate(chunks)

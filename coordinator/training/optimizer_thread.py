@@ -289,6 +289,7 @@ class OptimizerThread:
                         bucket_name("weights", bucket),
                         gather_round,
                         f"{bucket_text(bucket)}'s weights of step {k} from every node",
+                        step=k,
                     )
                     for layer in bucket:
                         publish(layer)

@@ -224,7 +224,9 @@ class Collectives(Protocol):
 
     def all_reduce(self, tensors: list[torch.Tensor], name: str, count: int, what: str) -> None: ...
 
-    def all_gather(self, flat: torch.Tensor, name: str, count: int, what: str) -> None: ...
+    def all_gather(
+        self, flat: torch.Tensor, name: str, count: int, what: str, step: int | None = None
+    ) -> None: ...
 
     def gather(
         self,
@@ -415,14 +417,22 @@ class ZeroShards:
         self.unpack(flat, tensors, ranks)
         self.bytes_reduced += flat.numel() * flat.element_size()
 
-    def all_gather(self, tensors: Sequence[torch.Tensor], name: str, count: int, what: str) -> None:
+    def all_gather(
+        self,
+        tensors: Sequence[torch.Tensor],
+        name: str,
+        count: int,
+        what: str,
+        step: int | None = None,
+    ) -> None:
         """Fill the other nodes' pieces of ``tensors`` (the updated weights) from them.
-        The optimizer thread's (Note [gathered before published])."""
+        The optimizer thread's (Note [gathered before published]); ``step`` as
+        ``JobGroup.all_gather``'s."""
         assert self.group is not None and tensors
         w, chunk = self.world_size, self.chunk_numel(tensors)
         flat = self._buffer("ag", w * chunk, tensors[0].dtype)
         self.pack(tensors, flat, [self.rank])
-        self.group.all_gather(flat, name, count, what)
+        self.group.all_gather(flat, name, count, what, step)
         self.unpack(flat, tensors, [r for r in range(w) if r != self.rank])
         self.bytes_gathered += flat.numel() * flat.element_size()
 

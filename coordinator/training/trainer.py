@@ -194,9 +194,9 @@ class Trainer:
         self.sharded_checkpoints: ShardedCheckpoints | None = None
         """Writes checkpoints with sharded optimizer state (Note [sharded checkpoint])."""
         self.prepared = False
+        """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
         self.loss_scaler: LossScaler | None = None
         """float16 loss scaling (set by ``prepare``)."""
-        """True once ``prepare`` has finished (``step`` is then the step it resumes from)."""
         # observability: replaced by a recording one when run() starts
         self.timeline = TimelineRecorder(job_id)
 
