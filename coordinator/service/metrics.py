@@ -169,21 +169,23 @@ class CoordinatorCollector:
                 "seed their backward with it)",
                 figures.loss_scale,
             )
+
+            def count(name: str, doc: str, value: int) -> CounterMetricFamily:
+                counter = CounterMetricFamily(name, doc, labels=["job"])
+                counter.add_metric(job, value)
+                return counter
+
             if figures.loss_scale is not None:
-                skipped = CounterMetricFamily(
+                yield count(
                     "roundpipe_job_skipped_steps",
                     "Steps float16 loss scaling skipped (gradients overflowed), this run",
-                    labels=["job"],
+                    figures.skipped_steps,
                 )
-                skipped.add_metric(job, figures.skipped_steps)
-                yield skipped
-            retries = CounterMetricFamily(
+            yield count(
                 "roundpipe_job_task_retries",
                 "Tasks sent again after a failure or a lost worker",
-                labels=["job"],
+                figures.task_retries,
             )
-            retries.add_metric(job, figures.task_retries)
-            yield retries
             for direction, values in (
                 ("upload", figures.upload_bytes),
                 ("download", figures.download_bytes),
