@@ -13,6 +13,8 @@ Client API (K -> C requests, C -> K replies)
     CancelJob    K -> C   cancel a job;                   reply Ack or ErrorReply
     ResumeJob    K -> C   re-queue a stopped job from its newest checkpoint;
                                                           reply Ack or ErrorReply
+    ForgetJob    K -> C   remove an ended job's record, log and history (its output
+                          stays, and its owner's);        reply Ack or ErrorReply
     ListJobs     K -> C   one page of jobs, from a position;  reply JobList
     JobList      C -> K   a JobStatus per job of the page, where the next page starts
     ListWorkers  K -> C   one page of workers, after an id;   reply WorkerList
@@ -53,6 +55,7 @@ __all__ = [
     "JobStatus",
     "CancelJob",
     "ResumeJob",
+    "ForgetJob",
     "ListJobs",
     "JobList",
     "JobLog",
@@ -151,6 +154,15 @@ class JobStatus(Message):
 @declare_message
 class CancelJob(Message):
     """Cancel a job (queued or running)."""
+
+    #: job id
+    job_id: Name
+
+
+@declare_message
+class ForgetJob(Message):
+    """Forget a job that has ended: its record, log and progress history go; its output
+    stays, and no other owner's job may write there."""
 
     #: job id
     job_id: Name

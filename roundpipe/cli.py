@@ -7,6 +7,7 @@
     roundpipe jobs                       # every job, as a table
     roundpipe workers                    # every worker, as a table
     roundpipe cancel JOB
+    roundpipe forget JOB                 # drop an ended job's record and log (output stays)
     roundpipe resume JOB [--wait]        # continue a paused/failed job from its checkpoint
     roundpipe logs JOB [--follow]        # a job's log, from the coordinator (owner/admin)
     roundpipe timeline JOB -o t.png      # the measured pipeline as a picture
@@ -298,6 +299,15 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_forget(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        output = client.status(args.job).output_dir
+        client.forget(args.job)
+    kept = f"; its output stays in {output}" if output else ""
+    print(f"job {args.job} forgotten{kept}")
+    return EXIT_OK
+
+
 def job_log_path(state_dir: str | os.PathLike[str], job_id: str) -> Path:
     """Where the coordinator writes a job's log: ``<state_dir>/jobs/<job_id>/job.log``."""
     if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id:
@@ -525,6 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("workers", _cmd_workers, "list every worker", conn, as_json)
 
     p = add("cancel", _cmd_cancel, "cancel a queued or running job", conn)
+    p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
+
+    p = add(
+        "forget",
+        _cmd_forget,
+        "remove a job that has ended from the coordinator's jobs (its record, log and "
+        "progress history; its output stays, and stays yours)",
+        conn,
+    )
     p.add_argument("job", metavar="JOB", type=_job_id, help="job id")
 
     p = add(

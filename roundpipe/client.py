@@ -65,6 +65,7 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    ForgetJob,
     GetJobLog,
     GetJobStatus,
     GetProgress,
@@ -610,6 +611,15 @@ class Client:
         if isinstance(reply, ErrorReply):
             raise self._job_error(reply, job_id)
 
+    def forget(self, job_id: str) -> None:
+        """Remove a job that has ended (succeeded, failed, cancelled) from the jobs the
+        coordinator keeps: its record, log and progress history. Its output directory
+        stays, and stays the owner's. Raises :class:`RoundPipeError` (code
+        ``"bad_state"``) for a job that has not ended."""
+        reply = self._request(ForgetJob(job_id=job_id), Ack)
+        if isinstance(reply, ErrorReply):
+            raise self._job_error(reply, job_id)
+
     def resume(self, job_id: str) -> None:
         """Queue a paused, failed or cancelled job again; it continues from its newest
         checkpoint (from the start if it has none). A queued or running job is left as it
@@ -673,6 +683,10 @@ class JobHandle:
     def cancel(self) -> None:
         """Ask the coordinator to cancel the job (see :meth:`Client.cancel`)."""
         self.client.cancel(self.job_id)
+
+    def forget(self) -> None:
+        """Remove the ended job from the coordinator's jobs (:meth:`Client.forget`)."""
+        self.client.forget(self.job_id)
 
     def resume(self) -> None:
         """Queue the stopped job again from its newest checkpoint (:meth:`Client.resume`)."""

@@ -4,7 +4,8 @@ Before, `cancel` tore the job down on the coordinator while the worker finished 
 (minutes for a long-context job). Now the worker's JobTeardown interrupts the running
 task at its next layer, and the next job runs at once. The long task is a fault point
 (`hold@...`, worker.faults) that keeps the first task running until the teardown
-arrives, so no timing decides whether the cancel lands inside the task.
+arrives, so no timing decides whether the cancel lands inside the task. A job that has
+ended can then be forgotten (`roundpipe forget`), and only then.
 """
 
 from __future__ import annotations
@@ -81,3 +82,42 @@ def test_a_job_waiting_for_its_first_worker_says_so(tmp_path: Path) -> None:
         with pytest.raises(RoundPipeError, match="has already ended \\(cancelled\\)") as info:
             job.cancel()
         assert info.value.code == "bad_state"
+
+
+def test_roundpipe_forget_removes_an_ended_job_only(tmp_path: Path) -> None:
+    """`roundpipe forget JOB` as a user runs it: refused while the job runs (it names
+    what to do), then the ended job is gone from the coordinator, its output kept."""
+    import os
+    import subprocess
+    import sys
+
+    from runtime_helpers import coordinator_only
+
+    with coordinator_only(tmp_path / "c", "forget") as cluster:
+
+        def roundpipe(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "roundpipe.cli", *args, "--address", cluster.address],
+                env={**os.environ, **cluster.key_env("admin")},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        job = cluster.client.submit(tiny_spec(tmp_path / "out", steps=2))
+        _wait_for(lambda: job.status().state == "running", 60, "the job to run", cluster)
+        refused = roundpipe("forget", job.job_id)
+        assert refused.returncode == 1, refused.stderr
+        assert "is running: only a job that has ended" in refused.stderr, refused.stderr
+        assert f"roundpipe cancel {job.job_id}" in refused.stderr, refused.stderr
+        job.cancel()
+        assert job.wait(timeout_s=60).state == "cancelled"
+        done = roundpipe("forget", job.job_id)
+        assert done.returncode == 0, done.stderr
+        assert (
+            done.stdout == f"job {job.job_id} forgotten; its output stays in {tmp_path / 'out'}\n"
+        )
+        listed = roundpipe("jobs")
+        assert listed.returncode == 0 and job.job_id not in listed.stdout, listed.stdout
+        gone = roundpipe("status", job.job_id)
+        assert gone.returncode == 1 and "unknown job" in gone.stderr, gone.stderr

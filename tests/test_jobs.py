@@ -433,3 +433,46 @@ def test_a_run_cut_off_by_a_crash_keeps_its_checkpoints_loss(tmp_path: Path) -> 
     book.record_checkpoint(job, 6, 14.0)
     job = book_in(tmp_path / "state").jobs[job.job_id]  # the crash, then a restart
     assert (job.state, job.status().step, job.status().loss) == ("queued", 6, 14.0)
+
+
+def test_a_forgotten_job_is_gone_but_its_output_stays_its_owners(tmp_path: Path) -> None:
+    """`roundpipe forget`: an ended job's record, log and history go (jobs and their
+    directories piled up forever in a long-lived coordinator); its output stays, and
+    another owner still may not write there, after a restart too."""
+    from roundpipe.coordinator.spec.errors import JobSpecError
+    from roundpipe.coordinator.spec.jobspec import JobSpec
+
+    book = book_in(tmp_path / "state")
+    raw = tiny_spec(tmp_path / "x").to_dict()
+    raw["output"]["dir"] = None  # the default: <state>/jobs/<id>/output
+    default = book.submit(JobSpec.from_dict(raw), raw, owner="alice")
+    named = submit(book, tmp_path / "named")
+    with pytest.raises(BadState, match="only a job that has ended"):
+        book.forget(default)  # queued
+    for job in (default, named):
+        assert book.take_next(threading.Event()) is job
+        with pytest.raises(BadState, match="is running"):
+            book.forget(job)
+        job.progress = _history(3, 1.0)
+        Path(job.log_path).write_text("a log\n")
+        book.finish(job, "succeeded", "done")
+        Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+    job_dirs = {job.job_id: book.job_dir(job.job_id) for job in (default, named)}
+    assert (job_dirs[named.job_id] / "progress.f64").exists()
+    for job in (default, named):
+        book.forget(job)
+        assert job.job_id not in book.jobs and book.store.get(job.job_id) is None
+        assert not (job_dirs[job.job_id] / "job.log").exists()
+        assert not (job_dirs[job.job_id] / "progress.f64").exists()
+        assert Path(job.output_dir).is_dir()
+    assert job_dirs[default.job_id].is_dir()  # it holds the default output
+    assert not job_dirs[named.job_id].exists()
+    for again in (book, book_in(tmp_path / "state")):
+        assert not again.jobs
+        for job in (default, named):
+            spec = tiny_spec(Path(job.output_dir) / "sub")
+            with pytest.raises(JobSpecError, match="another owner"):
+                again.submit(spec, spec.to_dict(), owner="bob")
+            mine = again.submit(spec, spec.to_dict(), owner="alice")
+            again.cancel(mine)
+            again.forget(mine)

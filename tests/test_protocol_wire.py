@@ -48,6 +48,7 @@ MESSAGE_TYPE_NAMES = [
     "Ack",
     "CancelJob",
     "ErrorReply",
+    "ForgetJob",
     "GetJobLog",
     "GetJobStatus",
     "GetProgress",
@@ -83,6 +84,9 @@ WIRE_CATALOGUE = {
         "nbytes: int(ge=0)",
     ],
     "CancelJob": [
+        "job_id: str(min_length=1)",
+    ],
+    "ForgetJob": [
         "job_id: str(min_length=1)",
     ],
     "ErrorReply": [

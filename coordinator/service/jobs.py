@@ -194,6 +194,8 @@ class JobBook:
         self.queue: list[str] = []
         self.active: JobRecord | None = None
         """The job the job thread runs now."""
+        self._forgotten: list[OwnedDir] = []
+        """Directories of forgotten jobs, still their owners' (``forget``)."""
 
     def status(self, job: JobRecord, viewer: str | None = None) -> JobStatus:
         """``job.status()``, saying what a queued job waits for: one job runs at a time.
@@ -227,6 +229,7 @@ class JobBook:
         latest change of state is its move to the queue)."""
         assert self.store is not None
         interrupted = self.store.recover()
+        self._forgotten = [OwnedDir(*row) for row in self.store.forgotten_dirs()]
         order: dict[str, tuple[bool, float, int]] = {}
         for seq, stored in enumerate(self.store.all()):
             cut_off = stored.job_id in interrupted or stored.message.startswith(SHUT_DOWN)
@@ -426,10 +429,10 @@ class JobBook:
 
     def owned_dirs(self) -> list[OwnedDir]:
         """The directories each known job owns: its job directory (its log; the default
-        output lies inside) and its output directory."""
+        output lies inside) and its output directory; and those forgotten jobs owned."""
         with self._lock:
             jobs = list(self.jobs.values())
-        out = []
+            out = list(self._forgotten)
         for job in jobs:
             out.append(OwnedDir(os.path.realpath(self.job_dir(job.job_id)), job.owner, job.job_id))
             if job.output_dir:
@@ -498,6 +501,41 @@ class JobBook:
             trainer = job.trainer
         if trainer is not None:
             trainer.cancel()
+
+    def forget(self, job: JobRecord) -> str:
+        """Remove a job that has ended (succeeded, failed, cancelled) from the jobs the
+        coordinator keeps: its record, its log and its progress history. Its output is
+        kept, and stays its owner's (the store's ``forgotten_dirs``): another owner's
+        job may not write into it. Returns what is kept, for the reply. Raises BadState
+        for a job that has not ended, JobStoreError when the store cannot record it
+        (then nothing changed)."""
+        with self._lock:
+            if job.state not in FINAL_JOB_STATES or self.active is job:
+                raise BadState(
+                    f"job {job.job_id} is {job.state}: only a job that has ended "
+                    f"(succeeded, failed, cancelled) can be forgotten; cancel it first "
+                    f"(roundpipe cancel {job.job_id})"
+                )
+        job_dir = self.job_dir(job.job_id)
+        output = os.path.realpath(job.output_dir) if job.output_dir else None
+        # The job directory goes too, unless it holds the output (the default one).
+        keeps_dir = output is not None and Path(output).is_relative_to(os.path.realpath(job_dir))
+        owned = [(os.path.realpath(job_dir), job.owner)] if keeps_dir else []
+        if output is not None:
+            owned.append((output, job.owner))
+        assert self.store is not None
+        self.store.forget(job.job_id, owned)  # first: a failure changes nothing
+        with self._lock:
+            self.jobs.pop(job.job_id, None)
+            self._forgotten.extend(OwnedDir(path, owner, job.job_id) for path, owner in owned)
+        for name in ("job.log", PROGRESS_FILE):
+            with contextlib.suppress(OSError):
+                (job_dir / name).unlink()
+        if not keeps_dir:
+            with contextlib.suppress(OSError):  # not empty: files someone put there stay
+                job_dir.rmdir()
+        log.info("[coordinator] job %s forgotten (%s kept)", job.job_id, output or "nothing")
+        return f"its output {output} is kept" if output else "it had no output"
 
     def needs_spec_check_to_resume(self, job: JobRecord) -> bool:
         """Whether resuming ``job`` must validate its spec first (a stored job whose

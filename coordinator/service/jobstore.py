@@ -18,7 +18,14 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
          checkpoint_step INTEGER (NULL: none yet), created_at REAL, updated_at REAL,
          plan TEXT (NULL: not planned yet; the stage partition in use, Plan string form))
 
-Schema version 1 lacked ``plan``; opening such a store adds the column.
+    forgotten_dirs(path TEXT, owner TEXT, job_id TEXT)  -- PRIMARY KEY (path, job_id)
+
+``forgotten_dirs`` keeps, for each job removed with ``roundpipe forget``, the directories
+it owned (its output, and its job directory where that stays): another owner's job may
+not write there any more than while the job was listed.
+
+Schema version 1 lacked ``plan``, version 3 ``forgotten_dirs``; opening such a store adds
+them.
 
 The database runs in WAL mode with ``synchronous=FULL``: a change is on disk when the
 call returns. One connection, guarded by a lock, serves every thread of the daemon.
@@ -36,7 +43,7 @@ from typing import Any
 
 __all__ = ["SCHEMA_VERSION", "JobStore", "JobStoreError", "StoredJob"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 
 _SCHEMA = """
@@ -55,6 +62,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated_at REAL NOT NULL,
     plan TEXT,
     owner TEXT NOT NULL DEFAULT ''
+)
+"""
+_FORGOTTEN_SCHEMA = """
+CREATE TABLE IF NOT EXISTS forgotten_dirs (
+    path TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    PRIMARY KEY (path, job_id)
 )
 """
 
@@ -162,6 +177,7 @@ class JobStore:
                 f"RoundPipe's {SCHEMA_VERSION}; run the newer roundpipe-coordinator"
             )
         self._db.execute(_SCHEMA)
+        self._db.execute(_FORGOTTEN_SCHEMA)  # v4
         # Migrations: v2 added the plan column, v3 the owner.
         if 1 <= version < 2:
             self._db.execute("ALTER TABLE jobs ADD COLUMN plan TEXT")
@@ -240,6 +256,29 @@ class JobStore:
             self.update(job_id, state="queued", message=interrupted_message(checkpoint_step))
         return [job_id for job_id, _ in interrupted]
 
+    def forget(self, job_id: str, owned: list[tuple[str, str]]) -> None:
+        """Remove a job, keeping the directories it ``owned`` ([(path, owner)]) in
+        ``forgotten_dirs``: one transaction, so that its output never stands unowned."""
+        try:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    gone = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+                    if gone.rowcount != 1:
+                        raise JobStoreError(f"job store {self.path} has no job {job_id!r}")
+                    self._db.executemany(
+                        "INSERT OR REPLACE INTO forgotten_dirs (path, owner, job_id) "
+                        "VALUES (?, ?, ?)",
+                        [(path, owner, job_id) for path, owner in owned],
+                    )
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            raise JobStoreError(f"job store {self.path}: {exc}") from exc
+
     # -- reading --
 
     def get(self, job_id: str) -> StoredJob | None:
@@ -252,6 +291,11 @@ class JobStore:
         """Every job, in submission order."""
         rows, _ = self._execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs ORDER BY seq")
         return [_row(r) for r in rows]
+
+    def forgotten_dirs(self) -> list[tuple[str, str, str]]:
+        """(path, owner, job id) of every directory a forgotten job owned."""
+        rows, _ = self._execute("SELECT path, owner, job_id FROM forgotten_dirs ORDER BY rowid")
+        return [(path, owner, job_id) for path, owner, job_id in rows]
 
 
 def interrupted_message(checkpoint_step: int | None) -> str:

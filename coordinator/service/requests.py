@@ -43,6 +43,7 @@ from roundpipe.protocol import (
     Ack,
     CancelJob,
     ErrorReply,
+    ForgetJob,
     GetJobLog,
     GetJobStatus,
     GetProgress,
@@ -134,6 +135,8 @@ class ClientRequests:
             return self._cancel(msg.job_id, peer)
         if isinstance(msg, ResumeJob):
             return self._resume(msg.job_id, peer)
+        if isinstance(msg, ForgetJob):
+            return self._forget(msg.job_id, peer)
         if isinstance(msg, ListJobs):
             with self._lock:
                 visible = [j for j in self.book.jobs.values() if peer.admin or j.owner == peer.name]
@@ -302,6 +305,19 @@ class ClientRequests:
             return ErrorReply(code="bad_state", message=str(exc))
         except JobStoreError as exc:
             return ErrorReply(code="store_error", message=f"the job was not cancelled: {exc}")
+        return Ack()
+
+    def _forget(self, job_id: str, peer: Peer) -> Message:
+        job = self._job_of(job_id, peer)
+        if job is None:
+            return _unknown(job_id)
+        log.info("[coordinator] %s asks to forget job %s", peer.name, job_id)
+        try:
+            self.book.forget(job)
+        except BadState as exc:
+            return ErrorReply(code="bad_state", message=str(exc))
+        except JobStoreError as exc:
+            return ErrorReply(code="store_error", message=f"the job was not forgotten: {exc}")
         return Ack()
 
     def _resume(self, job_id: str, peer: Peer) -> Message:
