@@ -181,8 +181,9 @@ class ResumeJob(Message):
 class ListJobs(Message):
     """Ask for one page of the jobs' statuses, in submission order."""
 
-    #: position (0 = the oldest job) of the first job wanted: JobList.next_start of the
-    #: previous page
+    #: place in the listing order (0 = the oldest job) of the first job wanted:
+    #: JobList.next_start of the previous page (a forgotten job leaves a gap, so a
+    #: forget between two pages skips no job)
     start: NonNegInt = 0
 
 

@@ -476,3 +476,59 @@ def test_a_forgotten_job_is_gone_but_its_output_stays_its_owners(tmp_path: Path)
             mine = again.submit(spec, spec.to_dict(), owner="alice")
             again.cancel(mine)
             again.forget(mine)
+    # Moved, and linked from where it was: still protected (resolved at each check, as
+    # a listed job's output is).
+    moved = tmp_path / "moved"
+    Path(named.output_dir).rename(moved)
+    Path(named.output_dir).symlink_to(moved)
+    spec = tiny_spec(moved / "bob")
+    with pytest.raises(JobSpecError, match="another owner"):
+        book_in(tmp_path / "state").submit(spec, spec.to_dict(), owner="bob")
+
+
+def test_forgetting_races_nothing_and_shifts_no_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a reviewer: a resume of a job being forgotten queued a job that no longer
+    existed (the job thread died on it); `roundpipe jobs` paged by position, so a forget
+    between two pages skipped a job; a group follower's record (not in this node's store)
+    could not be forgotten."""
+    from roundpipe.coordinator.service import requests as requests_module
+    from roundpipe.coordinator.service.auth import Peer
+    from roundpipe.coordinator.service.requests import ClientRequests
+    from roundpipe.protocol import ListJobs
+
+    book = book_in(tmp_path / "state")
+    jobs = [submit(book, tmp_path / f"out{i}") for i in range(5)]
+    for job in jobs:
+        book.cancel(job)
+    book.forget(jobs[0])
+    with pytest.raises(BadState, match="was forgotten; submit it again"):
+        book.resume(jobs[0])  # the admission thread still held the record
+    assert not book.queue
+    with pytest.raises(BadState, match="forgotten already"):
+        book.forget(jobs[0])
+
+    monkeypatch.setattr(requests_module, "MAX_REPLY_BYTES", 1)  # one job a page
+    requests = ClientRequests(
+        book,
+        None,
+        book._lock,
+        paths=book.paths,
+        arena_dir=tmp_path,  # type: ignore[arg-type]
+    )
+    admin = Peer("root", frozenset({"admin"}))
+    page = requests.handle(ListJobs(start=0), admin)
+    listed = [j.job_id for j in page.jobs]
+    assert listed == [jobs[1].job_id]
+    book.forget(jobs[1])  # between two pages
+    while page.next_start is not None:
+        page = requests.handle(ListJobs(start=page.next_start), admin)
+        listed += [j.job_id for j in page.jobs]
+    assert listed == [j.job_id for j in jobs[1:]]
+
+    follower = jobs[2]
+    follower.stored = False  # as job_runner announces a group's job on a follower
+    book.store.forget(follower.job_id, [])  # rank 0's store holds it, not this one
+    book.forget(follower)
+    assert follower.job_id not in book.jobs

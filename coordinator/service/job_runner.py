@@ -135,7 +135,7 @@ class JobRunner:
                     self._refuse_announcement(announcement, exc)
                     continue
                 with self._lock:
-                    self.book.jobs[job.job_id] = job
+                    self.book.add(job)
                     self.book.active = job
                 try:
                     self._run_job(job, push, announcement)

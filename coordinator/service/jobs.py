@@ -121,6 +121,9 @@ class JobRecord:
     # False for a job another node announced (coordinator.multinode): rank 0's store
     # holds it; this node shows it while it lives and never queues it on a restart.
     stored: bool = True
+    # Its place among the jobs this coordinator lists (``JobBook.add``): ListJobs pages
+    # by it, so that a job forgotten between two pages shifts no other.
+    order: int = 0
 
     def status(self, waits_for: str = "") -> JobStatus:
         """``waits_for``: for a queued job, the jobs it waits for (JobBook.status)."""
@@ -194,8 +197,15 @@ class JobBook:
         self.queue: list[str] = []
         self.active: JobRecord | None = None
         """The job the job thread runs now."""
+        self._next_order = 0
         self._forgotten: list[OwnedDir] = []
         """Directories of forgotten jobs, still their owners' (``forget``)."""
+
+    def add(self, job: JobRecord) -> None:
+        """List ``job`` after every job listed so far. Under the lock."""
+        job.order = self._next_order
+        self._next_order += 1
+        self.jobs[job.job_id] = job
 
     def status(self, job: JobRecord, viewer: str | None = None) -> JobStatus:
         """``job.status()``, saying what a queued job waits for: one job runs at a time.
@@ -244,7 +254,7 @@ class JobBook:
                 self._catch_up_checkpoint(job)
                 # (the stored step may be later, from a shutdown between checkpoints)
                 self._back_to_checkpoint(job)
-            self.jobs[job.job_id] = job
+            self.add(job)
             if job.state == "queued":
                 if job.spec is None:
                     self.set_state(job, "failed", job.message)
@@ -429,10 +439,11 @@ class JobBook:
 
     def owned_dirs(self) -> list[OwnedDir]:
         """The directories each known job owns: its job directory (its log; the default
-        output lies inside) and its output directory; and those forgotten jobs owned."""
+        output lies inside) and its output directory; and those forgotten jobs owned.
+        Resolved now: a directory moved and linked from its old path stays protected."""
         with self._lock:
             jobs = list(self.jobs.values())
-            out = list(self._forgotten)
+            out = [OwnedDir(os.path.realpath(d.path), d.owner, d.job_id) for d in self._forgotten]
         for job in jobs:
             out.append(OwnedDir(os.path.realpath(self.job_dir(job.job_id)), job.owner, job.job_id))
             if job.output_dir:
@@ -472,7 +483,7 @@ class JobBook:
                 job_id, spec_dict, output_dir=str(output), total_steps=steps, owner=owner
             )
             with self._lock:
-                self.jobs[job_id] = record
+                self.add(record)
                 self.queue.append(job_id)
                 self._wakeup.notify_all()
         log.info("[coordinator] job %s of %s queued (%d steps)", job_id, owner, steps)
@@ -502,40 +513,35 @@ class JobBook:
         if trainer is not None:
             trainer.cancel()
 
-    def forget(self, job: JobRecord) -> str:
+    def forget(self, job: JobRecord) -> None:
         """Remove a job that has ended (succeeded, failed, cancelled) from the jobs the
-        coordinator keeps: its record, its log and its progress history. Its output is
-        kept, and stays its owner's (the store's ``forgotten_dirs``): another owner's
-        job may not write into it. Returns what is kept, for the reply. Raises BadState
-        for a job that has not ended, JobStoreError when the store cannot record it
-        (then nothing changed)."""
-        with self._lock:
-            if job.state not in FINAL_JOB_STATES or self.active is job:
-                raise BadState(
-                    f"job {job.job_id} is {job.state}: only a job that has ended "
-                    f"(succeeded, failed, cancelled) can be forgotten; cancel it first "
-                    f"(roundpipe cancel {job.job_id})"
-                )
+        coordinator keeps: its record, its log and its progress history. Its output, and
+        its job directory, stay its owner's (the store's ``forgotten_dirs``, resolved at
+        every check as a listed job's are): another owner's job may not write there.
+        Raises BadState for a job that has not ended, JobStoreError when the store
+        cannot record it (then nothing changed)."""
         job_dir = self.job_dir(job.job_id)
-        output = os.path.realpath(job.output_dir) if job.output_dir else None
-        # The job directory goes too, unless it holds the output (the default one).
-        keeps_dir = output is not None and Path(output).is_relative_to(os.path.realpath(job_dir))
-        owned = [(os.path.realpath(job_dir), job.owner)] if keeps_dir else []
-        if output is not None:
-            owned.append((output, job.owner))
+        owned = [(str(job_dir), job.owner)]
+        if job.output_dir:
+            owned.append((job.output_dir, job.owner))
         assert self.store is not None
-        self.store.forget(job.job_id, owned)  # first: a failure changes nothing
+        # Under the lock from the check to the record's removal: a resume (the admission
+        # thread) may not queue it in between.
         with self._lock:
-            self.jobs.pop(job.job_id, None)
+            if self.jobs.get(job.job_id) is not job:
+                raise BadState(f"job {job.job_id} was forgotten already")
+            if job.state not in FINAL_JOB_STATES or self.active is job:
+                raise BadState(_not_ended(job))
+            # A follower's record is not in this node's store (rank 0's holds the job).
+            self.store.forget(job.job_id, owned, stored=job.stored)  # a failure: no change
+            del self.jobs[job.job_id]
             self._forgotten.extend(OwnedDir(path, owner, job.job_id) for path, owner in owned)
         for name in ("job.log", PROGRESS_FILE):
             with contextlib.suppress(OSError):
                 (job_dir / name).unlink()
-        if not keeps_dir:
-            with contextlib.suppress(OSError):  # not empty: files someone put there stay
-                job_dir.rmdir()
-        log.info("[coordinator] job %s forgotten (%s kept)", job.job_id, output or "nothing")
-        return f"its output {output} is kept" if output else "it had no output"
+        with contextlib.suppress(OSError):  # not empty (the default output): it stays
+            job_dir.rmdir()
+        log.info("[coordinator] job %s forgotten (its output %s stays)", job.job_id, job.output_dir)
 
     def needs_spec_check_to_resume(self, job: JobRecord) -> bool:
         """Whether resuming ``job`` must validate its spec first (a stored job whose
@@ -549,6 +555,8 @@ class JobBook:
         on_disk = self._checkpoint_on_disk(job.job_id, job.output_dir)  # reads the disk:
         # before the lock
         with self._lock:
+            if self.jobs.get(job.job_id) is not job:  # forgotten meanwhile
+                raise BadState(f"job {job.job_id} was forgotten; submit it again")
             if job.state == "running" and job.cancel_requested:
                 # Stopping, not going on: acknowledged, the resume was lost and the job
                 # ended cancelled.
@@ -667,6 +675,18 @@ class JobBook:
         with self._lock:
             if self.active is job:
                 self.active = None
+
+
+def _not_ended(job: JobRecord) -> str:
+    """Why ``job`` cannot be forgotten yet, and what to do."""
+    if job.state in FINAL_JOB_STATES:  # its run is still letting go
+        return f"job {job.job_id} is just ending ({job.state}); forget it in a moment"
+    if job.cancel_requested:
+        return f"job {job.job_id} is being cancelled; forget it once it is cancelled"
+    return (
+        f"job {job.job_id} is {job.state}: only a job that has ended (succeeded, failed, "
+        f"cancelled) can be forgotten; cancel it first (roundpipe cancel {job.job_id})"
+    )
 
 
 SHUT_DOWN = "interrupted by a coordinator shutdown"

@@ -256,15 +256,17 @@ class JobStore:
             self.update(job_id, state="queued", message=interrupted_message(checkpoint_step))
         return [job_id for job_id, _ in interrupted]
 
-    def forget(self, job_id: str, owned: list[tuple[str, str]]) -> None:
+    def forget(self, job_id: str, owned: list[tuple[str, str]], *, stored: bool = True) -> None:
         """Remove a job, keeping the directories it ``owned`` ([(path, owner)]) in
-        ``forgotten_dirs``: one transaction, so that its output never stands unowned."""
+        ``forgotten_dirs``: one transaction, so that its output never stands unowned.
+        ``stored=False``: the job has no row here (a group follower's), only its
+        directories are recorded."""
         try:
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     gone = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
-                    if gone.rowcount != 1:
+                    if stored and gone.rowcount != 1:
                         raise JobStoreError(f"job store {self.path} has no job {job_id!r}")
                     self._db.executemany(
                         "INSERT OR REPLACE INTO forgotten_dirs (path, owner, job_id) "

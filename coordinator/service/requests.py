@@ -10,6 +10,7 @@ other request on the daemon's I/O thread (roundpipe.coordinator.service.daemon).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -142,8 +143,11 @@ class ClientRequests:
                 visible = [j for j in self.book.jobs.values() if peer.admin or j.owner == peer.name]
                 total = len(visible)
                 viewer = None if peer.admin else peer.name
-                page, more = _page(self.book.status(j, viewer) for j in visible[msg.start :])
-            next_start = msg.start + len(page) if more else None
+                # By the jobs' order, not their index: a forget between two pages shifts
+                # no job past the next page's start.
+                first = bisect.bisect_left(visible, msg.start, key=lambda j: j.order)
+                page, more = _page(self.book.status(j, viewer) for j in visible[first:])
+            next_start = visible[first + len(page)].order if more else None
             return JobList(jobs=page, next_start=next_start, total=total)
         if isinstance(msg, ListWorkers):
             with self._lock:
