@@ -194,7 +194,7 @@ def test_the_float16_parity_run_of_gpu_check_runs(tmp_path: Path) -> None:
 
     result = subprocess.run(
         [sys.executable, "scripts/gpu_parity.py", "--smoke", "--dtype", "float16"]
-        + ["--steps", "3", "--rtol", "1e-2", "--json", str(tmp_path / "p.json")]
+        + ["--steps", "2", "--rtol", "1e-2", "--json", str(tmp_path / "p.json")]
         + ["--workdir", str(tmp_path / "work")],
         capture_output=True,
         text=True,

@@ -95,12 +95,12 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
         ),
         "stale": tiny_spec(tmp_path / "x", steps=4, staleness=1, num_microbatches=4),
         "lora": tiny_spec(tmp_path / "x", steps=4, num_microbatches=4, lora=LORA),
-        # float16 loss scaling skips steps 1, 2 and 6 (the group's norm overflows on
-        # every node alike): a skipped step gathers no weights, which hung the sharded
-        # job at its next all-gather.
+        # float16 loss scaling skips steps 1 and 2 (the group's norm overflows on every
+        # node alike): a skipped step gathers no weights, which hung the sharded job at
+        # its next all-gather.
         "fp16": tiny_spec(
             tmp_path / "x",
-            steps=6,
+            steps=4,
             staleness=1,
             num_microbatches=4,
             dtype="float16",
@@ -203,7 +203,7 @@ def test_sharded_state_trains_bitwise_the_replicated_model(tmp_path: Path) -> No
     assert "(rank 1 of 2) needs" in log_text and "(rank 0 of 2) needs" in rank0_text
     assert "state gathered for checkpoints" in rank0_text
     assert "state gathered for checkpoints" not in log_text
-    assert rank0_text.count("gradients overflowed at loss scale") >= 2 * 3  # both fp16 jobs
+    assert rank0_text.count("gradients overflowed at loss scale") >= 2 * 2  # both fp16 jobs
     # ... and on one node (in process): as the replicated job's checkpoint does.
     from runtime_helpers import trained_in_process
 
