@@ -527,6 +527,18 @@ def test_forgetting_races_nothing_and_shifts_no_page(
         listed += [j.job_id for j in page.jobs]
     assert listed == [j.job_id for j in jobs[1:]]
 
+    # A follower's record of a job announced again (a resume at rank 0) is added anew:
+    # it goes to the end of the listing, which stays in order.
+    with book._lock:
+        book.add(jobs[2])
+    listed, start = [], 0
+    while start is not None:
+        page = requests.handle(ListJobs(start=start), admin)
+        listed += [j.job_id for j in page.jobs]
+        assert page.next_start is None or page.next_start > start, listed  # advances
+        start = page.next_start
+    assert listed == [jobs[3].job_id, jobs[4].job_id, jobs[2].job_id]
+
     follower = jobs[2]
     follower.stored = False  # as job_runner announces a group's job on a follower
     book.store.forget(follower.job_id, [])  # rank 0's store holds it, not this one

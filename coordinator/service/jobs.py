@@ -202,9 +202,11 @@ class JobBook:
         """Directories of forgotten jobs, still their owners' (``forget``)."""
 
     def add(self, job: JobRecord) -> None:
-        """List ``job`` after every job listed so far. Under the lock."""
+        """List ``job`` after every job listed so far (a group follower's record of a job
+        announced again goes to the end: ListJobs pages by the order). Under the lock."""
         job.order = self._next_order
         self._next_order += 1
+        self.jobs.pop(job.job_id, None)  # assigning keeps a key's old place in the dict
         self.jobs[job.job_id] = job
 
     def status(self, job: JobRecord, viewer: str | None = None) -> JobStatus:
@@ -443,7 +445,9 @@ class JobBook:
         Resolved now: a directory moved and linked from its old path stays protected."""
         with self._lock:
             jobs = list(self.jobs.values())
-            out = [OwnedDir(os.path.realpath(d.path), d.owner, d.job_id) for d in self._forgotten]
+            forgotten = list(self._forgotten)
+        # Reads the disk: not under the lock, which the I/O thread shares.
+        out = [OwnedDir(os.path.realpath(d.path), d.owner, d.job_id) for d in forgotten]
         for job in jobs:
             out.append(OwnedDir(os.path.realpath(self.job_dir(job.job_id)), job.owner, job.job_id))
             if job.output_dir:
