@@ -14,6 +14,7 @@ import bisect
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -299,29 +300,26 @@ class ClientRequests:
         return JobAccepted(job_id=job.job_id)
 
     def _cancel(self, job_id: str, peer: Peer) -> Message:
-        job = self._job_of(job_id, peer)
-        if job is None:
-            return _unknown(job_id)
-        log.info("[coordinator] %s asks to cancel job %s", peer.name, job_id)
-        try:
-            self.book.cancel(job)
-        except BadState as exc:
-            return ErrorReply(code="bad_state", message=str(exc))
-        except JobStoreError as exc:
-            return ErrorReply(code="store_error", message=f"the job was not cancelled: {exc}")
-        return Ack()
+        return self._change(job_id, peer, "cancel", "cancelled", self.book.cancel)
 
     def _forget(self, job_id: str, peer: Peer) -> Message:
+        return self._change(job_id, peer, "forget", "forgotten", self.book.forget)
+
+    def _change(
+        self, job_id: str, peer: Peer, verb: str, done: str, change: Callable[[JobRecord], None]
+    ) -> Message:
+        """Cancel or forget one of ``peer``'s jobs: Ack, or why not (its state, or a store
+        that could not record it: then nothing changed)."""
         job = self._job_of(job_id, peer)
         if job is None:
             return _unknown(job_id)
-        log.info("[coordinator] %s asks to forget job %s", peer.name, job_id)
+        log.info("[coordinator] %s asks to %s job %s", peer.name, verb, job_id)
         try:
-            self.book.forget(job)
+            change(job)
         except BadState as exc:
             return ErrorReply(code="bad_state", message=str(exc))
         except JobStoreError as exc:
-            return ErrorReply(code="store_error", message=f"the job was not forgotten: {exc}")
+            return ErrorReply(code="store_error", message=f"the job was not {done}: {exc}")
         return Ack()
 
     def _resume(self, job_id: str, peer: Peer) -> Message:
