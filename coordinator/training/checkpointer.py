@@ -355,9 +355,7 @@ class Checkpointer:
 
     def updates_at(self, step: int) -> int:
         """Optimizer updates applied by the end of ``step`` (a step that is decided)."""
-        if self.loss_scaler is not None:
-            return int(self.loss_scaler.checkpoint_state(step)["updates"])
-        return step - self.skipped_before
+        return int(self.loss_scale_state(step)["updates"])
 
     def _history(self, info: CheckpointInfo) -> torch.Tensor | list:
         """The progress history of checkpoint ``info``: its ``PROGRESS_FILE``, or the

@@ -48,7 +48,6 @@ on as the uninterrupted run would have.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,28 +76,19 @@ class LossScaler:
     decides each step (``decide``); the trainer publishes the first steps' scales
     (``publish``) and a checkpoint stores ``checkpoint_state(step)``."""
 
-    def __init__(
-        self,
-        *,
-        initial: int,
-        growth_interval: int,
-        staleness: int,
-        first_step: int = 1,
-    ) -> None:
-        exponent = int(math.log2(initial))
-        if 2**exponent != initial or not LOSS_SCALE_EXP_MIN <= exponent <= LOSS_SCALE_EXP_MAX:
-            raise ValueError(f"the initial loss scale must be a power of two, got {initial}")
+    def __init__(self, *, initial: int, growth_interval: int, staleness: int) -> None:
+        exponent = _exponent(initial)
         self.growth_interval = growth_interval
         self.staleness = staleness
         self.exponent = exponent
         """log2 of the scale the next step to be assigned one gets."""
         self.tracker = 0
         """Steps without an overflow since the scale last changed."""
-        self.updates = first_step - 1
+        self.updates = 0
         """Optimizer updates applied (steps not skipped)."""
         self.skipped = 0
         """Steps skipped by this run."""
-        self._pending = {step: exponent for step in range(first_step, first_step + staleness + 1)}
+        self._pending = self._steps_after(0, {})
         """Step -> log2 of the scale it seeds its backward with, for the steps not yet
         decided whose scale is known."""
         self._snapshots: dict[int, dict[str, Any]] = {}
@@ -184,7 +174,7 @@ class LossScaler:
         was trained in another dtype, or without scaling): from the initial scale, with
         ``updates`` applied."""
         self.updates = updates
-        self._pending = {k: self.exponent for k in range(step + 1, step + 2 + self.staleness)}
+        self._pending = self._steps_after(step, {})
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
         """Continue after step ``step`` from a checkpoint's ``state``. Steps whose scale it
@@ -197,9 +187,12 @@ class LossScaler:
         self.updates = int(state["updates"])
         if not 0 <= self.updates <= step:
             raise ValueError(f"{self.updates} updates applied in {step} steps")
-        self._pending = {
-            k: scales.get(k, self.exponent) for k in range(step + 1, step + 2 + self.staleness)
-        }
+        self._pending = self._steps_after(step, scales)
+
+    def _steps_after(self, step: int, scales: Mapping[int, int]) -> dict[int, int]:
+        """The scales of the steps after ``step`` whose scale is known (1 + staleness of
+        them): from ``scales``, else the current one."""
+        return {k: scales.get(k, self.exponent) for k in range(step + 1, step + 2 + self.staleness)}
 
 
 def _exponent(scale: object) -> int:

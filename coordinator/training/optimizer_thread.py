@@ -228,8 +228,8 @@ class OptimizerThread:
                     f"the gradient norm of step {k} from every node",
                 )
             if scaler is not None:  # Note [dynamic loss scaling]
-                scale = scaler.scale_of(k)
-                coef = self._unscale(k, norm, clip)
+                scale = scaler.scale_of(k)  # before decide() forgets it
+                coef = self._unscale(k, scale, norm, clip)
                 if coef is None:
                     return self._skip(k)
             else:
@@ -305,14 +305,16 @@ class OptimizerThread:
         itself, unless loss scaling skipped steps: Note [dynamic loss scaling])."""
         return self.optimizer.last_step(next(iter(self.masters))) + 1
 
-    def _unscale(self, k: int, norm: torch.Tensor, clip: float | None) -> torch.Tensor | None:
-        """Decide loss-scaled step k on the global ``norm`` of its scaled gradients: None
+    def _unscale(
+        self, k: int, scale: float, norm: torch.Tensor, clip: float | None
+    ) -> torch.Tensor | None:
+        """Decide step k, seeded with ``scale``, on the global ``norm`` of its scaled
+        gradients: None
         when it overflowed (skipped), else the coefficient that unscales (and clips)
         them. The next step's scale is published at once (Note [dynamic loss
         scaling])."""
         scaler = self.loss_scaler
         assert scaler is not None and self.layout.events is not None
-        scale = scaler.scale_of(k)  # before decide() forgets it
         applied = scaler.decide(k, bool(torch.isfinite(norm)))
         scaler.publish(self.layout.events, self.layout.counters)
         if self.checkpoint_due(k):
